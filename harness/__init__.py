@@ -1,0 +1,1 @@
+"""The conformance harness for the sm90 flash-attention kernel."""

@@ -1,0 +1,24 @@
+"""``python -m harness <command>``: gate, prove, golden."""
+
+import sys
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  commands = {
+      "gate": ("harness.gate", "the conformance gate: everything this machine can run"),
+      "prove": ("harness.prove", "Z3 proofs of the stage-ring protocol"),
+      "golden": ("harness.golden", "golden-file regression: check | update"),
+  }
+  if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    print("usage: python -m harness {" + ",".join(commands) + "} [args]")
+    for name, (_, what) in commands.items():
+      print(f"  {name:8s} {what}")
+    return 0 if argv and argv[0] in ("-h", "--help") else 2
+  import importlib
+  module = importlib.import_module(commands[argv[0]][0])
+  return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,140 @@
+"""Run the kernel on one case and hold it to the float64 reference.
+
+Shared by the GPU properties, the golden check and the device scripts, so
+every comparison of kernel output goes through the same code and the same
+tolerance rule (``harness/tolerance.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from harness import reference as ref_lib
+from harness import tolerance
+
+
+@dataclasses.dataclass
+class ForwardCase:
+  """One call of the kernel: arrays (NumPy, in the input dtype) and kwargs."""
+
+  query: np.ndarray
+  key: np.ndarray
+  value: np.ndarray
+  bias: np.ndarray | None = None
+  mask: np.ndarray | None = None
+  scale: float | None = None
+  is_causal: bool = False
+  k_start: np.ndarray | None = None
+  k_end: np.ndarray | None = None
+  logits_soft_cap: float | None = None
+  rescale_threshold: float = 1.0
+  normalize_output: bool = True
+
+  def describe(self) -> str:
+    parts = [f"q{self.query.shape} k{self.key.shape} v{self.value.shape} {self.query.dtype}"]
+    for name in ("bias", "mask", "k_start", "k_end"):
+      x = getattr(self, name)
+      if x is not None:
+        parts.append(f"{name}{np.shape(x)}")
+    parts.append(f"scale={self.scale} causal={self.is_causal} cap={self.logits_soft_cap} "
+                 f"threshold={self.rescale_threshold} normalize={self.normalize_output}")
+    return " ".join(parts)
+
+  def reference_kwargs(self) -> dict:
+    return dict(scale=self.scale, is_causal=self.is_causal, k_start=self.k_start,
+                k_end=self.k_end, logits_soft_cap=self.logits_soft_cap)
+
+
+def compute_dtype(dtype) -> np.dtype:
+  """The kernel computes f32 inputs in bf16 (kernel/api.py)."""
+  import ml_dtypes
+  dtype = np.dtype(dtype)
+  return np.dtype(ml_dtypes.bfloat16) if dtype == np.float32 else dtype
+
+
+def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, heads=2,
+                kv_heads=1, head_dim=64, head_dim_out=None, dtype="bfloat16",
+                **kwargs) -> ForwardCase:
+  import ml_dtypes
+  dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+  hv = head_dim if head_dim_out is None else head_dim_out
+  q = rng.standard_normal((batch, seq_q, heads, head_dim)).astype(dt)
+  k = rng.standard_normal((batch, seq_kv, kv_heads, head_dim)).astype(dt)
+  v = rng.standard_normal((batch, seq_kv, kv_heads, hv)).astype(dt)
+  return ForwardCase(q, k, v, **kwargs)
+
+
+def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, **private):
+  """(out, m, l) as NumPy float64 (m, l None without residuals)."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  args = [jnp.asarray(x) for x in (case.query, case.key, case.value)]
+  result = api.dot_product_attention(
+      *args, None if case.bias is None else jnp.asarray(case.bias),
+      None if case.mask is None else jnp.asarray(case.mask),
+      scale=case.scale, is_causal=case.is_causal,
+      k_start=None if case.k_start is None else jnp.asarray(case.k_start),
+      k_end=None if case.k_end is None else jnp.asarray(case.k_end),
+      logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
+      normalize_output=case.normalize_output, return_residuals=return_residuals,
+      config=config, **private)
+  result = jax.block_until_ready(result)
+  if return_residuals:
+    out, (m, l) = result
+    return (np.asarray(out.astype(jnp.float32), np.float64), np.asarray(m, np.float64),
+            np.asarray(l, np.float64))
+  return np.asarray(result.astype(jnp.float32), np.float64), None, None
+
+
+def poison_device_memory(nbytes: int) -> None:
+  """Fill and free a NaN buffer so the next allocation likely reuses NaN
+  bytes: an output element the kernel forgets to write then shows up as NaN
+  rather than as a stale right answer."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32)
+  jax.block_until_ready(x)
+  x.delete()
+
+
+@dataclasses.dataclass
+class ForwardReport:
+  out: tolerance.ToleranceReport
+  m: tolerance.ToleranceReport | None
+  l: tolerance.ToleranceReport | None
+
+  @property
+  def passed(self) -> bool:
+    return all(r.passed for r in (self.out, self.m, self.l) if r is not None)
+
+  def worst_ratio(self) -> float:
+    return max(r.ratio for r in (self.out, self.m, self.l) if r is not None)
+
+  def summary(self) -> str:
+    return "; ".join(
+        f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g} ratio {r.ratio:.3f}"
+        for r in (self.out, self.m, self.l) if r is not None)
+
+
+def check_forward(case: ForwardCase, out, m=None, l=None) -> ForwardReport:
+  """Compare kernel results with the float64 reference under the rule."""
+  kw = case.reference_kwargs()
+  ref = ref_lib.attention_reference(case.query, case.key, case.value, case.bias,
+                                    case.mask, **kw)
+  dt = compute_dtype(case.query.dtype)
+  n_out, n_m, n_l = ref_lib.naive_attention(case.query, case.key, case.value, case.bias,
+                                            case.mask, dtype=dt, **kw)
+  rtol = tolerance.rtol_for(case.logits_soft_cap)
+  ref_out = ref.out
+  if not case.normalize_output:
+    # Unnormalised output = normalised output * l, per row.
+    scale_rows = lambda o, l_: o * np.transpose(l_, (0, 2, 1))[..., None]
+    ref_out, n_out = scale_rows(ref.out, ref.l), scale_rows(n_out, n_l)
+  r_out = tolerance.check_tolerance(out, ref_out, n_out, dt, rtol=rtol, name="out")
+  r_m = None if m is None else tolerance.check_tolerance(m, ref.m, n_m, dt, rtol=rtol, name="m")
+  r_l = None if l is None else tolerance.check_tolerance(l, ref.l, n_l, dt, rtol=rtol, name="l")
+  return ForwardReport(r_out, r_m, r_l)

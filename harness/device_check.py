@@ -1,0 +1,125 @@
+"""A fixed list of forward cases run on the GPU: the quick self-check.
+
+``python -m harness.device_check [--out FILE.json]``
+
+Each case: poison, run the kernel, compare out/m/l with float64 under the
+tolerance rule, run again and require bitwise-identical output.  Prints one
+row per case and exits non-zero on any failure.  The Hypothesis properties in
+``properties/test_forward_gpu.py`` draw far more cases; this list is the
+named, reproducible core (the FlashAttention suites' ragged shapes included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def fixed_cases():
+  """(name, case-builder kwargs, config) triples."""
+  from kernel.config import Config
+  rng_cases = [
+      ("basic-d64", dict(seq_q=256, seq_kv=256, heads=2, kv_heads=1, head_dim=64), None),
+      ("d128-gqa", dict(batch=2, seq_q=1024, seq_kv=1024, heads=4, kv_heads=2, head_dim=128), None),
+      ("causal-1024", dict(seq_q=1024, seq_kv=1024, heads=2, kv_heads=2, head_dim=128, is_causal=True), None),
+      ("ragged-113x203-d72-dv96", dict(seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96), None),
+      ("ragged-239x1", dict(seq_q=239, seq_kv=1, head_dim=64), None),
+      ("ragged-1023x1024-causal", dict(seq_q=1023, seq_kv=1024, head_dim=128, is_causal=True), None),
+      ("single-1x1-f32", dict(seq_q=1, seq_kv=1, head_dim=64, dtype="float32"), None),
+      ("f16-d256-bkv64", dict(seq_q=512, seq_kv=384, head_dim=256, dtype="float16"), Config(64, 64, 2)),
+      ("bq128-3stages", dict(seq_q=512, seq_kv=1024, heads=2, head_dim=128), Config(128, 64, 3)),
+      ("4stages-bkv64", dict(seq_q=300, seq_kv=700, head_dim=64), Config(64, 64, 4)),
+      ("threshold-0", dict(seq_q=256, seq_kv=1024, head_dim=64, rescale_threshold=0.0), None),
+      ("threshold-tiny", dict(seq_q=256, seq_kv=1024, head_dim=64, rescale_threshold=1e-30), None),
+      ("threshold-0.5-unnormalised", dict(seq_q=256, seq_kv=1024, head_dim=64, rescale_threshold=0.5,
+                                          normalize_output=False), None),
+      ("threshold-below-1", dict(seq_q=256, seq_kv=512, head_dim=128,
+                                 rescale_threshold=float(np.nextafter(1.0, 0.0))), None),
+      ("softcap-scale", dict(seq_q=256, seq_kv=256, head_dim=128, logits_soft_cap=5.0, scale=0.5), None),
+  ]
+  return rng_cases
+
+
+def extra_cases(rng):
+  """Cases with bias, masks and key ranges (arrays drawn here)."""
+  from harness.conformance import random_case
+  out = []
+  b, t, s, n = 2, 256, 384, 2
+  base = dict(batch=b, seq_q=t, seq_kv=s, heads=n, kv_heads=1, head_dim=64)
+  c = random_case(rng, **base)
+  c.bias = rng.standard_normal((b, n, t, s)).astype(c.query.dtype)
+  out.append(("bias-full", c, None))
+  c = random_case(rng, **base)
+  c.bias = rng.standard_normal((1, 1, 1, s)).astype(np.float32)
+  out.append(("bias-row-f32", c, None))
+  c = random_case(rng, **base)
+  c.bias = rng.standard_normal((b, 1, t, 1)).astype(c.query.dtype)
+  out.append(("bias-col", c, None))
+  c = random_case(rng, **base)
+  c.mask = rng.random((b, 1, t, s)) < 0.7
+  c.mask[:, :, 5, :] = False  # a fully masked row
+  out.append(("mask-2d-with-empty-row", c, None))
+  c = random_case(rng, **base)
+  c.mask = rng.random((s,)) < 0.5
+  out.append(("mask-keys-only", c, None))
+  c = random_case(rng, **base)
+  c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
+  c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
+  out.append(("key-ranges-with-empty", c, None))
+  c = random_case(rng, **base, is_causal=True)
+  c.k_end = np.array([200], np.int32)
+  c.bias = rng.standard_normal((b, n, t, s)).astype(c.query.dtype)
+  c.logits_soft_cap = 10.0
+  c.rescale_threshold = 0.25
+  out.append(("causal-kend-bias-softcap-threshold", c, None))
+  return out
+
+
+def run(out_path: str | None = None) -> int:
+  import jax
+  from harness.conformance import check_forward, poison_device_memory, random_case, run_kernel
+  rng = np.random.default_rng(2026)
+  cases = [(n, random_case(rng, **kw), cfg) for n, kw, cfg in fixed_cases()]
+  cases += extra_cases(rng)
+  rows, failures = [], 0
+  print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  for name, case, cfg in cases:
+    start = time.time()
+    try:
+      poison_device_memory(case.query.nbytes * 4)
+      out, m, l = run_kernel(case, config=cfg)
+      rep = check_forward(case, out, m, l)
+      out2, _, _ = run_kernel(case, config=cfg)
+      bitwise = bool(np.array_equal(out, out2, equal_nan=True))
+      nan = bool(np.isnan(out).any())
+      ok = rep.passed and bitwise
+      row = dict(case=name, passed=ok, bitwise=bitwise, any_nan=nan,
+                 worst_ratio=rep.worst_ratio(), detail=rep.summary())
+    except Exception as err:
+      ok = False
+      row = dict(case=name, passed=False, error=f"{type(err).__name__}: {str(err)[:2000]}")
+    row["seconds"] = round(time.time() - start, 2)
+    failures += not ok
+    rows.append(row)
+    print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
+  if out_path:
+    with open(out_path, "w") as fh:
+      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "rows": rows}, fh, indent=1)
+  print(f"{len(rows) - failures} passed, {failures} failed")
+  return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m harness.device_check")
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  return run(a.out)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,135 @@
+"""The conformance gate: every check this machine can run, one summary table.
+
+``python -m harness gate [--results DIR] [--quick]``
+
+Steps, in order:
+
+1. **cpu-properties** — ``pytest -n auto properties/ -m "not gpu"``: the float64
+   reference, the executable model of the kernel's arithmetic, bad input,
+   heuristics, CUDA lowering of every config (no GPU needed).
+2. **proofs** — the Z3 proofs of the stage-ring protocol (``harness.prove``).
+3. **gpu-properties** — ``pytest -n auto properties/ -m gpu`` on an sm90 GPU.
+4. **golden** — the golden-file check on an sm90 GPU (``harness.golden``).
+
+Steps 3 and 4 are reported as SKIPPED, with the reason, on a machine without
+an sm90 GPU.  JUnit XML of each pytest step and ``summary.md`` go to the results
+folder.  The exit status is non-zero when any step fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class StepResult:
+  name: str
+  status: str                  # PASS, FAIL, SKIPPED
+  passed: int = 0
+  failed: int = 0
+  skipped: int = 0
+  seconds: float = 0.0
+  detail: str = ""
+
+
+def gpu_summary() -> tuple[bool, str]:
+  """(has an sm90 GPU, description), asked in a child process so this one
+  never initialises CUDA or takes GPU memory."""
+  code = ("import jax\n"
+          "try:\n  ds = jax.devices('gpu')\nexcept RuntimeError:\n  ds = []\n"
+          "cc = [getattr(d, 'compute_capability', '?') for d in ds]\n"
+          "print(sum(c == '9.0' for c in cc), ' '.join(d.device_kind + ' sm' + c.replace('.', '') for d, c in zip(ds, cc)) or 'no GPU')\n")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  try:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env).stdout.strip().splitlines()
+    count, desc = out[-1].split(" ", 1)
+    return int(count) > 0, desc
+  except Exception as err:  # a broken CUDA install must not hide the CPU steps
+    return False, f"GPU probe failed: {err}"
+
+
+def _junit_counts(path: Path) -> tuple[int, int, int]:
+  root = ET.parse(path).getroot()
+  suites = [root] if root.tag == "testsuite" else list(root)
+  tests = sum(int(s.get("tests", 0)) for s in suites)
+  failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+  skipped = sum(int(s.get("skipped", 0)) for s in suites)
+  return tests - failed - skipped, failed, skipped
+
+
+def run_pytest(name: str, marker: str, results: Path, extra: list[str]) -> StepResult:
+  junit = results / f"{name}.xml"
+  cmd = [sys.executable, "-m", "pytest", "-n", "auto", "properties/", "-m", marker,
+         f"--junitxml={junit}", "-q", *extra]
+  start = time.time()
+  proc = subprocess.run(cmd, cwd=REPO)
+  seconds = time.time() - start
+  if not junit.exists():
+    return StepResult(name, "FAIL", seconds=seconds, detail=f"pytest exited {proc.returncode}, no report")
+  passed, failed, skipped = _junit_counts(junit)
+  ok = proc.returncode == 0 and failed == 0 and passed > 0
+  detail = "" if ok else f"pytest exited {proc.returncode}"
+  if passed == 0 and failed == 0:
+    detail = "no test ran"
+  return StepResult(name, "PASS" if ok else "FAIL", passed, failed, skipped, seconds, detail)
+
+
+def run_module_step(name: str, module: str, args: list[str]) -> StepResult:
+  if importlib.util.find_spec(module) is None:
+    return StepResult(name, "FAIL", detail=f"{module} is missing")
+  start = time.time()
+  proc = subprocess.run([sys.executable, "-m", "harness", module.split(".")[-1], *args], cwd=REPO)
+  ok = proc.returncode == 0
+  return StepResult(name, "PASS" if ok else "FAIL", seconds=time.time() - start,
+                    detail="" if ok else f"exit status {proc.returncode}")
+
+
+def render(steps: list[StepResult], device: str) -> str:
+  lines = [f"# Conformance gate\n\ndevice: {device}\n",
+           "| step | status | passed | failed | skipped | time | detail |",
+           "|---|---|---|---|---|---|---|"]
+  for s in steps:
+    lines.append(f"| {s.name} | {s.status} | {s.passed} | {s.failed} | {s.skipped} "
+                 f"| {s.seconds:.0f}s | {s.detail} |")
+  overall = "FAIL" if any(s.status == "FAIL" for s in steps) else "PASS"
+  lines.append(f"\noverall: **{overall}**")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m harness gate")
+  parser.add_argument("--results", default="results", help="folder for JUnit XML and summary.md")
+  parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
+  args = parser.parse_args(argv)
+  results = (REPO / args.results).resolve()
+  results.mkdir(parents=True, exist_ok=True)
+
+  has_gpu, device = gpu_summary()
+  steps = [run_pytest("cpu-properties", "not gpu", results, args.pytest_args)]
+  steps.append(run_module_step("proofs", "harness.prove", []))
+  if has_gpu:
+    steps.append(run_pytest("gpu-properties", "gpu", results, args.pytest_args))
+    if importlib.util.find_spec("harness.golden") is not None:
+      steps.append(run_module_step("golden", "harness.golden", ["check"]))
+    else:
+      steps.append(StepResult("golden", "SKIPPED", detail="no golden check in this tree yet"))
+  else:
+    why = f"no sm90 GPU here ({device})"
+    steps.append(StepResult("gpu-properties", "SKIPPED", detail=why))
+    steps.append(StepResult("golden", "SKIPPED", detail=why))
+
+  text = render(steps, device)
+  (results / "summary.md").write_text(text)
+  print("\n" + text)
+  return 1 if any(s.status == "FAIL" for s in steps) else 0

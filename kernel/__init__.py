@@ -1,0 +1,1 @@
+"""sm90 flash attention in Pallas Mosaic GPU."""

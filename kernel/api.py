@@ -1,0 +1,189 @@
+"""Public entry point: an extension of ``jax.nn.dot_product_attention``.
+
+Layout (B, T, N, H) like ``jax.nn.dot_product_attention``; switching is one
+line.  Everything the kernel cannot take directly is handled here: f32 inputs
+are cast to bf16 (the output is cast back), head dims are zero-padded to a
+multiple of 64, sequence lengths are padded to whole tiles (padded keys are
+masked in the kernel, padded query rows are sliced off), broadcast bias and
+mask are passed un-materialised.
+
+Contract for a fully masked query row (no key survives mask, causal, key
+range): output 0, m = -inf, l = 0, and no NaN.  NaN in an input propagates to
+the output rows whose logits or values touch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from kernel import plan as plan_lib
+from kernel.config import Config
+from kernel.forward import Features, flash_attention_forward
+from kernel.validation import validate_attention_args
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def lowering_only():
+  """Skip the sm90 device check: for ``jax.export`` lowering on a CPU host."""
+  prev = getattr(_state, "lowering_only", False)
+  _state.lowering_only = True
+  try:
+    yield
+  finally:
+    _state.lowering_only = prev
+
+
+class UnsupportedDeviceError(RuntimeError):
+  pass
+
+
+def sm90_device():
+  """The first sm90 GPU, or None."""
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  for d in gpus:
+    if getattr(d, "compute_capability", None) == "9.0":
+      return d
+  return None
+
+
+def _check_device():
+  if getattr(_state, "lowering_only", False):
+    return
+  if sm90_device() is None:
+    kinds = sorted({f"{d.platform}:{getattr(d, 'device_kind', '?')}" for d in jax.devices()})
+    raise UnsupportedDeviceError(
+        "dot_product_attention runs on an sm90 GPU (H100/H200) only; this "
+        f"process sees {kinds}. Use harness.reference.attention_reference on "
+        "other machines, or kernel.api.lowering_only() to lower for CUDA.")
+
+
+def _pad_axis(x, axis, multiple, mode="constant"):
+  size = x.shape[axis]
+  target = -(-size // multiple) * multiple
+  if target == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, target - size)
+  return jnp.pad(x, widths, mode=mode)
+
+
+def _choose_config(problem: plan_lib.Problem, config: Config | None) -> Config:
+  if config is None:
+    from kernel import heuristics
+    config = heuristics.get_heuristics_config(problem)
+  elif not isinstance(config, Config):
+    raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
+  plan_lib.check_fits(problem, config)
+  return config
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, k_start=None, k_end=None,
+                          logits_soft_cap=None, rescale_threshold=1.0,
+                          normalize_output=True, return_residuals=False,
+                          config=None, _residual_m_base2=False):
+  """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
+
+  m (B, N, T) is the row max of the final logits in natural-log space, l the
+  row sum of exp(logits - m); out is normalised by l unless
+  ``normalize_output`` is False (then it is the sum of exp(logits - m) * v).
+  """
+  shapes = validate_attention_args(
+      query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
+      logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold)
+  if shapes.H > plan_lib.MAX_HEAD_DIM:
+    raise ValueError(f"query: head_dim {shapes.H} is over the limit {plan_lib.MAX_HEAD_DIM}")
+  if shapes.Hv > plan_lib.MAX_HEAD_DIM:
+    raise ValueError(f"value: head_dim {shapes.Hv} is over the limit {plan_lib.MAX_HEAD_DIM}")
+  for name, flag in (("is_causal", is_causal), ("normalize_output", normalize_output),
+                     ("return_residuals", return_residuals)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"{name}: expected a bool, got {flag!r}")
+  _check_device()
+
+  in_dtype = jnp.dtype(query.dtype)
+  dtype = jnp.dtype(jnp.bfloat16) if in_dtype == jnp.float32 else in_dtype
+  problem = plan_lib.Problem(
+      dtype=np.dtype(dtype), head_dim=plan_lib.padded_head_dim(shapes.H),
+      head_dim_out=plan_lib.padded_head_dim(shapes.Hv), seq_q=shapes.T,
+      seq_kv=shapes.S, is_causal=bool(is_causal),
+      return_residuals=bool(return_residuals))
+  config = _choose_config(problem, config)
+  features = Features(
+      scale=float(shapes.H ** -0.5 if scale is None else scale),
+      is_causal=bool(is_causal),
+      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      rescale_threshold=float(rescale_threshold),
+      normalize_output=bool(normalize_output),
+      return_residuals=bool(return_residuals),
+      seq_q=shapes.T, seq_kv=shapes.S,
+      residual_m_base2=bool(_residual_m_base2))
+  out, residuals = _forward(query, key, value, bias, mask, k_start, k_end,
+                            features=features, config=config, dtype=dtype)
+  out = out.astype(in_dtype)
+  return (out, residuals) if return_residuals else out
+
+
+@functools.partial(jax.jit, static_argnames=("features", "config", "dtype"))
+def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config, dtype):
+  f = features
+  block_q, block_kv = config.block_q, config.block_kv
+  tile = 2 * block_q
+  t, s, hv = query.shape[1], key.shape[1], value.shape[3]
+  q = _pad_axis(_pad_axis(query.astype(dtype), 3, 64), 1, tile)
+  k = _pad_axis(_pad_axis(key.astype(dtype), 3, 64), 1, block_kv)
+  v = _pad_axis(_pad_axis(value.astype(dtype), 3, 64), 1, block_kv)
+  t_pad = q.shape[1]
+  num_tiles = t_pad // tile
+
+  def full_or_one(x, axis, multiple):
+    # Broadcast dims stay size 1 (read at index 0 in the kernel); full dims
+    # are padded to whole tiles.
+    return x if x.shape[axis] == 1 else _pad_axis(x, axis, multiple)
+
+  if bias is not None:
+    bias = lax.broadcast_to_rank(jnp.asarray(bias).astype(dtype), 4)
+    bias = full_or_one(full_or_one(bias, 2, tile), 3, block_kv)
+  if mask is not None:
+    mask = lax.broadcast_to_rank(jnp.asarray(mask), 4).astype(jnp.int8)
+    mask = full_or_one(full_or_one(mask, 2, tile), 3, block_kv)
+
+  tiles = None
+  if k_start is not None or k_end is not None:
+    rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
+    ks = rows(0 if k_start is None else k_start)
+    ke = rows(s if k_end is None else k_end)
+    # Padded query rows copy the last real row's range, so they neither widen
+    # nor narrow the tile's key block range.
+    ks = ks if ks.shape[2] == 1 else _pad_axis(ks, 2, tile, mode="edge")
+    ke = ke if ke.shape[2] == 1 else _pad_axis(ke, 2, tile, mode="edge")
+
+    def per_tile(x, reduce):
+      if x.shape[2] == 1:
+        return jnp.broadcast_to(x, (*x.shape[:2], num_tiles))
+      return reduce(x.reshape(*x.shape[:2], num_tiles, tile), axis=-1)
+
+    tiles = (per_tile(ks, jnp.min), per_tile(ks, jnp.max),
+             per_tile(ke, jnp.min), per_tile(ke, jnp.max))
+    k_start = ks if k_start is not None else None
+    k_end = ke if k_end is not None else None
+
+  out, residuals = flash_attention_forward(
+      q, k, v, bias, mask, k_start, k_end, tiles, features=f, config=config)
+  out = out[:, :t, :, :hv]
+  if residuals is not None:
+    m, l = residuals
+    residuals = (m[:, :, :t], l[:, :, :t])
+  return out, residuals

@@ -1,0 +1,410 @@
+"""The sm90 forward kernel: warp-specialised flash attention in Pallas Mosaic GPU.
+
+One thread block = three warpgroups along the axis ``wg``.  Warpgroups 0 and 1
+compute (232 registers each) on one ``2 * block_q`` query super-tile, taking
+turns on the tensor cores through the pingpong schedule barriers of
+``kernel/barriers.py``; warpgroup 2 (40 registers) only issues TMA copies of
+keys and values into the ``num_stages``-deep ring described by
+``kernel/plan.py``.  Automatic barriers are off: every handshake below is
+placed by hand and is the protocol that ``harness/protocol_model.py`` proves.
+
+Arithmetic (the executable model is ``harness/online_softmax_model.py``):
+logits are scaled with log2(e) folded into the scale once, exp2 everywhere,
+running max ``m_i`` in base 2, rescale guarded by ``rescale_threshold`` with the
+pending scale ``m_scale``; masked logits are -inf and a "safe base" keeps fully
+masked rows at out = 0, m = -inf, l = 0 (the reference's contract); the stored
+``m`` residual is converted to natural log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+
+from kernel import barriers
+from kernel import plan as plan_lib
+from kernel.config import Config
+from kernel.pipeline import PipelineState
+
+LOG2E = math.log2(math.e)
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+  """Static, hashable description of everything the kernel specialises on."""
+
+  scale: float
+  is_causal: bool
+  logits_soft_cap: float | None
+  rescale_threshold: float
+  normalize_output: bool
+  return_residuals: bool
+  seq_q: int          # unpadded
+  seq_kv: int         # unpadded
+  # Private: leave the m residual in base 2 (the bug that survives forward-only
+  # testing).  Only tests set it.
+  residual_m_base2: bool = False
+
+
+def _smem(buf: plan_lib.Buffer):
+  if not buf.swizzled:
+    return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype))
+  bits = np.dtype(buf.dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(buf.shape[-1] * bits, buf.name)
+  transforms = (plgpu.TilingTransform((8, 8 * swizzle // bits)),
+                plgpu.SwizzleTransform(swizzle))
+  return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)
+
+
+def _load_broadcast(ref, idx, shape, layout):
+  """Load ``ref[idx]`` where size-1 dims of ``ref`` broadcast to ``shape``.
+
+  ``idx`` has one entry per dim of ``ref``: an int/scalar or a ``pl.ds``.  The
+  sliced dims of the result are the ``pl.ds`` entries, in order; they map onto
+  ``shape``.  Size-1 dims of ``ref`` are read at 0 and broadcast.
+  """
+  new_idx, kept = [], []
+  sliced = 0
+  for d, ix in zip(ref.shape, idx):
+    if isinstance(ix, pl.Slice):
+      if d == 1:
+        new_idx.append(0)
+      else:
+        new_idx.append(ix)
+        kept.append(sliced)
+      sliced += 1
+    else:
+      new_idx.append(0 if d == 1 else ix)
+  new_idx = tuple(new_idx)
+  if len(kept) == len(shape):
+    value = plgpu.load(ref.at[new_idx], layout=layout, optimized=False)
+  elif kept:
+    (dim,) = kept
+    value = plgpu.load(ref.at[new_idx], layout=layout.reduce(1 - dim) if len(shape) == 2 else layout,
+                       optimized=False)
+    value = lax.broadcast_in_dim(value, shape, (dim,))
+  else:
+    value = ref[new_idx]
+    value = lax.broadcast_in_dim(value, shape, ())
+  return plgpu.layout_cast(value, layout)
+
+
+def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
+                   k_start_min=None, k_end_max=None):
+  """Key blocks [lb, ub) that query super-tile ``qi`` must visit.
+
+  Shared by the memory and both compute warpgroups (they must agree), and by
+  the Z3 coverage grid.  Works on Python ints and traced int32 scalars.
+  """
+  num_blocks = -(-seq_kv // block_kv)
+  lb, ub = 0, num_blocks
+  _max = max if isinstance(qi, int) else lax.max
+  _min = min if isinstance(qi, int) else lax.min
+  cdiv = (lambda a, b: -(-a // b)) if isinstance(qi, int) else (
+      lambda a, b: lax.div(a + (b - 1), jnp.int32(b)))
+  if is_causal:
+    last_row = _min((qi + 1) * (2 * block_q), seq_q)  # exclusive
+    ub = _min(ub, cdiv(last_row, block_kv))
+  if k_start_min is not None:
+    lb = _max(lb, lax.div(lax.max(k_start_min, 0), jnp.int32(block_kv))
+              if not isinstance(k_start_min, int) else max(k_start_min, 0) // block_kv)
+  if k_end_max is not None:
+    ub = _min(ub, cdiv(_max(k_end_max, 0), block_kv))
+  ub = _max(ub, lb)  # an empty range, never a negative one
+  return lb, ub
+
+
+def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
+                            *, features: Features, config: Config):
+  """Launch the kernel on padded, validated inputs.
+
+  q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv): D, Dv multiples of 64,
+  Tp a multiple of 2 * block_q, Sp a multiple of block_kv.  bias (rank 4,
+  dims 1 or full), mask int8 likewise, k_start/k_end int32 (rank 3,
+  (B|1, N|1, Tp|1)), k_range_tiles: None or (start_min, start_max, end_min,
+  end_max) each (B|1, N|1, num_tiles) int32.
+  Returns out (B, Tp, N, Dv) and, with return_residuals, m and l (B, N, Tp) f32.
+  """
+  f = features
+  batch, t_pad, num_heads, head_dim = q.shape
+  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  dtype = q.dtype
+  block_q, block_kv = config.block_q, config.block_kv
+  group = num_heads // num_kv_heads
+  num_tiles = t_pad // (2 * block_q)
+  problem = plan_lib.Problem(
+      dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
+      seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
+      return_residuals=f.return_residuals)
+  plan_lib.check_fits(problem, config)
+  pipe = plan_lib.pipeline_plan(problem, config)
+  layout = plan_lib.scratch_layout(problem, config)
+  stages = pipe.num_stages
+  bq_kv = (block_q, block_kv)
+  threshold = float(f.rescale_threshold)
+  always_rescale = threshold == 1.0
+  # Masking of any kind means the scale is applied before the -inf select.
+  may_mask = (f.is_causal or mask is not None or k_start is not None
+              or k_end is not None or f.seq_kv % block_kv != 0)
+
+  def tile_range(qi, b, h, tiles_ref):
+    if tiles_ref is None:
+      return kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal) + (None, None)
+    start_min, start_max, end_min, end_max = (
+        r[0 if r.shape[0] == 1 else b, 0 if r.shape[1] == 1 else h, qi]
+        for r in tiles_ref)
+    lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal,
+                            k_start_min=start_min, k_end_max=end_max)
+    return lb, ub, start_max, end_min
+
+  def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
+           out_ref, m_ref, l_ref, scoped):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    qi = lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+    smem, mbars = scoped
+    ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems = smem
+    q_produced, k_produced, v_produced, k_consumed, v_consumed = mbars
+    lb, ub, k_start_max, k_end_min = tile_range(qi, b, h, tiles_ref)
+
+    @pl.when(wg < barriers.COMPUTE_WARPGROUPS)
+    def compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      q_base = (2 * qi + wg) * block_q
+      rows = pl.ds(q_base, block_q)
+      q_smem = q_smems.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_produced.at[wg])
+
+      def iota(dim):
+        return plgpu.broadcasted_iota(jnp.int32, bq_kv, dim, layout=_WGMMA)
+
+      def row_values(ref):
+        return _load_broadcast(ref, (b, h, rows), (block_q,), _ROW)
+
+      k_start = None if ks_ref is None else row_values(ks_ref)
+      k_end = None if ke_ref is None else row_values(ke_ref)
+      m_i = plgpu.layout_cast(jnp.full((block_q,), _NEG_INF, jnp.float32), _ROW)
+      m_scale = m_i
+      l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
+      acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim_out), jnp.float32), _WGMMA)
+
+      plgpu.barrier_wait(q_produced.at[wg])
+
+      @pl.when(ub > lb)
+      def _():
+        plgpu.barrier_wait(k_produced.at[PipelineState.at(stages, lb - lb).index])
+
+      pl.when(wg == 1)(lambda: barriers.schedule_sync(wg))
+
+      def logits(s, ki, *, causal):
+        """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
+        with the true logits being s * sc (sc > 0, deferred so exp2 fuses)."""
+        k_base = ki * block_kv
+        sc = f.scale
+        if bias_ref is not None:
+          bias = _load_broadcast(bias_ref, (b, h, rows, pl.ds(k_base, block_kv)),
+                                 bq_kv, _WGMMA)
+          s, sc = s * sc + bias.astype(jnp.float32), 1.0
+        if f.logits_soft_cap is not None:
+          s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
+        sc *= LOG2E
+        if not may_mask:
+          return s, sc
+        s = s * sc
+        key = k_base + iota(1)
+        if causal:
+          s = jnp.where(q_base + iota(0) >= key, s, _NEG_INF)
+        if f.seq_kv % block_kv:
+          s = lax.cond(k_base + block_kv > f.seq_kv,
+                       lambda: jnp.where(key < f.seq_kv, s, _NEG_INF), lambda: s)
+        if k_start is not None:
+          s = lax.cond(
+              k_base < k_start_max,
+              lambda: jnp.where(key >= lax.broadcast_in_dim(k_start, bq_kv, [0]), s, _NEG_INF),
+              lambda: s)
+        if k_end is not None:
+          s = lax.cond(
+              k_base + block_kv > k_end_min,
+              lambda: jnp.where(key < lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF),
+              lambda: s)
+        if mask_ref is not None:
+          keep = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, block_kv)),
+                                 bq_kv, _WGMMA)
+          s = jnp.where(keep != 0, s, _NEG_INF)
+        return s, 1.0
+
+      def safe(x):
+        # exp2(x - base) with base = -inf would be NaN; rows that have seen no
+        # unmasked key use base 0, where every p is exp2(-inf) = 0.
+        return jnp.where(x == _NEG_INF, 0.0, x)
+
+      def loop_body(ki, carry, *, causal):
+        acc, m_i, m_scale, l_i = carry
+        slot = PipelineState.at(stages, ki - lb).index
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smems.at[slot].T)
+          barriers.schedule_release_other(wg)
+          return acc_ref[...]
+
+        s = pl.run_scoped(compute_qk, plgpu.ACC(bq_kv, jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        s, sc = logits(s, ki, causal=causal)
+
+        m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
+        if always_rescale:
+          base = safe(m_ij)
+          alpha = jnp.exp2(m_i - base)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha
+          m_scale = m_ij
+        else:
+          alpha = jnp.exp2(m_scale - safe(m_ij))
+          rescale = (alpha < threshold) | (m_scale == _NEG_INF)
+          factor = jnp.where(rescale, alpha, 1.0)
+          acc = acc * lax.broadcast_in_dim(factor, acc.shape, [0])
+          l_i = l_i * factor
+          m_scale = jnp.where(rescale, m_ij, m_scale)
+          base = safe(m_scale)
+        m_i = m_ij
+        p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
+        l_i = l_i + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l_i, m_i, m_scale, p16 = lax.optimization_barrier((acc, l_i, m_i, m_scale, p16))
+
+        plgpu.barrier_wait(v_produced.at[slot])
+        barriers.schedule_sync(wg)
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
+
+          @pl.when(ki + 1 < ub)
+          def _():
+            plgpu.barrier_wait(k_produced.at[PipelineState.at(stages, ki + 1 - lb).index])
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_i, m_scale, l_i
+
+      carry = (acc, m_i, m_scale, l_i)
+      if f.is_causal:
+        # Blocks entirely below the diagonal for this warpgroup need no mask.
+        ub_plain = lax.max(lb, lax.min(ub, lax.div(q_base + 1, jnp.int32(block_kv))))
+        carry = lax.fori_loop(lb, ub_plain, functools.partial(loop_body, causal=False), carry)
+        carry = lax.fori_loop(ub_plain, ub, functools.partial(loop_body, causal=True), carry)
+      else:
+        carry = lax.fori_loop(lb, ub, functools.partial(loop_body, causal=False), carry)
+      acc, m_i, m_scale, l_i = carry
+      pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
+
+      # Epilogue.  acc and l_i are relative to m_scale; alpha brings them to m_i.
+      if always_rescale:
+        l_res = l_i
+      else:
+        l_res = l_i * jnp.exp2(m_scale - safe(m_i))
+      if f.normalize_output:
+        # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
+        # fully masked rows (acc is 0 there).
+        inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
+        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+      elif always_rescale:
+        out = acc
+      else:
+        out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
+
+      if layout.overlay_qk_with_output:
+        barriers.epilogue_sync()  # both warpgroups are done with q and k
+      o_smem = o_smems.at[wg]
+      o_smem[...] = out.astype(dtype)
+      if f.return_residuals:
+        m_res = m_i if f.residual_m_base2 else m_i * (1.0 / LOG2E)
+        m_smems.at[wg][...] = m_res
+        l_smems.at[wg][...] = l_res
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
+      if f.return_residuals:
+        plgpu.copy_smem_to_gmem(m_smems.at[wg], m_ref.at[b, h, rows])
+        plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, rows])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == barriers.COMPUTE_WARPGROUPS)
+    def memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      hk = lax.div(h, jnp.int32(group))
+
+      def fill(ki, *, wait):
+        st = PipelineState.at(stages, ki - lb)
+        keys = pl.ds(ki * block_kv, block_kv)
+        if wait:
+          plgpu.barrier_wait(k_consumed.at[st.index])
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
+                                k_produced.at[st.index])
+        if wait:
+          plgpu.barrier_wait(v_consumed.at[st.index])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smems.at[st.index],
+                                v_produced.at[st.index])
+
+      # The first num_stages fills find fresh slots (the producer starts at
+      # phase 1); every later fill waits for both warpgroups to release.
+      pl.loop(lb, lax.min(lb + stages, ub))(functools.partial(fill, wait=False))
+      pl.loop(lb + stages, ub)(functools.partial(fill, wait=True))
+
+  def entry(*refs):
+    m_buf = layout.m if f.return_residuals else None
+    out_group = (_smem(layout.o),
+                 _smem(m_buf) if m_buf is not None else None,
+                 _smem(layout.l) if m_buf is not None else None)
+    qk_group = (_smem(layout.q), _smem(layout.k))
+    if layout.overlay_qk_with_output:
+      overlay = plgpu.RefUnion(qk_group, out_group)
+    else:
+      overlay = (qk_group, out_group)
+    mb = {b_.name: plgpu.Barrier(num_arrivals=b_.num_arrivals, num_barriers=b_.num_barriers)
+          for b_ in pipe.mbarriers}
+    pl.run_scoped(
+        lambda *scoped: body(*refs, scoped=scoped),
+        (overlay, _smem(layout.v)),
+        (mb["q_produced"], mb["k_produced"], mb["v_produced"],
+         mb["k_consumed"], mb["v_consumed"]),
+        collective_axes="wg",
+    )
+
+  def kernel_body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
+                  out_ref, *residual_refs):
+    m_ref, l_ref = residual_refs if residual_refs else (None, None)
+    entry(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
+          out_ref, m_ref, l_ref)
+
+  out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim_out), dtype)]
+  if f.return_residuals:
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, t_pad), jnp.float32)] * 2
+  results = plgpu.kernel(
+      kernel_body,
+      out_type=out_type,
+      grid=(num_heads, num_tiles, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=barriers.NUM_WARPGROUPS,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, unsafe_no_auto_barriers=True),
+  )(q, k, v, bias, mask, k_start, k_end, k_range_tiles)
+  if f.return_residuals:
+    out, m, l = results
+    return out, (m, l)
+  (out,) = results if isinstance(results, (list, tuple)) else (results,)
+  return out, None

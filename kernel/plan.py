@@ -1,0 +1,213 @@
+"""What the forward kernel allocates and how its stage ring is wired, as data.
+
+One source of truth for three consumers:
+
+* ``kernel/forward.py`` allocates exactly :attr:`ScratchLayout.smem` and
+  :attr:`PipelinePlan.mbarriers` (``ScratchLayout.allocate``), so
+* the shared-memory estimate (:func:`estimate_smem_bytes`) that the config
+  validation, the heuristics and the autotuner consult is computed from the
+  very description the kernel allocates, and
+* the Z3 model of the ring (``harness/protocol_model.py``) reads the number of
+  stages, the staged buffers and the barrier arrival counts from
+  :class:`PipelinePlan` instead of retyping them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from kernel import barriers
+from kernel.config import Config, SMEM_LIMIT_BYTES
+
+MBARRIER_BYTES = 8
+SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns the scratch region to this
+# Mosaic GPU reserves this much scratch for cross-warp reductions (row max/sum).
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
+HEAD_DIM_MULTIPLE = 64  # wgmma contraction in whole 128-byte swizzle rows
+MAX_HEAD_DIM = 256
+
+
+def padded_head_dim(d: int) -> int:
+  return -(-d // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """The static facts about one call that decide the kernel's layout."""
+
+  dtype: np.dtype          # bf16 or f16 (f32 inputs are cast before)
+  head_dim: int            # padded to HEAD_DIM_MULTIPLE
+  head_dim_out: int        # padded likewise
+  seq_q: int
+  seq_kv: int
+  is_causal: bool = False
+  bias_2d: bool = False    # bias varies along both T and S (staged through the ring)
+  mask_2d: bool = False    # mask varies along both T and S
+  return_residuals: bool = False
+
+  @property
+  def itemsize(self) -> int:
+    return np.dtype(self.dtype).itemsize
+
+  def num_kv_blocks(self, block_kv: int) -> int:
+    return -(-self.seq_kv // block_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  name: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  swizzled: bool = True    # tiled + swizzled for wgmma/TMA
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class MBarrier:
+  """``num_barriers`` mbarriers of ``num_arrivals`` arrivals each."""
+
+  name: str
+  num_barriers: int
+  num_arrivals: int
+  why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+  """The key/value stage ring.
+
+  The memory warpgroup fills slot ``PipelineState.at(S, g).index`` with key
+  block g's ``key_phase`` buffers (keys, plus bias/mask when staged), each
+  completing on its own "produced" mbarrier, then with its values.  Each
+  compute warpgroup waits on the produced barriers, reads, and arrives on
+  ``k_consumed`` (after QK, covering every key-phase buffer) and ``v_consumed``
+  (after PV); those have one arrival per compute warpgroup.  For g < S the
+  producer does not wait (its start is phase 1, like CUTLASS's producer).
+  """
+
+  num_stages: int
+  key_phase: tuple[str, ...]   # ("k",) + ("bias",)? + ("mask",)?
+  value_phase: tuple[str, ...]  # ("v",)
+  compute_warpgroups: int
+  persistent: bool
+  mbarriers: tuple[MBarrier, ...]
+  named_barriers: tuple[barriers.NamedBarrier, ...]
+
+  @property
+  def staged(self) -> tuple[str, ...]:
+    return self.key_phase + self.value_phase
+
+  def mbarrier(self, name: str) -> MBarrier:
+    for b in self.mbarriers:
+      if b.name == name:
+        return b
+    raise KeyError(name)
+
+
+def pipeline_plan(problem: Problem, config: Config) -> PipelinePlan:
+  stages = effective_stages(problem, config)
+  key_phase = ("k",) + (("bias",) if problem.bias_2d else ()) + (
+      ("mask",) if problem.mask_2d else ())
+  cw = barriers.COMPUTE_WARPGROUPS
+  mb = [MBarrier("q_produced", cw, 1, "each compute warpgroup's query tile landed")]
+  for name in key_phase + ("v",):
+    mb.append(MBarrier(f"{name}_produced", stages, 1, f"TMA of {name} into a slot landed"))
+  mb.append(MBarrier("k_consumed", stages, cw, "both warpgroups finished QK on a slot"))
+  mb.append(MBarrier("v_consumed", stages, cw, "both warpgroups finished PV on a slot"))
+  return PipelinePlan(
+      num_stages=stages, key_phase=key_phase, value_phase=("v",),
+      compute_warpgroups=cw, persistent=config.persistent,
+      mbarriers=tuple(mb), named_barriers=barriers.NAMED_BARRIERS)
+
+
+def effective_stages(problem: Problem, config: Config) -> int:
+  """More stages than key blocks would only hold empty slots."""
+  return max(1, min(config.num_stages, problem.num_kv_blocks(config.block_kv)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchLayout:
+  """Shared-memory buffers of one block.  ``overlay`` groups share bytes."""
+
+  q: Buffer
+  k: Buffer
+  v: Buffer
+  o: Buffer
+  m: Buffer | None
+  l: Buffer | None
+  bias: Buffer | None
+  mask: Buffer | None
+  overlay_qk_with_output: bool  # the non-persistent RefUnion
+
+  def buffers(self) -> tuple[Buffer, ...]:
+    return tuple(b for b in (self.q, self.k, self.v, self.o, self.m, self.l,
+                             self.bias, self.mask) if b is not None)
+
+
+def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
+  cw = barriers.COMPUTE_WARPGROUPS
+  s = effective_stages(problem, config)
+  bq, bkv = config.block_q, config.block_kv
+  dt = np.dtype(problem.dtype)
+  res = problem.return_residuals
+  return ScratchLayout(
+      q=Buffer("q", (cw, bq, problem.head_dim), dt),
+      k=Buffer("k", (s, bkv, problem.head_dim), dt),
+      v=Buffer("v", (s, bkv, problem.head_dim_out), dt),
+      o=Buffer("o", (cw, bq, problem.head_dim_out), dt),
+      m=Buffer("m", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
+      l=Buffer("l", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
+      bias=Buffer("bias", (s, cw * bq, bkv), dt) if problem.bias_2d else None,
+      mask=Buffer("mask", (s, cw * bq, bkv), np.dtype(np.int8)) if problem.mask_2d else None,
+      # Persistent blocks prefetch the next tile's queries while the output
+      # drains, so only the non-persistent path may overlay them.
+      overlay_qk_with_output=not config.persistent,
+  )
+
+
+def _align(n: int, a: int) -> int:
+  return -(-n // a) * a
+
+
+def estimate_smem_bytes(problem: Problem, config: Config) -> int:
+  """Shared memory the kernel allocates for this problem and config.
+
+  Computed from :func:`scratch_layout` and :func:`pipeline_plan`, the very
+  descriptions the kernel allocates; the CPU tests check it against the
+  lowering's own count (never below it, within a stated margin above).
+  """
+  lay = scratch_layout(problem, config)
+  plan = pipeline_plan(problem, config)
+  # Each allocation is padded to the swizzle granule in the worst case.
+  pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT if b.swizzled else 16)
+  qk = pad(lay.q) + pad(lay.k)
+  out = pad(lay.o) + sum(pad(b) for b in (lay.m, lay.l) if b is not None)
+  if lay.overlay_qk_with_output:
+    total = max(qk, out)
+  else:
+    total = qk + out
+  total += pad(lay.v)
+  total += sum(pad(b) for b in (lay.bias, lay.mask) if b is not None)
+  total += REDUCTION_SCRATCH_BYTES
+  total = _align(total, SMEM_ALIGNMENT)
+  total += MBARRIER_BYTES * sum(b.num_barriers for b in plan.mbarriers)
+  return total
+
+
+def check_fits(problem: Problem, config: Config) -> int:
+  est = estimate_smem_bytes(problem, config)
+  if est > SMEM_LIMIT_BYTES:
+    raise ValueError(
+        f"config {config} needs an estimated {est} bytes of shared memory "
+        f"({est / 1024:.1f} KiB) for head_dim={problem.head_dim}, "
+        f"head_dim_out={problem.head_dim_out}, dtype={np.dtype(problem.dtype).name}"
+        f"{', staged bias' if problem.bias_2d else ''}"
+        f"{', staged mask' if problem.mask_2d else ''}; the limit is "
+        f"{SMEM_LIMIT_BYTES} bytes (227 KiB)")
+  return est

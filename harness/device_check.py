@@ -79,7 +79,24 @@ def extra_cases(rng):
   return out
 
 
-def run(out_path: str | None = None) -> int:
+def _variant(cfg, variant: str, case):
+  """The config a case runs under for one variant of the sweep."""
+  import dataclasses
+  from kernel import heuristics, plan
+  if variant == "as-is":
+    return cfg
+  if cfg is None:
+    cfg = heuristics.get_heuristics_config(problem_of(case))
+  return dataclasses.replace(cfg, persistent=(variant == "persistent"))
+
+
+def problem_of(case):
+  from kernel import plan
+  return plan.problem_for(case.query.shape, case.key.shape, case.value.shape,
+                          case.query.dtype, is_causal=case.is_causal, return_residuals=True)
+
+
+def run(out_path: str | None = None, variants=("as-is",)) -> int:
   import jax
   from harness.conformance import check_forward, poison_device_memory, random_case, run_kernel
   rng = np.random.default_rng(2026)
@@ -87,6 +104,16 @@ def run(out_path: str | None = None) -> int:
   cases += extra_cases(rng)
   rows, failures = [], 0
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  from kernel import plan
+  swept = []
+  for name, case, cfg in cases:
+    for v in variants:
+      vcfg = _variant(cfg, v, case)
+      # A variant that does not fit in shared memory is not a case (the
+      # refusal itself is tested on the CPU).
+      if vcfg is None or plan.estimate_smem_bytes(problem_of(case), vcfg) <= plan.SMEM_LIMIT_BYTES:
+        swept.append((f"{name}[{v}]", case, vcfg))
+  cases = swept
   for name, case, cfg in cases:
     start = time.time()
     try:
@@ -117,8 +144,10 @@ def run(out_path: str | None = None) -> int:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m harness.device_check")
   p.add_argument("--out", default=None)
+  p.add_argument("--variants", default="as-is",
+                 help="comma list of as-is, persistent, non-persistent")
   a = p.parse_args(argv)
-  return run(a.out)
+  return run(a.out, tuple(a.variants.split(",")))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,13 @@ def _check_device():
         "other machines, or kernel.api.lowering_only() to lower for CUDA.")
 
 
+def _num_sms() -> int:
+  """Streaming multiprocessors of the sm90 GPU (132 on H100 SXM and H200;
+  also the value used when lowering without a GPU)."""
+  dev = sm90_device()
+  return int(getattr(dev, "core_count", 0) or 132)
+
+
 def _pad_axis(x, axis, multiple, mode="constant"):
   size = x.shape[axis]
   target = -(-size // multiple) * multiple
@@ -114,12 +121,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   _check_device()
 
   in_dtype = jnp.dtype(query.dtype)
-  dtype = jnp.dtype(jnp.bfloat16) if in_dtype == jnp.float32 else in_dtype
-  problem = plan_lib.Problem(
-      dtype=np.dtype(dtype), head_dim=plan_lib.padded_head_dim(shapes.H),
-      head_dim_out=plan_lib.padded_head_dim(shapes.Hv), seq_q=shapes.T,
-      seq_kv=shapes.S, is_causal=bool(is_causal),
-      return_residuals=bool(return_residuals))
+  problem = plan_lib.problem_for(query.shape, key.shape, value.shape, in_dtype,
+                                 is_causal=is_causal, return_residuals=return_residuals)
+  dtype = jnp.dtype(problem.dtype)
   config = _choose_config(problem, config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
@@ -131,13 +135,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       seq_q=shapes.T, seq_kv=shapes.S,
       residual_m_base2=bool(_residual_m_base2))
   out, residuals = _forward(query, key, value, bias, mask, k_start, k_end,
-                            features=features, config=config, dtype=dtype)
+                            features=features, config=config, dtype=dtype,
+                            num_sms=_num_sms())
   out = out.astype(in_dtype)
   return (out, residuals) if return_residuals else out
 
 
-@functools.partial(jax.jit, static_argnames=("features", "config", "dtype"))
-def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config, dtype):
+@functools.partial(jax.jit, static_argnames=("features", "config", "dtype", "num_sms"))
+def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config, dtype,
+             num_sms):
   f = features
   block_q, block_kv = config.block_q, config.block_kv
   tile = 2 * block_q
@@ -181,7 +187,8 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
     k_end = ke if k_end is not None else None
 
   out, residuals = flash_attention_forward(
-      q, k, v, bias, mask, k_start, k_end, tiles, features=f, config=config)
+      q, k, v, bias, mask, k_start, k_end, tiles, features=f, config=config,
+      num_sms=num_sms)
   out = out[:, :t, :, :hv]
   if residuals is not None:
     m, l = residuals

@@ -127,7 +127,7 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
 
 
 def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
-                            *, features: Features, config: Config):
+                            *, features: Features, config: Config, num_sms: int = 132):
   """Launch the kernel on padded, validated inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv): D, Dv multiples of 64,
@@ -171,24 +171,43 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             k_start_min=start_min, k_end_max=end_max)
     return lb, ub, start_max, end_min
 
+  def for_each_tile(tile_body, init):
+    """Run ``tile_body(b, h, qi, prev_iters) -> prev_iters`` over this block's tiles.
+
+    Non-persistent: the one tile of this grid point.  Persistent: a static
+    schedule over the whole logical grid (query tiles fastest, so blocks that
+    run together share a head's keys in L2); ``prev_iters`` carries the key
+    blocks every earlier tile of this block consumed, so the ring keeps its
+    phase across tiles (a tile may have zero key blocks).
+    """
+    if not config.persistent:
+      return tile_body(lax.axis_index("batch"), lax.axis_index("heads"),
+                       lax.axis_index("q_tiles"), init)
+
+    @plgpu.nd_loop((batch, num_heads, num_tiles), collective_axes="sm",
+                   init_carry=jnp.int32(init))
+    def final(info, carry):
+      b, h, qi = info.index
+      return tile_body(b, h, qi, carry)
+
+    return final
+
   def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
            out_ref, m_ref, l_ref, scoped):
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    qi = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     smem, mbars = scoped
     ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems = smem
-    q_produced, k_produced, v_produced, k_consumed, v_consumed = mbars
-    lb, ub, k_start_max, k_end_min = tile_range(qi, b, h, tiles_ref)
+    (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed) = mbars
 
-    @pl.when(wg < barriers.COMPUTE_WARPGROUPS)
-    def compute_wg():
-      plgpu.set_max_registers(232, action="increase")
+    def ring(prev_iters, lb, ki):
+      """Slot of tile-local key block ki: global count prev_iters + (ki - lb)."""
+      return PipelineState.at(stages, prev_iters + (ki - lb)).index
+
+    def compute_tile(b, h, qi, prev_iters):
+      lb, ub, k_start_max, k_end_min = tile_range(qi, b, h, tiles_ref)
       q_base = (2 * qi + wg) * block_q
       rows = pl.ds(q_base, block_q)
       q_smem = q_smems.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_produced.at[wg])
 
       def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, bq_kv, dim, layout=_WGMMA)
@@ -199,7 +218,6 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       k_start = None if ks_ref is None else row_values(ks_ref)
       k_end = None if ke_ref is None else row_values(ke_ref)
       m_i = plgpu.layout_cast(jnp.full((block_q,), _NEG_INF, jnp.float32), _ROW)
-      m_scale = m_i
       l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim_out), jnp.float32), _WGMMA)
 
@@ -207,7 +225,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
       @pl.when(ub > lb)
       def _():
-        plgpu.barrier_wait(k_produced.at[PipelineState.at(stages, lb - lb).index])
+        plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, lb)])
 
       pl.when(wg == 1)(lambda: barriers.schedule_sync(wg))
 
@@ -254,8 +272,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         return jnp.where(x == _NEG_INF, 0.0, x)
 
       def loop_body(ki, carry, *, causal):
-        acc, m_i, m_scale, l_i = carry
-        slot = PipelineState.at(stages, ki - lb).index
+        acc, m_i, l_i, *pending = carry
+        slot = ring(prev_iters, lb, ki)
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smems.at[slot].T)
@@ -264,6 +282,9 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
         s = pl.run_scoped(compute_qk, plgpu.ACC(bq_kv, jnp.float32))
         plgpu.barrier_arrive(k_consumed.at[slot])
+        if config.persistent:
+          # The tile's last QK has completed: the query slot may be refilled.
+          pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
         s, sc = logits(s, ki, causal=causal)
 
         m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
@@ -272,36 +293,45 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           alpha = jnp.exp2(m_i - base)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           l_i = l_i * alpha
-          m_scale = m_ij
         else:
+          (m_scale,) = pending
           alpha = jnp.exp2(m_scale - safe(m_ij))
           rescale = (alpha < threshold) | (m_scale == _NEG_INF)
           factor = jnp.where(rescale, alpha, 1.0)
           acc = acc * lax.broadcast_in_dim(factor, acc.shape, [0])
           l_i = l_i * factor
           m_scale = jnp.where(rescale, m_ij, m_scale)
+          pending = [m_scale]
           base = safe(m_scale)
         m_i = m_ij
         p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
-        l_i = l_i + p.sum(axis=1)
         p16 = p.astype(dtype)
-        acc, l_i, m_i, m_scale, p16 = lax.optimization_barrier((acc, l_i, m_i, m_scale, p16))
+        # Measured in JAX's and tokamax's kernels: summing p before the
+        # barriers pays for head_dim <= 128, after them for larger heads.
+        sum_early = head_dim_out <= 128
+        if sum_early:
+          l_i = l_i + p.sum(axis=1)
+          acc, l_i, m_i, pending, p16 = lax.optimization_barrier((acc, l_i, m_i, pending, p16))
 
         plgpu.barrier_wait(v_produced.at[slot])
         barriers.schedule_sync(wg)
+        if not sum_early:
+          l_i = l_i + p.sum(axis=1)
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
 
           @pl.when(ki + 1 < ub)
           def _():
-            plgpu.barrier_wait(k_produced.at[PipelineState.at(stages, ki + 1 - lb).index])
+            plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, ki + 1)])
 
         acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_i, m_scale, l_i
+        return (acc, m_i, l_i, *pending)
 
-      carry = (acc, m_i, m_scale, l_i)
+      # m_scale, the pending scale acc and l_i are relative to, is carried only
+      # when the threshold can leave it behind m_i.
+      carry = (acc, m_i, l_i) + (() if always_rescale else (m_i,))
       if f.is_causal:
         # Blocks entirely below the diagonal for this warpgroup need no mask.
         ub_plain = lax.max(lb, lax.min(ub, lax.div(q_base + 1, jnp.int32(block_kv))))
@@ -309,7 +339,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         carry = lax.fori_loop(ub_plain, ub, functools.partial(loop_body, causal=True), carry)
       else:
         carry = lax.fori_loop(lb, ub, functools.partial(loop_body, causal=False), carry)
-      acc, m_i, m_scale, l_i = carry
+      acc, m_i, l_i, *pending = carry
+      m_scale = m_i if always_rescale else pending[0]
       pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
 
       # Epilogue.  acc and l_i are relative to m_scale; alpha brings them to m_i.
@@ -327,6 +358,12 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       else:
         out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
 
+      if config.persistent:
+        # A tile without key blocks never ran a QK: release the query slot here.
+        pl.when(ub == lb)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
+        # The previous tile's output copy must have read o/m/l before we
+        # overwrite them (it drained while this tile computed).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if layout.overlay_qk_with_output:
         barriers.epilogue_sync()  # both warpgroups are done with q and k
       o_smem = o_smems.at[wg]
@@ -340,29 +377,62 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       if f.return_residuals:
         plgpu.copy_smem_to_gmem(m_smems.at[wg], m_ref.at[b, h, rows])
         plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, rows])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if not config.persistent:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      return prev_iters + (ub - lb)
+
+
+    @pl.when(wg < barriers.COMPUTE_WARPGROUPS)
+    def compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      for_each_tile(compute_tile, 0)
+      if config.persistent:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == barriers.COMPUTE_WARPGROUPS)
     def memory_wg():
       plgpu.set_max_registers(40, action="decrease")
-      hk = lax.div(h, jnp.int32(group))
 
-      def fill(ki, *, wait):
-        st = PipelineState.at(stages, ki - lb)
-        keys = pl.ds(ki * block_kv, block_kv)
-        if wait:
-          plgpu.barrier_wait(k_consumed.at[st.index])
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
-                                k_produced.at[st.index])
-        if wait:
-          plgpu.barrier_wait(v_consumed.at[st.index])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smems.at[st.index],
-                                v_produced.at[st.index])
+      def produce_tile(b, h, qi, prev_iters):
+        """Warp 0: every key/value TMA of the tile into the ring."""
+        lb, ub, _, _ = tile_range(qi, b, h, tiles_ref)
+        hk = lax.div(h, jnp.int32(group))
 
-      # The first num_stages fills find fresh slots (the producer starts at
-      # phase 1); every later fill waits for both warpgroups to release.
-      pl.loop(lb, lax.min(lb + stages, ub))(functools.partial(fill, wait=False))
-      pl.loop(lb + stages, ub)(functools.partial(fill, wait=True))
+        def fill(ki):
+          g = prev_iters + (ki - lb)
+          st = PipelineState.at(stages, g)
+          keys = pl.ds(ki * block_kv, block_kv)
+          # Global fills 0..S-1 find fresh slots (the producer starts at phase
+          # 1, like CUTLASS's); every later one waits for both warpgroups.
+          reuse = g >= stages
+          pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[st.index]))
+          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
+                                  k_produced.at[st.index])
+          pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[st.index]))
+          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smems.at[st.index],
+                                  v_produced.at[st.index])
+
+        pl.loop(lb, ub)(fill)
+        return prev_iters + (ub - lb)
+
+      def prefetch_q_tile(b, h, qi, step):
+        """Warp 1: the tile's queries, once the previous tile's are consumed."""
+        for w in range(barriers.COMPUTE_WARPGROUPS):
+          if config.persistent:
+            pl.when(step > 0)(lambda w=w: plgpu.barrier_wait(q_consumed.at[w]))
+          rows = pl.ds((2 * qi + w) * block_q, block_q)
+          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smems.at[w], q_produced.at[w])
+        return step + 1
+
+      @plgpu.warp_map
+      def _(warp):
+        @pl.when(warp == 0)
+        def _():
+          for_each_tile(produce_tile, 0)
+
+        @pl.when(warp == 1)
+        def _():
+          for_each_tile(prefetch_q_tile, 0)
 
   def entry(*refs):
     m_buf = layout.m if f.return_residuals else None
@@ -379,7 +449,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     pl.run_scoped(
         lambda *scoped: body(*refs, scoped=scoped),
         (overlay, _smem(layout.v)),
-        (mb["q_produced"], mb["k_produced"], mb["v_produced"],
+        (mb["q_produced"], mb.get("q_consumed"), mb["k_produced"], mb["v_produced"],
          mb["k_consumed"], mb["v_consumed"]),
         collective_axes="wg",
     )
@@ -393,11 +463,17 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim_out), dtype)]
   if f.return_residuals:
     out_type += [jax.ShapeDtypeStruct((batch, num_heads, t_pad), jnp.float32)] * 2
+  if config.persistent:
+    grid = (min(num_sms, batch * num_heads * num_tiles),)
+    grid_names = ("sm",)
+  else:
+    grid = (num_heads, num_tiles, batch)
+    grid_names = ("heads", "q_tiles", "batch")
   results = plgpu.kernel(
       kernel_body,
       out_type=out_type,
-      grid=(num_heads, num_tiles, batch),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=barriers.NUM_WARPGROUPS,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

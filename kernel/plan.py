@@ -56,6 +56,20 @@ class Problem:
     return -(-self.seq_kv // block_kv)
 
 
+def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
+                return_residuals=False) -> Problem:
+  """The Problem of a call with these (B, T, N, H)/(B, S, K, H)/(B, S, K, Hv)
+  shapes; ``dtype`` is the input dtype (f32 is computed in bf16)."""
+  import ml_dtypes
+  dt = np.dtype(dtype)
+  if dt == np.float32:
+    dt = np.dtype(ml_dtypes.bfloat16)
+  return Problem(dtype=dt, head_dim=padded_head_dim(query_shape[-1]),
+                 head_dim_out=padded_head_dim(value_shape[-1]), seq_q=query_shape[1],
+                 seq_kv=key_shape[1], is_causal=bool(is_causal),
+                 return_residuals=bool(return_residuals))
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffer:
   name: str
@@ -116,6 +130,9 @@ def pipeline_plan(problem: Problem, config: Config) -> PipelinePlan:
       ("mask",) if problem.mask_2d else ())
   cw = barriers.COMPUTE_WARPGROUPS
   mb = [MBarrier("q_produced", cw, 1, "each compute warpgroup's query tile landed")]
+  if config.persistent:
+    mb.append(MBarrier("q_consumed", cw, 1,
+                       "a compute warpgroup's last QK of the tile completed: refill its queries"))
   for name in key_phase + ("v",):
     mb.append(MBarrier(f"{name}_produced", stages, 1, f"TMA of {name} into a slot landed"))
   mb.append(MBarrier("k_consumed", stages, cw, "both warpgroups finished QK on a slot"))
@@ -184,8 +201,8 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   """
   lay = scratch_layout(problem, config)
   plan = pipeline_plan(problem, config)
-  # Each allocation is padded to the swizzle granule in the worst case.
-  pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT if b.swizzled else 16)
+  # Mosaic GPU starts every allocation at a SMEM_ALIGNMENT boundary.
+  pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT)
   qk = pad(lay.q) + pad(lay.k)
   out = pad(lay.o) + sum(pad(b) for b in (lay.m, lay.l) if b is not None)
   if lay.overlay_qk_with_output:

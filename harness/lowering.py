@@ -1,0 +1,76 @@
+"""Lower the kernel for CUDA on a machine without a GPU (``jax.export``).
+
+All of Pallas' tracing and Mosaic GPU's lowering run, so shape, dtype, layout
+and ref errors surface here in well under a second per config; only the
+PTX/SASS compile waits for a GPU.  The lowering also reports the shared memory
+the kernel really allocates (Mosaic GPU's own count of its scratch tree,
+barriers included), which the tests hold ``kernel.plan.estimate_smem_bytes``
+against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  smem_bytes: int       # the largest kernel scratch tree seen while lowering
+  seconds: float
+
+
+@contextlib.contextmanager
+def _count_smem(record: list):
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  original = mgpu_core._smem_tree_size
+
+  def counting(tree):
+    size = original(tree)
+    record.append(size)
+    return size
+
+  mgpu_core._smem_tree_size = counting
+  try:
+    yield
+  finally:
+    mgpu_core._smem_tree_size = original
+
+
+def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_shape=None,
+                    k_range_shape=None, **kwargs) -> Lowered:
+  """Export ``kernel.api.dot_product_attention`` for CUDA with abstract inputs.
+
+  ``shapes``: dict with B, T, N, H, S, K, Hv.  ``kwargs`` go to the API
+  (config, is_causal, logits_soft_cap, ...).
+  """
+  from kernel import api
+  sds = jax.ShapeDtypeStruct
+  dt = jnp.dtype(dtype)
+  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
+  args = [sds((B, T, N, H), dt), sds((B, S, K, H), dt), sds((B, S, K, Hv), dt)]
+  names = []
+  for name, shape, adt in (("bias", bias_shape, dt), ("mask", mask_shape, jnp.bool_),
+                           ("k_start", k_range_shape, jnp.int32),
+                           ("k_end", k_range_shape, jnp.int32)):
+    if shape is not None:
+      args.append(sds(tuple(shape), adt))
+      names.append(name)
+
+  def fn(q, k, v, *rest):
+    extra = dict(zip(names, rest))
+    return api.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
+                                     **extra, **kwargs)
+
+  record: list[int] = []
+  start = time.perf_counter()
+  with api.lowering_only(), _count_smem(record):
+    jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+  if not record:
+    raise RuntimeError("lowering produced no Mosaic GPU kernel")
+  return Lowered(smem_bytes=max(record), seconds=time.perf_counter() - start)

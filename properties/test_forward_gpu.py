@@ -1,0 +1,149 @@
+"""GPU properties of the forward kernel (marker ``gpu``; skipped, visibly, elsewhere).
+
+Each example compiles a kernel for its shape and config, so the ``gpu``
+profile keeps the example count modest; ``thorough`` draws many more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, note, settings, strategies as st
+
+from harness import strategies as hs
+from harness.conformance import (ForwardCase, check_forward, compute_dtype,
+                                 poison_device_memory, run_kernel)
+from harness.device_check import extra_cases, fixed_cases, problem_of
+from kernel import heuristics, plan
+
+pytestmark = pytest.mark.gpu
+
+
+def _forward_case(case: hs.AttentionCase, threshold: float, normalize: bool) -> ForwardCase:
+  return ForwardCase(
+      query=case.query, key=case.key, value=case.value, bias=case.bias, mask=case.mask,
+      scale=case.spec.scale, is_causal=case.spec.is_causal, k_start=case.k_start,
+      k_end=case.k_end, logits_soft_cap=case.spec.logits_soft_cap,
+      rescale_threshold=threshold, normalize_output=normalize)
+
+
+def _configs(fc: ForwardCase):
+  """Every config the heuristics and the autotuner could hand this case."""
+  problem = problem_of(fc)
+  configs = {heuristics.get_heuristics_config(problem)}
+  configs.update(heuristics.get_autotuning_configs(problem))
+  return sorted(configs, key=str)
+
+
+gpu_cases = hs.attention_cases(max_batch=2, max_seq=1100, max_head_dim=256,
+                               max_kv_heads=2, big=True, max_logits=None)
+
+
+@given(case=gpu_cases, threshold=hs.thresholds(), normalize=st.booleans(), data=st.data())
+def test_forward_matches_float64(case, threshold, normalize, data):
+  """Output and natural-log residuals (m, l) are within the tolerance rule of
+  float64, for any drawn shape, feature mix, threshold and emitted config."""
+  fc = _forward_case(case, threshold, normalize)
+  cfg = data.draw(st.sampled_from(_configs(fc)), label="config")
+  note(f"{case.describe()} threshold={threshold} normalize={normalize} config={cfg}")
+  poison_device_memory(4 * fc.query.nbytes)
+  out, m, l = run_kernel(fc, config=cfg)
+  report = check_forward(fc, out, m, l)
+  note(report.summary())
+  assert report.passed, report.summary()
+
+
+@given(case=gpu_cases, data=st.data())
+@settings(max_examples=15)
+def test_forward_is_bitwise_deterministic(case, data):
+  """Two runs on the same inputs give bit-identical output and residuals."""
+  fc = _forward_case(case, 1.0, True)
+  cfg = data.draw(st.sampled_from(_configs(fc)), label="config")
+  note(f"{case.describe()} config={cfg}")
+  first = run_kernel(fc, config=cfg)
+  poison_device_memory(4 * fc.query.nbytes)
+  second = run_kernel(fc, config=cfg)
+  for a, b, name in zip(first, second, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{name} differs between runs"
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_fully_masked_rows_follow_the_contract(persistent):
+  """A row that sees no key: output 0, m = -inf, l = 0, and no NaN anywhere."""
+  rng = np.random.default_rng(7)
+  from harness.conformance import random_case
+  fc = random_case(rng, batch=2, seq_q=200, seq_kv=300, heads=2, kv_heads=1, head_dim=64)
+  fc.mask = rng.random((2, 1, 200, 300)) < 0.6
+  fc.mask[:, :, ::7, :] = False
+  fc.k_start = np.full((2, 2, 200), 0, np.int32)
+  fc.k_end = np.full((2, 2, 200), 300, np.int32)
+  fc.k_end[:, :, 3::11] = 0  # empty key ranges too
+  cfg = dataclasses.replace(heuristics.get_heuristics_config(problem_of(fc)),
+                            persistent=persistent)
+  out, m, l = run_kernel(fc, config=cfg)
+  empty = ~fc.mask[:, 0].any(-1)[:, None, :] | (fc.k_end <= fc.k_start)
+  assert empty.any()
+  assert not np.isnan(out).any() and not np.isnan(m).any() and not np.isnan(l).any()
+  out_rows = np.transpose(out, (0, 2, 1, 3))  # (B, N, T, Hv)
+  assert np.all(out_rows[empty] == 0)
+  assert np.all(m[empty] == -np.inf) and np.all(l[empty] == 0)
+  assert np.all(np.isfinite(m[~empty]))
+  assert check_forward(fc, out, m, l).passed
+
+
+def test_nan_in_one_query_row_stays_in_that_row():
+  """NaN in query row t poisons exactly output row t (the reference's rule)."""
+  rng = np.random.default_rng(11)
+  from harness.conformance import random_case
+  fc = random_case(rng, seq_q=256, seq_kv=256, heads=1, kv_heads=1, head_dim=64)
+  fc.query[0, 17, 0, 5] = np.nan
+  out, m, l = run_kernel(fc)
+  nan_rows = np.isnan(out[0, :, 0, :]).any(-1)
+  assert nan_rows[17] and nan_rows.sum() == 1
+  report = check_forward(fc, out, m, l)
+  assert report.passed, report.summary()
+
+
+def test_base2_residual_variant_is_caught_by_the_residual_property():
+  """The kernel variant that leaves m in base 2 passes the output check and
+  fails the residual check (the bug forward-only testing misses)."""
+  rng = np.random.default_rng(3)
+  from harness.conformance import random_case
+  fc = random_case(rng, seq_q=256, seq_kv=512, heads=2, kv_heads=1, head_dim=128)
+  out, m, l = run_kernel(fc, _residual_m_base2=True)
+  report = check_forward(fc, out, m, l)
+  assert report.out.passed and report.l.passed
+  assert not report.m.passed
+
+
+_NAMED = [(n, kw, c) for n, kw, c in fixed_cases()]
+
+
+@pytest.mark.parametrize("name,kwargs,cfg", _NAMED, ids=[n for n, _, _ in _NAMED])
+@pytest.mark.parametrize("persistent", [None, False, True], ids=["heuristic", "nonpersistent", "persistent"])
+def test_named_cases(name, kwargs, cfg, persistent):
+  """The named ragged/feature cases of harness.device_check, every schedule."""
+  from harness.conformance import random_case
+  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
+  if persistent is not None:
+    base = cfg or heuristics.get_heuristics_config(problem_of(fc))
+    cfg = dataclasses.replace(base, persistent=persistent)
+    if plan.estimate_smem_bytes(problem_of(fc), cfg) > plan.SMEM_LIMIT_BYTES:
+      pytest.skip(f"{cfg} does not fit for this case")
+  out, m, l = run_kernel(fc, config=cfg)
+  report = check_forward(fc, out, m, l)
+  assert report.passed, report.summary()
+
+
+_EXTRA = extra_cases(np.random.default_rng(2026))
+
+
+@pytest.mark.parametrize("name,fc,cfg", _EXTRA, ids=[n for n, _, _ in _EXTRA])
+def test_named_feature_cases(name, fc, cfg):
+  """Bias, mask and key-range cases of harness.device_check."""
+  out, m, l = run_kernel(fc, config=cfg)
+  report = check_forward(fc, out, m, l)
+  assert report.passed, report.summary()

@@ -1,0 +1,76 @@
+"""Every config the heuristics and the autotuner emit lowers for CUDA (no GPU
+needed), and the shared-memory estimate matches what the lowering allocates.
+
+Margin: the estimate is never below the lowering's count (Mosaic GPU's own
+size of the scratch tree, barriers included) and at most SMEM_MARGIN_BYTES
+above it.  Today it is exact; the margin leaves room for an allocation rule of
+Mosaic GPU's that the estimate rounds up.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.lowering import lower_attention
+from kernel import heuristics, plan
+
+SMEM_MARGIN_BYTES = 2048
+
+SHAPE_CLASSES = {  # name: (head_dim, head_dim_out)
+    "d64": (64, 64),
+    "d128": (128, 128),
+    "d256": (256, 256),
+    "d72-dv96": (72, 96),
+}
+SEQ = 1024
+
+
+def _features(T, S, N=2):
+  return {
+      "plain": dict(),
+      "everything": dict(is_causal=True, return_residuals=True, logits_soft_cap=20.0,
+                         rescale_threshold=0.5, normalize_output=False,
+                         bias_shape=(1, N, T, S), mask_shape=(1, 1, T, S),
+                         k_range_shape=(1, N, T)),
+  }
+
+
+def _grid():
+  for cls, (d, dv) in SHAPE_CLASSES.items():
+    for feat, kw in _features(SEQ, SEQ).items():
+      problem = plan.problem_for((1, SEQ, 2, d), (1, SEQ, 1, d), (1, SEQ, 1, dv), "bfloat16",
+                                 is_causal=kw.get("is_causal", False),
+                                 return_residuals=kw.get("return_residuals", False))
+      configs = {heuristics.get_heuristics_config(problem)}
+      configs.update(heuristics.get_autotuning_configs(problem))
+      for cfg in sorted(configs, key=str):
+        tag = f"{cls}-{feat}-q{cfg.block_q}-kv{cfg.block_kv}-s{cfg.num_stages}-{'p' if cfg.persistent else 'np'}"
+        yield pytest.param(d, dv, kw, problem, cfg, id=tag)
+
+
+@pytest.mark.parametrize("d,dv,kw,problem,cfg", list(_grid()))
+def test_every_emitted_config_lowers_and_the_estimate_holds(d, dv, kw, problem, cfg):
+  shapes = dict(B=1, T=SEQ, N=2, H=d, S=SEQ, K=1, Hv=dv)
+  lowered = lower_attention(shapes, config=cfg, **kw)
+  est = plan.estimate_smem_bytes(problem, cfg)
+  assert lowered.smem_bytes <= est <= lowered.smem_bytes + SMEM_MARGIN_BYTES, (
+      f"estimate {est} vs lowering {lowered.smem_bytes}")
+
+
+RAGGED = [(113, 203), (239, 1), (1, 1), (1023, 1024), (300, 77)]
+
+
+@pytest.mark.parametrize("T,S", RAGGED)
+@pytest.mark.parametrize("feat", ["plain", "everything"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
+  kw = _features(T, S, N=4)[feat]
+  lowered = lower_attention(dict(B=2, T=T, N=4, H=72, S=S, K=2, Hv=96), dtype=dtype, **kw)
+  assert lowered.smem_bytes > 0
+
+
+def test_a_config_that_does_not_fit_is_refused_with_its_estimate():
+  from kernel.config import Config
+  with pytest.raises(ValueError, match=r"config .* needs an estimated \d+ bytes"):
+    lower_attention(dict(B=1, T=256, N=1, H=256, S=1024, K=1, Hv=256),
+                    config=Config(128, 256, 4, persistent=True))

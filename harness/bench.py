@@ -82,7 +82,8 @@ def time_fns(fns: dict, input_sets, *, warmup: int = 3, trials: int = 12,
   return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3) -> list[dict]:
+def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
+                rescale_threshold: float = 1.0) -> list[dict]:
   """One row per config, each with cuDNN timed in the same interleaved trials."""
   from kernel import api
   inputs = _inputs(shape, sets)
@@ -91,7 +92,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3) -> list[dict]
   errors = {}
   for i, cfg in enumerate(configs):
     fn = jax.jit(lambda q, k, v, cfg=cfg: api.dot_product_attention(
-        q, k, v, is_causal=shape.causal, config=cfg))
+        q, k, v, is_causal=shape.causal, config=cfg, rescale_threshold=rescale_threshold))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -107,6 +108,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3) -> list[dict]
   for i, cfg in enumerate(configs):
     row = dataclasses.asdict(shape)
     row["config"] = None if cfg is None else str(cfg)
+    row["rescale_threshold"] = rescale_threshold
     if i in times:
       row["ours_ms"] = times[i] * 1e3
       row["ours_tflops"] = shape.flops / times[i] / 1e12
@@ -140,6 +142,7 @@ def main(argv=None) -> int:
   parser.add_argument("--configs", default=None,
                       help="semicolon-separated block_q,block_kv,num_stages[,p] to sweep "
                            "on each shape instead of the default config")
+  parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
   args = parser.parse_args(argv)
   shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
   configs = [None]
@@ -149,7 +152,8 @@ def main(argv=None) -> int:
     for item in args.configs.split(";"):
       bq, bkv, st, *p = item.split(",")
       configs.append(Config(int(bq), int(bkv), int(st), persistent=bool(p and p[0] == "p")))
-  rows = [row for s in shapes for row in bench_shape(s, configs)]
+  rows = [row for s in shapes
+          for row in bench_shape(s, configs, rescale_threshold=args.threshold)]
   dev = jax.devices()[0]
   meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
   if args.out:

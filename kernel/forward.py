@@ -203,6 +203,9 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       """Slot of tile-local key block ki: global count prev_iters + (ki - lb)."""
       return PipelineState.at(stages, prev_iters + (ki - lb)).index
 
+    def pass_token_for_the_last_time():
+      pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
+
     def compute_tile(b, h, qi, prev_iters):
       lb, ub, k_start_max, k_end_min = tile_range(qi, b, h, tiles_ref)
       q_base = (2 * qi + wg) * block_q
@@ -226,8 +229,6 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       @pl.when(ub > lb)
       def _():
         plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, lb)])
-
-      pl.when(wg == 1)(lambda: barriers.schedule_sync(wg))
 
       def logits(s, ki, *, causal):
         """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
@@ -271,20 +272,27 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         # unmasked key use base 0, where every p is exp2(-inf) = 0.
         return jnp.where(x == _NEG_INF, 0.0, x)
 
-      def loop_body(ki, carry, *, causal):
-        acc, m_i, l_i, *pending = carry
+      def qk(ki):
+        """Issue QK^T of key block ki, let the other warpgroup issue, wait."""
         slot = ring(prev_iters, lb, ki)
 
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smems.at[slot].T)
+        def compute_qk(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smems.at[slot].T)
           barriers.schedule_release_other(wg)
-          return acc_ref[...]
+          return s_ref[...]
 
-        s = pl.run_scoped(compute_qk, plgpu.ACC(bq_kv, jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
+        return pl.run_scoped(compute_qk, plgpu.ACC(bq_kv, jnp.float32))
+
+      def release_query_after(ki):
         if config.persistent:
           # The tile's last QK has completed: the query slot may be refilled.
           pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
+
+      def loop_body(ki, carry, *, causal):
+        """Softmax and PV of block ki, with QK of block ki + 1 issued right
+        behind the PV (the logits s of block ki arrive in the carry)."""
+        acc, m_i, l_i, s, *pending = carry
+        slot = ring(prev_iters, lb, ki)
         s, sc = logits(s, ki, causal=causal)
 
         m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
@@ -317,21 +325,45 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         barriers.schedule_sync(wg)
         if not sum_early:
           l_i = l_i + p.sum(axis=1)
+        has_next = ki + 1 < ub
+        next_slot = ring(prev_iters, lb, ki + 1)
 
-        def compute_pv(acc_ref):
+        def pv_then_next_qk(refs):
+          acc_ref, s_ref = refs
           plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
 
-          @pl.when(ki + 1 < ub)
+          @pl.when(has_next)
           def _():
-            plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, ki + 1)])
+            plgpu.barrier_wait(k_produced.at[next_slot])
+            plgpu.wgmma(s_ref, q_smem, k_smems.at[next_slot].T)
+            barriers.schedule_release_other(wg)
 
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        # Reading the accumulators waits for both matrix products.
+        acc, s_next = pl.run_state(pv_then_next_qk)(
+            (plgpu.ACC.init(acc), plgpu.ACC.init(jnp.zeros_like(s))))
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return (acc, m_i, l_i, *pending)
+
+        @pl.when(has_next)
+        def _():
+          plgpu.barrier_arrive(k_consumed.at[next_slot])
+          release_query_after(ki + 1)
+
+        return (acc, m_i, l_i, s_next, *pending)
+
+      # Prologue: QK of the tile's first block (the loop issues each next one).
+      s0 = plgpu.layout_cast(jnp.zeros(bq_kv, jnp.float32), _WGMMA)
+
+      def first_qk():
+        s = qk(lb)
+        plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
+        release_query_after(lb)
+        return s
+
+      s0 = lax.cond(ub > lb, first_qk, lambda: s0)
 
       # m_scale, the pending scale acc and l_i are relative to, is carried only
       # when the threshold can leave it behind m_i.
-      carry = (acc, m_i, l_i) + (() if always_rescale else (m_i,))
+      carry = (acc, m_i, l_i, s0) + (() if always_rescale else (m_i,))
       if f.is_causal:
         # Blocks entirely below the diagonal for this warpgroup need no mask.
         ub_plain = lax.max(lb, lax.min(ub, lax.div(q_base + 1, jnp.int32(block_kv))))
@@ -339,9 +371,12 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         carry = lax.fori_loop(ub_plain, ub, functools.partial(loop_body, causal=True), carry)
       else:
         carry = lax.fori_loop(lb, ub, functools.partial(loop_body, causal=False), carry)
-      acc, m_i, l_i, *pending = carry
+      acc, m_i, l_i, _, *pending = carry
       m_scale = m_i if always_rescale else pending[0]
-      pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
+      if not config.persistent:
+        # Before the epilogue: warpgroup 1's last PV waits for this pass, and
+        # the output overlay's epilogue barrier waits for warpgroup 1.
+        pass_token_for_the_last_time()
 
       # Epilogue.  acc and l_i are relative to m_scale; alpha brings them to m_i.
       if always_rescale:
@@ -385,7 +420,19 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     @pl.when(wg < barriers.COMPUTE_WARPGROUPS)
     def compute_wg():
       plgpu.set_max_registers(232, action="increase")
+      # The pingpong is one token passed between the warpgroups: warpgroup 0
+      # starts holding it.  Each warpgroup strictly alternates "acquire"
+      # (bar.sync on its own barrier) and "pass" (bar.arrive on the other's),
+      # across tile boundaries too, so every generation of a named barrier is
+      # one pass plus one acquire.  Were a warpgroup to pass twice in a row,
+      # its 2 x 128 arrivals would complete a generation on their own and the
+      # other warpgroup's acquire would wait forever.  Hence the one acquire
+      # before the first tile and the one pass after the last loop (before the
+      # epilogue of a non-persistent block), not one per tile.
+      pl.when(wg == 1)(lambda: barriers.schedule_sync(wg))
       for_each_tile(compute_tile, 0)
+      if config.persistent:
+        pass_token_for_the_last_time()
       if config.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

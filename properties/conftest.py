@@ -1,0 +1,84 @@
+"""Hypothesis profiles and the ``gpu`` marker for the property tests.
+
+Profiles, chosen by the environment variable HYPOTHESIS_PROFILE:
+
+* ``ci`` (default): a few dozen examples per property, fast on a CPU;
+* ``gpu``: for runs on an H100/H200 where the kernel is compiled per shape;
+* ``thorough``: many examples, for a long run before a release.
+
+Tests marked ``gpu`` need an sm90 GPU (compute capability 9.0) visible to JAX;
+elsewhere they are skipped with the reason shown in the summary (``-rs``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def _share_the_gpus() -> None:
+  """Before JAX is imported in this process: no xdist worker may take most of
+  a GPU's memory (JAX preallocates 75% by default), and on a host with several
+  GPUs each worker uses its own (round robin over the visible ones)."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+  if not worker.startswith("gw"):
+    return
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    gpus = [g for g in visible.split(",") if g.strip()]
+  else:
+    gpus = sorted(d for d in os.listdir("/dev") if d[len("nvidia"):].isdigit()
+                  and d.startswith("nvidia")) if os.path.isdir("/dev") else []
+    gpus = [g[len("nvidia"):] for g in gpus]
+  if len(gpus) > 1:
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(worker[2:]) % len(gpus)]
+
+
+_share_the_gpus()
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings
+
+_common = dict(
+  deadline=None,
+  print_blob=True,
+  derandomize=False,
+  suppress_health_check=(HealthCheck.too_slow, HealthCheck.data_too_large),
+)
+settings.register_profile("ci", max_examples=30, **_common)
+settings.register_profile("gpu", max_examples=50, **_common)
+settings.register_profile("thorough", max_examples=1000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+    "markers", "gpu: needs an sm90 (H100/H200) GPU visible to JAX")
+  config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+@functools.cache
+def _sm90_unavailable_reason() -> str | None:
+  """None when JAX sees an sm90 GPU, else why not."""
+  try:
+    import jax
+    devices = jax.devices("gpu")
+  except Exception as err:  # no CUDA plugin, no driver, no device
+    return f"no GPU visible to JAX ({type(err).__name__}: {err})"
+  capabilities = [getattr(d, "compute_capability", None) for d in devices]
+  if "9.0" not in capabilities:
+    return f"needs compute capability 9.0 (sm90), found {capabilities}"
+  return None
+
+
+def pytest_collection_modifyitems(config, items):
+  gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+  if not gpu_items:
+    return
+  reason = _sm90_unavailable_reason()
+  if reason is None:
+    return
+  skip = pytest.mark.skip(reason=f"gpu test skipped: {reason}")
+  for item in gpu_items:
+    item.add_marker(skip)

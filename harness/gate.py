@@ -85,11 +85,17 @@ def run_pytest(name: str, marker: str, results: Path, extra: list[str]) -> StepR
   return StepResult(name, "PASS" if ok else "FAIL", passed, failed, skipped, seconds, detail)
 
 
-def run_module_step(name: str, module: str, args: list[str]) -> StepResult:
+def run_module_step(name: str, module: str, args: list[str], results: Path) -> StepResult:
+  """``python -m harness <command>``; its output is shown and kept as
+  ``results/<name>.md`` (the golden step's is the drift table)."""
   if importlib.util.find_spec(module) is None:
     return StepResult(name, "FAIL", detail=f"{module} is missing")
   start = time.time()
-  proc = subprocess.run([sys.executable, "-m", "harness", module.split(".")[-1], *args], cwd=REPO)
+  proc = subprocess.run([sys.executable, "-m", "harness", module.split(".")[-1], *args],
+                        cwd=REPO, capture_output=True, text=True)
+  print(proc.stdout, end="")
+  print(proc.stderr, end="", file=sys.stderr)
+  (results / f"{name}.md").write_text(proc.stdout)
   ok = proc.returncode == 0
   return StepResult(name, "PASS" if ok else "FAIL", seconds=time.time() - start,
                     detail="" if ok else f"exit status {proc.returncode}")
@@ -117,13 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 
   has_gpu, device = gpu_summary()
   steps = [run_pytest("cpu-properties", "not gpu", results, args.pytest_args)]
-  steps.append(run_module_step("proofs", "harness.prove", []))
+  steps.append(run_module_step("proofs", "harness.prove", [], results))
   if has_gpu:
     steps.append(run_pytest("gpu-properties", "gpu", results, args.pytest_args))
-    if importlib.util.find_spec("harness.golden") is not None:
-      steps.append(run_module_step("golden", "harness.golden", ["check"]))
-    else:
-      steps.append(StepResult("golden", "SKIPPED", detail="no golden check in this tree yet"))
+    steps.append(run_module_step("golden", "harness.golden", ["check"], results))
   else:
     why = f"no sm90 GPU here ({device})"
     steps.append(StepResult("gpu-properties", "SKIPPED", detail=why))

@@ -90,8 +90,6 @@ def _choose_config(problem: plan_lib.Problem, config: Config | None) -> Config:
   if config is None:
     from kernel import heuristics
     config = heuristics.get_heuristics_config(problem)
-  elif not isinstance(config, Config):
-    raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
   plan_lib.check_fits(problem, config)
   return config
 
@@ -118,6 +116,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                      ("return_residuals", return_residuals)):
     if not isinstance(flag, (bool, np.bool_)):
       raise ValueError(f"{name}: expected a bool, got {flag!r}")
+  if config is not None and not isinstance(config, Config):
+    raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
   _check_device()
 
   in_dtype = jnp.dtype(query.dtype)

@@ -147,3 +147,21 @@ def test_named_feature_cases(name, fc, cfg):
   out, m, l = run_kernel(fc, config=cfg)
   report = check_forward(fc, out, m, l)
   assert report.passed, report.summary()
+
+
+def test_vmap_and_jit_match_the_unbatched_calls():
+  """jax.vmap over a leading axis and jax.jit give, bit for bit, the
+  unbatched kernel's results."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((3, 1, 200, 2, 64)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((3, 1, 150, 1, 64)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((3, 1, 150, 1, 64)), jnp.bfloat16)
+  f = lambda q, k, v: api.dot_product_attention(q, k, v, is_causal=True, return_residuals=True)
+  batched = jax.jit(jax.vmap(f))(q, k, v)
+  for i in range(3):
+    single = f(q[i], k[i], v[i])
+    for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(single)):
+      assert np.array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))

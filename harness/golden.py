@@ -1,0 +1,301 @@
+"""Golden-file regression for kernel changes.
+
+``python -m harness golden check``   compare the kernel with the stored goldens
+``python -m harness golden update``  regenerate them, printing what changed
+
+The corpus (:data:`CORPUS`) names small cases — shapes, dtypes, masks,
+biases, key ranges, thresholds, heuristic and explicit configs, persistent and
+not.  Inputs are regenerated from each case's spec and seed, never stored.
+For each case ``golden/<name>.npz`` holds the kernel's outputs (out in its own
+dtype's bits, m and l in float32) and ``golden/manifest.json`` the spec, seed,
+resolved config, device, jax version, kernel source hash and a SHA-256 per
+array.
+
+Per case, ``check`` reports one of
+
+* **identical** — every array bit for bit equal to the golden;
+* **drift** — not identical, but within the tolerance rule against float64
+  (``harness/tolerance.py``); the max ulp distance and relative error to the
+  golden, and the ratio to the float64 bound, are reported;
+* **regression** — beyond the tolerance rule against float64: the check fails;
+* **missing** — no golden for the case (fails: run ``update`` and review).
+
+``update`` classifies the new outputs against the old goldens the same way,
+prints the table, then writes; nothing is overwritten without the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from harness.conformance import ForwardCase, check_forward, compute_dtype
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN_DIR = REPO / "golden"
+ARRAYS = ("out", "m", "l")
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenSpec:
+  name: str
+  seed: int
+  batch: int = 1
+  seq_q: int = 256
+  seq_kv: int = 256
+  heads: int = 2
+  kv_heads: int = 1
+  head_dim: int = 64
+  head_dim_out: int | None = None
+  dtype: str = "bfloat16"
+  is_causal: bool = False
+  bias: str | None = None          # None, "full", "row", "col"
+  mask: str | None = None          # None, "full", "keys"
+  key_range: bool = False
+  logits_soft_cap: float | None = None
+  rescale_threshold: float = 1.0
+  normalize_output: bool = True
+  config: tuple | None = None      # None = heuristic; else (block_q, block_kv, stages, persistent)
+
+  def build(self) -> ForwardCase:
+    import ml_dtypes
+    rng = np.random.default_rng(self.seed)
+    dt = np.dtype(ml_dtypes.bfloat16) if self.dtype == "bfloat16" else np.dtype(self.dtype)
+    b, t, s, n, kh = self.batch, self.seq_q, self.seq_kv, self.heads, self.kv_heads
+    hv = self.head_dim if self.head_dim_out is None else self.head_dim_out
+    normal = lambda shape: rng.standard_normal(shape).astype(dt)
+    case = ForwardCase(normal((b, t, n, self.head_dim)), normal((b, s, kh, self.head_dim)),
+                       normal((b, s, kh, hv)), is_causal=self.is_causal,
+                       logits_soft_cap=self.logits_soft_cap,
+                       rescale_threshold=self.rescale_threshold,
+                       normalize_output=self.normalize_output)
+    bias_shapes = {"full": (b, n, t, s), "row": (1, 1, 1, s), "col": (b, 1, t, 1)}
+    if self.bias:
+      case.bias = rng.standard_normal(bias_shapes[self.bias]).astype(dt)
+    if self.mask == "full":
+      case.mask = rng.random((b, 1, t, s)) < 0.7
+      case.mask[:, :, 3, :] = False  # a fully masked row
+    elif self.mask == "keys":
+      case.mask = rng.random((s,)) < 0.6
+    if self.key_range:
+      case.k_start = rng.integers(0, s // 2, (b, n, t)).astype(np.int32)
+      case.k_end = (case.k_start + rng.integers(-8, s, (b, n, t))).astype(np.int32)
+    return case
+
+  def resolved_config(self):
+    from kernel.config import Config
+    return None if self.config is None else Config(*self.config)
+
+
+CORPUS: tuple[GoldenSpec, ...] = (
+    GoldenSpec("plain-d64", 1),
+    GoldenSpec("plain-d128-gqa", 2, heads=4, kv_heads=2, head_dim=128),
+    GoldenSpec("causal-d128", 3, seq_q=512, seq_kv=512, head_dim=128, is_causal=True),
+    GoldenSpec("ragged-113x203-d72-dv96", 4, seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96),
+    GoldenSpec("ragged-239x1", 5, seq_q=239, seq_kv=1),
+    GoldenSpec("f16-d256", 6, dtype="float16", head_dim=256, seq_kv=320),
+    GoldenSpec("f32-inputs", 7, dtype="float32", seq_q=100, seq_kv=130),
+    GoldenSpec("bias-full", 8, bias="full"),
+    GoldenSpec("bias-row-mask-keys", 9, bias="row", mask="keys"),
+    GoldenSpec("mask-full-empty-row", 10, mask="full"),
+    GoldenSpec("key-ranges", 11, key_range=True, seq_kv=384),
+    GoldenSpec("softcap-threshold-half", 12, logits_soft_cap=8.0, rescale_threshold=0.5),
+    GoldenSpec("threshold-zero-unnormalised", 13, rescale_threshold=0.0, normalize_output=False),
+    GoldenSpec("causal-kend-bias-col", 14, is_causal=True, bias="col", key_range=True),
+    GoldenSpec("cfg-64-64-3-persistent", 15, seq_kv=512, config=(64, 64, 3, True)),
+    GoldenSpec("cfg-64-128-2-nonpersistent", 16, seq_kv=512, config=(64, 128, 2, False)),
+    GoldenSpec("cfg-128-64-2-nonpersistent", 17, seq_q=512, seq_kv=512, config=(128, 64, 2, False)),
+    GoldenSpec("cfg-64-64-4-persistent-causal", 18, seq_q=384, seq_kv=384, is_causal=True,
+               config=(64, 64, 4, True)),
+)
+
+
+def kernel_source_hash() -> str:
+  h = hashlib.sha256()
+  for path in sorted((REPO / "kernel").glob("*.py")):
+    h.update(path.name.encode())
+    h.update(path.read_bytes())
+  return h.hexdigest()[:16]
+
+
+def _checksum(a: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
+
+
+def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
+  """The kernel's outputs in storage form: out in its own dtype, m/l float32."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  case = spec.build()
+  out, (m, l) = api.dot_product_attention(
+      jnp.asarray(case.query), jnp.asarray(case.key), jnp.asarray(case.value),
+      None if case.bias is None else jnp.asarray(case.bias),
+      None if case.mask is None else jnp.asarray(case.mask),
+      is_causal=case.is_causal,
+      k_start=None if case.k_start is None else jnp.asarray(case.k_start),
+      k_end=None if case.k_end is None else jnp.asarray(case.k_end),
+      logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
+      normalize_output=case.normalize_output, return_residuals=True,
+      config=spec.resolved_config())
+  jax.block_until_ready(out)
+  return {"out": np.asarray(out), "m": np.asarray(m, np.float32), "l": np.asarray(l, np.float32)}
+
+
+def _ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
+  """Max distance in units in the last place between same-dtype arrays."""
+  if a.dtype.itemsize == 2:
+    ai, bi = a.view(np.int16).astype(np.int64), b.view(np.int16).astype(np.int64)
+  else:
+    ai, bi = a.view(np.int32).astype(np.int64), b.view(np.int32).astype(np.int64)
+  # Map sign-magnitude to a monotone integer line.
+  bits = a.dtype.itemsize * 8
+  fix = lambda x: np.where(x < 0, -(x & ((1 << (bits - 1)) - 1)), x)
+  both = np.isfinite(a.astype(np.float64)) & np.isfinite(b.astype(np.float64))
+  if not both.any():
+    return 0
+  return int(np.abs(fix(ai) - fix(bi))[both].max())
+
+
+@dataclasses.dataclass
+class Verdict:
+  name: str
+  status: str              # identical, drift, regression, missing
+  max_ulp: int = 0
+  max_rel_to_golden: float = 0.0
+  ratio_to_f64_bound: float = 0.0
+  detail: str = ""
+
+
+def classify(spec: GoldenSpec, new: dict[str, np.ndarray],
+             old: dict[str, np.ndarray] | None) -> Verdict:
+  """Compare new outputs with the golden and with float64 (see module doc)."""
+  case = spec.build()
+  report = check_forward(case, new["out"].astype(np.float64), new["m"].astype(np.float64),
+                         new["l"].astype(np.float64))
+  ratio = report.worst_ratio()
+  if not report.passed:
+    status = "regression"
+  elif old is None:
+    status = "missing"
+  elif all(np.array_equal(new[k], old[k], equal_nan=True) for k in ARRAYS):
+    status = "identical"
+  else:
+    status = "drift"
+  verdict = Verdict(spec.name, status, ratio_to_f64_bound=ratio, detail=report.summary())
+  if old is not None:
+    ulps, rels = [], []
+    for k in ARRAYS:
+      a, b = new[k], old[k]
+      if a.shape != b.shape or a.dtype != b.dtype:
+        verdict.detail = f"{k}: shape/dtype changed {b.shape}/{b.dtype} -> {a.shape}/{a.dtype}"
+        return dataclasses.replace(verdict, status="regression")
+      ulps.append(_ulp_distance(a, b))
+      a64, b64 = a.astype(np.float64), b.astype(np.float64)
+      fin = np.isfinite(a64) & np.isfinite(b64)
+      if fin.any():
+        scale = np.maximum(np.abs(b64[fin]).max(), np.finfo(np.float32).tiny)
+        rels.append(float(np.abs(a64[fin] - b64[fin]).max() / scale))
+    verdict.max_ulp = max(ulps)
+    verdict.max_rel_to_golden = max(rels, default=0.0)
+  return verdict
+
+
+def load_golden(name: str, directory: Path = GOLDEN_DIR) -> dict[str, np.ndarray] | None:
+  path = directory / f"{name}.npz"
+  if not path.exists():
+    return None
+  import ml_dtypes
+  with np.load(path) as z:
+    data = {k: z[k] for k in z.files}
+  dtype = str(data.pop("out_dtype"))
+  data["out"] = data["out"].view(np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype)
+  return data
+
+
+def save_golden(name: str, arrays: dict[str, np.ndarray], directory: Path = GOLDEN_DIR) -> None:
+  out = arrays["out"]
+  store_as = np.uint16 if out.dtype.itemsize == 2 else np.uint32
+  np.savez_compressed(directory / f"{name}.npz", out=out.view(store_as),
+                      out_dtype=np.array(str(out.dtype)), m=arrays["m"], l=arrays["l"])
+
+
+def render(verdicts: list[Verdict]) -> str:
+  lines = ["| case | status | max ulp vs golden | max rel vs golden | error / f64 bound |",
+           "|---|---|---|---|---|"]
+  for v in verdicts:
+    lines.append(f"| {v.name} | {v.status} | {v.max_ulp} | {v.max_rel_to_golden:.2e} "
+                 f"| {v.ratio_to_f64_bound:.3f} |")
+  counts = {s: sum(v.status == s for v in verdicts)
+            for s in ("identical", "drift", "regression", "missing")}
+  lines.append("\n" + ", ".join(f"{n} {s}" for s, n in counts.items()))
+  return "\n".join(lines)
+
+
+def check(runner: Callable[[GoldenSpec], dict] = run_kernel_for, corpus=CORPUS,
+          directory: Path = GOLDEN_DIR) -> tuple[list[Verdict], bool]:
+  verdicts = []
+  for spec in corpus:
+    try:
+      verdicts.append(classify(spec, runner(spec), load_golden(spec.name, directory)))
+    except Exception as err:
+      verdicts.append(Verdict(spec.name, "regression", detail=f"{type(err).__name__}: {err}"))
+  ok = all(v.status in ("identical", "drift") for v in verdicts)
+  return verdicts, ok
+
+
+def update(runner: Callable[[GoldenSpec], dict] = run_kernel_for, corpus=CORPUS,
+           directory: Path = GOLDEN_DIR, device: str = "", jax_version: str = "") -> list[Verdict]:
+  """Regenerate every golden; returns the verdicts of new against old.
+
+  A case whose new output breaks the tolerance rule is not written: a
+  golden must itself be right.
+  """
+  directory.mkdir(parents=True, exist_ok=True)
+  manifest_path = directory / "manifest.json"
+  manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+  verdicts = []
+  for spec in corpus:
+    new = runner(spec)
+    verdict = classify(spec, new, load_golden(spec.name, directory))
+    verdicts.append(verdict)
+    if verdict.status == "regression":
+      continue
+    save_golden(spec.name, new, directory)
+    manifest[spec.name] = {
+        "spec": dataclasses.asdict(spec), "seed": spec.seed,
+        "config": None if spec.config is None else list(spec.config),
+        "device": device, "jax": jax_version, "kernel_source": kernel_source_hash(),
+        "checksums": {k: _checksum(new[k]) for k in ARRAYS},
+    }
+  manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+  return verdicts
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m harness golden")
+  parser.add_argument("action", choices=("check", "update"))
+  parser.add_argument("--dir", default=str(GOLDEN_DIR))
+  args = parser.parse_args(argv)
+  from kernel import api
+  if api.sm90_device() is None:
+    print("golden: needs an sm90 GPU to run the kernel; nothing checked", file=sys.stderr)
+    return 2
+  import jax
+  directory = Path(args.dir)
+  if args.action == "check":
+    verdicts, ok = check(directory=directory)
+    print(render(verdicts))
+    return 0 if ok else 1
+  verdicts = update(directory=directory, device=api.sm90_device().device_kind,
+                    jax_version=jax.__version__)
+  print("golden update: new outputs against the previous goldens (written unless a regression):")
+  print(render(verdicts))
+  return 0

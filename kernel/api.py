@@ -15,6 +15,7 @@ the output rows whose logits or values touch it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from kernel import plan as plan_lib
 from kernel.config import Config
+from kernel.backward_xla import attention_backward
 from kernel.forward import Features, flash_attention_forward
 from kernel.validation import validate_attention_args
 
@@ -123,8 +125,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   in_dtype = jnp.dtype(query.dtype)
   problem = plan_lib.problem_for(query.shape, key.shape, value.shape, in_dtype,
                                  is_causal=is_causal, return_residuals=return_residuals)
-  dtype = jnp.dtype(problem.dtype)
-  config = _choose_config(problem, config)
+  # The heuristic picks a config that also fits with residuals, which the
+  # forward of jax.grad stores for the backward.
+  config = _choose_config(
+      dataclasses.replace(problem, return_residuals=True) if config is None else problem,
+      config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
       is_causal=bool(is_causal),
@@ -134,11 +139,47 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
       residual_m_base2=bool(_residual_m_base2))
-  out, residuals = _forward(query, key, value, bias, mask, k_start, k_end,
-                            features=features, config=config, dtype=dtype,
-                            num_sms=_num_sms())
-  out = out.astype(in_dtype)
+  attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem)
+  out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
   return (out, residuals) if return_residuals else out
+
+
+def _differentiable(features: Features, config: Config, dtype, num_sms: int,
+                    problem: plan_lib.Problem):
+  """The forward kernel under a custom_vjp whose backward reads the kernel's
+  own residuals (out, and m in natural log, l): kernel/backward_xla.py."""
+
+  def run(f, q, k, v, bias, mask, ks, ke):
+    out, res = _forward(q, k, v, bias, mask, ks, ke, features=f, config=config,
+                        dtype=dtype, num_sms=num_sms)
+    return out.astype(q.dtype), res
+
+  @jax.custom_vjp
+  def attention(q, k, v, bias, mask, ks, ke):
+    return run(features, q, k, v, bias, mask, ks, ke)
+
+  def fwd(q, k, v, bias, mask, ks, ke):
+    if not features.normalize_output:
+      raise NotImplementedError(
+          "normalize_output: gradients are defined for the normalised output only")
+    plan_lib.check_fits(dataclasses.replace(problem, return_residuals=True), config)
+    with_res = dataclasses.replace(features, return_residuals=True)
+    out, (m, l) = run(with_res, q, k, v, bias, mask, ks, ke)
+    primal = (out, (m, l) if features.return_residuals else None)
+    return primal, (q, k, v, bias, mask, ks, ke, out, m, l)
+
+  def bwd(saved, cotangents):
+    # Cotangents of m and l are not propagated: the residuals are outputs
+    # for the backward kernel, not differentiable quantities (documented).
+    q, k, v, bias, mask, ks, ke, out, m, l = saved
+    d_out, _ = cotangents
+    dq, dk, dv, dbias = attention_backward(
+        q, k, v, bias, mask, ks, ke, out, m, l, d_out, scale=features.scale,
+        is_causal=features.is_causal, logits_soft_cap=features.logits_soft_cap)
+    return dq, dk, dv, dbias, None, None, None
+
+  attention.defvjp(fwd, bwd)
+  return attention
 
 
 @functools.partial(jax.jit, static_argnames=("features", "config", "dtype", "num_sms"))

@@ -88,10 +88,12 @@ def _pad_axis(x, axis, multiple, mode="constant"):
   return jnp.pad(x, widths, mode=mode)
 
 
-def _choose_config(problem: plan_lib.Problem, config: Config | None) -> Config:
+def _choose_config(problem: plan_lib.Problem, config: Config | None, **features) -> Config:
   if config is None:
-    from kernel import heuristics
-    config = heuristics.get_heuristics_config(problem)
+    from kernel import autotune
+    device = None if getattr(_state, "lowering_only", False) else sm90_device()
+    config = autotune.choose(problem, None if device is None else device.device_kind,
+                             **features)
   plan_lib.check_fits(problem, config)
   return config
 
@@ -129,7 +131,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   # forward of jax.grad stores for the backward.
   config = _choose_config(
       dataclasses.replace(problem, return_residuals=True) if config is None else problem,
-      config)
+      config, has_bias=bias is not None, has_mask=mask is not None,
+      has_key_ranges=k_start is not None or k_end is not None)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
       is_causal=bool(is_causal),

@@ -1,0 +1,69 @@
+"""The autotuner's cache and selection logic (timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kernel import autotune, heuristics, plan
+from kernel.config import Config
+
+PROBLEM = plan.problem_for((4, 4096, 16, 128), (4, 4096, 16, 128), (4, 4096, 16, 128),
+                           "bfloat16")
+
+
+def test_signature_buckets_sequence_lengths_and_names_features():
+  other = dataclasses.replace(PROBLEM, seq_q=3000, seq_kv=2100)
+  assert autotune.signature(PROBLEM) == autotune.signature(other)
+  assert autotune.signature(PROBLEM) != autotune.signature(dataclasses.replace(PROBLEM, seq_q=5000))
+  assert autotune.signature(PROBLEM, has_bias=True).endswith("-bias")
+  assert "causal" in autotune.signature(dataclasses.replace(PROBLEM, is_causal=True))
+
+
+def test_record_then_lookup_round_trips(tmp_path):
+  cache = tmp_path / "cache.json"
+  assert autotune.lookup(PROBLEM, "NVIDIA H200", path=cache) is None
+  best = Config(64, 128, 2, persistent=True)
+  autotune.record(PROBLEM, "NVIDIA H200", best, {str(best): 0.9}, path=cache)
+  assert autotune.lookup(PROBLEM, "NVIDIA H200", path=cache) == best
+  assert autotune.lookup(PROBLEM, "NVIDIA H100", path=cache) is None
+  assert autotune.lookup(PROBLEM, "NVIDIA H200", path=cache, has_mask=True) is None
+
+
+def test_a_cached_config_that_no_longer_fits_is_ignored(tmp_path):
+  cache = tmp_path / "cache.json"
+  big = dataclasses.replace(PROBLEM, head_dim=256, head_dim_out=256)
+  autotune.record(big, "NVIDIA H200", Config(128, 256, 4, persistent=True), {}, path=cache)
+  assert autotune.lookup(big, "NVIDIA H200", path=cache) is None
+
+
+def test_tune_keeps_the_fastest_and_skips_candidates_that_fail():
+  candidates = heuristics.get_autotuning_configs(PROBLEM)
+  assert len(candidates) > 3
+  target = candidates[2]
+
+  def run(config):
+    if config == candidates[0]:
+      raise RuntimeError("does not compile")
+    return 1.0 if config == target else 2.0 + candidates.index(config)
+
+  best, timings = autotune.tune(PROBLEM, run)
+  assert best == target
+  assert isinstance(timings[str(candidates[0])], str)
+
+
+def test_choose_falls_back_to_the_heuristic():
+  assert autotune.choose(PROBLEM, None) == heuristics.get_heuristics_config(PROBLEM)
+  assert autotune.choose(PROBLEM, "a GPU nobody tuned") == heuristics.get_heuristics_config(PROBLEM)
+
+
+def test_the_shipped_cache_is_well_formed():
+  if not autotune.CACHE_PATH.exists():
+    pytest.skip("no autotune cache shipped yet: it is produced on an H200 (python -m kernel.autotune)")
+  data = autotune.load_cache()
+  assert data, "the shipped cache is empty"
+  for device, entries in data.items():
+    for sig, entry in entries.items():
+      Config(**entry["config"])  # validates

@@ -34,6 +34,8 @@ def fixed_cases():
       ("bq128-3stages", dict(seq_q=512, seq_kv=1024, heads=2, head_dim=128), Config(128, 64, 3)),
       ("4stages-bkv64", dict(seq_q=300, seq_kv=700, head_dim=64), Config(64, 64, 4)),
       ("threshold-0", dict(seq_q=256, seq_kv=1024, head_dim=64, rescale_threshold=0.0), None),
+      ("f16-threshold-0", dict(seq_q=256, seq_kv=1024, head_dim=64, dtype="float16",
+                               rescale_threshold=0.0), None),
       ("threshold-tiny", dict(seq_q=256, seq_kv=1024, head_dim=64, rescale_threshold=1e-30), None),
       ("threshold-0.5-unnormalised", dict(seq_q=256, seq_kv=1024, head_dim=64, rescale_threshold=0.5,
                                           normalize_output=False), None),

@@ -71,6 +71,18 @@ def _check_device():
         "other machines, or kernel.api.lowering_only() to lower for CUDA.")
 
 
+# A deferred rescale leaves p as large as 1 / rescale_threshold before it is
+# cast to the input dtype; float16 overflows past 65504, so for float16 the
+# threshold is raised to 2**-14 (p <= 16384).  bf16's range needs no guard.
+F16_MIN_THRESHOLD = 2.0 ** -14
+
+
+def _effective_threshold(threshold: float, dtype) -> float:
+  if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:
+    return F16_MIN_THRESHOLD
+  return threshold
+
+
 def _num_sms() -> int:
   """Streaming multiprocessors of the sm90 GPU (132 on H100 SXM and H200;
   also the value used when lowering without a GPU)."""
@@ -137,7 +149,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       scale=float(shapes.H ** -0.5 if scale is None else scale),
       is_causal=bool(is_causal),
       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      rescale_threshold=float(rescale_threshold),
+      rescale_threshold=_effective_threshold(float(rescale_threshold), problem.dtype),
       normalize_output=bool(normalize_output),
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,

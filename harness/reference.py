@@ -1,0 +1,537 @@
+"""Float64 NumPy reference for attention, its residuals and its gradients.
+
+Semantics (the letters and layout are those of ``kernel/validation.py``)::
+
+  u[b, n, i, j] = scale * <query[b, i, n], key[b, j, n // G]> + bias[b, n, i, j]
+  s = cap * tanh(u / cap)      if logits_soft_cap (= cap) is set, else s = u
+  key j takes part in row i iff  mask[b, n, i, j]                (if a mask)
+                            and  j <= i                          (if is_causal)
+                            and  k_start[b, n, i] <= j < k_end[b, n, i]
+  m   = max_j s[.., j]                       over the keys that take part
+  l   = sum_j exp(s[.., j] - m)              over the keys that take part
+  out = sum_j exp(s[.., j] - m) value[b, j, n // G] / l
+
+``G = N // K`` query heads share a key/value head; ``scale`` defaults to
+``1 / sqrt(H)``; the causal mask is aligned top-left, as in
+``jax.nn.dot_product_attention`` (row i sees keys 0..i whatever T and S are).
+
+Residuals: ``m`` and ``l`` have shape (B, N, T). ``m`` is in NATURAL-log space
+(the kernel keeps its running max in base 2 and must divide by log2(e) before
+storing it, see seed 000). ``l`` is relative to the true row max ``m`` (the
+kernel must apply any pending rescale factor before storing it).
+
+FULLY MASKED ROW CONTRACT. A row is fully masked when no key takes part, or
+when every key that takes part has logit ``s = -inf`` (e.g. a ``-inf`` bias;
+with a soft cap, ``tanh`` maps ``-inf`` to ``-cap``, which is finite). For such
+a row::
+
+  out = 0,  m = -inf,  l = 0,
+  dq = 0 for that row, and the row adds nothing to dk, dv or dbias.
+
+No NaN or infinity other than ``m = -inf`` appears for such a row, whatever
+the values of the masked keys. The kernel follows the same contract.
+
+NaN and infinity in the inputs. The reference uses IEEE arithmetic over the
+keys that take part: a NaN in the row's query, or in a key, bias or value entry
+that takes part in the row, makes the row's output NaN (and m, l NaN when the
+NaN reaches a logit); a ``+inf`` logit gives ``inf - inf = NaN``. A key that
+takes part in no way is absent: NaN or infinity in its key, value or bias
+entries does not reach the row. A blocked kernel computes ``p @ v`` over whole
+key blocks, so a non-finite VALUE of a masked key can still reach the other
+rows of its block through ``0 * NaN``; conformance tests therefore put
+non-finite inputs only where they take part. The fully masked row contract
+holds regardless (out = 0).
+
+Public functions:
+
+* :func:`attention_reference` -- forward pass, float64, with residuals.
+* :func:`attention_reference_vjp` -- float64 gradients.
+* :func:`backward_from_residuals` -- the backward pass fed with GIVEN
+  residuals (out, m, l), so that wrong residuals give wrong gradients.
+* :func:`naive_attention` / :func:`naive_attention_vjp` -- the same maths done
+  naively in a low-precision dtype, every op's result rounded to it; used only
+  as the "naive same-dtype implementation" of the tolerance rule
+  (``harness/tolerance.py``).
+* :func:`key_visibility` -- which keys take part in which row.
+
+Nothing here touches global JAX configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from kernel.validation import (
+  AttentionShapes,
+  bfloat16,
+  float16,
+  float32,
+  float64,
+  validate_attention_args,
+)
+
+__all__ = [
+  "REFERENCE_DTYPES",
+  "Reference",
+  "Gradients",
+  "attention_reference",
+  "attention_reference_vjp",
+  "backward_from_residuals",
+  "naive_attention",
+  "naive_attention_vjp",
+  "key_visibility",
+  "reduce_to_shape",
+]
+
+# The reference also takes float64 inputs (finite differences need them).
+REFERENCE_DTYPES = (float16, bfloat16, float32, float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """Forward result of :func:`attention_reference`, all float64.
+
+  out:     (B, T, N, Hv)
+  m:       (B, N, T) row max of the logits, natural log; -inf on fully masked rows
+  l:       (B, N, T) sum of exp(s - m); 0 on fully masked rows
+  logits:  (B, N, T, S) s (after the soft cap), -inf where the key is masked
+  probs:   (B, N, T, S) softmax probabilities, 0 where masked / fully masked
+  visible: (B, N, T, S) bool, whether key j takes part in row i
+  """
+
+  out: np.ndarray
+  m: np.ndarray
+  l: np.ndarray
+  logits: np.ndarray
+  probs: np.ndarray
+  visible: np.ndarray
+
+  @property
+  def lse(self) -> np.ndarray:
+    """Natural log-sum-exp, m + log(l); -inf on fully masked rows."""
+    with np.errstate(divide="ignore"):
+      return self.m + np.log(self.l)
+
+  @property
+  def fully_masked(self) -> np.ndarray:
+    """(B, N, T) bool: rows covered by the fully masked row contract."""
+    return self.m == -np.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+  """Gradients of sum(out * d_out). dbias has bias's own shape (None without bias)."""
+
+  dq: np.ndarray
+  dk: np.ndarray
+  dv: np.ndarray
+  dbias: np.ndarray | None
+
+
+# ---------------------------------------------------------------------------
+# Shared pieces.
+
+
+def _f64(x: Any) -> np.ndarray:
+  return np.asarray(x).astype(np.float64)
+
+
+def key_visibility(
+  shapes: AttentionShapes,
+  mask: Any = None,
+  *,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+) -> np.ndarray:
+  """(B, N, T, S) bool: key j takes part in row i (mask, causal, key range)."""
+  B, N, T, S = shapes.logits_shape
+  visible = np.ones((B, N, T, S), dtype=bool)
+  if mask is not None:
+    visible &= np.broadcast_to(np.asarray(mask, dtype=bool), visible.shape)
+  j = np.arange(S)
+  if is_causal:
+    i = np.arange(T)
+    visible &= (j[None, :] <= i[:, None])[None, None]
+  if k_start is not None:
+    start = np.broadcast_to(np.asarray(k_start).astype(np.int64), (B, N, T))
+    visible &= j >= start[..., None]
+  if k_end is not None:
+    end = np.broadcast_to(np.asarray(k_end).astype(np.int64), (B, N, T))
+    visible &= j < end[..., None]
+  return visible
+
+
+def reduce_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+  """Sum ``x`` over the axes that broadcasting ``shape`` to ``x.shape`` added."""
+  shape = tuple(shape)
+  lead = x.ndim - len(shape)
+  x = x.sum(axis=tuple(range(lead))) if lead else x
+  axes = tuple(a for a, d in enumerate(shape) if d == 1 and x.shape[a] != 1)
+  if axes:
+    x = x.sum(axis=axes, keepdims=True)
+  return x.reshape(shape)
+
+
+def _heads_first(x: np.ndarray) -> np.ndarray:
+  """(B, L, heads, D) -> (B, heads, L, D)."""
+  return np.ascontiguousarray(np.swapaxes(x, 1, 2))
+
+
+def _expand_kv(x: np.ndarray, group: int) -> np.ndarray:
+  """(B, L, K, D) -> (B, N, L, D) with query head n reading kv head n // group."""
+  return np.repeat(_heads_first(x), group, axis=1)
+
+
+def _sum_groups(x: np.ndarray, group: int) -> np.ndarray:
+  """(B, N, L, D) -> (B, L, K, D), summing the query heads of each kv head."""
+  B, N, L, D = x.shape
+  return np.swapaxes(x.reshape(B, N // group, group, L, D).sum(axis=2), 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Logits:
+  shapes: AttentionShapes
+  scale: float
+  q: np.ndarray  # (B, N, T, H)
+  k: np.ndarray  # (B, N, S, H), expanded over the query heads
+  v: np.ndarray  # (B, N, S, Hv), expanded over the query heads
+  u: np.ndarray  # (B, N, T, S) before the soft cap
+  s: np.ndarray  # (B, N, T, S) after the soft cap, not masked
+  visible: np.ndarray  # (B, N, T, S)
+  bias_shape: tuple[int, ...] | None
+  cap: float | None
+
+
+def _logits(query, key, value, bias, mask, *, scale, is_causal, k_start, k_end,
+            logits_soft_cap) -> _Logits:
+  shapes = validate_attention_args(
+    query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
+    logits_soft_cap=logits_soft_cap, allowed_dtypes=REFERENCE_DTYPES)
+  scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
+  g = shapes.group_size
+  q = _heads_first(_f64(query))
+  k = _expand_kv(_f64(key), g)
+  v = _expand_kv(_f64(value), g)
+  with np.errstate(invalid="ignore", over="ignore"):
+    u = scale * (q @ np.swapaxes(k, -1, -2))
+    bias_shape = None
+    if bias is not None:
+      b = _f64(bias)
+      bias_shape = b.shape
+      u = u + b
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    s = u if cap is None else cap * np.tanh(u / cap)
+  visible = key_visibility(shapes, mask, is_causal=is_causal, k_start=k_start,
+                           k_end=k_end)
+  return _Logits(shapes, scale, q, k, v, u, s, visible, bias_shape, cap)
+
+
+def _active_matmul(a: np.ndarray, b: np.ndarray, active: np.ndarray) -> np.ndarray:
+  """sum_j a[.., i, j] * b[.., j, c] over the ``active`` (i, j) pairs only.
+
+  ``a`` is zero off ``active``. A plain matmul would still turn a
+  non-finite entry of ``b`` that only inactive pairs touch into NaN (0 * inf),
+  so non-finite entries are zeroed for the matmul and their IEEE effect on
+  the active pairs is put back from counts: NaN if an active pair meets a NaN
+  or computes 0 * inf (or meets both infinities), otherwise the infinity met.
+  """
+  finite = np.isfinite(b)
+  if finite.all():
+    return a @ b
+  out = a @ np.where(finite, b, 0.0)
+  act = active.astype(np.float64)
+  hits = lambda x, y: (x @ y.astype(np.float64)) > 0
+  nan = hits(act, np.isnan(b)) | hits(act * (a == 0), np.isinf(b))
+  pos = hits(act * (a > 0), b == np.inf) | hits(act * (a < 0), b == -np.inf)
+  neg = hits(act * (a > 0), b == -np.inf) | hits(act * (a < 0), b == np.inf)
+  out = np.where(pos, np.inf, out)
+  out = np.where(neg, -np.inf, out)
+  return np.where(nan | (pos & neg), np.nan, out)
+
+
+# ---------------------------------------------------------------------------
+# Forward.
+
+
+def attention_reference(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any = None,
+  mask: Any = None,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: float | None = None,
+) -> Reference:
+  """Attention in float64 with residuals m, l (natural log, (B, N, T)).
+
+  Inputs of any dtype in ``REFERENCE_DTYPES`` are converted exactly to float64.
+  See the module docstring for the semantics and the fully masked row contract.
+  """
+  lg = _logits(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap)
+  with np.errstate(invalid="ignore", over="ignore"):
+    logits = np.where(lg.visible, lg.s, -np.inf)
+    m = logits.max(axis=-1)  # NaN propagates through max
+    empty = m == -np.inf
+    m_safe = np.where(empty, 0.0, m)
+    e = np.where(lg.visible, np.exp(logits - m_safe[..., None]), 0.0)
+    l = e.sum(axis=-1)
+    probs = np.where(empty[..., None], 0.0, e / np.where(empty, 1.0, l)[..., None])
+  active = lg.visible & ~empty[..., None]
+  out = _heads_first(_active_matmul(probs, lg.v, active))
+  return Reference(out=out, m=m, l=l, logits=logits, probs=probs,
+                   visible=lg.visible)
+
+
+# ---------------------------------------------------------------------------
+# Backward.
+
+
+def _check_like(name: str, x: Any, shape: tuple[int, ...]) -> np.ndarray:
+  arr = _f64(x)
+  if arr.shape != tuple(shape):
+    raise ValueError(f"{name}: expected shape {tuple(shape)}, got {arr.shape}")
+  return arr
+
+
+def _backward(lg: _Logits, out, m, l, d_out) -> Gradients:
+  sh = lg.shapes
+  out = _check_like("out", out, (sh.B, sh.T, sh.N, sh.Hv))
+  m = _check_like("m", m, sh.row_shape)
+  l = _check_like("l", l, sh.row_shape)
+  d_out = _check_like("d_out", d_out, (sh.B, sh.T, sh.N, sh.Hv))
+  g = sh.group_size
+  with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+    # l == 0 marks a fully masked row: it contributes nothing. Any other l
+    # (NaN included) is used as given, so bad residuals show in the gradients.
+    live = ~(l == 0)
+    use = lg.visible & live[..., None]
+    use_t = np.swapaxes(use, -1, -2)
+    p = np.where(use, np.exp(lg.s - m[..., None]) / l[..., None], 0.0)
+    do = _heads_first(d_out)  # (B, N, T, Hv)
+    dv = _sum_groups(_active_matmul(np.swapaxes(p, -1, -2), do, use_t), g)
+    dp = do @ np.swapaxes(lg.v, -1, -2)  # (B, N, T, S), read only where used
+    delta = np.einsum("btnd,btnd->bnt", d_out, out)
+    ds = p * (dp - delta[..., None])
+    if lg.cap is not None:
+      ds = ds * (1.0 - np.tanh(lg.u / lg.cap) ** 2)
+    ds = np.where(use, ds, 0.0)
+    dq = _heads_first(lg.scale * _active_matmul(ds, lg.k, use))
+    dk = _sum_groups(
+      lg.scale * _active_matmul(np.swapaxes(ds, -1, -2), lg.q, use_t), g)
+  dbias = None if lg.bias_shape is None else reduce_to_shape(ds, lg.bias_shape)
+  return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)
+
+
+def backward_from_residuals(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  mask: Any,
+  out: Any,
+  m: Any,
+  l: Any,
+  d_out: Any,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: float | None = None,
+) -> Gradients:
+  """Float64 gradients of sum(out * d_out) recomputed from GIVEN residuals.
+
+  This is what a flash-attention backward kernel does: P = exp(s - m) / l from
+  the stored m, l (natural log, (B, N, T)) and delta = rowsum(d_out * out) from
+  the stored output. Rows with l == 0 are treated as fully masked. Wrong
+  residuals (e.g. m left in base 2) give wrong gradients.
+  """
+  lg = _logits(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap)
+  return _backward(lg, out, m, l, d_out)
+
+
+def attention_reference_vjp(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  mask: Any,
+  d_out: Any,
+  *,
+  scale: float | None = None,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: float | None = None,
+) -> Gradients:
+  """Float64 gradients of sum(out * d_out) w.r.t. query, key, value and bias.
+
+  dk, dv are summed over the query heads that share a key/value head; dbias is
+  summed down to bias's own shape. Equals :func:`backward_from_residuals`
+  applied to the reference's own residuals.
+  """
+  kw = dict(scale=scale, is_causal=is_causal, k_start=k_start, k_end=k_end,
+            logits_soft_cap=logits_soft_cap)
+  ref = attention_reference(query, key, value, bias, mask, **kw)
+  lg = _logits(query, key, value, bias, mask, **kw)
+  return _backward(lg, ref.out, ref.m, ref.l, d_out)
+
+
+# ---------------------------------------------------------------------------
+# Naive same-dtype implementation (the tolerance rule's yardstick).
+
+
+def _rounder(dtype):
+  dtype = np.dtype(dtype)
+  if dtype not in (float16, bfloat16, float32):
+    raise ValueError(f"dtype: naive attention supports float16, bfloat16, "
+                     f"float32, got {dtype}")
+
+  def r(x):
+    # Compute in float32 (what the hardware accumulates in), store in dtype.
+    return np.asarray(x, dtype=np.float32).astype(dtype).astype(np.float32)
+
+  return r
+
+
+@dataclasses.dataclass(frozen=True)
+class _NaiveForward:
+  q: np.ndarray
+  k: np.ndarray
+  v: np.ndarray
+  u: np.ndarray
+  tanh: np.ndarray | None
+  visible: np.ndarray
+  probs: np.ndarray
+  out: np.ndarray  # (B, N, T, Hv)
+  m: np.ndarray
+  l: np.ndarray
+  scale: np.float32
+  bias_shape: tuple[int, ...] | None
+  shapes: AttentionShapes
+
+
+def _naive_forward(query, key, value, bias, mask, *, dtype, scale, is_causal,
+                   k_start, k_end, logits_soft_cap) -> _NaiveForward:
+  shapes = validate_attention_args(
+    query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
+    logits_soft_cap=logits_soft_cap, allowed_dtypes=REFERENCE_DTYPES)
+  r = _rounder(dtype)
+  g = shapes.group_size
+  scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
+  scale32 = r(scale)
+  q = r(_heads_first(np.asarray(query).astype(np.float32)))
+  k = r(_expand_kv(np.asarray(key).astype(np.float32), g))
+  v = r(_expand_kv(np.asarray(value).astype(np.float32), g))
+  with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+    u = r(r(q @ np.swapaxes(k, -1, -2)) * scale32)
+    bias_shape = None
+    if bias is not None:
+      b = np.asarray(bias).astype(np.float32)
+      bias_shape = b.shape
+      u = r(u + r(b))
+    t = None
+    s = u
+    if logits_soft_cap is not None:
+      cap = r(logits_soft_cap)
+      t = r(np.tanh(r(u / cap)))
+      s = r(cap * t)
+    visible = key_visibility(shapes, mask, is_causal=is_causal,
+                             k_start=k_start, k_end=k_end)
+    s = np.where(visible, s, -np.inf).astype(np.float32)
+    m = s.max(axis=-1)
+    empty = m == -np.inf
+    m_safe = np.where(empty, np.float32(0), m)
+    e = r(np.exp(r(s - m_safe[..., None])))
+    l = r(e.sum(axis=-1, dtype=np.float32))
+    probs = np.where(empty[..., None], np.float32(0),
+                     r(e / np.where(empty, np.float32(1), l)[..., None]))
+    out = r(probs @ v)
+  return _NaiveForward(q, k, v, u, t, visible, probs, out, m, l, scale32,
+                       bias_shape, shapes)
+
+
+def naive_attention(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any = None,
+  mask: Any = None,
+  *,
+  dtype: Any,
+  scale: float | None = None,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The textbook computation in ``dtype``: (out (B,T,N,Hv), m, l (B,N,T)), float64.
+
+  Inputs are rounded to ``dtype``; each op computes in float32 (matrix
+  products accumulate in float32, as tensor cores do) and rounds its result to
+  ``dtype``. m is the row max of the rounded logits (natural log), l the
+  rounded sum of the rounded exponentials. Follows the fully masked row
+  contract. For the tolerance rule only.
+  """
+  f = _naive_forward(query, key, value, bias, mask, dtype=dtype, scale=scale,
+                     is_causal=is_causal, k_start=k_start, k_end=k_end,
+                     logits_soft_cap=logits_soft_cap)
+  return (_heads_first(f.out).astype(np.float64), f.m.astype(np.float64),
+          f.l.astype(np.float64))
+
+
+def naive_attention_vjp(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  mask: Any,
+  d_out: Any,
+  *,
+  dtype: Any,
+  scale: float | None = None,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: float | None = None,
+) -> Gradients:
+  """Textbook backward in ``dtype`` (every op rounded), returned in float64.
+
+  The yardstick of the tolerance rule for dq, dk, dv, dbias.
+  """
+  f = _naive_forward(query, key, value, bias, mask, dtype=dtype, scale=scale,
+                     is_causal=is_causal, k_start=k_start, k_end=k_end,
+                     logits_soft_cap=logits_soft_cap)
+  r = _rounder(dtype)
+  sh = f.shapes
+  g = sh.group_size
+  do = _check_like("d_out", d_out, (sh.B, sh.T, sh.N, sh.Hv))
+  with np.errstate(invalid="ignore", over="ignore"):
+    do = r(_heads_first(do))
+    p = f.probs
+    dv = r(_sum_groups(r(np.swapaxes(p, -1, -2) @ do), g))
+    dp = r(do @ np.swapaxes(f.v, -1, -2))
+    delta = r(r(p * dp).sum(axis=-1, dtype=np.float32))
+    ds = np.where(f.visible, r(p * r(dp - delta[..., None])), np.float32(0))
+    if f.tanh is not None:
+      ds = r(ds * r(1 - r(f.tanh * f.tanh)))
+    dbias = None
+    if f.bias_shape is not None:
+      dbias = r(reduce_to_shape(ds, f.bias_shape)).astype(np.float64)
+    ds_scaled = r(ds * f.scale)
+    dq = r(ds_scaled @ f.k)
+    dk = r(_sum_groups(r(np.swapaxes(ds_scaled, -1, -2) @ f.q), g))
+  return Gradients(dq=_heads_first(dq).astype(np.float64),
+                   dk=dk.astype(np.float64), dv=dv.astype(np.float64),
+                   dbias=dbias)

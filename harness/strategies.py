@@ -1,0 +1,423 @@
+"""Hypothesis strategies for attention calls.
+
+Small composable strategies, each named for what it draws:
+
+* :func:`attention_shapes` -- (B, T, N, H, S, K, Hv) with ragged lengths
+  (1, primes, 113, 203, 239, ...), GQA ratios 1/2/4 and odd head dims;
+* :func:`dtypes`, :func:`thresholds`, :func:`scales`, :func:`soft_caps`,
+  :func:`block_kvs`;
+* :func:`masks`, :func:`biases`, :func:`key_ranges` for a given shape, in every
+  broadcast shape (B|1, N|1, T|1, S|1);
+* :func:`attention_cases` -- a whole call as an :class:`AttentionCase`.
+
+Array contents are never drawn element by element: a case draws a seed and
+builds its arrays from ``numpy.random.default_rng(seed)`` (normal values, so
+never all zeros). The seed and every structural choice are in the case's
+``repr``, so ``build_case(<the printed CaseSpec>)`` rebuilds a failing case
+exactly.
+
+Defaults keep cases small enough for a CPU (seq <= 300, head dim <= 128);
+``big=True`` (or larger ``max_seq`` / ``max_head_dim``) draws GPU-sized ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from kernel.validation import AttentionShapes, bfloat16, float16, float32
+
+__all__ = [
+  "SEQ_LENGTHS",
+  "BIG_SEQ_LENGTHS",
+  "HEAD_DIMS",
+  "GQA_RATIOS",
+  "THRESHOLDS",
+  "BLOCK_KVS",
+  "MaskSpec",
+  "BiasSpec",
+  "KeyRangeSpec",
+  "CaseSpec",
+  "AttentionCase",
+  "build_case",
+  "attention_shapes",
+  "dtypes",
+  "thresholds",
+  "scales",
+  "soft_caps",
+  "block_kvs",
+  "broadcast_shapes",
+  "mask_specs",
+  "masks",
+  "bias_specs",
+  "biases",
+  "key_range_specs",
+  "key_ranges",
+  "attention_cases",
+]
+
+# Lengths that are not multiples of 64/128 on purpose, plus the edges.
+SEQ_LENGTHS = (1, 2, 3, 7, 13, 31, 63, 64, 65, 113, 127, 128, 129, 203, 239, 256, 257)
+BIG_SEQ_LENGTHS = (383, 511, 1000, 1023, 1024, 1031, 2048, 4096)
+HEAD_DIMS = (64, 128, 256, 72, 96)
+GQA_RATIOS = (1, 2, 4)
+# 0: never rescale after the first max; 1e-30: practically never; 0.5;
+# the largest float64 below 1 (guarded branch; it rounds to 1.0 in float32,
+# so it rescales on any move of the max) and the largest float32 below 1;
+# exactly 1.0 (the textbook branch of its own).
+THRESHOLDS = (0.0, 1e-30, 0.5, float(np.nextafter(1.0, 0.0)),
+              float(np.nextafter(np.float32(1), np.float32(0))), 1.0)
+BLOCK_KVS = (16, 32, 64, 128)
+
+
+# ---------------------------------------------------------------------------
+# Scalars.
+
+
+def dtypes() -> st.SearchStrategy[np.dtype]:
+  """The kernel's input dtypes: bfloat16, float16, float32."""
+  return st.sampled_from((bfloat16, float16, float32))
+
+
+def thresholds() -> st.SearchStrategy[float]:
+  """rescale_threshold in [0, 1], the edge values most often."""
+  return st.one_of(
+    st.sampled_from(THRESHOLDS),
+    st.floats(0.0, 1.0, allow_nan=False),
+  )
+
+
+def scales() -> st.SearchStrategy[float | None]:
+  """None (1/sqrt(H)) most often, else a finite scale, negative ones included."""
+  return st.one_of(
+    st.none(),
+    st.sampled_from((0.05, 0.125, 0.3, 1.0, -0.2)),
+    st.floats(-0.5, 0.5, allow_nan=False, allow_infinity=False),
+  )
+
+
+def soft_caps() -> st.SearchStrategy[float | None]:
+  """None or a soft cap > 0."""
+  return st.one_of(
+    st.none(),
+    st.sampled_from((1.0, 5.0, 30.0)),
+    st.floats(0.5, 50.0, allow_nan=False, allow_infinity=False),
+  )
+
+
+def block_kvs() -> st.SearchStrategy[int]:
+  """Key block sizes of the online-softmax model."""
+  return st.sampled_from(BLOCK_KVS)
+
+
+# ---------------------------------------------------------------------------
+# Shapes.
+
+
+@st.composite
+def attention_shapes(
+  draw,
+  *,
+  max_batch: int = 2,
+  max_seq: int = 300,
+  max_head_dim: int = 128,
+  max_kv_heads: int = 2,
+  big: bool = False,
+) -> AttentionShapes:
+  """Shapes of one call; ragged sequence lengths on purpose."""
+  lengths = SEQ_LENGTHS + (BIG_SEQ_LENGTHS if big else ())
+  if big:
+    max_seq = max(max_seq, max(BIG_SEQ_LENGTHS))
+    max_head_dim = max(max_head_dim, max(HEAD_DIMS))
+  lengths = tuple(n for n in lengths if n <= max_seq) or (1,)
+  seq = st.one_of(st.sampled_from(lengths), st.integers(1, max_seq))
+  head_dims = tuple(h for h in HEAD_DIMS if h <= max_head_dim) or (max_head_dim,)
+  B = draw(st.integers(1, max_batch))
+  T = draw(seq)
+  S = draw(seq)
+  K = draw(st.integers(1, max_kv_heads))
+  N = K * draw(st.sampled_from(GQA_RATIOS))
+  H = draw(st.sampled_from(head_dims))
+  Hv = draw(st.one_of(st.just(H), st.sampled_from(head_dims)))
+  return AttentionShapes(B=B, T=T, N=N, H=H, S=S, K=K, Hv=Hv)
+
+
+@st.composite
+def broadcast_shapes(draw, target: tuple[int, ...]) -> tuple[int, ...]:
+  """A shape broadcastable to ``target``: each dim full or 1, leading 1s
+  possibly dropped (rank < len(target))."""
+  dims = [draw(st.sampled_from((t, 1))) if t != 1 else 1 for t in target]
+  lead = 0
+  while lead < len(dims) and dims[lead] == 1 and draw(st.booleans()):
+    lead += 1
+  return tuple(dims[lead:])
+
+
+# ---------------------------------------------------------------------------
+# Masks, biases, key ranges: specs that build arrays from a seed.
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """A random bool mask: True (attend) with probability ``density``."""
+
+  shape: tuple[int, ...]
+  density: float
+  seed: int
+  empty_rows: float = 0.0  # fraction of rows forced fully False
+  keep_first_key: bool = False  # force key 0 visible (no fully masked rows)
+
+  def build(self) -> np.ndarray:
+    rng = np.random.default_rng(self.seed)
+    mask = rng.random(self.shape) < self.density
+    if self.empty_rows and mask.ndim >= 1:
+      rows = rng.random(self.shape[:-1]) < self.empty_rows
+      mask = mask & ~rows[..., None]
+    if self.keep_first_key and mask.ndim >= 1:
+      mask[..., 0] = True
+    return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasSpec:
+  """A random normal bias of standard deviation ``std``, a fraction
+  ``neg_inf`` of its entries -inf (an additive mask)."""
+
+  shape: tuple[int, ...]
+  std: float
+  seed: int
+  neg_inf: float = 0.0
+
+  def build(self, dtype: Any) -> np.ndarray:
+    rng = np.random.default_rng(self.seed)
+    bias = rng.standard_normal(self.shape) * self.std
+    if self.neg_inf:
+      bias = np.where(rng.random(self.shape) < self.neg_inf, -np.inf, bias)
+    return bias.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRangeSpec:
+  """Per-row key ranges [k_start, k_end), some empty (k_start >= k_end).
+
+  ``which`` is "both", "start" or "end" (the other bound left None).
+  """
+
+  shape: tuple[int, ...]
+  S: int
+  seed: int
+  which: str = "both"
+
+  def build(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+    rng = np.random.default_rng(self.seed)
+    start = rng.integers(-1, self.S + 1, self.shape)
+    end = start + rng.integers(-2, self.S + 2, self.shape)
+    start, end = start.astype(np.int32), end.astype(np.int32)
+    if self.which == "start":
+      return start, None
+    if self.which == "end":
+      return None, np.clip(end, 0, None).astype(np.int32)
+    return start, end
+
+
+_seeds = st.integers(0, 2**32 - 1)
+
+
+@st.composite
+def mask_specs(draw, shapes: AttentionShapes, *, allow_fully_masked: bool = True
+               ) -> MaskSpec:
+  shape = draw(broadcast_shapes(shapes.logits_shape))
+  density = draw(st.sampled_from((0.0, 0.1, 0.5, 0.9, 1.0)))
+  empty_rows = 0.0
+  if allow_fully_masked:
+    empty_rows = draw(st.sampled_from((0.0, 0.0, 0.2)))
+  else:
+    density = max(density, 0.1)
+  return MaskSpec(shape=shape, density=density, seed=draw(_seeds),
+                  empty_rows=empty_rows, keep_first_key=not allow_fully_masked)
+
+
+def masks(shapes: AttentionShapes) -> st.SearchStrategy[np.ndarray | None]:
+  """None, or a random bool mask in any shape broadcastable to (B, N, T, S)."""
+  return st.one_of(st.none(), mask_specs(shapes).map(lambda spec: spec.build()))
+
+
+@st.composite
+def bias_specs(draw, shapes: AttentionShapes, *, allow_neg_inf: bool = True
+               ) -> BiasSpec:
+  shape = draw(broadcast_shapes(shapes.logits_shape))
+  std = draw(st.sampled_from((0.5, 1.0, 3.0)))
+  neg_inf = draw(st.sampled_from((0.0, 0.0, 0.0, 0.1))) if allow_neg_inf else 0.0
+  return BiasSpec(shape=shape, std=std, seed=draw(_seeds), neg_inf=neg_inf)
+
+
+def biases(shapes: AttentionShapes, dtype: Any = float32
+           ) -> st.SearchStrategy[np.ndarray | None]:
+  """None, or a random bias in any shape broadcastable to (B, N, T, S)."""
+  return st.one_of(
+    st.none(), bias_specs(shapes).map(lambda spec: spec.build(dtype)))
+
+
+@st.composite
+def key_range_specs(draw, shapes: AttentionShapes) -> KeyRangeSpec:
+  shape = draw(broadcast_shapes(shapes.row_shape))
+  which = draw(st.sampled_from(("both", "both", "start", "end")))
+  return KeyRangeSpec(shape=shape, S=shapes.S, seed=draw(_seeds), which=which)
+
+
+def key_ranges(shapes: AttentionShapes
+               ) -> st.SearchStrategy[tuple[np.ndarray | None, np.ndarray | None]]:
+  """(None, None), or per-row (k_start, k_end), empty ranges included."""
+  return st.one_of(
+    st.just((None, None)),
+    key_range_specs(shapes).map(lambda spec: spec.build()),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Whole cases.
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+  """Everything that determines an :class:`AttentionCase` (see build_case)."""
+
+  shapes: AttentionShapes
+  dtype: str
+  seed: int
+  scale: float | None = None
+  is_causal: bool = False
+  logits_soft_cap: float | None = None
+  mask: MaskSpec | None = None
+  bias: BiasSpec | None = None
+  key_range: KeyRangeSpec | None = None
+  input_std: float = 1.0
+
+
+class AttentionCase:
+  """One attention call: arrays built from ``spec`` (repr shows only the spec).
+
+  Attributes: query, key, value (in ``dtype``), bias (in ``dtype``) or None,
+  mask or None, k_start, k_end (int32) or None, d_out (float64 cotangent for
+  gradient tests).
+  """
+
+  def __init__(self, spec: CaseSpec):
+    self.spec = spec
+    sh = spec.shapes
+    self.dtype = np.dtype(spec.dtype)
+    rng = np.random.default_rng(spec.seed)
+
+    def normal(shape):
+      return (rng.standard_normal(shape) * spec.input_std).astype(self.dtype)
+
+    self.query = normal((sh.B, sh.T, sh.N, sh.H))
+    self.key = normal((sh.B, sh.S, sh.K, sh.H))
+    self.value = normal((sh.B, sh.S, sh.K, sh.Hv))
+    self.d_out = rng.standard_normal((sh.B, sh.T, sh.N, sh.Hv))
+    self.bias = None if spec.bias is None else spec.bias.build(self.dtype)
+    self.mask = None if spec.mask is None else spec.mask.build()
+    self.k_start, self.k_end = (None, None) if spec.key_range is None \
+      else spec.key_range.build()
+
+  @property
+  def shapes(self) -> AttentionShapes:
+    return self.spec.shapes
+
+  @property
+  def args(self) -> tuple:
+    """(query, key, value, bias, mask) positional arguments."""
+    return (self.query, self.key, self.value, self.bias, self.mask)
+
+  @property
+  def kwargs(self) -> dict[str, Any]:
+    """Keyword arguments shared by the reference, the model and the kernel."""
+    return dict(scale=self.spec.scale, is_causal=self.spec.is_causal,
+                k_start=self.k_start, k_end=self.k_end,
+                logits_soft_cap=self.spec.logits_soft_cap)
+
+  @property
+  def rtol(self) -> float:
+    from harness.tolerance import rtol_for
+    return rtol_for(self.spec.logits_soft_cap)
+
+  def describe(self) -> str:
+    """One line for hypothesis.note."""
+    s = self.spec
+    sh = s.shapes
+    parts = [
+      f"B={sh.B} T={sh.T} N={sh.N} H={sh.H} S={sh.S} K={sh.K} Hv={sh.Hv}",
+      f"dtype={s.dtype} seed={s.seed}",
+      f"scale={s.scale} causal={s.is_causal} soft_cap={s.logits_soft_cap}",
+      f"mask={None if s.mask is None else s.mask.shape}",
+      f"bias={None if s.bias is None else s.bias.shape}",
+      f"key_range={None if s.key_range is None else (s.key_range.shape, s.key_range.which)}",
+    ]
+    return "; ".join(parts)
+
+  def __repr__(self) -> str:
+    return f"build_case({self.spec!r})"
+
+
+def build_case(spec: CaseSpec) -> AttentionCase:
+  """Rebuild a case from its spec (what a failing example prints)."""
+  return AttentionCase(spec)
+
+
+@st.composite
+def attention_cases(
+  draw,
+  *,
+  max_batch: int = 2,
+  max_seq: int = 300,
+  max_head_dim: int = 128,
+  max_kv_heads: int = 2,
+  big: bool = False,
+  dtype: Any = None,
+  shapes: AttentionShapes | None = None,
+  allow_mask: bool = True,
+  allow_bias: bool = True,
+  allow_causal: bool = True,
+  allow_key_ranges: bool = True,
+  allow_soft_cap: bool = True,
+  allow_fully_masked: bool = True,
+  same_head_dims: bool = False,
+  max_logits: int | None = 2_000_000,
+) -> AttentionCase:
+  """A whole attention call.
+
+  ``allow_fully_masked=False`` guarantees every row sees at least key 0 (it
+  also turns off key ranges and -inf biases). ``same_head_dims`` forces
+  Hv == H (as jax.nn.dot_product_attention needs). ``max_logits`` bounds
+  B*N*T*S so that CPU examples stay fast.
+  """
+  if shapes is None:
+    shapes = draw(attention_shapes(max_batch=max_batch, max_seq=max_seq,
+                                   max_head_dim=max_head_dim,
+                                   max_kv_heads=max_kv_heads, big=big))
+  if same_head_dims and shapes.Hv != shapes.H:
+    shapes = dataclasses.replace(shapes, Hv=shapes.H)
+  if max_logits is not None and not big:
+    # Shrink the lengths rather than reject the example.
+    while shapes.B * shapes.N * shapes.T * shapes.S > max_logits:
+      shapes = dataclasses.replace(shapes, T=max(1, shapes.T // 2),
+                                   S=max(1, shapes.S // 2))
+  dt = np.dtype(dtype) if dtype is not None else draw(dtypes())
+  seed = draw(_seeds)
+  scale = draw(scales())
+  is_causal = draw(st.booleans()) if allow_causal else False
+  cap = draw(soft_caps()) if allow_soft_cap else None
+  mask = draw(st.one_of(st.none(), mask_specs(
+    shapes, allow_fully_masked=allow_fully_masked))) if allow_mask else None
+  bias = draw(st.one_of(st.none(), bias_specs(
+    shapes, allow_neg_inf=allow_fully_masked))) if allow_bias else None
+  key_range = None
+  if allow_key_ranges and allow_fully_masked:
+    key_range = draw(st.one_of(st.none(), key_range_specs(shapes)))
+  spec = CaseSpec(shapes=shapes, dtype=str(dt), seed=seed, scale=scale,
+                  is_causal=is_causal, logits_soft_cap=cap, mask=mask,
+                  bias=bias, key_range=key_range)
+  return build_case(spec)

@@ -1,0 +1,240 @@
+"""The tolerance rule, in one place.
+
+The rule of the FlashAttention test suites (hopper and cute), applied to every
+output we compare (out, the residuals m and l, dq, dk, dv, dbias)::
+
+  max|actual - ref| <= rtol * max|naive - ref| + floor
+  floor = 2 * max|(ref + 0.3 - 0.3) - ref|     evaluated in the low dtype,
+          but at least one dtype ulp and 4 float32 ulps at max|ref|
+          (so that it cannot vanish on small arrays; see noise_floor)
+
+``ref`` is the float64 reference (``harness/reference.py``); ``naive`` is the
+same maths done naively in the low dtype, every op rounded to it
+(``naive_attention`` / ``naive_attention_vjp``). So a kernel may be at most
+``rtol`` times as wrong as the textbook computation in its own dtype, plus a
+floor of about two ulps of the dtype at the reference's magnitude (which keeps
+the bound above zero where the naive computation happens to be exact).
+
+``RTOL = 2.0``; ``RTOL_SOFT_CAP = 3.0`` when a logits soft cap is used (tanh
+adds rounding that the naive computation does not mirror op for op).
+
+Non-finite values:
+
+* where ``ref`` is +inf or -inf (e.g. m = -inf on fully masked rows),
+  ``actual`` must be the same infinity; those positions are left out of the
+  max error;
+* where ``ref`` is NaN, ``actual`` must be NaN too (NaN propagation is part
+  of the contract) and the position is left out of the max error;
+* a NaN or infinity in ``actual`` where ``ref`` is finite fails;
+* non-finite entries of ``naive`` where ``ref`` is finite (a float16 overflow
+  of the textbook computation) are left out of the naive error, so that they
+  cannot inflate the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+  "RTOL",
+  "RTOL_SOFT_CAP",
+  "FLOAT32_FLOOR_ULPS",
+  "ToleranceReport",
+  "noise_floor",
+  "check_tolerance",
+  "assert_within_tolerance",
+  "rtol_for",
+]
+
+RTOL = 2.0
+RTOL_SOFT_CAP = 3.0
+# Lower bound of the floor, in float32 ulps of the largest |reference| value.
+FLOAT32_FLOOR_ULPS = 4
+
+
+def rtol_for(logits_soft_cap: float | None) -> float:
+  """The rtol of the rule for a call with or without a soft cap."""
+  return RTOL if logits_soft_cap is None else RTOL_SOFT_CAP
+
+
+@dataclasses.dataclass(frozen=True)
+class ToleranceReport:
+  """Outcome of one comparison. ratio = max_error / bound (<= 1 passes)."""
+
+  name: str
+  dtype: str
+  rtol: float
+  max_error: float
+  naive_error: float
+  noise_floor: float
+  bound: float
+  ratio: float
+  passed: bool
+  worst_index: tuple[int, ...] | None
+  nonfinite_mismatches: int
+  first_nonfinite_mismatch: tuple[int, ...] | None
+
+  def __str__(self) -> str:
+    verdict = "ok" if self.passed else "FAILED"
+    text = (
+      f"{self.name} [{self.dtype}] {verdict}: max error {self.max_error:.6g} "
+      f"{'<=' if self.passed else '>'} bound {self.bound:.6g} "
+      f"(= {self.rtol:g} * naive error {self.naive_error:.6g} + floor "
+      f"{self.noise_floor:.6g}), ratio {self.ratio:.4g}, worst index "
+      f"{self.worst_index}"
+    )
+    if self.nonfinite_mismatches:
+      text += (
+        f"; {self.nonfinite_mismatches} non-finite mismatch(es), first at "
+        f"{self.first_nonfinite_mismatch}"
+      )
+    return text
+
+
+def _round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
+
+
+def _ulp_at(x: float, dtype: np.dtype) -> float:
+  """The spacing of ``dtype``'s normal numbers at magnitude ``x`` (> 0)."""
+  eps = float(ml_dtypes.finfo(dtype).eps)
+  tiny = float(ml_dtypes.finfo(dtype).tiny)
+  _, exponent = np.frexp(max(x, tiny))
+  return eps * 2.0 ** (int(exponent) - 1)
+
+
+def noise_floor(ref: Any, dtype: Any) -> float:
+  """The rule's floor for a reference array compared in ``dtype``.
+
+  2 * max|(ref + 0.3 - 0.3) - ref| with every value rounded to ``dtype`` (the
+  FlashAttention floor), but never below one ``dtype`` ulp nor
+  FLOAT32_FLOOR_ULPS float32 ulps at max|ref|. Only finite entries count.
+
+  Why the lower bounds: on a large array the realised round-trip error
+  reaches one to two ulps at the largest magnitudes, which is what the floor
+  is for; on a small array (a handful of row maxima) every value can survive
+  the round trip exactly and the floor collapses to 0, turning the rule into
+  a coin toss between two rounding errors of the same size. Every
+  implementation here accumulates in float32, hence the float32 bound.
+  """
+  dtype = np.dtype(dtype)
+  ref = np.asarray(ref, dtype=np.float64)
+  ref = ref[np.isfinite(ref)]
+  if ref.size == 0:
+    return 0.0
+  r = _round_to(ref, dtype)
+  with np.errstate(over="ignore", invalid="ignore"):
+    shifted = _round_to(_round_to(r + 0.3, dtype) - 0.3, dtype)
+    err = np.abs(shifted - r)
+  err = err[np.isfinite(err)]
+  realised = 2.0 * float(err.max()) if err.size else 0.0
+  biggest = float(np.abs(ref).max())
+  if biggest == 0.0:
+    return realised
+  return max(realised, _ulp_at(biggest, dtype),
+             FLOAT32_FLOOR_ULPS * _ulp_at(biggest, np.dtype(np.float32)))
+
+
+def _max_abs(diff: np.ndarray, where: np.ndarray):
+  if not where.any():
+    return 0.0, None
+  masked = np.where(where, diff, -1.0)
+  flat = int(np.argmax(masked))
+  return float(masked.flat[flat]), tuple(int(i) for i in np.unravel_index(flat, diff.shape))
+
+
+def check_tolerance(
+  actual: Any,
+  reference_f64: Any,
+  naive: Any,
+  dtype: Any,
+  *,
+  rtol: float = RTOL,
+  name: str = "out",
+) -> ToleranceReport:
+  """Apply the rule to one array; see the module docstring.
+
+  ``actual``, ``reference_f64`` and ``naive`` must have the same shape (a
+  shape mismatch is a ``ValueError``, not a tolerance failure).
+  """
+  dtype = np.dtype(dtype)
+  actual = np.asarray(actual).astype(np.float64)
+  ref = np.asarray(reference_f64, dtype=np.float64)
+  naive = np.asarray(naive).astype(np.float64)
+  if not (actual.shape == ref.shape == naive.shape):
+    raise ValueError(
+      f"{name}: shapes differ: actual {actual.shape}, reference {ref.shape}, "
+      f"naive {naive.shape}"
+    )
+
+  ref_finite = np.isfinite(ref)
+  ref_inf = np.isinf(ref)
+  ref_nan = np.isnan(ref)
+  act_finite = np.isfinite(actual)
+  # Where ref is finite, actual must be finite; where ref is +-inf, the same
+  # infinity; where ref is NaN, NaN.
+  mismatch = (
+    (ref_finite & ~act_finite)
+    | (ref_inf & (actual != ref))
+    | (ref_nan & ~np.isnan(actual))
+  )
+  n_mismatch = int(mismatch.sum())
+  first_mismatch = None
+  if n_mismatch:
+    first_mismatch = tuple(int(i) for i in np.argwhere(mismatch)[0])
+
+  with np.errstate(invalid="ignore", over="ignore"):
+    diff = np.abs(actual - ref)
+    naive_diff = np.abs(naive - ref)
+  compared = ref_finite & act_finite
+  max_error, worst = _max_abs(diff, compared)
+  naive_error, _ = _max_abs(naive_diff, ref_finite & np.isfinite(naive))
+  floor = noise_floor(ref, dtype)
+  bound = rtol * naive_error + floor
+
+  if n_mismatch:
+    max_error = float("inf")
+    worst = first_mismatch
+  if bound > 0:
+    ratio = max_error / bound
+  else:
+    ratio = 0.0 if max_error == 0 else float("inf")
+  passed = n_mismatch == 0 and max_error <= bound
+  return ToleranceReport(
+    name=name, dtype=str(dtype), rtol=float(rtol), max_error=max_error,
+    naive_error=naive_error, noise_floor=floor, bound=bound, ratio=ratio,
+    passed=passed, worst_index=worst, nonfinite_mismatches=n_mismatch,
+    first_nonfinite_mismatch=first_mismatch,
+  )
+
+
+def assert_within_tolerance(
+  actual: Any,
+  reference_f64: Any,
+  naive: Any,
+  dtype: Any,
+  *,
+  rtol: float = RTOL,
+  name: str = "out",
+) -> ToleranceReport:
+  """:func:`check_tolerance`, raising ``AssertionError`` when it fails.
+
+  The message names the array, the max error, the bound and its parts, the
+  ratio, the worst index and the values there.
+  """
+  report = check_tolerance(actual, reference_f64, naive, dtype, rtol=rtol,
+                           name=name)
+  if not report.passed:
+    message = str(report)
+    if report.worst_index is not None:
+      idx = report.worst_index
+      a = np.asarray(actual).astype(np.float64)[idx]
+      r = np.asarray(reference_f64, dtype=np.float64)[idx]
+      n = np.asarray(naive).astype(np.float64)[idx]
+      message += f"; at {idx}: actual {a!r}, reference {r!r}, naive {n!r}"
+    raise AssertionError(message)
+  return report

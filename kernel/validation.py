@@ -1,0 +1,264 @@
+"""Argument checking shared by the float64 reference and the public kernel API.
+
+One function, :func:`validate_attention_args`, decides whether a call is
+well formed. The reference (``harness/reference.py``), the executable model of
+the kernel (``harness/online_softmax_model.py``) and the kernel's public entry
+point all call it, so a malformed call is rejected with the same message by all
+three, and a conformance test can hold each of them to the same list of bad
+inputs (``harness/bad_inputs.py``).
+
+Layout, with the letters of ``jax.nn.dot_product_attention``::
+
+  query  (B, T, N, H)      B batch, T query length, N query heads, H head dim
+  key    (B, S, K, H)      S key length, K key/value heads, N % K == 0 (GQA)
+  value  (B, S, K, Hv)     Hv may differ from H
+  bias   broadcastable to (B, N, T, S), floating point
+  mask   broadcastable to (B, N, T, S), bool (True = the key takes part)
+  k_start, k_end   integer, broadcastable to (B, N, T); query row i
+                   sees the keys j with k_start <= j < k_end
+
+"Broadcastable to" follows NumPy's rules with the target fixed: the operand
+has rank <= the target's, its shape is aligned to the right, and each of its
+dimensions is either 1 or equal to the target's.
+
+Only ``.shape`` and ``.dtype`` of the array arguments are read, so NumPy
+arrays, JAX arrays and ``jax.ShapeDtypeStruct`` are all accepted (Python
+scalars and lists are read through ``numpy.asarray``). Every error is a
+``ValueError`` whose message starts with the name of the offending argument,
+e.g. ``"key: expected rank 4 (B, S, K, H), got shape (2, 3, 4)"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+  "AttentionShapes",
+  "DEFAULT_ALLOWED_DTYPES",
+  "validate_attention_args",
+  "broadcastable_to",
+]
+
+float16 = np.dtype(np.float16)
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float32 = np.dtype(np.float32)
+float64 = np.dtype(np.float64)
+
+DEFAULT_ALLOWED_DTYPES = (float16, bfloat16, float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShapes:
+  """The sizes a valid call implies (letters as in the module docstring)."""
+
+  B: int
+  T: int
+  N: int
+  H: int
+  S: int
+  K: int
+  Hv: int
+
+  @property
+  def group_size(self) -> int:
+    """Query heads per key/value head; query head n reads key head n // group_size."""
+    return self.N // self.K
+
+  @property
+  def logits_shape(self) -> tuple[int, int, int, int]:
+    return (self.B, self.N, self.T, self.S)
+
+  @property
+  def row_shape(self) -> tuple[int, int, int]:
+    """Shape of the per-row residuals m and l, and of k_start / k_end."""
+    return (self.B, self.N, self.T)
+
+
+def _shape_and_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return tuple(int(d) for d in x.shape), np.dtype(x.dtype)
+  arr = np.asarray(x)
+  return arr.shape, arr.dtype
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+  return str(np.dtype(dtype))
+
+
+def broadcastable_to(shape: Iterable[int], target: Iterable[int]) -> bool:
+  """True when ``shape`` broadcasts to exactly ``target`` (right-aligned)."""
+  shape, target = tuple(shape), tuple(target)
+  if len(shape) > len(target):
+    return False
+  tail = target[len(target) - len(shape):]
+  return all(s == 1 or s == t for s, t in zip(shape, tail))
+
+
+def _is_floating(dtype: np.dtype) -> bool:
+  # Real floating point only; ml_dtypes.bfloat16 is not a subtype of
+  # np.floating (kind "V"), so ask ml_dtypes.finfo for the extension types.
+  if dtype.kind == "f":
+    return True
+  if dtype.kind != "V":
+    return False
+  try:
+    ml_dtypes.finfo(dtype)
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+def _check_qkv(name: str, shape: tuple[int, ...], letters: str) -> None:
+  if len(shape) != 4:
+    raise ValueError(
+      f"{name}: expected rank 4 ({', '.join(letters)}), got shape {shape}"
+    )
+  if any(d <= 0 for d in shape):
+    raise ValueError(
+      f"{name}: every dimension must be positive, got shape {shape}"
+    )
+
+
+def _check_scalar(name: str, value: Any) -> float:
+  if isinstance(value, (bool, np.bool_)) or tuple(getattr(value, "shape", ())) != ():
+    raise ValueError(f"{name}: expected a real scalar, got {value!r}")
+  try:
+    return float(value)
+  except (TypeError, ValueError) as err:
+    raise ValueError(f"{name}: expected a real scalar, got {value!r}") from err
+
+
+def validate_attention_args(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any = None,
+  mask: Any = None,
+  *,
+  scale: Any = None,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: Any = None,
+  rescale_threshold: Any = None,
+  allowed_dtypes: Iterable[Any] = DEFAULT_ALLOWED_DTYPES,
+) -> AttentionShapes:
+  """Check an attention call and return the sizes it implies.
+
+  Raises ``ValueError`` naming the offending argument for: a wrong rank or a
+  zero-sized dimension of query/key/value; a batch, head-dim, key-length or
+  head-count mismatch between them; N not a multiple of K; a query dtype not
+  in ``allowed_dtypes`` or a key/value dtype different from the query's; a
+  bias that is not floating point or not broadcastable to (B, N, T, S); a
+  mask that is not bool or not broadcastable to (B, N, T, S); k_start/k_end
+  that are not integer or not broadcastable to (B, N, T); a scale that is not
+  a finite real; a logits_soft_cap that is not a finite real > 0; a
+  rescale_threshold outside [0, 1].
+  """
+  allowed = tuple(np.dtype(d) for d in allowed_dtypes)
+
+  q_shape, q_dtype = _shape_and_dtype(query)
+  k_shape, k_dtype = _shape_and_dtype(key)
+  v_shape, v_dtype = _shape_and_dtype(value)
+
+  _check_qkv("query", q_shape, "BTNH")
+  _check_qkv("key", k_shape, "BSKH")
+  _check_qkv("value", v_shape, ("B", "S", "K", "Hv"))
+
+  B, T, N, H = q_shape
+  kB, S, K, kH = k_shape
+  vB, vS, vK, Hv = v_shape
+
+  if q_dtype not in allowed:
+    raise ValueError(
+      f"query: unsupported dtype {_dtype_name(q_dtype)}; expected one of "
+      f"{[_dtype_name(d) for d in allowed]}"
+    )
+  if k_dtype != q_dtype:
+    raise ValueError(
+      f"key: dtype {_dtype_name(k_dtype)} differs from query dtype "
+      f"{_dtype_name(q_dtype)}"
+    )
+  if v_dtype != q_dtype:
+    raise ValueError(
+      f"value: dtype {_dtype_name(v_dtype)} differs from query dtype "
+      f"{_dtype_name(q_dtype)}"
+    )
+
+  if kB != B:
+    raise ValueError(f"key: batch {kB} differs from query batch {B}")
+  if kH != H:
+    raise ValueError(f"key: head dim {kH} differs from query head dim {H}")
+  if vB != B:
+    raise ValueError(f"value: batch {vB} differs from query batch {B}")
+  if vS != S:
+    raise ValueError(f"value: sequence length {vS} differs from key sequence length {S}")
+  if vK != K:
+    raise ValueError(f"value: {vK} heads differ from key's {K} heads")
+  if N % K != 0:
+    raise ValueError(
+      f"key: {K} key/value heads must divide the {N} query heads (GQA)"
+    )
+
+  shapes = AttentionShapes(B=B, T=T, N=N, H=H, S=S, K=K, Hv=Hv)
+
+  if bias is not None:
+    b_shape, b_dtype = _shape_and_dtype(bias)
+    if not _is_floating(b_dtype):
+      raise ValueError(
+        f"bias: expected a floating-point dtype, got {_dtype_name(b_dtype)}"
+      )
+    if not broadcastable_to(b_shape, shapes.logits_shape):
+      raise ValueError(
+        f"bias: shape {b_shape} is not broadcastable to (B, N, T, S) = "
+        f"{shapes.logits_shape}"
+      )
+
+  if mask is not None:
+    m_shape, m_dtype = _shape_and_dtype(mask)
+    if m_dtype != np.dtype(bool):
+      raise ValueError(f"mask: expected dtype bool, got {_dtype_name(m_dtype)}")
+    if not broadcastable_to(m_shape, shapes.logits_shape):
+      raise ValueError(
+        f"mask: shape {m_shape} is not broadcastable to (B, N, T, S) = "
+        f"{shapes.logits_shape}"
+      )
+
+  for name, bound in (("k_start", k_start), ("k_end", k_end)):
+    if bound is None:
+      continue
+    r_shape, r_dtype = _shape_and_dtype(bound)
+    if not np.issubdtype(r_dtype, np.integer) or r_dtype == np.dtype(bool):
+      raise ValueError(
+        f"{name}: expected an integer dtype, got {_dtype_name(r_dtype)}"
+      )
+    if not broadcastable_to(r_shape, shapes.row_shape):
+      raise ValueError(
+        f"{name}: shape {r_shape} is not broadcastable to (B, N, T) = "
+        f"{shapes.row_shape}"
+      )
+
+  if scale is not None:
+    value_ = _check_scalar("scale", scale)
+    if not math.isfinite(value_):
+      raise ValueError(f"scale: must be finite, got {value_}")
+
+  if logits_soft_cap is not None:
+    cap = _check_scalar("logits_soft_cap", logits_soft_cap)
+    if not (math.isfinite(cap) and cap > 0):
+      raise ValueError(
+        f"logits_soft_cap: must be None or a finite value > 0, got {cap}"
+      )
+
+  if rescale_threshold is not None:
+    thr = _check_scalar("rescale_threshold", rescale_threshold)
+    if not (0.0 <= thr <= 1.0):
+      raise ValueError(
+        f"rescale_threshold: must be None or in [0, 1], got {thr}"
+      )
+
+  return shapes

@@ -1,0 +1,133 @@
+"""CPU properties of the config heuristics (kernel/heuristics.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis
+from hypothesis import strategies as st
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernel import heuristics, plan
+from kernel.config import Config, SMEM_LIMIT_BYTES
+
+DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+@st.composite
+def problems(draw) -> plan.Problem:
+  head_dim = draw(st.sampled_from((64, 128, 192, 256)))
+  return plan.Problem(
+      dtype=draw(st.sampled_from(DTYPES)),
+      head_dim=head_dim,
+      head_dim_out=draw(st.sampled_from((head_dim, 64, 128, 256))),
+      seq_q=draw(st.integers(1, 20_000)),
+      seq_kv=draw(st.integers(1, 20_000)),
+      is_causal=draw(st.booleans()),
+      bias_2d=draw(st.booleans()),
+      mask_2d=draw(st.booleans()),
+      return_residuals=draw(st.booleans()),
+  )
+
+
+def _fits(problem, config):
+  return plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
+
+
+def _problem(head_dim=128, *, is_causal=False, bias_2d=False, mask_2d=False,
+             seq_q=4096, seq_kv=4096, head_dim_out=None):
+  return plan.Problem(np.dtype(np.float16), head_dim, head_dim_out or head_dim,
+                      seq_q, seq_kv, is_causal, bias_2d, mask_2d)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_default_is_the_seeds_starting_point(is_causal):
+  """A small problem gets block_q 64, block_kv 128, 2 stages, persistent unless causal."""
+  config = heuristics.get_heuristics_config(_problem(64, is_causal=is_causal))
+  assert config == Config(64, 128, 2, persistent=not is_causal)
+
+
+@hypothesis.given(problems())
+def test_heuristic_config_is_the_first_fallback_that_fits(problem):
+  """The emitted config fits, and no earlier step of the fallback chain did."""
+  chain = [Config(64, 128, 2, not problem.is_causal),
+           Config(64, 64, 2, not problem.is_causal),
+           Config(64, 64, 2, False)]
+  fitting = [c for c in chain if _fits(problem, c)]
+  hypothesis.note(f"estimates: {[plan.estimate_smem_bytes(problem, c) for c in chain]}")
+  if not fitting:
+    with pytest.raises(ValueError, match="estimated"):
+      heuristics.get_heuristics_config(problem)
+    return
+  config = heuristics.get_heuristics_config(problem)
+  assert config == fitting[0]
+  assert plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
+
+
+def test_head_dim_256_falls_back_to_non_persistent():
+  problem = _problem(256)
+  assert not _fits(problem, Config(64, 128, 2, True))
+  assert not _fits(problem, Config(64, 64, 2, True))
+  assert heuristics.get_heuristics_config(problem) == Config(64, 64, 2, False)
+
+
+def test_staged_bias_and_mask_fall_back_to_block_kv_64():
+  problem = _problem(128, bias_2d=True, mask_2d=True)
+  assert heuristics.get_heuristics_config(problem) == Config(64, 64, 2, True)
+
+
+def test_nothing_fits_names_the_estimate():
+  problem = _problem(256, bias_2d=True, mask_2d=True)
+  with pytest.raises(ValueError, match=r"needs an estimated \d+ bytes"):
+    heuristics.get_heuristics_config(problem)
+
+
+def _next_pow2(n):
+  p = 1
+  while p < n:
+    p *= 2
+  return p
+
+
+@hypothesis.given(problems())
+def test_autotuning_candidates_are_the_seeds_enumeration(problem):
+  """Exactly the seed's grid, filtered by stage count and the estimate, each once."""
+  configs = heuristics.get_autotuning_configs(problem)
+  assert configs == heuristics.get_autotuning_configs(problem)  # deterministic
+  assert len(set(configs)) == len(configs)
+  expected = set()
+  for bq, bkv, persistent, stages in itertools.product(
+      (64, 128), (64, 128, 256), (False, True), (2, 3, 4)):
+    if bq == 128 and _next_pow2(problem.seq_q) <= 128:
+      continue
+    if bkv > 64 and bkv > _next_pow2(problem.seq_kv):
+      continue
+    if not persistent and stages > -(-problem.seq_kv // bkv):
+      continue
+    config = Config(bq, bkv, stages, persistent)
+    if _fits(problem, config):
+      expected.add(config)
+  assert set(configs) == expected
+  for config in configs:
+    assert plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
+
+
+def test_autotuning_short_sequences():
+  """Short keys: only block_kv 64, and non-persistent candidates stop at the block count."""
+  configs = heuristics.get_autotuning_configs(_problem(64, seq_q=100, seq_kv=100))
+  assert {c.block_q for c in configs} == {64}
+  assert {c.block_kv for c in configs} == {64, 128}
+  assert all(c.persistent or c.num_stages <= -(-100 // c.block_kv) for c in configs)
+  assert Config(64, 64, 2, False) in configs
+  assert Config(64, 64, 3, False) not in configs
+  assert Config(64, 128, 4, True) in configs
+
+
+def test_autotuning_long_sequences_offer_everything_that_fits():
+  configs = heuristics.get_autotuning_configs(_problem(64, seq_q=8192, seq_kv=8192))
+  assert {c.block_q for c in configs} == {64, 128}
+  assert {c.block_kv for c in configs} == {64, 128, 256}
+  assert {c.num_stages for c in configs} == {2, 3, 4}
+  assert {c.persistent for c in configs} == {False, True}

@@ -360,6 +360,16 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         return s
 
       s0 = lax.cond(ub > lb, first_qk, lambda: s0)
+      if config.persistent:
+        # A tile without key blocks still passes and then acquires the token
+        # once, as a one-block tile would: otherwise warpgroup 0 runs a tile
+        # ahead, its query refill waits on warpgroup 1's q_consumed, and
+        # warpgroup 1 waits on warpgroup 0's pass (a deadlock the Z3 model
+        # found with trip counts [0, 0, 0]).
+        @pl.when(ub == lb)
+        def _():
+          barriers.schedule_release_other(wg)
+          barriers.schedule_sync(wg)
 
       # m_scale, the pending scale acc and l_i are relative to, is carried only
       # when the threshold can leave it behind m_i.

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -97,8 +98,16 @@ def run_module_step(name: str, module: str, args: list[str], results: Path) -> S
   print(proc.stderr, end="", file=sys.stderr)
   (results / f"{name}.md").write_text(proc.stdout)
   ok = proc.returncode == 0
-  return StepResult(name, "PASS" if ok else "FAIL", seconds=time.time() - start,
-                    detail="" if ok else f"exit status {proc.returncode}")
+  result = StepResult(name, "PASS" if ok else "FAIL", seconds=time.time() - start,
+                      detail="" if ok else f"exit status {proc.returncode}")
+  # "N/M proven" (prove) and "k identical, ... regression" (golden) become counts.
+  if m := re.search(r"(\d+)/(\d+) proven", proc.stdout):
+    result.passed, result.failed = int(m[1]), int(m[2]) - int(m[1])
+  if m := re.search(r"(\d+) identical, (\d+) drift, (\d+) regression, (\d+) missing", proc.stdout):
+    result.passed = int(m[1]) + int(m[2])
+    result.failed = int(m[3]) + int(m[4])
+    result.detail = (result.detail + f" {m[2]} drift").strip()
+  return result
 
 
 def render(steps: list[StepResult], device: str) -> str:

@@ -535,3 +535,55 @@ def naive_attention_vjp(
   return Gradients(dq=_heads_first(dq).astype(np.float64),
                    dk=dk.astype(np.float64), dv=dv.astype(np.float64),
                    dbias=dbias)
+
+
+def naive_gradient_yardstick(
+  query: Any,
+  key: Any,
+  value: Any,
+  bias: Any,
+  mask: Any,
+  d_out: Any,
+  *,
+  dtype: Any,
+  scale: float | None = None,
+  is_causal: bool = False,
+  k_start: Any = None,
+  k_end: Any = None,
+  logits_soft_cap: float | None = None,
+) -> dict[str, np.ndarray]:
+  """The tolerance rule's "naive" gradients for a backward fed with stored
+  residuals, per gradient name: the worse (against float64) of
+
+  (a) the float64 backward fed with the naive same-dtype forward's residuals
+      (out rounded to ``dtype``, m, l) -- the error that storing the residuals
+      in low precision brings by itself -- and
+  (b) the naive same-dtype backward (:func:`naive_attention_vjp`), the
+      yardstick the FlashAttention rule uses for gradients.
+
+  Either alone was seen to be a few float32 ulps too tight in rare cases.
+  """
+  kw = dict(scale=scale, is_causal=is_causal, k_start=k_start, k_end=k_end,
+            logits_soft_cap=logits_soft_cap)
+  want = attention_reference_vjp(query, key, value, bias, mask, d_out, **kw)
+  out, m, l = naive_attention(query, key, value, bias, mask, dtype=dtype, **kw)
+  fed = backward_from_residuals(query, key, value, bias, mask, out, m, l, d_out, **kw)
+  naive = naive_attention_vjp(query, key, value, bias, mask, d_out, dtype=dtype, **kw)
+  picked = {}
+  for name in ("dq", "dk", "dv", "dbias"):
+    ref = getattr(want, name)
+    if ref is None:
+      continue
+    candidates = (getattr(fed, name), getattr(naive, name))
+    with np.errstate(invalid="ignore"):
+      errors = [np.nanmax(np.abs(np.where(np.isfinite(x), x, ref) - ref), initial=0.0)
+                for x in candidates]
+    picked[name] = candidates[int(np.argmax(errors))]
+  return picked
+
+
+def dbias_is_noise(bias_shape) -> bool:
+  """A bias constant along the keys shifts a softmax row: its gradient is
+  identically 0, every implementation returns cancellation noise, and the
+  max-error rule would compare noise with noise.  Such dbias is not checked."""
+  return bias_shape is not None and tuple(bias_shape)[-1:] in ((), (1,))

@@ -188,10 +188,17 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     # for the backward kernel, not differentiable quantities (documented).
     q, k, v, bias, mask, ks, ke, out, m, l = saved
     d_out, _ = cotangents
+    # Differentiate the function the kernel computed: of the inputs rounded
+    # to the compute dtype (f32 inputs run in bf16), as the forward saw them;
+    # mixing unrounded values with the rounded forward's output would leave
+    # rounding noise in dP - delta.
+    low = lambda x: None if x is None else x.astype(dtype)
     dq, dk, dv, dbias = attention_backward(
-        q, k, v, bias, mask, ks, ke, out, m, l, d_out, scale=features.scale,
-        is_causal=features.is_causal, logits_soft_cap=features.logits_soft_cap)
-    return dq, dk, dv, dbias, None, None, None
+        low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, d_out,
+        scale=features.scale, is_causal=features.is_causal,
+        logits_soft_cap=features.logits_soft_cap)
+    back = lambda g, like: None if g is None else g.astype(like.dtype)
+    return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None
 
   attention.defvjp(fwd, bwd)
   return attention

@@ -176,7 +176,9 @@ class MaskSpec:
     if self.empty_rows and mask.ndim >= 1:
       rows = rng.random(self.shape[:-1]) < self.empty_rows
       mask = mask & ~rows[..., None]
-    if self.keep_first_key and mask.ndim >= 1:
+    if self.keep_first_key:
+      if mask.ndim == 0:
+        return np.array(True)  # a scalar mask can only keep key 0 by keeping all
       mask[..., 0] = True
     return mask
 

@@ -46,7 +46,10 @@ _common = dict(
   derandomize=False,
   suppress_health_check=(HealthCheck.too_slow, HealthCheck.data_too_large),
 )
-settings.register_profile("ci", max_examples=30, **_common)
+# ci: derandomized, so a CI verdict is reproducible run to run (the same
+# examples every time; print_blob still reproduces a failure); the gpu and
+# thorough profiles draw fresh examples on every run to keep exploring.
+settings.register_profile("ci", max_examples=30, **{**_common, "derandomize": True})
 settings.register_profile("gpu", max_examples=50, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

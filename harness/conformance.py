@@ -138,3 +138,21 @@ def check_forward(case: ForwardCase, out, m=None, l=None) -> ForwardReport:
   r_m = None if m is None else tolerance.check_tolerance(m, ref.m, n_m, dt, rtol=rtol, name="m")
   r_l = None if l is None else tolerance.check_tolerance(l, ref.l, n_l, dt, rtol=rtol, name="l")
   return ForwardReport(r_out, r_m, r_l)
+
+
+def gradient_reports(case, grads) -> list[tolerance.ToleranceReport]:
+  """(dq, dk, dv, dbias) of a strategies.AttentionCase against float64 under
+  the rule, with ref_lib.naive_gradient_yardstick as the naive side; dbias
+  is skipped where it is cancellation noise (ref_lib.dbias_is_noise)."""
+  kw = case.kwargs
+  want = ref_lib.attention_reference_vjp(*case.args, case.d_out, **kw)
+  dt = compute_dtype(case.query.dtype)
+  naive = ref_lib.naive_gradient_yardstick(*case.args, case.d_out, dtype=dt, **kw)
+  reports = []
+  for name, got in zip(("dq", "dk", "dv", "dbias"), grads):
+    ref = getattr(want, name)
+    if ref is None or (name == "dbias" and ref_lib.dbias_is_noise(np.shape(case.bias))):
+      continue
+    reports.append(tolerance.check_tolerance(np.asarray(got, np.float64), ref, naive[name], dt,
+                                             rtol=case.rtol, name=name))
+  return reports

@@ -12,10 +12,8 @@ import numpy as np
 from hypothesis import given, note, settings, strategies as st
 
 from harness import strategies as hs
-from harness.conformance import compute_dtype
-from harness.reference import (attention_reference, attention_reference_vjp,
-                               dbias_is_noise, naive_gradient_yardstick)
-from harness.tolerance import check_tolerance
+from harness.conformance import compute_dtype, gradient_reports
+from harness.reference import attention_reference
 from kernel.backward_xla import attention_backward
 
 
@@ -40,19 +38,6 @@ def _grads(case, m_transform=lambda m: m, chunk=64):
       chunk=chunk)
 
 
-def _reports(case, grads):
-  kw = case.kwargs
-  want = attention_reference_vjp(*case.args, case.d_out, **kw)
-  dt = compute_dtype(case.query.dtype)
-  naive = naive_gradient_yardstick(*case.args, case.d_out, dtype=dt, **kw)
-  out = []
-  for name, got in zip(("dq", "dk", "dv", "dbias"), grads):
-    ref = getattr(want, name)
-    if ref is None or (name == "dbias" and dbias_is_noise(np.shape(case.bias))):
-      continue
-    out.append(check_tolerance(np.asarray(got, np.float64), ref, naive[name], dt,
-                               rtol=case.rtol, name=name))
-  return out
 
 
 @given(case=hs.attention_cases(max_seq=200, max_logits=300_000),
@@ -61,7 +46,7 @@ def _reports(case, grads):
 def test_backward_from_natural_log_residuals_matches_float64(case, chunk):
   """dq, dk, dv, dbias from (out, m, l) are within the tolerance rule."""
   note(case.describe())
-  for r in _reports(case, _grads(case, chunk=chunk)):
+  for r in gradient_reports(case, _grads(case, chunk=chunk)):
     note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
@@ -72,7 +57,7 @@ def test_base2_m_gives_wrong_gradients():
   spec = CaseSpec(shapes=AttentionShapes(B=1, T=64, N=2, H=64, S=96, K=1, Hv=64),
                   dtype="bfloat16", seed=4, input_std=2.0)
   case = build_case(spec)
-  good = _reports(case, _grads(case))
+  good = gradient_reports(case, _grads(case))
   assert all(r.passed for r in good)
-  bad = _reports(case, _grads(case, m_transform=lambda m: m * math.log2(math.e)))
+  bad = gradient_reports(case, _grads(case, m_transform=lambda m: m * math.log2(math.e)))
   assert not all(r.passed for r in bad)

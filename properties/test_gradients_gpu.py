@@ -13,10 +13,7 @@ import pytest
 from hypothesis import given, note, settings
 
 from harness import strategies as hs
-from harness.conformance import compute_dtype
-from harness.reference import (attention_reference_vjp, dbias_is_noise,
-                               naive_gradient_yardstick)
-from harness.tolerance import check_tolerance
+from harness.conformance import gradient_reports
 from kernel import api
 
 pytestmark = pytest.mark.gpu
@@ -40,19 +37,6 @@ def kernel_grads(case, **private):
   return grads + [None] * (4 - len(grads))
 
 
-def reports(case, grads):
-  kw = case.kwargs
-  want = attention_reference_vjp(*case.args, case.d_out, **kw)
-  dt = compute_dtype(case.query.dtype)
-  naive = naive_gradient_yardstick(*case.args, case.d_out, dtype=dt, **kw)
-  out = []
-  for name, got in zip(("dq", "dk", "dv", "dbias"), grads):
-    ref = getattr(want, name)
-    if ref is None or (name == "dbias" and dbias_is_noise(np.shape(case.bias))):
-      continue
-    out.append(check_tolerance(np.asarray(got, np.float64), ref, naive[name], dt,
-                               rtol=case.rtol, name=name))
-  return out
 
 
 @given(case=hs.attention_cases(max_batch=2, max_seq=700, max_head_dim=256, big=True,
@@ -61,7 +45,7 @@ def reports(case, grads):
 def test_gradients_match_float64(case):
   """dq, dk, dv (and dbias) are within the tolerance rule of float64."""
   note(case.describe())
-  for r in reports(case, kernel_grads(case)):
+  for r in gradient_reports(case, kernel_grads(case)):
     note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
@@ -72,8 +56,8 @@ def test_base2_residual_variant_passes_forward_and_fails_gradients():
   spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=1, T=256, N=2, H=64, S=384, K=1, Hv=64),
                      dtype="bfloat16", seed=9, input_std=2.0)
   case = hs.build_case(spec)
-  assert all(r.passed for r in reports(case, kernel_grads(case)))
-  bad = reports(case, kernel_grads(case, _residual_m_base2=True))
+  assert all(r.passed for r in gradient_reports(case, kernel_grads(case)))
+  bad = gradient_reports(case, kernel_grads(case, _residual_m_base2=True))
   assert not all(r.passed for r in bad)
 
 

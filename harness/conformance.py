@@ -67,11 +67,16 @@ def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, hea
   return ForwardCase(q, k, v, **kwargs)
 
 
-def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, **private):
-  """(out, m, l) as NumPy float64 (m, l None without residuals)."""
+def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, mutant=None):
+  """(out, m, l) as NumPy float64 (m, l None without residuals).
+
+  ``mutant`` (else the variable ``kernel.mutants.ENV``) runs one of the
+  kernel's deliberate defects, for tests that the harness catches it.
+  """
   import jax
   import jax.numpy as jnp
-  from kernel import api
+  from kernel import api, mutants
+  mutant = mutant or mutants.from_env()
   args = [jnp.asarray(x) for x in (case.query, case.key, case.value)]
   result = api.dot_product_attention(
       *args, None if case.bias is None else jnp.asarray(case.bias),
@@ -81,7 +86,7 @@ def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, **priva
       k_end=None if case.k_end is None else jnp.asarray(case.k_end),
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
-      config=config, **private)
+      config=config, _mutant=mutant)
   result = jax.block_until_ready(result)
   if return_residuals:
     out, (m, l) = result

@@ -114,6 +114,9 @@ CORPUS: tuple[GoldenSpec, ...] = (
     GoldenSpec("cfg-128-64-2-nonpersistent", 17, seq_q=512, seq_kv=512, config=(128, 64, 2, False)),
     GoldenSpec("cfg-64-64-4-persistent-causal", 18, seq_q=384, seq_kv=384, is_causal=True,
                config=(64, 64, 4, True)),
+    # Shares its autotune signature with a shape the shipped cache holds, so
+    # config=None runs the autotuned config on an H200.
+    GoldenSpec("autotuned-1024-d128", 19, seq_q=1024, seq_kv=1024, heads=1, head_dim=128),
 )
 
 
@@ -133,7 +136,7 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
   """The kernel's outputs in storage form: out in its own dtype, m/l float32."""
   import jax
   import jax.numpy as jnp
-  from kernel import api
+  from kernel import api, mutants
   case = spec.build()
   out, (m, l) = api.dot_product_attention(
       jnp.asarray(case.query), jnp.asarray(case.key), jnp.asarray(case.value),
@@ -144,9 +147,27 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
       k_end=None if case.k_end is None else jnp.asarray(case.k_end),
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=True,
-      config=spec.resolved_config())
+      config=spec.resolved_config(), _mutant=mutants.from_env())
   jax.block_until_ready(out)
   return {"out": np.asarray(out), "m": np.asarray(m, np.float32), "l": np.asarray(l, np.float32)}
+
+
+def config_used(spec: GoldenSpec) -> dict:
+  """The config the case ran with, and where it came from: the spec's own,
+  or what ``config=None`` resolved to on this machine (autotune cache, else
+  the heuristic)."""
+  if spec.config is not None:
+    return {"source": "spec", **dataclasses.asdict(spec.resolved_config())}
+  from kernel import api, autotune, heuristics
+  case = spec.build()
+  chosen = api.chosen_config(case.query, case.key, case.value, case.bias, case.mask,
+                             is_causal=case.is_causal, k_start=case.k_start,
+                             k_end=case.k_end)
+  problem = autotune.selection_problem(api.plan_lib.problem_for(
+      case.query.shape, case.key.shape, case.value.shape,
+      compute_dtype(case.query.dtype), is_causal=case.is_causal))
+  source = "heuristic" if chosen == heuristics.get_heuristics_config(problem) else "autotuned"
+  return {"source": source, **dataclasses.asdict(chosen)}
 
 
 def _ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
@@ -271,7 +292,7 @@ def update(runner: Callable[[GoldenSpec], dict] = run_kernel_for, corpus=CORPUS,
     save_golden(spec.name, new, directory)
     manifest[spec.name] = {
         "spec": dataclasses.asdict(spec), "seed": spec.seed,
-        "config": None if spec.config is None else list(spec.config),
+        "config": config_used(spec),
         "device": device, "jax": jax_version, "kernel_source": kernel_source_hash(),
         "checksums": {k: _checksum(new[k]) for k in ARRAYS},
     }

@@ -24,6 +24,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from kernel import mutants
 from kernel import plan as plan_lib
 from kernel.config import Config
 from kernel.backward_xla import attention_backward
@@ -100,21 +101,28 @@ def _pad_axis(x, axis, multiple, mode="constant"):
   return jnp.pad(x, widths, mode=mode)
 
 
-def _choose_config(problem: plan_lib.Problem, config: Config | None, **features) -> Config:
-  if config is None:
-    from kernel import autotune
-    device = None if getattr(_state, "lowering_only", False) else sm90_device()
-    config = autotune.choose(problem, None if device is None else device.device_kind,
-                             **features)
-  plan_lib.check_fits(problem, config)
-  return config
+def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
+                  k_start=None, k_end=None, device_kind: str | None = None) -> Config:
+  """The config ``dot_product_attention(..., config=None)`` runs for these
+  arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
+  this device and signature, else the heuristic.  ``device_kind`` defaults
+  to the sm90 GPU of this process (none: the heuristic)."""
+  from kernel import autotune
+  problem = autotune.selection_problem(plan_lib.problem_for(
+      query.shape, key.shape, value.shape, jnp.dtype(query.dtype), is_causal=is_causal))
+  if device_kind is None and not getattr(_state, "lowering_only", False):
+    device = sm90_device()
+    device_kind = None if device is None else device.device_kind
+  return autotune.choose(problem, device_kind, has_bias=bias is not None,
+                         has_mask=mask is not None,
+                         has_key_ranges=k_start is not None or k_end is not None)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, _residual_m_base2=False):
+                          config=None, _mutant=None):
   """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
 
   m (B, N, T) is the row max of the final logits in natural-log space, l the
@@ -139,12 +147,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   in_dtype = jnp.dtype(query.dtype)
   problem = plan_lib.problem_for(query.shape, key.shape, value.shape, in_dtype,
                                  is_causal=is_causal, return_residuals=return_residuals)
-  # The heuristic picks a config that also fits with residuals, which the
-  # forward of jax.grad stores for the backward.
-  config = _choose_config(
-      dataclasses.replace(problem, return_residuals=True) if config is None else problem,
-      config, has_bias=bias is not None, has_mask=mask is not None,
-      has_key_ranges=k_start is not None or k_end is not None)
+  if config is None:
+    config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
+                           k_start=k_start, k_end=k_end)
+  plan_lib.check_fits(problem, config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
       is_causal=bool(is_causal),
@@ -153,7 +159,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       normalize_output=bool(normalize_output),
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
-      residual_m_base2=bool(_residual_m_base2))
+      mutant=mutants.check(_mutant))
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem)
   out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
   return (out, residuals) if return_residuals else out

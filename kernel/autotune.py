@@ -28,6 +28,14 @@ def _pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def selection_problem(problem: plan.Problem) -> plan.Problem:
+  """The problem a config is chosen (and tuned) for: with residuals, so the
+  choice also fits the forward of ``jax.grad``, which stores them for the
+  backward.  The API's lookup and the tuner both go through here, so what is
+  tuned is what is found."""
+  return dataclasses.replace(problem, return_residuals=True)
+
+
 def signature(problem: plan.Problem, *, has_bias=False, has_mask=False,
               has_key_ranges=False) -> str:
   """Calls that share a signature share a best config: sequence lengths are
@@ -35,11 +43,12 @@ def signature(problem: plan.Problem, *, has_bias=False, has_mask=False,
   return (f"{plan.np.dtype(problem.dtype).name}-d{problem.head_dim}-dv{problem.head_dim_out}"
           f"-q{_pow2(problem.seq_q)}-kv{_pow2(problem.seq_kv)}"
           f"-{'causal' if problem.is_causal else 'full'}"
-          f"{'-res' if problem.return_residuals else ''}{'-bias' if has_bias else ''}"
+          f"{'-bias' if has_bias else ''}"
           f"{'-mask' if has_mask else ''}{'-ranges' if has_key_ranges else ''}")
 
 
-def load_cache(path: Path = CACHE_PATH) -> dict:
+def load_cache(path: Path | None = None) -> dict:
+  path = CACHE_PATH if path is None else path
   if not path.exists():
     return {}
   data = json.loads(path.read_text())
@@ -48,7 +57,7 @@ def load_cache(path: Path = CACHE_PATH) -> dict:
   return data
 
 
-def lookup(problem: plan.Problem, device_kind: str, *, path: Path = CACHE_PATH,
+def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
            **features) -> Config | None:
   """The cached best config, if it is still a legal candidate for the problem."""
   entry = load_cache(path).get(device_kind, {}).get(signature(problem, **features))
@@ -71,7 +80,8 @@ def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config
 
 
 def record(problem: plan.Problem, device_kind: str, config: Config, timings_ms: dict,
-           *, path: Path = CACHE_PATH, **features) -> None:
+           *, path: Path | None = None, **features) -> None:
+  path = CACHE_PATH if path is None else path
   data = load_cache(path)
   data.setdefault(device_kind, {})[signature(problem, **features)] = {
       "config": dataclasses.asdict(config),
@@ -113,24 +123,42 @@ def main(argv=None) -> int:
   from kernel import api
   parser = argparse.ArgumentParser(prog="python -m kernel.autotune")
   parser.add_argument("--cache", default=str(CACHE_PATH))
+  parser.add_argument("--shapes", default="all",
+                      help="comma-separated indices into COMMON_SHAPES, or 'all'")
+  parser.add_argument("--report", default=None,
+                      help="JSON file for every timing and the heuristic's")
   args = parser.parse_args(argv)
   device = api.sm90_device()
   if device is None:
     raise SystemExit("autotune: needs an sm90 GPU")
-  for batch, seq, heads, d, causal in COMMON_SHAPES:
+  picks = (range(len(COMMON_SHAPES)) if args.shapes == "all"
+           else [int(i) for i in args.shapes.split(",")])
+  report = []
+  for index in picks:
+    batch, seq, heads, d, causal = COMMON_SHAPES[index]
     shape = BenchShape(batch, seq, heads, d, causal)
     inputs = _inputs(shape, 3)
-    problem = plan.problem_for(inputs[0][0].shape, inputs[0][1].shape, inputs[0][2].shape,
-                               jnp.bfloat16, is_causal=causal)
+    problem = selection_problem(plan.problem_for(
+        inputs[0][0].shape, inputs[0][1].shape, inputs[0][2].shape, jnp.bfloat16,
+        is_causal=causal))
 
     def run(config):
       fn = jax.jit(lambda q, k, v: api.dot_product_attention(q, k, v, is_causal=causal,
                                                              config=config))
-      return time_fns({"x": fn}, inputs, trials=6, burst=20)["x"]
+      return time_fns({"x": fn}, inputs, trials=5, burst=10)["x"]
 
     best, timings = tune(problem, run)
     record(problem, device.device_kind, best, timings, path=Path(args.cache))
-    print(f"{signature(problem)}: {best}  ({timings[str(best)]:.3f} ms)")
+    heuristic = heuristics.get_heuristics_config(problem)
+    h_ms = timings.get(str(heuristic))
+    report.append(dict(shape=COMMON_SHAPES[index], signature=signature(problem),
+                       best=str(best), best_ms=timings[str(best)], heuristic=str(heuristic),
+                       heuristic_ms=h_ms, timings_ms=timings))
+    print(f"{signature(problem)}: {best} {timings[str(best)]:.3f} ms; heuristic "
+          f"{heuristic} {h_ms if isinstance(h_ms, str) else f'{h_ms:.3f} ms'}", flush=True)
+    if args.report:
+      Path(args.report).write_text(json.dumps(
+          dict(device=device.device_kind, jax=jax.__version__, shapes=report), indent=1))
   return 0
 
 

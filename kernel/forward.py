@@ -30,6 +30,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
 from kernel import barriers
+from kernel import mutants
 from kernel import plan as plan_lib
 from kernel.config import Config
 from kernel.pipeline import PipelineState
@@ -53,9 +54,9 @@ class Features:
   return_residuals: bool
   seq_q: int          # unpadded
   seq_kv: int         # unpadded
-  # Private: leave the m residual in base 2 (the bug that survives forward-only
-  # testing).  Only tests set it.
-  residual_m_base2: bool = False
+  # Private: one of kernel/mutants.py's deliberate defects, or None.  Only
+  # tests set it.
+  mutant: str | None = None
 
 
 def _smem(buf: plan_lib.Buffer):
@@ -192,6 +193,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
     return final
 
+  def ring_state(prev_iters, lb, ki):
+    """The ring position of tile-local key block ki, for producer and
+    consumers alike: the global block count, carried across tiles."""
+    if f.mutant == mutants.NO_PREV_ITERS_CARRY:
+      prev_iters = 0
+    return PipelineState.at(stages, prev_iters + (ki - lb))
+
   def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
            out_ref, m_ref, l_ref, scoped):
     wg = lax.axis_index("wg")
@@ -201,7 +209,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
     def ring(prev_iters, lb, ki):
       """Slot of tile-local key block ki: global count prev_iters + (ki - lb)."""
-      return PipelineState.at(stages, prev_iters + (ki - lb)).index
+      return ring_state(prev_iters, lb, ki).index
 
     def pass_token_for_the_last_time():
       pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
@@ -307,7 +315,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           rescale = (alpha < threshold) | (m_scale == _NEG_INF)
           factor = jnp.where(rescale, alpha, 1.0)
           acc = acc * lax.broadcast_in_dim(factor, acc.shape, [0])
-          l_i = l_i * factor
+          if f.mutant != mutants.THRESHOLD_BRANCH_SKIPS_L:
+            l_i = l_i * factor
           m_scale = jnp.where(rescale, m_ij, m_scale)
           pending = [m_scale]
           base = safe(m_scale)
@@ -414,7 +423,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       o_smem = o_smems.at[wg]
       o_smem[...] = out.astype(dtype)
       if f.return_residuals:
-        m_res = m_i if f.residual_m_base2 else m_i * (1.0 / LOG2E)
+        m_res = m_i if f.mutant == mutants.RESIDUAL_M_BASE2 else m_i * (1.0 / LOG2E)
         m_smems.at[wg][...] = m_res
         l_smems.at[wg][...] = l_res
       plgpu.commit_smem()
@@ -456,12 +465,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         hk = lax.div(h, jnp.int32(group))
 
         def fill(ki):
-          g = prev_iters + (ki - lb)
-          st = PipelineState.at(stages, g)
+          st = ring_state(prev_iters, lb, ki)
           keys = pl.ds(ki * block_kv, block_kv)
           # Global fills 0..S-1 find fresh slots (the producer starts at phase
           # 1, like CUTLASS's); every later one waits for both warpgroups.
-          reuse = g >= stages
+          reuse = st.count >= stages
           pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[st.index]))
           plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
                                   k_produced.at[st.index])

@@ -67,3 +67,24 @@ def test_the_shipped_cache_is_well_formed():
   for device, entries in data.items():
     for sig, entry in entries.items():
       Config(**entry["config"])  # validates
+
+
+def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch):
+  """The tuner records under selection_problem's signature and the API looks
+  up through the same function: a recorded config is the one config=None runs."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  cache = tmp_path / "cache.json"
+  monkeypatch.setattr(autotune, "CACHE_PATH", cache)
+  q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
+  problem = autotune.selection_problem(plan.problem_for(q.shape, kv.shape, kv.shape, q.dtype))
+  tuned = Config(64, 64, 3, persistent=False)
+  assert tuned != heuristics.get_heuristics_config(problem)
+  autotune.record(problem, "NVIDIA H200", tuned, {str(tuned): 0.1})
+  assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H200") == tuned
+  assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H100") == \
+      heuristics.get_heuristics_config(problem)
+  # Another feature set is another signature: not tuned, so the heuristic.
+  assert api.chosen_config(q, kv, kv, mask=q, device_kind="NVIDIA H200") != tuned

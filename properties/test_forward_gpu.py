@@ -17,7 +17,7 @@ from harness import strategies as hs
 from harness.conformance import (ForwardCase, check_forward, compute_dtype,
                                  poison_device_memory, run_kernel)
 from harness.device_check import extra_cases, fixed_cases, problem_of
-from kernel import heuristics, plan
+from kernel import heuristics, mutants, plan
 
 pytestmark = pytest.mark.gpu
 
@@ -113,7 +113,7 @@ def test_base2_residual_variant_is_caught_by_the_residual_property():
   rng = np.random.default_rng(3)
   from harness.conformance import random_case
   fc = random_case(rng, seq_q=256, seq_kv=512, heads=2, kv_heads=1, head_dim=128)
-  out, m, l = run_kernel(fc, _residual_m_base2=True)
+  out, m, l = run_kernel(fc, mutant=mutants.RESIDUAL_M_BASE2)
   report = check_forward(fc, out, m, l)
   assert report.out.passed and report.l.passed
   assert not report.m.passed

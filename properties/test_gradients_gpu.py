@@ -14,12 +14,13 @@ from hypothesis import given, note, settings
 
 from harness import strategies as hs
 from harness.conformance import gradient_reports
+from kernel import mutants
 from kernel import api
 
 pytestmark = pytest.mark.gpu
 
 
-def kernel_grads(case, **private):
+def kernel_grads(case, mutant=None):
   kw = case.kwargs
   j = lambda x: None if x is None else jnp.asarray(x)
   d_out = jnp.asarray(case.d_out, jnp.float32)
@@ -28,15 +29,13 @@ def kernel_grads(case, **private):
     out = api.dot_product_attention(q, k, v, bias, j(case.mask), scale=kw["scale"],
                                     is_causal=kw["is_causal"], k_start=j(case.k_start),
                                     k_end=j(case.k_end), logits_soft_cap=kw["logits_soft_cap"],
-                                    **private)
+                                    _mutant=mutant)
     return jnp.sum(out.astype(jnp.float32) * d_out)
 
   argnums = (0, 1, 2, 3) if case.bias is not None else (0, 1, 2)
   grads = jax.grad(loss, argnums=argnums)(j(case.query), j(case.key), j(case.value), j(case.bias))
   grads = [np.asarray(g.astype(jnp.float32), np.float64) for g in grads]
   return grads + [None] * (4 - len(grads))
-
-
 
 
 @given(case=hs.attention_cases(max_batch=2, max_seq=700, max_head_dim=256, big=True,
@@ -57,7 +56,7 @@ def test_base2_residual_variant_passes_forward_and_fails_gradients():
                      dtype="bfloat16", seed=9, input_std=2.0)
   case = hs.build_case(spec)
   assert all(r.passed for r in gradient_reports(case, kernel_grads(case)))
-  bad = gradient_reports(case, kernel_grads(case, _residual_m_base2=True))
+  bad = gradient_reports(case, kernel_grads(case, mutant=mutants.RESIDUAL_M_BASE2))
   assert not all(r.passed for r in bad)
 
 

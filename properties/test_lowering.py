@@ -74,3 +74,14 @@ def test_a_config_that_does_not_fit_is_refused_with_its_estimate():
   with pytest.raises(ValueError, match=r"config .* needs an estimated \d+ bytes"):
     lower_attention(dict(B=1, T=256, N=1, H=256, S=1024, K=1, Hv=256),
                     config=Config(128, 256, 4, persistent=True))
+
+
+@pytest.mark.parametrize("mutant", __import__("kernel.mutants", fromlist=["ALL"]).ALL)
+def test_every_mutant_lowers(mutant):
+  """The deliberate defects the GPU tests run stay buildable as the kernel
+  changes (a mutant that no longer compiles would 'fail' for the wrong reason)."""
+  from kernel.config import Config
+  lowered = lower_attention(dict(B=2, T=512, N=2, H=64, S=384, K=1, Hv=64),
+                            config=Config(64, 128, 2, persistent=True), return_residuals=True,
+                            rescale_threshold=0.5, _mutant=mutant)
+  assert lowered.smem_bytes > 0

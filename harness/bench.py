@@ -140,8 +140,8 @@ def main(argv=None) -> int:
   parser.add_argument("--shapes", choices=("default", "headline"), default="default")
   parser.add_argument("--out", default=None)
   parser.add_argument("--configs", default=None,
-                      help="semicolon-separated block_q,block_kv,num_stages[,p] to sweep "
-                           "on each shape instead of the default config")
+                      help="semicolon-separated block_q,block_kv,num_stages[,p] or 'auto' "
+                           "(config=None) to sweep on each shape instead of the default config")
   parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
   args = parser.parse_args(argv)
   shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
@@ -150,6 +150,9 @@ def main(argv=None) -> int:
     from kernel.config import Config
     configs = []
     for item in args.configs.split(";"):
+      if item == "auto":  # what config=None runs: the autotune cache, else the heuristic
+        configs.append(None)
+        continue
       bq, bkv, st, *p = item.split(",")
       configs.append(Config(int(bq), int(bkv), int(st), persistent=bool(p and p[0] == "p")))
   rows = [row for s in shapes

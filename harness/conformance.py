@@ -147,17 +147,24 @@ def check_forward(case: ForwardCase, out, m=None, l=None) -> ForwardReport:
 
 def gradient_reports(case, grads) -> list[tolerance.ToleranceReport]:
   """(dq, dk, dv, dbias) of a strategies.AttentionCase against float64 under
-  the rule, with ref_lib.naive_gradient_yardstick as the naive side; dbias
-  is skipped where it is cancellation noise (ref_lib.dbias_is_noise)."""
-  kw = case.kwargs
-  want = ref_lib.attention_reference_vjp(*case.args, case.d_out, **kw)
-  dt = compute_dtype(case.query.dtype)
-  naive = ref_lib.naive_gradient_yardstick(*case.args, case.d_out, dtype=dt, **kw)
+  the rule (see :func:`check_gradients`)."""
+  return check_gradients(case.args, case.kwargs, case.d_out, grads, rtol=case.rtol)
+
+
+def check_gradients(args, kwargs, d_out, grads, *, rtol) -> list[tolerance.ToleranceReport]:
+  """Gradients ``grads`` = (dq, dk, dv, dbias) of sum(out * d_out) at
+  ``args`` = (query, key, value, bias, mask) against float64 under the rule,
+  with ref_lib.naive_gradient_yardstick as the naive side; dbias is skipped
+  where it is cancellation noise (ref_lib.dbias_is_noise)."""
+  want = ref_lib.attention_reference_vjp(*args, d_out, **kwargs)
+  dt = compute_dtype(args[0].dtype)
+  naive = ref_lib.naive_gradient_yardstick(*args, d_out, dtype=dt, **kwargs)
+  bias = args[3]
   reports = []
   for name, got in zip(("dq", "dk", "dv", "dbias"), grads):
     ref = getattr(want, name)
-    if ref is None or (name == "dbias" and ref_lib.dbias_is_noise(np.shape(case.bias))):
+    if ref is None or (name == "dbias" and ref_lib.dbias_is_noise(np.shape(bias))):
       continue
     reports.append(tolerance.check_tolerance(np.asarray(got, np.float64), ref, naive[name], dt,
-                                             rtol=case.rtol, name=name))
+                                             rtol=rtol, name=name))
   return reports

@@ -7,7 +7,9 @@ The corpus (:data:`CORPUS`) names small cases — shapes, dtypes, masks,
 biases, key ranges, thresholds, heuristic and explicit configs, persistent and
 not.  Inputs are regenerated from each case's spec and seed, never stored.
 For each case ``golden/<name>.npz`` holds the kernel's outputs (out in its own
-dtype's bits, m and l in float32) and ``golden/manifest.json`` the spec, seed,
+dtype's bits, m and l in float32) and, for cases with gradients, dq, dk, dv
+(and dbias) of ``sum(out * d_out)`` through ``jax.vjp`` of the public API, in
+the input dtype's bits; ``golden/manifest.json`` holds the spec, seed,
 resolved config, device, jax version, kernel source hash and a SHA-256 per
 array.
 
@@ -18,7 +20,8 @@ Per case, ``check`` reports one of
   (``harness/tolerance.py``); the max ulp distance and relative error to the
   golden, and the ratio to the float64 bound, are reported;
 * **regression** — beyond the tolerance rule against float64: the check fails;
-* **missing** — no golden for the case (fails: run ``update`` and review).
+* **missing** — no golden for the case, or one stored before the case kept
+  some of its arrays (fails: run ``update`` and review).
 
 ``update`` classifies the new outputs against the old goldens the same way,
 prints the table, then writes; nothing is overwritten without the table.
@@ -36,11 +39,13 @@ from typing import Callable
 
 import numpy as np
 
-from harness.conformance import ForwardCase, check_forward, compute_dtype
+from harness.conformance import ForwardCase, check_forward, check_gradients, compute_dtype
+from harness.tolerance import rtol_for
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = REPO / "golden"
-ARRAYS = ("out", "m", "l")
+FORWARD_ARRAYS = ("out", "m", "l")
+GRADIENT_ARRAYS = ("dq", "dk", "dv", "dbias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,29 @@ class GoldenSpec:
   rescale_threshold: float = 1.0
   normalize_output: bool = True
   config: tuple | None = None      # None = heuristic; else (block_q, block_kv, stages, persistent)
+  gradients: bool = True           # store dq, dk, dv (dbias) too (normalised output only)
+
+  @property
+  def has_gradients(self) -> bool:
+    return self.gradients and self.normalize_output
+
+  def arrays(self) -> tuple[str, ...]:
+    """The arrays stored for this case."""
+    if not self.has_gradients:
+      return FORWARD_ARRAYS
+    from harness.reference import dbias_is_noise
+    bias_shape = self.build().bias.shape if self.bias else None
+    with_bias = self.bias is not None and not dbias_is_noise(bias_shape)
+    return FORWARD_ARRAYS + GRADIENT_ARRAYS[:4 if with_bias else 3]
+
+  def d_out(self) -> np.ndarray:
+    """The cotangent of out, in the input dtype, from its own stream of the seed
+    (so adding gradients left the inputs of every case unchanged)."""
+    case = self.build()
+    hv = self.head_dim if self.head_dim_out is None else self.head_dim_out
+    rng = np.random.default_rng([self.seed, 1])
+    shape = (self.batch, self.seq_q, self.heads, hv)
+    return rng.standard_normal(shape).astype(case.query.dtype)
 
   def build(self) -> ForwardCase:
     import ml_dtypes
@@ -97,10 +125,13 @@ class GoldenSpec:
 CORPUS: tuple[GoldenSpec, ...] = (
     GoldenSpec("plain-d64", 1),
     GoldenSpec("plain-d128-gqa", 2, heads=4, kv_heads=2, head_dim=128),
-    GoldenSpec("causal-d128", 3, seq_q=512, seq_kv=512, head_dim=128, is_causal=True),
+    # The two largest cases keep out/m/l only: the corpus stays a few MB, and
+    # other cases cover causal and d256-free gradients.
+    GoldenSpec("causal-d128", 3, seq_q=512, seq_kv=512, head_dim=128, is_causal=True,
+               gradients=False),
     GoldenSpec("ragged-113x203-d72-dv96", 4, seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96),
     GoldenSpec("ragged-239x1", 5, seq_q=239, seq_kv=1),
-    GoldenSpec("f16-d256", 6, dtype="float16", head_dim=256, seq_kv=320),
+    GoldenSpec("f16-d256", 6, dtype="float16", head_dim=256, seq_kv=320, gradients=False),
     GoldenSpec("f32-inputs", 7, dtype="float32", seq_q=100, seq_kv=130),
     GoldenSpec("bias-full", 8, bias="full"),
     GoldenSpec("bias-row-mask-keys", 9, bias="row", mask="keys"),
@@ -116,7 +147,8 @@ CORPUS: tuple[GoldenSpec, ...] = (
                config=(64, 64, 4, True)),
     # Shares its autotune signature with a shape the shipped cache holds, so
     # config=None runs the autotuned config on an H200.
-    GoldenSpec("autotuned-1024-d128", 19, seq_q=1024, seq_kv=1024, heads=1, head_dim=128),
+    GoldenSpec("autotuned-1024-d128", 19, seq_q=1024, seq_kv=1024, heads=1, head_dim=128,
+               gradients=False),  # keeps the corpus small; others cover the backward
 )
 
 
@@ -133,23 +165,35 @@ def _checksum(a: np.ndarray) -> str:
 
 
 def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
-  """The kernel's outputs in storage form: out in its own dtype, m/l float32."""
+  """The kernel's outputs in storage form: out and gradients in the input
+  dtype, m/l float32."""
   import jax
   import jax.numpy as jnp
   from kernel import api, mutants
   case = spec.build()
-  out, (m, l) = api.dot_product_attention(
-      jnp.asarray(case.query), jnp.asarray(case.key), jnp.asarray(case.value),
-      None if case.bias is None else jnp.asarray(case.bias),
-      None if case.mask is None else jnp.asarray(case.mask),
-      is_causal=case.is_causal,
-      k_start=None if case.k_start is None else jnp.asarray(case.k_start),
-      k_end=None if case.k_end is None else jnp.asarray(case.k_end),
-      logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
-      normalize_output=case.normalize_output, return_residuals=True,
-      config=spec.resolved_config(), _mutant=mutants.from_env())
+  j = lambda x: None if x is None else jnp.asarray(x)
+
+  def attention(q, k, v, bias):
+    return api.dot_product_attention(
+        q, k, v, bias, j(case.mask), is_causal=case.is_causal, k_start=j(case.k_start),
+        k_end=j(case.k_end), logits_soft_cap=case.logits_soft_cap,
+        rescale_threshold=case.rescale_threshold, normalize_output=case.normalize_output,
+        return_residuals=True, config=spec.resolved_config(), _mutant=mutants.from_env())
+
+  args = (j(case.query), j(case.key), j(case.value), j(case.bias))
+  if not spec.has_gradients:
+    out, (m, l) = attention(*args)
+    grads = {}
+  else:
+    with_bias = "dbias" in spec.arrays()
+    f = (attention if with_bias
+         else lambda q, k, v: attention(q, k, v, args[3]))
+    (out, (m, l)), vjp = jax.vjp(f, *args[:4 if with_bias else 3])
+    cotangent = (jnp.asarray(spec.d_out()), (jnp.zeros_like(m), jnp.zeros_like(l)))
+    grads = dict(zip(GRADIENT_ARRAYS, map(np.asarray, vjp(cotangent))))
   jax.block_until_ready(out)
-  return {"out": np.asarray(out), "m": np.asarray(m, np.float32), "l": np.asarray(l, np.float32)}
+  return {"out": np.asarray(out), "m": np.asarray(m, np.float32),
+          "l": np.asarray(l, np.float32), **grads}
 
 
 def config_used(spec: GoldenSpec) -> dict:
@@ -199,21 +243,37 @@ def classify(spec: GoldenSpec, new: dict[str, np.ndarray],
              old: dict[str, np.ndarray] | None) -> Verdict:
   """Compare new outputs with the golden and with float64 (see module doc)."""
   case = spec.build()
+  names = spec.arrays()
+  missing = [k for k in names if k not in new]
+  if missing:
+    return Verdict(spec.name, "regression", detail=f"the kernel returned no {', '.join(missing)}")
   report = check_forward(case, new["out"].astype(np.float64), new["m"].astype(np.float64),
                          new["l"].astype(np.float64))
-  ratio = report.worst_ratio()
-  if not report.passed:
+  reports = [r for r in (report.out, report.m, report.l) if r is not None]
+  if spec.has_gradients:
+    grads = [new.get(k) for k in GRADIENT_ARRAYS]
+    reports += check_gradients((case.query, case.key, case.value, case.bias, case.mask),
+                               case.reference_kwargs(), spec.d_out().astype(np.float64),
+                               grads, rtol=rtol_for(case.logits_soft_cap))
+  ratio = max(r.ratio for r in reports)
+  failed = [r for r in reports if not r.passed]
+  if failed:
     status = "regression"
-  elif old is None:
-    status = "missing"
-  elif all(np.array_equal(new[k], old[k], equal_nan=True) for k in ARRAYS):
+  elif old is None or not set(old) >= set(names):
+    status = "missing"  # no golden, or one from before this case stored these arrays
+  elif all(np.array_equal(new[k], old[k], equal_nan=True) for k in names):
     status = "identical"
   else:
     status = "drift"
-  verdict = Verdict(spec.name, status, ratio_to_f64_bound=ratio, detail=report.summary())
+  detail = "; ".join(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}"
+                     for r in (failed or reports))
+  verdict = Verdict(spec.name, status, ratio_to_f64_bound=ratio, detail=detail)
   if old is not None:
     ulps, rels = [], []
-    for k in ARRAYS:
+    for k in names:
+      if k not in old:
+        verdict.detail = f"{k}: not in the golden yet; " + verdict.detail
+        continue
       a, b = new[k], old[k]
       if a.shape != b.shape or a.dtype != b.dtype:
         verdict.detail = f"{k}: shape/dtype changed {b.shape}/{b.dtype} -> {a.shape}/{a.dtype}"
@@ -230,22 +290,29 @@ def classify(spec: GoldenSpec, new: dict[str, np.ndarray],
 
 
 def load_golden(name: str, directory: Path = GOLDEN_DIR) -> dict[str, np.ndarray] | None:
+  """A stored case: each array viewed back from its bits in its recorded dtype."""
   path = directory / f"{name}.npz"
   if not path.exists():
     return None
   import ml_dtypes
   with np.load(path) as z:
     data = {k: z[k] for k in z.files}
-  dtype = str(data.pop("out_dtype"))
-  data["out"] = data["out"].view(np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype)
-  return data
+  named = lambda d: np.dtype(ml_dtypes.bfloat16) if d == "bfloat16" else np.dtype(d)
+  if "dtypes" not in data:  # the first format: out's bits, its dtype, m and l
+    return {"out": data["out"].view(named(str(data["out_dtype"]))), "m": data["m"],
+            "l": data["l"]}
+  dtypes = json.loads(str(data.pop("dtypes")))
+  return {k: data[k].view(named(d)) for k, d in dtypes.items()}
 
 
 def save_golden(name: str, arrays: dict[str, np.ndarray], directory: Path = GOLDEN_DIR) -> None:
-  out = arrays["out"]
-  store_as = np.uint16 if out.dtype.itemsize == 2 else np.uint32
-  np.savez_compressed(directory / f"{name}.npz", out=out.view(store_as),
-                      out_dtype=np.array(str(out.dtype)), m=arrays["m"], l=arrays["l"])
+  """Each array as its raw bits (bf16 has no NumPy-native dtype), with a
+  table of dtypes to view them back."""
+  bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+  dtypes = {k: str(a.dtype) for k, a in arrays.items()}
+  np.savez_compressed(directory / f"{name}.npz", dtypes=np.array(json.dumps(dtypes)),
+                      **{k: np.ascontiguousarray(a).view(bits[a.dtype.itemsize])
+                         for k, a in arrays.items()})
 
 
 def render(verdicts: list[Verdict]) -> str:
@@ -289,12 +356,12 @@ def update(runner: Callable[[GoldenSpec], dict] = run_kernel_for, corpus=CORPUS,
     verdicts.append(verdict)
     if verdict.status == "regression":
       continue
-    save_golden(spec.name, new, directory)
+    save_golden(spec.name, {k: new[k] for k in spec.arrays()}, directory)
     manifest[spec.name] = {
         "spec": dataclasses.asdict(spec), "seed": spec.seed,
         "config": config_used(spec),
         "device": device, "jax": jax_version, "kernel_source": kernel_source_hash(),
-        "checksums": {k: _checksum(new[k]) for k in ARRAYS},
+        "checksums": {k: _checksum(new[k]) for k in spec.arrays()},
     }
   manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
   return verdicts

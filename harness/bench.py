@@ -82,17 +82,38 @@ def time_fns(fns: dict, input_sets, *, warmup: int = 3, trials: int = 12,
   return {name: statistics.median(v) for name, v in samples.items()}
 
 
+# Forward + backward is counted as 3.5x the forward's FLOPs (the forward's two
+# matrix products plus the backward's five), as FlashAttention reports it.
+BACKWARD_FLOP_FACTOR = 3.5
+
+
+def _with_backward(attention):
+  """q, k, v, d_out -> (dq, dk, dv) of sum(out * d_out): one forward and one
+  backward per call."""
+  def grads(q, k, v, d_out):
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * d_out)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  return grads
+
+
 def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
-                rescale_threshold: float = 1.0) -> list[dict]:
-  """One row per config, each with cuDNN timed in the same interleaved trials."""
+                rescale_threshold: float = 1.0, backward: bool = False) -> list[dict]:
+  """One row per config, each with cuDNN timed in the same interleaved trials.
+  With ``backward``, each call is a forward plus a backward (jax.grad)."""
   from kernel import api
   inputs = _inputs(shape, sets)
-  fns = {"cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=shape.causal, implementation="cudnn"))}
+  wrap = (lambda f: f)
+  if backward:
+    wrap = _with_backward
+    inputs = [(q, k, v, jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32))
+              for i, (q, k, v) in enumerate(inputs)]
+  fns = {"cudnn": jax.jit(wrap(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=shape.causal, implementation="cudnn")))}
   errors = {}
+  flops = shape.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0)
   for i, cfg in enumerate(configs):
-    fn = jax.jit(lambda q, k, v, cfg=cfg: api.dot_product_attention(
-        q, k, v, is_causal=shape.causal, config=cfg, rescale_threshold=rescale_threshold))
+    fn = jax.jit(wrap(lambda q, k, v, cfg=cfg: api.dot_product_attention(
+        q, k, v, is_causal=shape.causal, config=cfg, rescale_threshold=rescale_threshold)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -109,14 +130,15 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
     row = dataclasses.asdict(shape)
     row["config"] = None if cfg is None else str(cfg)
     row["rescale_threshold"] = rescale_threshold
+    row["pass"] = "forward+backward" if backward else "forward"
     if i in times:
       row["ours_ms"] = times[i] * 1e3
-      row["ours_tflops"] = shape.flops / times[i] / 1e12
+      row["ours_tflops"] = flops / times[i] / 1e12
     else:
       row["ours_error"] = errors.get(i, "not timed")
     if "cudnn" in times:
       row["cudnn_ms"] = times["cudnn"] * 1e3
-      row["cudnn_tflops"] = shape.flops / times["cudnn"] / 1e12
+      row["cudnn_tflops"] = flops / times["cudnn"] / 1e12
     else:
       row["cudnn_error"] = times.get("cudnn_error", "not timed")
     rows.append(row)
@@ -124,14 +146,14 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
 
 
 def render(rows: list[dict]) -> str:
-  lines = ["| B | seq | heads | D | causal | config | ours TFLOP/s | cuDNN TFLOP/s | ours/cuDNN |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| B | seq | heads | D | causal | pass | config | ours TFLOP/s | cuDNN TFLOP/s | ours/cuDNN |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     ours, cudnn = r.get("ours_tflops"), r.get("cudnn_tflops")
     ratio = f"{ours / cudnn:.3f}" if ours and cudnn else "-"
     fmt = lambda x, k: f"{x:.1f}" if x else r.get(f"{k}_error", "-")
     lines.append(f"| {r['batch']} | {r['seq']} | {r['heads']} | {r['head_dim']} | "
-                 f"{r['causal']} | {r.get('config') or 'default'} | {fmt(ours, 'ours')} | {fmt(cudnn, 'cudnn')} | {ratio} |")
+                 f"{r['causal']} | {r.get('pass', 'forward')} | {r.get('config') or 'default'} | {fmt(ours, 'ours')} | {fmt(cudnn, 'cudnn')} | {ratio} |")
   return "\n".join(lines)
 
 
@@ -143,6 +165,8 @@ def main(argv=None) -> int:
                       help="semicolon-separated block_q,block_kv,num_stages[,p] or 'auto' "
                            "(config=None) to sweep on each shape instead of the default config")
   parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
+  parser.add_argument("--backward", action="store_true",
+                      help="time forward + backward (jax.grad), counted as 3.5x the forward FLOPs")
   args = parser.parse_args(argv)
   shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
   configs = [None]
@@ -156,7 +180,8 @@ def main(argv=None) -> int:
       bq, bkv, st, *p = item.split(",")
       configs.append(Config(int(bq), int(bkv), int(st), persistent=bool(p and p[0] == "p")))
   rows = [row for s in shapes
-          for row in bench_shape(s, configs, rescale_threshold=args.threshold)]
+          for row in bench_shape(s, configs, rescale_threshold=args.threshold,
+                                 backward=args.backward)]
   dev = jax.devices()[0]
   meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
   if args.out:

@@ -43,11 +43,14 @@ def _count_smem(record: list):
 
 
 def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_shape=None,
-                    k_range_shape=None, **kwargs) -> Lowered:
+                    k_range_shape=None, gradients=False, **kwargs) -> Lowered:
   """Export ``kernel.api.dot_product_attention`` for CUDA with abstract inputs.
 
   ``shapes``: dict with B, T, N, H, S, K, Hv.  ``kwargs`` go to the API
-  (config, is_causal, logits_soft_cap, ...).
+  (config, is_causal, logits_soft_cap, ...).  With ``gradients``, export
+  ``jax.grad`` of the output's sum with respect to q, k, v (and bias): the
+  forward and the backward kernels; ``smem_bytes`` is then the largest of the
+  kernels.
   """
   from kernel import api
   sds = jax.ShapeDtypeStruct
@@ -67,10 +70,14 @@ def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_sha
     return api.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
                                      **extra, **kwargs)
 
+  target = fn
+  if gradients:
+    float_args = (0, 1, 2) + ((3,) if "bias" in names else ())
+    target = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=float_args)
   record: list[int] = []
   start = time.perf_counter()
   with api.lowering_only(), _count_smem(record):
-    jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+    jax.export.export(jax.jit(target), platforms=["cuda"])(*args)
   if not record:
     raise RuntimeError("lowering produced no Mosaic GPU kernel")
   return Lowered(smem_bytes=max(record), seconds=time.perf_counter() - start)

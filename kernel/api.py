@@ -27,7 +27,8 @@ import numpy as np
 from kernel import mutants
 from kernel import plan as plan_lib
 from kernel.config import Config
-from kernel.backward_xla import attention_backward
+from kernel import backward as backward_pallas
+from kernel import backward_xla
 from kernel.forward import Features, flash_attention_forward
 from kernel.validation import validate_attention_args
 
@@ -122,7 +123,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, _mutant=None):
+                          config=None, _mutant=None, _backward="pallas"):
   """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
 
   m (B, N, T) is the row max of the final logits in natural-log space, l the
@@ -160,13 +161,23 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
       mutant=mutants.check(_mutant))
-  attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem)
+  if _backward not in BACKWARDS:
+    raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
+  attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
+                              BACKWARDS[_backward])
   out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
   return (out, residuals) if return_residuals else out
 
 
+# The custom_vjp's backward: the sm90 kernels (kernel/backward.py), or their
+# executable specification in plain JAX (kernel/backward_xla.py), which tests
+# compare them with.  Both read the same residuals.
+BACKWARDS = {"pallas": backward_pallas.attention_backward,
+             "xla": backward_xla.attention_backward}
+
+
 def _differentiable(features: Features, config: Config, dtype, num_sms: int,
-                    problem: plan_lib.Problem):
+                    problem: plan_lib.Problem, attention_backward):
   """The forward kernel under a custom_vjp whose backward reads the kernel's
   own residuals (out, and m in natural log, l): kernel/backward_xla.py."""
 

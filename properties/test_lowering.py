@@ -85,3 +85,19 @@ def test_every_mutant_lowers(mutant):
                             config=Config(64, 128, 2, persistent=True), return_residuals=True,
                             rescale_threshold=0.5, _mutant=mutant)
   assert lowered.smem_bytes > 0
+
+
+BACKWARD_HEAD_DIMS = [(64, 64), (128, 128), (72, 96), (256, 256), (256, 128), (128, 256)]
+
+
+@pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
+@pytest.mark.parametrize("feat", ["plain", "everything"])
+def test_the_backward_kernels_lower_and_fit(d, dv, feat):
+  """jax.grad through the API lowers for CUDA (forward + the dK/dV and dQ
+  kernels of kernel/backward.py) for every head-dim class, with every
+  feature; every kernel fits in 227 KiB."""
+  T, S = 300, 200
+  kw = _features(T, S, N=4)[feat]
+  kw = {k: v for k, v in kw.items() if k not in ("normalize_output", "return_residuals")}
+  lowered = lower_attention(dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True, **kw)
+  assert 0 < lowered.smem_bytes <= plan.SMEM_LIMIT_BYTES

@@ -1,0 +1,572 @@
+"""The sm90 backward: two warp-specialised Pallas Mosaic GPU kernels.
+
+Both kernels have the forward's shape (``kernel/forward.py``): three
+warpgroups along ``wg``; warpgroups 0 and 1 compute at 232 registers, each on
+its own 64-row slice of a stationary tile; warpgroup 2 (40 registers) issues
+every TMA copy, first the stationary tiles, then the streamed blocks into a
+``num_stages``-deep ring.  The ring is the forward's protocol: the slot of
+streamed block t is ``PipelineState.at(num_stages, t).index``; each slot has
+one "produced" mbarrier per streamed buffer and one "consumed" mbarrier that
+both compute warpgroups arrive on once they are done with the slot; the
+producer waits on it before every refill (not before the first
+``num_stages`` fills).
+
+* ``dkv``: a block owns ``2 * block_kv`` keys of one key/value head (K and V
+  stationary) and streams, for every query head of its group and every query
+  block that can see its keys, (q, dO, [lse, delta]).  Per block it forms
+  S^T = K Q^T, P^T = exp2(S^T - lse) from the forward's residuals, dV += P^T dO,
+  dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.  GQA sums over the
+  group inside the kernel.
+* ``dq``: a block owns ``2 * block_q`` query rows of one head (Q, dO, lse,
+  delta stationary) and streams the (K, V) blocks of the forward's key range:
+  S, P, dP, dS as above and dQ += dS K; with a bias it also writes dS (the
+  logits gradient, which is dbias before the sum over broadcast dimensions).
+
+dQ by a second kernel rather than by atomic accumulation in the first: it
+recomputes S and dP (7 matrix products where 5 would do) and keeps the result
+deterministic; the measured rate is in ci/results.
+
+The residuals are the forward's natural-log m and l: ``lse`` (base 2, what
+exp2 needs) is formed here as ``m * log2(e) + log2(l)``; a row with l = 0
+(fully masked) gets lse = +inf, so its P is exactly 0.  A forward that stored
+m in base 2 yields wrong gradients here (kernel/mutants.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+
+from kernel import barriers
+from kernel import plan as plan_lib
+from kernel.forward import _load_broadcast, _smem, kv_block_range
+from kernel.pipeline import PipelineState
+
+LOG2E = math.log2(math.e)
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+_NEG_INF = float("-inf")
+CW = barriers.COMPUTE_WARPGROUPS
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardFeatures:
+  scale: float
+  is_causal: bool
+  logits_soft_cap: float | None
+  seq_q: int     # unpadded
+  seq_kv: int    # unpadded
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBlocks:
+  """Tiling of the two kernels.  Each compute warpgroup owns 64 stationary
+  rows (wgmma's M); the streamed block is the other matmul dimension."""
+
+  dkv_stream_q: int     # query rows per streamed block in dkv
+  dq_stream_kv: int     # key rows per streamed block in dq
+  num_stages: int
+  split_dkv: bool       # dK and dV in separate launches (both accumulators
+                        # would not fit in 232 registers for head dims > 128)
+  rows: int = 64        # stationary rows per compute warpgroup
+
+
+def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
+  """Streamed blocks stay 64 rows: they are the contraction of dV += P^T dO
+  and dQ += dS K, which wgmma takes in whole 128-byte swizzle rows.  Head dims
+  over 128 split dK from dV and keep one stage, to fit 227 KiB."""
+  wide = max(head_dim, head_dim_out) > 128
+  return BackwardBlocks(dkv_stream_q=64, dq_stream_kv=64, num_stages=1 if wide else 2,
+                        split_dkv=wide)
+
+
+def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
+               stationary: tuple[str, ...]) -> tuple[plan_lib.MBarrier, ...]:
+  """The backward's mbarrier plan, in the forward's vocabulary (plan.MBarrier)."""
+  mb = [plan_lib.MBarrier(f"{n}_stationary", CW, 1,
+                          f"{kind}: TMA of a compute warpgroup's {n} tile landed")
+        for n in stationary]
+  mb += [plan_lib.MBarrier(f"{n}_produced", stages, 1, f"{kind}: TMA of {n} into a slot landed")
+         for n in streamed]
+  mb.append(plan_lib.MBarrier("consumed", stages, CW,
+                              f"{kind}: both warpgroups finished with a slot"))
+  return tuple(mb)
+
+
+def _barrier_refs(plan):
+  return tuple(plgpu.Barrier(num_arrivals=b.num_arrivals, num_barriers=b.num_barriers)
+               for b in plan)
+
+
+def _buffer(name, shape, dtype, swizzled=True):
+  return _smem(plan_lib.Buffer(name, tuple(shape), np.dtype(dtype), swizzled))
+
+
+def _scaled_logits(s, f: BackwardFeatures, bias):
+  """(s_final, dsdu): the logits after scale, bias and soft cap, and the soft
+  cap's derivative d s_final / d u (None without a cap)."""
+  u = s * f.scale
+  if bias is not None:
+    u = u + bias.astype(jnp.float32)
+  if f.logits_soft_cap is None:
+    return u, None
+  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))
+  return t * f.logits_soft_cap, 1.0 - t * t
+
+
+def _probabilities(s, lse2, keep):
+  """exp2(s * log2 e - lse2) where kept, 0 elsewhere (lse2 broadcast)."""
+  p = jnp.exp2(s * LOG2E - lse2)
+  return p if keep is None else jnp.where(keep, p, 0.0)
+
+
+def _and(a, b):
+  return b if a is None else (a if b is None else a & b)
+
+
+def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
+             blocks: BackwardBlocks, outputs: tuple[str, ...]):
+  """dK and/or dV (``outputs``) on padded inputs.
+
+  q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
+  (B, N, 2, Tp) f32 = [lse2, delta]; bias_t / mask_t: bias and mask with T and
+  S swapped (dims 1 or full); k_start / k_end (B|1, N|1, Tp|1) int32.
+  """
+  batch, t_pad, num_heads, head_dim = q.shape
+  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  dtype = q.dtype
+  group = num_heads // num_kv_heads
+  bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
+  nq = t_pad // bq
+  kv_tiles = s_pad // (CW * bkv)
+  want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  shape_t = (bkv, bq)  # S^T: keys x queries
+  # V is read only by dP^T = V dO^T, which only dK needs.
+  stationary = ("k", "v") if want_dk else ("k",)
+  plan = _mbarriers("dkv", stages, ("q", "do", "rows"), stationary)
+
+  def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
+           *out_refs_and_scratch):
+    out_refs = out_refs_and_scratch[:len(outputs)]
+    (k_st, v_st, q_ring, do_ring, rows_ring), bars = out_refs_and_scratch[len(outputs):]
+    k_stat, *bars = bars
+    v_stat = bars.pop(0) if want_dk else None
+    q_prod, do_prod, rows_prod, consumed = bars
+    wg = lax.axis_index("wg")
+    j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
+    # Query blocks that can see any of this tile's keys (causal: from the
+    # tile's first key on); every query head of the group, in turn.
+    lo = lax.div(j * (CW * bkv), jnp.int32(bq)) if f.is_causal else jnp.int32(0)
+    lo = lax.min(lo, jnp.int32(nq))
+    per_head = nq - lo
+    steps = per_head * group
+
+    def coords(t):
+      return hk * group + lax.div(t, per_head), lo + lax.rem(t, per_head)
+
+    @pl.when(wg < CW)
+    def compute():
+      plgpu.set_max_registers(232, action="increase")
+      kv_base = (CW * j + wg) * bkv
+      plgpu.barrier_wait(k_stat.at[wg])
+      if want_dk:
+        plgpu.barrier_wait(v_stat.at[wg])
+
+      def step(t, carry):
+        dk_acc, dv_acc = carry
+        slot = PipelineState.at(stages, t).index
+        h, i = coords(t)
+        q_base = i * bq
+        plgpu.barrier_wait(q_prod.at[slot])
+        plgpu.barrier_wait(rows_prod.at[slot])
+
+        def qk(acc):
+          plgpu.wgmma(acc, k_st.at[wg], q_ring.at[slot].T)
+          return acc[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC(shape_t, jnp.float32))
+        bias = None if bias_ref is None else _load_broadcast(
+            bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
+        s, dsdu = _scaled_logits(s, f, bias)
+        key = kv_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 0, layout=_WGMMA)
+        query = q_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 1, layout=_WGMMA)
+        keep = None
+        if f.is_causal:
+          keep = key <= query
+        if ks_ref is not None:
+          ks = _load_broadcast(ks_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
+          keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape_t, [1]))
+        if ke_ref is not None:
+          ke = _load_broadcast(ke_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
+          keep = _and(keep, key < lax.broadcast_in_dim(ke, shape_t, [1]))
+        if mask_ref is not None:
+          m = _load_broadcast(mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)),
+                              shape_t, _WGMMA)
+          keep = _and(keep, m != 0)
+        lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
+        p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
+        plgpu.barrier_wait(do_prod.at[slot])
+
+        if want_dv:
+          def pv(acc):
+            plgpu.wgmma(acc, p.astype(dtype), do_ring.at[slot])
+          dv_acc = pl.run_state(pv)(plgpu.ACC.init(dv_acc))
+        if want_dk:
+          def dp_(acc):
+            plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
+            return acc[...]
+          dp = pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
+          delta = plgpu.load(rows_ring.at[slot, 1], layout=_COL, optimized=False)
+          ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
+          if dsdu is not None:
+            ds = ds * dsdu
+
+          def dsq(acc):
+            plgpu.wgmma(acc, ds.astype(dtype), q_ring.at[slot])
+          dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
+        # Both products read the slot and have completed (run_state waits).
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk_acc, dv_acc
+
+      zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
+      dk_acc = zeros(head_dim) if want_dk else None
+      dv_acc = zeros(head_dim_out) if want_dv else None
+      dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
+      # The stationary tiles are no longer read: they stage the results.
+      rows_out = pl.ds(kv_base, bkv)
+      results = {"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}
+      for name, ref in zip(outputs, out_refs):
+        acc, buf = results[name]
+        if name == "dk":
+          acc = acc * f.scale
+        buf.at[wg][...] = acc.astype(dtype)
+      plgpu.commit_smem()
+      for name, ref in zip(outputs, out_refs):
+        plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[b, rows_out, hk])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == CW)
+    def memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @plgpu.warp_map
+      def _(warp):
+        @pl.when(warp == 0)
+        def _():
+          for w in range(CW):
+            rows_w = pl.ds((CW * j + w) * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows_w, hk], k_st.at[w], k_stat.at[w])
+            if want_dk:
+              plgpu.copy_gmem_to_smem(v_ref.at[b, rows_w, hk], v_st.at[w], v_stat.at[w])
+
+          @pl.loop(0, steps)
+          def fill(t):
+            st = PipelineState.at(stages, t)
+            h, i = coords(t)
+            # Fills 0..S-1 find fresh slots; every later one waits for both
+            # warpgroups to release the slot (the forward's rule).
+            pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[st.index]))
+            qrows = pl.ds(i * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, qrows, h], q_ring.at[st.index],
+                                    q_prod.at[st.index])
+            plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, qrows], rows_ring.at[st.index],
+                                    rows_prod.at[st.index])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, qrows, h], do_ring.at[st.index],
+                                    do_prod.at[st.index])
+
+  scratch = [
+      (_buffer("k", (CW, bkv, head_dim), dtype),
+       # V's tile, loaded only for dK; a dV-only launch uses it to stage dV.
+       _buffer("v", (CW, bkv, head_dim_out), dtype),
+       _buffer("q", (stages, bq, head_dim), dtype),
+       _buffer("do", (stages, bq, head_dim_out), dtype),
+       _buffer("rows", (stages, 2, bq), np.float32, swizzled=False)),
+      _barrier_refs(plan),
+  ]
+  out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads,
+                                    head_dim if name == "dk" else head_dim_out), dtype)
+              for name in outputs]
+  results = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(kv_tiles, num_kv_heads, batch), grid_names=("kv_tiles", "kv_heads", "batch"),
+      num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+  )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end)
+  return dict(zip(outputs, results))
+
+
+def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
+            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool):
+  """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
+
+  Same arguments as :func:`dkv_call`, with bias and mask in their own
+  orientation, and k_range_tiles the forward's per-tile key-range bounds.
+  Returns dq (B, Tp, N, D) and ds (B, N, Tp, Sp) f32 or None; ds blocks
+  outside the tile's key range are not written (the caller zeroes them).
+  """
+  batch, t_pad, num_heads, head_dim = q.shape
+  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  dtype = q.dtype
+  group = num_heads // num_kv_heads
+  bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
+  num_tiles = t_pad // (CW * bq)
+  shape = (bq, bkv)
+  plan = _mbarriers("dq", stages, ("k", "v"), ("q", "do", "rows"))
+
+  def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
+           tiles_ref, dq_ref, *rest):
+    ds_ref = rest[0] if want_ds else None
+    (q_st, do_st, rows_st, k_ring, v_ring, ds_st), bars = rest[1:] if want_ds else rest
+    q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
+    wg = lax.axis_index("wg")
+    qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
+    hk = lax.div(h, jnp.int32(group))
+    if tiles_ref is None:
+      lb, ub = kv_block_range(qi, block_q=bq, block_kv=bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
+                              is_causal=f.is_causal)
+    else:
+      start_min, _, _, end_max = (r[0 if r.shape[0] == 1 else b, 0 if r.shape[1] == 1 else h, qi]
+                                  for r in tiles_ref)
+      lb, ub = kv_block_range(qi, block_q=bq, block_kv=bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
+                              is_causal=f.is_causal, k_start_min=start_min,
+                              k_end_max=end_max)
+
+    @pl.when(wg < CW)
+    def compute():
+      plgpu.set_max_registers(232, action="increase")
+      q_base = (CW * qi + wg) * bq
+      rows = pl.ds(q_base, bq)
+      for bar in (q_stat, do_stat, rows_stat):
+        plgpu.barrier_wait(bar.at[wg])
+      lse2 = plgpu.load(rows_st.at[wg, 0], layout=_ROW, optimized=False)
+      delta = plgpu.load(rows_st.at[wg, 1], layout=_ROW, optimized=False)
+      ks = None if ks_ref is None else _load_broadcast(ks_ref, (b, h, rows), (bq,), _ROW)
+      ke = None if ke_ref is None else _load_broadcast(ke_ref, (b, h, rows), (bq,), _ROW)
+
+      def step(ki, dq_acc):
+        slot = PipelineState.at(stages, ki - lb).index
+        k_base = ki * bkv
+        plgpu.barrier_wait(k_prod.at[slot])
+
+        def qk(acc):
+          plgpu.wgmma(acc, q_st.at[wg], k_ring.at[slot].T)
+          return acc[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        bias = None if bias_ref is None else _load_broadcast(
+            bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
+        s, dsdu = _scaled_logits(s, f, bias)
+        key = k_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
+        query = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
+        keep = None
+        if f.is_causal:
+          keep = key <= query
+        if f.seq_kv % bkv or s_pad != f.seq_kv:
+          keep = _and(keep, key < f.seq_kv)  # padded keys
+        if ks is not None:
+          keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape, [0]))
+        if ke is not None:
+          keep = _and(keep, key < lax.broadcast_in_dim(ke, shape, [0]))
+        if mask_ref is not None:
+          m = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
+          keep = _and(keep, m != 0)
+        p = _probabilities(s, lax.broadcast_in_dim(lse2, shape, [0]), keep)
+        plgpu.barrier_wait(v_prod.at[slot])
+
+        def dp_(acc):
+          plgpu.wgmma(acc, do_st.at[wg], v_ring.at[slot].T)
+          return acc[...]
+
+        dp = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
+        ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+        if dsdu is not None:
+          ds = ds * dsdu
+
+        def dsk(acc):
+          plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])
+
+        dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+        plgpu.barrier_arrive(consumed.at[slot])
+        if want_ds:
+          # The previous block's dS copy must have read the staging buffer.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          ds_st.at[wg][...] = ds
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(ds_st.at[wg], ds_ref.at[b, h, rows, pl.ds(k_base, bkv)])
+        return dq_acc
+
+      dq_acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), _WGMMA)
+      dq_acc = lax.fori_loop(lb, ub, step, dq_acc)
+      # q is no longer read: it stages dQ.
+      q_st.at[wg][...] = (dq_acc * f.scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_st.at[wg], dq_ref.at[b, rows, h])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    @pl.when(wg == CW)
+    def memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @plgpu.warp_map
+      def _(warp):
+        @pl.when(warp == 0)
+        def _():
+          for w in range(CW):
+            rows_w = pl.ds((CW * qi + w) * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows_w, h], q_st.at[w], q_stat.at[w])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows_w, h], do_st.at[w], do_stat.at[w])
+            plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, rows_w], rows_st.at[w],
+                                    rows_stat.at[w])
+
+          @pl.loop(lb, ub)
+          def fill(ki):
+            st = PipelineState.at(stages, ki - lb)
+            pl.when(ki - lb >= stages)(lambda: plgpu.barrier_wait(consumed.at[st.index]))
+            keys = pl.ds(ki * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_ring.at[st.index],
+                                    k_prod.at[st.index])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_ring.at[st.index],
+                                    v_prod.at[st.index])
+
+  smem = (_buffer("q", (CW, bq, head_dim), dtype), _buffer("do", (CW, bq, head_dim_out), dtype),
+          _buffer("rows", (CW, 2, bq), np.float32, swizzled=False),
+          _buffer("k", (stages, bkv, head_dim), dtype),
+          _buffer("v", (stages, bkv, head_dim_out), dtype),
+          _buffer("ds", (CW, bq, bkv), np.float32) if want_ds else None)
+  out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim), dtype)]
+  if want_ds:
+    out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
+  results = plgpu.kernel(
+      body, out_type=out_type, scratch_types=[smem, _barrier_refs(plan)],
+      grid=(num_tiles, num_heads, batch), grid_names=("q_tiles", "heads", "batch"),
+      num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+  )(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles)
+  return (results[0], results[1]) if want_ds else (results[0], None)
+
+
+def _pad(x, axis, multiple):
+  size = x.shape[axis]
+  target = -(-size // multiple) * multiple
+  if target == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, target - size)
+  return jnp.pad(x, widths)
+
+
+def _full_or_one(x, axis, multiple):
+  return x if x.shape[axis] == 1 else _pad(x, axis, multiple)
+
+
+def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
+                       *, scale, is_causal=False, logits_soft_cap=None):
+  """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
+  residuals, on the sm90 kernels above.  Same contract and arguments as
+  ``kernel.backward_xla.attention_backward`` (its executable specification):
+  inputs in the compute dtype, unpadded; m (natural log) and l (B, N, T).
+  """
+  dtype = query.dtype
+  batch, t, heads, hd = query.shape
+  s, hdv = key.shape[1], value.shape[3]
+  f = BackwardFeatures(scale=float(scale), is_causal=bool(is_causal),
+                       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                       seq_q=t, seq_kv=s)
+  d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
+  blocks = blocks_for(d, dv_dim)
+  t_mult = math.lcm(CW * blocks.rows, blocks.dkv_stream_q)
+  s_mult = math.lcm(CW * blocks.rows, blocks.dq_stream_kv)
+
+  pad_heads = lambda x, dim: _pad(x, 3, 64) if dim != x.shape[3] else x
+  q = _pad(pad_heads(query, d), 1, t_mult)
+  k = _pad(pad_heads(key, d), 1, s_mult)
+  v = _pad(pad_heads(value, dv_dim), 1, s_mult)
+  do = _pad(pad_heads(d_out.astype(dtype), dv_dim), 1, t_mult)
+  t_pad, s_pad = q.shape[1], k.shape[1]
+
+  # Per row: lse in base 2 from the natural-log residuals, and delta.
+  live = l > 0
+  lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
+  delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
+  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
+  rows = jnp.stack([lse2, delta], axis=2).astype(jnp.float32)  # (B, N, 2, Tp)
+
+  bias4 = mask4 = None
+  if bias is not None:
+    bias4 = _full_or_one(_full_or_one(lax.broadcast_to_rank(bias.astype(dtype), 4), 2, t_mult),
+                         3, s_mult)
+  if mask is not None:
+    mask4 = _full_or_one(_full_or_one(lax.broadcast_to_rank(mask, 4).astype(jnp.int8), 2, t_mult),
+                         3, s_mult)
+  ks = ke = tiles = None
+  if k_start is not None or k_end is not None:
+    rows3 = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
+    ks = rows3(0 if k_start is None else k_start)
+    ke = rows3(s if k_end is None else k_end)
+    edge = lambda x: x if x.shape[2] == 1 else jnp.pad(
+        x, ((0, 0), (0, 0), (0, t_pad - x.shape[2])), mode="edge")
+    ks, ke = edge(ks), edge(ke)
+    tile = CW * blocks.rows
+    num_tiles = t_pad // tile
+
+    def per_tile(x, reduce):
+      if x.shape[2] == 1:
+        return jnp.broadcast_to(x, (*x.shape[:2], num_tiles))
+      return reduce(x.reshape(*x.shape[:2], num_tiles, tile), axis=-1)
+
+    tiles = (per_tile(ks, jnp.min), per_tile(ks, jnp.max), per_tile(ke, jnp.min),
+             per_tile(ke, jnp.max))
+    ks = ks if k_start is not None else None
+    ke = ke if k_end is not None else None
+
+  swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
+  dkv = {}
+  for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
+    dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
+                        blocks=blocks, outputs=outputs))
+  dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
+                   want_ds=bias is not None)
+
+  dbias = None
+  if bias is not None:
+    # Blocks the dq kernel skipped (outside a tile's key range) are unwritten;
+    # every logit there is masked, so their gradient is 0.
+    visited = _visited_blocks(ds.shape, tiles, f, blocks)
+    ds = jnp.where(visited, ds, 0.0)[:, :, :t, :s]
+    bias_shape = jnp.shape(bias)
+    full = lax.broadcast_to_rank(jnp.zeros(bias_shape, jnp.float32), 4).shape
+    summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)
+    dbias = summed.reshape(bias_shape).astype(bias.dtype)
+  return (dq[:, :t, :, :hd], dkv["dk"][:, :s, :, :hd], dkv["dv"][:, :s, :, :hdv], dbias)
+
+
+def _visited_blocks(ds_shape, tiles, f: BackwardFeatures, blocks: BackwardBlocks):
+  """(B|1, N|1, Tp, Sp) bool: the dS entries the dq kernel wrote."""
+  _, _, t_pad, s_pad = ds_shape
+  tile, bkv = CW * blocks.rows, blocks.dq_stream_kv
+  qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
+  if tiles is None:
+    lb, ub = kv_block_range(qi, block_q=blocks.rows, block_kv=bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal)
+    lb, ub = (jnp.broadcast_to(x, qi.shape)[None, None] for x in (lb, ub))
+  else:
+    start_min, _, _, end_max = tiles
+    shape = jnp.broadcast_shapes(start_min.shape, end_max.shape)
+    qi3 = jnp.broadcast_to(qi, shape)
+    lb, ub = kv_block_range(qi3, block_q=blocks.rows, block_kv=bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal,
+                            k_start_min=jnp.broadcast_to(start_min, shape),
+                            k_end_max=jnp.broadcast_to(end_max, shape))
+  block = jnp.arange(s_pad, dtype=jnp.int32) // bkv                 # (Sp,)
+  lb = jnp.repeat(lb, tile, axis=2)[..., None]                        # (.., Tp, 1)
+  ub = jnp.repeat(ub, tile, axis=2)[..., None]
+  return (block >= lb) & (block < ub)

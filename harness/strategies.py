@@ -423,3 +423,13 @@ def attention_cases(
                   is_causal=is_causal, logits_soft_cap=cap, mask=mask,
                   bias=bias, key_range=key_range)
   return build_case(spec)
+
+
+# Every GPU example compiles kernels, so the big GPU properties are split into
+# shards that pytest -n auto runs on separate workers; each shard draws its
+# share of the examples (fresh ones per shard under the gpu profile).
+GPU_SHARDS = 4
+
+
+def per_shard(total: int) -> int:
+  return max(1, -(-total // GPU_SHARDS))

@@ -42,8 +42,10 @@ gpu_cases = hs.attention_cases(max_batch=2, max_seq=1100, max_head_dim=256,
                                max_kv_heads=2, big=True, max_logits=None)
 
 
+@pytest.mark.parametrize("shard", range(hs.GPU_SHARDS))
+@settings(max_examples=hs.per_shard(settings.default.max_examples))
 @given(case=gpu_cases, threshold=hs.thresholds(), normalize=st.booleans(), data=st.data())
-def test_forward_matches_float64(case, threshold, normalize, data):
+def test_forward_matches_float64(shard, case, threshold, normalize, data):
   """Output and natural-log residuals (m, l) are within the tolerance rule of
   float64, for any drawn shape, feature mix, threshold and emitted config."""
   fc = _forward_case(case, threshold, normalize)

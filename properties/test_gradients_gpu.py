@@ -38,10 +38,11 @@ def kernel_grads(case, mutant=None, backward="pallas"):
   return grads + [None] * (4 - len(grads))
 
 
+@pytest.mark.parametrize("shard", range(hs.GPU_SHARDS))
 @given(case=hs.attention_cases(max_batch=2, max_seq=700, max_head_dim=256, big=True,
                                max_logits=None))
-@settings(max_examples=25)
-def test_gradients_match_float64(case):
+@settings(max_examples=hs.per_shard(28))
+def test_gradients_match_float64(shard, case):
   """dq, dk, dv (and dbias) are within the tolerance rule of float64."""
   note(case.describe())
   for r in gradient_reports(case, kernel_grads(case)):

@@ -279,13 +279,19 @@ def classify(spec: GoldenSpec, new: dict[str, np.ndarray],
       if a.shape != b.shape or a.dtype != b.dtype:
         verdict.detail = f"{k}: shape/dtype changed {b.shape}/{b.dtype} -> {a.shape}/{a.dtype}"
         return dataclasses.replace(verdict, status="regression")
-      ulps.append(_ulp_distance(a, b))
+      # ulp distances are read where the golden is significant (within 2^10
+      # of its largest magnitude): near zero they count representable values
+      # between noise and noise and say nothing about the change.
+      b_abs = np.abs(b.astype(np.float64))
+      finite = np.isfinite(b_abs)
+      significant = finite & (b_abs >= (b_abs[finite].max() if finite.any() else 0) * 2.0 ** -10)
+      ulps.append(_ulp_distance(a[significant], b[significant]) if significant.any() else 0)
       if not np.array_equal(a, b, equal_nan=True):
         verdict.changed += (k,)
       a64, b64 = a.astype(np.float64), b.astype(np.float64)
       fin = np.isfinite(a64) & np.isfinite(b64)
       if fin.any():
-        scale = np.maximum(np.abs(b64[fin]).max(), np.finfo(np.float32).tiny)
+        scale = max(np.abs(b64[fin]).max(), np.abs(a64[fin]).max(), np.finfo(np.float32).tiny)
         rels.append(float(np.abs(a64[fin] - b64[fin]).max() / scale))
     verdict.max_ulp = max(ulps)
     verdict.max_rel_to_golden = max(rels, default=0.0)

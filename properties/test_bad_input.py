@@ -21,6 +21,7 @@ from harness.reference import (
   backward_from_residuals,
   naive_attention,
 )
+from kernel import api
 from kernel.validation import (
   AttentionShapes,
   bfloat16,
@@ -123,3 +124,22 @@ def test_broadcastable_to_follows_numpy():
     except ValueError:
       ok = False
     assert broadcastable_to(shape, target) == ok, shape
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 128, 2, 32), "bfloat16"),
+                                         ((1, 128, 2, 64), "float32"),
+                                         ((1, 128, 2, 64), "int32")],
+                         ids=["wrong-shape", "wrong-dtype", "integer"])
+def test_a_wrong_cotangent_is_refused_by_name(shape, dtype):
+  """jax.vjp's pullback refuses a cotangent that is not out's shape and
+  dtype, naming both, before any backward kernel is traced."""
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((1, 128, 2, 64), jnp.bfloat16), sds((1, 128, 1, 64), jnp.bfloat16)
+
+  def pull(q, k, v, ct):
+    _, vjp = jax.vjp(lambda q, k, v: api.dot_product_attention(q, k, v), q, k, v)
+    return vjp(ct)
+
+  with pytest.raises(ValueError, match=r"argument to VJP function: got .*expected bfloat16\[1,128,2,64\]"):
+    with api.lowering_only():
+      jax.export.export(jax.jit(pull), platforms=["cuda"])(q, k, k, sds(shape, jnp.dtype(dtype)))

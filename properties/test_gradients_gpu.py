@@ -127,3 +127,19 @@ def test_the_kernels_agree_with_their_executable_specification():
   for p, x in zip(pallas, xla):
     assert p.passed and x.passed
     assert p.max_error <= 4 * x.max_error + 1e-6, (p.name, p.max_error, x.max_error)
+
+
+def test_nan_in_the_cotangent_propagates_as_the_reference_says():
+  """NaN in one row of dO: the gradients are NaN exactly where the float64
+  reference's are (dq in that row; dk, dv in the keys that row sees)."""
+  spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=1, T=256, N=2, H=64, S=256, K=1, Hv=64),
+                     dtype="bfloat16", seed=32, is_causal=True)
+  case = hs.build_case(spec)
+  case.d_out[0, 40, 1, 3] = np.nan
+  from harness import reference as ref_lib
+  want = ref_lib.attention_reference_vjp(*case.args, case.d_out, **case.kwargs)
+  got = kernel_grads(case)
+  for name, g in zip(("dq", "dk", "dv"), got):
+    ref = getattr(want, name)
+    assert np.isnan(ref).any(), name
+    assert np.array_equal(np.isnan(g), np.isnan(ref)), name

@@ -97,7 +97,8 @@ def _with_backward(attention):
 
 
 def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
-                rescale_threshold: float = 1.0, backward: bool = False) -> list[dict]:
+                rescale_threshold: float = 1.0, backward: bool = False,
+                backward_impl: str = "pallas") -> list[dict]:
   """One row per config, each with cuDNN timed in the same interleaved trials.
   With ``backward``, each call is a forward plus a backward (jax.grad)."""
   from kernel import api
@@ -113,7 +114,8 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   flops = shape.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0)
   for i, cfg in enumerate(configs):
     fn = jax.jit(wrap(lambda q, k, v, cfg=cfg: api.dot_product_attention(
-        q, k, v, is_causal=shape.causal, config=cfg, rescale_threshold=rescale_threshold)))
+        q, k, v, is_causal=shape.causal, config=cfg, rescale_threshold=rescale_threshold,
+        _backward=backward_impl)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -130,7 +132,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
     row = dataclasses.asdict(shape)
     row["config"] = None if cfg is None else str(cfg)
     row["rescale_threshold"] = rescale_threshold
-    row["pass"] = "forward+backward" if backward else "forward"
+    row["pass"] = f"forward+backward ({backward_impl})" if backward else "forward"
     if i in times:
       row["ours_ms"] = times[i] * 1e3
       row["ours_tflops"] = flops / times[i] / 1e12
@@ -167,6 +169,8 @@ def main(argv=None) -> int:
   parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
   parser.add_argument("--backward", action="store_true",
                       help="time forward + backward (jax.grad), counted as 3.5x the forward FLOPs")
+  parser.add_argument("--backward-impl", default="pallas",
+                      help="with --backward: kernel.api.BACKWARDS name (pallas, pallas-serial, xla)")
   args = parser.parse_args(argv)
   shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
   configs = [None]
@@ -181,7 +185,7 @@ def main(argv=None) -> int:
       configs.append(Config(int(bq), int(bkv), int(st), persistent=bool(p and p[0] == "p")))
   rows = [row for s in shapes
           for row in bench_shape(s, configs, rescale_threshold=args.threshold,
-                                 backward=args.backward)]
+                                 backward=args.backward, backward_impl=args.backward_impl)]
   dev = jax.devices()[0]
   meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
   if args.out:

@@ -173,6 +173,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 # executable specification in plain JAX (kernel/backward_xla.py), which tests
 # compare them with.  Both read the same residuals.
 BACKWARDS = {"pallas": backward_pallas.attention_backward,
+             "pallas-serial": functools.partial(backward_pallas.attention_backward,
+                                                schedule="serial"),
              "xla": backward_xla.attention_backward}
 
 

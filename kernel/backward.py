@@ -77,6 +77,11 @@ class BackwardBlocks:
   split_dkv: bool       # dK and dV in separate launches (both accumulators
                         # would not fit in 232 registers for head dims > 128)
   rows: int = 64        # stationary rows per compute warpgroup
+  # "paired": the two products that need no register operand (S and dP) are
+  # issued together and waited once, and so are the two that update the
+  # accumulators; "serial": each product waited on its own (the first version,
+  # kept to measure the difference in one process).
+  schedule: str = "paired"
 
 
 def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
@@ -145,6 +150,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   dtype = q.dtype
   group = num_heads // num_kv_heads
   bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
+  paired = blocks.schedule == "paired"
   nq = t_pad // bq
   kv_tiles = s_pad // (CW * bkv)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
@@ -187,12 +193,21 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         q_base = i * bq
         plgpu.barrier_wait(q_prod.at[slot])
         plgpu.barrier_wait(rows_prod.at[slot])
-
-        def qk(acc):
-          plgpu.wgmma(acc, k_st.at[wg], q_ring.at[slot].T)
-          return acc[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC(shape_t, jnp.float32))
+        plgpu.barrier_wait(do_prod.at[slot])
+        zeros_t = plgpu.layout_cast(jnp.zeros(shape_t, jnp.float32), _WGMMA)
+        if paired and want_dk:
+          # S^T and dP^T depend on nothing computed here: issue both, wait once.
+          def s_and_dp(refs):
+            s_ref, dp_ref = refs
+            plgpu.wgmma(s_ref, k_st.at[wg], q_ring.at[slot].T)
+            plgpu.wgmma(dp_ref, v_st.at[wg], do_ring.at[slot].T)
+          s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros_t), plgpu.ACC.init(zeros_t)))
+        else:
+          def qk(acc):
+            plgpu.wgmma(acc, k_st.at[wg], q_ring.at[slot].T)
+            return acc[...]
+          s = pl.run_scoped(qk, plgpu.ACC(shape_t, jnp.float32))
+          dp = None
         bias = None if bias_ref is None else _load_broadcast(
             bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
@@ -213,26 +228,34 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           keep = _and(keep, m != 0)
         lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
         p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
-        plgpu.barrier_wait(do_prod.at[slot])
 
-        if want_dv:
-          def pv(acc):
-            plgpu.wgmma(acc, p.astype(dtype), do_ring.at[slot])
-          dv_acc = pl.run_state(pv)(plgpu.ACC.init(dv_acc))
+        ds = None
         if want_dk:
-          def dp_(acc):
-            plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
-            return acc[...]
-          dp = pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
+          if dp is None:
+            def dp_(acc):
+              plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
+              return acc[...]
+            dp = pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
           delta = plgpu.load(rows_ring.at[slot, 1], layout=_COL, optimized=False)
           ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
           if dsdu is not None:
             ds = ds * dsdu
+        # dV += P^T dO and dK += dS^T Q: issued together, waited once.
+        accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
 
-          def dsq(acc):
-            plgpu.wgmma(acc, ds.astype(dtype), q_ring.at[slot])
-          dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
-        # Both products read the slot and have completed (run_state waits).
+        def grads(refs):
+          if "dv" in refs:
+            plgpu.wgmma(refs["dv"], p.astype(dtype), do_ring.at[slot])
+          if "dk" in refs:
+            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot])
+
+        if paired:
+          accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
+        else:
+          for n in list(accs):
+            accs[n] = pl.run_state(grads)({n: plgpu.ACC.init(accs[n])})[n]
+        dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
+        # Every product reading the slot has completed (run_state waits).
         plgpu.barrier_arrive(consumed.at[slot])
         return dk_acc, dv_acc
 
@@ -317,6 +340,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   dtype = q.dtype
   group = num_heads // num_kv_heads
   bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
+  paired = blocks.schedule == "paired"
   num_tiles = t_pad // (CW * bq)
   shape = (bq, bkv)
   plan = _mbarriers("dq", stages, ("k", "v"), ("q", "do", "rows"))
@@ -355,12 +379,22 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
         slot = PipelineState.at(stages, ki - lb).index
         k_base = ki * bkv
         plgpu.barrier_wait(k_prod.at[slot])
+        plgpu.barrier_wait(v_prod.at[slot])
+        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
+
+        def s_and_dp(refs):
+          s_ref, dp_ref = refs
+          plgpu.wgmma(s_ref, q_st.at[wg], k_ring.at[slot].T)
+          plgpu.wgmma(dp_ref, do_st.at[wg], v_ring.at[slot].T)
 
         def qk(acc):
           plgpu.wgmma(acc, q_st.at[wg], k_ring.at[slot].T)
           return acc[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+        if paired:  # S and dP need nothing computed here: issue both, wait once
+          s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+        else:
+          s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
         bias = None if bias_ref is None else _load_broadcast(
             bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
@@ -379,13 +413,13 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
           m = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
           keep = _and(keep, m != 0)
         p = _probabilities(s, lax.broadcast_in_dim(lse2, shape, [0]), keep)
-        plgpu.barrier_wait(v_prod.at[slot])
 
         def dp_(acc):
           plgpu.wgmma(acc, do_st.at[wg], v_ring.at[slot].T)
           return acc[...]
 
-        dp = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
+        if not paired:
+          dp = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
         ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
         if dsdu is not None:
           ds = ds * dsdu
@@ -468,7 +502,7 @@ def _full_or_one(x, axis, multiple):
 
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
-                       *, scale, is_causal=False, logits_soft_cap=None):
+                       *, scale, is_causal=False, logits_soft_cap=None, schedule="paired"):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -481,7 +515,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
-  blocks = blocks_for(d, dv_dim)
+  blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
   t_mult = math.lcm(CW * blocks.rows, blocks.dkv_stream_q)
   s_mult = math.lcm(CW * blocks.rows, blocks.dq_stream_kv)
 

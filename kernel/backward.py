@@ -133,6 +133,12 @@ def _probabilities(s, lse2, keep):
   return p if keep is None else jnp.where(keep, p, 0.0)
 
 
+def _masked_to_zero(ds, keep):
+  """dS is exactly 0 for a masked pair, as in the reference: p = 0 there, but
+  p * (dP - delta) would be 0 * NaN = NaN when a NaN in dO reaches dP."""
+  return ds if keep is None else jnp.where(keep, ds, 0.0)
+
+
 def _and(a, b):
   return b if a is None else (a if b is None else a & b)
 
@@ -240,6 +246,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
           if dsdu is not None:
             ds = ds * dsdu
+          ds = _masked_to_zero(ds, keep)
         # dV += P^T dO and dK += dS^T Q: issued together, waited once.
         accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
 
@@ -423,6 +430,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
         ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
         if dsdu is not None:
           ds = ds * dsdu
+        ds = _masked_to_zero(ds, keep)
 
         def dsk(acc):
           plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])

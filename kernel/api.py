@@ -181,7 +181,8 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
 def _differentiable(features: Features, config: Config, dtype, num_sms: int,
                     problem: plan_lib.Problem, attention_backward):
   """The forward kernel under a custom_vjp whose backward reads the kernel's
-  own residuals (out, and m in natural log, l): kernel/backward_xla.py."""
+  own residuals (out, and m in natural log, l): ``attention_backward``, one
+  of BACKWARDS."""
 
   def run(f, q, k, v, bias, mask, ks, ke):
     out, res = _forward(q, k, v, bias, mask, ks, ke, features=f, config=config,

@@ -3,9 +3,9 @@
 It reads exactly what the forward kernel stores — ``out``, ``m`` (the row max
 in NATURAL-log space) and ``l`` — and recomputes P = exp(s - m) / l one key
 chunk at a time, so its memory is O(T * chunk) per head rather than O(T * S).
-It is the backward of ``kernel.api.dot_product_attention``'s ``custom_vjp``
-until the Pallas backward kernels land, and stays as their executable
-specification: a forward that leaves ``m`` in base 2 gives wrong gradients
+It is the executable specification of the Pallas backward kernels
+(``kernel/backward.py``; ``dot_product_attention(..., _backward="xla")`` runs
+it instead of them): a forward that leaves ``m`` in base 2 gives wrong gradients
 here exactly as it would there.
 
 Contract (the reference's): a fully masked row (l == 0) contributes nothing;

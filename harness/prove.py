@@ -13,6 +13,10 @@ the same transition system as a staged bias alone, renamed
 A proof that fails is followed by an explicit search for a concrete
 counterexample, so a failure reads as a bug (with a trace) rather than as a
 weak invariant.
+
+Then the backward kernels' rings: every launch of ``kernel/backward.py``
+(:func:`harness.ring_model.kernel_protocols`, from the mbarrier plans the
+kernels allocate) is proved by :func:`harness.ring_model.prove`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from harness import protocol_model as pm
+from harness import ring_model as rm
 from kernel import heuristics, plan as plan_lib
 
 HEAD_DIMS = (64, 128, 256)
@@ -187,15 +192,27 @@ def main(argv=None) -> int:
   print(f"stage-ring protocol; persistent blocks: {handshake.describe()}")
   print(format_table(rows))
   proven = sum(r.status == "proven" for r in rows)
-  print(f"\n{proven}/{len(rows)} proven in {time.perf_counter() - start:.1f} s "
-        f"(z3, {args.jobs} worker(s))")
+  # The backward kernels' rings (harness/ring_model.py), from the plans of
+  # every launch kernel.backward makes.
+  ring_rows = [rm.prove(p) for p in rm.kernel_protocols()]
+  print("\nbackward stage rings (kernel/backward.py):")
+  for r in ring_rows:
+    print(f"  {r.protocol.describe():<75} {'proven' if r.proven else 'NOT PROVEN'} "
+          f"{r.seconds:5.1f}s {r.queries:>4} queries")
+    for f in r.failures[:5]:
+      print(f"    fails: {f}")
+  ring_proven = sum(r.proven for r in ring_rows)
+  total = len(rows) + len(ring_rows)
+  print(f"\n{proven + ring_proven}/{total} proven in {time.perf_counter() - start:.1f} s "
+        f"(z3, {args.jobs} worker(s)): forward {proven}/{len(rows)}, "
+        f"backward {ring_proven}/{len(ring_rows)}")
   if proven < len(rows) and all(r.protocol.persistent for r in rows if r.status != "proven"):
     assumed = prove_all(handshake=handshake, jobs=args.jobs, persistent=True,
                         nonempty_tiles=True)
     ok = sum(r.status == "proven" for r in assumed)
     print(f"persistent, assuming every tile has a key block (no k_start/k_end ranges): "
           f"{ok}/{len(assumed)} proven")
-  return 0 if proven == len(rows) else 1
+  return 0 if proven == len(rows) and ring_proven == len(ring_rows) else 1
 
 
 HANDSHAKES = {

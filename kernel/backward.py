@@ -106,6 +106,27 @@ def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
   return tuple(mb)
 
 
+def dkv_mbarriers(blocks: BackwardBlocks, outputs: tuple[str, ...]) -> tuple[plan_lib.MBarrier, ...]:
+  """The dK/dV kernel's mbarriers, allocated by :func:`dkv_call` and read by
+  the Z3 ring model (harness/ring_model.py).  V's tile is read only by
+  dP^T = V dO^T, which only dK needs."""
+  stationary = ("k", "v") if "dk" in outputs else ("k",)
+  return _mbarriers("dkv", blocks.num_stages, ("q", "do", "rows"), stationary)
+
+
+def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
+  """The dQ kernel's mbarriers (see :func:`dkv_mbarriers`)."""
+  return _mbarriers("dq", blocks.num_stages, ("k", "v"), ("q", "do", "rows"))
+
+
+def launches(head_dim: int, head_dim_out: int) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+  """Every kernel launch of one backward, with its mbarrier plan, in order."""
+  blocks = blocks_for(head_dim, head_dim_out)
+  groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
+  out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
+  return out + [("dq", dq_mbarriers(blocks))]
+
+
 def _barrier_refs(plan):
   return tuple(plgpu.Barrier(num_arrivals=b.num_arrivals, num_barriers=b.num_barriers)
                for b in plan)
@@ -161,9 +182,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   kv_tiles = s_pad // (CW * bkv)
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   shape_t = (bkv, bq)  # S^T: keys x queries
-  # V is read only by dP^T = V dO^T, which only dK needs.
-  stationary = ("k", "v") if want_dk else ("k",)
-  plan = _mbarriers("dkv", stages, ("q", "do", "rows"), stationary)
+  plan = dkv_mbarriers(blocks, outputs)
 
   def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
            *out_refs_and_scratch):
@@ -350,7 +369,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   paired = blocks.schedule == "paired"
   num_tiles = t_pad // (CW * bq)
   shape = (bq, bkv)
-  plan = _mbarriers("dq", stages, ("k", "v"), ("q", "do", "rows"))
+  plan = dq_mbarriers(blocks)
 
   def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
            tiles_ref, dq_ref, *rest):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernel import mutants
+from kernel import padding
 from kernel import plan as plan_lib
 from kernel.config import Config
 from kernel import backward as backward_pallas
@@ -90,16 +91,6 @@ def _num_sms() -> int:
   also the value used when lowering without a GPU)."""
   dev = sm90_device()
   return int(getattr(dev, "core_count", 0) or 132)
-
-
-def _pad_axis(x, axis, multiple, mode="constant"):
-  size = x.shape[axis]
-  target = -(-size // multiple) * multiple
-  if target == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, target - size)
-  return jnp.pad(x, widths, mode=mode)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
@@ -231,43 +222,18 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   block_q, block_kv = config.block_q, config.block_kv
   tile = 2 * block_q
   t, s, hv = query.shape[1], key.shape[1], value.shape[3]
-  q = _pad_axis(_pad_axis(query.astype(dtype), 3, 64), 1, tile)
-  k = _pad_axis(_pad_axis(key.astype(dtype), 3, 64), 1, block_kv)
-  v = _pad_axis(_pad_axis(value.astype(dtype), 3, 64), 1, block_kv)
+  pad = padding.pad_to_multiple
+  q = pad(pad(query.astype(dtype), 3, 64), 1, tile)
+  k = pad(pad(key.astype(dtype), 3, 64), 1, block_kv)
+  v = pad(pad(value.astype(dtype), 3, 64), 1, block_kv)
   t_pad = q.shape[1]
   num_tiles = t_pad // tile
-
-  def full_or_one(x, axis, multiple):
-    # Broadcast dims stay size 1 (read at index 0 in the kernel); full dims
-    # are padded to whole tiles.
-    return x if x.shape[axis] == 1 else _pad_axis(x, axis, multiple)
-
   if bias is not None:
-    bias = lax.broadcast_to_rank(jnp.asarray(bias).astype(dtype), 4)
-    bias = full_or_one(full_or_one(bias, 2, tile), 3, block_kv)
+    bias = padding.broadcast_operand(bias, dtype, tile, block_kv)
   if mask is not None:
-    mask = lax.broadcast_to_rank(jnp.asarray(mask), 4).astype(jnp.int8)
-    mask = full_or_one(full_or_one(mask, 2, tile), 3, block_kv)
-
-  tiles = None
-  if k_start is not None or k_end is not None:
-    rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
-    ks = rows(0 if k_start is None else k_start)
-    ke = rows(s if k_end is None else k_end)
-    # Padded query rows copy the last real row's range, so they neither widen
-    # nor narrow the tile's key block range.
-    ks = ks if ks.shape[2] == 1 else _pad_axis(ks, 2, tile, mode="edge")
-    ke = ke if ke.shape[2] == 1 else _pad_axis(ke, 2, tile, mode="edge")
-
-    def per_tile(x, reduce):
-      if x.shape[2] == 1:
-        return jnp.broadcast_to(x, (*x.shape[:2], num_tiles))
-      return reduce(x.reshape(*x.shape[:2], num_tiles, tile), axis=-1)
-
-    tiles = (per_tile(ks, jnp.min), per_tile(ks, jnp.max),
-             per_tile(ke, jnp.min), per_tile(ke, jnp.max))
-    k_start = ks if k_start is not None else None
-    k_end = ke if k_end is not None else None
+    mask = padding.broadcast_operand(mask, jnp.int8, tile, block_kv)
+  k_start, k_end, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
+                                             num_tiles=num_tiles)
 
   out, residuals = flash_attention_forward(
       q, k, v, bias, mask, k_start, k_end, tiles, features=f, config=config,

@@ -45,6 +45,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
 from kernel import barriers
+from kernel import padding
 from kernel import plan as plan_lib
 from kernel.forward import _load_broadcast, _smem, kv_block_range
 from kernel.pipeline import PipelineState
@@ -125,6 +126,27 @@ def launches(head_dim: int, head_dim_out: int) -> list[tuple[str, tuple[plan_lib
   groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
   out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
   return out + [("dq", dq_mbarriers(blocks))]
+
+
+def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
+  """The memory warpgroup of both kernels: 40 registers; its warp 0 issues
+  the stationary tiles' copies, then fills ring step t in [start, stop) into
+  slot ``PipelineState.at(stages, t).index`` with ``fill(t, slot)``.  Steps
+  0..S-1 find fresh slots; every later one first waits for both compute
+  warpgroups to release the slot (the forward's rule, harness/ring_model.py)."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  @plgpu.warp_map
+  def _(warp):
+    @pl.when(warp == 0)
+    def _():
+      load_stationary()
+
+      @pl.loop(start, stop)
+      def _(t):
+        slot = PipelineState.at(stages, t).index
+        pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+        fill(t, slot)
 
 
 def _barrier_refs(plan):
@@ -302,34 +324,23 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[b, rows_out, hk])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == CW)
-    def memory():
-      plgpu.set_max_registers(40, action="decrease")
+    def load_stationary():
+      for w in range(CW):
+        rows_w = pl.ds((CW * j + w) * bkv, bkv)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows_w, hk], k_st.at[w], k_stat.at[w])
+        if want_dk:
+          plgpu.copy_gmem_to_smem(v_ref.at[b, rows_w, hk], v_st.at[w], v_stat.at[w])
 
-      @plgpu.warp_map
-      def _(warp):
-        @pl.when(warp == 0)
-        def _():
-          for w in range(CW):
-            rows_w = pl.ds((CW * j + w) * bkv, bkv)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows_w, hk], k_st.at[w], k_stat.at[w])
-            if want_dk:
-              plgpu.copy_gmem_to_smem(v_ref.at[b, rows_w, hk], v_st.at[w], v_stat.at[w])
+    def fill(t, slot):
+      h, i = coords(t)
+      qrows = pl.ds(i * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, qrows, h], q_ring.at[slot], q_prod.at[slot])
+      plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, qrows], rows_ring.at[slot],
+                              rows_prod.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, qrows, h], do_ring.at[slot], do_prod.at[slot])
 
-          @pl.loop(0, steps)
-          def fill(t):
-            st = PipelineState.at(stages, t)
-            h, i = coords(t)
-            # Fills 0..S-1 find fresh slots; every later one waits for both
-            # warpgroups to release the slot (the forward's rule).
-            pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[st.index]))
-            qrows = pl.ds(i * bq, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, qrows, h], q_ring.at[st.index],
-                                    q_prod.at[st.index])
-            plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, qrows], rows_ring.at[st.index],
-                                    rows_prod.at[st.index])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, qrows, h], do_ring.at[st.index],
-                                    do_prod.at[st.index])
+    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, steps, stages,
+                                                consumed))
 
   scratch = [
       (_buffer("k", (CW, bkv, head_dim), dtype),
@@ -357,7 +368,8 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
 
   Same arguments as :func:`dkv_call`, with bias and mask in their own
-  orientation, and k_range_tiles the forward's per-tile key-range bounds.
+  orientation, and k_range_tiles the per-tile key-range bounds for this
+  kernel's tiles of 2 * 64 query rows (kernel.padding.key_ranges).
   Returns dq (B, Tp, N, D) and ds (B, N, Tp, Sp) f32 or None; ds blocks
   outside the tile's key range are not written (the caller zeroes them).
   """
@@ -472,30 +484,20 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       plgpu.copy_smem_to_gmem(q_st.at[wg], dq_ref.at[b, rows, h])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == CW)
-    def memory():
-      plgpu.set_max_registers(40, action="decrease")
+    def load_stationary():
+      for w in range(CW):
+        rows_w = pl.ds((CW * qi + w) * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows_w, h], q_st.at[w], q_stat.at[w])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows_w, h], do_st.at[w], do_stat.at[w])
+        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, rows_w], rows_st.at[w], rows_stat.at[w])
 
-      @plgpu.warp_map
-      def _(warp):
-        @pl.when(warp == 0)
-        def _():
-          for w in range(CW):
-            rows_w = pl.ds((CW * qi + w) * bq, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows_w, h], q_st.at[w], q_stat.at[w])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows_w, h], do_st.at[w], do_stat.at[w])
-            plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, rows_w], rows_st.at[w],
-                                    rows_stat.at[w])
+    def fill(t, slot):
+      keys = pl.ds((lb + t) * bkv, bkv)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_ring.at[slot], k_prod.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_ring.at[slot], v_prod.at[slot])
 
-          @pl.loop(lb, ub)
-          def fill(ki):
-            st = PipelineState.at(stages, ki - lb)
-            pl.when(ki - lb >= stages)(lambda: plgpu.barrier_wait(consumed.at[st.index]))
-            keys = pl.ds(ki * bkv, bkv)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_ring.at[st.index],
-                                    k_prod.at[st.index])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_ring.at[st.index],
-                                    v_prod.at[st.index])
+    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, ub - lb, stages,
+                                                consumed))
 
   smem = (_buffer("q", (CW, bq, head_dim), dtype), _buffer("do", (CW, bq, head_dim_out), dtype),
           _buffer("rows", (CW, 2, bq), np.float32, swizzled=False),
@@ -512,20 +514,6 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles)
   return (results[0], results[1]) if want_ds else (results[0], None)
-
-
-def _pad(x, axis, multiple):
-  size = x.shape[axis]
-  target = -(-size // multiple) * multiple
-  if target == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, target - size)
-  return jnp.pad(x, widths)
-
-
-def _full_or_one(x, axis, multiple):
-  return x if x.shape[axis] == 1 else _pad(x, axis, multiple)
 
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
@@ -546,11 +534,11 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   t_mult = math.lcm(CW * blocks.rows, blocks.dkv_stream_q)
   s_mult = math.lcm(CW * blocks.rows, blocks.dq_stream_kv)
 
-  pad_heads = lambda x, dim: _pad(x, 3, 64) if dim != x.shape[3] else x
-  q = _pad(pad_heads(query, d), 1, t_mult)
-  k = _pad(pad_heads(key, d), 1, s_mult)
-  v = _pad(pad_heads(value, dv_dim), 1, s_mult)
-  do = _pad(pad_heads(d_out.astype(dtype), dv_dim), 1, t_mult)
+  pad = padding.pad_to_multiple
+  q = pad(pad(query, 3, 64), 1, t_mult)
+  k = pad(pad(key, 3, 64), 1, s_mult)
+  v = pad(pad(value, 3, 64), 1, s_mult)
+  do = pad(pad(d_out.astype(dtype), 3, 64), 1, t_mult)
   t_pad, s_pad = q.shape[1], k.shape[1]
 
   # Per row: lse in base 2 from the natural-log residuals, and delta.
@@ -561,33 +549,11 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
   rows = jnp.stack([lse2, delta], axis=2).astype(jnp.float32)  # (B, N, 2, Tp)
 
-  bias4 = mask4 = None
-  if bias is not None:
-    bias4 = _full_or_one(_full_or_one(lax.broadcast_to_rank(bias.astype(dtype), 4), 2, t_mult),
-                         3, s_mult)
-  if mask is not None:
-    mask4 = _full_or_one(_full_or_one(lax.broadcast_to_rank(mask, 4).astype(jnp.int8), 2, t_mult),
-                         3, s_mult)
-  ks = ke = tiles = None
-  if k_start is not None or k_end is not None:
-    rows3 = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
-    ks = rows3(0 if k_start is None else k_start)
-    ke = rows3(s if k_end is None else k_end)
-    edge = lambda x: x if x.shape[2] == 1 else jnp.pad(
-        x, ((0, 0), (0, 0), (0, t_pad - x.shape[2])), mode="edge")
-    ks, ke = edge(ks), edge(ke)
-    tile = CW * blocks.rows
-    num_tiles = t_pad // tile
-
-    def per_tile(x, reduce):
-      if x.shape[2] == 1:
-        return jnp.broadcast_to(x, (*x.shape[:2], num_tiles))
-      return reduce(x.reshape(*x.shape[:2], num_tiles, tile), axis=-1)
-
-    tiles = (per_tile(ks, jnp.min), per_tile(ks, jnp.max), per_tile(ke, jnp.min),
-             per_tile(ke, jnp.max))
-    ks = ks if k_start is not None else None
-    ke = ke if k_end is not None else None
+  bias4 = None if bias is None else padding.broadcast_operand(bias, dtype, t_mult, s_mult)
+  mask4 = None if mask is None else padding.broadcast_operand(mask, jnp.int8, t_mult, s_mult)
+  tile = CW * blocks.rows
+  ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
+                                     num_tiles=t_pad // tile)
 
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   dkv = {}

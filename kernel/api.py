@@ -93,15 +93,32 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132)
 
 
+def _staged(operand, stage_2d: bool) -> bool:
+  """Whether a bias/mask goes through the stage ring (kernel.forward.is_2d)."""
+  if not stage_2d or operand is None:
+    return False
+  shape = (1,) * (4 - len(jnp.shape(operand))) + tuple(jnp.shape(operand))
+  return shape[2] != 1 and shape[3] != 1
+
+
+def _problem(query, key, value, bias, mask, *, is_causal, return_residuals, stage_2d):
+  return dataclasses.replace(
+      plan_lib.problem_for(query.shape, key.shape, value.shape, jnp.dtype(query.dtype),
+                           is_causal=is_causal, return_residuals=return_residuals),
+      bias_2d=_staged(bias, stage_2d), mask_2d=_staged(mask, stage_2d))
+
+
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
-                  k_start=None, k_end=None, device_kind: str | None = None) -> Config:
+                  k_start=None, k_end=None, device_kind: str | None = None,
+                  _stage_2d=False) -> Config:
   """The config ``dot_product_attention(..., config=None)`` runs for these
   arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
   this device and signature, else the heuristic.  ``device_kind`` defaults
   to the sm90 GPU of this process (none: the heuristic)."""
   from kernel import autotune
-  problem = autotune.selection_problem(plan_lib.problem_for(
-      query.shape, key.shape, value.shape, jnp.dtype(query.dtype), is_causal=is_causal))
+  problem = autotune.selection_problem(_problem(
+      query, key, value, bias, mask, is_causal=is_causal, return_residuals=False,
+      stage_2d=_stage_2d))
   if device_kind is None and not getattr(_state, "lowering_only", False):
     device = sm90_device()
     device_kind = None if device is None else device.device_kind
@@ -114,7 +131,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, _mutant=None, _backward="pallas"):
+                          config=None, _mutant=None, _backward="pallas", _stage_2d=False):
   """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
 
   m (B, N, T) is the row max of the final logits in natural-log space, l the
@@ -136,12 +153,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
   _check_device()
 
-  in_dtype = jnp.dtype(query.dtype)
-  problem = plan_lib.problem_for(query.shape, key.shape, value.shape, in_dtype,
-                                 is_causal=is_causal, return_residuals=return_residuals)
+  problem = _problem(query, key, value, bias, mask, is_causal=is_causal,
+                     return_residuals=return_residuals, stage_2d=_stage_2d)
   if config is None:
     config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                           k_start=k_start, k_end=k_end)
+                           k_start=k_start, k_end=k_end, _stage_2d=_stage_2d)
   plan_lib.check_fits(problem, config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
@@ -151,7 +167,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       normalize_output=bool(normalize_output),
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
-      mutant=mutants.check(_mutant))
+      mutant=mutants.check(_mutant),
+      stage_2d=bool(_stage_2d))
   if _backward not in BACKWARDS:
     raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,

@@ -57,6 +57,10 @@ class Features:
   # Private: one of kernel/mutants.py's deliberate defects, or None.  Only
   # tests set it.
   mutant: str | None = None
+  # Private until measured on the H200: a bias or mask that varies along both
+  # T and S goes through the stage ring (TMA, with the keys) instead of being
+  # read from global memory by the compute warpgroups.
+  stage_2d: bool = False
 
 
 def _smem(buf: plan_lib.Buffer):
@@ -100,6 +104,12 @@ def _load_broadcast(ref, idx, shape, layout):
     value = ref[new_idx]
     value = lax.broadcast_in_dim(value, shape, ())
   return plgpu.layout_cast(value, layout)
+
+
+def is_2d(operand) -> bool:
+  """A rank-4 bias or mask that varies along both T and S (the kind that is
+  staged through the ring; broadcast ones are read from global memory)."""
+  return operand is not None and operand.shape[2] != 1 and operand.shape[3] != 1
 
 
 def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
@@ -148,6 +158,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   problem = plan_lib.Problem(
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
       seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
+      bias_2d=f.stage_2d and is_2d(bias), mask_2d=f.stage_2d and is_2d(mask),
       return_residuals=f.return_residuals)
   plan_lib.check_fits(problem, config)
   pipe = plan_lib.pipeline_plan(problem, config)
@@ -204,8 +215,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
            out_ref, m_ref, l_ref, scoped):
     wg = lax.axis_index("wg")
     smem, mbars = scoped
-    ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems = smem
-    (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed) = mbars
+    ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_ring, mask_ring = smem
+    (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
+     bias_produced, mask_produced) = mbars
+    # With staged operands, a key block's slot is released (k_consumed) only
+    # once its bias/mask tile has been read, after the softmax's mask; else
+    # right after its QK completes.
+    staged = bias_ring is not None or mask_ring is not None
 
     def ring(prev_iters, lb, ki):
       """Slot of tile-local key block ki: global count prev_iters + (ki - lb)."""
@@ -238,12 +254,26 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       def _():
         plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, lb)])
 
+      def staged_tile(ring_ref, produced, ki):
+        """This warpgroup's rows of key block ki's staged bias/mask tile."""
+        slot = ring(prev_iters, lb, ki)
+        plgpu.barrier_wait(produced.at[slot])
+        tile = ring_ref.at[slot]
+        return lax.cond(wg == 0,
+                        lambda: plgpu.load(tile.at[pl.ds(0, block_q)], layout=_WGMMA,
+                                           optimized=False),
+                        lambda: plgpu.load(tile.at[pl.ds(block_q, block_q)], layout=_WGMMA,
+                                           optimized=False))
+
       def logits(s, ki, *, causal):
         """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
         with the true logits being s * sc (sc > 0, deferred so exp2 fuses)."""
         k_base = ki * block_kv
         sc = f.scale
-        if bias_ref is not None:
+        if bias_ring is not None:
+          bias = staged_tile(bias_ring, bias_produced, ki)
+          s, sc = s * sc + bias.astype(jnp.float32), 1.0
+        elif bias_ref is not None:
           bias = _load_broadcast(bias_ref, (b, h, rows, pl.ds(k_base, block_kv)),
                                  bq_kv, _WGMMA)
           s, sc = s * sc + bias.astype(jnp.float32), 1.0
@@ -269,7 +299,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
               k_base + block_kv > k_end_min,
               lambda: jnp.where(key < lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF),
               lambda: s)
-        if mask_ref is not None:
+        if mask_ring is not None:
+          keep = staged_tile(mask_ring, mask_produced, ki)
+          s = jnp.where(keep != 0, s, _NEG_INF)
+        elif mask_ref is not None:
           keep = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, block_kv)),
                                  bq_kv, _WGMMA)
           s = jnp.where(keep != 0, s, _NEG_INF)
@@ -302,6 +335,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         acc, m_i, l_i, s, *pending = carry
         slot = ring(prev_iters, lb, ki)
         s, sc = logits(s, ki, causal=causal)
+        if staged:  # the staged tiles are read: release the key-phase slot
+          plgpu.barrier_arrive(k_consumed.at[slot])
 
         m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
         if always_rescale:
@@ -354,7 +389,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
         @pl.when(has_next)
         def _():
-          plgpu.barrier_arrive(k_consumed.at[next_slot])
+          if not staged:
+            plgpu.barrier_arrive(k_consumed.at[next_slot])
           release_query_after(ki + 1)
 
         return (acc, m_i, l_i, s_next, *pending)
@@ -364,7 +400,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
       def first_qk():
         s = qk(lb)
-        plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
+        if not staged:
+          plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
         release_query_after(lb)
         return s
 
@@ -473,6 +510,15 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[st.index]))
           plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
                                   k_produced.at[st.index])
+          # The rest of the key phase: the super-tile's bias/mask tile of this
+          # key block, released with the keys (k_consumed).
+          for ring_ref, src, produced in ((bias_ring, bias_ref, bias_produced),
+                                          (mask_ring, mask_ref, mask_produced)):
+            if ring_ref is not None:
+              plgpu.copy_gmem_to_smem(
+                  src.at[0 if src.shape[0] == 1 else b, 0 if src.shape[1] == 1 else h,
+                         pl.ds(2 * qi * block_q, 2 * block_q), keys],
+                  ring_ref.at[st.index], produced.at[st.index])
           pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[st.index]))
           plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smems.at[st.index],
                                   v_produced.at[st.index])
@@ -511,11 +557,12 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       overlay = (qk_group, out_group)
     mb = {b_.name: plgpu.Barrier(num_arrivals=b_.num_arrivals, num_barriers=b_.num_barriers)
           for b_ in pipe.mbarriers}
+    staged = lambda buf: None if buf is None else _smem(buf)
     pl.run_scoped(
         lambda *scoped: body(*refs, scoped=scoped),
-        (overlay, _smem(layout.v)),
+        (overlay, _smem(layout.v), staged(layout.bias), staged(layout.mask)),
         (mb["q_produced"], mb.get("q_consumed"), mb["k_produced"], mb["v_produced"],
-         mb["k_consumed"], mb["v_consumed"]),
+         mb["k_consumed"], mb["v_consumed"], mb.get("bias_produced"), mb.get("mask_produced")),
         collective_axes="wg",
     )
 

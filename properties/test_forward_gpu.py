@@ -167,3 +167,23 @@ def test_vmap_and_jit_match_the_unbatched_calls():
     single = f(q[i], k[i], v[i])
     for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(single)):
       assert np.array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
+
+
+_STAGED = [(n, fc, cfg) for n, fc, cfg in _EXTRA
+           if any(x is not None and np.ndim(x) == 4 and np.shape(x)[2] > 1 and np.shape(x)[3] > 1
+                  for x in (fc.bias, fc.mask))]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["nonpersistent", "persistent"])
+@pytest.mark.parametrize("name,fc,cfg", _STAGED, ids=[n for n, _, _ in _STAGED])
+def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
+  """The private staging of 2-D bias/mask through the ring (_stage_2d) gives
+  results within the rule, bit-identical to the unstaged kernel's."""
+  base = cfg or heuristics.get_heuristics_config(problem_of(fc))
+  cfg = dataclasses.replace(base, persistent=persistent)
+  staged = run_kernel(fc, config=cfg, stage_2d=True)
+  report = check_forward(fc, *staged)
+  assert report.passed, report.summary()
+  plain = run_kernel(fc, config=cfg)
+  for a, b, what in zip(staged, plain, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{what}: staged differs from unstaged"

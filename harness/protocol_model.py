@@ -16,6 +16,14 @@ action one step of ``kernel/forward.py``'s program order:
   the token, issue PV, and if a block follows wait its k, issue its QK, pass
   the token; wait both products, arrive ``v_consumed`` (and ``k_consumed`` of
   the next block).  Then the epilogue.
+  With staged bias/mask (key-phase buffers after k), the warpgroup waits on
+  them right after issuing the block's QK, before passing the token, as here;
+  the kernel arrives ``k_consumed`` once the softmax has read them, at the
+  top of the next loop step.  That is the same point in the sequence of
+  synchronising actions as this model's (after ``v_consumed``, before the
+  next ``v`` wait), except that for a persistent tile's last QK the kernel
+  arrives ``q_consumed`` first: two arrivals with no wait between them, the
+  later ``k_consumed`` only holding the slot longer.
 * ``tma``: the copy engine; any issued copy may land at any time, completing
   the phase of its "produced" mbarrier (arrive.expect_tx is the issue).
 * ``async``: wgmma completion and the output copy's read of the o slot.

@@ -254,10 +254,17 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       def _():
         plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, lb)])
 
-      def staged_tile(ring_ref, produced, ki):
-        """This warpgroup's rows of key block ki's staged bias/mask tile."""
+      def wait_staged(slot):
+        # The rest of the key phase, right after the QK issue (the order the
+        # Z3 model proves: wait k, issue QK, wait bias/mask, pass the token).
+        for ring_ref, produced in ((bias_ring, bias_produced), (mask_ring, mask_produced)):
+          if ring_ref is not None:
+            plgpu.barrier_wait(produced.at[slot])
+
+      def staged_tile(ring_ref, ki):
+        """This warpgroup's rows of key block ki's staged bias/mask tile
+        (waited for in wait_staged; released with k_consumed after this)."""
         slot = ring(prev_iters, lb, ki)
-        plgpu.barrier_wait(produced.at[slot])
         tile = ring_ref.at[slot]
         return lax.cond(wg == 0,
                         lambda: plgpu.load(tile.at[pl.ds(0, block_q)], layout=_WGMMA,
@@ -271,7 +278,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         k_base = ki * block_kv
         sc = f.scale
         if bias_ring is not None:
-          bias = staged_tile(bias_ring, bias_produced, ki)
+          bias = staged_tile(bias_ring, ki)
           s, sc = s * sc + bias.astype(jnp.float32), 1.0
         elif bias_ref is not None:
           bias = _load_broadcast(bias_ref, (b, h, rows, pl.ds(k_base, block_kv)),
@@ -300,7 +307,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
               lambda: jnp.where(key < lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF),
               lambda: s)
         if mask_ring is not None:
-          keep = staged_tile(mask_ring, mask_produced, ki)
+          keep = staged_tile(mask_ring, ki)
           s = jnp.where(keep != 0, s, _NEG_INF)
         elif mask_ref is not None:
           keep = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, block_kv)),
@@ -319,6 +326,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
         def compute_qk(s_ref):
           plgpu.wgmma(s_ref, q_smem, k_smems.at[slot].T)
+          wait_staged(slot)
           barriers.schedule_release_other(wg)
           return s_ref[...]
 
@@ -380,6 +388,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           def _():
             plgpu.barrier_wait(k_produced.at[next_slot])
             plgpu.wgmma(s_ref, q_smem, k_smems.at[next_slot].T)
+            wait_staged(next_slot)
             barriers.schedule_release_other(wg)
 
         # Reading the accumulators waits for both matrix products.

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Verify HEAD on an H200 in one call: the whole gate, then the headline
+# benchmarks (forward and forward + backward, each side by side with cuDNN).
+#   bash ci/device/verify.sh OUTDIR
+# z3-solver, missing on the lent machines, is installed from .whl/ when that
+# folder was carried (see the device notes); otherwise the gate's proof step
+# fails and says why.  Each step has its own time limit.
+set -uo pipefail
+out="${1:?usage: verify.sh OUTDIR}"
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
+py="${PYTHON:-python3}"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
+  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; }
+
+{ nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; } > "$out/device.txt" 2>&1
+step gate 420 "$py" -m harness gate --results "$out/gate" -- -rs
+step bench-forward 60 "$py" -m harness.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" \
+  --out "$out/bench-forward.json"
+step bench-backward 60 "$py" -m harness.bench --shapes headline --backward --configs auto \
+  --out "$out/bench-backward.json"

@@ -6,8 +6,11 @@
 # folder was carried (see the device notes); otherwise the gate's proof step
 # fails and says why.  Each step has its own time limit.
 set -uo pipefail
-out="${1:?usage: verify.sh OUTDIR}"
-mkdir -p "$out"
+dest="${1:?usage: verify.sh OUTDIR}"
+# Everything goes to a work folder, packed into OUTDIR/verify.tgz at the end
+# (the device returns only a few files), with the summaries beside it.
+out="$(mktemp -d)/verify"
+mkdir -p "$out" "$dest"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -25,3 +28,7 @@ step bench-forward 60 "$py" -m harness.bench --shapes headline --configs "auto;6
   --out "$out/bench-forward.json"
 step bench-backward 60 "$py" -m harness.bench --shapes headline --backward --configs auto \
   --out "$out/bench-backward.json"
+
+cp "$out/steps.txt" "$dest/" 2>/dev/null
+cp "$out/gate/summary.md" "$dest/gate-summary.md" 2>/dev/null
+tar -czf "$dest/verify.tgz" -C "$(dirname "$out")" verify

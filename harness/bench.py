@@ -88,34 +88,54 @@ BACKWARD_FLOP_FACTOR = 3.5
 
 
 def _with_backward(attention):
-  """q, k, v, d_out -> (dq, dk, dv) of sum(out * d_out): one forward and one
-  backward per call."""
-  def grads(q, k, v, d_out):
-    loss = lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * d_out)
+  """q, k, v, bias, d_out -> (dq, dk, dv) of sum(out * d_out): one forward
+  and one backward per call (bias, when given, is held constant)."""
+  def grads(q, k, v, bias, d_out):
+    loss = lambda q, k, v: jnp.sum(attention(q, k, v, bias).astype(jnp.float32) * d_out)
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
   return grads
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One row of ours: a config (None: what config=None runs) and whether a
+  2-D bias goes through the stage ring (the private _stage_2d)."""
+  config: object = None
+  stage_2d: bool = False
+
+  def describe(self) -> str:
+    return f"{self.config or 'auto'}{' staged' if self.stage_2d else ''}"
+
+
 def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
                 rescale_threshold: float = 1.0, backward: bool = False,
-                backward_impl: str = "pallas") -> list[dict]:
-  """One row per config, each with cuDNN timed in the same interleaved trials.
-  With ``backward``, each call is a forward plus a backward (jax.grad)."""
+                backward_impl: str = "pallas", bias_2d: bool = False) -> list[dict]:
+  """One row per config (or :class:`Variant`), each with cuDNN timed in the
+  same interleaved trials.  With ``backward``, each call is a forward plus a
+  backward (jax.grad); with ``bias_2d``, every call gets a random (B, N, T, S)
+  bias."""
   from kernel import api
-  inputs = _inputs(shape, sets)
-  wrap = (lambda f: f)
-  if backward:
-    wrap = _with_backward
-    inputs = [(q, k, v, jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32))
-              for i, (q, k, v) in enumerate(inputs)]
-  fns = {"cudnn": jax.jit(wrap(lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=shape.causal, implementation="cudnn")))}
+  variants = [c if isinstance(c, Variant) else Variant(c) for c in configs]
+  inputs = []
+  for i, (q, k, v) in enumerate(_inputs(shape, sets)):
+    bias = None
+    if bias_2d:
+      bias = jax.random.normal(jax.random.PRNGKey(200 + i),
+                               (shape.batch, shape.heads, shape.seq, shape.seq),
+                               jnp.float32).astype(q.dtype)
+    extra = (jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32),) \
+        if backward else ()
+    inputs.append((q, k, v, bias, *extra))
+  wrap = _with_backward if backward else (lambda f: f)
+  fns = {"cudnn": jax.jit(wrap(lambda q, k, v, bias: jax.nn.dot_product_attention(
+      q, k, v, bias=bias, is_causal=shape.causal, implementation="cudnn")))}
   errors = {}
   flops = shape.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0)
-  for i, cfg in enumerate(configs):
-    fn = jax.jit(wrap(lambda q, k, v, cfg=cfg: api.dot_product_attention(
-        q, k, v, is_causal=shape.causal, config=cfg, rescale_threshold=rescale_threshold,
-        _backward=backward_impl)))
+  for i, var in enumerate(variants):
+    fn = jax.jit(wrap(lambda q, k, v, bias, var=var: api.dot_product_attention(
+        q, k, v, bias, is_causal=shape.causal, config=var.config,
+        rescale_threshold=rescale_threshold, _backward=backward_impl,
+        _stage_2d=var.stage_2d)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -128,9 +148,11 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
     times = time_fns(fns, inputs)
     times["cudnn_error"] = f"{type(err).__name__}: {str(err)[:160]}"
   rows = []
-  for i, cfg in enumerate(configs):
+  for i, var in enumerate(variants):
     row = dataclasses.asdict(shape)
-    row["config"] = None if cfg is None else str(cfg)
+    row["config"] = None if var.config is None else str(var.config)
+    row["stage_2d"] = var.stage_2d
+    row["bias_2d"] = bias_2d
     row["rescale_threshold"] = rescale_threshold
     row["pass"] = f"forward+backward ({backward_impl})" if backward else "forward"
     if i in times:
@@ -155,7 +177,8 @@ def render(rows: list[dict]) -> str:
     ratio = f"{ours / cudnn:.3f}" if ours and cudnn else "-"
     fmt = lambda x, k: f"{x:.1f}" if x else r.get(f"{k}_error", "-")
     lines.append(f"| {r['batch']} | {r['seq']} | {r['heads']} | {r['head_dim']} | "
-                 f"{r['causal']} | {r.get('pass', 'forward')} | {r.get('config') or 'default'} | {fmt(ours, 'ours')} | {fmt(cudnn, 'cudnn')} | {ratio} |")
+                 f"{r['causal']} | {r.get('pass', 'forward')}{' bias2d' if r.get('bias_2d') else ''} | "
+                 f"{r.get('config') or 'default'}{' staged' if r.get('stage_2d') else ''} | {fmt(ours, 'ours')} | {fmt(cudnn, 'cudnn')} | {ratio} |")
   return "\n".join(lines)
 
 
@@ -165,10 +188,13 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None)
   parser.add_argument("--configs", default=None,
                       help="semicolon-separated block_q,block_kv,num_stages[,p] or 'auto' "
-                           "(config=None) to sweep on each shape instead of the default config")
+                           "(config=None), each optionally ending in ',s' (stage a 2-D bias "
+                           "through the ring), to sweep instead of the default config")
   parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
   parser.add_argument("--backward", action="store_true",
                       help="time forward + backward (jax.grad), counted as 3.5x the forward FLOPs")
+  parser.add_argument("--bias-2d", action="store_true",
+                      help="give every call a random (B, N, T, S) bias")
   parser.add_argument("--backward-impl", default="pallas",
                       help="with --backward: kernel.api.BACKWARDS name (pallas, pallas-serial, xla)")
   args = parser.parse_args(argv)
@@ -178,14 +204,19 @@ def main(argv=None) -> int:
     from kernel.config import Config
     configs = []
     for item in args.configs.split(";"):
-      if item == "auto":  # what config=None runs: the autotune cache, else the heuristic
-        configs.append(None)
+      fields = item.split(",")
+      staged = fields[-1] == "s"  # a trailing ",s": the private 2-D bias staging
+      fields = fields[:-1] if staged else fields
+      if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
+        configs.append(Variant(None, staged))
         continue
-      bq, bkv, st, *p = item.split(",")
-      configs.append(Config(int(bq), int(bkv), int(st), persistent=bool(p and p[0] == "p")))
+      bq, bkv, st, *p = fields
+      configs.append(Variant(Config(int(bq), int(bkv), int(st),
+                                    persistent=bool(p and p[0] == "p")), staged))
   rows = [row for s in shapes
           for row in bench_shape(s, configs, rescale_threshold=args.threshold,
-                                 backward=args.backward, backward_impl=args.backward_impl)]
+                                 backward=args.backward, backward_impl=args.backward_impl,
+                                 bias_2d=args.bias_2d)]
   dev = jax.devices()[0]
   meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
   if args.out:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Verify HEAD on an H200 in one call: the whole gate, then the headline
-# benchmarks (forward and forward + backward, each side by side with cuDNN).
+# benchmarks (forward, forward + backward, and a 2-D bias unstaged/staged),
+# each side by side with cuDNN in the same process.
 #   bash ci/device/verify.sh OUTDIR
 # z3-solver, missing on the lent machines, is installed from .whl/ when that
 # folder was carried (see the device notes); otherwise the gate's proof step
@@ -28,6 +29,10 @@ step bench-forward 60 "$py" -m harness.bench --shapes headline --configs "auto;6
   --out "$out/bench-forward.json"
 step bench-backward 60 "$py" -m harness.bench --shapes headline --backward --configs auto \
   --out "$out/bench-backward.json"
+# A 2-D bias read from global memory (today's default) against staged through
+# the ring (the private _stage_2d), in one process.
+step bench-bias-staging 90 "$py" -m harness.bench --shapes headline --bias-2d \
+  --configs "auto;auto,s" --out "$out/bench-bias-staging.json"
 
 cp "$out/steps.txt" "$dest/" 2>/dev/null
 cp "$out/gate/summary.md" "$dest/gate-summary.md" 2>/dev/null

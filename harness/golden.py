@@ -197,21 +197,25 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
 
 
 def config_used(spec: GoldenSpec) -> dict:
-  """The config the case ran with, and where it came from: the spec's own,
-  or what ``config=None`` resolved to on this machine (autotune cache, else
-  the heuristic)."""
+  """The config the case ran with, and where it came from: the spec's own
+  ("spec"), the autotune cache's entry for this device and signature
+  ("autotune cache", even when it equals the heuristic's), or the heuristic."""
   if spec.config is not None:
     return {"source": "spec", **dataclasses.asdict(spec.resolved_config())}
-  from kernel import api, autotune, heuristics
+  from kernel import api, autotune
   case = spec.build()
   chosen = api.chosen_config(case.query, case.key, case.value, case.bias, case.mask,
                              is_causal=case.is_causal, k_start=case.k_start,
                              k_end=case.k_end)
+  device = api.sm90_device()
   problem = autotune.selection_problem(api.plan_lib.problem_for(
       case.query.shape, case.key.shape, case.value.shape,
       compute_dtype(case.query.dtype), is_causal=case.is_causal))
-  source = "heuristic" if chosen == heuristics.get_heuristics_config(problem) else "autotuned"
-  return {"source": source, **dataclasses.asdict(chosen)}
+  cached = device is not None and autotune.lookup(
+      problem, device.device_kind, has_bias=case.bias is not None,
+      has_mask=case.mask is not None,
+      has_key_ranges=case.k_start is not None or case.k_end is not None) == chosen
+  return {"source": "autotune cache" if cached else "heuristic", **dataclasses.asdict(chosen)}
 
 
 def _ulp_distance(a: np.ndarray, b: np.ndarray) -> int:

@@ -208,9 +208,9 @@ def config_used(spec: GoldenSpec) -> dict:
                              is_causal=case.is_causal, k_start=case.k_start,
                              k_end=case.k_end)
   device = api.sm90_device()
-  problem = autotune.selection_problem(api.plan_lib.problem_for(
-      case.query.shape, case.key.shape, case.value.shape,
-      compute_dtype(case.query.dtype), is_causal=case.is_causal))
+  problem = autotune.selection_problem(api._problem(
+      case.query, case.key, case.value, case.bias, case.mask, is_causal=case.is_causal,
+      return_residuals=False, stage_2d=False))
   cached = device is not None and autotune.lookup(
       problem, device.device_kind, has_bias=case.bias is not None,
       has_mask=case.mask is not None,
@@ -397,7 +397,7 @@ def pin_xla_numerics() -> None:
   import os
   if "jax" in sys.modules and getattr(sys.modules["jax"], "_src", None) is not None:
     from jax._src import xla_bridge
-    if xla_bridge._backends:
+    if getattr(xla_bridge, "_backends", None):
       raise RuntimeError("golden: XLA flags must be pinned before JAX initialises a backend")
   flags = os.environ.get("XLA_FLAGS", "").split()
   os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in PINNED_XLA_FLAGS if f not in flags])

@@ -30,7 +30,7 @@ from kernel import plan as plan_lib
 from kernel.config import Config
 from kernel import backward as backward_pallas
 from kernel import backward_xla
-from kernel.forward import Features, flash_attention_forward
+from kernel.forward import Features, flash_attention_forward, is_2d
 from kernel.validation import validate_attention_args
 
 _state = threading.local()
@@ -93,19 +93,12 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132)
 
 
-def _staged(operand, stage_2d: bool) -> bool:
-  """Whether a bias/mask goes through the stage ring (kernel.forward.is_2d)."""
-  if not stage_2d or operand is None:
-    return False
-  shape = (1,) * (4 - len(jnp.shape(operand))) + tuple(jnp.shape(operand))
-  return shape[2] != 1 and shape[3] != 1
-
-
 def _problem(query, key, value, bias, mask, *, is_causal, return_residuals, stage_2d):
   return dataclasses.replace(
       plan_lib.problem_for(query.shape, key.shape, value.shape, jnp.dtype(query.dtype),
                            is_causal=is_causal, return_residuals=return_residuals),
-      bias_2d=_staged(bias, stage_2d), mask_2d=_staged(mask, stage_2d))
+      bias_2d=stage_2d and is_2d(bias),
+      mask_2d=stage_2d and is_2d(mask))
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

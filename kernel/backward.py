@@ -84,6 +84,17 @@ class BackwardBlocks:
   # kept to measure the difference in one process).
   schedule: str = "paired"
 
+  @property
+  def dq_tile(self) -> int:
+    """Query rows per dQ block (both compute warpgroups), the tile of the
+    key-range bounds and of the dS blocks the dQ kernel writes."""
+    return CW * self.rows
+
+  @property
+  def dkv_tile(self) -> int:
+    """Keys per dK/dV block (both compute warpgroups)."""
+    return CW * self.rows
+
 
 def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
   """Streamed blocks stay 64 rows: they are the contraction of dV += P^T dO
@@ -201,7 +212,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
   paired = blocks.schedule == "paired"
   nq = t_pad // bq
-  kv_tiles = s_pad // (CW * bkv)
+  kv_tiles = s_pad // blocks.dkv_tile
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   shape_t = (bkv, bq)  # S^T: keys x queries
   plan = dkv_mbarriers(blocks, outputs)
@@ -217,7 +228,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
     # Query blocks that can see any of this tile's keys (causal: from the
     # tile's first key on); every query head of the group, in turn.
-    lo = lax.div(j * (CW * bkv), jnp.int32(bq)) if f.is_causal else jnp.int32(0)
+    lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) if f.is_causal else jnp.int32(0)
     lo = lax.min(lo, jnp.int32(nq))
     per_head = nq - lo
     steps = per_head * group
@@ -379,7 +390,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   group = num_heads // num_kv_heads
   bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
   paired = blocks.schedule == "paired"
-  num_tiles = t_pad // (CW * bq)
+  num_tiles = t_pad // blocks.dq_tile
   shape = (bq, bkv)
   plan = dq_mbarriers(blocks)
 
@@ -531,8 +542,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
-  t_mult = math.lcm(CW * blocks.rows, blocks.dkv_stream_q)
-  s_mult = math.lcm(CW * blocks.rows, blocks.dq_stream_kv)
+  t_mult = math.lcm(blocks.dq_tile, blocks.dkv_stream_q)
+  s_mult = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
 
   pad = padding.pad_to_multiple
   q = pad(pad(query, 3, 64), 1, t_mult)
@@ -551,7 +562,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
 
   bias4 = None if bias is None else padding.broadcast_operand(bias, dtype, t_mult, s_mult)
   mask4 = None if mask is None else padding.broadcast_operand(mask, jnp.int8, t_mult, s_mult)
-  tile = CW * blocks.rows
+  tile = blocks.dq_tile
   ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
                                      num_tiles=t_pad // tile)
 
@@ -579,7 +590,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
 def _visited_blocks(ds_shape, tiles, f: BackwardFeatures, blocks: BackwardBlocks):
   """(B|1, N|1, Tp, Sp) bool: the dS entries the dq kernel wrote."""
   _, _, t_pad, s_pad = ds_shape
-  tile, bkv = CW * blocks.rows, blocks.dq_stream_kv
+  tile, bkv = blocks.dq_tile, blocks.dq_stream_kv
   qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
   if tiles is None:
     lb, ub = kv_block_range(qi, block_q=blocks.rows, block_kv=bkv, seq_q=f.seq_q,

@@ -107,9 +107,15 @@ def _load_broadcast(ref, idx, shape, layout):
 
 
 def is_2d(operand) -> bool:
-  """A rank-4 bias or mask that varies along both T and S (the kind that is
-  staged through the ring; broadcast ones are read from global memory)."""
-  return operand is not None and operand.shape[2] != 1 and operand.shape[3] != 1
+  """A bias or mask that varies along both T and S (the kind that is staged
+  through the ring; broadcast ones are read from global memory).  Any rank:
+  the shape is read as broadcast to (B, N, T, S).  The API asks this of the
+  caller's operand, the kernel of the padded one: one predicate for both."""
+  if operand is None:
+    return False
+  shape = tuple(np.shape(operand))
+  shape = (1,) * (4 - len(shape)) + shape
+  return shape[2] != 1 and shape[3] != 1
 
 
 def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,

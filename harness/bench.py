@@ -98,10 +98,12 @@ def _with_backward(attention):
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One row of ours: a config (None: what config=None runs) and whether a
-  2-D bias goes through the stage ring (the private _stage_2d)."""
+  """One row of ours: a config (None: what config=None runs), whether a
+  2-D bias goes through the stage ring (the private _stage_2d), and with
+  --backward, which backward (kernel.api.BACKWARDS; None: --backward-impl)."""
   config: object = None
   stage_2d: bool = False
+  backward: str | None = None
 
   def describe(self) -> str:
     return f"{self.config or 'auto'}{' staged' if self.stage_2d else ''}"
@@ -116,6 +118,8 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   bias."""
   from kernel import api
   variants = [c if isinstance(c, Variant) else Variant(c) for c in configs]
+  variants = [v if v.backward else dataclasses.replace(v, backward=backward_impl)
+              for v in variants]
   inputs = []
   for i, (q, k, v) in enumerate(_inputs(shape, sets)):
     bias = None
@@ -134,7 +138,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   for i, var in enumerate(variants):
     fn = jax.jit(wrap(lambda q, k, v, bias, var=var: api.dot_product_attention(
         q, k, v, bias, is_causal=shape.causal, config=var.config,
-        rescale_threshold=rescale_threshold, _backward=backward_impl,
+        rescale_threshold=rescale_threshold, _backward=var.backward,
         _stage_2d=var.stage_2d)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
@@ -154,7 +158,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
     row["stage_2d"] = var.stage_2d
     row["bias_2d"] = bias_2d
     row["rescale_threshold"] = rescale_threshold
-    row["pass"] = f"forward+backward ({backward_impl})" if backward else "forward"
+    row["pass"] = f"forward+backward ({var.backward})" if backward else "forward"
     if i in times:
       row["ours_ms"] = times[i] * 1e3
       row["ours_tflops"] = flops / times[i] / 1e12
@@ -167,6 +171,48 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
       row["cudnn_error"] = times.get("cudnn_error", "not timed")
     rows.append(row)
   return rows
+
+
+def backward_parts(shape: BenchShape, sets: int = 3) -> dict:
+  """Milliseconds of each backward kernel alone (the dK/dV kernel, the dQ
+  kernel, the dK/dV kernel with the fused dQ) beside the forward, at one
+  shape: where the backward's time goes."""
+  import math
+  from kernel import api, backward as bwd, padding, plan as plan_lib
+  f = bwd.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
+                           logits_soft_cap=None, seq_q=shape.seq, seq_kv=shape.seq)
+  d = plan_lib.padded_head_dim(shape.head_dim)
+  blocks = bwd.blocks_for(d, d)
+  inputs = []
+  for i, (q, k, v) in enumerate(_inputs(shape, sets)):
+    do = jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32).astype(q.dtype)
+    out, (m, l) = api.dot_product_attention(q, k, v, is_causal=shape.causal,
+                                            return_residuals=True)
+    lse2 = m * bwd.LOG2E + jnp.log2(l)
+    delta = jnp.einsum("btnd,btnd->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
+    rows = jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
+    inputs.append((q, k, v, do, rows))
+  tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
+                             num_tiles=shape.seq // blocks.dq_tile)[2]
+  fns = {
+      "forward": jax.jit(lambda q, k, v, do, rows: api.dot_product_attention(
+          q, k, v, is_causal=shape.causal)),
+      "dkv": jax.jit(lambda q, k, v, do, rows: bwd.dkv_call(
+          q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+          outputs=("dk", "dv"))),
+      "dq": jax.jit(lambda q, k, v, do, rows: bwd.dq_call(
+          q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
+          want_ds=False)[0]),
+  }
+
+  def fused(q, k, v, do, rows):
+    acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    out = bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+                       outputs=("dk", "dv"), dq_accum=acc)
+    return out, acc[...]
+
+  fns["dkv+fused-dq"] = jax.jit(fused)
+  return {name: t * 1e3 for name, t in time_fns(fns, inputs).items()}
 
 
 def render(rows: list[dict]) -> str:
@@ -196,8 +242,21 @@ def main(argv=None) -> int:
   parser.add_argument("--bias-2d", action="store_true",
                       help="give every call a random (B, N, T, S) bias")
   parser.add_argument("--backward-impl", default="pallas",
-                      help="with --backward: kernel.api.BACKWARDS name (pallas, pallas-serial, xla)")
+                      help="with --backward: comma-separated kernel.api.BACKWARDS names "
+                           "(pallas, pallas-two-kernel, pallas-serial, xla), each timed "
+                           "with every config in the same process")
+  parser.add_argument("--backward-parts", action="store_true",
+                      help="time the forward, the dK/dV kernel and the dQ kernel alone "
+                           "(headline shape)")
   args = parser.parse_args(argv)
+  if args.backward_parts:
+    parts = backward_parts(DEFAULT_SHAPES[0])
+    print(json.dumps(parts))
+    if args.out:
+      with open(args.out, "w") as fh:
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "shape": dataclasses.asdict(DEFAULT_SHAPES[0]), "ms": parts}, fh, indent=1)
+    return 0
   shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
   configs = [None]
   if args.configs:
@@ -213,10 +272,12 @@ def main(argv=None) -> int:
       bq, bkv, st, *p = fields
       configs.append(Variant(Config(int(bq), int(bkv), int(st),
                                     persistent=bool(p and p[0] == "p")), staged))
+  impls = args.backward_impl.split(",")
+  configs = [dataclasses.replace(c if isinstance(c, Variant) else Variant(c), backward=impl)
+             for impl in impls for c in configs]
   rows = [row for s in shapes
           for row in bench_shape(s, configs, rescale_threshold=args.threshold,
-                                 backward=args.backward, backward_impl=args.backward_impl,
-                                 bias_2d=args.bias_2d)]
+                                 backward=args.backward, bias_2d=args.bias_2d)]
   dev = jax.devices()[0]
   meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
   if args.out:

@@ -238,3 +238,27 @@ def assert_within_tolerance(
       message += f"; at {idx}: actual {a!r}, reference {r!r}, naive {n!r}"
     raise AssertionError(message)
   return report
+
+
+def run_to_run_bound(a: np.ndarray, b: np.ndarray, dtype: Any) -> float:
+  """Largest |a - b| allowed between two runs of a gradient that the kernel
+  accumulates in float32 across thread blocks in no fixed order (the fused
+  dQ, kernel/backward.py), elementwise: one ``dtype`` ulp at the larger
+  magnitude (two float32 sums that differ in their last bits can round to
+  neighbouring ``dtype`` values), plus 2^-20 of max|a| for entries where the
+  partial sums cancel.  Returns the worst ratio |a - b| / bound (<= 1 passes).
+  """
+  dtype = np.dtype(dtype)
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  both = np.isfinite(a) & np.isfinite(b)
+  if not np.array_equal(np.isnan(a), np.isnan(b)):
+    return float("inf")
+  if not both.any():
+    return 0.0
+  big = np.maximum(np.abs(a), np.abs(b))[both]
+  # dtype ulp at each magnitude: spacing of the dtype's binade (_ulp_at).
+  info = ml_dtypes.finfo(dtype)
+  _, exponent = np.frexp(np.maximum(big, float(info.tiny)))
+  ulp = float(info.eps) * np.exp2(exponent - 1.0)
+  bound = ulp + 2.0 ** -20 * float(np.max(np.abs(a[both])))
+  return float(np.max(np.abs(a[both] - b[both]) / bound))

@@ -176,6 +176,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 BACKWARDS = {"pallas": backward_pallas.attention_backward,
              "pallas-serial": functools.partial(backward_pallas.attention_backward,
                                                 schedule="serial"),
+             # dQ by its own kernel even where the fused one applies: bitwise
+             # reproducible, and the A/B of the fusion.
+             "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
+                                                    fuse_dq=False),
              "xla": backward_xla.attention_backward}
 
 

@@ -139,6 +139,13 @@ def launches(head_dim: int, head_dim_out: int) -> list[tuple[str, tuple[plan_lib
   return out + [("dq", dq_mbarriers(blocks))]
 
 
+def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
+  """Whether dQ is accumulated in the dK/dV kernel: not for head dims over
+  128 (dK and dV split, and the f32 staging would not fit 227 KiB), nor with
+  a bias, whose gradient needs the f32 dS that the dQ kernel writes."""
+  return not blocks.split_dkv and not with_bias
+
+
 def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
   """The memory warpgroup of both kernels: 40 registers; its warp 0 issues
   the stationary tiles' copies, then fills ring step t in [start, stop) into
@@ -198,12 +205,16 @@ def _and(a, b):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...]):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
   (B, N, 2, Tp) f32 = [lse2, delta]; bias_t / mask_t: bias and mask with T and
   S swapped (dims 1 or full); k_start / k_end (B|1, N|1, Tp|1) int32.
+
+  ``dq_accum``: a zeroed (B, Tp, N, D) f32 ``jax.new_ref``; when given
+  (outputs dK and dV together), the kernel also adds each key tile's part of
+  dQ / scale into it (see the fused dQ notes below).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
@@ -214,13 +225,17 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   nq = t_pad // bq
   kv_tiles = s_pad // blocks.dkv_tile
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  fused = dq_accum is not None
+  if fused and not (want_dk and want_dv):
+    raise ValueError("the fused dQ needs dK and dV in the same launch")
   shape_t = (bkv, bq)  # S^T: keys x queries
   plan = dkv_mbarriers(blocks, outputs)
 
   def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
-           *out_refs_and_scratch):
+           dq_ref, *out_refs_and_scratch):
     out_refs = out_refs_and_scratch[:len(outputs)]
-    (k_st, v_st, q_ring, do_ring, rows_ring), bars = out_refs_and_scratch[len(outputs):]
+    (k_st, v_st, q_ring, do_ring, rows_ring, ds_st, dq_st), bars = \
+        out_refs_and_scratch[len(outputs):]
     k_stat, *bars = bars
     v_stat = bars.pop(0) if want_dk else None
     q_prod, do_prod, rows_prod, consumed = bars
@@ -284,6 +299,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           m = _load_broadcast(mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)),
                               shape_t, _WGMMA)
           keep = _and(keep, m != 0)
+        if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
+          keep = _and(keep, key < f.seq_kv)  # padded keys add nothing to dQ
         lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
         p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
 
@@ -299,6 +316,11 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           if dsdu is not None:
             ds = ds * dsdu
           ds = _masked_to_zero(ds, keep)
+        if fused:
+          # This warpgroup's dS^T into the step's staging buffer, visible to
+          # the tensor cores (fence) before the rendezvous below.
+          ds_st.at[lax.rem(t, 2), wg][...] = ds.astype(dtype)
+          plgpu.commit_smem()
         # dV += P^T dO and dK += dS^T Q: issued together, waited once.
         accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
 
@@ -316,12 +338,17 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
         # Every product reading the slot has completed (run_state waits).
         plgpu.barrier_arrive(consumed.at[slot])
+        if fused:
+          _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h],
+                         head_dim)
         return dk_acc, dv_acc
 
       zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
       dk_acc = zeros(head_dim) if want_dk else None
       dv_acc = zeros(head_dim_out) if want_dv else None
       dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
+      if fused:  # the last dQ product has read both K tiles before they stage dK
+        barriers.ds_ready_sync()
       # The stationary tiles are no longer read: they stage the results.
       rows_out = pl.ds(kv_base, bkv)
       results = {"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}
@@ -334,6 +361,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       for name, ref in zip(outputs, out_refs):
         plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[b, rows_out, hk])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if fused:  # the last dQ reduce-add has landed before the kernel ends
+        plgpu.wait_smem_to_gmem(0)
 
     def load_stationary():
       for w in range(CW):
@@ -359,7 +388,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
        _buffer("v", (CW, bkv, head_dim_out), dtype),
        _buffer("q", (stages, bq, head_dim), dtype),
        _buffer("do", (stages, bq, head_dim_out), dtype),
-       _buffer("rows", (stages, 2, bq), np.float32, swizzled=False)),
+       _buffer("rows", (stages, 2, bq), np.float32, swizzled=False),
+       *(_fused_dq_buffers(bkv, bq, head_dim, dtype) if fused else (None, None))),
       _barrier_refs(plan),
   ]
   out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads,
@@ -370,8 +400,53 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       grid=(kv_tiles, num_kv_heads, batch), grid_names=("kv_tiles", "kv_heads", "batch"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
-  )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end)
+  )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, dq_accum)
   return dict(zip(outputs, results))
+
+
+# The fused dQ.  dQ_i = scale * sum_j dS_ij K_j sums over every key tile, and
+# the key tiles live in different blocks: each block adds its part (one query
+# block of 64 rows x head_dim, f32) into a zeroed f32 array in global memory
+# with a TMA reduce-add, and one XLA cast finishes it.  Within a block, both
+# warpgroups' dS^T tiles (64 keys x 64 queries each) go through shared memory
+# so that ONE warpgroup forms the block's whole part, dS_i,tile K_tile, over
+# all 128 keys of the tile: half the reduce-add traffic of a part per
+# warpgroup.  The warpgroups take that turn alternately (step t: warpgroup
+# t % 2) and meet at the named barrier "ds_ready" once per step, after both
+# stored their dS^T.  Two dS^T buffers (step t uses t % 2): the buffer of step
+# t is written again at step t + 2, by a warpgroup past the rendezvous of step
+# t + 1, which the owner of step t reaches only after its product completed.
+# Order across blocks is not fixed, so dQ is not bitwise reproducible (dK, dV
+# are); properties/test_gradients_gpu.py bounds the difference.
+
+
+def _fused_dq_buffers(bkv, bq, head_dim, dtype):
+  """The fused dQ's shared memory: two dS^T staging buffers (one per step
+  parity) of both warpgroups' tiles, and per warpgroup an f32 staging tile
+  for its reduce-add."""
+  return (_buffer("ds", (2, CW, bkv, bq), dtype),
+          _buffer("dq", (CW, bq, head_dim), np.float32))
+
+
+def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst, head_dim):
+  """Step t of the fused dQ, run by both compute warpgroups after they
+  stored their dS^T: rendezvous, then warpgroup t % 2 forms dS_i,tile K_tile
+  (f32, unscaled) and reduce-adds it into ``dq_dst``."""
+  barriers.ds_ready_sync()
+  buf = lax.rem(t, 2)
+
+  @pl.when(wg == buf)
+  def _():
+    def product(acc):
+      for w in range(CW):  # contraction over both warpgroups' 64 keys
+        plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
+      return acc[...]
+    part = pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], head_dim), jnp.float32))
+    # The previous reduce-add from this warpgroup's staging tile has read it.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    dq_st.at[wg][...] = part
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_st.at[wg], dq_dst, reduction_op="add")
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
@@ -528,11 +603,15 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
 
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
-                       *, scale, is_causal=False, logits_soft_cap=None, schedule="paired"):
+                       *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
+                       fuse_dq=True):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
   inputs in the compute dtype, unpadded; m (natural log) and l (B, N, T).
+
+  dQ is accumulated inside the dK/dV kernel (see the fused dQ notes below) when
+  ``fuse_dq`` and :func:`fuses_dq` allow it, else formed by the dQ kernel.
   """
   dtype = query.dtype
   batch, t, heads, hd = query.shape
@@ -567,12 +646,17 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                                      num_tiles=t_pad // tile)
 
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None)
+  dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs))
-  dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
-                   want_ds=bias is not None)
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
+  if fused:
+    dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
+  else:
+    dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
+                     want_ds=bias is not None)
 
   dbias = None
   if bias is not None:

@@ -1,4 +1,4 @@
-"""Every hardware barrier the forward kernel uses, declared once.
+"""Every hardware barrier the kernels use (forward and backward), declared once.
 
 Two kinds of barrier synchronise one thread block:
 
@@ -53,6 +53,10 @@ def _declare() -> tuple[NamedBarrier, ...]:
       # so the output may overwrite it (the RefUnion of the non-persistent path).
       NamedBarrier("epilogue", first + 2, both_compute,
                    "q/k region free for the output overlay"),
+      # Backward, fused dQ (kernel/backward.py): both compute warpgroups
+      # stored this step's dS^T, and the previous step's dQ product is done.
+      NamedBarrier("ds_ready", first + 3, both_compute,
+                   "both dS^T tiles of a step staged (fused dQ)"),
   )
 
 
@@ -116,4 +120,9 @@ def schedule_release_other(wg) -> None:
 
 def epilogue_sync() -> None:
   b = BY_NAME["epilogue"]
+  _bar("sync", b.id, b.num_threads)
+
+
+def ds_ready_sync() -> None:
+  b = BY_NAME["ds_ready"]
   _bar("sync", b.id, b.num_threads)

@@ -1,7 +1,8 @@
 """Gradients through the kernel's custom_vjp on the GPU (marker ``gpu``).
 
-The forward kernel stores (out, m, l); the backward (kernel/backward_xla.py
-today, the Pallas backward kernels when they land) reads exactly those.
+The forward kernel stores (out, m, l); the backward (the Pallas kernels of
+kernel/backward.py; kernel/backward_xla.py is their specification) reads
+exactly those.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hypothesis import given, note, settings
 
 from harness import strategies as hs
 from harness.conformance import gradient_reports
+from harness.tolerance import run_to_run_bound
 from kernel import mutants
 from kernel import api
 
@@ -61,11 +63,22 @@ def test_base2_residual_variant_passes_forward_and_fails_gradients():
   assert not all(r.passed for r in bad)
 
 
-def test_gradients_are_bitwise_deterministic():
-  spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=2, T=300, N=4, H=128, S=500, K=2, Hv=128),
+def test_gradients_are_reproducible():
+  """dk and dv are bitwise identical from run to run.  dq, summed over key
+  tiles in float32 by reduce-adds in no fixed order (the fused dQ,
+  kernel/backward.py), stays within harness.tolerance.run_to_run_bound of
+  the first run; the two-kernel backward's dq is bitwise identical."""
+  spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=2, T=300, N=4, H=128, S=700, K=2, Hv=128),
                      dtype="bfloat16", seed=12, is_causal=True)
   case = hs.build_case(spec)
-  a, b = kernel_grads(case), kernel_grads(case)
+  runs = [kernel_grads(case) for _ in range(4)]
+  for run in runs[1:]:
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), runs[0], run):
+      if name == "dq":
+        assert run_to_run_bound(x, y, case.dtype) <= 1.0
+      else:
+        assert (x is None and y is None) or np.array_equal(x, y), name
+  a, b = (kernel_grads(case, backward="pallas-two-kernel") for _ in range(2))
   for x, y in zip(a, b):
     assert (x is None and y is None) or np.array_equal(x, y)
 

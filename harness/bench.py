@@ -102,11 +102,11 @@ class Variant:
   2-D bias goes through the stage ring (the private _stage_2d), and with
   --backward, which backward (kernel.api.BACKWARDS; None: --backward-impl)."""
   config: object = None
-  stage_2d: bool = False
+  stage_2d: bool = True
   backward: str | None = None
 
   def describe(self) -> str:
-    return f"{self.config or 'auto'}{' staged' if self.stage_2d else ''}"
+    return f"{self.config or 'auto'}{'' if self.stage_2d else ' unstaged'}"
 
 
 def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
@@ -224,7 +224,7 @@ def render(rows: list[dict]) -> str:
     fmt = lambda x, k: f"{x:.1f}" if x else r.get(f"{k}_error", "-")
     lines.append(f"| {r['batch']} | {r['seq']} | {r['heads']} | {r['head_dim']} | "
                  f"{r['causal']} | {r.get('pass', 'forward')}{' bias2d' if r.get('bias_2d') else ''} | "
-                 f"{r.get('config') or 'default'}{' staged' if r.get('stage_2d') else ''} | {fmt(ours, 'ours')} | {fmt(cudnn, 'cudnn')} | {ratio} |")
+                 f"{r.get('config') or 'default'}{'' if r.get('stage_2d', True) else ' unstaged'} | {fmt(ours, 'ours')} | {fmt(cudnn, 'cudnn')} | {ratio} |")
   return "\n".join(lines)
 
 
@@ -234,8 +234,9 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None)
   parser.add_argument("--configs", default=None,
                       help="semicolon-separated block_q,block_kv,num_stages[,p] or 'auto' "
-                           "(config=None), each optionally ending in ',s' (stage a 2-D bias "
-                           "through the ring), to sweep instead of the default config")
+                           "(config=None), each optionally ending in ',u' (read a 2-D bias from "
+                           "global memory instead of staging it through the ring, the "
+                           "private _stage_2d=False), to sweep instead of the default config")
   parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
   parser.add_argument("--backward", action="store_true",
                       help="time forward + backward (jax.grad), counted as 3.5x the forward FLOPs")
@@ -264,8 +265,8 @@ def main(argv=None) -> int:
     configs = []
     for item in args.configs.split(";"):
       fields = item.split(",")
-      staged = fields[-1] == "s"  # a trailing ",s": the private 2-D bias staging
-      fields = fields[:-1] if staged else fields
+      staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (_stage_2d=False)
+      fields = fields if staged else fields[:-1]
       if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
         configs.append(Variant(None, staged))
         continue

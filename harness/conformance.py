@@ -68,12 +68,13 @@ def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, hea
 
 
 def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, mutant=None,
-               stage_2d=False):
+               stage_2d=True):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
   ``mutant`` (else the variable ``kernel.mutants.ENV``) runs one of the
   kernel's deliberate defects, for tests that the harness catches it;
-  ``stage_2d`` the private staging of 2-D bias/mask through the ring.
+  ``stage_2d`` the staging of 2-D bias/mask through the ring (the API's
+  default; False reads them from global memory, the private _stage_2d).
   """
   import jax
   import jax.numpy as jnp

@@ -208,9 +208,9 @@ def config_used(spec: GoldenSpec) -> dict:
                              is_causal=case.is_causal, k_start=case.k_start,
                              k_end=case.k_end)
   device = api.sm90_device()
-  problem = autotune.selection_problem(api._problem(
+  problem = autotune.selection_problem(api.resolved_problem(
       case.query, case.key, case.value, case.bias, case.mask, is_causal=case.is_causal,
-      return_residuals=False, stage_2d=False))
+      k_start=case.k_start, k_end=case.k_end))
   cached = device is not None and autotune.lookup(
       problem, device.device_kind, has_bias=case.bias is not None,
       has_mask=case.mask is not None,

@@ -101,9 +101,43 @@ def _problem(query, key, value, bias, mask, *, is_causal, return_residuals, stag
       mask_2d=stage_2d and is_2d(mask))
 
 
+def _staging_fits(query, key, value, bias, mask, config, *, is_causal, return_residuals,
+                  k_start, k_end) -> bool:
+  """Whether 2-D bias/mask tiles can go through the ring with the keys: the
+  given config, or else some config of the heuristics, fits 227 KiB with
+  the staged buffers.  Otherwise they are read from global memory (head
+  dims of 256 with both a 2-D bias and mask, say); the results are the same
+  bits either way (properties/test_forward_gpu.py)."""
+  if not (is_2d(bias) or is_2d(mask)):
+    return True
+  try:
+    if config is None:
+      config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
+                             k_start=k_start, k_end=k_end, _stage_2d=True)
+    plan_lib.check_fits(_problem(query, key, value, bias, mask, is_causal=is_causal,
+                                 return_residuals=return_residuals, stage_2d=True), config)
+  except ValueError:
+    return False
+  return True
+
+
+def resolved_problem(query, key, value, bias=None, mask=None, *, is_causal=False,
+                     return_residuals=False, k_start=None, k_end=None, config=None,
+                     stage_2d=True) -> plan_lib.Problem:
+  """The problem ``dot_product_attention`` runs for these arguments (arrays
+  or ShapeDtypeStructs): 2-D bias and mask staged through the ring where
+  :func:`_staging_fits`, else read from global memory."""
+  stage = bool(stage_2d) and _staging_fits(query, key, value, bias, mask, config,
+                                           is_causal=is_causal,
+                                           return_residuals=return_residuals,
+                                           k_start=k_start, k_end=k_end)
+  return _problem(query, key, value, bias, mask, is_causal=is_causal,
+                  return_residuals=return_residuals, stage_2d=stage)
+
+
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
                   k_start=None, k_end=None, device_kind: str | None = None,
-                  _stage_2d=False) -> Config:
+                  _stage_2d=True) -> Config:
   """The config ``dot_product_attention(..., config=None)`` runs for these
   arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
   this device and signature, else the heuristic.  ``device_kind`` defaults
@@ -124,7 +158,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, _mutant=None, _backward="pallas", _stage_2d=False):
+                          config=None, _mutant=None, _backward="pallas", _stage_2d=True):
   """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
 
   m (B, N, T) is the row max of the final logits in natural-log space, l the
@@ -146,11 +180,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
   _check_device()
 
-  problem = _problem(query, key, value, bias, mask, is_causal=is_causal,
-                     return_residuals=return_residuals, stage_2d=_stage_2d)
+  problem = resolved_problem(query, key, value, bias, mask, is_causal=is_causal,
+                             return_residuals=return_residuals, k_start=k_start, k_end=k_end,
+                             config=config, stage_2d=_stage_2d)
+  stage_2d = problem.bias_2d or problem.mask_2d
   if config is None:
     config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                           k_start=k_start, k_end=k_end, _stage_2d=_stage_2d)
+                           k_start=k_start, k_end=k_end, _stage_2d=stage_2d)
   plan_lib.check_fits(problem, config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
@@ -161,7 +197,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
       mutant=mutants.check(_mutant),
-      stage_2d=bool(_stage_2d))
+      stage_2d=stage_2d)
   if _backward not in BACKWARDS:
     raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,

@@ -339,8 +339,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         # Every product reading the slot has completed (run_state waits).
         plgpu.barrier_arrive(consumed.at[slot])
         if fused:
-          _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h],
-                         head_dim)
+          _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h])
         return dk_acc, dv_acc
 
       zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
@@ -348,7 +347,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       dv_acc = zeros(head_dim_out) if want_dv else None
       dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
       if fused:  # the last dQ product has read both K tiles before they stage dK
-        barriers.ds_ready_sync()
+        barriers.epilogue_sync()
       # The stationary tiles are no longer read: they stage the results.
       rows_out = pl.ds(kv_base, bkv)
       results = {"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}
@@ -411,11 +410,14 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 # warpgroups' dS^T tiles (64 keys x 64 queries each) go through shared memory
 # so that ONE warpgroup forms the block's whole part, dS_i,tile K_tile, over
 # all 128 keys of the tile: half the reduce-add traffic of a part per
-# warpgroup.  The warpgroups take that turn alternately (step t: warpgroup
-# t % 2) and meet at the named barrier "ds_ready" once per step, after both
-# stored their dS^T.  Two dS^T buffers (step t uses t % 2): the buffer of step
-# t is written again at step t + 2, by a warpgroup past the rendezvous of step
-# t + 1, which the owner of step t reaches only after its product completed.
+# warpgroup.  The warpgroups take that turn alternately (step t: its owner,
+# warpgroup t % 2): the owner waits on the named barrier ds_ready_<owner>
+# until the other warpgroup, which only arrives there, has stored its dS^T
+# (barriers.ds_ready).  Two dS^T buffers (step t uses t % 2): the buffer of
+# step t is written again at step t + 2, by the owner of step t itself (in
+# program order after its product completed) and by the other warpgroup only
+# after it passed its own wait of step t + 1, which needs the owner of step t
+# to arrive there, after its product of step t completed.
 # Order across blocks is not fixed, so dQ is not bitwise reproducible (dK, dV
 # are); properties/test_gradients_gpu.py bounds the difference.
 
@@ -428,12 +430,12 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype):
           _buffer("dq", (CW, bq, head_dim), np.float32))
 
 
-def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst, head_dim):
+def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst):
   """Step t of the fused dQ, run by both compute warpgroups after they
   stored their dS^T: rendezvous, then warpgroup t % 2 forms dS_i,tile K_tile
   (f32, unscaled) and reduce-adds it into ``dq_dst``."""
-  barriers.ds_ready_sync()
   buf = lax.rem(t, 2)
+  barriers.ds_ready(buf, wg)
 
   @pl.when(wg == buf)
   def _():
@@ -441,7 +443,7 @@ def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst, head_dim):
       for w in range(CW):  # contraction over both warpgroups' 64 keys
         plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
       return acc[...]
-    part = pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], head_dim), jnp.float32))
+    part = pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], k_st.shape[2]), jnp.float32))
     # The previous reduce-add from this warpgroup's staging tile has read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     dq_st.at[wg][...] = part

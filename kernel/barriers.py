@@ -49,14 +49,22 @@ def _declare() -> tuple[NamedBarrier, ...]:
                    "warpgroup 0 may issue wgmma (pingpong)"),
       NamedBarrier("schedule_wg1", first + 1, both_compute,
                    "warpgroup 1 may issue wgmma (pingpong)"),
-      # Both compute warpgroups are past their last read of the q/k region,
-      # so the output may overwrite it (the RefUnion of the non-persistent path).
+      # Both compute warpgroups are past their last read of shared tiles the
+      # epilogue reuses: the forward's q/k region that the output overlays
+      # (the RefUnion of the non-persistent path), the backward's K tiles that
+      # stage dK after the fused dQ's last product read them.
       NamedBarrier("epilogue", first + 2, both_compute,
-                   "q/k region free for the output overlay"),
-      # Backward, fused dQ (kernel/backward.py): both compute warpgroups
-      # stored this step's dS^T, and the previous step's dQ product is done.
-      NamedBarrier("ds_ready", first + 3, both_compute,
-                   "both dS^T tiles of a step staged (fused dQ)"),
+                   "shared tiles free for the epilogue's staging"),
+      # Backward, fused dQ (kernel/backward.py): step t's dS^T tiles are both
+      # staged.  One barrier per owner: warpgroup w owns the steps t with
+      # t % 2 == w, syncs on ds_ready_w there and arrives on the other's
+      # barrier on the other steps, so every generation is one sync and one
+      # arrive (one barrier for both would let a warpgroup's arrive of step t
+      # and its sync of step t + 1 complete a generation on their own).
+      NamedBarrier("ds_ready_wg0", first + 3, both_compute,
+                   "the dS^T tiles of an even step are staged (fused dQ)"),
+      NamedBarrier("ds_ready_wg1", first + 4, both_compute,
+                   "the dS^T tiles of an odd step are staged (fused dQ)"),
   )
 
 
@@ -123,6 +131,13 @@ def epilogue_sync() -> None:
   _bar("sync", b.id, b.num_threads)
 
 
-def ds_ready_sync() -> None:
-  b = BY_NAME["ds_ready"]
-  _bar("sync", b.id, b.num_threads)
+def ds_ready(owner, wg) -> None:
+  """Step rendezvous of the fused dQ: the step's owner waits until the other
+  warpgroup has staged its dS^T; the other only signals (``owner`` and
+  ``wg`` traced)."""
+  import jax.numpy as jnp
+  from jax import lax
+  b = BY_NAME["ds_ready_wg0"]
+  bid = b.id + owner
+  lax.cond(wg == owner, lambda: _bar("sync", bid, b.num_threads),
+           lambda: _bar("arrive", bid, b.num_threads))

@@ -177,13 +177,14 @@ _STAGED = [(n, fc, cfg) for n, fc, cfg in _EXTRA
 @pytest.mark.parametrize("persistent", [False, True], ids=["nonpersistent", "persistent"])
 @pytest.mark.parametrize("name,fc,cfg", _STAGED, ids=[n for n, _, _ in _STAGED])
 def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
-  """The private staging of 2-D bias/mask through the ring (_stage_2d) gives
-  results within the rule, bit-identical to the unstaged kernel's."""
+  """The staging of 2-D bias/mask through the ring (the default) gives
+  results within the rule, bit-identical to the unstaged kernel's (the
+  private _stage_2d=False, reading them from global memory)."""
   base = cfg or heuristics.get_heuristics_config(problem_of(fc))
   cfg = dataclasses.replace(base, persistent=persistent)
   staged = run_kernel(fc, config=cfg, stage_2d=True)
   report = check_forward(fc, *staged)
   assert report.passed, report.summary()
-  plain = run_kernel(fc, config=cfg)
+  plain = run_kernel(fc, config=cfg, stage_2d=False)
   for a, b, what in zip(staged, plain, ("out", "m", "l")):
     assert np.array_equal(a, b, equal_nan=True), f"{what}: staged differs from unstaged"

@@ -69,8 +69,9 @@ def test_stages_beyond_the_budget_are_rejected():
 
 
 def test_named_barriers_beyond_the_budget_are_rejected():
-  extra = tuple(barriers.NamedBarrier(f"extra{i}", 7 + i, 256, "")
-                for i in range(10))
+  first_free = max(b.id for b in barriers.NAMED_BARRIERS) + 1
+  extra = tuple(barriers.NamedBarrier(f"extra{i}", first_free + i, 256, "")
+                for i in range(16 - first_free + 1))
   plan = dataclasses.replace(_plan(), named_barriers=barriers.NAMED_BARRIERS + extra)
   with pytest.raises(ValueError, match="16"):
     barriers.check_budget(plan.named_barriers)

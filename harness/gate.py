@@ -103,10 +103,11 @@ def run_module_step(name: str, module: str, args: list[str], results: Path) -> S
   # "N/M proven" (prove) and "k identical, ... regression" (golden) become counts.
   if m := re.search(r"(\d+)/(\d+) proven", proc.stdout):
     result.passed, result.failed = int(m[1]), int(m[2]) - int(m[1])
-  if m := re.search(r"(\d+) identical, (\d+) drift, (\d+) regression, (\d+) missing", proc.stdout):
-    result.passed = int(m[1]) + int(m[2])
-    result.failed = int(m[3]) + int(m[4])
-    result.detail = (result.detail + f" {m[2]} drift").strip()
+  if m := re.search(r"(\d+) identical, (\d+) reordered, (\d+) drift, (\d+) regression, "
+                    r"(\d+) missing", proc.stdout):
+    result.passed = int(m[1]) + int(m[2]) + int(m[3])
+    result.failed = int(m[4]) + int(m[5])
+    result.detail = (result.detail + f" {m[2]} reordered, {m[3]} drift").strip()
   return result
 
 

@@ -135,9 +135,13 @@ def ds_ready(owner, wg) -> None:
   """Step rendezvous of the fused dQ: the step's owner waits until the other
   warpgroup has staged its dS^T; the other only signals (``owner`` and
   ``wg`` traced)."""
-  import jax.numpy as jnp
   from jax import lax
   b = BY_NAME["ds_ready_wg0"]
-  bid = b.id + owner
+  bid = ds_ready_id(owner)
   lax.cond(wg == owner, lambda: _bar("sync", bid, b.num_threads),
            lambda: _bar("arrive", bid, b.num_threads))
+
+
+def ds_ready_id(owner):
+  """The named barrier of the fused dQ steps that ``owner`` owns."""
+  return BY_NAME["ds_ready_wg0"].id + owner

@@ -1,7 +1,8 @@
 """The golden-file tool's logic, on the CPU, with a stand-in for the kernel.
 
 The stand-in returns the float64 reference rounded to the kernel's storage
-dtypes, so every classification (identical, drift, regression, missing) and
+dtypes, so every classification (identical, reordered, drift, regression,
+missing) and
 the update's refusal to store a wrong golden can be exercised without a GPU.
 The real goldens are generated on the H200 (see ci/results/).
 """
@@ -40,16 +41,20 @@ def reference_runner(spec):
   return result
 
 
-def perturbed(runner, *, ulps=0, absolute=0.0):
+def perturbed(runner, *, ulps=0, absolute=0.0, array="out"):
+  """``runner`` with ``array``'s largest entry moved by ``ulps`` units in the
+  last place, or every entry by ``absolute``."""
   def run(spec):
     r = {k: v.copy() for k, v in runner(spec).items()}
-    out = r["out"]
+    if array not in r:
+      return r
+    x = r[array]
     if ulps:
-      flat = out.reshape(-1)
-      view = flat.view(np.uint16 if out.dtype.itemsize == 2 else np.uint32)
-      view[0] += ulps
+      flat = x.reshape(-1)
+      view = flat.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+      view[int(np.argmax(np.abs(flat.astype(np.float64))))] += ulps
     if absolute:
-      r["out"] = (out.astype(np.float64) + absolute).astype(out.dtype)
+      r[array] = (x.astype(np.float64) + absolute).astype(x.dtype)
     return r
   return run
 
@@ -81,6 +86,20 @@ def test_a_one_ulp_change_is_drift_and_passes(stored):
   assert ok
   assert {v.status for v in verdicts} == {"drift"}
   assert all(v.max_ulp == 1 for v in verdicts)
+
+
+def test_a_one_ulp_change_of_the_order_dependent_dq_is_reordered(stored):
+  """dq, summed across blocks in no fixed order, may move by one ulp from run
+  to run: 'reordered' (passes), apart from drift; the same change in dk is
+  drift, and dq moved by more than the run-to-run bound is drift too."""
+  with_grads = [s for s in CORPUS if s.has_gradients]
+  verdicts, ok = golden.check(perturbed(reference_runner, ulps=1, array="dq"), with_grads, stored)
+  assert ok and {v.status for v in verdicts} == {"reordered"}
+  assert "reordered" in golden.render(verdicts)
+  verdicts, ok = golden.check(perturbed(reference_runner, ulps=1, array="dk"), with_grads, stored)
+  assert ok and {v.status for v in verdicts} == {"drift"}
+  verdicts, _ = golden.check(perturbed(reference_runner, ulps=16, array="dq"), with_grads, stored)
+  assert "reordered" not in {v.status for v in verdicts}
 
 
 def test_a_change_beyond_the_rule_is_a_regression_and_fails(stored):

@@ -35,14 +35,19 @@ buffer (no stale read); K is not overwritten while a product reads it; the
 warpgroups are never more than one step apart.  Liveness: every state short
 of both warpgroups done enables some action (no deadlock).
 
-The check is bounded model checking with Z3 (:func:`check`): for a number
-of steps n, every interleaving of at most :func:`max_actions` actions — the
-longest a run of n steps can take, so every reachable state — is searched
-for a violation or a deadlock.  Why small n suffice: buffer and owner depend
-on t mod 2 only and the warpgroups stay within one step of each other, so a
-state at step t >= 2 behaves like its image two steps earlier; the end of
-the loop is reached at both parities by n in 1..6.  :data:`MUTATIONS` are
-defects the check must refute (properties/test_handoff_proof.py).
+Two checks, both over the same actions (:func:`_moves`, Z3 expressions):
+
+* :func:`check`: for a number of steps n, every reachable state, by
+  breadth-first search (Z3 evaluates the actions on concrete values); a
+  violation comes back with the shortest trace to it.  The reachable states
+  grow by 18 per step (the schedule repeats every two steps).
+* :func:`prove`: for any number of steps, an inductive invariant (written out
+  above :func:`_invariant`) checked by Z3: it holds initially, every action
+  keeps it, and under it no action is unsafe and some action is enabled
+  until both warpgroups are done.
+
+:data:`MUTATIONS` are defects both must refute
+(properties/test_handoff_proof.py).
 """
 
 from __future__ import annotations
@@ -213,73 +218,95 @@ def _apply(s: _State, s2: _State, w: int, upd: dict) -> list:
   return eqs
 
 
-def max_actions(n: int) -> int:
-  """The longest run of n steps: per warpgroup and step at most write,
-  barrier, wait and read; then two epilogue actions."""
-  return barriers.COMPUTE_WARPGROUPS * (4 * n + 2)
+def _post(s: _State, w: int, upd: dict) -> list:
+  """The state after warpgroup w's action, in :meth:`_State.flat` order."""
+  cw = barriers.COMPUTE_WARPGROUPS
+  out = [upd[name] if (name in upd and v == w) else getattr(s, name)[v]
+         for name in ("t", "phase", "pc", "need") for v in range(cw)]
+  data = upd.get("data", s.data)
+  out += [data[b][v] for b in range(len(s.data)) for v in range(cw)]
+  out += [upd.get("count", s.count)[x] for x in sorted(s.count)]
+  out += [upd.get("gen", s.gen)[x] for x in sorted(s.gen)]
+  return out + [upd.get("ecount", s.ecount), upd.get("egen", s.egen)]
+
+
+def _initial(p: HandoffProtocol, n, ids) -> tuple:
+  cw = barriers.COMPUTE_WARPGROUPS
+  return tuple([0] * cw + [0] * cw + [WRITE] * cw + [0] * cw + [-1] * (p.buffers * cw)
+               + [0] * (2 * len(ids)) + [0, 0])
 
 
 @dataclasses.dataclass
 class HandoffResult:
-  n: int
+  n: int | None               # steps (None: any number, the unbounded proof)
   safe: bool
-  trace: list[str] | None      # the counterexample, when not safe
+  trace: list[str] | None     # the counterexample, when not safe
   seconds: float
+  states: int = 0             # reachable states searched (bounded check)
+  failures: tuple[str, ...] = ()   # the unbounded proof's failed queries
+
+
+def reachable(p: HandoffProtocol, n: int):
+  """Every state reachable with n steps, by breadth-first search over the
+  actions of :func:`_moves` (evaluated by Z3 on concrete values).  Returns
+  (states, parent, violation): parent maps a state to (previous state,
+  action name); violation is None or (state, action name, kind)."""
+  cw = barriers.COMPUTE_WARPGROUPS
+  ids = _ids(p)
+  s = _State(p, "x", ids)
+  flat = s.flat()
+  moves = [(f"wg{w} {name}", guard, bad, _post(s, w, upd))
+           for w in range(cw) for name, guard, upd, bad in _moves(p, s, n, w)]
+  value = lambda e, sub: (z3.simplify(z3.substitute(e, sub)) if z3.is_expr(e)
+                          else z3.IntVal(e))
+  start = _initial(p, n, ids)
+  parent, frontier = {start: None}, [start]
+  while frontier:
+    nxt = []
+    for st in frontier:
+      sub = [(v, z3.IntVal(x)) for v, x in zip(flat, st)]
+      t = st[:cw]
+      if max(t) - min(t) > 1:
+        return parent, parent, (st, None, "warpgroups more than one step apart")
+      enabled = False
+      for name, guard, bad, post in moves:
+        if not z3.is_true(value(guard, sub)):
+          continue
+        enabled = True
+        if z3.is_true(value(bad, sub)):
+          return parent, parent, (st, name, "UNSAFE")
+        new = tuple(value(e, sub).as_long() for e in post)
+        if new not in parent:
+          parent[new] = (st, name)
+          nxt.append(new)
+      pcs = st[2 * cw:3 * cw]
+      if not enabled and any(pc != DONE for pc in pcs):
+        return parent, parent, (st, None, "DEADLOCK")
+    frontier = nxt
+  return set(parent), parent, None
+
+
+def _trace(parent, state) -> list[str]:
+  out = []
+  while parent.get(state) is not None:
+    state, name = parent[state]
+    out.append(name)
+  return out[::-1]
 
 
 def check(p: HandoffProtocol, n: int) -> HandoffResult:
-  """Bounded model check of n steps over every interleaving (see the module
-  doc); returns the shortest-found counterexample trace when one exists."""
+  """Every interleaving of n steps (all reachable states); a violation comes
+  back with the shortest trace to it."""
   start = time.perf_counter()
+  states, parent, violation = reachable(p, n)
+  if violation is None:
+    return HandoffResult(n, True, None, time.perf_counter() - start, len(states))
+  st, name, kind = violation
   cw = barriers.COMPUTE_WARPGROUPS
-  ids = _ids(p)
-  depth = max_actions(n)
-  states = [_State(p, str(i), ids) for i in range(depth + 1)]
-  s0 = states[0]
-  solver = z3.Solver()
-  solver.add(*[x == 0 for x in s0.t + s0.phase], *[x == (WRITE if n > 0 else EPILOGUE) for x in s0.pc],
-             *[x == 0 for x in s0.need], *[v == -1 for row in s0.data for v in row],
-             *[s0.count[x] == 0 for x in ids], *[s0.gen[x] == 0 for x in ids],
-             s0.ecount == 0, s0.egen == 0)
-  choice = [z3.Int(f"choice_{i}") for i in range(depth)]
-  bad_at = []
-  for i in range(depth):
-    s, s2 = states[i], states[i + 1]
-    options, guards, bads = [], [], []
-    k = 0
-    for w in range(cw):
-      for name, guard, upd, bad in _moves(p, s, n, w):
-        options.append(z3.And(choice[i] == k, guard, *_apply(s, s2, w, upd)))
-        guards.append(guard)
-        bads.append(z3.And(choice[i] == k, guard, bad))
-        k += 1
-    # Stutter once nothing is enabled (done, or deadlocked: checked at the end).
-    stuck = z3.Not(z3.Or(guards))
-    options.append(z3.And(choice[i] == -1, stuck, *[a == b for a, b in zip(s2.flat(), s.flat())]))
-    solver.add(z3.Or(options))
-    apart = z3.Or([z3.Or(s.t[a] - s.t[b] > 1, s.t[b] - s.t[a] > 1)
-                   for a in range(cw) for b in range(a + 1, cw)])
-    bad_at.append(z3.Or(z3.Or(bads), apart))
-  last = states[-1]
-  done = z3.And([x == DONE for x in last.pc])
-  solver.add(z3.Or(z3.Or(bad_at), z3.Not(done)))
-  if solver.check() == z3.unsat:
-    return HandoffResult(n, True, None, time.perf_counter() - start)
-  model = solver.model()
-  names = [f"wg{w} {name}" for w in range(cw) for name, *_ in _moves(p, s0, n, w)]
-  trace = []
-  for i in range(depth):
-    c = model.eval(choice[i], model_completion=True).as_long()
-    if model.eval(bad_at[i], model_completion=True):
-      trace.append(f"UNSAFE: {names[c] if c >= 0 else 'stutter'} at step "
-                   f"{[model.eval(x).as_long() for x in states[i].t]}")
-      break
-    if c < 0:
-      pcs = [PC_NAMES[model.eval(x).as_long()] for x in states[i].pc]
-      trace.append(f"DEADLOCK: warpgroups at {pcs}")
-      break
-    trace.append(names[c])
-  return HandoffResult(n, False, trace, time.perf_counter() - start)
+  where = f"at steps {list(st[:cw])}, {[PC_NAMES[x] for x in st[2 * cw:3 * cw]]}"
+  last = f"{kind}: {name} {where}" if name else f"{kind} {where}"
+  return HandoffResult(n, False, _trace(parent, st) + [last], time.perf_counter() - start,
+                       len(parent))
 
 
 STEP_COUNTS = tuple(range(1, 7))
@@ -288,3 +315,131 @@ STEP_COUNTS = tuple(range(1, 7))
 def check_all(p: HandoffProtocol | None = None, step_counts=STEP_COUNTS) -> list[HandoffResult]:
   p = p or HandoffProtocol.from_kernel()
   return [check(p, n) for n in step_counts]
+
+
+# The unbounded proof.  The invariant relates every counter and buffer to
+# the two warpgroups' positions (step t_w, program counter pc_w):
+#   * arrivals: warpgroup w has arrived at owner o's barrier once for every
+#     step t' < t_w that o owns, plus once more if w owns t_w and has passed
+#     its barrier action (pc wait or read); each barrier's completed
+#     generations and pending count are what those arrivals make
+#     (2 gen + count = both warpgroups' arrivals, count 0 or 1);
+#   * a waiting owner waits for the generation of its own arrival; a warpgroup
+#     waiting at the epilogue for generation 0; the epilogue barrier counts the
+#     warpgroups past its arrival;
+#   * buffer b holds, from warpgroup v, the last step t' = b (mod 2) that v
+#     has written (-1 before any);
+#   * the pair (t_1 - t_0, pc_0, pc_1, t_0 mod 2) is one of the shapes that
+#     the exhaustive search meets for 1..SHAPE_STEPS steps.
+# It is written for the kernel's schedule (buffer = owner = t mod 2, one
+# barrier per owner), which prove() checks first.  z3 then shows, for any
+# number of steps n >= 1: the initial state satisfies it; every action keeps
+# it; no action from a state satisfying it is unsafe; the warpgroups stay
+# within one step; some action is enabled until both are done.
+
+SHAPE_STEPS = 6
+
+
+def _shapes(p: HandoffProtocol) -> set[tuple[int, int, int, int]]:
+  cw = barriers.COMPUTE_WARPGROUPS
+  out = set()
+  for n in range(1, SHAPE_STEPS + 1):
+    states, _, violation = reachable(p, n)
+    if violation is not None:
+      raise ValueError(f"{n} steps: {violation}")
+    for st in states:
+      t, phase, pc = st[:cw], st[cw:2 * cw], st[2 * cw:3 * cw]
+      out.add((phase[0], t[1] - t[0], pc[0], pc[1]))
+  return out
+
+
+def _invariant(p: HandoffProtocol, s: _State, n, shapes) -> list[tuple[str, z3.BoolRef]]:
+  cw = barriers.COMPUTE_WARPGROUPS
+  inv = [("n >= 1", n >= 1)]
+  for w in range(cw):
+    t, ph, pc = s.t[w], s.phase[w], s.pc[w]
+    inv += [(f"wg{w} step range", z3.And(0 <= t, t <= n)),
+            (f"wg{w} phase = t mod 2", z3.And(z3.Or(ph == 0, ph == 1), (t - ph) % 2 == 0)),
+            (f"wg{w} pc range", z3.And(WRITE <= pc, pc <= DONE)),
+            (f"wg{w} in the loop iff t < n", (pc <= READ) == (t < n))]
+  inv.append(("shape", z3.Or([z3.And(s.phase[0] == a, s.t[1] - s.t[0] == d, s.pc[0] == c0,
+                                     s.pc[1] == c1) for a, d, c0, c1 in sorted(shapes)])))
+
+  def arrivals(w, o):
+    t, ph, pc = s.t[w], s.phase[w], s.pc[w]
+    owned_before = (t + ph) / 2 if o == 0 else (t - ph) / 2   # steps t' < t with t' % 2 == o
+    passed = z3.And(z3.Or(pc == WAIT, pc == READ), ph == o)
+    return owned_before + z3.If(passed, 1, 0)
+
+  for o in range(cw):
+    x = p.barrier_of(o)
+    total = sum(arrivals(w, o) for w in range(cw))
+    inv.append((f"barrier of owner {o}: generations and count",
+                z3.And(2 * s.gen[x] + s.count[x] == total,
+                       z3.Or(s.count[x] == 0, s.count[x] == 1))))
+  past_epilogue = sum(z3.If(z3.Or(s.pc[w] == EPILOGUE_WAIT, s.pc[w] == DONE), 1, 0)
+                      for w in range(cw))
+  inv.append(("epilogue barrier", z3.And(2 * s.egen + s.ecount == past_epilogue,
+                                         z3.Or(s.ecount == 0, s.ecount == 1))))
+  for w in range(cw):
+    inv.append((f"wg{w} waits for its own generation",
+                # (a waiting warpgroup owns its step: its phase is w)
+                z3.Implies(s.pc[w] == WAIT, s.need[w] == arrivals(w, w) - 1)))
+    inv.append((f"wg{w} waits at the epilogue for generation 0",
+                z3.Implies(s.pc[w] == EPILOGUE_WAIT, s.need[w] == 0)))
+    written = s.t[w] - 1 + z3.If(z3.And(BARRIER <= s.pc[w], s.pc[w] <= READ), 1, 0)
+    for b in range(p.buffers):
+      last = z3.If(written < 0, -1, z3.If(written % 2 == b, written, written - 1))
+      inv.append((f"buffer {b} holds wg{w}'s last step = {b} mod 2", s.data[b][w] == last))
+  return inv
+
+
+def prove(p: HandoffProtocol | None = None) -> HandoffResult:
+  """The handoff is safe and deadlock-free for any number of steps (the
+  inductive invariant above, checked by z3)."""
+  start = time.perf_counter()
+  p = p or HandoffProtocol.from_kernel()
+  cw = barriers.COMPUTE_WARPGROUPS
+  failures = []
+  schedule = ([p.buffer_of(t) for t in range(4)], [p.owner_of(t) for t in range(4)])
+  if schedule != ([0, 1, 0, 1], [0, 1, 0, 1]) or p.units != cw:
+    failures.append(f"the invariant is written for buffer = owner = t mod 2 with "
+                    f"{cw} warpgroups per generation; got {schedule}, {p.units}")
+    return HandoffResult(None, False, None, time.perf_counter() - start, failures=tuple(failures))
+  ids = _ids(p)
+  if len(ids) != cw:
+    failures.append(f"one barrier per owner expected, got ids {ids}")
+    return HandoffResult(None, False, None, time.perf_counter() - start, failures=tuple(failures))
+  try:
+    shapes = _shapes(p)
+  except ValueError as err:
+    return HandoffResult(None, False, None, time.perf_counter() - start, failures=(str(err),))
+  n = z3.Int("n")
+  s, s2 = _State(p, "a", ids), _State(p, "b", ids)
+  inv = z3.And([e for _, e in _invariant(p, s, n, shapes)])
+
+  def holds(assumptions, goal, what):
+    solver = z3.Solver()
+    solver.set(timeout=60_000)
+    solver.add(*assumptions, z3.Not(goal))
+    result = solver.check()
+    if result != z3.unsat:
+      failures.append(f"{what}: {result}")
+
+  init = [x == v for x, v in zip(s.flat(), _initial(p, n, ids))] + [n >= 1]
+  for name, e in _invariant(p, s, n, shapes):
+    holds(init, e, f"initiation of '{name}'")
+  moves = [(f"wg{w} {name}", guard, upd, bad, w)
+           for w in range(cw) for name, guard, upd, bad in _moves(p, s, n, w)]
+  inv2 = _invariant(p, s2, n, shapes)
+  for name, guard, upd, bad, w in moves:
+    step = [a == b for a, b in zip(s2.flat(), _post(s, w, upd))]
+    holds([inv, guard], z3.Not(bad), f"{name} is safe")
+    for what, e in inv2:
+      holds([inv, guard, *step], e, f"{name} keeps '{what}'")
+  holds([inv], z3.And([z3.And(s.t[a] - s.t[b] <= 1, s.t[b] - s.t[a] <= 1)
+                       for a in range(cw) for b in range(cw)]), "within one step")
+  done = z3.And([x == DONE for x in s.pc])
+  holds([inv, z3.Not(done)], z3.Or([g for _, g, _, _, _ in moves]), "no deadlock")
+  return HandoffResult(None, not failures, None, time.perf_counter() - start,
+                       failures=tuple(failures))

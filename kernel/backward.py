@@ -16,15 +16,21 @@ producer waits on it before every refill (not before the first
   block that can see its keys, (q, dO, [lse, delta]).  Per block it forms
   S^T = K Q^T, P^T = exp2(S^T - lse) from the forward's residuals, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.  GQA sums over the
-  group inside the kernel.
-* ``dq``: a block owns ``2 * block_q`` query rows of one head (Q, dO, lse,
+  group inside the kernel.  With the fused dQ (head dims up to 128, no bias:
+  :func:`fuses_dq`) it also forms dQ_i's part over its keys, dS_i,tile K_tile,
+  and reduce-adds it in float32 into global memory (notes above
+  :func:`_fused_dq_buffers`).
+* ``dq`` (where the fused dQ does not apply): a block owns ``2 * block_q`` query rows of one head (Q, dO, lse,
   delta stationary) and streams the (K, V) blocks of the forward's key range:
   S, P, dP, dS as above and dQ += dS K; with a bias it also writes dS (the
   logits gradient, which is dbias before the sum over broadcast dimensions).
 
-dQ by a second kernel rather than by atomic accumulation in the first: it
-recomputes S and dP (7 matrix products where 5 would do) and keeps the result
-deterministic; the measured rate is in ci/results.
+The fused dQ does 5 matrix products where the second kernel makes it 7 (it
+recomputes S and dP): measured 3.4% faster forward + backward at the
+headline shape (ci/results/2026-11-29-s3), at the price of a dq that is
+reproducible to one ulp rather than bitwise (ORDER_DEPENDENT_GRADIENTS).
+Head dims over 128 (no room for the f32 staging) and a bias (dbias needs the
+f32 dS the dQ kernel writes) keep the second kernel.
 
 The residuals are the forward's natural-log m and l: ``lse`` (base 2, what
 exp2 needs) is formed here as ``m * log2(e) + log2(l)``; a row with l = 0

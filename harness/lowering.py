@@ -23,6 +23,7 @@ import numpy as np
 class Lowered:
   smem_bytes: int       # the largest kernel scratch tree seen while lowering
   seconds: float
+  kernel_smem: tuple[int, ...] = ()   # every kernel's scratch tree, in lowering order
 
 
 @contextlib.contextmanager
@@ -80,4 +81,5 @@ def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_sha
     jax.export.export(jax.jit(target), platforms=["cuda"])(*args)
   if not record:
     raise RuntimeError("lowering produced no Mosaic GPU kernel")
-  return Lowered(smem_bytes=max(record), seconds=time.perf_counter() - start)
+  return Lowered(smem_bytes=max(record), seconds=time.perf_counter() - start,
+                 kernel_smem=tuple(record))

@@ -142,11 +142,16 @@ def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
   return _mbarriers("dq", blocks.num_stages, ("k", "v"), ("q", "do", "rows"))
 
 
-def launches(head_dim: int, head_dim_out: int) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
-  """Every kernel launch of one backward, with its mbarrier plan, in order."""
+def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True
+             ) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+  """Every kernel launch of one backward, with its mbarrier plan, in order
+  (the dQ kernel only where the fused dQ does not apply: head dims over 128,
+  or a bias)."""
   blocks = blocks_for(head_dim, head_dim_out)
   groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
   out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
+  if fuses_dq(blocks, with_bias=with_bias):
+    return out
   return out + [("dq", dq_mbarriers(blocks))]
 
 
@@ -183,8 +188,63 @@ def _barrier_refs(plan):
                for b in plan)
 
 
-def _buffer(name, shape, dtype, swizzled=True):
-  return _smem(plan_lib.Buffer(name, tuple(shape), np.dtype(dtype), swizzled))
+def _allocate(buffers):
+  """Scratch refs for buffer descriptions (None stays None: an unused slot)."""
+  return tuple(None if b is None else _smem(b) for b in buffers)
+
+
+def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
+                fused: bool) -> tuple:
+  """The dK/dV kernel's shared memory, as :func:`dkv_call` allocates it
+  (and :func:`launch_smem_bytes` counts it)."""
+  bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
+  B, dt = plan_lib.Buffer, np.dtype(dtype)
+  return (B("k", (CW, bkv, head_dim), dt),
+          # V's tile, loaded only for dK; a dV-only launch uses it to stage dV.
+          B("v", (CW, bkv, head_dim_out), dt),
+          B("q", (stages, bq, head_dim), dt),
+          B("do", (stages, bq, head_dim_out), dt),
+          B("rows", (stages, 2, bq), np.dtype(np.float32), swizzled=False),
+          *(_fused_dq_buffers(bkv, bq, head_dim, dtype) if fused else (None, None)))
+
+
+def dq_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
+               want_ds: bool) -> tuple:
+  """The dQ kernel's shared memory, as :func:`dq_call` allocates it."""
+  bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
+  B, dt, f32 = plan_lib.Buffer, np.dtype(dtype), np.dtype(np.float32)
+  return (B("q", (CW, bq, head_dim), dt), B("do", (CW, bq, head_dim_out), dt),
+          B("rows", (CW, 2, bq), f32, swizzled=False),
+          B("k", (stages, bkv, head_dim), dt),
+          B("v", (stages, bkv, head_dim_out), dt),
+          B("ds", (CW, bq, bkv), f32) if want_ds else None)
+
+
+def launch_smem_bytes(buffers, mbarriers) -> int:
+  """Shared memory of one launch from the descriptions it allocates: every
+  buffer at a SMEM_ALIGNMENT boundary, then the mbarriers (the forward's
+  rule, kernel.plan.estimate_smem_bytes, without its reduction scratch: the
+  backward reduces nothing across warps)."""
+  pad = lambda n: -(-n // plan_lib.SMEM_ALIGNMENT) * plan_lib.SMEM_ALIGNMENT
+  total = pad(sum(pad(b.nbytes) for b in buffers if b is not None))
+  return total + plan_lib.MBARRIER_BYTES * sum(b.num_barriers for b in mbarriers)
+
+
+def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
+                   with_bias: bool) -> dict[str, int]:
+  """Bytes of shared memory of every launch of one backward (padded head
+  dims), keyed as :func:`launches` names them."""
+  blocks = blocks_for(head_dim, head_dim_out)
+  fused = fuses_dq(blocks, with_bias=with_bias)
+  out = {}
+  for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias):
+    if name == "dq":
+      bufs = dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=with_bias)
+    else:
+      bufs = dkv_buffers(blocks, head_dim, head_dim_out, dtype,
+                         fused=fused and name == "dkv[dk+dv]")
+    out[name] = launch_smem_bytes(bufs, mbarriers)
+  return out
 
 
 def _scaled_logits(s, f: BackwardFeatures, bias):
@@ -392,16 +452,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, steps, stages,
                                                 consumed))
 
-  scratch = [
-      (_buffer("k", (CW, bkv, head_dim), dtype),
-       # V's tile, loaded only for dK; a dV-only launch uses it to stage dV.
-       _buffer("v", (CW, bkv, head_dim_out), dtype),
-       _buffer("q", (stages, bq, head_dim), dtype),
-       _buffer("do", (stages, bq, head_dim_out), dtype),
-       _buffer("rows", (stages, 2, bq), np.float32, swizzled=False),
-       *(_fused_dq_buffers(bkv, bq, head_dim, dtype) if fused else (None, None))),
-      _barrier_refs(plan),
-  ]
+  scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)),
+             _barrier_refs(plan)]
   out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads,
                                     head_dim if name == "dk" else head_dim_out), dtype)
               for name in outputs]
@@ -452,8 +504,8 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype):
   """The fused dQ's shared memory: DS_BUFFERS dS^T staging buffers of both
   warpgroups' tiles, and per warpgroup an f32 staging tile for its
   reduce-add."""
-  return (_buffer("ds", (DS_BUFFERS, CW, bkv, bq), dtype),
-          _buffer("dq", (CW, bq, head_dim), np.float32))
+  return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype)),
+          plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(np.float32)))
 
 
 def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst):
@@ -613,11 +665,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
     pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, ub - lb, stages,
                                                 consumed))
 
-  smem = (_buffer("q", (CW, bq, head_dim), dtype), _buffer("do", (CW, bq, head_dim_out), dtype),
-          _buffer("rows", (CW, 2, bq), np.float32, swizzled=False),
-          _buffer("k", (stages, bkv, head_dim), dtype),
-          _buffer("v", (stages, bkv, head_dim_out), dtype),
-          _buffer("ds", (CW, bq, bkv), np.float32) if want_ds else None)
+  smem = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
   out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim), dtype)]
   if want_ds:
     out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
@@ -649,6 +697,11 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
+  for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None).items():
+    if est > plan_lib.SMEM_LIMIT_BYTES:  # by construction never; said clearly if it were
+      raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
+                       f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
+                       f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
   t_mult = math.lcm(blocks.dq_tile, blocks.dkv_stream_q)
   s_mult = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
 

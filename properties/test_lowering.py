@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from harness.lowering import lower_attention
@@ -120,6 +122,25 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   kw = {k: v for k, v in kw.items() if k not in ("normalize_output", "return_residuals")}
   lowered = lower_attention(dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True, **kw)
   assert 0 < lowered.smem_bytes <= plan.SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["fused-dq", "bias"])
+def test_the_backward_smem_estimate_matches_each_launch(d, dv, with_bias):
+  """kernel.backward.smem_estimates, computed from the buffer descriptions
+  the backward kernels allocate, is never below what the lowering counts for
+  its launch and within SMEM_MARGIN_BYTES above it."""
+  from kernel import backward
+  T = S = 256
+  kw = dict(bias_shape=(1, 4, T, S)) if with_bias else {}
+  lowered = lower_attention(dict(B=1, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True, **kw)
+  estimates = backward.smem_estimates(plan.padded_head_dim(d), plan.padded_head_dim(dv),
+                                      np.dtype(ml_dtypes.bfloat16), with_bias=with_bias)
+  # The backward's launches are lowered after the forward, in launch order.
+  counted = lowered.kernel_smem[-len(estimates):]
+  assert len(lowered.kernel_smem) == 1 + len(estimates), lowered.kernel_smem  # forward first
+  for (name, est), got in zip(estimates.items(), counted):
+    assert got <= est <= got + SMEM_MARGIN_BYTES, (name, est, got, lowered.kernel_smem)
 
 
 def _staged_grid():

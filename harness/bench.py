@@ -188,10 +188,7 @@ def backward_parts(shape: BenchShape, sets: int = 3) -> dict:
     do = jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32).astype(q.dtype)
     out, (m, l) = api.dot_product_attention(q, k, v, is_causal=shape.causal,
                                             return_residuals=True)
-    lse2 = m * bwd.LOG2E + jnp.log2(l)
-    delta = jnp.einsum("btnd,btnd->bnt", do.astype(jnp.float32), out.astype(jnp.float32))
-    rows = jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
-    inputs.append((q, k, v, do, rows))
+    inputs.append((q, k, v, do, bwd.residual_rows(m, l, out, do, shape.seq)))
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
                              num_tiles=shape.seq // blocks.dq_tile)[2]
   fns = {

@@ -201,23 +201,6 @@ def _moves(p: HandoffProtocol, s: _State, n: int, w: int):
   return moves
 
 
-def _apply(s: _State, s2: _State, w: int, upd: dict) -> list:
-  cw = barriers.COMPUTE_WARPGROUPS
-  eqs = []
-  for v in range(cw):
-    for name in ("t", "phase", "pc", "need"):
-      new = upd[name] if (name in upd and v == w) else getattr(s, name)[v]
-      eqs.append(getattr(s2, name)[v] == new)
-  data = upd.get("data", s.data)
-  eqs += [s2.data[b][v] == data[b][v] for b in range(len(s.data)) for v in range(cw)]
-  for x in s.count:
-    eqs.append(s2.count[x] == upd.get("count", s.count)[x])
-    eqs.append(s2.gen[x] == upd.get("gen", s.gen)[x])
-  eqs.append(s2.ecount == upd.get("ecount", s.ecount))
-  eqs.append(s2.egen == upd.get("egen", s.egen))
-  return eqs
-
-
 def _post(s: _State, w: int, upd: dict) -> list:
   """The state after warpgroup w's action, in :meth:`_State.flat` order."""
   cw = barriers.COMPUTE_WARPGROUPS
@@ -249,8 +232,9 @@ class HandoffResult:
 def reachable(p: HandoffProtocol, n: int):
   """Every state reachable with n steps, by breadth-first search over the
   actions of :func:`_moves` (evaluated by Z3 on concrete values).  Returns
-  (states, parent, violation): parent maps a state to (previous state,
-  action name); violation is None or (state, action name, kind)."""
+  (parent, violation): parent maps every state reached to (previous state,
+  action name), None for the initial one; violation is None or (state,
+  action name, kind)."""
   cw = barriers.COMPUTE_WARPGROUPS
   ids = _ids(p)
   s = _State(p, "x", ids)
@@ -267,23 +251,23 @@ def reachable(p: HandoffProtocol, n: int):
       sub = [(v, z3.IntVal(x)) for v, x in zip(flat, st)]
       t = st[:cw]
       if max(t) - min(t) > 1:
-        return parent, parent, (st, None, "warpgroups more than one step apart")
+        return parent, (st, None, "warpgroups more than one step apart")
       enabled = False
       for name, guard, bad, post in moves:
         if not z3.is_true(value(guard, sub)):
           continue
         enabled = True
         if z3.is_true(value(bad, sub)):
-          return parent, parent, (st, name, "UNSAFE")
+          return parent, (st, name, "UNSAFE")
         new = tuple(value(e, sub).as_long() for e in post)
         if new not in parent:
           parent[new] = (st, name)
           nxt.append(new)
       pcs = st[2 * cw:3 * cw]
       if not enabled and any(pc != DONE for pc in pcs):
-        return parent, parent, (st, None, "DEADLOCK")
+        return parent, (st, None, "DEADLOCK")
     frontier = nxt
-  return set(parent), parent, None
+  return parent, None
 
 
 def _trace(parent, state) -> list[str]:
@@ -298,9 +282,9 @@ def check(p: HandoffProtocol, n: int) -> HandoffResult:
   """Every interleaving of n steps (all reachable states); a violation comes
   back with the shortest trace to it."""
   start = time.perf_counter()
-  states, parent, violation = reachable(p, n)
+  parent, violation = reachable(p, n)
   if violation is None:
-    return HandoffResult(n, True, None, time.perf_counter() - start, len(states))
+    return HandoffResult(n, True, None, time.perf_counter() - start, len(parent))
   st, name, kind = violation
   cw = barriers.COMPUTE_WARPGROUPS
   where = f"at steps {list(st[:cw])}, {[PC_NAMES[x] for x in st[2 * cw:3 * cw]]}"
@@ -309,12 +293,6 @@ def check(p: HandoffProtocol, n: int) -> HandoffResult:
                        len(parent))
 
 
-STEP_COUNTS = tuple(range(1, 7))
-
-
-def check_all(p: HandoffProtocol | None = None, step_counts=STEP_COUNTS) -> list[HandoffResult]:
-  p = p or HandoffProtocol.from_kernel()
-  return [check(p, n) for n in step_counts]
 
 
 # The unbounded proof.  The invariant relates every counter and buffer to
@@ -344,7 +322,7 @@ def _shapes(p: HandoffProtocol) -> set[tuple[int, int, int, int]]:
   cw = barriers.COMPUTE_WARPGROUPS
   out = set()
   for n in range(1, SHAPE_STEPS + 1):
-    states, _, violation = reachable(p, n)
+    states, violation = reachable(p, n)
     if violation is not None:
       raise ValueError(f"{n} steps: {violation}")
     for st in states:

@@ -99,12 +99,17 @@ def _round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
   return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
 
 
+def _ulps_at(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """Elementwise spacing of ``dtype``'s normal numbers at magnitudes ``x``
+  (>= 0; below the smallest normal, the spacing there)."""
+  info = ml_dtypes.finfo(dtype)
+  _, exponent = np.frexp(np.maximum(np.asarray(x, np.float64), float(info.tiny)))
+  return float(info.eps) * np.exp2(exponent - 1.0)
+
+
 def _ulp_at(x: float, dtype: np.dtype) -> float:
   """The spacing of ``dtype``'s normal numbers at magnitude ``x`` (> 0)."""
-  eps = float(ml_dtypes.finfo(dtype).eps)
-  tiny = float(ml_dtypes.finfo(dtype).tiny)
-  _, exponent = np.frexp(max(x, tiny))
-  return eps * 2.0 ** (int(exponent) - 1)
+  return float(_ulps_at(np.float64(x), dtype))
 
 
 def noise_floor(ref: Any, dtype: Any) -> float:
@@ -256,9 +261,5 @@ def run_to_run_bound(a: np.ndarray, b: np.ndarray, dtype: Any) -> float:
   if not both.any():
     return 0.0
   big = np.maximum(np.abs(a), np.abs(b))[both]
-  # dtype ulp at each magnitude: spacing of the dtype's binade (_ulp_at).
-  info = ml_dtypes.finfo(dtype)
-  _, exponent = np.frexp(np.maximum(big, float(info.tiny)))
-  ulp = float(info.eps) * np.exp2(exponent - 1.0)
-  bound = ulp + 2.0 ** -20 * float(np.max(np.abs(a[both])))
+  bound = _ulps_at(big, dtype) + 2.0 ** -20 * float(np.max(np.abs(a[both])))
   return float(np.max(np.abs(a[both] - b[both]) / bound))

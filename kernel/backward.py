@@ -678,6 +678,19 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   return (results[0], results[1]) if want_ds else (results[0], None)
 
 
+def residual_rows(m, l, out, d_out, t_pad: int):
+  """(B, N, 2, Tp) f32, the per-row inputs the kernels stream: lse in base 2
+  from the forward's natural-log residuals (+inf where l = 0, a fully masked
+  row, and in padded rows) and delta = rowsum(dO * O) (0 in padded rows)."""
+  t = m.shape[2]
+  live = l > 0
+  lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
+  delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
+  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
+  return jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
+
+
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
                        fuse_dq=True):
@@ -712,13 +725,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   do = pad(pad(d_out.astype(dtype), 3, 64), 1, t_mult)
   t_pad, s_pad = q.shape[1], k.shape[1]
 
-  # Per row: lse in base 2 from the natural-log residuals, and delta.
-  live = l > 0
-  lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
-  delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-  lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
-  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
-  rows = jnp.stack([lse2, delta], axis=2).astype(jnp.float32)  # (B, N, 2, Tp)
+  rows = residual_rows(m, l, out, d_out, t_pad)
 
   bias4 = None if bias is None else padding.broadcast_operand(bias, dtype, t_mult, s_mult)
   mask4 = None if mask is None else padding.broadcast_operand(mask, jnp.int8, t_mult, s_mult)

@@ -90,6 +90,10 @@ def check_budget(barriers=NAMED_BARRIERS) -> None:
 
 
 check_budget()
+# schedule_id and ds_ready_id compute "this warpgroup's" barrier as the first
+# one's id plus the warpgroup index: the declarations must keep them adjacent.
+for _pair in (("schedule_wg0", "schedule_wg1"), ("ds_ready_wg0", "ds_ready_wg1")):
+  assert BY_NAME[_pair[1]].id == BY_NAME[_pair[0]].id + 1, _pair
 
 
 def _bar(kind: str, barrier_id, num_threads: int) -> None:

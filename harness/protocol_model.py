@@ -16,14 +16,25 @@ action one step of ``kernel/forward.py``'s program order:
   the token, issue PV, and if a block follows wait its k, issue its QK, pass
   the token; wait both products, arrive ``v_consumed`` (and ``k_consumed`` of
   the next block).  Then the epilogue.
+  The kernel issues the next block's QK before the PV (FlashAttention-3's
+  intra-warpgroup overlap: wgmma groups complete in issue order, so it can
+  wait for the QK alone and run the softmax while the PV still runs), then
+  waits for the PV; between those two waits it takes no synchronising action,
+  so they are this model's one wait for both.  Its PV is issued after the
+  next block's k wait and QK issue instead of before: the PV's operand slot
+  was waited for before the token, the issue has no guard, and no other
+  actor waits on it, so every run of the kernel is a run of this model with
+  that issue moved earlier, which only widens the window in which the model
+  sees the PV reading its slot.  Every wait and arrival is in this model's
+  order.
   With staged bias/mask (key-phase buffers after k), the warpgroup waits on
   them right after issuing the block's QK, before passing the token, as here;
-  the kernel arrives ``k_consumed`` once the softmax has read them, at the
-  top of the next loop step.  That is the same point in the sequence of
-  synchronising actions as this model's (after ``v_consumed``, before the
-  next ``v`` wait), except that for a persistent tile's last QK the kernel
-  arrives ``q_consumed`` first: two arrivals with no wait between them, the
-  later ``k_consumed`` only holding the slot longer.
+  the kernel arrives ``k_consumed`` once the softmax has read them: in the
+  loop at this model's point (after ``v_consumed``), for a tile's first
+  block right after its QK wait as here, except that in a persistent tile of
+  one key block the kernel arrives ``q_consumed`` first: two arrivals with
+  no wait between them, the later ``k_consumed`` only holding the slot
+  longer.
 * ``tma``: the copy engine; any issued copy may land at any time, completing
   the phase of its "produced" mbarrier (arrive.expect_tx is the issue).
 * ``async``: wgmma completion and the output copy's read of the o slot.

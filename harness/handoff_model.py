@@ -47,7 +47,10 @@ Two checks, both over the same actions (:func:`_moves`, Z3 expressions):
   until both warpgroups are done.
 
 :data:`MUTATIONS` are defects both must refute
-(properties/test_handoff_proof.py).
+(properties/test_handoff_proof.py).  The state layout, the barrier actions,
+the search and the proof's queries are ``harness/handoff_checking.py``'s,
+shared with the deferred schedule's model
+(``harness/deferred_handoff_model.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from typing import Callable
 
 import z3
 
+from harness import handoff_checking as hc
 from kernel import backward, barriers
 
 MUTATIONS = {
@@ -88,13 +92,7 @@ class HandoffProtocol:
 
   @classmethod
   def from_kernel(cls, mutation: str | None = None) -> "HandoffProtocol":
-    if mutation is not None and mutation not in MUTATIONS:
-      raise ValueError(f"unknown mutation {mutation!r}")
-    ready = barriers.BY_NAME["ds_ready_wg0"]
-    epilogue = barriers.BY_NAME["epilogue"]
-    units = ready.num_threads // barriers.WARPGROUP_THREADS
-    if epilogue.num_threads != ready.num_threads:
-      raise ValueError("ds_ready and epilogue barriers count different threads")
+    units = hc.units_of("ds_ready_wg0", mutation, MUTATIONS)
     if barriers.ds_ready_id(1) == barriers.ds_ready_id(0):
       raise ValueError("both owners' ds_ready barriers have one id")
     buffer_of, barrier_of = backward.ds_buffer, barriers.ds_ready_id
@@ -111,23 +109,8 @@ class HandoffProtocol:
                period, mutation)
 
 
-class _State:
-  def __init__(self, p: HandoffProtocol, tag: str, ids: tuple[int, ...]):
-    I = z3.Int
-    cw = barriers.COMPUTE_WARPGROUPS
-    self.t = [I(f"t{w}_{tag}") for w in range(cw)]
-    self.phase = [I(f"phase{w}_{tag}") for w in range(cw)]   # t mod period (ghost)
-    self.pc = [I(f"pc{w}_{tag}") for w in range(cw)]
-    self.need = [I(f"need{w}_{tag}") for w in range(cw)]   # generation a waiter needs
-    self.data = [[I(f"data{b}_{w}_{tag}") for w in range(cw)] for b in range(p.buffers)]
-    self.count = {x: I(f"count{x}_{tag}") for x in ids}
-    self.gen = {x: I(f"gen{x}_{tag}") for x in ids}
-    self.ecount, self.egen = I(f"ecount_{tag}"), I(f"egen_{tag}")
-
-  def flat(self) -> list:
-    out = self.t + self.phase + self.pc + self.need + [v for row in self.data for v in row]
-    out += [self.count[x] for x in sorted(self.count)] + [self.gen[x] for x in sorted(self.gen)]
-    return out + [self.ecount, self.egen]
+def _State(p: HandoffProtocol, tag: str, ids: tuple[int, ...]) -> hc.State:
+  return hc.State(tag, p.buffers, ids)
 
 
 def _ids(p: HandoffProtocol) -> tuple[int, ...]:
@@ -135,16 +118,7 @@ def _ids(p: HandoffProtocol) -> tuple[int, ...]:
                        for o in range(barriers.COMPUTE_WARPGROUPS)}))
 
 
-def _pick(options: dict, key):
-  """options[key] for a symbolic key with values in options."""
-  items = sorted(options.items())
-  out = items[-1][1]
-  for k, v in reversed(items[:-1]):
-    out = z3.If(key == k, v, out)
-  return out
-
-
-def _moves(p: HandoffProtocol, s: _State, n: int, w: int):
+def _moves(p: HandoffProtocol, s: hc.State, n: int, w: int):
   """(name, guard, updates, bad) for warpgroup w's next action from s."""
   cw = barriers.COMPUTE_WARPGROUPS
   others = [v for v in range(cw) if v != w]
@@ -152,12 +126,11 @@ def _moves(p: HandoffProtocol, s: _State, n: int, w: int):
   # arithmetic linear.
   t, pc, phase = s.t[w], s.pc[w], s.phase[w]
   buf, owner = p.buffer_of(phase), p.owner_of(phase)
-  ids = tuple(sorted(s.count))
   bar = p.barrier_of(owner)
   reading = lambda v, b: z3.And(s.pc[v] == READ, p.buffer_of(s.phase[v]) == b)
   after_step = lambda: {"t": t + 1, "pc": z3.If(t + 1 >= n, EPILOGUE, WRITE),
                         "phase": z3.If(phase + 1 >= p.period, 0, phase + 1)}
-  fresh = z3.And([_pick({b: s.data[b][v] for b in range(p.buffers)}, buf) == t
+  fresh = z3.And([hc.pick({b: s.data[b][v] for b in range(p.buffers)}, buf) == t
                   for v in range(cw)])
   moves = []
   # write: this step's dS^T into its buffer.
@@ -166,11 +139,7 @@ def _moves(p: HandoffProtocol, s: _State, n: int, w: int):
                            for v in range(cw)] for b in range(p.buffers)], "pc": BARRIER},
                 z3.Or([reading(v, buf) for v in others])))
   # barrier: arrive on ds_ready(owner); the owner also waits (unless mutated).
-  count = _pick({x: s.count[x] for x in ids}, bar)
-  gen = _pick({x: s.gen[x] for x in ids}, bar)
-  completes = count + 1 >= p.units
-  new_count = {x: z3.If(bar == x, z3.If(completes, 0, count + 1), s.count[x]) for x in ids}
-  new_gen = {x: z3.If(z3.And(bar == x, completes), s.gen[x] + 1, s.gen[x]) for x in ids}
+  completes, gen, new_count, new_gen = hc.arrive(s, bar, p.units)
   is_owner = owner == w
   waits = z3.And(is_owner, z3.BoolVal(p.mutation != "owner_skips_wait"))
   nxt = after_step()
@@ -187,112 +156,32 @@ def _moves(p: HandoffProtocol, s: _State, n: int, w: int):
   moves.append(("read", pc == READ, after_step(), z3.BoolVal(False)))
   # epilogue: bar.sync (or nothing, mutated), then K is overwritten.
   k_read = z3.Or([s.pc[v] == READ for v in others])
-  ecompletes = s.ecount + 1 >= p.units
-  if p.mutation == "no_epilogue_sync":
-    moves.append(("epilogue", pc == EPILOGUE, {"pc": DONE}, k_read))
-  else:
-    moves.append(("epilogue", pc == EPILOGUE,
-                  {"ecount": z3.If(ecompletes, 0, s.ecount + 1),
-                   "egen": z3.If(ecompletes, s.egen + 1, s.egen), "need": s.egen,
-                   "pc": z3.If(ecompletes, DONE, EPILOGUE_WAIT)},
-                  z3.And(ecompletes, k_read)))
-    moves.append(("epilogue wait", z3.And(pc == EPILOGUE_WAIT, s.egen > s.need[w]),
-                  {"pc": DONE}, k_read))
+  moves += hc.epilogue_moves(s, w, p.units, k_read, at=EPILOGUE, waiting=EPILOGUE_WAIT,
+                             done=DONE, synced=p.mutation != "no_epilogue_sync")
   return moves
 
 
-def _post(s: _State, w: int, upd: dict) -> list:
-  """The state after warpgroup w's action, in :meth:`_State.flat` order."""
-  cw = barriers.COMPUTE_WARPGROUPS
-  out = [upd[name] if (name in upd and v == w) else getattr(s, name)[v]
-         for name in ("t", "phase", "pc", "need") for v in range(cw)]
-  data = upd.get("data", s.data)
-  out += [data[b][v] for b in range(len(s.data)) for v in range(cw)]
-  out += [upd.get("count", s.count)[x] for x in sorted(s.count)]
-  out += [upd.get("gen", s.gen)[x] for x in sorted(s.gen)]
-  return out + [upd.get("ecount", s.ecount), upd.get("egen", s.egen)]
+def _initial(p: HandoffProtocol, ids) -> tuple:
+  return hc.initial(WRITE, p.buffers, ids)
 
 
-def _initial(p: HandoffProtocol, n, ids) -> tuple:
-  cw = barriers.COMPUTE_WARPGROUPS
-  return tuple([0] * cw + [0] * cw + [WRITE] * cw + [0] * cw + [-1] * (p.buffers * cw)
-               + [0] * (2 * len(ids)) + [0, 0])
-
-
-@dataclasses.dataclass
-class HandoffResult:
-  n: int | None               # steps (None: any number, the unbounded proof)
-  safe: bool
-  trace: list[str] | None     # the counterexample, when not safe
-  seconds: float
-  states: int = 0             # reachable states searched (bounded check)
-  failures: tuple[str, ...] = ()   # the unbounded proof's failed queries
+HandoffResult = hc.Result
 
 
 def reachable(p: HandoffProtocol, n: int):
-  """Every state reachable with n steps, by breadth-first search over the
-  actions of :func:`_moves` (evaluated by Z3 on concrete values).  Returns
-  (parent, violation): parent maps every state reached to (previous state,
-  action name), None for the initial one; violation is None or (state,
-  action name, kind)."""
-  cw = barriers.COMPUTE_WARPGROUPS
+  """Every state reachable with n steps (:func:`harness.handoff_checking.search`
+  over the actions of :func:`_moves`); the warpgroups must stay within one
+  step of each other."""
   ids = _ids(p)
-  s = _State(p, "x", ids)
-  flat = s.flat()
-  moves = [(f"wg{w} {name}", guard, bad, _post(s, w, upd))
-           for w in range(cw) for name, guard, upd, bad in _moves(p, s, n, w)]
-  value = lambda e, sub: (z3.simplify(z3.substitute(e, sub)) if z3.is_expr(e)
-                          else z3.IntVal(e))
-  start = _initial(p, n, ids)
-  parent, frontier = {start: None}, [start]
-  while frontier:
-    nxt = []
-    for st in frontier:
-      sub = [(v, z3.IntVal(x)) for v, x in zip(flat, st)]
-      t = st[:cw]
-      if max(t) - min(t) > 1:
-        return parent, (st, None, "warpgroups more than one step apart")
-      enabled = False
-      for name, guard, bad, post in moves:
-        if not z3.is_true(value(guard, sub)):
-          continue
-        enabled = True
-        if z3.is_true(value(bad, sub)):
-          return parent, (st, name, "UNSAFE")
-        new = tuple(value(e, sub).as_long() for e in post)
-        if new not in parent:
-          parent[new] = (st, name)
-          nxt.append(new)
-      pcs = st[2 * cw:3 * cw]
-      if not enabled and any(pc != DONE for pc in pcs):
-        return parent, (st, None, "DEADLOCK")
-    frontier = nxt
-  return parent, None
-
-
-def _trace(parent, state) -> list[str]:
-  out = []
-  while parent.get(state) is not None:
-    state, name = parent[state]
-    out.append(name)
-  return out[::-1]
+  return hc.search(_State(p, "x", ids), lambda s, w: _moves(p, s, n, w), _initial(p, ids),
+                   DONE, apart=1)
 
 
 def check(p: HandoffProtocol, n: int) -> HandoffResult:
   """Every interleaving of n steps (all reachable states); a violation comes
   back with the shortest trace to it."""
   start = time.perf_counter()
-  parent, violation = reachable(p, n)
-  if violation is None:
-    return HandoffResult(n, True, None, time.perf_counter() - start, len(parent))
-  st, name, kind = violation
-  cw = barriers.COMPUTE_WARPGROUPS
-  where = f"at steps {list(st[:cw])}, {[PC_NAMES[x] for x in st[2 * cw:3 * cw]]}"
-  last = f"{kind}: {name} {where}" if name else f"{kind} {where}"
-  return HandoffResult(n, False, _trace(parent, st) + [last], time.perf_counter() - start,
-                       len(parent))
-
-
+  return hc.result_of(n, *reachable(p, n), PC_NAMES, start)
 
 
 # The unbounded proof.  The invariant relates every counter and buffer to
@@ -319,19 +208,11 @@ SHAPE_STEPS = 6
 
 
 def _shapes(p: HandoffProtocol) -> set[tuple[int, int, int, int]]:
-  cw = barriers.COMPUTE_WARPGROUPS
-  out = set()
-  for n in range(1, SHAPE_STEPS + 1):
-    states, violation = reachable(p, n)
-    if violation is not None:
-      raise ValueError(f"{n} steps: {violation}")
-    for st in states:
-      t, phase, pc = st[:cw], st[cw:2 * cw], st[2 * cw:3 * cw]
-      out.add((phase[0], t[1] - t[0], pc[0], pc[1]))
-  return out
+  return hc.shapes(lambda n: reachable(p, n),
+                   lambda t, phase, pc: (phase[0], t[1] - t[0], pc[0], pc[1]), SHAPE_STEPS)
 
 
-def _invariant(p: HandoffProtocol, s: _State, n, shapes) -> list[tuple[str, z3.BoolRef]]:
+def _invariant(p: HandoffProtocol, s: hc.State, n, shapes) -> list[tuple[str, z3.BoolRef]]:
   cw = barriers.COMPUTE_WARPGROUPS
   inv = [("n >= 1", n >= 1)]
   for w in range(cw):
@@ -394,30 +275,11 @@ def prove(p: HandoffProtocol | None = None) -> HandoffResult:
     return HandoffResult(None, False, None, time.perf_counter() - start, failures=(str(err),))
   n = z3.Int("n")
   s, s2 = _State(p, "a", ids), _State(p, "b", ids)
-  inv = z3.And([e for _, e in _invariant(p, s, n, shapes)])
-
-  def holds(assumptions, goal, what):
-    solver = z3.Solver()
-    solver.set(timeout=60_000)
-    solver.add(*assumptions, z3.Not(goal))
-    result = solver.check()
-    if result != z3.unsat:
-      failures.append(f"{what}: {result}")
-
-  init = [x == v for x, v in zip(s.flat(), _initial(p, n, ids))] + [n >= 1]
-  for name, e in _invariant(p, s, n, shapes):
-    holds(init, e, f"initiation of '{name}'")
-  moves = [(f"wg{w} {name}", guard, upd, bad, w)
-           for w in range(cw) for name, guard, upd, bad in _moves(p, s, n, w)]
-  inv2 = _invariant(p, s2, n, shapes)
-  for name, guard, upd, bad, w in moves:
-    step = [a == b for a, b in zip(s2.flat(), _post(s, w, upd))]
-    holds([inv, guard], z3.Not(bad), f"{name} is safe")
-    for what, e in inv2:
-      holds([inv, guard, *step], e, f"{name} keeps '{what}'")
-  holds([inv], z3.And([z3.And(s.t[a] - s.t[b] <= 1, s.t[b] - s.t[a] <= 1)
-                       for a in range(cw) for b in range(cw)]), "within one step")
-  done = z3.And([x == DONE for x in s.pc])
-  holds([inv, z3.Not(done)], z3.Or([g for _, g, _, _, _ in moves]), "no deadlock")
+  init = [x == v for x, v in zip(s.flat(), _initial(p, ids))] + [n >= 1]
+  within = z3.And([z3.And(s.t[a] - s.t[b] <= 1, s.t[b] - s.t[a] <= 1)
+                   for a in range(cw) for b in range(cw)])
+  failures += hc.check_inductive(lambda st: _invariant(p, st, n, shapes),
+                                 lambda st, w: _moves(p, st, n, w), s, s2, init, DONE,
+                                 extra=(("within one step", within),))
   return HandoffResult(None, not failures, None, time.perf_counter() - start,
                        failures=tuple(failures))

@@ -276,7 +276,8 @@ def _and(a, b):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
+             dq_schedule: str = "eager"):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -285,7 +286,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
   ``dq_accum``: a zeroed (B, Tp, N, D) f32 ``jax.new_ref``; when given
   (outputs dK and dV together), the kernel also adds each key tile's part of
-  dQ / scale into it (see the fused dQ notes below).
+  dQ / scale into it (see the fused dQ notes below), on ``dq_schedule``
+  "eager" (shipped) or "deferred" (private until measured on the H200).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
@@ -299,6 +301,9 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   fused = dq_accum is not None
   if fused and not (want_dk and want_dv):
     raise ValueError("the fused dQ needs dK and dV in the same launch")
+  if dq_schedule not in DQ_SCHEDULES:
+    raise ValueError(f"dq_schedule: expected one of {DQ_SCHEDULES}, got {dq_schedule!r}")
+  deferred = fused and dq_schedule == "deferred"
   shape_t = (bkv, bq)  # S^T: keys x queries
   plan = dkv_mbarriers(blocks, outputs)
 
@@ -387,11 +392,18 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           if dsdu is not None:
             ds = ds * dsdu
           ds = _masked_to_zero(ds, keep)
+        if deferred:
+          # The other warpgroup finished step t - 1: the last product that
+          # read buffer ds_buffer(t) (step t - 2's) has completed.
+          pl.when(t > 0)(lambda: barriers.dq_step_wait(wg, t - 1))
         if fused:
           # This warpgroup's dS^T into the step's staging buffer, visible to
           # the tensor cores (fence) before the rendezvous below.
           ds_st.at[ds_buffer(t), wg][...] = ds.astype(dtype)
           plgpu.commit_smem()
+        if deferred:
+          # Without a product to form at this step, the step is finished.
+          pl.when((t == 0) | (wg != dq_owner(t - 1)))(lambda: barriers.dq_step_done(wg, t))
         # dV += P^T dO and dK += dS^T Q: issued together, waited once.
         accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
 
@@ -409,14 +421,37 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
         # Every product reading the slot has completed (run_state waits).
         plgpu.barrier_arrive(consumed.at[slot])
-        if fused:
+        if deferred:
+          # Step t - 1's part, one step late, by its owner: the other
+          # warpgroup never waits for a product to stage its own dS^T.
+          @pl.when((t > 0) & (wg == dq_owner(t - 1)))
+          def _():
+            deferred_part(t - 1, finishes=t)
+        elif fused:
           _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h])
         return dk_acc, dv_acc
+
+      def deferred_part(s, *, finishes):
+        """The deferred schedule's product of step s and its reduce-add; with
+        ``finishes``, signals that step once the product has read its
+        buffer."""
+        h_s, i_s = coords(s)
+        part = _dq_product(ds_st, ds_buffer(s), k_st)
+        if finishes is not None:
+          barriers.dq_step_done(wg, finishes)
+        _dq_reduce_add(part, dq_st.at[wg], dq_ref.at[b, pl.ds(i_s * bq, bq), h_s])
 
       zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
       dk_acc = zeros(head_dim) if want_dk else None
       dv_acc = zeros(head_dim_out) if want_dv else None
       dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
+      if deferred:
+        @pl.when(steps > 0)
+        def _():
+          # The other warpgroup finished the last step (this sync pairs with
+          # its last signal); that step's owner forms its part.
+          barriers.dq_step_wait(wg, steps - 1)
+          pl.when(wg == dq_owner(steps - 1))(lambda: deferred_part(steps - 1, finishes=None))
       if fused:  # the last dQ product has read both K tiles before they stage dK
         barriers.epilogue_sync()
       # The stationary tiles are no longer read: they stage the results.
@@ -490,6 +525,11 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 # is owned by warpgroup dq_owner(t).  Both work on ints, traced int32 and Z3
 # integers alike (t >= 0).
 DS_BUFFERS = 2
+# "eager": the owner forms step t's part at step t (the shipped schedule,
+# harness/handoff_model.py).  "deferred": at step t + 1, after staging its
+# dS^T of t + 1, so the other warpgroup never waits for a product
+# (harness/deferred_handoff_model.py proves it; private until measured).
+DQ_SCHEDULES = ("eager", "deferred")
 
 
 def ds_buffer(t):
@@ -517,16 +557,27 @@ def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst):
 
   @pl.when(wg == owner)
   def _():
-    def product(acc):
-      for w in range(CW):  # contraction over both warpgroups' 64 keys
-        plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
-      return acc[...]
-    part = pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], k_st.shape[2]), jnp.float32))
-    # The previous reduce-add from this warpgroup's staging tile has read it.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    dq_st.at[wg][...] = part
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dq_st.at[wg], dq_dst, reduction_op="add")
+    _dq_reduce_add(_dq_product(ds_st, buf, k_st), dq_st.at[wg], dq_dst)
+
+
+def _dq_product(ds_st, buf, k_st):
+  """dS_i,tile K_tile (f32, unscaled): the contraction runs over both
+  warpgroups' 64 keys, from their dS^T tiles staged in buffer ``buf`` of
+  ``ds_st`` (buffers, CW, keys, queries) and the stationary K tiles."""
+  def product(acc):
+    for w in range(CW):
+      plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
+    return acc[...]
+  return pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], k_st.shape[2]), jnp.float32))
+
+
+def _dq_reduce_add(part, staging, dq_dst):
+  """TMA reduce-add of one dQ part through this warpgroup's f32 staging tile."""
+  # The previous reduce-add from this staging tile has read it.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  staging[...] = part
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, dq_dst, reduction_op="add")
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
@@ -693,7 +744,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True):
+                       fuse_dq=True, dq_schedule="eager"):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -739,7 +790,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
+                        dq_schedule=dq_schedule))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

@@ -7,6 +7,8 @@ exactly those.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +22,16 @@ from kernel import mutants
 from kernel import api
 
 pytestmark = pytest.mark.gpu
+# The backward under test (a kernel.api.BACKWARDS name): the shipped one
+# unless GRADIENT_BACKWARD names another, e.g. to run these properties on a
+# private variant before it ships (GRADIENT_BACKWARD=pallas-deferred).
+BACKWARD = os.environ.get("GRADIENT_BACKWARD", "pallas")
+if BACKWARD not in api.BACKWARDS:
+  raise ValueError(f"GRADIENT_BACKWARD: expected one of {sorted(api.BACKWARDS)}, "
+                   f"got {BACKWARD!r}")
 
 
-def kernel_grads(case, mutant=None, backward="pallas"):
+def kernel_grads(case, mutant=None, backward=BACKWARD):
   kw = case.kwargs
   j = lambda x: None if x is None else jnp.asarray(x)
   d_out = jnp.asarray(case.d_out, jnp.float32)

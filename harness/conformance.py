@@ -8,6 +8,9 @@ tolerance rule (``harness/tolerance.py``).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -109,6 +112,26 @@ def poison_device_memory(nbytes: int) -> None:
   x.delete()
 
 
+# Where the gate collects every float64 comparison's error ratio (a folder;
+# unset: nothing is recorded).  One JSON line per array compared, tagged with
+# the pytest test that made it; harness/gate.py tabulates the worst ratio per
+# property.
+RATIO_LOG_ENV = "FLASH_ERROR_RATIO_LOG"
+
+
+def log_ratios(reports) -> None:
+  """Record ``reports`` (tolerance.ToleranceReport) for the gate, if asked."""
+  folder = os.environ.get(RATIO_LOG_ENV)
+  if not folder:
+    return
+  # PYTEST_CURRENT_TEST is "path::test[params] (call)".
+  test = os.environ.get("PYTEST_CURRENT_TEST", "outside pytest").rsplit(" (", 1)[0]
+  lines = [json.dumps({"test": test, "array": r.name, "ratio": r.ratio, "passed": r.passed})
+           for r in reports if r is not None]
+  with open(Path(folder) / f"ratios-{os.getpid()}.jsonl", "a") as fh:
+    fh.write("".join(line + "\n" for line in lines))
+
+
 @dataclasses.dataclass
 class ForwardReport:
   out: tolerance.ToleranceReport
@@ -145,6 +168,7 @@ def check_forward(case: ForwardCase, out, m=None, l=None) -> ForwardReport:
   r_out = tolerance.check_tolerance(out, ref_out, n_out, dt, rtol=rtol, name="out")
   r_m = None if m is None else tolerance.check_tolerance(m, ref.m, n_m, dt, rtol=rtol, name="m")
   r_l = None if l is None else tolerance.check_tolerance(l, ref.l, n_l, dt, rtol=rtol, name="l")
+  log_ratios((r_out, r_m, r_l))
   return ForwardReport(r_out, r_m, r_l)
 
 
@@ -170,4 +194,5 @@ def check_gradients(args, kwargs, d_out, grads, *, rtol) -> list[tolerance.Toler
       continue
     reports.append(tolerance.check_tolerance(np.asarray(got, np.float64), ref, naive[name], dt,
                                              rtol=rtol, name=name))
+  log_ratios(reports)
   return reports

@@ -13,7 +13,9 @@ Steps, in order:
 
 Steps 3 and 4 are reported as SKIPPED, with the reason, on a machine without
 an sm90 GPU.  JUnit XML of each pytest step and ``summary.md`` go to the results
-folder.  The exit status is non-zero when any step fails.
+folder, and, for each pytest step, the worst error ratio against float64 per
+property and array (``<step>-error-ratios.md``, also in ``summary.md``).  The
+exit status is non-zero when any step fails.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +34,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# harness.conformance.RATIO_LOG_ENV, not imported: the gate itself stays light.
+RATIO_LOG_ENV = "FLASH_ERROR_RATIO_LOG"
 
 
 @dataclasses.dataclass
@@ -69,13 +75,49 @@ def _junit_counts(path: Path) -> tuple[int, int, int]:
   return tests - failed - skipped, failed, skipped
 
 
+ARRAYS = ("out", "m", "l", "dq", "dk", "dv", "dbias")
+
+
+def error_ratio_table(folder: Path) -> str | None:
+  """Markdown: per property (test function, parameters folded), how many
+  float64 comparisons it made and the worst error ratio (error / the
+  tolerance rule's bound; <= 1 passes) per array, from the JSON lines of
+  harness.conformance.log_ratios.  None when nothing was recorded.  A
+  property that checks a deliberate defect shows its caught ratio > 1."""
+  worst: dict[str, dict[str, float]] = {}
+  counts: dict[str, int] = {}
+  for path in sorted(folder.glob("ratios-*.jsonl")):
+    for line in path.read_text().splitlines():
+      rec = json.loads(line)
+      prop = rec["test"].split("[", 1)[0]
+      per = worst.setdefault(prop, {})
+      per[rec["array"]] = max(per.get(rec["array"], 0.0), float(rec["ratio"]))
+      counts[prop] = counts.get(prop, 0) + 1
+  if not worst:
+    return None
+  arrays = [a for a in ARRAYS if any(a in per for per in worst.values())]
+  lines = ["| property | comparisons | " + " | ".join(arrays) + " |",
+           "|---|---|" + "---|" * len(arrays)]
+  for prop in sorted(worst):
+    cells = [f"{worst[prop][a]:.3f}" if a in worst[prop] else "-" for a in arrays]
+    lines.append(f"| {prop} | {counts[prop]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def run_pytest(name: str, marker: str, results: Path, extra: list[str]) -> StepResult:
   junit = results / f"{name}.xml"
   cmd = [sys.executable, "-m", "pytest", "-n", "auto", "properties/", "-m", marker,
          f"--junitxml={junit}", "-q", *extra]
+  ratios = results / f"{name}-ratios"
+  shutil.rmtree(ratios, ignore_errors=True)
+  ratios.mkdir(parents=True)
   start = time.time()
-  proc = subprocess.run(cmd, cwd=REPO)
+  proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, RATIO_LOG_ENV: str(ratios)})
   seconds = time.time() - start
+  table = error_ratio_table(ratios)
+  if table is not None:
+    (results / f"{name}-error-ratios.md").write_text(
+        f"# Worst error ratio per property ({name})\n\n{table}")
   if not junit.exists():
     return StepResult(name, "FAIL", seconds=seconds, detail=f"pytest exited {proc.returncode}, no report")
   passed, failed, skipped = _junit_counts(junit)
@@ -143,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     steps.append(StepResult("golden", "SKIPPED", detail=why))
 
   text = render(steps, device)
+  for s in steps:
+    ratios = results / f"{s.name}-error-ratios.md"
+    if s.status != "SKIPPED" and ratios.exists():
+      text += "\n" + ratios.read_text().replace("# Worst", "## Worst", 1)
   (results / "summary.md").write_text(text)
   print("\n" + text)
   return 1 if any(s.status == "FAIL" for s in steps) else 0

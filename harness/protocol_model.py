@@ -13,20 +13,14 @@ action one step of ``kernel/forward.py``'s program order:
 * ``wg0``, ``wg1``: the compute warpgroups.  Per tile: wait q; if the tile has
   key blocks, wait k of the first block, issue its QK, pass the pingpong
   token, wait the QK, arrive ``k_consumed``; then per block: wait v, acquire
-  the token, issue PV, and if a block follows wait its k, issue its QK, pass
-  the token; wait both products, arrive ``v_consumed`` (and ``k_consumed`` of
-  the next block).  Then the epilogue.
-  The kernel issues the next block's QK before the PV (FlashAttention-3's
-  intra-warpgroup overlap: wgmma groups complete in issue order, so it can
-  wait for the QK alone and run the softmax while the PV still runs), then
-  waits for the PV; between those two waits it takes no synchronising action,
-  so they are this model's one wait for both.  Its PV is issued after the
-  next block's k wait and QK issue instead of before: the PV's operand slot
-  was waited for before the token, the issue has no guard, and no other
-  actor waits on it, so every run of the kernel is a run of this model with
-  that issue moved earlier, which only widens the window in which the model
-  sees the PV reading its slot.  Every wait and arrival is in this model's
-  order.
+  the token, and if a block follows wait its k and issue its QK; issue PV;
+  if a block follows, pass the token; wait both products, arrive
+  ``v_consumed`` (and ``k_consumed`` of the next block).  Then the epilogue.
+  (The kernel issues the next block's QK before the PV — FlashAttention-3's
+  intra-warpgroup overlap: wgmma groups complete in issue order, so it waits
+  for the QK alone, runs the softmax while the PV still runs, then waits for
+  the PV.  Between those two waits it takes no synchronising action, so they
+  are this model's one wait for both.)
   With staged bias/mask (key-phase buffers after k), the warpgroup waits on
   them right after issuing the block's QK, before passing the token, as here;
   the kernel arrives ``k_consumed`` once the softmax has read them: in the
@@ -333,7 +327,10 @@ class Action:
 _PROLOGUE = ["pre_sync", "pre_sync_wait"]                       # kernel scope, wg1
 _TILE_HEAD = ["q_wait", "k_wait0", "tile_pre_sync", "tile_pre_sync_wait", "qk0"]
 _FIRST_QK_TAIL = ["sched_arrive0", "k_release_early", "qk_wait0", "k_release", "q_release"]
-_BODY_HEAD = ["loop", "sched_sync", "sched_wait", "pv", "next_k_wait", "next_qk"]
+_BODY_HEAD = ["loop", "sched_sync", "sched_wait", "next_k_wait", "next_qk", "pv"]
+# Program points of a block whether or not a next block follows (elsewhere in
+# next_qk_labels only with one).
+_WITH_OR_WITHOUT_NEXT = ("pv", "mma_wait", "v_release")
 _BODY_TAIL = ["next_sched_arrive", "mma_wait", "v_release"]
 _EXIT = ["empty_pass", "empty_sync", "empty_sync_wait", "final_arrive", "q_release_end",
          "store_wait", "epi_sync", "epi_wait", "o_write", "o_store", "last_arrive", "done"]
@@ -722,8 +719,8 @@ class Model:
 
   def next_qk_labels(self):
     """Program points after waiting for the next block's keys, before its QK
-    completed (mma_wait and v_release only when a next block exists)."""
-    return (["next_qk"] + [f"{b}_wait_next" for b in self.EXTRA] +
+    completed (pv, mma_wait and v_release only when a next block exists)."""
+    return (["next_qk", "pv"] + [f"{b}_wait_next" for b in self.EXTRA] +
             ["next_sched_arrive", "mma_wait", "v_release"])
 
   def at_next(self, s, w, labels=None):
@@ -731,8 +728,8 @@ class Model:
     next block's keys."""
     a = f"wg{w}"
     labels = self.next_qk_labels() if labels is None else labels
-    only = [l for l in labels if l not in ("mma_wait", "v_release")]
-    shared = [l for l in labels if l in ("mma_wait", "v_release")]
+    only = [l for l in labels if l not in _WITH_OR_WITHOUT_NEXT]
+    shared = [l for l in labels if l in _WITH_OR_WITHOUT_NEXT]
     out = [self.at(s, a, *only)] if only else []
     if shared:
       out.append(z3.And(self.at(s, a, *shared), s[f"{a}.g"] + 1 < s[f"{a}.E"]))
@@ -771,7 +768,7 @@ class Model:
                  z3.And(self.at(s, a, "k_wait0", "tile_pre_sync", "tile_pre_sync_wait", "qk0"),
                         g < E),
                  z3.And(self.at(s, a, *first[1:], "qk_wait0", "k_release", "q_release",
-                                *_BODY_HEAD), g + 1 < E),
+                                *[l for l in _BODY_HEAD if l != "pv"]), g + 1 < E),
                  z3.And(self.at(s, a, *self.next_qk_labels()), g + 2 < E))
 
   def q_hold(self, s, w):
@@ -1002,7 +999,7 @@ class Model:
         extra=lambda s, f: self._arrive(s, "q_consumed", w),
         nxt=lambda s: self.goto(a, "loop"))
 
-    # the key loop: softmax and PV of block g, QK of block g + 1 behind it
+    # the key loop: QK of block g + 1 (if any), then PV of block g, one turn
     ring_waits("loop", "v", 0, g, lambda s: self.goto(a, "sched_sync"),
                when=lambda s: g(s) < E(s))
     def release_at_end(s):
@@ -1018,11 +1015,11 @@ class Model:
         extra=lambda s, f: self._bar(s, own, a), nxt=lambda s: self.goto(a, "sched_wait"))
     act("sched_wait", f"bar.sync {own} (wait)",
         guard=lambda s: s[f"nb.{own}.gen"] > s[f"{a}.target"],
-        nxt=lambda s: self.goto(a, "pv"))
+        nxt=lambda s: chain(("next_k_wait", g(s) + 1 < E(s)), "pv"))
     for i in range(S):
       act("pv", "issue PV wgmma", guard=lambda s, i=i: idx(s) == i,
           extra=lambda s, f: {f"{a}.pv": z3.BoolVal(True)},
-          nxt=lambda s: chain(("next_k_wait", g(s) + 1 < E(s)), "mma_wait"),
+          nxt=lambda s: chain((nq[nq.index("pv") + 1], g(s) + 1 < E(s)), "mma_wait"),
           slot=i, block=g, parity=lambda s: s[f"{a}.ph"], checks=stale("v", i, g))
     ring_waits("next_k_wait", "k", 1, lambda s: g(s) + 1, lambda s: self.goto(a, "next_qk"))
     nq = self.next_qk_labels()
@@ -1526,8 +1523,8 @@ class _Counts:
     g, E = s[f"{a}.g"], s[f"{a}.E"]
     first = m.first_qk_labels()
     nxt = m.next_qk_labels()
-    only, tail = nxt[:-2], nxt[-2:]
-    body_pre = ["sched_sync", "sched_wait", "pv", "next_k_wait"]
+    only, tail = [l for l in nxt[:-2] if l != "pv"], nxt[-2:]
+    body_pre = ["sched_sync", "sched_wait", "next_k_wait", "pv"]
     in_iter = z3.Or(m.at(s, a, *body_pre, *only, *tail),
                     z3.And(m.at(s, a, "loop"), g < E))
     return a, g, E, first, only, tail, body_pre, in_iter
@@ -1543,8 +1540,11 @@ class _Counts:
     cur = z3.Or(m.at(s, a, *f_after, "k_release", "q_release"), in_iter,
                 z3.And(m.at(s, a, "tile_pre_sync", "tile_pre_sync_wait"), g < E,
                        key == "k"))
+    # the next block's keys are waited for before the PV issue (its staged
+    # tiles after it)
+    after_wait = [*tail, "pv"] if key == "k" else tail
     nxt = z3.Or(m.at(s, a, *n_after) if n_after else z3.BoolVal(False),
-                z3.And(m.at(s, a, *tail), g + 1 < E))
+                z3.And(m.at(s, a, *after_wait), g + 1 < E))
     return _b2i(cur) + _b2i(nxt)
 
   def w_released(self, w, b):
@@ -1627,7 +1627,7 @@ def invariant(m: Model, s: State) -> list[tuple[str, z3.BoolRef]]:
   # compute warpgroups: tiles and program points
   first = m.first_qk_labels()
   nxt = m.next_qk_labels()
-  body = ["sched_sync", "sched_wait", "pv", "next_k_wait"] + nxt
+  body = ["sched_sync", "sched_wait", "next_k_wait"] + nxt
   exits = [l for l in _EXIT if l not in ("done", "last_arrive")]
   for w in range(m.W):
     a = f"wg{w}"
@@ -1647,7 +1647,7 @@ def invariant(m: Model, s: State) -> list[tuple[str, z3.BoolRef]]:
     add(f"{a}: in the key loop", z3.Implies(m.at(s, a, "loop"), t >= 1))
     add(f"{a}: in a block", z3.Implies(m.at(s, a, *body), z3.And(g < E, t >= 1)))
     add(f"{a}: a next block exists", z3.Implies(
-        m.at(s, a, "next_k_wait", *nxt[:-2]), g + 1 < E))
+        m.at(s, a, "next_k_wait", *[l for l in nxt[:-2] if l != "pv"]), g + 1 < E))
     if m.persistent:
       add(f"{a}: q released at the last block", z3.Implies(m.at(s, a, "q_release"),
                                                            g + 1 == E))
@@ -1663,7 +1663,7 @@ def invariant(m: Model, s: State) -> list[tuple[str, z3.BoolRef]]:
         z3.Implies(s[f"{a}.qk"], z3.Or(m.at(s, a, *first[1:], "qk_wait0"),
                                        m.at_next(s, w, nxt[1:-1]))))
     add(f"{a}: PV in flight only while awaited",
-        z3.Implies(s[f"{a}.pv"], m.at(s, a, "next_k_wait", *nxt[:-1])))
+        z3.Implies(s[f"{a}.pv"], m.at(s, a, *nxt[nxt.index("pv") + 1:-1])))
     add(f"{a}: output copy done before o is written",
         z3.Implies(m.at(s, a, "o_write"), z3.Not(s[f"{a}.store"])))
     if not m.persistent:

@@ -58,7 +58,7 @@ MUTATIONS = {
  DONE) = range(11)
 PC_NAMES = ("sync", "sync wait", "write", "read", "signal", "final sync", "final sync wait",
             "final read", "epilogue", "epilogue wait", "done")
-CW = barriers.COMPUTE_WARPGROUPS
+CW = hc.CW
 SHAPE_STEPS = 6
 
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Try a backward variant (a kernel.api.BACKWARDS name) on an H200 in one call,
+# before it ships: the GPU gradient properties on it, then forward + backward
+# timed against the shipped backward and cuDNN in one process, then ptxas's
+# register and spill report for its kernels.
+#   bash ci/device/compare-backward.sh OUTDIR VARIANT
+# Every step has its own time limit, so a variant that hangs on the GPU ends
+# the step (exit 124 in steps.txt) instead of the device call.
+set -uo pipefail
+dest="${1:?usage: compare-backward.sh OUTDIR VARIANT}"
+variant="${2:?usage: compare-backward.sh OUTDIR VARIANT}"
+out="$(mktemp -d)/compare"
+mkdir -p "$out" "$dest"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
+py="${PYTHON:-python3}"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
+  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; return $rc; }
+
+{ nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD; } \
+  > "$out/device.txt" 2>&1
+# A hang shows first on the small named cases; the drawn cases follow only
+# when those pass.
+if GRADIENT_BACKWARD="$variant" step gradients-named 150 "$py" -m pytest -m gpu -rs \
+     properties/test_gradients_gpu.py -k "named or reproducible" --junitxml "$out/named.xml"; then
+  GRADIENT_BACKWARD="$variant" step gradients-drawn 240 "$py" -m pytest -n 4 -m gpu -rs \
+    properties/test_gradients_gpu.py -k "float64" --junitxml "$out/drawn.xml"
+  step bench 120 "$py" -m harness.bench --shapes headline --backward --configs auto \
+    --backward-impl "pallas,$variant" --out "$out/bench-backward.json"
+fi
+# ptxas's report for the variant's kernels, compiled once on the headline shape.
+dump="$out/ptxas"
+mkdir -p "$dump"
+MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$dump" step ptxas 90 "$py" -c "
+import jax, jax.numpy as jnp
+from kernel import api
+ks = jax.random.split(jax.random.key(0), 3)
+q, k, v = (jax.random.normal(s, (2, 4096, 16, 128), jnp.bfloat16) for s in ks)
+f = lambda q, k, v: api.dot_product_attention(q, k, v, _backward='$variant').astype(jnp.float32).sum()
+jax.block_until_ready(jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
+print('compiled and ran')"
+grep -rh -i "spill\|registers" "$dump" 2>/dev/null | sort | uniq -c > "$out/ptxas-summary.txt"
+cp "$out/steps.txt" "$out/ptxas-summary.txt" "$dest/" 2>/dev/null
+tar -czf "$dest/compare.tgz" -C "$(dirname "$out")" compare

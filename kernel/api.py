@@ -221,6 +221,10 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              # harness/deferred_handoff_model.py, never run on a GPU yet.
              "pallas-deferred": functools.partial(backward_pallas.attention_backward,
                                                   dq_schedule="deferred"),
+             # Private until measured: the fused dQ's rendezvous right after
+             # the dS^T store (kernel.backward.DQ_SCHEDULES).
+             "pallas-early": functools.partial(backward_pallas.attention_backward,
+                                               dq_schedule="early"),
              "xla": backward_xla.attention_backward}
 
 

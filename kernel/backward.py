@@ -304,6 +304,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   if dq_schedule not in DQ_SCHEDULES:
     raise ValueError(f"dq_schedule: expected one of {DQ_SCHEDULES}, got {dq_schedule!r}")
   deferred = fused and dq_schedule == "deferred"
+  early = fused and dq_schedule == "early"
   shape_t = (bkv, bq)  # S^T: keys x queries
   plan = dkv_mbarriers(blocks, outputs)
 
@@ -401,6 +402,10 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           # the tensor cores (fence) before the rendezvous below.
           ds_st.at[ds_buffer(t), wg][...] = ds.astype(dtype)
           plgpu.commit_smem()
+        if early:
+          # The rendezvous as soon as both tiles are staged: the owner does
+          # not wait for the other warpgroup's dK/dV products as well.
+          barriers.ds_ready(dq_owner(t), wg)
         if deferred:
           # Without a product to form at this step, the step is finished.
           pl.when((t == 0) | (wg != dq_owner(t - 1)))(lambda: barriers.dq_step_done(wg, t))
@@ -428,7 +433,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           def _():
             deferred_part(t - 1, finishes=t)
         elif fused:
-          _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h])
+          _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h],
+                         rendezvous=not early)
         return dk_acc, dv_acc
 
       def deferred_part(s, *, finishes):
@@ -529,7 +535,10 @@ DS_BUFFERS = 2
 # harness/handoff_model.py).  "deferred": at step t + 1, after staging its
 # dS^T of t + 1, so the other warpgroup never waits for a product
 # (harness/deferred_handoff_model.py proves it; private until measured).
-DQ_SCHEDULES = ("eager", "deferred")
+# "early" (private until measured): "eager" with the rendezvous moved from
+# after the dK/dV products to right after the dS^T store; the handoff
+# model's actions (store, rendezvous, product) and their order are the same.
+DQ_SCHEDULES = ("eager", "deferred", "early")
 
 
 def ds_buffer(t):
@@ -548,12 +557,14 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype):
           plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(np.float32)))
 
 
-def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst):
+def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst, *, rendezvous=True):
   """Step t of the fused dQ, run by both compute warpgroups after they
-  stored their dS^T: rendezvous, then the step's owner forms dS_i,tile K_tile
-  (f32, unscaled) and reduce-adds it into ``dq_dst``."""
+  stored their dS^T: rendezvous (unless the caller already met there), then
+  the step's owner forms dS_i,tile K_tile (f32, unscaled) and reduce-adds it
+  into ``dq_dst``."""
   buf, owner = ds_buffer(t), dq_owner(t)
-  barriers.ds_ready(owner, wg)
+  if rendezvous:
+    barriers.ds_ready(owner, wg)
 
   @pl.when(wg == owner)
   def _():

@@ -6,6 +6,11 @@ buffer ``ds_buffer(t)``; the step's owner ``dq_owner(t)`` then waits on the
 named barrier ``ds_ready_id(owner)`` (``bar.sync``) while the other only
 arrives there (``bar.arrive``), and the owner reads both tiles of the buffer
 with its dQ product (a wgmma reading shared memory until it completes).
+Between the rendezvous and the product the owner issues and waits for its
+dK/dV products, and after the rendezvous the other goes on to its dK/dV
+products and next step: they read no staging buffer and signal nothing,
+so the model has no action for them (any delay is one of the
+interleavings it covers).
 After the last step both warpgroups meet at the "epilogue" barrier, after
 which the K tiles the products read are overwritten with dK.
 
@@ -49,8 +54,7 @@ Two checks, both over the same actions (:func:`_moves`, Z3 expressions):
 :data:`MUTATIONS` are defects both must refute
 (properties/test_handoff_proof.py).  The state layout, the barrier actions,
 the search and the proof's queries are ``harness/handoff_checking.py``'s,
-shared with the deferred schedule's model
-(``harness/deferred_handoff_model.py``).
+kept apart from the protocol.
 """
 
 from __future__ import annotations

@@ -18,9 +18,7 @@ Then the backward kernels' rings: every launch of ``kernel/backward.py``
 (:func:`harness.ring_model.kernel_protocols`, from the mbarrier plans the
 kernels allocate) is proved by :func:`harness.ring_model.prove`.  Last, the
 fused dQ's dS^T handoff between the compute warpgroups
-(:mod:`harness.handoff_model`), and that of its private deferred schedule
-(:mod:`harness.deferred_handoff_model`), each proved for any number of
-steps.
+(:mod:`harness.handoff_model`), proved for any number of steps.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ import time
 import ml_dtypes
 import numpy as np
 
-from harness import deferred_handoff_model as dhm
 from harness import handoff_model as hm
 from harness import protocol_model as pm
 from harness import ring_model as rm
@@ -208,9 +205,7 @@ def main(argv=None) -> int:
     for f in r.failures[:5]:
       print(f"    fails: {f}")
   ring_proven = sum(r.proven for r in ring_rows)
-  for what, module in (("fused dQ handoff (kernel/backward.py, harness/handoff_model.py)", hm),
-                       ("deferred fused dQ handoff, private (harness/deferred_handoff_model.py)",
-                        dhm)):
+  for what, module in (("fused dQ handoff (kernel/backward.py, harness/handoff_model.py)", hm),):
     handoff = module.prove()
     print(f"\n{what}:")
     print(f"  any number of steps: {'proven' if handoff.safe else 'NOT PROVEN'} "

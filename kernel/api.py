@@ -216,15 +216,6 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              # reproducible, and the A/B of the fusion.
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
-             # Private until measured on the H200: the fused dQ's product one
-             # step late (kernel.backward.DQ_SCHEDULES), proved by
-             # harness/deferred_handoff_model.py, never run on a GPU yet.
-             "pallas-deferred": functools.partial(backward_pallas.attention_backward,
-                                                  dq_schedule="deferred"),
-             # Private until measured: the fused dQ's rendezvous right after
-             # the dS^T store (kernel.backward.DQ_SCHEDULES).
-             "pallas-early": functools.partial(backward_pallas.attention_backward,
-                                               dq_schedule="early"),
              "xla": backward_xla.attention_backward}
 
 

@@ -276,8 +276,7 @@ def _and(a, b):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
-             dq_schedule: str = "eager"):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -286,8 +285,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
   ``dq_accum``: a zeroed (B, Tp, N, D) f32 ``jax.new_ref``; when given
   (outputs dK and dV together), the kernel also adds each key tile's part of
-  dQ / scale into it (see the fused dQ notes below), on ``dq_schedule``
-  "eager" (shipped) or "deferred" (private until measured on the H200).
+  dQ / scale into it (see the fused dQ notes below).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
@@ -301,10 +299,6 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   fused = dq_accum is not None
   if fused and not (want_dk and want_dv):
     raise ValueError("the fused dQ needs dK and dV in the same launch")
-  if dq_schedule not in DQ_SCHEDULES:
-    raise ValueError(f"dq_schedule: expected one of {DQ_SCHEDULES}, got {dq_schedule!r}")
-  deferred = fused and dq_schedule == "deferred"
-  early = fused and dq_schedule == "early"
   shape_t = (bkv, bq)  # S^T: keys x queries
   plan = dkv_mbarriers(blocks, outputs)
 
@@ -393,22 +387,15 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           if dsdu is not None:
             ds = ds * dsdu
           ds = _masked_to_zero(ds, keep)
-        if deferred:
-          # The other warpgroup finished step t - 1: the last product that
-          # read buffer ds_buffer(t) (step t - 2's) has completed.
-          pl.when(t > 0)(lambda: barriers.dq_step_wait(wg, t - 1))
         if fused:
           # This warpgroup's dS^T into the step's staging buffer, visible to
-          # the tensor cores (fence) before the rendezvous below.
+          # the tensor cores (fence), then the step's rendezvous: right after
+          # the store, so that the owner waits for the other warpgroup's
+          # dS^T and not for its dK/dV products as well (3.04 against
+          # 3.21 ms for the kernel at the headline shape, session 5).
           ds_st.at[ds_buffer(t), wg][...] = ds.astype(dtype)
           plgpu.commit_smem()
-        if early:
-          # The rendezvous as soon as both tiles are staged: the owner does
-          # not wait for the other warpgroup's dK/dV products as well.
           barriers.ds_ready(dq_owner(t), wg)
-        if deferred:
-          # Without a product to form at this step, the step is finished.
-          pl.when((t == 0) | (wg != dq_owner(t - 1)))(lambda: barriers.dq_step_done(wg, t))
         # dV += P^T dO and dK += dS^T Q: issued together, waited once.
         accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
 
@@ -426,38 +413,19 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
         # Every product reading the slot has completed (run_state waits).
         plgpu.barrier_arrive(consumed.at[slot])
-        if deferred:
-          # Step t - 1's part, one step late, by its owner: the other
-          # warpgroup never waits for a product to stage its own dS^T.
-          @pl.when((t > 0) & (wg == dq_owner(t - 1)))
+        if fused:
+          # The step's owner forms its dQ part (both dS^T tiles are staged:
+          # the rendezvous above) and reduce-adds it.
+          @pl.when(wg == dq_owner(t))
           def _():
-            deferred_part(t - 1, finishes=t)
-        elif fused:
-          _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_ref.at[b, pl.ds(q_base, bq), h],
-                         rendezvous=not early)
+            part = _dq_product(ds_st, ds_buffer(t), k_st)
+            _dq_reduce_add(part, dq_st.at[wg], dq_ref.at[b, pl.ds(q_base, bq), h])
         return dk_acc, dv_acc
-
-      def deferred_part(s, *, finishes):
-        """The deferred schedule's product of step s and its reduce-add; with
-        ``finishes``, signals that step once the product has read its
-        buffer."""
-        h_s, i_s = coords(s)
-        part = _dq_product(ds_st, ds_buffer(s), k_st)
-        if finishes is not None:
-          barriers.dq_step_done(wg, finishes)
-        _dq_reduce_add(part, dq_st.at[wg], dq_ref.at[b, pl.ds(i_s * bq, bq), h_s])
 
       zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
       dk_acc = zeros(head_dim) if want_dk else None
       dv_acc = zeros(head_dim_out) if want_dv else None
       dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
-      if deferred:
-        @pl.when(steps > 0)
-        def _():
-          # The other warpgroup finished the last step (this sync pairs with
-          # its last signal); that step's owner forms its part.
-          barriers.dq_step_wait(wg, steps - 1)
-          pl.when(wg == dq_owner(steps - 1))(lambda: deferred_part(steps - 1, finishes=None))
       if fused:  # the last dQ product has read both K tiles before they stage dK
         barriers.epilogue_sync()
       # The stationary tiles are no longer read: they stage the results.
@@ -515,13 +483,16 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 # so that ONE warpgroup forms the block's whole part, dS_i,tile K_tile, over
 # all 128 keys of the tile: half the reduce-add traffic of a part per
 # warpgroup.  The warpgroups take that turn alternately (step t: its owner,
-# warpgroup t % 2): the owner waits on the named barrier ds_ready_<owner>
-# until the other warpgroup, which only arrives there, has stored its dS^T
-# (barriers.ds_ready).  Two dS^T buffers (step t uses t % 2): the buffer of
+# warpgroup t % 2): right after storing its own dS^T, the owner waits on the
+# named barrier ds_ready_<owner> until the other warpgroup, which only
+# arrives there right after its store, has stored its dS^T too
+# (barriers.ds_ready); the owner's product follows its dK/dV products.  Two
+# dS^T buffers (step t uses t % 2): the buffer of
 # step t is written again at step t + 2, by the owner of step t itself (in
 # program order after its product completed) and by the other warpgroup only
 # after it passed its own wait of step t + 1, which needs the owner of step t
-# to arrive there, after its product of step t completed.
+# to arrive there, which it does at step t + 1, after its product of step t
+# completed.
 # Order across blocks is not fixed, so dQ is not bitwise reproducible (dK, dV
 # are); properties/test_gradients_gpu.py bounds the difference.
 
@@ -531,14 +502,6 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 # is owned by warpgroup dq_owner(t).  Both work on ints, traced int32 and Z3
 # integers alike (t >= 0).
 DS_BUFFERS = 2
-# "eager": the owner forms step t's part at step t (the shipped schedule,
-# harness/handoff_model.py).  "deferred": at step t + 1, after staging its
-# dS^T of t + 1, so the other warpgroup never waits for a product
-# (harness/deferred_handoff_model.py proves it; private until measured).
-# "early" (private until measured): "eager" with the rendezvous moved from
-# after the dK/dV products to right after the dS^T store; the handoff
-# model's actions (store, rendezvous, product) and their order are the same.
-DQ_SCHEDULES = ("eager", "deferred", "early")
 
 
 def ds_buffer(t):
@@ -555,20 +518,6 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype):
   reduce-add."""
   return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype)),
           plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(np.float32)))
-
-
-def _fused_dq_step(t, wg, ds_st, k_st, dq_st, dq_dst, *, rendezvous=True):
-  """Step t of the fused dQ, run by both compute warpgroups after they
-  stored their dS^T: rendezvous (unless the caller already met there), then
-  the step's owner forms dS_i,tile K_tile (f32, unscaled) and reduce-adds it
-  into ``dq_dst``."""
-  buf, owner = ds_buffer(t), dq_owner(t)
-  if rendezvous:
-    barriers.ds_ready(owner, wg)
-
-  @pl.when(wg == owner)
-  def _():
-    _dq_reduce_add(_dq_product(ds_st, buf, k_st), dq_st.at[wg], dq_dst)
 
 
 def _dq_product(ds_st, buf, k_st):
@@ -747,7 +696,11 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   t = m.shape[2]
   live = l > 0
   lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
-  delta = jnp.einsum("btnd,btnd->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  # delta in the inputs' own (B, T, N) order, fenced off from the transpose
+  # and stack below: XLA fused all three into one kernel that took 0.29 ms
+  # at the headline shape, against 0.05 ms this way (H200, session 5).
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = jnp.swapaxes(lax.optimization_barrier(delta), 1, 2)
   lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
   return jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
@@ -755,7 +708,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, dq_schedule="eager"):
+                       fuse_dq=True):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -801,8 +754,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
-                        dq_schedule=dq_schedule))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

@@ -65,22 +65,6 @@ def _declare() -> tuple[NamedBarrier, ...]:
                    "the dS^T tiles of an even step are staged (fused dQ)"),
       NamedBarrier("ds_ready_wg1", first + 4, both_compute,
                    "the dS^T tiles of an odd step are staged (fused dQ)"),
-      # Backward, the deferred fused dQ (kernel/backward.py, private until
-      # measured): warpgroup w syncs on dq_step_wg<w>_<parity of s> for the
-      # other warpgroup's step s (its dS^T staged, its product of step s - 1
-      # done), which the other arrives on when it finishes step s.  One
-      # barrier per warpgroup and step parity: with one per warpgroup, a
-      # warpgroup one step ahead arrives twice before the other syncs once
-      # and completes a generation alone (it hung on the H200, session 4;
-      # harness/deferred_handoff_model.py refutes it).
-      NamedBarrier("dq_step_wg0_even", first + 5, both_compute,
-                   "the other warpgroup finished an even step (deferred dQ)"),
-      NamedBarrier("dq_step_wg0_odd", first + 6, both_compute,
-                   "the other warpgroup finished an odd step (deferred dQ)"),
-      NamedBarrier("dq_step_wg1_even", first + 7, both_compute,
-                   "the other warpgroup finished an even step (deferred dQ)"),
-      NamedBarrier("dq_step_wg1_odd", first + 8, both_compute,
-                   "the other warpgroup finished an odd step (deferred dQ)"),
   )
 
 
@@ -110,10 +94,6 @@ check_budget()
 # one's id plus the warpgroup index: the declarations must keep them adjacent.
 for _pair in (("schedule_wg0", "schedule_wg1"), ("ds_ready_wg0", "ds_ready_wg1")):
   assert BY_NAME[_pair[1]].id == BY_NAME[_pair[0]].id + 1, _pair
-# dq_step_id likewise: base + 2 * warpgroup + parity.
-for _i, _name in enumerate(("dq_step_wg0_even", "dq_step_wg0_odd", "dq_step_wg1_even",
-                            "dq_step_wg1_odd")):
-  assert BY_NAME[_name].id == BY_NAME["dq_step_wg0_even"].id + _i, _name
 
 
 def _bar(kind: str, barrier_id, num_threads: int) -> None:
@@ -164,23 +144,6 @@ def ds_ready(owner, wg) -> None:
   bid = ds_ready_id(owner)
   lax.cond(wg == owner, lambda: _bar("sync", bid, b.num_threads),
            lambda: _bar("arrive", bid, b.num_threads))
-
-
-def dq_step_id(wg, step):
-  """Deferred fused dQ: the barrier on which ``wg`` waits for the other
-  warpgroup's step ``step`` (and the other arrives when it finishes it).
-  ``wg`` and ``step`` may be traced, or z3 integers (step >= 0)."""
-  return BY_NAME["dq_step_wg0_even"].id + 2 * wg + step % 2
-
-
-def dq_step_wait(wg, step) -> None:
-  """Deferred fused dQ: wait until the other warpgroup finished ``step``."""
-  _bar("sync", dq_step_id(wg, step), BY_NAME["dq_step_wg0_even"].num_threads)
-
-
-def dq_step_done(wg, step) -> None:
-  """Deferred fused dQ: ``wg`` finished ``step``; the other may go on."""
-  _bar("arrive", dq_step_id(1 - wg, step), BY_NAME["dq_step_wg0_even"].num_threads)
 
 
 def ds_ready_id(owner):

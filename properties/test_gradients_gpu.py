@@ -24,7 +24,7 @@ from kernel import api
 pytestmark = pytest.mark.gpu
 # The backward under test (a kernel.api.BACKWARDS name): the shipped one
 # unless GRADIENT_BACKWARD names another, e.g. to run these properties on a
-# private variant before it ships (GRADIENT_BACKWARD=pallas-deferred).
+# private variant before it ships (GRADIENT_BACKWARD=<name>; ci/device/compare-backward.sh).
 BACKWARD = os.environ.get("GRADIENT_BACKWARD", "pallas")
 if BACKWARD not in api.BACKWARDS:
   raise ValueError(f"GRADIENT_BACKWARD: expected one of {sorted(api.BACKWARDS)}, "

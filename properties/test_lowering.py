@@ -124,22 +124,6 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   assert 0 < lowered.smem_bytes <= plan.SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("feat", ["plain", "everything"])
-def test_the_deferred_fused_dq_lowers_with_the_same_shared_memory(d, feat):
-  """The private deferred schedule of the fused dQ (never run on a GPU yet)
-  lowers for CUDA with every feature and allocates what the shipped one
-  does: it adds barriers, not buffers."""
-  T, S = 300, 200
-  kw = _features(T, S, N=4)[feat]
-  kw = {k: v for k, v in kw.items() if k not in ("normalize_output", "return_residuals",
-                                                 "bias_shape")}
-  shapes = dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=d)
-  shipped = lower_attention(shapes, gradients=True, **kw)
-  deferred = lower_attention(shapes, gradients=True, _backward="pallas-deferred", **kw)
-  assert deferred.kernel_smem == shipped.kernel_smem
-
-
 @pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["fused-dq", "bias"])
 def test_the_backward_smem_estimate_matches_each_launch(d, dv, with_bias):

@@ -80,12 +80,15 @@ ARRAYS = ("out", "m", "l", "dq", "dk", "dv", "dbias")
 
 def error_ratio_table(folder: Path) -> str | None:
   """Markdown: per property (test function, parameters folded), how many
-  float64 comparisons it made, how many of them broke the rule, and the
-  worst error ratio (error / the tolerance rule's bound; <= 1 passes) per
-  array, from the JSON lines of harness.conformance.log_ratios.  None when
-  nothing was recorded.  A property that feeds a deliberate defect (and
-  passes by catching it) shows broken comparisons and ratios > 1."""
+  cases it checked against float64 (each case compares each of its arrays
+  once, so: the most comparisons of any one array), how many comparisons it
+  made and how many of them broke the rule, and the worst error ratio
+  (error / the tolerance rule's bound; <= 1 passes) per array, from the JSON
+  lines of harness.conformance.log_ratios.  None when nothing was recorded.
+  A property that feeds a deliberate defect (and passes by catching it)
+  shows broken comparisons and ratios > 1."""
   worst: dict[str, dict[str, float]] = {}
+  per_array: dict[str, dict[str, int]] = {}
   counts: dict[str, list[int]] = {}
   for path in sorted(folder.glob("ratios-*.jsonl")):
     for line in path.read_text().splitlines():
@@ -93,18 +96,21 @@ def error_ratio_table(folder: Path) -> str | None:
       prop = rec["test"].split("[", 1)[0]
       per = worst.setdefault(prop, {})
       per[rec["array"]] = max(per.get(rec["array"], 0.0), float(rec["ratio"]))
+      seen = per_array.setdefault(prop, {})
+      seen[rec["array"]] = seen.get(rec["array"], 0) + 1
       n = counts.setdefault(prop, [0, 0])
       n[0] += 1
       n[1] += not rec["passed"]
   if not worst:
     return None
   arrays = [a for a in ARRAYS if any(a in per for per in worst.values())]
-  lines = ["| property | comparisons | broke the rule | " + " | ".join(arrays) + " |",
-           "|---|---|---|" + "---|" * len(arrays)]
+  lines = ["| property | cases | comparisons | broke the rule | " + " | ".join(arrays) + " |",
+           "|---|---|---|---|" + "---|" * len(arrays)]
   for prop in sorted(worst):
     cells = [f"{worst[prop][a]:.3f}" if a in worst[prop] else "-" for a in arrays]
     total, broke = counts[prop]
-    lines.append(f"| {prop} | {total} | {broke} | " + " | ".join(cells) + " |")
+    cases = max(per_array[prop].values())
+    lines.append(f"| {prop} | {cases} | {total} | {broke} | " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 

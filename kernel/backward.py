@@ -26,8 +26,9 @@ producer waits on it before every refill (not before the first
   logits gradient, which is dbias before the sum over broadcast dimensions).
 
 The fused dQ does 5 matrix products where the second kernel makes it 7 (it
-recomputes S and dP): measured 3.4% faster forward + backward at the
-headline shape (ci/results/2026-11-29-s3), at the price of a dq that is
+recomputes S and dP): forward + backward at the headline shape ran at
+479.1 TFLOP/s fused against 434.3 with the dQ kernel, in one process
+(ci/results/2026-11-30-s5), at the price of a dq that is
 reproducible to one ulp rather than bitwise (ORDER_DEPENDENT_GRADIENTS).
 Head dims over 128 (no room for the f32 staging) and a bias (dbias needs the
 f32 dS the dQ kernel writes) keep the second kernel.

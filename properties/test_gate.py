@@ -39,16 +39,23 @@ def test_error_ratios_are_tabulated_per_property(tmp_path, monkeypatch):
   table = gate.error_ratio_table(tmp_path)
   cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
   header, _, *body = table.splitlines()
-  assert cells(header) == ["property", "comparisons", "broke the rule", "out", "dq"]
+  assert cells(header) == ["property", "cases", "comparisons", "broke the rule", "out", "dq"]
   rows = {cells(line)[0]: cells(line)[1:] for line in body}
   worst = check_tolerance(ref + 5e-4, ref, naive, np.float32).ratio
-  assert rows == {"properties/t.py::test_x": ["2", "0", "-", f"{worst:.3f}"],
-                  "properties/t.py::test_y": ["1", "0", "0.000", "-"]}
+  assert rows == {"properties/t.py::test_x": ["2", "2", "0", "-", f"{worst:.3f}"],
+                  "properties/t.py::test_y": ["1", "1", "0", "0.000", "-"]}
   monkeypatch.setenv("PYTEST_CURRENT_TEST", "properties/t.py::test_y (call)")
   conformance.log_ratios([check_tolerance(ref + 1.0, ref, naive, np.float32, name="out")])
-  y = {cells(line)[0]: cells(line)[1:] for line in gate.error_ratio_table(tmp_path)
-       .splitlines()[2:]}["properties/t.py::test_y"]
-  assert y[:2] == ["2", "1"] and float(y[2]) > 1
+  # A case comparing two arrays counts once among the cases, twice among
+  # the comparisons.
+  monkeypatch.setenv("PYTEST_CURRENT_TEST", "properties/t.py::test_z (call)")
+  conformance.log_ratios([check_tolerance(ref, ref, naive, np.float32, name="out"),
+                          check_tolerance(ref, ref, naive, np.float32, name="dq")])
+  rows = {cells(line)[0]: cells(line)[1:] for line in gate.error_ratio_table(tmp_path)
+          .splitlines()[2:]}
+  y = rows["properties/t.py::test_y"]
+  assert y[:3] == ["2", "2", "1"] and float(y[3]) > 1
+  assert rows["properties/t.py::test_z"][:3] == ["1", "2", "0"]
   assert gate.error_ratio_table(tmp_path / "empty") is None
 
 

@@ -216,10 +216,6 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              # reproducible, and the A/B of the fusion.
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
-             # Private experiment (session 5): the fused dQ's owner issues its
-             # product with its dK/dV products, one wait.
-             "pallas-dq-with-grads": functools.partial(backward_pallas.attention_backward,
-                                                       dq_with_grads=True),
              "xla": backward_xla.attention_backward}
 
 

@@ -277,8 +277,7 @@ def _and(a, b):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
-             dq_with_grads: bool = False):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -407,28 +406,6 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           if "dk" in refs:
             plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot])
 
-        if fused and dq_with_grads:
-          # Private experiment: the owner issues its dQ product behind its
-          # dK/dV products and waits once.
-          def owner_turn():
-            def all_three(refs):
-              grads(refs)
-              for w in range(CW):
-                plgpu.wgmma(refs["dq"], ds_st.at[ds_buffer(t), w].T, k_st.at[w])
-            zeros_dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), _WGMMA)
-            r = pl.run_state(all_three)({"dv": plgpu.ACC.init(dv_acc), "dk": plgpu.ACC.init(dk_acc),
-                                         "dq": plgpu.ACC.init(zeros_dq)})
-            plgpu.barrier_arrive(consumed.at[slot])
-            _dq_reduce_add(r["dq"], dq_st.at[wg], dq_ref.at[b, pl.ds(q_base, bq), h])
-            return r["dk"], r["dv"]
-
-          def other_turn():
-            r = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
-            plgpu.barrier_arrive(consumed.at[slot])
-            return r["dk"], r["dv"]
-
-          dk_acc, dv_acc = lax.cond(wg == dq_owner(t), owner_turn, other_turn)
-          return dk_acc, dv_acc
         if paired:
           accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
         else:
@@ -732,7 +709,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, dq_with_grads=False):
+                       fuse_dq=True):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -778,8 +755,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
-                        dq_with_grads=dq_with_grads))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

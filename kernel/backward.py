@@ -277,7 +277,8 @@ def _and(a, b):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
+             tiles_last: bool = False):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -469,7 +470,9 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
               for name in outputs]
   results = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
-      grid=(kv_tiles, num_kv_heads, batch), grid_names=("kv_tiles", "kv_heads", "batch"),
+      **(dict(grid=(num_kv_heads, batch, kv_tiles), grid_names=("kv_heads", "batch", "kv_tiles"))
+         if tiles_last else
+         dict(grid=(kv_tiles, num_kv_heads, batch), grid_names=("kv_tiles", "kv_heads", "batch"))),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, dq_accum)
@@ -709,7 +712,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True):
+                       fuse_dq=True, tiles_last=False):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -755,7 +758,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
+                        tiles_last=tiles_last))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

@@ -216,10 +216,6 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              # reproducible, and the A/B of the fusion.
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
-             # Private experiment (session 5): the dK/dV kernel's grid with the
-             # key tiles slowest (launched last-dimension-first).
-             "pallas-tiles-last": functools.partial(backward_pallas.attention_backward,
-                                                    tiles_last=True),
              "xla": backward_xla.attention_backward}
 
 

@@ -173,43 +173,105 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   return rows
 
 
-def backward_parts(shape: BenchShape, sets: int = 3) -> dict:
-  """Milliseconds of each backward kernel alone (the dK/dV kernel, the dQ
-  kernel, the dK/dV kernel with the fused dQ) beside the forward, at one
-  shape: where the backward's time goes."""
+# The parts of one forward + backward that backward_parts times, in the order
+# the shipped backward runs them; "dkv", "dq kernel" and "dkv+fused dQ" are
+# the kernels alone, so that the launch the backward does not make shows too.
+PART_INPUTS = ("q", "k", "v", "do", "out", "m", "l", "rows", "acc")
+
+
+def backward_part_fns(shape: BenchShape) -> dict:
+  """Each part of one forward + backward at ``shape`` as a function of
+  PART_INPUTS (q, k, v, dO and out (B, T, N, D); m, l (B, N, T); rows
+  (B, N, 2, T), the per-row inputs; acc (B, T, N, D) f32, a dQ accumulator):
+  the forward with and without residuals, the glue around the backward
+  kernels (per-row inputs, the f32 dQ accumulator's zero-fill, its scale and
+  cast), the kernels alone, and the whole forward + backward through the API
+  (``jax.vjp`` with dO).  ``shape.seq`` must be a multiple of the kernels'
+  tiles (128), as every benchmark shape is: no padding."""
   import math
   from kernel import api, backward as bwd, padding, plan as plan_lib
   f = bwd.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
                            logits_soft_cap=None, seq_q=shape.seq, seq_kv=shape.seq)
   d = plan_lib.padded_head_dim(shape.head_dim)
   blocks = bwd.blocks_for(d, d)
+  tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
+                             num_tiles=shape.seq // blocks.dq_tile)[2]
+  dtype = jnp.dtype(shape.dtype)
+  attention = lambda q, k, v, **kw: api.dot_product_attention(q, k, v, is_causal=shape.causal,
+                                                              **kw)
+
+  def dkv(q, k, v, do, rows, acc=None):
+    launches = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
+    return [bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+                         outputs=o, dq_accum=acc) for o in launches]
+
+  def fused(q, k, v, do, rows):
+    acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    return dkv(q, k, v, do, rows, acc), acc[...]
+
+  def forward_backward(q, k, v, do):
+    out, pullback = jax.vjp(attention, q, k, v)
+    return out, pullback(do)
+
+  fns = {
+      "forward": lambda q, k, v, *_: attention(q, k, v),
+      "forward+residuals": lambda q, k, v, *_: attention(q, k, v, return_residuals=True),
+      "rows": lambda q, k, v, do, out, m, l, *_: bwd.residual_rows(m, l, out, do, shape.seq),
+      "zeros": lambda q, *_: jnp.zeros(q.shape, jnp.float32),
+      "scale+cast": lambda *a: (a[-1] * f.scale).astype(dtype),
+      "dkv": lambda q, k, v, do, out, m, l, rows, acc: dkv(q, k, v, do, rows),
+      "dq kernel": lambda q, k, v, do, out, m, l, rows, acc: bwd.dq_call(
+          q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
+          want_ds=False)[0],
+  }
+  if bwd.fuses_dq(blocks, with_bias=False):
+    fns["dkv+fused dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fused(q, k, v, do, rows)
+  fns["forward+backward"] = lambda q, k, v, do, *_: forward_backward(q, k, v, do)
+  return {name: jax.jit(fn) for name, fn in fns.items()}
+
+
+def shipped_parts(fns: dict) -> tuple[str, ...]:
+  """The parts the shipped forward + backward runs, of ``fns``
+  (backward_part_fns): their sum against "forward+backward" shows what
+  the parts leave out."""
+  kernels = (("zeros", "dkv+fused dQ", "scale+cast") if "dkv+fused dQ" in fns
+             else ("dkv", "dq kernel"))
+  return ("forward+residuals", "rows") + kernels
+
+
+def backward_parts(shape: BenchShape, sets: int = 3) -> dict:
+  """Milliseconds of each part of backward_part_fns at ``shape``, timed
+  interleaved in one process, plus "shipped parts" (their sum for the parts
+  the shipped backward runs) and "unaccounted" (forward + backward less
+  that sum)."""
+  from kernel import api, backward as bwd
+  fns = backward_part_fns(shape)
   inputs = []
   for i, (q, k, v) in enumerate(_inputs(shape, sets)):
     do = jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32).astype(q.dtype)
     out, (m, l) = api.dot_product_attention(q, k, v, is_causal=shape.causal,
                                             return_residuals=True)
-    inputs.append((q, k, v, do, bwd.residual_rows(m, l, out, do, shape.seq)))
-  tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
-                             num_tiles=shape.seq // blocks.dq_tile)[2]
-  fns = {
-      "forward": jax.jit(lambda q, k, v, do, rows: api.dot_product_attention(
-          q, k, v, is_causal=shape.causal)),
-      "dkv": jax.jit(lambda q, k, v, do, rows: bwd.dkv_call(
-          q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
-          outputs=("dk", "dv"))),
-      "dq": jax.jit(lambda q, k, v, do, rows: bwd.dq_call(
-          q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
-          want_ds=False)[0]),
-  }
+    rows = bwd.residual_rows(m, l, out, do, shape.seq)
+    acc = jax.random.normal(jax.random.PRNGKey(300 + i), q.shape, jnp.float32)
+    inputs.append((q, k, v, do, out, m, l, rows, acc))
+  ms = {name: t * 1e3 for name, t in time_fns(fns, inputs).items()}
+  ms["shipped parts"] = sum(ms[p] for p in shipped_parts(fns))
+  ms["unaccounted"] = ms["forward+backward"] - ms["shipped parts"]
+  return ms
 
-  def fused(q, k, v, do, rows):
-    acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    out = bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
-                       outputs=("dk", "dv"), dq_accum=acc)
-    return out, acc[...]
 
-  fns["dkv+fused-dq"] = jax.jit(fused)
-  return {name: t * 1e3 for name, t in time_fns(fns, inputs).items()}
+def render_parts(results: list[tuple[BenchShape, dict]]) -> str:
+  """Markdown: one row per shape, one column per part (ms)."""
+  names = []
+  for _, ms in results:
+    names += [n for n in ms if n not in names]
+  lines = ["| B | seq | heads | D | causal | " + " | ".join(names) + " |",
+           "|---|---|---|---|---|" + "---|" * len(names)]
+  for shape, ms in results:
+    cells = [f"{ms[n]:.3f}" if n in ms else "-" for n in names]
+    lines.append(f"| {shape.batch} | {shape.seq} | {shape.heads} | {shape.head_dim} | "
+                 f"{shape.causal} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 def render(rows: list[dict]) -> str:
@@ -244,18 +306,22 @@ def main(argv=None) -> int:
                            "(pallas, pallas-two-kernel, pallas-serial, xla), each timed "
                            "with every config in the same process")
   parser.add_argument("--backward-parts", action="store_true",
-                      help="time the forward, the dK/dV kernel and the dQ kernel alone "
-                           "(headline shape)")
+                      help="per shape: the forward, the backward's glue and kernels alone, "
+                           "and the whole forward + backward (ms; where the time goes)")
   args = parser.parse_args(argv)
+  shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
   if args.backward_parts:
-    parts = backward_parts(DEFAULT_SHAPES[0])
-    print(json.dumps(parts))
+    results = []
+    for shape in shapes:
+      results.append((shape, backward_parts(shape)))
+      print(render_parts(results[-1:]), flush=True)
+    print(render_parts(results))
     if args.out:
       with open(args.out, "w") as fh:
         json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "shape": dataclasses.asdict(DEFAULT_SHAPES[0]), "ms": parts}, fh, indent=1)
+                   "parts": [{"shape": dataclasses.asdict(sh), "ms": ms}
+                             for sh, ms in results]}, fh, indent=1)
     return 0
-  shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
   configs = [None]
   if args.configs:
     from kernel.config import Config

@@ -1,6 +1,7 @@
-"""Forward TFLOP/s of the kernel side by side with cuDNN, in one process.
+"""TFLOP/s of the kernel (forward, or forward + backward) side by side with
+cuDNN, in one process; with --backward-parts, where the backward's time goes.
 
-``python -m harness.bench [--shapes default|quick] [--out results.json]``
+``python -m harness.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``
 
 Method (METHOD.md of the device notes): random normal inputs (never zeros),
 several input sets rotated so repeated calls do not measure the L2 cache,
@@ -45,6 +46,8 @@ DEFAULT_SHAPES = (
     BenchShape(4, 4096, 32, 64, False),
     BenchShape(4, 4096, 8, 256, False),
 )
+SHAPE_SETS = {"default": DEFAULT_SHAPES, "headline": DEFAULT_SHAPES[:1],
+              "headline-both": DEFAULT_SHAPES[:2]}
 
 
 def _inputs(shape: BenchShape, sets: int, seed: int = 0):
@@ -289,7 +292,9 @@ def render(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness.bench")
-  parser.add_argument("--shapes", choices=("default", "headline"), default="default")
+  parser.add_argument("--shapes", choices=tuple(SHAPE_SETS), default="default",
+                      help="default: every benchmark shape; headline: the issues' shape; "
+                           "headline-both: it non-causal and causal")
   parser.add_argument("--out", default=None)
   parser.add_argument("--configs", default=None,
                       help="semicolon-separated block_q,block_kv,num_stages[,p] or 'auto' "
@@ -309,7 +314,7 @@ def main(argv=None) -> int:
                       help="per shape: the forward, the backward's glue and kernels alone, "
                            "and the whole forward + backward (ms; where the time goes)")
   args = parser.parse_args(argv)
-  shapes = DEFAULT_SHAPES if args.shapes == "default" else DEFAULT_SHAPES[:1]
+  shapes = SHAPE_SETS[args.shapes]
   if args.backward_parts:
     results = []
     for shape in shapes:

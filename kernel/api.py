@@ -216,6 +216,11 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              # reproducible, and the A/B of the fusion.
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
+             # Private until measured on the H200 (written in session 5, not
+             # yet run): the dK/dV kernel's causal mask only on the steps whose
+             # query block meets the warpgroup's keys on the diagonal.
+             "pallas-diagonal-mask": functools.partial(backward_pallas.attention_backward,
+                                                       diagonal_mask_only=True),
              "xla": backward_xla.attention_backward}
 
 

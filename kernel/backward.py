@@ -277,7 +277,8 @@ def _and(a, b):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
+             diagonal_mask_only: bool = False):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -356,38 +357,59 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         bias = None if bias_ref is None else _load_broadcast(
             bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
-        key = kv_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 0, layout=_WGMMA)
-        query = q_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 1, layout=_WGMMA)
-        keep = None
-        if f.is_causal:
-          keep = key <= query
-        if ks_ref is not None:
-          ks = _load_broadcast(ks_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
-          keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape_t, [1]))
-        if ke_ref is not None:
-          ke = _load_broadcast(ke_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
-          keep = _and(keep, key < lax.broadcast_in_dim(ke, shape_t, [1]))
-        if mask_ref is not None:
-          m = _load_broadcast(mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)),
-                              shape_t, _WGMMA)
-          keep = _and(keep, m != 0)
-        if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
-          keep = _and(keep, key < f.seq_kv)  # padded keys add nothing to dQ
-        lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
-        p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
 
-        ds = None
-        if want_dk:
-          if dp is None:
-            def dp_(acc):
-              plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
-              return acc[...]
-            dp = pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
-          delta = plgpu.load(rows_ring.at[slot, 1], layout=_COL, optimized=False)
-          ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
-          if dsdu is not None:
-            ds = ds * dsdu
-          ds = _masked_to_zero(ds, keep)
+        def keep_of(causal):
+          """Which (key, query) pairs of the step count (None: all)."""
+          key = kv_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 0, layout=_WGMMA)
+          query = q_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 1, layout=_WGMMA)
+          keep = None
+          if causal:
+            keep = key <= query
+          if ks_ref is not None:
+            ks = _load_broadcast(ks_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
+            keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape_t, [1]))
+          if ke_ref is not None:
+            ke = _load_broadcast(ke_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
+            keep = _and(keep, key < lax.broadcast_in_dim(ke, shape_t, [1]))
+          if mask_ref is not None:
+            m = _load_broadcast(mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)),
+                                shape_t, _WGMMA)
+            keep = _and(keep, m != 0)
+          if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
+            keep = _and(keep, key < f.seq_kv)  # padded keys add nothing to dQ
+          return keep
+
+        def dp_now():
+          def dp_(acc):
+            plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
+            return acc[...]
+          return pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
+
+        def terms(keep, dp):
+          """P^T and (for dK) dS^T of the step, zero where not kept."""
+          lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
+          p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
+          ds = None
+          if want_dk:
+            if dp is None:
+              dp = dp_now()
+            delta = plgpu.load(rows_ring.at[slot, 1], layout=_COL, optimized=False)
+            ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
+            if dsdu is not None:
+              ds = ds * dsdu
+            ds = _masked_to_zero(ds, keep)
+          return p, ds
+
+        if f.is_causal and diagonal_mask_only:
+          # Private experiment: the causal mask only where this warpgroup's
+          # keys reach above the block's first query; every other step of
+          # the walk sees all its keys.
+          if want_dk and dp is None:
+            dp = dp_now()
+          p, ds = lax.cond(kv_base + bkv - 1 > q_base,
+                           lambda: terms(keep_of(True), dp), lambda: terms(keep_of(False), dp))
+        else:
+          p, ds = terms(keep_of(f.is_causal), dp)
         if fused:
           # This warpgroup's dS^T into the step's staging buffer, visible to
           # the tensor cores (fence), then the step's rendezvous: right after
@@ -716,7 +738,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True):
+                       fuse_dq=True, diagonal_mask_only=False):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -762,7 +784,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
+                        diagonal_mask_only=diagonal_mask_only))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

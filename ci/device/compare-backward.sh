@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Try a backward variant (a kernel.api.BACKWARDS name) on an H200 in one call,
 # before it ships: the GPU gradient properties on it, then forward + backward
-# timed against the shipped backward and cuDNN in one process, then ptxas's
+# timed against the shipped backward and cuDNN in one process (the headline
+# shape, non-causal and causal), then ptxas's
 # register and spill report for its kernels.
 #   bash ci/device/compare-backward.sh OUTDIR VARIANT
 # Every step has its own time limit, so a variant that hangs on the GPU ends
@@ -26,7 +27,7 @@ if GRADIENT_BACKWARD="$variant" step gradients-named 150 "$py" -m pytest -m gpu 
      properties/test_gradients_gpu.py -k "named or reproducible" --junitxml "$out/named.xml"; then
   GRADIENT_BACKWARD="$variant" step gradients-drawn 240 "$py" -m pytest -n 4 -m gpu -rs \
     properties/test_gradients_gpu.py -k "float64" --junitxml "$out/drawn.xml"
-  step bench 120 "$py" -m harness.bench --shapes headline --backward --configs auto \
+  step bench 150 "$py" -m harness.bench --shapes headline-both --backward --configs auto \
     --backward-impl "pallas,$variant" --out "$out/bench-backward.json"
 fi
 # ptxas's report for the variant's kernels, compiled once on the headline shape.

@@ -217,8 +217,8 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
              # Private until measured on the H200 (written in session 5, not
-             # yet run): the dK/dV kernel's causal mask only on the steps whose
-             # query block meets the warpgroup's keys on the diagonal.
+             # yet run): the causal mask, in the dK/dV and dQ kernels, only on
+             # the steps whose blocks meet on the diagonal.
              "pallas-diagonal-mask": functools.partial(backward_pallas.attention_backward,
                                                        diagonal_mask_only=True),
              "xla": backward_xla.attention_backward}

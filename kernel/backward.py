@@ -571,7 +571,8 @@ def _dq_reduce_add(part, staging, dq_dst):
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
-            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool):
+            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool,
+            diagonal_mask_only: bool = False):
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
 
   Same arguments as :func:`dkv_call`, with bias and mask in their own
@@ -643,32 +644,50 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
         bias = None if bias_ref is None else _load_broadcast(
             bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
-        key = k_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
-        query = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
-        keep = None
-        if f.is_causal:
-          keep = key <= query
-        if f.seq_kv % bkv or s_pad != f.seq_kv:
-          keep = _and(keep, key < f.seq_kv)  # padded keys
-        if ks is not None:
-          keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape, [0]))
-        if ke is not None:
-          keep = _and(keep, key < lax.broadcast_in_dim(ke, shape, [0]))
-        if mask_ref is not None:
-          m = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
-          keep = _and(keep, m != 0)
-        p = _probabilities(s, lax.broadcast_in_dim(lse2, shape, [0]), keep)
+
+        def keep_of(causal):
+          """Which (query, key) pairs of the step count (None: all)."""
+          key = k_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
+          query = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
+          keep = None
+          if causal:
+            keep = key <= query
+          if f.seq_kv % bkv or s_pad != f.seq_kv:
+            keep = _and(keep, key < f.seq_kv)  # padded keys
+          if ks is not None:
+            keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape, [0]))
+          if ke is not None:
+            keep = _and(keep, key < lax.broadcast_in_dim(ke, shape, [0]))
+          if mask_ref is not None:
+            m = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
+            keep = _and(keep, m != 0)
+          return keep
 
         def dp_(acc):
           plgpu.wgmma(acc, do_st.at[wg], v_ring.at[slot].T)
           return acc[...]
 
-        if not paired:
-          dp = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
-        ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-        if dsdu is not None:
-          ds = ds * dsdu
-        ds = _masked_to_zero(ds, keep)
+        def terms(keep, dp):
+          """P and dS of the step, zero where not kept."""
+          p = _probabilities(s, lax.broadcast_in_dim(lse2, shape, [0]), keep)
+          if dp is None:
+            dp = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
+          ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+          if dsdu is not None:
+            ds = ds * dsdu
+          return p, _masked_to_zero(ds, keep)
+
+        dp_in = dp if paired else None
+        if f.is_causal and diagonal_mask_only:
+          # Private experiment: the causal mask only where the key block
+          # reaches above this warpgroup's first query.
+          if dp_in is None:
+            dp_in = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
+          p, ds = lax.cond(k_base + bkv - 1 > q_base,
+                           lambda: terms(keep_of(True), dp_in),
+                           lambda: terms(keep_of(False), dp_in))
+        else:
+          p, ds = terms(keep_of(f.is_causal), dp_in)
 
         def dsk(acc):
           plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])
@@ -790,7 +809,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:
     dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
-                     want_ds=bias is not None)
+                     want_ds=bias is not None, diagonal_mask_only=diagonal_mask_only)
 
   dbias = None
   if bias is not None:

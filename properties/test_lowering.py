@@ -124,17 +124,20 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   assert 0 < lowered.smem_bytes <= plan.SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("extra", ["causal", "causal+mask+key-ranges"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("extra", ["causal", "causal+mask+key-ranges", "causal+bias"])
 def test_the_diagonal_mask_variant_lowers_with_the_same_shared_memory(d, extra):
   """The private pallas-diagonal-mask backward (not yet run on a GPU: the
-  causal mask only on the diagonal steps of the dK/dV kernel) lowers for
-  CUDA, with the other mask sources too, and allocates what the shipped
-  backward does: it adds a branch, not buffers."""
+  causal mask only on the diagonal steps of the dK/dV and dQ kernels; d256
+  and a bias take the dQ kernel) lowers for CUDA, with the other mask
+  sources too, and allocates what the shipped backward does: it adds a
+  branch, not buffers."""
   T, S = 300, 200
   kw = dict(is_causal=True)
-  if extra != "causal":
+  if extra == "causal+mask+key-ranges":
     kw.update(mask_shape=(1, 1, T, S), k_range_shape=(1, 4, T))
+  if extra == "causal+bias":
+    kw.update(bias_shape=(1, 4, T, S))
   shapes = dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=d)
   shipped = lower_attention(shapes, gradients=True, **kw)
   variant = lower_attention(shapes, gradients=True, _backward="pallas-diagonal-mask", **kw)

@@ -1,6 +1,6 @@
 """The conformance gate: every check this machine can run, one summary table.
 
-``python -m harness gate [--results DIR] [--quick]``
+``python -m harness gate [--results DIR] [--steps NAMES] [-- PYTEST_ARGS]``
 
 Steps, in order:
 
@@ -12,7 +12,10 @@ Steps, in order:
 4. **golden** — the golden-file check on an sm90 GPU (``harness.golden``).
 
 Steps 3 and 4 are reported as SKIPPED, with the reason, on a machine without
-an sm90 GPU.  JUnit XML of each pytest step and ``summary.md`` go to the results
+an sm90 GPU.  ``--steps`` runs a subset (the others are reported as SKIPPED,
+"not selected", and the overall line says the run was partial): on a lent GPU
+whose time is short, ``--steps gpu-properties,golden`` after the CPU steps
+passed on the same commit elsewhere.  JUnit XML of each pytest step and ``summary.md`` go to the results
 folder, and, for each pytest step, the worst error ratio against float64 per
 property and array (``<step>-error-ratios.md``, also in ``summary.md``).  The
 exit status is non-zero when any step fails.
@@ -163,6 +166,20 @@ def run_module_step(name: str, module: str, args: list[str], results: Path) -> S
   return result
 
 
+STEPS = ("cpu-properties", "proofs", "gpu-properties", "golden")
+NOT_SELECTED = "not selected (--steps)"
+
+
+def selected_steps(spec: str) -> tuple[str, ...]:
+  """The step names of a comma-separated ``--steps`` value, checked."""
+  names = tuple(n.strip() for n in spec.split(",") if n.strip())
+  unknown = [n for n in names if n not in STEPS]
+  if unknown or not names:
+    raise ValueError(f"--steps: expected a comma-separated subset of {', '.join(STEPS)}, "
+                     f"got {spec!r}")
+  return names
+
+
 def render(steps: list[StepResult], device: str) -> str:
   lines = [f"# Conformance gate\n\ndevice: {device}\n",
            "| step | status | passed | failed | skipped | time | detail |",
@@ -171,28 +188,43 @@ def render(steps: list[StepResult], device: str) -> str:
     lines.append(f"| {s.name} | {s.status} | {s.passed} | {s.failed} | {s.skipped} "
                  f"| {s.seconds:.0f}s | {s.detail} |")
   overall = "FAIL" if any(s.status == "FAIL" for s in steps) else "PASS"
-  lines.append(f"\noverall: **{overall}**")
+  left_out = [s.name for s in steps if s.detail == NOT_SELECTED]
+  partial = f" (partial: {', '.join(left_out)} not selected)" if left_out else ""
+  lines.append(f"\noverall: **{overall}**{partial}")
   return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness gate")
   parser.add_argument("--results", default="results", help="folder for JUnit XML and summary.md")
+  parser.add_argument("--steps", default=",".join(STEPS),
+                      help=f"comma-separated subset of {', '.join(STEPS)} (default: all)")
   parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
   args = parser.parse_args(argv)
+  try:
+    chosen = selected_steps(args.steps)
+  except ValueError as err:
+    parser.error(str(err))
   results = (REPO / args.results).resolve()
   results.mkdir(parents=True, exist_ok=True)
 
   has_gpu, device = gpu_summary()
-  steps = [run_pytest("cpu-properties", "not gpu", results, args.pytest_args)]
-  steps.append(run_module_step("proofs", "harness.prove", [], results))
-  if has_gpu:
-    steps.append(run_pytest("gpu-properties", "gpu", results, args.pytest_args))
-    steps.append(run_module_step("golden", "harness.golden", ["check"], results))
-  else:
-    why = f"no sm90 GPU here ({device})"
-    steps.append(StepResult("gpu-properties", "SKIPPED", detail=why))
-    steps.append(StepResult("golden", "SKIPPED", detail=why))
+  runners = {
+      "cpu-properties": lambda: run_pytest("cpu-properties", "not gpu", results,
+                                           args.pytest_args),
+      "proofs": lambda: run_module_step("proofs", "harness.prove", [], results),
+      "gpu-properties": lambda: run_pytest("gpu-properties", "gpu", results, args.pytest_args),
+      "golden": lambda: run_module_step("golden", "harness.golden", ["check"], results),
+  }
+  needs_gpu = ("gpu-properties", "golden")
+  steps = []
+  for name in STEPS:
+    if name not in chosen:
+      steps.append(StepResult(name, "SKIPPED", detail=NOT_SELECTED))
+    elif name in needs_gpu and not has_gpu:
+      steps.append(StepResult(name, "SKIPPED", detail=f"no sm90 GPU here ({device})"))
+    else:
+      steps.append(runners[name]())
 
   text = render(steps, device)
   for s in steps:

@@ -68,3 +68,43 @@ def test_nothing_is_logged_unless_the_gate_asks(tmp_path, monkeypatch):
   ref = np.ones(4)
   conformance.log_ratios([check_tolerance(ref, ref, ref, np.float32)])
   assert list(tmp_path.iterdir()) == []
+
+
+def _fake_gate(monkeypatch, has_gpu):
+  """gate.main with every step replaced by a recorder (no pytest, no z3)."""
+  ran = []
+
+  def step(name, *_args, **_kw):
+    ran.append(name)
+    return gate.StepResult(name, "PASS", passed=1)
+
+  monkeypatch.setattr(gate, "run_pytest", step)
+  monkeypatch.setattr(gate, "run_module_step", step)
+  monkeypatch.setattr(gate, "gpu_summary", lambda: (has_gpu, "fake device"))
+  return ran
+
+
+def test_steps_runs_the_chosen_steps_and_says_the_run_was_partial(tmp_path, monkeypatch):
+  ran = _fake_gate(monkeypatch, has_gpu=True)
+  assert gate.main(["--results", str(tmp_path), "--steps", "gpu-properties,golden"]) == 0
+  assert ran == ["gpu-properties", "golden"]
+  text = (tmp_path / "summary.md").read_text()
+  assert text.count(gate.NOT_SELECTED) == 2
+  assert "overall: **PASS** (partial: cpu-properties, proofs not selected)" in text
+
+
+def test_all_steps_run_by_default_and_gpu_steps_skip_without_a_gpu(tmp_path, monkeypatch):
+  ran = _fake_gate(monkeypatch, has_gpu=False)
+  assert gate.main(["--results", str(tmp_path)]) == 0
+  assert ran == ["cpu-properties", "proofs"]
+  text = (tmp_path / "summary.md").read_text()
+  assert "no sm90 GPU here (fake device)" in text and "partial" not in text
+
+
+def test_an_unknown_step_is_refused_by_name(tmp_path, monkeypatch, capsys):
+  import pytest
+  ran = _fake_gate(monkeypatch, has_gpu=True)
+  with pytest.raises(SystemExit) as exit_info:
+    gate.main(["--results", str(tmp_path), "--steps", "gpu-properties,goldens"])
+  assert exit_info.value.code == 2 and ran == []
+  assert "--steps" in capsys.readouterr().err

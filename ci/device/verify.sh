@@ -2,7 +2,10 @@
 # Verify HEAD on an H200 in one call: the whole gate, then the headline
 # benchmarks (forward, forward + backward, and a 2-D bias unstaged/staged),
 # each side by side with cuDNN in the same process.
-#   bash ci/device/verify.sh OUTDIR [all|gate|bench]
+#   bash ci/device/verify.sh OUTDIR [all|gate|gpu-gate|bench]
+# "gpu-gate" runs only the gate's GPU steps (gpu-properties, golden; ~4.5 of
+# the gate's 8 minutes): for when the CPU steps passed on the same commit
+# elsewhere (`bash ci/tox.sh -e gate` here) and device time is short.
 # One device call runs at most 10 minutes: "all" fits only when the gate
 # takes under ~7 (it took 8 in session 5); run "gate" and "bench" as two
 # calls, back to back while the machine is still warm.
@@ -10,8 +13,11 @@
 # folder was carried (see the device notes); otherwise the gate's proof step
 # fails and says why.  Each step has its own time limit.
 set -uo pipefail
-dest="${1:?usage: verify.sh OUTDIR [all|gate|bench]}"
+dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|bench]}"
 part="${2:-all}"
+case "$part" in all|gate|gpu-gate|bench) ;;
+  *) echo "verify.sh: part must be all, gate, gpu-gate or bench, got '$part'" >&2; exit 2 ;;
+esac
 # Everything goes to a work folder, packed into OUTDIR/verify.tgz at the end
 # (the device returns only a few files), with the summaries beside it.
 out="$(mktemp -d)/verify"
@@ -29,16 +35,20 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
   echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; }
 
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; } > "$out/device.txt" 2>&1
-if [ "$part" != bench ]; then
+if [ "$part" = all ] || [ "$part" = gate ]; then
   # 386 s in session 4, 480 s in session 5 (slower GPU properties): the
   # limit leaves room, inside one device call's 600 s, for little else.
   step gate 570 "$py" -m harness gate --results "$out/gate" -- -rs
 fi
-if [ "$part" != gate ]; then
+if [ "$part" = gpu-gate ]; then
+  step gate 400 "$py" -m harness gate --results "$out/gate" --steps gpu-properties,golden -- -rs
+fi
+if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench-forward 50 "$py" -m harness.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" \
     --out "$out/bench-forward.json"
-  # The shipped backward (fused dQ) against the two-kernel one, in one process.
-  step bench-backward 80 "$py" -m harness.bench --shapes headline --backward --configs auto \
+  # The shipped backward (fused dQ) against the two-kernel one, in one process,
+  # non-causal and causal.
+  step bench-backward 150 "$py" -m harness.bench --shapes headline-both --backward --configs auto \
     --backward-impl pallas,pallas-two-kernel --out "$out/bench-backward.json"
   # A 2-D bias staged through the ring (the default) against read from
   # global memory (the private _stage_2d=False), in one process.

@@ -15,8 +15,8 @@ Steps 3 and 4 are reported as SKIPPED, with the reason, on a machine without
 an sm90 GPU.  ``--steps`` runs a subset (the others are reported as SKIPPED,
 "not selected", and the overall line says the run was partial): on a lent GPU
 whose time is short, ``--steps gpu-properties,golden`` after the CPU steps
-passed on the same commit elsewhere.  JUnit XML of each pytest step and ``summary.md`` go to the results
-folder, and, for each pytest step, the worst error ratio against float64 per
+passed on the same commit elsewhere.  JUnit XML of each pytest step and
+``summary.md`` go to the results folder, and, for each pytest step, the worst error ratio against float64 per
 property and array (``<step>-error-ratios.md``, also in ``summary.md``).  The
 exit status is non-zero when any step fails.
 """
@@ -36,6 +36,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from harness import golden
 from harness.conformance import RATIO_LOG_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,8 +92,8 @@ def error_ratio_table(folder: Path) -> str | None:
   A property that feeds a deliberate defect (and passes by catching it)
   shows broken comparisons and ratios > 1."""
   worst: dict[str, dict[str, float]] = {}
-  per_array: dict[str, dict[str, int]] = {}
-  counts: dict[str, list[int]] = {}
+  per_array: dict[str, dict[str, int]] = {}   # comparisons per property and array
+  broke: dict[str, int] = {}
   for path in sorted(folder.glob("ratios-*.jsonl")):
     for line in path.read_text().splitlines():
       rec = json.loads(line)
@@ -101,9 +102,7 @@ def error_ratio_table(folder: Path) -> str | None:
       per[rec["array"]] = max(per.get(rec["array"], 0.0), float(rec["ratio"]))
       seen = per_array.setdefault(prop, {})
       seen[rec["array"]] = seen.get(rec["array"], 0) + 1
-      n = counts.setdefault(prop, [0, 0])
-      n[0] += 1
-      n[1] += not rec["passed"]
+      broke[prop] = broke.get(prop, 0) + (not rec["passed"])
   if not worst:
     return None
   arrays = [a for a in ARRAYS if any(a in per for per in worst.values())]
@@ -111,9 +110,9 @@ def error_ratio_table(folder: Path) -> str | None:
            "|---|---|---|---|" + "---|" * len(arrays)]
   for prop in sorted(worst):
     cells = [f"{worst[prop][a]:.3f}" if a in worst[prop] else "-" for a in arrays]
-    total, broke = counts[prop]
-    cases = max(per_array[prop].values())
-    lines.append(f"| {prop} | {cases} | {total} | {broke} | " + " | ".join(cells) + " |")
+    counts = per_array[prop].values()
+    lines.append(f"| {prop} | {max(counts)} | {sum(counts)} | {broke[prop]} | "
+                 + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -158,11 +157,12 @@ def run_module_step(name: str, module: str, args: list[str], results: Path) -> S
   # "N/M proven" (prove) and "k identical, ... regression" (golden) become counts.
   if m := re.search(r"(\d+)/(\d+) proven", proc.stdout):
     result.passed, result.failed = int(m[1]), int(m[2]) - int(m[1])
-  if m := re.search(r"(\d+) identical, (\d+) reordered, (\d+) drift, (\d+) regression, "
-                    r"(\d+) missing", proc.stdout):
-    result.passed = int(m[1]) + int(m[2]) + int(m[3])
-    result.failed = int(m[4]) + int(m[5])
-    result.detail = (result.detail + f" {m[2]} reordered, {m[3]} drift").strip()
+  # golden's closing line counts its verdicts, in golden.STATUSES order.
+  if m := re.search(", ".join(rf"(\d+) {s}" for s in golden.STATUSES), proc.stdout):
+    n = dict(zip(golden.STATUSES, map(int, m.groups())))
+    result.passed = sum(n[s] for s in golden.PASSING)
+    result.failed = sum(n.values()) - result.passed
+    result.detail = (result.detail + f" {n['reordered']} reordered, {n['drift']} drift").strip()
   return result
 
 

@@ -276,6 +276,30 @@ def _and(a, b):
   return b if a is None else (a if b is None else a & b)
 
 
+def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
+  """Which (key, query) pairs of a step's tile count (None: all): key <=
+  query where ``causal``, and each of ``terms`` (callables of the key
+  indices giving bool arrays: key ranges, mask, padded keys), in order.
+  ``key_dim``: the tile's dimension along keys (0 in the dK/dV kernel's
+  transposed tiles, 1 in the dQ kernel's)."""
+  key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=_WGMMA)
+  query = query_base + plgpu.broadcasted_iota(jnp.int32, shape, 1 - key_dim, layout=_WGMMA)
+  keep = key <= query if causal else None
+  for term in terms:
+    keep = _and(keep, term(key))
+  return keep
+
+
+def _masked_terms(terms, keep_of, *, causal, diagonal_only, on_diagonal):
+  """``terms(keep_of(causal))``.  With ``diagonal_only`` (the private
+  pallas-diagonal-mask), the causal mask only where ``on_diagonal()`` (a
+  traced bool: some key of the tile lies above its first query), by a
+  branch."""
+  if causal and diagonal_only:
+    return lax.cond(on_diagonal(), lambda: terms(keep_of(True)), lambda: terms(keep_of(False)))
+  return terms(keep_of(causal))
+
+
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
              blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
              diagonal_mask_only: bool = False):
@@ -358,26 +382,22 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
 
-        def keep_of(causal):
-          """Which (key, query) pairs of the step count (None: all)."""
-          key = kv_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 0, layout=_WGMMA)
-          query = q_base + plgpu.broadcasted_iota(jnp.int32, shape_t, 1, layout=_WGMMA)
-          keep = None
-          if causal:
-            keep = key <= query
-          if ks_ref is not None:
-            ks = _load_broadcast(ks_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
-            keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape_t, [1]))
-          if ke_ref is not None:
-            ke = _load_broadcast(ke_ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
-            keep = _and(keep, key < lax.broadcast_in_dim(ke, shape_t, [1]))
-          if mask_ref is not None:
-            m = _load_broadcast(mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)),
-                                shape_t, _WGMMA)
-            keep = _and(keep, m != 0)
-          if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
-            keep = _and(keep, key < f.seq_kv)  # padded keys add nothing to dQ
-          return keep
+        def per_query(ref):  # k_start / k_end of the block's queries, along the tile
+          v = _load_broadcast(ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
+          return lax.broadcast_in_dim(v, shape_t, [1])
+
+        terms = []
+        if ks_ref is not None:
+          terms.append(lambda key: key >= per_query(ks_ref))
+        if ke_ref is not None:
+          terms.append(lambda key: key < per_query(ke_ref))
+        if mask_ref is not None:
+          terms.append(lambda key: _load_broadcast(
+              mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA) != 0)
+        if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
+          terms.append(lambda key: key < f.seq_kv)  # padded keys add nothing to dQ
+        keep_of = lambda causal: _pair_keep(shape_t, kv_base, q_base, 0, causal=causal,
+                                            terms=terms)
 
         def dp_now():
           def dp_(acc):
@@ -385,7 +405,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             return acc[...]
           return pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
 
-        def terms(keep, dp):
+        def step_terms(keep, dp):
           """P^T and (for dK) dS^T of the step, zero where not kept."""
           lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
           p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
@@ -400,16 +420,11 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             ds = _masked_to_zero(ds, keep)
           return p, ds
 
-        if f.is_causal and diagonal_mask_only:
-          # Private experiment: the causal mask only where this warpgroup's
-          # keys reach above the block's first query; every other step of
-          # the walk sees all its keys.
-          if want_dk and dp is None:
-            dp = dp_now()
-          p, ds = lax.cond(kv_base + bkv - 1 > q_base,
-                           lambda: terms(keep_of(True), dp), lambda: terms(keep_of(False), dp))
-        else:
-          p, ds = terms(keep_of(f.is_causal), dp)
+        if f.is_causal and diagonal_mask_only and want_dk and dp is None:
+          dp = dp_now()  # outside the branch: both sides read it
+        p, ds = _masked_terms(lambda keep: step_terms(keep, dp), keep_of, causal=f.is_causal,
+                              diagonal_only=diagonal_mask_only,
+                              on_diagonal=lambda: kv_base + bkv - 1 > q_base)
         if fused:
           # This warpgroup's dS^T into the step's staging buffer, visible to
           # the tensor cores (fence), then the step's rendezvous: right after
@@ -645,29 +660,24 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
             bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
 
-        def keep_of(causal):
-          """Which (query, key) pairs of the step count (None: all)."""
-          key = k_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
-          query = q_base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
-          keep = None
-          if causal:
-            keep = key <= query
-          if f.seq_kv % bkv or s_pad != f.seq_kv:
-            keep = _and(keep, key < f.seq_kv)  # padded keys
-          if ks is not None:
-            keep = _and(keep, key >= lax.broadcast_in_dim(ks, shape, [0]))
-          if ke is not None:
-            keep = _and(keep, key < lax.broadcast_in_dim(ke, shape, [0]))
-          if mask_ref is not None:
-            m = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
-            keep = _and(keep, m != 0)
-          return keep
+        terms = []
+        if f.seq_kv % bkv or s_pad != f.seq_kv:
+          terms.append(lambda key: key < f.seq_kv)  # padded keys
+        if ks is not None:
+          terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
+        if ke is not None:
+          terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
+        if mask_ref is not None:
+          terms.append(lambda key: _load_broadcast(
+              mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA) != 0)
+        keep_of = lambda causal: _pair_keep(shape, k_base, q_base, 1, causal=causal,
+                                            terms=terms)
 
         def dp_(acc):
           plgpu.wgmma(acc, do_st.at[wg], v_ring.at[slot].T)
           return acc[...]
 
-        def terms(keep, dp):
+        def step_terms(keep, dp):
           """P and dS of the step, zero where not kept."""
           p = _probabilities(s, lax.broadcast_in_dim(lse2, shape, [0]), keep)
           if dp is None:
@@ -678,16 +688,11 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
           return p, _masked_to_zero(ds, keep)
 
         dp_in = dp if paired else None
-        if f.is_causal and diagonal_mask_only:
-          # Private experiment: the causal mask only where the key block
-          # reaches above this warpgroup's first query.
-          if dp_in is None:
-            dp_in = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
-          p, ds = lax.cond(k_base + bkv - 1 > q_base,
-                           lambda: terms(keep_of(True), dp_in),
-                           lambda: terms(keep_of(False), dp_in))
-        else:
-          p, ds = terms(keep_of(f.is_causal), dp_in)
+        if f.is_causal and diagonal_mask_only and dp_in is None:
+          dp_in = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))  # both branches read it
+        p, ds = _masked_terms(lambda keep: step_terms(keep, dp_in), keep_of, causal=f.is_causal,
+                              diagonal_only=diagonal_mask_only,
+                              on_diagonal=lambda: k_base + bkv - 1 > q_base)
 
         def dsk(acc):
           plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])

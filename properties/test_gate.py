@@ -108,3 +108,17 @@ def test_an_unknown_step_is_refused_by_name(tmp_path, monkeypatch, capsys):
     gate.main(["--results", str(tmp_path), "--steps", "gpu-properties,goldens"])
   assert exit_info.value.code == 2 and ran == []
   assert "--steps" in capsys.readouterr().err
+
+
+def test_the_golden_steps_counts_come_from_the_golden_tools_own_summary(tmp_path, monkeypatch):
+  """The step reads golden.render's closing line (in golden.STATUSES order):
+  passing verdicts count as passed, the others as failed."""
+  import subprocess
+  from harness import golden
+  verdicts = [golden.Verdict("a", "identical"), golden.Verdict("b", "reordered"),
+              golden.Verdict("c", "drift"), golden.Verdict("d", "regression")]
+  done = subprocess.CompletedProcess([], 1, stdout=golden.render(verdicts) + "\n", stderr="")
+  monkeypatch.setattr(gate.subprocess, "run", lambda *a, **kw: done)
+  step = gate.run_module_step("golden", "harness.golden", ["check"], tmp_path)
+  assert (step.status, step.passed, step.failed) == ("FAIL", 3, 1)
+  assert "1 reordered, 1 drift" in step.detail

@@ -216,18 +216,6 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              # reproducible, and the A/B of the fusion.
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
-             # Private until measured on the H200 (written in session 5, not
-             # yet run): the causal mask, in the dK/dV and dQ kernels, only on
-             # the steps whose blocks meet on the diagonal.
-             "pallas-diagonal-mask": functools.partial(backward_pallas.attention_backward,
-                                                       diagonal_mask_only=True),
-             # Private, session 6 (not yet run): the dK/dV grid launching G
-             # key tiles of one (batch, kv head) together; exp2's argument
-             # folded into one multiply-add.
-             **{f"pallas-tile-group-{g}": functools.partial(
-                 backward_pallas.attention_backward, tile_group=g) for g in (4, 8)},
-             "pallas-fold-scale": functools.partial(backward_pallas.attention_backward,
-                                                    fold_scale=True),
              "xla": backward_xla.attention_backward}
 
 

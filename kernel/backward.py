@@ -290,20 +290,28 @@ def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
   return keep
 
 
-def _masked_terms(terms, keep_of, *, causal, diagonal_only, on_diagonal):
-  """``terms(keep_of(causal))``.  With ``diagonal_only`` (the private
-  pallas-diagonal-mask), the causal mask only where ``on_diagonal()`` (a
-  traced bool: some key of the tile lies above its first query), by a
-  branch."""
-  if causal and diagonal_only:
+def meets_diagonal(key_base, num_keys, query_base):
+  """Whether a tile of keys [key_base, key_base + num_keys) holds a key
+  above the first query of its block (query_base), i.e. whether the causal
+  mask (key <= query) can drop any of its pairs: if not, every key of the
+  tile is at or below every query of the block.  Ints or traced int32."""
+  return key_base + num_keys - 1 > query_base
+
+
+def _masked_terms(terms, keep_of, *, causal, on_diagonal):
+  """``terms(keep_of(causal))``, with the causal mask only where
+  ``on_diagonal()`` (a traced bool: some key of the tile lies above its first
+  query), by a branch: every other step of a causal backward is wholly below
+  the diagonal and skips the mask's index arithmetic and selects.  Forward +
+  backward at the headline shape, causal: 396.2 against 318.1 TFLOP/s with
+  the mask on every step, in one process on the H200 (session 6, run 1)."""
+  if causal:
     return lax.cond(on_diagonal(), lambda: terms(keep_of(True)), lambda: terms(keep_of(False)))
-  return terms(keep_of(causal))
+  return terms(keep_of(False))
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
-             diagonal_mask_only: bool = False, tile_group: int = 1,
-             fold_scale: bool = False):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -328,10 +336,6 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     raise ValueError("the fused dQ needs dK and dV in the same launch")
   shape_t = (bkv, bq)  # S^T: keys x queries
   plan = dkv_mbarriers(blocks, outputs)
-  grouped = tile_group > 1 and kv_tiles % tile_group == 0
-  # Private (pallas-fold-scale): without bias or soft cap, exp2's argument
-  # as one multiply-add, s * (scale * log2 e) - lse2.
-  fold = fold_scale and bias_t is None and f.logits_soft_cap is None
 
   def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
            dq_ref, *out_refs_and_scratch):
@@ -342,15 +346,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     v_stat = bars.pop(0) if want_dk else None
     q_prod, do_prod, rows_prod, consumed = bars
     wg = lax.axis_index("wg")
-    if grouped:
-      # Private (pallas-tile-group-G): G consecutive key tiles of one
-      # (batch, kv head) launch together, then the next (batch, kv head).
-      hk = lax.axis_index("kv_heads")
-      outer_b = lax.axis_index("outer_batch")
-      b = lax.rem(outer_b, jnp.int32(batch))
-      j = lax.div(outer_b, jnp.int32(batch)) * tile_group + lax.axis_index("tile_in_group")
-    else:
-      j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
+    j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
     # Query blocks that can see any of this tile's keys (causal: from the
     # tile's first key on); every query head of the group, in turn.
     lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) if f.is_causal else jnp.int32(0)
@@ -393,10 +389,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           dp = None
         bias = None if bias_ref is None else _load_broadcast(
             bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
-        if fold:
-          s, dsdu = s * (f.scale * LOG2E), None
-        else:
-          s, dsdu = _scaled_logits(s, f, bias)
+        s, dsdu = _scaled_logits(s, f, bias)
 
         def per_query(ref):  # k_start / k_end of the block's queries, along the tile
           v = _load_broadcast(ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
@@ -424,12 +417,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         def step_terms(keep, dp):
           """P^T and (for dK) dS^T of the step, zero where not kept."""
           lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
-          lse2 = lax.broadcast_in_dim(lse2, shape_t, [1])
-          if fold:  # s is already in base 2
-            p = jnp.exp2(s - lse2)
-            p = p if keep is None else jnp.where(keep, p, 0.0)
-          else:
-            p = _probabilities(s, lse2, keep)
+          p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
           ds = None
           if want_dk:
             if dp is None:
@@ -441,11 +429,10 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             ds = _masked_to_zero(ds, keep)
           return p, ds
 
-        if f.is_causal and diagonal_mask_only and want_dk and dp is None:
+        if f.is_causal and want_dk and dp is None:
           dp = dp_now()  # outside the branch: both sides read it
         p, ds = _masked_terms(lambda keep: step_terms(keep, dp), keep_of, causal=f.is_causal,
-                              diagonal_only=diagonal_mask_only,
-                              on_diagonal=lambda: kv_base + bkv - 1 > q_base)
+                              on_diagonal=lambda: meets_diagonal(kv_base, bkv, q_base))
         if fused:
           # This warpgroup's dS^T into the step's staging buffer, visible to
           # the tensor cores (fence), then the step's rendezvous: right after
@@ -534,10 +521,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       # Measured against (kv_tiles, kv_heads, batch) in one process on the
       # H200 (ci/results/2026-11-30-s5, run 10), forward + backward at the
       # headline shape: 496.1 against 468.3 TFLOP/s; causal 323.7 / 313.3.
-      grid=((tile_group, num_kv_heads, batch * (kv_tiles // tile_group)) if grouped
-            else (num_kv_heads, batch, kv_tiles)),
-      grid_names=(("tile_in_group", "kv_heads", "outer_batch") if grouped
-                  else ("kv_heads", "batch", "kv_tiles")),
+      grid=(num_kv_heads, batch, kv_tiles), grid_names=("kv_heads", "batch", "kv_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, dq_accum)
@@ -610,8 +594,7 @@ def _dq_reduce_add(part, staging, dq_dst):
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
-            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool,
-            diagonal_mask_only: bool = False):
+            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool):
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
 
   Same arguments as :func:`dkv_call`, with bias and mask in their own
@@ -712,11 +695,10 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
           return p, _masked_to_zero(ds, keep)
 
         dp_in = dp if paired else None
-        if f.is_causal and diagonal_mask_only and dp_in is None:
+        if f.is_causal and dp_in is None:
           dp_in = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))  # both branches read it
         p, ds = _masked_terms(lambda keep: step_terms(keep, dp_in), keep_of, causal=f.is_causal,
-                              diagonal_only=diagonal_mask_only,
-                              on_diagonal=lambda: k_base + bkv - 1 > q_base)
+                              on_diagonal=lambda: meets_diagonal(k_base, bkv, q_base))
 
         def dsk(acc):
           plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])
@@ -786,8 +768,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, diagonal_mask_only=False, tile_group=1,
-                       fold_scale=False):
+                       fuse_dq=True):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -833,14 +814,12 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
-                        diagonal_mask_only=diagonal_mask_only, tile_group=tile_group,
-                        fold_scale=fold_scale))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:
     dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
-                     want_ds=bias is not None, diagonal_mask_only=diagonal_mask_only)
+                     want_ds=bias is not None)
 
   dbias = None
   if bias is not None:

@@ -124,26 +124,6 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   assert 0 < lowered.smem_bytes <= plan.SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("extra", ["causal", "causal+mask+key-ranges", "causal+bias"])
-def test_the_diagonal_mask_variant_lowers_with_the_same_shared_memory(d, extra):
-  """The private pallas-diagonal-mask backward (not yet run on a GPU: the
-  causal mask only on the diagonal steps of the dK/dV and dQ kernels; d256
-  and a bias take the dQ kernel) lowers for CUDA, with the other mask
-  sources too, and allocates what the shipped backward does: it adds a
-  branch, not buffers."""
-  T, S = 300, 200
-  kw = dict(is_causal=True)
-  if extra == "causal+mask+key-ranges":
-    kw.update(mask_shape=(1, 1, T, S), k_range_shape=(1, 4, T))
-  if extra == "causal+bias":
-    kw.update(bias_shape=(1, 4, T, S))
-  shapes = dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=d)
-  shipped = lower_attention(shapes, gradients=True, **kw)
-  variant = lower_attention(shapes, gradients=True, _backward="pallas-diagonal-mask", **kw)
-  assert variant.kernel_smem == shipped.kernel_smem
-
-
 @pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["fused-dq", "bias"])
 def test_the_backward_smem_estimate_matches_each_launch(d, dv, with_bias):

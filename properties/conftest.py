@@ -87,3 +87,21 @@ def pytest_collection_modifyitems(config, items):
   skip = pytest.mark.skip(reason=f"gpu test skipped: {reason}")
   for item in gpu_items:
     item.add_marker(skip)
+
+
+# The Z3 proofs' modules import z3 at the top and hold no GPU test.  The lent
+# GPU machines have no z3-solver, so a GPU-only run there (``-m gpu``: the
+# gate's gpu-properties step, ``verify.sh gpu-gate``) would fail collecting
+# them (session 6).  Only such a run leaves them out; every other run
+# collects them and fails loudly where z3 is missing.
+_NEEDS_Z3 = ("test_handoff_proof.py", "test_protocol_proof.py", "test_ring_proof.py")
+
+
+def pytest_ignore_collect(collection_path, config):
+  if collection_path.name not in _NEEDS_Z3 or config.getoption("markexpr", "") != "gpu":
+    return None
+  try:
+    import z3  # noqa: F401
+  except ImportError:
+    return True
+  return None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Session 6, device call 1: the private backward variants against the shipped
+# (The tile-group and fold-scale variants it names exist at a00c7ef only.)
 # one in one process (headline shape, non-causal and causal, with cuDNN), the
 # backward's parts at the headline shape, then the gradient properties on
 # pallas-diagonal-mask (named, reproducibility, drawn); every variant's

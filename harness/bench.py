@@ -227,7 +227,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
           q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
           want_ds=False)[0],
   }
-  if bwd.fuses_dq(blocks, with_bias=False):
+  if bwd.fuses_dq(blocks, with_bias=False, is_causal=shape.causal):
     fns["dkv+fused dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fused(q, k, v, do, rows)
   fns["forward+backward"] = lambda q, k, v, do, *_: forward_backward(q, k, v, do)
   return {name: jax.jit(fn) for name, fn in fns.items()}

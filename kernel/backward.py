@@ -16,8 +16,8 @@ producer waits on it before every refill (not before the first
   block that can see its keys, (q, dO, [lse, delta]).  Per block it forms
   S^T = K Q^T, P^T = exp2(S^T - lse) from the forward's residuals, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.  GQA sums over the
-  group inside the kernel.  With the fused dQ (head dims up to 128, no bias:
-  :func:`fuses_dq`) it also forms dQ_i's part over its keys, dS_i,tile K_tile,
+  group inside the kernel.  With the fused dQ (head dims up to 128, no bias,
+  not causal: :func:`fuses_dq`) it also forms dQ_i's part over its keys, dS_i,tile K_tile,
   and reduce-adds it in float32 into global memory (notes above
   :func:`_fused_dq_buffers`).
 * ``dq`` (where the fused dQ does not apply): a block owns ``2 * block_q`` query rows of one head (Q, dO, lse,
@@ -143,24 +143,29 @@ def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
   return _mbarriers("dq", blocks.num_stages, ("k", "v"), ("q", "do", "rows"))
 
 
-def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True
-             ) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
+             is_causal: bool = False) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
-  (the dQ kernel only where the fused dQ does not apply: head dims over 128,
-  or a bias)."""
+  (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`)."""
   blocks = blocks_for(head_dim, head_dim_out)
   groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
   out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
-  if fuses_dq(blocks, with_bias=with_bias):
+  if fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
     return out
   return out + [("dq", dq_mbarriers(blocks))]
 
 
-def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
+def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool = False) -> bool:
   """Whether dQ is accumulated in the dK/dV kernel: not for head dims over
   128 (dK and dV split, and the f32 staging would not fit 227 KiB), nor with
-  a bias, whose gradient needs the f32 dS that the dQ kernel writes."""
-  return not blocks.split_dkv and not with_bias
+  a bias, whose gradient needs the f32 dS that the dQ kernel writes, nor
+  under causal: forward + backward at the headline shape, causal, ran at
+  405.2 TFLOP/s with the dQ kernel against 378.9 fused (non-causal 458.5
+  against 518.2), in one process on the H200 (session 6, run 4).  Under
+  causal each key tile's blocks walk fewer query blocks, so the fused dQ's
+  per-step rendezvous and reduce-adds weigh more against the dQ kernel's
+  recomputed S and dP (a reason not separated by measurement)."""
+  return not blocks.split_dkv and not with_bias and not is_causal
 
 
 def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
@@ -232,13 +237,14 @@ def launch_smem_bytes(buffers, mbarriers) -> int:
 
 
 def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
-                   with_bias: bool) -> dict[str, int]:
+                   with_bias: bool, is_causal: bool = False) -> dict[str, int]:
   """Bytes of shared memory of every launch of one backward (padded head
   dims), keyed as :func:`launches` names them."""
   blocks = blocks_for(head_dim, head_dim_out)
-  fused = fuses_dq(blocks, with_bias=with_bias)
+  fused = fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
   out = {}
-  for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias):
+  for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias,
+                                  is_causal=is_causal):
     if name == "dq":
       bufs = dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=with_bias)
     else:
@@ -785,7 +791,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
-  for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None).items():
+  for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
+                                  is_causal=f.is_causal).items():
     if est > plan_lib.SMEM_LIMIT_BYTES:  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
@@ -809,7 +816,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                                      num_tiles=t_pad // tile)
 
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
-  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
   dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):

@@ -30,8 +30,9 @@ recomputes S and dP): forward + backward at the headline shape ran at
 479.1 TFLOP/s fused against 434.3 with the dQ kernel, in one process
 (ci/results/2026-11-30-s5), at the price of a dq that is
 reproducible to one ulp rather than bitwise (ORDER_DEPENDENT_GRADIENTS).
-Head dims over 128 (no room for the f32 staging) and a bias (dbias needs the
-f32 dS the dQ kernel writes) keep the second kernel.
+Head dims over 128 (no room for the f32 staging), a bias (dbias needs the
+f32 dS the dQ kernel writes) and causal attention (where the second kernel
+was the faster, session 6) keep the second kernel.
 
 The residuals are the forward's natural-log m and l: ``lse`` (base 2, what
 exp2 needs) is formed here as ``m * log2(e) + log2(l)``; a row with l = 0

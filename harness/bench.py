@@ -227,9 +227,9 @@ def backward_part_fns(shape: BenchShape) -> dict:
           q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
           want_ds=False)[0],
   }
-  # The fused kernel is timed wherever it can run (non-causal or not), so
-  # that the path the backward does not take shows too.
-  if bwd.fuses_dq(blocks, with_bias=False):
+  # The fused kernel is timed wherever it can run (causal too), so that the
+  # path the backward does not take shows too.
+  if bwd.fused_dq_fits(blocks, with_bias=False):
     fns["dkv+fused dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fused(q, k, v, do, rows)
   fns["forward+backward"] = lambda q, k, v, do, *_: forward_backward(q, k, v, do)
   return {name: jax.jit(fn) for name, fn in fns.items()}

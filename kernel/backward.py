@@ -145,9 +145,10 @@ def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
 
 
 def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
-             is_causal: bool = False) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+             is_causal: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
-  (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`)."""
+  (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`).
+  The defaults give every launch kind there is (the Z3 ring model's list)."""
   blocks = blocks_for(head_dim, head_dim_out)
   groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
   out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
@@ -156,17 +157,22 @@ def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
   return out + [("dq", dq_mbarriers(blocks))]
 
 
-def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool = False) -> bool:
-  """Whether dQ is accumulated in the dK/dV kernel: not for head dims over
-  128 (dK and dV split, and the f32 staging would not fit 227 KiB), nor with
-  a bias, whose gradient needs the f32 dS that the dQ kernel writes, nor
-  under causal: forward + backward at the headline shape, causal, ran at
+def fused_dq_fits(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
+  """Whether the dK/dV kernel can accumulate dQ at all: not for head dims
+  over 128 (dK and dV split, and the f32 staging would not fit 227 KiB), nor
+  with a bias, whose gradient needs the f32 dS that the dQ kernel writes."""
+  return not blocks.split_dkv and not with_bias
+
+
+def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> bool:
+  """Whether the backward accumulates dQ in the dK/dV kernel: where it fits
+  (:func:`fused_dq_fits`) and not under causal: forward + backward at the headline shape, causal, ran at
   405.2 TFLOP/s with the dQ kernel against 378.9 fused (non-causal 458.5
   against 518.2), in one process on the H200 (session 6, run 4).  Under
   causal each key tile's blocks walk fewer query blocks, so the fused dQ's
   per-step rendezvous and reduce-adds weigh more against the dQ kernel's
   recomputed S and dP (a reason not separated by measurement)."""
-  return not blocks.split_dkv and not with_bias and not is_causal
+  return fused_dq_fits(blocks, with_bias=with_bias) and not is_causal
 
 
 def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
@@ -238,7 +244,7 @@ def launch_smem_bytes(buffers, mbarriers) -> int:
 
 
 def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
-                   with_bias: bool, is_causal: bool = False) -> dict[str, int]:
+                   with_bias: bool, is_causal: bool) -> dict[str, int]:
   """Bytes of shared memory of every launch of one backward (padded head
   dims), keyed as :func:`launches` names them."""
   blocks = blocks_for(head_dim, head_dim_out)

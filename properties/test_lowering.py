@@ -125,17 +125,21 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
 
 
 @pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["fused-dq", "bias"])
-def test_the_backward_smem_estimate_matches_each_launch(d, dv, with_bias):
+@pytest.mark.parametrize("path", ["fused-dq", "bias", "causal"])
+def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):
   """kernel.backward.smem_estimates, computed from the buffer descriptions
   the backward kernels allocate, is never below what the lowering counts for
-  its launch and within SMEM_MARGIN_BYTES above it."""
+  its launch and within SMEM_MARGIN_BYTES above it, on each dQ path (fused
+  where it fits; the dQ kernel with a bias and under causal)."""
   from kernel import backward
   T = S = 256
+  with_bias, is_causal = path == "bias", path == "causal"
   kw = dict(bias_shape=(1, 4, T, S)) if with_bias else {}
-  lowered = lower_attention(dict(B=1, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True, **kw)
+  lowered = lower_attention(dict(B=1, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True,
+                            is_causal=is_causal, **kw)
   estimates = backward.smem_estimates(plan.padded_head_dim(d), plan.padded_head_dim(dv),
-                                      np.dtype(ml_dtypes.bfloat16), with_bias=with_bias)
+                                      np.dtype(ml_dtypes.bfloat16), with_bias=with_bias,
+                                      is_causal=is_causal)
   # The backward's launches are lowered after the forward, in launch order.
   counted = lowered.kernel_smem[-len(estimates):]
   assert len(lowered.kernel_smem) == 1 + len(estimates), lowered.kernel_smem  # forward first

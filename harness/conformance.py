@@ -70,19 +70,15 @@ def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, hea
   return ForwardCase(q, k, v, **kwargs)
 
 
-def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, mutant=None,
-               stage_2d=True):
+def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2d=True):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
-  ``mutant`` (else the variable ``kernel.mutants.ENV``) runs one of the
-  kernel's deliberate defects, for tests that the harness catches it;
   ``stage_2d`` the staging of 2-D bias/mask through the ring (the API's
   default; False reads them from global memory, the private _stage_2d).
   """
   import jax
   import jax.numpy as jnp
-  from kernel import api, mutants
-  mutant = mutant or mutants.from_env()
+  from kernel import api
   args = [jnp.asarray(x) for x in (case.query, case.key, case.value)]
   result = api.dot_product_attention(
       *args, None if case.bias is None else jnp.asarray(case.bias),
@@ -92,7 +88,7 @@ def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, mutant=
       k_end=None if case.k_end is None else jnp.asarray(case.k_end),
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
-      config=config, _mutant=mutant, _stage_2d=stage_2d)
+      config=config, _stage_2d=stage_2d)
   result = jax.block_until_ready(result)
   if return_residuals:
     out, (m, l) = result

@@ -11,8 +11,20 @@ Steps, in order:
 3. **gpu-properties** — ``pytest -n auto properties/ -m gpu`` on an sm90 GPU.
 4. **golden** — the golden-file check on an sm90 GPU (``harness.golden``).
 
-Steps 3 and 4 are reported as SKIPPED, with the reason, on a machine without
-an sm90 GPU.  ``--steps`` runs a subset (the others are reported as SKIPPED,
+Optional steps, run only when named in ``--steps``:
+
+5. **mutants** — ``python -m harness mutants``: every catalogued kernel defect
+   against the tests that must kill it; its table and mutation score go into
+   the summary (harness/mutants.py).
+6. **memcheck** — ``compute-sanitizer --tool memcheck`` on one small forward
+   and backward, restricted to the kernels; SKIPPED with the tool's own
+   message where it is missing or the runtime refuses it.
+
+Steps 3 to 6 are reported as SKIPPED, with the reason, on a machine without
+an sm90 GPU.  Every step runs under a time limit (``--step-timeout``), and
+every pytest test under a per-test one (``--test-timeout``, the watchdog of
+harness/watchdog.py): a hang fails the step and the summary names the test
+that hung.  ``--steps`` runs a subset (the others are reported as SKIPPED,
 "not selected", and the overall line says the run was partial): on a lent GPU
 whose time is short, ``--steps gpu-properties,golden`` after the CPU steps
 passed on the same commit elsewhere.  JUnit XML of each pytest step and
@@ -36,7 +48,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness import golden
+from harness import golden, watchdog
 from harness.conformance import RATIO_LOG_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,57 +128,147 @@ def error_ratio_table(folder: Path) -> str | None:
   return "\n".join(lines) + "\n"
 
 
-def run_pytest(name: str, marker: str, results: Path, extra: list[str]) -> StepResult:
+# Seconds: a whole step, and one pytest test (the watchdog).  The GPU
+# properties took ~4 minutes in all on the H200 (session 6); no single test
+# took more than ~1 minute.
+STEP_TIMEOUT = 1200.0
+TEST_TIMEOUT = 300.0
+
+
+def run_limited(cmd: list[str], *, timeout: float, env=None, capture=False):
+  """(returncode or None when the limit stopped it, stdout or None): the
+  command in its own process group, all of which is killed at the limit."""
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
+                          stdout=subprocess.PIPE if capture else None,
+                          stderr=subprocess.PIPE if capture else None, text=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, 9)
+    out, err = proc.communicate()
+    proc.returncode = None
+  if capture:
+    print(out or "", end="")
+    print(err or "", end="", file=sys.stderr)
+    return proc.returncode, (out or "") + (err or "")
+  return proc.returncode, None
+
+
+def run_pytest(name: str, marker: str, results: Path, extra: list[str], *,
+               step_timeout: float = STEP_TIMEOUT,
+               test_timeout: float = TEST_TIMEOUT) -> StepResult:
   junit = results / f"{name}.xml"
   cmd = [sys.executable, "-m", "pytest", "-n", "auto", "properties/", "-m", marker,
          f"--junitxml={junit}", "-q", *extra]
   ratios = results / f"{name}-ratios"
-  shutil.rmtree(ratios, ignore_errors=True)
+  hangs = results / f"{name}-hangs"
+  for folder in (ratios, hangs):
+    shutil.rmtree(folder, ignore_errors=True)
   ratios.mkdir(parents=True)
   start = time.time()
-  proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, RATIO_LOG_ENV: str(ratios)})
+  env = {**os.environ, RATIO_LOG_ENV: str(ratios), watchdog.TEST_TIMEOUT_ENV: str(test_timeout),
+         watchdog.HANG_DIR_ENV: str(hangs)}
+  rc, _ = run_limited(cmd, timeout=step_timeout, env=env)
   seconds = time.time() - start
+  hung = watchdog.hung_tests(folder=hangs)
+  hung_note = f"hung (over {test_timeout:.0f} s): {', '.join(hung)}" if hung else ""
+  if rc is None:
+    return StepResult(name, "FAIL", seconds=seconds,
+                      detail=f"stopped at the step's limit of {step_timeout:.0f} s {hung_note}".strip())
   table = error_ratio_table(ratios)
   if table is not None:
     (results / f"{name}-error-ratios.md").write_text(
         f"# Worst error ratio per property ({name})\n\n{table}")
   if not junit.exists():
-    return StepResult(name, "FAIL", seconds=seconds, detail=f"pytest exited {proc.returncode}, no report")
+    return StepResult(name, "FAIL", seconds=seconds,
+                      detail=f"pytest exited {rc}, no report {hung_note}".strip())
   passed, failed, skipped = _junit_counts(junit)
-  ok = proc.returncode == 0 and failed == 0 and passed > 0
-  detail = "" if ok else f"pytest exited {proc.returncode}"
+  ok = rc == 0 and failed == 0 and passed > 0 and not hung
+  detail = "" if ok else f"pytest exited {rc}"
   if passed == 0 and failed == 0:
     detail = "no test ran"
+  detail = f"{detail} {hung_note}".strip()
   return StepResult(name, "PASS" if ok else "FAIL", passed, failed, skipped, seconds, detail)
 
 
-def run_module_step(name: str, module: str, args: list[str], results: Path) -> StepResult:
+def run_module_step(name: str, module: str, args: list[str], results: Path, *,
+                    step_timeout: float = STEP_TIMEOUT) -> StepResult:
   """``python -m harness <command>``; its output is shown and kept as
   ``results/<name>.md`` (the golden step's is the drift table)."""
   if importlib.util.find_spec(module) is None:
     return StepResult(name, "FAIL", detail=f"{module} is missing")
   start = time.time()
-  proc = subprocess.run([sys.executable, "-m", "harness", module.split(".")[-1], *args],
-                        cwd=REPO, capture_output=True, text=True)
-  print(proc.stdout, end="")
-  print(proc.stderr, end="", file=sys.stderr)
-  (results / f"{name}.md").write_text(proc.stdout)
-  ok = proc.returncode == 0
-  result = StepResult(name, "PASS" if ok else "FAIL", seconds=time.time() - start,
-                      detail="" if ok else f"exit status {proc.returncode}")
+  rc, output = run_limited([sys.executable, "-m", "harness", module.split(".")[-1], *args],
+                           timeout=step_timeout, capture=True)
+  (results / f"{name}.md").write_text(output)
+  ok = rc == 0
+  detail = ("" if ok else f"exit status {rc}" if rc is not None
+            else f"stopped at the step's limit of {step_timeout:.0f} s")
+  result = StepResult(name, "PASS" if ok else "FAIL", seconds=time.time() - start, detail=detail)
+  stdout = output
   # "N/M proven" (prove) and "k identical, ... regression" (golden) become counts.
-  if m := re.search(r"(\d+)/(\d+) proven", proc.stdout):
+  if m := re.search(r"(\d+)/(\d+) proven", stdout):
     result.passed, result.failed = int(m[1]), int(m[2]) - int(m[1])
   # golden's closing line counts its verdicts, in golden.STATUSES order.
-  if m := re.search(", ".join(rf"(\d+) {s}" for s in golden.STATUSES), proc.stdout):
+  if m := re.search(", ".join(rf"(\d+) {s}" for s in golden.STATUSES), stdout):
     n = dict(zip(golden.STATUSES, map(int, m.groups())))
     result.passed = sum(n[s] for s in golden.PASSING)
     result.failed = sum(n.values()) - result.passed
     result.detail = (result.detail + f" {n['reordered']} reordered, {n['drift']} drift").strip()
+  # "mutation score: k/n = ..." (mutants): caught / not caught.
+  if m := re.search(r"mutation score: (\d+)/(\d+)", stdout):
+    result.passed, result.failed = int(m[1]), int(m[2]) - int(m[1])
+    result.detail = (result.detail + " " + stdout[m.start():].splitlines()[0]).strip()
   return result
 
 
-STEPS = ("cpu-properties", "proofs", "gpu-properties", "golden")
+# The sanitizer's run: one small forward and backward (a few kernels of a few
+# blocks; a whole process under racecheck did not finish in 10 minutes, GUIDE).
+MEMCHECK_PROGRAM = """
+import jax, jax.numpy as jnp
+from kernel import api
+ks = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(ks[0], (1, 200, 2, 64), jnp.bfloat16)
+k = jax.random.normal(ks[1], (1, 150, 1, 64), jnp.bfloat16)
+v = jax.random.normal(ks[2], (1, 150, 1, 64), jnp.bfloat16)
+f = lambda q, k, v: jnp.sum(api.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+print(jax.block_until_ready(jax.grad(f, argnums=(0, 1, 2))(q, k, v))[0].shape)
+"""
+# Mosaic GPU names a launch after its body function (kernel_body in the
+# forward, body in the backward's two kernels): a substring filter (kns=).
+MEMCHECK_KERNELS = "kns=body"
+
+
+def run_memcheck(results: Path, *, step_timeout: float = 300.0) -> StepResult:
+  """compute-sanitizer memcheck on MEMCHECK_PROGRAM, restricted to the
+  kernels: PASS on "ERROR SUMMARY: 0 errors", FAIL on errors, SKIPPED with
+  the tool's own words where it is missing or refuses to run."""
+  tool = shutil.which("compute-sanitizer")
+  if tool is None:
+    return StepResult("memcheck", "SKIPPED", detail="compute-sanitizer not found on PATH")
+  start = time.time()
+  cmd = [tool, "--tool", "memcheck", "--kernel-name", MEMCHECK_KERNELS, "--error-exitcode", "3",
+         sys.executable, "-c", MEMCHECK_PROGRAM]
+  env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  rc, output = run_limited(cmd, timeout=step_timeout, env=env, capture=True)
+  (results / "memcheck.md").write_text(output)
+  seconds = time.time() - start
+  summary = re.search(r"ERROR SUMMARY: (\d+) error", output)
+  if rc is None:
+    return StepResult("memcheck", "FAIL", seconds=seconds,
+                      detail=f"stopped at the step's limit of {step_timeout:.0f} s")
+  if summary is None or (rc != 0 and rc != 3):
+    said = " ".join(l.strip() for l in output.strip().splitlines()[-3:])[-300:]
+    return StepResult("memcheck", "SKIPPED", seconds=seconds,
+                      detail=f"compute-sanitizer did not run the kernels (exit {rc}): {said}")
+  errors = int(summary[1])
+  return StepResult("memcheck", "PASS" if errors == 0 and rc == 0 else "FAIL",
+                    passed=int(errors == 0), failed=int(errors > 0), seconds=seconds,
+                    detail=summary[0])
+
+
+STEPS = ("cpu-properties", "proofs", "gpu-properties", "golden", "mutants", "memcheck")
+DEFAULT_STEPS = STEPS[:4]
 NOT_SELECTED = "not selected (--steps)"
 
 
@@ -197,8 +299,13 @@ def render(steps: list[StepResult], device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness gate")
   parser.add_argument("--results", default="results", help="folder for JUnit XML and summary.md")
-  parser.add_argument("--steps", default=",".join(STEPS),
-                      help=f"comma-separated subset of {', '.join(STEPS)} (default: all)")
+  parser.add_argument("--steps", default=",".join(DEFAULT_STEPS),
+                      help=f"comma-separated subset of {', '.join(STEPS)} "
+                           f"(default: {', '.join(DEFAULT_STEPS)})")
+  parser.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT,
+                      help="seconds a step may run before it is stopped (FAIL)")
+  parser.add_argument("--test-timeout", type=float, default=TEST_TIMEOUT,
+                      help="seconds one pytest test may run (the watchdog names it)")
   parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
   args = parser.parse_args(argv)
   try:
@@ -209,18 +316,28 @@ def main(argv: list[str] | None = None) -> int:
   results.mkdir(parents=True, exist_ok=True)
 
   has_gpu, device = gpu_summary()
+  limits = dict(step_timeout=args.step_timeout)
+  tests = dict(limits, test_timeout=args.test_timeout)
   runners = {
       "cpu-properties": lambda: run_pytest("cpu-properties", "not gpu", results,
-                                           args.pytest_args),
-      "proofs": lambda: run_module_step("proofs", "harness.prove", [], results),
-      "gpu-properties": lambda: run_pytest("gpu-properties", "gpu", results, args.pytest_args),
-      "golden": lambda: run_module_step("golden", "harness.golden", ["check"], results),
+                                           args.pytest_args, **tests),
+      "proofs": lambda: run_module_step("proofs", "harness.prove", [], results, **limits),
+      "gpu-properties": lambda: run_pytest("gpu-properties", "gpu", results, args.pytest_args,
+                                           **tests),
+      "golden": lambda: run_module_step("golden", "harness.golden", ["check"], results,
+                                        **limits),
+      "mutants": lambda: run_module_step(
+          "mutants", "harness.mutants",
+          ["--out", str(results / "mutants"), "--test-timeout", str(min(args.test_timeout, 90))],
+          results, **limits),
+      "memcheck": lambda: run_memcheck(results, step_timeout=min(args.step_timeout, 300)),
   }
-  needs_gpu = ("gpu-properties", "golden")
+  needs_gpu = ("gpu-properties", "golden", "mutants", "memcheck")
   steps = []
   for name in STEPS:
     if name not in chosen:
-      steps.append(StepResult(name, "SKIPPED", detail=NOT_SELECTED))
+      if name in DEFAULT_STEPS:
+        steps.append(StepResult(name, "SKIPPED", detail=NOT_SELECTED))
     elif name in needs_gpu and not has_gpu:
       steps.append(StepResult(name, "SKIPPED", detail=f"no sm90 GPU here ({device})"))
     else:
@@ -231,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = results / f"{s.name}-error-ratios.md"
     if s.status != "SKIPPED" and ratios.exists():
       text += "\n" + ratios.read_text().replace("# Worst", "## Worst", 1)
+  table = results / "mutants" / "mutants.md"
+  if "mutants" in chosen and table.exists():
+    text += "\n" + table.read_text().replace("# Kernel mutants", "## Kernel mutants", 1)
   (results / "summary.md").write_text(text)
   print("\n" + text)
   return 1 if any(s.status == "FAIL" for s in steps) else 0

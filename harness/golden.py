@@ -173,7 +173,7 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
   dtype, m/l float32."""
   import jax
   import jax.numpy as jnp
-  from kernel import api, mutants
+  from kernel import api
   case = spec.build()
   j = lambda x: None if x is None else jnp.asarray(x)
 
@@ -182,7 +182,7 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
         q, k, v, bias, j(case.mask), is_causal=case.is_causal, k_start=j(case.k_start),
         k_end=j(case.k_end), logits_soft_cap=case.logits_soft_cap,
         rescale_threshold=case.rescale_threshold, normalize_output=case.normalize_output,
-        return_residuals=True, config=spec.resolved_config(), _mutant=mutants.from_env())
+        return_residuals=True, config=spec.resolved_config())
 
   args = (j(case.query), j(case.key), j(case.value), j(case.bias))
   if not spec.has_gradients:

@@ -1,11 +1,13 @@
-"""Run a kernel mutant (kernel/mutants.py) on cases built to expose it.
+"""Run the kernel of this tree on case sets built to expose known defects.
 
-``python -m harness.mutant_run NAME [--cases SET]`` prints one JSON line per
-case: ``{"case": ..., "passed": bool, "detail": ...}`` and exits 0 once every
-case has run, whatever the verdicts.  A mutant may also hang the GPU (a
-producer that no longer waits can leave a consumer waiting on a fill that
-never comes), so tests run this in a child process under a timeout and count
-a timeout, or a crash, as the mutant being caught.
+``python -m harness.mutant_run SET`` prints one JSON line per case:
+``{"case": ..., "passed": bool, "detail": ..., "arrays": {name: passed}}``
+and exits 0 once every case has run, whatever the verdicts.  The tests of
+properties/test_mutants_gpu.py run it in a patched copy of the package
+(harness/mutants.py) and in the shipped one, in child processes under a time
+limit: a mutant may hang the GPU (a producer that no longer waits can leave a
+consumer waiting on a fill that never comes), and a timeout or a crash counts
+as the mutant being caught.
 """
 
 from __future__ import annotations
@@ -44,22 +46,64 @@ def carry_cases():
   return cases
 
 
-CASE_SETS = {"carry": carry_cases}
+def residual_cases():
+  """A plain case where only the base of the m residual can go wrong."""
+  from harness.conformance import random_case
+  c = random_case(np.random.default_rng(3), seq_q=256, seq_kv=512, heads=2, kv_heads=1,
+                  head_dim=128)
+  return [("plain-d128", c, None)]
+
+
+def gradient_cases():
+  """A plain case for the gradients through the kernel's custom_vjp."""
+  from harness import strategies as hs
+  spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=1, T=256, N=2, H=64, S=384, K=1, Hv=64),
+                     dtype="bfloat16", seed=9, input_std=2.0)
+  return [("plain-d64-gradients", hs.build_case(spec), None)]
+
+
+CASE_SETS = {"carry": carry_cases, "residuals": residual_cases, "gradients": gradient_cases}
+
+
+def _forward_line(name, case, config):
+  from harness.conformance import check_forward, poison_device_memory, run_kernel
+  poison_device_memory(4 * case.query.nbytes)
+  out, m, l = run_kernel(case, config=config)
+  report = check_forward(case, out, m, l)
+  arrays = {a: getattr(report, a).passed for a in ("out", "m", "l")}
+  return dict(case=name, passed=report.passed, detail=report.summary(), arrays=arrays)
+
+
+def _gradient_line(name, case, config):
+  import jax
+  import jax.numpy as jnp
+  from harness.conformance import gradient_reports
+  from kernel import api
+  kw = case.kwargs
+  d_out = jnp.asarray(case.d_out, jnp.float32)
+
+  def loss(q, k, v):
+    out = api.dot_product_attention(q, k, v, scale=kw["scale"], is_causal=kw["is_causal"],
+                                    logits_soft_cap=kw["logits_soft_cap"], config=config)
+    return jnp.sum(out.astype(jnp.float32) * d_out)
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x) for x in case.args[:3]))
+  got = [np.asarray(g.astype(jnp.float32), np.float64) for g in got] + [None]
+  reports = gradient_reports(case, got)
+  arrays = {r.name: bool(r.passed) for r in reports}
+  return dict(case=name, passed=all(arrays.values()), arrays=arrays,
+              detail="; ".join(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}"
+                               for r in reports))
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness.mutant_run")
-  parser.add_argument("mutant", help="a name from kernel.mutants.ALL, or 'none'")
-  parser.add_argument("--cases", default="carry", choices=sorted(CASE_SETS))
+  parser.add_argument("cases", choices=sorted(CASE_SETS))
   args = parser.parse_args(argv)
-  from harness.conformance import check_forward, poison_device_memory, run_kernel
-  mutant = None if args.mutant == "none" else args.mutant
+  run = _gradient_line if args.cases == "gradients" else _forward_line
   for name, case, config in CASE_SETS[args.cases]():
-    poison_device_memory(4 * case.query.nbytes)
     try:
-      out, m, l = run_kernel(case, config=config, mutant=mutant)
-      report = check_forward(case, out, m, l)
-      line = dict(case=name, passed=report.passed, detail=report.summary())
+      line = run(name, case, config)
     except Exception as err:  # a crash is a caught mutant too
       line = dict(case=name, passed=False, detail=f"{type(err).__name__}: {err}"[:300])
     print(json.dumps(line), flush=True)

@@ -24,7 +24,6 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from kernel import mutants
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel.config import Config
@@ -158,7 +157,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, _mutant=None, _backward="pallas", _stage_2d=True):
+                          config=None, _backward="pallas", _stage_2d=True):
   """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
 
   m (B, N, T) is the row max of the final logits in natural-log space, l the
@@ -196,7 +195,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       normalize_output=bool(normalize_output),
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
-      mutant=mutants.check(_mutant),
       stage_2d=stage_2d)
   if _backward not in BACKWARDS:
     raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")

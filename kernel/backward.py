@@ -37,7 +37,8 @@ was the faster, session 6) keep the second kernel.
 The residuals are the forward's natural-log m and l: ``lse`` (base 2, what
 exp2 needs) is formed here as ``m * log2(e) + log2(l)``; a row with l = 0
 (fully masked) gets lse = +inf, so its P is exactly 0.  A forward that stored
-m in base 2 yields wrong gradients here (kernel/mutants.py).
+m in base 2 yields wrong gradients here (seed 000; the harness keeps that
+defect in its catalogue of source patches).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
 from kernel import barriers
-from kernel import mutants
 from kernel import plan as plan_lib
 from kernel.config import Config
 from kernel.pipeline import PipelineState
@@ -62,9 +61,6 @@ class Features:
   return_residuals: bool
   seq_q: int          # unpadded
   seq_kv: int         # unpadded
-  # Private: one of kernel/mutants.py's deliberate defects, or None.  Only
-  # tests set it.
-  mutant: str | None = None
   # Private until measured on the H200: a bias or mask that varies along both
   # T and S goes through the stage ring (TMA, with the keys) instead of being
   # read from global memory by the compute warpgroups.
@@ -152,7 +148,8 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
 
 
 def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
-                            *, features: Features, config: Config, num_sms: int = 132):
+                            *, features: Features, config: Config, num_sms: int = 132,
+                            outputs=None):
   """Launch the kernel on padded, validated inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv): D, Dv multiples of 64,
@@ -161,6 +158,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   (B|1, N|1, Tp|1)), k_range_tiles: None or (start_min, start_max, end_min,
   end_max) each (B|1, N|1, num_tiles) int32.
   Returns out (B, Tp, N, Dv) and, with return_residuals, m and l (B, N, Tp) f32.
+
+  ``outputs``: None, or mutable arrays (``jax.new_ref``) the kernel writes
+  instead of returning fresh ones: out (B, To, N, Dv) and, with residuals,
+  m and l (B, N, To), with To >= Tp.  Rows from Tp on are a guard band the
+  kernel must leave as they were (properties/test_guard_band_gpu.py: a fresh
+  output cannot show a write past its end, which the TMA unit drops).
+  Returns (None, None) then.
   """
   f = features
   batch, t_pad, num_heads, head_dim = q.shape
@@ -221,8 +225,6 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   def ring_state(prev_iters, lb, ki):
     """The ring position of tile-local key block ki, for producer and
     consumers alike: the global block count, carried across tiles."""
-    if f.mutant == mutants.NO_PREV_ITERS_CARRY:
-      prev_iters = 0
     return PipelineState.at(stages, prev_iters + (ki - lb))
 
   def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
@@ -366,8 +368,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           alpha = jnp.exp2(m_scale - safe(m_ij))
           rescale = (alpha < threshold) | (m_scale == _NEG_INF)
           factor = jnp.where(rescale, alpha, 1.0)
-          if f.mutant != mutants.THRESHOLD_BRANCH_SKIPS_L:
-            l_i = l_i * factor
+          l_i = l_i * factor
           m_scale = jnp.where(rescale, m_ij, m_scale)
           pending = [m_scale]
           base = safe(m_scale)
@@ -525,8 +526,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       o_smem = o_smems.at[wg]
       o_smem[...] = out.astype(dtype)
       if f.return_residuals:
-        m_res = m_i if f.mutant == mutants.RESIDUAL_M_BASE2 else m_i * (1.0 / LOG2E)
-        m_smems.at[wg][...] = m_res
+        m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
         l_smems.at[wg][...] = l_res
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
@@ -646,6 +646,15 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   else:
     grid = (num_heads, num_tiles, batch)
     grid_names = ("heads", "q_tiles", "batch")
+  if outputs is not None:
+    _check_guarded_outputs(outputs, out_type)
+    # Operands after the eight inputs: kernel_body takes them as its outputs.
+    plgpu.kernel(
+        kernel_body, out_type=[], grid=grid, grid_names=grid_names,
+        num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+    )(q, k, v, bias, mask, k_start, k_end, k_range_tiles, *outputs)
+    return None, None
   results = plgpu.kernel(
       kernel_body,
       out_type=out_type,
@@ -661,3 +670,17 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     return out, (m, l)
   (out,) = results if isinstance(results, (list, tuple)) else (results,)
   return out, None
+
+
+def _check_guarded_outputs(outputs, out_type):
+  if len(outputs) != len(out_type):
+    raise ValueError(f"outputs: expected {len(out_type)} arrays (out, and m, l with "
+                     f"residuals), got {len(outputs)}")
+  for ref, want, name in zip(outputs, out_type, ("out", "m", "l")):
+    axis = 1 if name == "out" else 2
+    shape, dtype = tuple(ref.shape), jnp.dtype(ref.dtype)
+    fits = (len(shape) == len(want.shape) and shape[axis] >= want.shape[axis]
+            and all(a == b for i, (a, b) in enumerate(zip(shape, want.shape)) if i != axis))
+    if not fits or dtype != want.dtype:
+      raise ValueError(f"outputs: {name} must be {want.dtype} shaped like {want.shape} with "
+                       f"axis {axis} at least as long, got {dtype} {shape}")

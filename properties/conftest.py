@@ -105,3 +105,17 @@ def pytest_ignore_collect(collection_path, config):
   except ImportError:
     return True
   return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Each test under harness.watchdog's time limit (FLASH_TEST_TIMEOUT)."""
+  from harness import watchdog
+  try:
+    limit = watchdog.test_timeout()
+  except ValueError as err:
+    raise pytest.UsageError(str(err)) from None
+  capture = item.config.pluginmanager.getplugin("capturemanager")
+  release = (lambda: capture.suspend_global_capture(in_=False)) if capture else (lambda: None)
+  with watchdog.armed(item.nodeid, limit, release):
+    yield

@@ -17,7 +17,7 @@ from harness import strategies as hs
 from harness.conformance import (ForwardCase, check_forward, compute_dtype,
                                  poison_device_memory, run_kernel)
 from harness.device_check import extra_cases, fixed_cases, problem_of
-from kernel import heuristics, mutants, plan
+from kernel import heuristics, plan
 
 pytestmark = pytest.mark.gpu
 
@@ -109,16 +109,41 @@ def test_nan_in_one_query_row_stays_in_that_row():
   assert report.passed, report.summary()
 
 
-def test_base2_residual_variant_is_caught_by_the_residual_property():
-  """The kernel variant that leaves m in base 2 passes the output check and
-  fails the residual check (the bug forward-only testing misses)."""
-  rng = np.random.default_rng(3)
-  from harness.conformance import random_case
-  fc = random_case(rng, seq_q=256, seq_kv=512, heads=2, kv_heads=1, head_dim=128)
-  out, m, l = run_kernel(fc, mutant=mutants.RESIDUAL_M_BASE2)
+_CARRY = ("3-blocks-per-tile", "causal-1-to-16", "causal-3-stages",
+          "key-ranges-with-empty-tiles")
+
+
+@pytest.mark.parametrize("name", _CARRY)
+def test_persistent_ring_carry_cases(name):
+  """Persistent blocks walking several tiles whose key-block counts vary, are
+  not multiples of the stage count, and include zero (harness.mutant_run's
+  carry cases): the ring position and the handoffs must survive every tile
+  boundary (the prev_iters carry, the empty tile's token pass and query
+  release)."""
+  from harness.mutant_run import carry_cases
+  ((_, fc, cfg),) = [c for c in carry_cases() if c[0] == name]
+  poison_device_memory(4 * fc.query.nbytes)
+  out, m, l = run_kernel(fc, config=cfg)
   report = check_forward(fc, out, m, l)
-  assert report.out.passed and report.l.passed
-  assert not report.m.passed
+  assert report.passed, report.summary()
+
+
+def test_float16_deferred_rescale_does_not_overflow():
+  """float16, rescale_threshold 0, logits rising by ~90 (base 2) across the
+  keys: without the API's floor on the threshold (2^-14) the deferred
+  probabilities exceed float16's range and the output turns inf/NaN; with
+  it the output is within the rule."""
+  rng = np.random.default_rng(14)
+  from harness.conformance import random_case
+  fc = random_case(rng, seq_q=128, seq_kv=1024, heads=1, kv_heads=1, head_dim=64,
+                   dtype="float16", rescale_threshold=0.0)
+  fc.query[...] = np.float16(1.0)
+  ramp = np.linspace(0.0, 8.0, 1024, dtype=np.float64)[None, :, None, None]
+  fc.key = (ramp + 0.05 * rng.standard_normal(fc.key.shape)).astype(np.float16)
+  out, m, l = run_kernel(fc)
+  assert np.isfinite(out).all() and np.isfinite(l).all()
+  report = check_forward(fc, out, m, l)
+  assert report.passed, report.summary()
 
 
 _NAMED = [(n, kw, c) for n, kw, c in fixed_cases()]

@@ -113,12 +113,11 @@ def test_an_unknown_step_is_refused_by_name(tmp_path, monkeypatch, capsys):
 def test_the_golden_steps_counts_come_from_the_golden_tools_own_summary(tmp_path, monkeypatch):
   """The step reads golden.render's closing line (in golden.STATUSES order):
   passing verdicts count as passed, the others as failed."""
-  import subprocess
   from harness import golden
   verdicts = [golden.Verdict("a", "identical"), golden.Verdict("b", "reordered"),
               golden.Verdict("c", "drift"), golden.Verdict("d", "regression")]
-  done = subprocess.CompletedProcess([], 1, stdout=golden.render(verdicts) + "\n", stderr="")
-  monkeypatch.setattr(gate.subprocess, "run", lambda *a, **kw: done)
+  monkeypatch.setattr(gate, "run_limited",
+                      lambda *a, **kw: (1, golden.render(verdicts) + "\n"))
   step = gate.run_module_step("golden", "harness.golden", ["check"], tmp_path)
   assert (step.status, step.passed, step.failed) == ("FAIL", 3, 1)
   assert "1 reordered, 1 drift" in step.detail
@@ -148,3 +147,62 @@ def test_the_gpu_step_collects_without_z3_and_the_cpu_step_does_not(tmp_path):
   assert "test_gradients_gpu.py" in gpu.stdout
   cpu = _collect(tmp_path, "not gpu")
   assert cpu.returncode != 0 and "test_ring_proof.py" in cpu.stdout + cpu.stderr
+
+
+def test_a_step_past_its_limit_fails_and_a_hung_test_is_named(tmp_path, monkeypatch):
+  """The step's limit stops a pytest step (FAIL, said so); a test the
+  per-test watchdog stopped is named in the step's detail."""
+  from pathlib import Path
+  from harness import watchdog
+
+  def hung_run(cmd, *, timeout, env=None, capture=False):
+    folder = Path((env or {}).get(watchdog.HANG_DIR_ENV, tmp_path / "elsewhere"))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hang-1.txt").write_text("properties/t.py::test_k\n")
+    return None, "" if capture else None
+
+  monkeypatch.setattr(gate, "run_limited", hung_run)
+  step = gate.run_pytest("gpu-properties", "gpu", tmp_path, [], step_timeout=5, test_timeout=2)
+  assert step.status == "FAIL" and "limit of 5 s" in step.detail
+  assert "hung (over 2 s): properties/t.py::test_k" in step.detail
+  step = gate.run_module_step("golden", "harness.golden", ["check"], tmp_path, step_timeout=5)
+  assert step.status == "FAIL" and "limit of 5 s" in step.detail
+
+
+def test_the_limited_runner_kills_what_overruns():
+  import sys
+  import time
+  start = time.time()
+  rc, out = gate.run_limited([sys.executable, "-c", "import time; print('hi', flush=True); "
+                              "time.sleep(60)"], timeout=2, capture=True)
+  assert rc is None and "hi" in out and time.time() - start < 30
+
+
+def test_memcheck_reports_skipped_with_the_tools_own_words(tmp_path, monkeypatch):
+  monkeypatch.setattr(gate.shutil, "which", lambda name: None)
+  assert gate.run_memcheck(tmp_path).status == "SKIPPED"
+  monkeypatch.setattr(gate.shutil, "which", lambda name: "/opt/cuda/bin/compute-sanitizer")
+  refusal = "========= Error: Target application terminated before first instrumented API call"
+  monkeypatch.setattr(gate, "run_limited", lambda *a, **kw: (255, refusal + "\n"))
+  step = gate.run_memcheck(tmp_path)
+  assert step.status == "SKIPPED" and "terminated before first instrumented" in step.detail
+  monkeypatch.setattr(gate, "run_limited",
+                      lambda *a, **kw: (3, "========= ERROR SUMMARY: 2 errors\n"))
+  assert gate.run_memcheck(tmp_path).status == "FAIL"
+  monkeypatch.setattr(gate, "run_limited",
+                      lambda *a, **kw: (0, "========= ERROR SUMMARY: 0 errors\n"))
+  assert gate.run_memcheck(tmp_path).status == "PASS"
+
+
+def test_optional_steps_run_only_when_named(tmp_path, monkeypatch):
+  ran = _fake_gate(monkeypatch, has_gpu=True)
+  monkeypatch.setattr(gate, "run_memcheck",
+                      lambda results, **kw: (ran.append("memcheck"),
+                                             gate.StepResult("memcheck", "PASS", 1))[1])
+  assert gate.main(["--results", str(tmp_path)]) == 0
+  assert "mutants" not in ran and "memcheck" not in ran
+  (tmp_path / "mutants").mkdir()
+  (tmp_path / "mutants" / "mutants.md").write_text("# Kernel mutants\n\nmutation score: 1/1\n")
+  assert gate.main(["--results", str(tmp_path), "--steps", "mutants,memcheck"]) == 0
+  assert ran[-2:] == ["mutants", "memcheck"]
+  assert "## Kernel mutants" in (tmp_path / "summary.md").read_text()

@@ -1,71 +1,71 @@
-"""The harness catches deliberate kernel defects (kernel/mutants.py) on the GPU.
+"""The harness catches the catalogued kernel defects with the intent each was
+added for (harness/mutants.py), on the GPU.
 
-Each test runs a mutant and asserts the *failure*: a property suite that
-cannot fail on a known bug class proves nothing.  The residual-base-2 mutant
-is covered next to the properties it breaks (test_forward_gpu,
-test_gradients_gpu); these two need a child process.
+Each mutant is a source patch applied to a temporary copy of the package; the
+cases run in a child process there (a mutant may hang), and the same cases
+run on the shipped kernel must pass.  The whole catalogue, with the tests
+that kill each mutant, is ``python -m harness mutants``; these four keep the
+sharper claims: the base-2 residual passes the output check and fails only
+the residual and the gradients, the missing carry fails the persistent cases,
+and an altered threshold branch fails the golden check the gate runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from kernel import mutants
+from harness import mutants
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def _child(args, *, env_extra=None, timeout):
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
-
-
-def _verdicts(stdout: str) -> dict[str, bool]:
-  return {d["case"]: d["passed"] for d in map(json.loads, filter(None, stdout.splitlines()))
-          if "case" in d}
+def _lines(argv, mutant=None, timeout=300):
+  rc, out = mutants.run_in_copy(mutant, ["-m", *argv], timeout)
+  lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+  return rc, {d["case"]: d for d in lines}, out
 
 
 def test_carry_removed_variant_fails_the_persistent_properties():
   """With prev_iters dropped (ring position from the tile-local step), the
   persistent kernel returns wrong results, crashes or hangs on tiles whose
   trip counts vary; the kernel as shipped passes the same cases."""
-  correct = _child(["harness.mutant_run", "none"], timeout=300)
-  assert correct.returncode == 0, correct.stderr[-2000:]
-  good = _verdicts(correct.stdout)
-  assert good and all(good.values()), correct.stdout
-  try:
-    broken = _child(["harness.mutant_run", mutants.NO_PREV_ITERS_CARRY], timeout=120)
-  except subprocess.TimeoutExpired:
+  rc, good, out = _lines(["harness.mutant_run", "carry"])
+  assert rc == 0 and good and all(d["passed"] for d in good.values()), out[-3000:]
+  rc, bad, out = _lines(["harness.mutant_run", "carry"], mutants.by_name("no-prev-iters-carry"),
+                        timeout=150)
+  if rc is None:
     return  # hung on a fill that never came: caught
-  bad = _verdicts(broken.stdout)
-  caught = broken.returncode != 0 or len(bad) < len(good) or not all(bad.values())
-  assert caught, f"the carry-removed kernel passed every case: {broken.stdout}"
+  caught = rc != 0 or len(bad) < len(good) or not all(d["passed"] for d in bad.values())
+  assert caught, f"the carry-removed kernel passed every case: {out[-3000:]}"
+
+
+def test_base2_residual_passes_the_output_and_fails_the_residual():
+  """m stored in base 2: out and l stay within the rule, m does not (the bug
+  a forward-only check misses); the shipped kernel passes all three."""
+  rc, good, out = _lines(["harness.mutant_run", "residuals"])
+  assert rc == 0 and all(d["passed"] for d in good.values()), out[-3000:]
+  rc, bad, out = _lines(["harness.mutant_run", "residuals"], mutants.by_name("residual-m-base2"))
+  (line,) = bad.values()
+  assert line["arrays"] == {"out": True, "m": False, "l": True}, out[-3000:]
+
+
+def test_base2_residual_gets_the_gradients_wrong():
+  """The same defect reaches the backward through the residuals: the
+  gradients break the rule where the shipped kernel's keep it."""
+  rc, good, out = _lines(["harness.mutant_run", "gradients"])
+  assert rc == 0 and all(d["passed"] for d in good.values()), out[-3000:]
+  rc, bad, out = _lines(["harness.mutant_run", "gradients"], mutants.by_name("residual-m-base2"))
+  assert bad and not any(d["passed"] for d in bad.values()), out[-3000:]
 
 
 def test_deliberate_numerical_change_fails_the_golden_check():
-  """The rescale_threshold branch altered through a private flag: the golden
-  check reports regression and exits non-zero, so the gate's golden step
-  fails (run here exactly as the gate runs it)."""
-  from harness import gate
-  if not (REPO / "golden" / "manifest.json").exists():
+  """The rescale_threshold branch altered (acc rescaled, l not): the golden
+  check, run as the gate runs it, reports regression and exits non-zero."""
+  if not (mutants.REPO / "golden" / "manifest.json").exists():
     pytest.fail("no goldens committed: run `python -m harness golden update` on an H200")
-  import tempfile
-  with tempfile.TemporaryDirectory() as tmp:
-    os.environ[mutants.ENV] = mutants.THRESHOLD_BRANCH_SKIPS_L
-    try:
-      step = gate.run_module_step("golden", "harness.golden", ["check"], Path(tmp))
-      table = (Path(tmp) / "golden.md").read_text()
-    finally:
-      del os.environ[mutants.ENV]
-  assert step.status == "FAIL", table
-  assert "regression" in table and step.failed > 0, table
+  rc, out = mutants.run_in_copy(mutants.by_name("threshold-branch-skips-l"),
+                                ["-m", "harness", "golden", "check"], 300)
+  assert rc is not None and rc != 0, out[-3000:]
+  assert "regression" in out, out[-3000:]

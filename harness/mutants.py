@@ -1,0 +1,542 @@
+"""Kernel mutants as source patches, and the runner that measures the harness.
+
+A mutant is a small, named edit of the kernel's source that stands for one
+class of bug kernel engineers make (../shared/GUIDE.md, issue 18).  It is
+applied to a temporary copy of the package, never to the shipped kernel, and
+the tests expected to kill it run in a child process whose ``PYTHONPATH``
+and working directory are that copy, under a time limit: a hang is reported
+as such and the child is killed.
+
+``python -m harness mutants [--select NAMES | --shard I/N] [--timeout S]
+[--jobs J] [--out DIR] [--list] [--check]`` prints and writes (Markdown and
+JSON) one row per mutant: its bug class, the verdict (killed, hang,
+survived, error, skipped), the tests that failed, seconds; and the mutation
+score.  A control row runs the same tests on the unpatched copy: they must
+pass there, or a "kill" would mean nothing.  ``--check`` only applies every
+patch and compiles the result (what CI runs, properties/test_mutants_catalog.py).
+
+Verdicts: killed (a selected test failed or crashed), hang (the per-test
+watchdog of properties/conftest.py or the child's time limit fired), survived
+(every selected test passed), error (the patch does not apply, or pytest could
+not collect: a mutant that breaks the import is not a kill), skipped (every
+selected test was skipped: no sm90 GPU here).  Score = (killed + hang) /
+(killed + hang + survived + error); equivalent mutants are listed, not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from harness import watchdog
+
+REPO = Path(__file__).resolve().parent.parent
+# What a child needs: the package, the harness, the properties and the
+# goldens (the golden check is one of the killers), and pytest's settings.
+COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
+
+FWD, BWD, API = "kernel/forward.py", "kernel/backward.py", "kernel/api.py"
+FWD_T = "properties/test_forward_gpu.py"
+GRAD_T = "properties/test_gradients_gpu.py"
+GUARD_T = "properties/test_guard_band_gpu.py"
+
+
+def named(*ids: str) -> tuple[str, ...]:
+  return tuple(f"{FWD_T}::test_named_cases[{i}]" for i in ids)
+
+
+def feature(*ids: str) -> tuple[str, ...]:
+  return tuple(f"{FWD_T}::test_named_feature_cases[{i}]" for i in ids)
+
+
+def grads(*ids: str) -> tuple[str, ...]:
+  return tuple(f"{GRAD_T}::test_named_gradient_cases[{i}]" for i in ids)
+
+
+CARRY = tuple(f"{FWD_T}::test_persistent_ring_carry_cases[{n}]" for n in (
+    "3-blocks-per-tile", "causal-1-to-16", "causal-3-stages", "key-ranges-with-empty-tiles"))
+MASKED_ROWS = (f"{FWD_T}::test_fully_masked_rows_follow_the_contract[False]",
+               f"{FWD_T}::test_fully_masked_rows_follow_the_contract[True]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  """One defect: ``edits`` are (old, new) exact-text replacements in
+  ``path`` (relative to the repository root), each old text occurring
+  exactly once; ``tests`` the pytest node ids expected to kill it, run in
+  order with ``-x``; ``equivalent``, where set, the one-line argument that no
+  test can kill it (it is then listed, not run)."""
+
+  name: str
+  bug_class: str
+  path: str
+  edits: tuple[tuple[str, str], ...]
+  tests: tuple[str, ...] = ()
+  equivalent: str = ""
+
+
+def _m(name, bug_class, path, old, new, tests, equivalent=""):
+  return Mutant(name, bug_class, path, ((old, new),), tuple(tests), equivalent)
+
+
+CATALOG: tuple[Mutant, ...] = (
+    # -- forward: arithmetic of the online softmax --------------------------------
+    _m("residual-m-base2", "residual in the wrong base (seed 000)", FWD,
+       "m_smems.at[wg][...] = m_i * (1.0 / LOG2E)", "m_smems.at[wg][...] = m_i",
+       named("heuristic-basic-d64")),
+    _m("exp2-without-log2e", "exp2 without the log2(e) fold", FWD,
+       "        sc *= LOG2E\n", "", named("heuristic-basic-d64")),
+    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", FWD,
+       "return acc * lax.broadcast_in_dim(factor, acc.shape, [0])", "return acc",
+       named("heuristic-d128-gqa", "heuristic-threshold-0")),
+    _m("l-not-rescaled", "l not rescaled when the max moves", FWD,
+       "factor = jnp.exp2(m_i - base)\n          l_i = l_i * factor\n",
+       "factor = jnp.exp2(m_i - base)\n", named("heuristic-d128-gqa")),
+    _m("threshold-branch-skips-l", "rescale below the threshold applied to acc, not l", FWD,
+       "factor = jnp.where(rescale, alpha, 1.0)\n          l_i = l_i * factor\n",
+       "factor = jnp.where(rescale, alpha, 1.0)\n",
+       named("heuristic-threshold-0.5-unnormalised", "heuristic-threshold-tiny")),
+    _m("pending-scale-dropped-from-l", "the pending scale dropped when the threshold is below 1",
+       FWD, "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
+       named("heuristic-threshold-0", "heuristic-threshold-tiny")),
+    _m("pending-scale-dropped-unnormalised",
+       "the pending scale dropped from the unnormalised output", FWD,
+       "out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])",
+       "out = acc", named("heuristic-threshold-0.5-unnormalised")),
+    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", FWD,
+       "always_rescale = threshold == 1.0", "always_rescale = threshold >= 0.999", (),
+       equivalent="rescaling at every block is what the threshold branch does when alpha < "
+                  "0.999, and otherwise keeps acc and l relative to one max either way: same "
+                  "values up to rounding, only speed differs"),
+    _m("f16-threshold-guard-dropped", "float16 overflow of deferred probabilities", API,
+       "  if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:\n"
+       "    return F16_MIN_THRESHOLD\n  return threshold",
+       "  return threshold",
+       (f"{FWD_T}::test_float16_deferred_rescale_does_not_overflow",)),
+    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", FWD,
+       "return jnp.where(x == _NEG_INF, 0.0, x)", "return x", MASKED_ROWS),
+    _m("normalise-without-tiny", "0/0 for a fully masked row", FWD,
+       "inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))", "inv = 1.0 / l_i", MASKED_ROWS),
+    _m("default-scale-from-padded-head-dim", "default scale from the padded head dim", API,
+       "scale=float(shapes.H ** -0.5 if scale is None else scale)",
+       "scale=float(plan_lib.padded_head_dim(shapes.H) ** -0.5 if scale is None else scale)",
+       named("heuristic-ragged-113x203-d72-dv96")),
+    # -- forward: masks, bias, soft cap ------------------------------------------
+    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", FWD,
+       "s = jnp.where(q_base + iota(0) >= key, s, _NEG_INF)",
+       "s = jnp.where(q_base + iota(0) > key, s, _NEG_INF)", named("heuristic-causal-1024")),
+    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left", FWD,
+       "s = jnp.where(q_base + iota(0) >= key, s, _NEG_INF)",
+       "s = jnp.where(q_base + iota(0) + (f.seq_kv - f.seq_q) >= key, s, _NEG_INF)",
+       named("heuristic-ragged-1023x1024-causal")
+       + feature("causal-kend-bias-softcap-threshold")),
+    _m("k-end-inclusive", "k_end treated as inclusive", FWD,
+       "jnp.where(key < lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF)",
+       "jnp.where(key <= lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF)",
+       feature("key-ranges-with-empty")),
+    _m("k-start-exclusive", "k_start treated as exclusive", FWD,
+       "jnp.where(key >= lax.broadcast_in_dim(k_start, bq_kv, [0]), s, _NEG_INF)",
+       "jnp.where(key > lax.broadcast_in_dim(k_start, bq_kv, [0]), s, _NEG_INF)",
+       feature("key-ranges-with-empty")),
+    _m("staged-mask-ignored", "the staged mask ignored", FWD,
+       "keep = staged_tile(mask_ring, ki)\n          s = jnp.where(keep != 0, s, _NEG_INF)\n",
+       "keep = staged_tile(mask_ring, ki)\n", feature("mask-2d-with-empty-row")),
+    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", FWD,
+       "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
+       "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
+    # -- forward: data movement and the ring protocol ----------------------------
+    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", FWD,
+       "hk = lax.div(h, jnp.int32(group))", "hk = lax.rem(h, jnp.int32(num_kv_heads))",
+       named("heuristic-d128-gqa")),
+    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", FWD,
+       "def pv(acc_ref):\n            plgpu.wgmma(acc_ref, p16, v_smems.at[slot])",
+       "def pv(acc_ref):\n            plgpu.wgmma(acc_ref, p16, k_smems.at[slot])",
+       named("heuristic-basic-d64")),
+    _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
+       FWD, "rows = pl.ds((2 * qi + w) * block_q, block_q)",
+       "rows = pl.ds((2 * qi + 1 - w) * block_q, block_q)", named("heuristic-basic-d64")),
+    _m("no-prev-iters-carry", "ring phase not carried across persistent tiles (tilelang #2674)",
+       FWD, "return PipelineState.at(stages, prev_iters + (ki - lb))",
+       "return PipelineState.at(stages, ki - lb)", CARRY),
+    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release", FWD,
+       "reuse = st.count >= stages", "reuse = st.count >= stages + 1",
+       named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1]),
+    _m("query-released-one-block-early", "a consumer released its slot one block early", FWD,
+       "pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))",
+       "pl.when(ki + 2 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))",
+       CARRY[:1] + named("persistent-d128-gqa")),
+    _m("empty-tile-keeps-query-slot", "an empty tile never releases its query slot (deadlock)",
+       FWD, "pl.when(ub == lb)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))", "None",
+       CARRY[3:]),
+    _m("empty-tile-skips-token-pass", "an empty tile skips the pingpong token (Z3-found deadlock)",
+       FWD, "        @pl.when(ub == lb)\n        def _():\n"
+       "          barriers.schedule_release_other(wg)\n          barriers.schedule_sync(wg)\n",
+       "        pass\n", CARRY[3:]),
+    _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
+       FWD, "num_tiles = t_pad // (2 * block_q)",
+       "num_tiles = (t_pad + 2 * block_q) // (2 * block_q)",
+       (f"{GUARD_T}::test_the_forward_writes_nothing_past_its_padded_outputs",)),
+    # -- backward ------------------------------------------------------------------
+    _m("lse-base-e", "the backward reading lse in base e", BWD,
+       "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",
+       "lse2 = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), jnp.inf)",
+       ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
+    _m("delta-in-bf16", "delta formed in bf16", BWD,
+       "delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)",
+       "delta = jnp.sum(d_out.astype(out.dtype) * out, axis=-1).astype(jnp.float32)",
+       ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
+    _m("fused-dq-missing-scale", "dq missing the scale (fused dQ)", BWD,
+       "dq, ds = (dq_accum[...] * f.scale).astype(dtype), None",
+       "dq, ds = dq_accum[...].astype(dtype), None", grads("gqa-d128")),
+    _m("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", BWD,
+       "q_st.at[wg][...] = (dq_acc * f.scale).astype(dtype)",
+       "q_st.at[wg][...] = dq_acc.astype(dtype)", grads("ragged-causal-d72-dv96")),
+    _m("dk-missing-scale", "dk missing the scale", BWD,
+       "        if name == \"dk\":\n          acc = acc * f.scale\n", "", grads("gqa-d128")),
+    _m("dk-dv-swapped", "dk and dv swapped (joint launch)", BWD,
+       'results = {"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}',
+       'results = {"dk": (dv_acc, k_st), "dv": (dk_acc, v_st)} if want_dk and want_dv else '
+       '{"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}', grads("gqa-d128")),
+    _m("backward-causal-diagonal-masked", "causal off by one in the backward", BWD,
+       "keep = key <= query if causal else None", "keep = key < query if causal else None",
+       grads("ragged-causal-d72-dv96", "causal-kv-longer")),
+    _m("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it", BWD,
+       "return key_base + num_keys - 1 > query_base",
+       "return key_base + num_keys - 1 > query_base + 1",
+       ("properties/test_causal_skip.py::test_the_predicate_sees_the_corners",)
+       + grads("ragged-causal-d72-dv96")),
+    _m("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
+       BWD, "lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) if f.is_causal else jnp.int32(0)",
+       "lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) + 1 if f.is_causal else jnp.int32(0)",
+       grads("ragged-causal-d72-dv96", "causal-kv-longer")),
+    _m("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", BWD,
+       "return hk * group + lax.div(t, per_head), lo + lax.rem(t, per_head)",
+       "return hk + num_kv_heads * lax.div(t, per_head), lo + lax.rem(t, per_head)",
+       grads("gqa-d128")),
+    _m("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", BWD,
+       "    hk = lax.div(h, jnp.int32(group))\n    if tiles_ref is None:",
+       "    hk = lax.rem(h, jnp.int32(num_kv_heads))\n    if tiles_ref is None:",
+       grads("gqa-causal-dq-kernel")),
+    Mutant("bias-after-softcap", "bias added after the soft cap", BWD, ((
+        "  if bias is not None:\n    u = u + bias.astype(jnp.float32)\n"
+        "  if f.logits_soft_cap is None:\n    return u, None\n"
+        "  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
+        "  return t * f.logits_soft_cap, 1.0 - t * t\n",
+        "  late = 0.0 if bias is None else bias.astype(jnp.float32)\n"
+        "  if f.logits_soft_cap is None:\n    return u + late, None\n"
+        "  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
+        "  return t * f.logits_soft_cap + late, 1.0 - t * t\n"),),
+        grads("bias-full-softcap")),
+    _m("softcap-derivative-wrong", "the soft cap's derivative without its square", BWD,
+       "return t * f.logits_soft_cap, 1.0 - t * t", "return t * f.logits_soft_cap, 1.0 - t",
+       grads("bias-full-softcap")),
+    _m("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum", BWD,
+       "summed = jnp.sum(ds, axis=", "summed = jnp.mean(ds, axis=", grads("bias-row-neg-inf")),
+    _m("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", BWD,
+       "return ds if keep is None else jnp.where(keep, ds, 0.0)", "return ds",
+       (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",)),
+    _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", BWD,
+       "pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))",
+       "pl.when(t >= stages + 1)(lambda: plgpu.barrier_wait(consumed.at[slot]))",
+       grads("gqa-d128", "d256-split-dkv")),
+    Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
+           "products reading it completed", BWD, (
+               ("        plgpu.barrier_arrive(consumed.at[slot])\n        if fused:\n",
+                "        if fused:\n"),
+               ("        # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
+                "        plgpu.barrier_arrive(consumed.at[slot])\n")),
+           grads("gqa-d128", "d256-split-dkv")),
+)
+
+
+class MutantError(ValueError):
+  pass
+
+
+def by_name(name: str) -> Mutant:
+  for m in CATALOG:
+    if m.name == name:
+      return m
+  raise MutantError(f"unknown mutant {name!r}; known: {', '.join(m.name for m in CATALOG)}")
+
+
+def patched_text(mutant: Mutant, source: str) -> str:
+  """``source`` with the mutant's edits applied; each old text must occur
+  exactly once (else the catalogue has rotted: MutantError names it)."""
+  for i, (old, new) in enumerate(mutant.edits):
+    n = source.count(old)
+    if n != 1:
+      raise MutantError(f"{mutant.name}: edit {i} of {mutant.path}: the old text occurs "
+                        f"{n} times (expected exactly once): {old[:80]!r}")
+    source = source.replace(old, new)
+  return source
+
+
+def copy_tree(dest: Path, root: Path = REPO) -> Path:
+  """The parts of the repository a child needs, copied under ``dest``."""
+  ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+  for name in COPIED:
+    src = root / name
+    if src.is_dir():
+      shutil.copytree(src, dest / name, ignore=ignore)
+    elif src.exists():
+      shutil.copy2(src, dest / name)
+  return dest
+
+
+def apply(mutant: Mutant, root: Path) -> Path:
+  """Patch the copy under ``root`` in place; returns the patched file."""
+  path = root / mutant.path
+  path.write_text(patched_text(mutant, path.read_text()))
+  return path
+
+
+def child_env(root: Path, test_timeout: float | None) -> dict:
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONDONTWRITEBYTECODE="1")
+  env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  env.setdefault("HYPOTHESIS_PROFILE", "ci")
+  # A mutant's broken comparisons must not reach the gate's error-ratio table.
+  from harness.conformance import RATIO_LOG_ENV
+  env.pop(RATIO_LOG_ENV, None)
+  if test_timeout:
+    env[watchdog.TEST_TIMEOUT_ENV] = str(test_timeout)
+  return env
+
+
+def run_child(cmd: list[str], root: Path, timeout: float, test_timeout: float | None = None):
+  """(returncode or None on timeout, output) of ``cmd`` run in ``root``; on
+  timeout the child's whole process group is killed."""
+  proc = subprocess.Popen(cmd, cwd=root, env=child_env(root, test_timeout),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    return None, out
+
+
+def run_in_copy(mutant: Mutant | None, argv: list[str], timeout: float):
+  """(returncode or None on timeout, output) of ``python ARGV`` in a fresh
+  copy of the repository patched with ``mutant`` (None: unpatched)."""
+  root = Path(tempfile.mkdtemp(prefix=f"{mutant.name if mutant else 'shipped'}-"))
+  try:
+    copy_tree(root)
+    if mutant is not None:
+      apply(mutant, root)
+    return run_child([sys.executable, *argv], root, timeout)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class Result:
+  name: str
+  bug_class: str
+  verdict: str            # killed, hang, survived, error, skipped, equivalent
+  killed_by: list[str]
+  seconds: float
+  detail: str = ""
+
+
+def _junit(path: Path):
+  """(passed, failed node names, skipped, collection errors) of a JUnit file."""
+  root = ET.parse(path).getroot()
+  passed, failed, skipped = 0, [], 0
+  for case in root.iter("testcase"):
+    name = case.get("name", "")
+    if case.find("failure") is not None or case.find("error") is not None:
+      failed.append(name)
+    elif case.find("skipped") is not None:
+      skipped += 1
+    else:
+      passed += 1
+  return passed, failed, skipped
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: float,
+              test_timeout: float | None) -> tuple[str, list[str], str]:
+  """(verdict, failing tests, detail) of ``pytest -x tests`` in ``root``."""
+  junit = root / "mutant-junit.xml"
+  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+         "-p", "no:randomly", f"--junitxml={junit}", *tests]
+  rc, out = run_child(cmd, root, timeout, test_timeout)
+  tail = " ".join(out.strip().splitlines()[-3:])[-300:]
+  if rc is None:
+    return "hang", [], f"no result after {timeout:.0f} s (killed)"
+  hung = watchdog.hung_tests(out)
+  if rc == watchdog.HANG_EXIT or hung:
+    return "hang", hung, f"the watchdog stopped {', '.join(hung) or 'a test'}"
+  if not junit.exists():
+    return "error", [], f"pytest exited {rc} without a report: {tail}"
+  passed, failed, skipped = _junit(junit)
+  if rc in (2, 3, 4) or (rc == 5 and not skipped):
+    return "error", failed, f"pytest exited {rc} (collection or usage error): {tail}"
+  if failed:
+    return "killed", failed, tail
+  if passed:
+    return "survived", [], tail
+  return "skipped", [], "every selected test was skipped (no sm90 GPU here)"
+
+
+def run_mutant(mutant: Mutant, *, timeout: float, test_timeout: float | None,
+               workdir: Path) -> Result:
+  start = time.time()
+  if mutant.equivalent:
+    return Result(mutant.name, mutant.bug_class, "equivalent", [], 0.0, mutant.equivalent)
+  root = Path(tempfile.mkdtemp(prefix=f"{mutant.name}-", dir=workdir))
+  try:
+    copy_tree(root)
+    try:
+      apply(mutant, root)
+    except MutantError as err:
+      return Result(mutant.name, mutant.bug_class, "error", [], time.time() - start, str(err))
+    verdict, failed, detail = run_tests(root, mutant.tests, timeout, test_timeout)
+    return Result(mutant.name, mutant.bug_class, verdict, failed, time.time() - start, detail)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def run_control(mutants, *, timeout, test_timeout, workdir: Path) -> Result:
+  """Every selected test on the unpatched copy: all must pass (or skip)."""
+  start = time.time()
+  tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+  root = Path(tempfile.mkdtemp(prefix="control-", dir=workdir))
+  try:
+    copy_tree(root)
+    verdict, failed, detail = run_tests(root, tests, timeout, test_timeout)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  status = {"survived": "passed", "killed": "FAILED"}.get(verdict, verdict)
+  return Result("(control: unpatched)", "-", status, failed, time.time() - start, detail)
+
+
+def score_line(results: list[Result]) -> str:
+  n = {v: sum(r.verdict == v for r in results)
+       for v in ("killed", "hang", "survived", "error", "skipped", "equivalent")}
+  scored = n["killed"] + n["hang"] + n["survived"] + n["error"]
+  caught = n["killed"] + n["hang"]
+  pct = f"{100.0 * caught / scored:.1f} %" if scored else "n/a"
+  return (f"mutation score: {caught}/{scored} = {pct} (killed {n['killed']}, hang {n['hang']}, "
+          f"survived {n['survived']}, error {n['error']}; skipped {n['skipped']}, "
+          f"equivalent {n['equivalent']})")
+
+
+def render(results: list[Result], control: Result | None) -> str:
+  lines = ["| mutant | bug class | verdict | killed by | seconds |", "|---|---|---|---|---|"]
+  rows = ([control] if control else []) + results
+  for r in rows:
+    by = ", ".join(t.replace(" ", "") for t in r.killed_by) or (r.detail if r.verdict in (
+        "error", "equivalent", "hang", "skipped") else "")
+    lines.append(f"| {r.name} | {r.bug_class} | {r.verdict} | {by.replace('|', '/')} "
+                 f"| {r.seconds:.0f} |")
+  text = "\n".join(lines) + "\n\n" + score_line(results) + "\n"
+  if control and control.verdict not in ("passed", "skipped"):
+    text += ("\n**the control failed: the selected tests do not pass on the unpatched "
+             "kernel, so the kills above prove nothing**\n")
+  return text
+
+
+def select(names: str | None, shard: str | None) -> list[Mutant]:
+  chosen = list(CATALOG)
+  if names:
+    chosen = [by_name(n.strip()) for n in names.split(",") if n.strip()]
+  if shard:
+    try:
+      i, n = (int(x) for x in shard.split("/"))
+      if not 0 <= i < n:
+        raise ValueError
+    except ValueError:
+      raise MutantError(f"--shard: expected I/N with 0 <= I < N, got {shard!r}") from None
+    chosen = chosen[i::n]
+  return chosen
+
+
+def check(root: Path = REPO, mutants=CATALOG) -> list[str]:
+  """Problems with the catalogue against the source under ``root``: a patch
+  that does not apply exactly once, or whose result does not compile."""
+  problems = []
+  for m in mutants:
+    try:
+      text = patched_text(m, (root / m.path).read_text())
+      compile(text, m.path, "exec")
+    except (MutantError, SyntaxError) as err:
+      problems.append(f"{m.name}: {type(err).__name__}: {err}")
+  return problems
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m harness mutants")
+  parser.add_argument("--select", help="comma-separated mutant names (default: all)")
+  parser.add_argument("--shard", help="I/N: every N-th mutant from the I-th")
+  parser.add_argument("--timeout", type=float, default=150.0,
+                      help="seconds per mutant's child before it is killed as a hang")
+  parser.add_argument("--test-timeout", type=float, default=90.0,
+                      help="seconds per test (the conftest watchdog names the test)")
+  parser.add_argument("--jobs", type=int, default=3, help="mutants run at once")
+  parser.add_argument("--out", default="results/mutants", help="folder for mutants.md/json")
+  parser.add_argument("--no-control", action="store_true")
+  parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
+  parser.add_argument("--check", action="store_true",
+                      help="only apply and compile every patch (no tests)")
+  args = parser.parse_args(argv)
+  try:
+    chosen = select(args.select, args.shard)
+  except MutantError as err:
+    parser.error(str(err))
+  if args.list:
+    for m in chosen:
+      print(f"{m.name:44s} {m.path:20s} {m.bug_class}")
+    return 0
+  if args.check:
+    problems = check(mutants=chosen)
+    print("\n".join(problems) or f"{len(chosen)} patches apply exactly once and compile")
+    return 1 if problems else 0
+
+  out_dir = (REPO / args.out).resolve()
+  out_dir.mkdir(parents=True, exist_ok=True)
+  workdir = Path(tempfile.mkdtemp(prefix="harness-mutants-"))
+  start = time.time()
+  try:
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+      kw = dict(timeout=args.timeout, test_timeout=args.test_timeout, workdir=workdir)
+      control = None if args.no_control else pool.submit(run_control, chosen, **{
+          **kw, "timeout": max(args.timeout, 300.0)})
+      futures = [pool.submit(run_mutant, m, **kw) for m in chosen]
+      results = []
+      for m, fut in zip(chosen, futures):
+        r = fut.result()
+        results.append(r)
+        print(f"{r.verdict:10s} {r.seconds:5.0f}s {m.name}  {', '.join(r.killed_by)}",
+              flush=True)
+      control = control.result() if control else None
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  text = (f"# Kernel mutants\n\n{len(chosen)} mutants, {time.time() - start:.0f} s\n\n"
+          + render(results, control))
+  (out_dir / "mutants.md").write_text(text)
+  (out_dir / "mutants.json").write_text(json.dumps(
+      {"control": dataclasses.asdict(control) if control else None,
+       "results": [dataclasses.asdict(r) for r in results], "score": score_line(results)},
+      indent=1))
+  print("\n" + text)
+  bad_control = control is not None and control.verdict not in ("passed", "skipped")
+  caught = all(r.verdict in ("killed", "hang", "skipped", "equivalent") for r in results)
+  return 0 if caught and not bad_control else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

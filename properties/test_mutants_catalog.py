@@ -1,0 +1,115 @@
+"""The mutant catalogue stays applicable, and its runner's verdicts mean what
+they say (CPU; the kills themselves need the GPU: ``python -m harness mutants``).
+
+A patch whose old text no longer occurs exactly once in the current source
+fails here, so the catalogue cannot rot silently as the kernel changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import mutants, watchdog
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_patch_applies_exactly_once_and_compiles():
+  assert mutants.check() == []
+
+
+def test_the_catalogue_has_25_runnable_mutants_forward_and_backward():
+  names = [m.name for m in mutants.CATALOG]
+  assert len(names) == len(set(names))
+  runnable = [m for m in mutants.CATALOG if not m.equivalent]
+  assert len(runnable) >= 25
+  assert {m.path for m in runnable} >= {"kernel/forward.py", "kernel/backward.py"}
+  for m in mutants.CATALOG:
+    assert m.bug_class and m.edits and all(old and old != new for old, new in m.edits)
+    # A runnable mutant names its killers; an equivalent one its argument, no killers.
+    assert bool(m.tests) != bool(m.equivalent), m.name
+
+
+def test_every_killer_is_a_test_that_exists():
+  """Each node id a mutant names is collected by pytest (a renamed test or
+  case would otherwise turn a kill into an error on the GPU)."""
+  ids = sorted({t for m in mutants.CATALOG for t in m.tests})
+  proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                         "-p", "no:cacheprovider", *ids], cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_patch_that_does_not_apply_exactly_once_is_refused():
+  gone = mutants.Mutant("gone", "test", "kernel/forward.py", (("no such text ~~", "x"),), ("t",))
+  with pytest.raises(mutants.MutantError, match="occurs 0 times"):
+    mutants.patched_text(gone, "source")
+  twice = dataclasses.replace(gone, edits=(("a", "b"),))
+  with pytest.raises(mutants.MutantError, match="occurs 2 times"):
+    mutants.patched_text(twice, "a a")
+  assert mutants.check(mutants=(gone,))[0].startswith("gone: MutantError")
+
+
+def test_the_shipped_kernel_holds_no_mutant_branch():
+  hits = [f"{p.name}:{i + 1}" for p in sorted((REPO / "kernel").rglob("*.py"))
+          for i, line in enumerate(p.read_text().splitlines()) if "mutant" in line.lower()]
+  assert hits == []
+
+
+def test_shard_and_select_pick_mutants_by_name_and_stride():
+  shards = [mutants.select(None, f"{i}/3") for i in range(3)]
+  assert sum(map(len, shards)) == len(mutants.CATALOG)
+  assert [m.name for m in mutants.select("lse-base-e,dk-missing-scale", None)] == [
+      "lse-base-e", "dk-missing-scale"]
+  with pytest.raises(mutants.MutantError, match="unknown mutant"):
+    mutants.select("no-such", None)
+  with pytest.raises(mutants.MutantError, match="--shard"):
+    mutants.select(None, "3/3")
+
+
+def test_a_cpu_killable_mutant_is_killed_and_the_control_passes(tmp_path):
+  """End to end through the runner: the backward's diagonal predicate off by
+  one breaks its CPU property in the patched copy; the unpatched copy passes."""
+  cpu_test = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
+  mutant = dataclasses.replace(mutants.by_name("meets-diagonal-off-by-one"), tests=(cpu_test,))
+  result = mutants.run_mutant(mutant, timeout=240, test_timeout=None, workdir=tmp_path)
+  assert result.verdict == "killed", result
+  assert result.killed_by == ["test_the_predicate_sees_the_corners"]
+  control = mutants.run_control([mutant], timeout=240, test_timeout=None, workdir=tmp_path)
+  assert control.verdict == "passed", control
+
+
+def test_a_hang_is_stopped_and_the_test_named(tmp_path):
+  """A test that never returns is stopped by the watchdog at the per-test
+  limit and reported as a hang naming the test (a source patch of the test
+  file stands in for a kernel that hangs)."""
+  name = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
+  sleeper = mutants.Mutant("sleeper", "hang", "properties/test_causal_skip.py", ((
+      "def test_the_predicate_sees_the_corners():\n",
+      "def test_the_predicate_sees_the_corners():\n  import time\n  time.sleep(120)\n"),),
+      (name,))
+  result = mutants.run_mutant(sleeper, timeout=100, test_timeout=3, workdir=tmp_path)
+  assert result.verdict == "hang" and result.killed_by == [name], result
+  assert result.seconds < 60
+
+
+def test_the_watchdog_names_the_hung_test_under_xdist(tmp_path):
+  """Under xdist the worker ends and the controller names the test; the
+  hang record names it too (what the gate's summary reads)."""
+  root = mutants.copy_tree(tmp_path / "tree")
+  test = root / "properties" / "test_sleeps.py"
+  test.write_text("def test_sleeps():\n  import time\n  time.sleep(120)\n")
+  env = mutants.child_env(root, 3)
+  env[watchdog.HANG_DIR_ENV] = str(tmp_path / "hangs")
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-q", "-p",
+                         "no:cacheprovider", "properties/test_sleeps.py"], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=200)
+  assert proc.returncode != 0
+  assert "test_sleeps" in proc.stdout + proc.stderr
+  assert watchdog.hung_tests(folder=tmp_path / "hangs") == [
+      "properties/test_sleeps.py::test_sleeps"]

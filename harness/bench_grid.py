@@ -325,7 +325,7 @@ def main(args) -> int:
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
               commit=args.commit or os.environ.get("FLASH_COMMIT", "unknown"),
               date=datetime.date.today().isoformat(), dtype="bfloat16",
-              command="python -m harness bench --grid " + " ".join(args.raw_argv))
+              command="python -m harness bench " + " ".join(args.raw_argv))
   if args.out_dir:
     write(rows, Path(args.out_dir), meta=meta)
   print()

@@ -170,20 +170,24 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             *, features: Features, config: Config, num_sms: int = 132):
   """Launch the kernel on padded, validated inputs.
 
-  q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv): D, Dv multiples of 64,
-  Tp a multiple of 2 * block_q, Sp a multiple of block_kv.  bias (rank 4,
-  dims 1 or full), mask int8 likewise, k_start/k_end int32 (rank 3,
-  (B|1, N|1, Tp|1)), k_range_tiles: None or (start_min, start_max, end_min,
-  end_max) each (B|1, N|1, num_tiles) int32.
-  Returns out (B, Tp, N, Dv) and, with return_residuals, m and l (B, N, Tp) f32.
+  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv multiples of 64,
+  T at least 2 * block_q and S at least block_kv, of any length beyond: the
+  TMA reads rows past the end as zeros (padded keys are masked, padded
+  query rows never stored) and clips the stores of the last tile, so a
+  ragged length costs no padded copy.  bias (rank 4, dims 1 or full, T and
+  S padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank
+  3, (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
+  (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
+  Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, T) f32.
   """
   f = features
-  batch, t_pad, num_heads, head_dim = q.shape
-  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  batch, seq_q, num_heads, head_dim = q.shape
+  _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   block_q, block_kv = config.block_q, config.block_kv
   group = num_heads // num_kv_heads
-  num_tiles = t_pad // (2 * block_q)
+  num_tiles = -(-seq_q // (2 * block_q))
+  s_pad = -(-seq_kv // block_kv) * block_kv
   problem = plan_lib.Problem(
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
       seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
@@ -690,9 +694,9 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     entry(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
           sched_ref, counts_ref, out_ref, m_ref, l_ref)
 
-  out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim_out), dtype)]
+  out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
   if f.return_residuals:
-    out_type += [jax.ShapeDtypeStruct((batch, num_heads, t_pad), jnp.float32)] * 2
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2
   if config.persistent:
     grid = (min(num_sms, batch * num_heads * num_tiles),)
     grid_names = ("sm",)

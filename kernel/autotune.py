@@ -65,7 +65,7 @@ def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
     return None
   config = Config(**entry["config"])
   # A cache written for another shape in the same bucket must still fit.
-  if plan.estimate_smem_bytes(problem, config) > plan.SMEM_LIMIT_BYTES:
+  if not plan.config_fits(problem, config):
     return None
   return config
 

@@ -1,7 +1,7 @@
 """Which tiling to run: the default config and the autotuner's candidates.
 
 One predicate decides both, as in the seed: does the shared-memory plan fit,
-``plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES``.  Nothing is
+``plan.config_fits(problem, config)``.  Nothing is
 compiled or measured here; the estimate is computed from the scratch layout the
 kernel allocates, so a config these functions emit is one the kernel can
 allocate.
@@ -19,10 +19,6 @@ from kernel.config import Config, SMEM_LIMIT_BYTES
 BLOCK_Q_CANDIDATES = (64, 128)
 BLOCK_KV_CANDIDATES = (64, 128, 256)
 NUM_STAGES_CANDIDATES = (2, 3, 4)
-
-
-def _fits(problem: plan.Problem, config: Config) -> bool:
-  return plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
 
 
 def _next_pow2(n: int) -> int:
@@ -44,7 +40,7 @@ def get_heuristics_config(problem: plan.Problem) -> Config:
                    lambda c: dataclasses.replace(c, block_kv=64),
                    lambda c: dataclasses.replace(c, persistent=False)):
     config = fallback(config)
-    if _fits(problem, config):
+    if plan.config_fits(problem, config):
       return config
     tried.append((config, plan.estimate_smem_bytes(problem, config)))
   config, est = tried[-1]
@@ -79,6 +75,6 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
             continue
           config = Config(block_q=block_q, block_kv=block_kv,
                           num_stages=num_stages, persistent=persistent)
-          if _fits(problem, config):
+          if plan.config_fits(problem, config):
             configs.append(config)
   return tuple(configs)

@@ -1,4 +1,4 @@
-"""``python -m harness <command>``: gate, prove, golden."""
+"""``python -m harness <command>``: gate, prove, golden, autotune."""
 
 import sys
 
@@ -9,6 +9,7 @@ def main(argv=None) -> int:
       "gate": ("harness.gate", "the conformance gate: everything this machine can run"),
       "prove": ("harness.prove", "Z3 proofs of the stage-ring protocol"),
       "golden": ("harness.golden", "golden-file regression: check | update"),
+      "autotune": ("harness.autotune", "time the candidate configs on the GPU, write the cache"),
   }
   if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
     print("usage: python -m harness {" + ",".join(commands) + "} [args]")

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from kernel import plan
-from kernel.config import Config, SMEM_LIMIT_BYTES
+from kernel.config import Config
 
 BLOCK_Q_CANDIDATES = (64, 128)
 BLOCK_KV_CANDIDATES = (64, 128, 256)
@@ -47,7 +47,7 @@ def get_heuristics_config(problem: plan.Problem) -> Config:
   raise ValueError(
       f"no heuristic config fits in shared memory: the last fallback {config} "
       f"needs an estimated {est} bytes ({est / 1024:.1f} KiB), the limit is "
-      f"{SMEM_LIMIT_BYTES} bytes, for head_dim={problem.head_dim}, "
+      f"{plan.SMEM_LIMIT_BYTES} bytes, for head_dim={problem.head_dim}, "
       f"head_dim_out={problem.head_dim_out}, "
       f"dtype={np.dtype(problem.dtype).name}"
       f"{', staged bias' if problem.bias_2d else ''}"

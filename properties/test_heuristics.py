@@ -62,7 +62,7 @@ def test_heuristic_config_is_the_first_fallback_that_fits(problem):
     return
   config = heuristics.get_heuristics_config(problem)
   assert config == fitting[0]
-  assert plan.estimate_smem_bytes(problem, config) <= SMEM_LIMIT_BYTES
+  assert plan.config_fits(problem, config)
 
 
 def test_head_dim_256_falls_back_to_non_persistent():
@@ -110,7 +110,7 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
       expected.add(config)
   assert set(configs) == expected
   for config in configs:
-    assert plan.estimate_smem_bytes(problem, config) <= SMEM_LIMIT_BYTES
+    assert plan.config_fits(problem, config)
 
 
 def test_autotuning_short_sequences():

@@ -60,12 +60,15 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   block_q 128 only when the query length rounds up past 128; block_kv 128/256
   only when the key length rounds up to at least that; a non-persistent block
   with more stages than key blocks would only hold empty slots, so it is
-  skipped.  Every survivor fits in shared memory.
+  skipped.  Under a causal mask, where tiles do unequal work, each config
+  also comes with the longest-first schedule (kernel/schedule.py).  Every
+  survivor fits in shared memory.
   """
   block_qs = tuple(b for b in BLOCK_Q_CANDIDATES
                    if b == 64 or _next_pow2(problem.seq_q) > 128)
   block_kvs = tuple(b for b in BLOCK_KV_CANDIDATES
                     if b == 64 or b <= _next_pow2(problem.seq_kv))
+  schedules = ("round-robin", "longest-first") if problem.is_causal else ("round-robin",)
   configs = []
   for block_q in block_qs:
     for block_kv in block_kvs:
@@ -73,8 +76,9 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
         for num_stages in NUM_STAGES_CANDIDATES:
           if not persistent and num_stages > problem.num_kv_blocks(block_kv):
             continue
-          config = Config(block_q=block_q, block_kv=block_kv,
-                          num_stages=num_stages, persistent=persistent)
-          if plan.config_fits(problem, config):
-            configs.append(config)
+          for schedule in schedules:
+            config = Config(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+                            persistent=persistent, schedule=schedule)
+            if plan.config_fits(problem, config):
+              configs.append(config)
   return tuple(configs)

@@ -92,7 +92,8 @@ def _next_pow2(n):
 
 @hypothesis.given(problems())
 def test_autotuning_candidates_are_the_seeds_enumeration(problem):
-  """Exactly the seed's grid, filtered by stage count and the estimate, each once."""
+  """Exactly the seed's grid, filtered by stage count and the estimate, each
+  once; under causal each also with the longest-first schedule."""
   configs = heuristics.get_autotuning_configs(problem)
   assert configs == heuristics.get_autotuning_configs(problem)  # deterministic
   assert len(set(configs)) == len(configs)
@@ -105,9 +106,10 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
       continue
     if not persistent and stages > -(-problem.seq_kv // bkv):
       continue
-    config = Config(bq, bkv, stages, persistent)
-    if _fits(problem, config):
-      expected.add(config)
+    for schedule in ("round-robin", "longest-first") if problem.is_causal else ("round-robin",):
+      config = Config(bq, bkv, stages, persistent, schedule)
+      if _fits(problem, config):
+        expected.add(config)
   assert set(configs) == expected
   for config in configs:
     assert plan.config_fits(problem, config)

@@ -113,7 +113,7 @@ def run(out_path: str | None = None, variants=("as-is",)) -> int:
       vcfg = _variant(cfg, v, case)
       # A variant that does not fit in shared memory is not a case (the
       # refusal itself is tested on the CPU).
-      if vcfg is None or plan.estimate_smem_bytes(problem_of(case), vcfg) <= plan.SMEM_LIMIT_BYTES:
+      if vcfg is None or plan.config_fits(problem_of(case), vcfg):
         swept.append((f"{name}[{v}]", case, vcfg))
   cases = swept
   for name, case, cfg in cases:

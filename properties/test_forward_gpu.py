@@ -133,7 +133,7 @@ def test_named_cases(name, kwargs, cfg, persistent):
   if persistent is not None:
     base = cfg or heuristics.get_heuristics_config(problem_of(fc))
     cfg = dataclasses.replace(base, persistent=persistent)
-    if plan.estimate_smem_bytes(problem_of(fc), cfg) > plan.SMEM_LIMIT_BYTES:
+    if not plan.config_fits(problem_of(fc), cfg):
       pytest.skip(f"{cfg} does not fit for this case")
   out, m, l = run_kernel(fc, config=cfg)
   report = check_forward(fc, out, m, l)

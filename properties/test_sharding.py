@@ -1,0 +1,96 @@
+"""Attention on a mesh, without a GPU: the program XLA partitions for CUDA
+runs each device's kernels at its local shape and moves no attention operand.
+
+``harness.mesh_lowering`` runs in a subprocess (four host devices must be
+set before jax initialises, and pytest's process already has it
+initialised): for batch, head and batch x head meshes it lowers the forward
+and ``jax.grad`` for CUDA, lets XLA's pipeline partition them through
+``kernel/sharding.py``'s rule, and reads the optimised program (how, and why
+``jax.export`` cannot, is in its docstring).  The tests below hold that
+program to the contract of ``kernel/sharding.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import mesh_lowering
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {c.name: c for c in mesh_lowering.CASES}
+
+
+@pytest.fixture(scope="module")
+def report():
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={mesh_lowering.HOST_DEVICES}")
+  proc = subprocess.run([sys.executable, "-m", "harness.mesh_lowering"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_device_launches_the_kernels_of_its_local_shape(report, name):
+  """Every kernel launch of the partitioned program has exactly the operand
+  and result shapes of the single-device program run on one device's shard
+  (batch and heads divided by their shard counts, broadcast axes whole), and
+  there are as many launches: forward, and the backward's dK/dV and dQ."""
+  case = report["cases"][name]
+  launches = sorted(case["launches"], key=json.dumps)
+  local = sorted(case["local_launches"], key=json.dumps)
+  assert launches, "no kernel launch in the partitioned program"
+  assert len(launches) == (3 if CASES[name].gradients else 1), launches
+  assert launches == local, (case["local_shapes"], launches, local)
+  B, T, N, H, S, K = CASES[name].dims
+  query = case["local_shapes"]["query"]
+  assert query[0] * query[2] < B * N, "the case shards nothing"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_collective_moves_an_attention_operand(report, name):
+  """No all-gather, all-to-all, collective-permute or reduce-scatter
+  anywhere, forward or backward; the one all-reduce allowed is the sum of
+  dbias over a mesh axis the bias broadcasts over (the batch-x-heads case:
+  a (1, N, T, S) bias with the batch sharded), and only over that axis."""
+  found = report["cases"][name]["collectives"]
+  moved = [c for c in found if c["op"] != "all-reduce"]
+  assert not moved, moved
+  reduces = [c for c in found if c["op"] == "all-reduce"]
+  if name == "batch-x-heads":
+    B, T, N, H, S, K = CASES[name].dims
+    assert len(reduces) == 1, reduces
+    assert reduces[0]["result"].endswith(f"[1,{N // 2},{T},{S}]"), reduces
+    assert "{'data'}" in reduces[0]["groups"], reduces
+  else:
+    assert not reduces, reduces
+
+
+@pytest.mark.parametrize("name,want", [(n, w) for n, _, w in mesh_lowering.REFUSALS],
+                         ids=[n for n, _, _ in mesh_lowering.REFUSALS])
+def test_sharded_sequence_head_dim_or_split_gqa_group_is_refused(report, name, want):
+  """Sharding a sequence axis (of the query, the key, a bias) or the head
+  dim, or heads that split a GQA group, stops the compile with the rule's
+  ValueError naming the operand, its axis and the mesh axes (XLA calls the
+  rule, so JAX re-raises it as a JaxRuntimeError holding that message)."""
+  err = report["refusals"][name]
+  assert err is not None, f"{name}: compiled without an error"
+  assert f"ValueError: {want}" in err, err[-2000:]
+
+
+def test_the_rule_reads_only_named_shardings():
+  """Outside the partitioner: a sharding that is not a NamedSharding (no
+  mesh axis names for the dbias sum) is refused with a ValueError."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import sharding
+  arg = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16,
+                             sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  with pytest.raises(ValueError, match="NamedSharding"):
+    sharding.layout_of(None, ("query", "key", "value"), (arg, arg, arg))

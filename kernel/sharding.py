@@ -261,7 +261,16 @@ def _dbias_reduce_axes(layout: Layout) -> tuple[str, ...]:
 
 
 def _infer(local: Local, mesh, arg_shapes, result_shape):
-  layout = layout_of(mesh, _names(local), arg_shapes)
+  """GSPMD's propagation callback (Shardy reads :func:`_sharding_rule`)."""
+  try:
+    layout = layout_of(mesh, _names(local), arg_shapes)
+  except ValueError:
+    # An exception here aborts the process (a CHECK in XLA's callback
+    # glue); answering "replicated" lets :func:`_partition`, whose errors
+    # XLA returns to Python, refuse the call with the same message.
+    layout = Layout(mesh=mesh, batch=(), heads=(),
+                    shapes={n: (None if a is None else tuple(a.shape))
+                            for n, a in zip(_names(local), arg_shapes)})
   if local.kind == "forward":
     out_spec, rows = _result_specs(local, layout)
     return (NamedSharding(mesh, out_spec),

@@ -102,3 +102,26 @@ def test_the_rule_reads_only_named_shardings():
                              sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   with pytest.raises(ValueError, match="NamedSharding"):
     sharding.layout_of(None, ("query", "key", "value"), (arg, arg, arg))
+
+
+def test_the_sharded_benchmark_programs_lower_for_cuda_and_render():
+  """``python -m harness.bench_sharded`` times these programs (forward, and
+  forward + backward with no bias); they lower for CUDA without a GPU, and
+  the table reports per-device TFLOP/s and their ratio."""
+  import jax
+  import jax.numpy as jnp
+  from harness import bench, bench_sharded
+  from kernel import api
+  shape = bench.BenchShape(1, 256, 2, 64, True)
+  big = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  with api.lowering_only():
+    attention = bench_sharded._attention(shape.causal)
+    assert jax.export.export(jax.jit(attention), platforms=["cuda"])(big, big, big).out_avals
+    grads = jax.jit(bench._with_backward(attention))
+    d_out = jax.ShapeDtypeStruct(big.shape, jnp.float32)
+    assert len(jax.export.export(grads, platforms=["cuda"])(big, big, big, None, d_out).out_avals) == 3
+  row = {"devices": 2, "device": "H200", "jax": "0.11.2", "pass": "forward",
+         "per_device_shape": dict(batch=4, seq=4096, heads=16, head_dim=128, causal=False),
+         "single_tflops": 600.0, "sharded_tflops_per_device": 582.0, "ratio": 0.97}
+  assert bench_sharded.render(row).splitlines()[-1] == (
+      "| 4 | 4096 | 16 | 128 | False | 600.0 | 582.0 | 0.970 |")

@@ -43,6 +43,7 @@ from typing import Callable
 
 import jax
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import (
     ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec
@@ -91,7 +92,7 @@ def forward(local_fn, query, key, value, bias, mask, k_start, k_end, *, residual
   args = (query, key, value, bias, mask, k_start, k_end)
   local = Local(local_fn, "forward", _present(FORWARD_OPERANDS, args),
                 ("out", "m", "l") if residuals else ("out",))
-  return _partitioned(local, *args)
+  return _batchable(local, args)
 
 
 def backward(local_fn, query, key, value, bias, mask, k_start, k_end, out, m, l, d_out):
@@ -100,7 +101,26 @@ def backward(local_fn, query, key, value, bias, mask, k_start, k_end, out, m, l,
   args = (query, key, value, bias, mask, k_start, k_end, out, m, l, d_out)
   local = Local(local_fn, "backward", _present(BACKWARD_OPERANDS, args),
                 ("dq", "dk", "dv") + (("dbias",) if bias is not None else ()))
-  return _partitioned(local, *args)
+  return _batchable(local, args)
+
+
+def _batchable(local: Local, args):
+  """The partitioned call, and under ``jax.vmap`` the per-device computation
+  vmapped as a whole (custom_partitioning has no batching rule): vmap keeps
+  working as before the rule existed, without the rule's partitioning."""
+
+  @custom_vmap
+  def call(*args):
+    return _partitioned(local, *args)
+
+  @call.def_vmap
+  def _(axis_size, in_batched, *args):
+    in_axes = tuple(jax.tree.map(lambda b: 0 if b else None, batched)
+                    for batched in in_batched)
+    out = jax.vmap(local.fn, in_axes=in_axes, axis_size=axis_size)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return call(*args)
 
 
 def _call(local: Local, *operands):

@@ -55,6 +55,7 @@ class Case:
   k_start: tuple | None = None
   gradients: bool = True
   kwargs: tuple = ()               # API keyword arguments, as (name, value) pairs
+  explicit: bool = False           # a mesh of Explicit axes (jax.set_mesh): shard_map
 
 
 B_, H_ = "data", "model"
@@ -77,6 +78,10 @@ CASES = (
     # rule must slice locally (a replicated full bias).
     Case("batch-x-heads-forward", ((B_, 2), (H_, 2)), (4, 256, 4, 64, 256, 2),
          (B_, None, H_, None), bias=((4, 4, 256, 256), ()), gradients=False),
+    # Explicit sharding (types carry it): the same contract through shard_map.
+    Case("batch-x-heads-explicit", ((B_, 2), (H_, 2)), (4, 256, 4, 64, 256, 2),
+         (B_, None, H_, None), bias=((1, 4, 256, 256), (None, H_)),
+         mask=((4, 1, 256, 256), (B_,)), explicit=True),
 )
 
 # (name, case, the text the error must hold)
@@ -91,6 +96,10 @@ REFUSALS = (
      "bias: axis 3 (seq_kv) is sharded over mesh axes ('data',)"),
     ("head-dim", Case("head-dim", ((H_, 4),), (2, 256, 4, 64, 256, 4), (None, None, None, H_),
                       gradients=False), "query: axis 3 (head_dim) is sharded over mesh axes ('model',)"),
+    # Explicit sharding: refused while tracing, with the ValueError itself.
+    ("query-seq-explicit", Case("q-seq-x", ((B_, 4),), (2, 256, 4, 64, 256, 2),
+                                (None, B_, None, None), gradients=False, explicit=True),
+     "query: axis 1 (seq_q) is sharded over mesh axes ('data',)"),
     ("gqa-split", Case("gqa", ((H_, 4),), (2, 256, 4, 64, 256, 2), (None, None, H_, None),
                        gradients=False, kwargs=(("_key_spec", (None, None, None, None)),)),
      "query/key: heads sharded 4 ways over mesh axes ('model',), but 4 query heads and 2 kv "
@@ -162,13 +171,15 @@ def _program(case: Case, names):
   return jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32)), argnums=wrt)
 
 
-def optimized_hlo(fn, args) -> str:
+def optimized_hlo(fn, args, mesh=None) -> str:
   """The program XLA made of ``fn`` for these (possibly sharded) abstract
   arguments, lowered for CUDA and compiled by the host's pipeline up to the
-  point where it needs the kernel's host implementation (module docstring)."""
+  point where it needs the kernel's host implementation (module docstring).
+  ``mesh``: set as the context mesh (for Explicit axes)."""
+  import contextlib
   import jax
   from kernel import api
-  with api.lowering_only():
+  with api.lowering_only(), (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     with tempfile.TemporaryDirectory() as dump:
       try:
@@ -196,11 +207,23 @@ def kernel_launches(hlo: str) -> list[dict]:
     if f'custom_call_target="{KERNEL_TARGET}"' not in line:
       continue
     m = _INSTRUCTION.match(line)
-    operands = re.search(r"operand_layout_constraints=\{(.*?)\}, ", line)
-    launches.append({
-        "result": _strip_layouts(m.group(1)),
-        "operands": _strip_layouts(operands.group(1)) if operands else None})
+    launches.append({"result": _strip_layouts(m.group(1)),
+                     "operands": _strip_layouts(_braced(line, "operand_layout_constraints="))})
   return launches
+
+
+def _braced(line: str, key: str) -> str | None:
+  """The text inside the balanced braces after ``key`` in ``line``."""
+  start = line.find(key + "{")
+  if start < 0:
+    return None
+  i = start + len(key)
+  depth = 0
+  for j in range(i, len(line)):
+    depth += {"{": 1, "}": -1}.get(line[j], 0)
+    if depth == 0:
+      return line[i + 1:j]
+  raise ValueError(f"unbalanced braces after {key} in: {line[:200]}")
 
 
 def _strip_layouts(text: str) -> str:
@@ -224,10 +247,11 @@ def collectives(hlo: str) -> list[dict]:
 def _mesh(case: Case):
   import jax
   import numpy as np
-  from jax.sharding import Mesh
+  from jax.sharding import AxisType, Mesh
   sizes = tuple(n for _, n in case.mesh)
   devices = np.array(jax.devices()[:int(np.prod(sizes))]).reshape(sizes)
-  return Mesh(devices, tuple(a for a, _ in case.mesh))
+  kind = AxisType.Explicit if case.explicit else AxisType.Auto
+  return Mesh(devices, tuple(a for a, _ in case.mesh), axis_types=(kind,) * len(sizes))
 
 
 def report(cases=CASES, refusals=REFUSALS) -> dict:
@@ -236,7 +260,7 @@ def report(cases=CASES, refusals=REFUSALS) -> dict:
     mesh = _mesh(case)
     names, sharded = _arguments(case, mesh, local=False)
     _, local = _arguments(case, mesh, local=True)
-    hlo = optimized_hlo(_program(case, names), sharded)
+    hlo = optimized_hlo(_program(case, names), sharded, mesh if case.explicit else None)
     single = optimized_hlo(_program(case, names), local)
     out["cases"][case.name] = {
         "launches": kernel_launches(hlo),
@@ -248,7 +272,7 @@ def report(cases=CASES, refusals=REFUSALS) -> dict:
     mesh = _mesh(case)
     names, sharded = _arguments(case, mesh, local=False)
     try:
-      optimized_hlo(_program(case, names), sharded)
+      optimized_hlo(_program(case, names), sharded, mesh if case.explicit else None)
     except Exception as err:  # the rule's ValueError, wrapped by XLA's callback
       out["refusals"][name] = f"{type(err).__name__}: {err}"
     else:

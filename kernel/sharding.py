@@ -29,6 +29,21 @@ The backward needs one collective only where the user's sharding asks for
 it: a bias broadcast over a sharded axis (say (1, N, T, S) with the batch
 sharded) gets its gradient summed over that axis (a psum, an all-reduce).
 
+Two ways in, one contract:
+
+* Auto mesh axes (the default; shardings given to ``jax.jit`` or carried by
+  the arrays): a ``custom_partitioning`` rule.  Shardings are known only when
+  XLA partitions, so a refused sharding surfaces at compile time, as a
+  ``JaxRuntimeError`` that holds the rule's ValueError.  Shardy (jax's
+  default) reads :func:`_sharding_rule`, GSPMD :func:`_infer`; both then call
+  :func:`_partition`.
+* Explicit mesh axes (``jax.set_mesh``; the types carry the shardings): a
+  ``shard_map`` over the same specs, and a refused sharding is a ValueError
+  at the call.
+
+Under ``jax.vmap`` (auto axes) the per-device computation is vmapped whole,
+as before this rule existed: custom_partitioning has no batching rule.
+
 The rule does not change what is computed: each device runs the same config
 (chosen from the global shapes, which differ from the local ones only in B
 and N, which no config choice reads) on its rows, so out, dK, dV and the
@@ -92,7 +107,7 @@ def forward(local_fn, query, key, value, bias, mask, k_start, k_end, *, residual
   args = (query, key, value, bias, mask, k_start, k_end)
   local = Local(local_fn, "forward", _present(FORWARD_OPERANDS, args),
                 ("out", "m", "l") if residuals else ("out",))
-  return _batchable(local, args)
+  return _dispatch(local, args)
 
 
 def backward(local_fn, query, key, value, bias, mask, k_start, k_end, out, m, l, d_out):
@@ -101,7 +116,52 @@ def backward(local_fn, query, key, value, bias, mask, k_start, k_end, out, m, l,
   args = (query, key, value, bias, mask, k_start, k_end, out, m, l, d_out)
   local = Local(local_fn, "backward", _present(BACKWARD_OPERANDS, args),
                 ("dq", "dk", "dv") + (("dbias",) if bias is not None else ()))
+  return _dispatch(local, args)
+
+
+def _dispatch(local: Local, args):
+  mesh = _explicit_mesh(args[0])
+  if mesh is not None:
+    return _shard_mapped(local, mesh, args)
   return _batchable(local, args)
+
+
+def _explicit_mesh(query):
+  """The mesh of a query whose type carries its sharding (a mesh with
+  Explicit axes, ``jax.set_mesh``), else None."""
+  mesh = getattr(getattr(jax.typeof(query), "sharding", None), "mesh", None)
+  if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+    return None
+  return mesh
+
+
+def _shard_mapped(local: Local, mesh, args):
+  """Explicit sharding: the shardings are known while tracing, so the rule
+  applies here, as a shard_map over the layout's specs, and a refused
+  sharding is a ValueError at the call."""
+  names = _names(local)
+  typed = [None if a is None else _Typed(tuple(a.shape), jax.typeof(a).sharding) for a in args]
+  layout = layout_of(mesh, names, typed)
+  present = [i for i, a in enumerate(args) if a is not None]
+  specs = [layout.spec(names[i]) for i in present]
+  operands = [jax.sharding.reshard(args[i], NamedSharding(mesh, spec))
+              for i, spec in zip(present, specs)]
+  per_device = _per_device(local, layout)
+
+  def body(*shards):
+    full = [None] * len(args)
+    for i, x in zip(present, shards):
+      full[i] = x
+    return per_device(*full)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                       out_specs=_result_specs(local, layout), check_vma=False)(*operands)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Typed:
+  shape: tuple
+  sharding: object
 
 
 def _batchable(local: Local, args):
@@ -226,10 +286,13 @@ def layout_of(mesh, names, arg_shapes) -> Layout:
 # The partitioning rule.
 
 def _result_specs(local: Local, layout: Layout):
+  """PartitionSpecs of the results, as a tree like theirs (None where a
+  result is absent): out like the query, m and l (B, N, T) like its rows,
+  each gradient like its operand."""
   q = layout.spec("query")
   if local.kind == "forward":
     rows = PartitionSpec(q[0], q[2], None)
-    return q, rows   # out; m and l
+    return (q, (rows, rows) if "m" in local.results else None)
   return (q, layout.spec("key"), layout.spec("value"), layout.spec("bias"))
 
 
@@ -246,23 +309,22 @@ def _partition(local: Local, mesh, arg_shapes, result_shape):
   layout = layout_of(mesh, names, arg_shapes)
   arg_shardings = tuple(_named(mesh, layout.spec(n)) if a is not None else None
                         for n, a in zip(names, arg_shapes))
-  if local.kind == "forward":
-    out_spec, rows = _result_specs(local, layout)
-    res = result_shape[1]
-    result_shardings = (NamedSharding(mesh, out_spec),
-                        None if res is None else (NamedSharding(mesh, rows),) * 2)
-    lower = local.fn
-  else:
-    specs = _result_specs(local, layout)
-    result_shardings = tuple(_named(mesh, s) for s in specs)
-    reduce_axes = _dbias_reduce_axes(layout)
+  result_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                  _result_specs(local, layout))
+  return mesh, _per_device(local, layout), result_shardings, arg_shardings
 
-    def lower(*operands):
-      dq, dk, dv, dbias = local.fn(*operands)
-      if dbias is not None and reduce_axes:
-        dbias = lax.psum(dbias, reduce_axes)
-      return dq, dk, dv, dbias
-  return mesh, lower, result_shardings, arg_shardings
+
+def _per_device(local: Local, layout: Layout):
+  """What each device runs on its shard: the local computation, and in the
+  backward the sum of dbias over the mesh axes its broadcast hides."""
+  reduce_axes = _dbias_reduce_axes(layout) if local.kind == "backward" else ()
+  if not reduce_axes:
+    return local.fn
+
+  def run(*operands):
+    dq, dk, dv, dbias = local.fn(*operands)
+    return dq, dk, dv, (None if dbias is None else lax.psum(dbias, reduce_axes))
+  return run
 
 
 def _dbias_reduce_axes(layout: Layout) -> tuple[str, ...]:
@@ -291,11 +353,7 @@ def _infer(local: Local, mesh, arg_shapes, result_shape):
     layout = Layout(mesh=mesh, batch=(), heads=(),
                     shapes={n: (None if a is None else tuple(a.shape))
                             for n, a in zip(_names(local), arg_shapes)})
-  if local.kind == "forward":
-    out_spec, rows = _result_specs(local, layout)
-    return (NamedSharding(mesh, out_spec),
-            None if result_shape[1] is None else (NamedSharding(mesh, rows),) * 2)
-  return tuple(_named(mesh, s) for s in _result_specs(local, layout))
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _result_specs(local, layout))
 
 
 _RESULT_ROLES = {

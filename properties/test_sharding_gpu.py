@@ -11,7 +11,8 @@ where it broadcasts over a sharded axis (2^-5 of its largest entry: the
 per-device partial sums are rounded to the bias dtype before their
 all-reduce).
 
-The one-device mesh runs on any sm90 host.  The others need as many GPUs in
+Explicit mesh axes (``jax.set_mesh``, a shard_map inside) are held to the
+same results.  The one-device mesh runs on any sm90 host.  The others need as many GPUs in
 this process: run this file with ``-n 0`` (under pytest-xdist each worker is
 given one GPU, properties/conftest.py) on a host with 2 or more; elsewhere
 they are skipped, saying why.
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from harness.tolerance import run_to_run_bound
 from kernel import api
@@ -40,7 +41,7 @@ MESHES = {
 }
 
 
-def _mesh(name):
+def _mesh(name, explicit=False):
   n = len(jax.devices())
   dims = MESHES[name](n)
   if dims is None:
@@ -48,7 +49,8 @@ def _mesh(name):
                 "(run with -n 0 on a host with 2 or more; 4 for batch-x-heads)")
   nb, nh = dims
   devices = np.array(jax.devices()[:nb * nh]).reshape(nb, nh)
-  return Mesh(devices, ("data", "model")), nb, nh
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return Mesh(devices, ("data", "model"), axis_types=(kind, kind)), nb, nh
 
 
 def _inputs(nb, nh, *, bias_batch, seed=0):
@@ -136,3 +138,17 @@ def test_sharded_equals_single_device(mesh_name, bias_batch, backward, is_causal
     scale = np.max(np.abs(want["dbias"]))
     err = np.max(np.abs(got["dbias"] - want["dbias"]))
     assert err <= 2.0 ** -5 * scale, (err, scale)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_explicit_sharding_equals_single_device(mesh_name):
+  """With Explicit mesh axes (``jax.set_mesh``; the call goes through a
+  shard_map) the results are the one-device results, bitwise."""
+  mesh, nb, nh = _mesh(mesh_name, explicit=True)
+  inputs = _inputs(nb, nh, bias_batch=True)
+  specs = _specs(True)
+  want = _run(None, inputs, specs, "pallas-two-kernel", False)
+  with jax.set_mesh(mesh):
+    got = _run(mesh, inputs, specs, "pallas-two-kernel", False)
+  for name in ("out", "m", "l", "dq", "dk", "dv", "dbias"):
+    _bitwise(name, got[name], want[name])

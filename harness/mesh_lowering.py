@@ -255,7 +255,7 @@ def _mesh(case: Case):
 
 
 def report(cases=CASES, refusals=REFUSALS) -> dict:
-  out = {"cases": {}, "refusals": {}}
+  out = {"cases": {}, "refusals": {}, "stand_in": {}}
   for case in cases:
     mesh = _mesh(case)
     names, sharded = _arguments(case, mesh, local=False)
@@ -268,6 +268,8 @@ def report(cases=CASES, refusals=REFUSALS) -> dict:
         "collectives": collectives(hlo),
         "local_shapes": {n: list(a.shape) for n, a in zip(names, local)},
     }
+    if case.gradients:
+      out["stand_in"][case.name] = stand_in_differences(case)
   for name, case, _ in refusals:
     mesh = _mesh(case)
     names, sharded = _arguments(case, mesh, local=False)
@@ -278,6 +280,93 @@ def report(cases=CASES, refusals=REFUSALS) -> dict:
     else:
       out["refusals"][name] = None
   return out
+
+
+# ---------------------------------------------------------------------------
+# The rule executed: a stand-in for the kernels, run on the host devices.
+
+def _stand_in_forward(q, k, v, bias, mask, k_start, k_end):
+  """Attention in plain jnp with the kernels' operands and results (out,
+  (m, l)): what the partitioned program runs per device here, so the rule's
+  shardings, GQA grouping and dbias sum are executed, not only lowered."""
+  import jax.numpy as jnp
+  from jax import lax
+  del k_end
+  g = q.shape[2] // k.shape[2]
+  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", q, kk) * q.shape[3] ** -0.5
+  if bias is not None:
+    s = s + lax.broadcast_to_rank(bias, 4)
+  keep = jnp.ones(s.shape, bool)
+  if mask is not None:
+    keep &= lax.broadcast_to_rank(mask, 4)
+  if k_start is not None:
+    keep &= jnp.arange(s.shape[3]) >= lax.broadcast_to_rank(k_start, 3)[..., None]
+  s = jnp.where(keep, s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - m[..., None])
+  l = jnp.sum(p, axis=-1)
+  out = jnp.einsum("bnts,bsnh->btnh", p / l[..., None], vv)
+  return out, (m, l)
+
+
+def _stand_in_backward(q, k, v, bias, mask, k_start, k_end, out, m, l, d_out):
+  import jax
+  del out, m, l
+  f = lambda q, k, v, bias: _stand_in_forward(q, k, v, bias, mask, k_start, k_end)[0]
+  if bias is None:
+    _, vjp = jax.vjp(lambda q, k, v: f(q, k, v, None), q, k, v)
+    return (*vjp(d_out), None)
+  _, vjp = jax.vjp(f, q, k, v, bias)
+  return vjp(d_out)
+
+
+def _stand_in_program(names):
+  import jax
+  from kernel import sharding
+
+  def program(*args):
+    a = dict(zip(names, args))
+    operands = [a.get(n) for n in ("query", "key", "value", "bias", "mask", "k_start")]
+    out, (m, l) = sharding.forward(_stand_in_forward, *operands, None, residuals=True)
+    d_out = jax.numpy.cos(out)   # some cotangent that depends on every output row
+    grads = sharding.backward(_stand_in_backward, *operands, None, out, m, l, d_out)
+    return (out, m, l) + tuple(g for g in grads if g is not None)
+  return program
+
+
+def stand_in_differences(case: Case) -> dict:
+  """Max |sharded - one device| of out, m, l and the gradients, the kernels
+  replaced by :func:`_stand_in_forward` (float32), executed on the host
+  devices; and how many devices the sharded output spans."""
+  import contextlib
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _mesh(case)
+  names, sharded = _arguments(case, mesh, local=False)
+  rng = np.random.default_rng(0)
+  values = []
+  for name, a in zip(names, sharded):
+    if name == "mask":
+      x = rng.random(a.shape) > 0.2
+      x[..., 0] = True   # no fully masked row (the stand-in would give NaN)
+    elif name == "k_start":
+      x = rng.integers(0, a.shape[-1] // 2, a.shape).astype(np.int32)
+    else:
+      x = rng.standard_normal(a.shape).astype(np.float32)
+    values.append(x)
+  program = jax.jit(_stand_in_program(names))
+  one = program(*(jax.device_put(x, jax.devices()[0]) for x in values))
+  ctx = jax.set_mesh(mesh) if case.explicit else contextlib.nullcontext()
+  with ctx:
+    many = program(*(jax.device_put(x, a.sharding) for x, a in zip(values, sharded)))
+  labels = ("out", "m", "l", "dq", "dk", "dv", "dbias")
+  return {"max_abs_diff": {n: float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+                           for n, x, y in zip(labels, many, one)},
+          "max_abs": {n: float(np.max(np.abs(np.asarray(y)))) for n, y in zip(labels, one)},
+          "out_devices": len(many[0].sharding.device_set)}
 
 
 def main(argv=None) -> int:

@@ -135,3 +135,18 @@ def test_the_sharded_benchmark_programs_lower_for_cuda_and_render():
          "single_tflops": 600.0, "sharded_tflops_per_device": 582.0, "ratio": 0.97}
   assert bench_sharded.render(row).splitlines()[-1] == (
       "| 4 | 4096 | 16 | 128 | False | 600.0 | 582.0 | 0.970 |")
+
+
+@pytest.mark.parametrize("name", [c.name for c in mesh_lowering.CASES if c.gradients])
+def test_the_partitioned_program_computes_what_one_device_does(report, name):
+  """Executed, not only lowered: with the kernels replaced by a float32 jnp
+  stand-in of the same operands and results (``harness.mesh_lowering``, only
+  there), the program partitioned by the rule over 4 host devices gives the
+  one-device out, m, l and gradients (dbias summed over the batch where it
+  broadcasts) to float32 rounding, and its output stays spread over the
+  devices.  A wrong GQA grouping, a missing or doubled dbias sum, or
+  results reassembled in the wrong order are off by O(1)."""
+  got = report["stand_in"][name]
+  assert got["out_devices"] == mesh_lowering.HOST_DEVICES, got
+  for field, diff in got["max_abs_diff"].items():
+    assert diff <= 1e-5 * max(1.0, got["max_abs"][field]), (field, got)

@@ -27,6 +27,7 @@ import numpy as np
 from kernel import mutants
 from kernel import padding
 from kernel import plan as plan_lib
+from kernel import sharding
 from kernel.config import Config
 from kernel import backward as backward_pallas
 from kernel import backward_xla
@@ -226,9 +227,12 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
   of BACKWARDS."""
 
   def run(f, q, k, v, bias, mask, ks, ke):
-    out, res = _forward(q, k, v, bias, mask, ks, ke, features=f, config=config,
-                        dtype=dtype, num_sms=num_sms)
-    return out.astype(q.dtype), res
+    def local(q, k, v, bias, mask, ks, ke):   # on one device's batch/head shard
+      out, res = _forward(q, k, v, bias, mask, ks, ke, features=f, config=config,
+                          dtype=dtype, num_sms=num_sms)
+      return out.astype(q.dtype), res
+    return sharding.forward(local, q, k, v, bias, mask, ks, ke,
+                            residuals=f.return_residuals)
 
   @jax.custom_vjp
   def attention(q, k, v, bias, mask, ks, ke):
@@ -254,10 +258,11 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     # mixing unrounded values with the rounded forward's output would leave
     # rounding noise in dP - delta.
     low = lambda x: None if x is None else x.astype(dtype)
-    dq, dk, dv, dbias = attention_backward(
-        low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, d_out,
-        scale=features.scale, is_causal=features.is_causal,
-        logits_soft_cap=features.logits_soft_cap)
+    local = functools.partial(attention_backward, scale=features.scale,
+                              is_causal=features.is_causal,
+                              logits_soft_cap=features.logits_soft_cap)
+    dq, dk, dv, dbias = sharding.backward(
+        local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, d_out)
     back = lambda g, like: None if g is None else g.astype(like.dtype)
     return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None
 

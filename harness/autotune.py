@@ -57,6 +57,16 @@ COMMON_SHAPES = (  # (batch, seq, heads, head_dim, causal)
 )
 
 
+def _shapes(args) -> list[tuple]:
+  if args.causal_grid:
+    from harness.bench_grid import grid_points
+    return [(p.batch, p.seq, p.heads, p.head_dim, True)
+            for p in grid_points(backward=False, ragged=False) if p.causal]
+  if args.shapes == "all":
+    return list(COMMON_SHAPES)
+  return [COMMON_SHAPES[int(i)] for i in args.shapes.split(",")]
+
+
 def main(argv=None) -> int:
   import jax
   import jax.numpy as jnp
@@ -68,15 +78,26 @@ def main(argv=None) -> int:
                       help="comma-separated indices into COMMON_SHAPES, or 'all'")
   parser.add_argument("--report", default=None,
                       help="JSON file for every timing and the heuristic's")
+  parser.add_argument("--causal-grid", action="store_true",
+                      help="tune the causal points of bench --grid (head dim 64/128/256, "
+                           "1k-16k, 16k tokens per batch) instead of --shapes")
+  parser.add_argument("--candidates", default=None,
+                      help="';'-separated configs as bench --grid --variants spells them "
+                           "(e.g. '64,128,2,p,lf;64,64,2,lf'); those that fit are timed "
+                           "beside the heuristic's pick. Default: every autotuning candidate")
   args = parser.parse_args(argv)
   device = api.sm90_device()
   if device is None:
     raise SystemExit("autotune: needs an sm90 GPU")
-  picks = (range(len(COMMON_SHAPES)) if args.shapes == "all"
-           else [int(i) for i in args.shapes.split(",")])
+  shapes = _shapes(args)
+  restricted = None
+  if args.candidates:
+    from harness.bench_grid import parse_variant
+    restricted = [parse_variant(t.strip()) for t in args.candidates.split(";") if t.strip()]
+    if any(c is None for c in restricted):
+      raise SystemExit("autotune: --candidates takes configs, not 'auto'")
   report = []
-  for index in picks:
-    batch, seq, heads, d, causal = COMMON_SHAPES[index]
+  for batch, seq, heads, d, causal in shapes:
     shape = BenchShape(batch, seq, heads, d, causal)
     inputs = _inputs(shape, 3)
     problem = autotune.selection_problem(plan.problem_for(
@@ -88,11 +109,16 @@ def main(argv=None) -> int:
                                                              config=config))
       return time_fns({"x": fn}, inputs, trials=5, burst=10)["x"]
 
-    best, timings = tune(problem, run)
+    candidates = None
+    if restricted is not None:
+      candidates = [heuristics.get_heuristics_config(problem)]
+      candidates += [c for c in restricted
+                     if plan.config_fits(problem, c) and c not in candidates]
+    best, timings = tune(problem, run, candidates=candidates)
     record(problem, device.device_kind, best, timings, path=Path(args.cache))
     heuristic = heuristics.get_heuristics_config(problem)
     h_ms = timings.get(str(heuristic))
-    report.append(dict(shape=COMMON_SHAPES[index], signature=autotune.signature(problem),
+    report.append(dict(shape=(batch, seq, heads, d, causal), signature=autotune.signature(problem),
                        best=str(best), best_ms=timings[str(best)], heuristic=str(heuristic),
                        heuristic_ms=h_ms, timings_ms=timings))
     print(f"{autotune.signature(problem)}: {best} {timings[str(best)]:.3f} ms; heuristic "

@@ -25,8 +25,8 @@ an sm90 GPU.  Every step runs under a time limit (``--step-timeout``), and
 every pytest test under a per-test one (``--test-timeout``, the watchdog of
 harness/watchdog.py): a hang fails the step and the summary names the test
 that hung.  ``--steps`` runs a subset (the others are reported as SKIPPED,
-"not selected", and the overall line says the run was partial): on a lent GPU
-whose time is short, ``--steps gpu-properties,golden`` after the CPU steps
+"not selected", and the overall line says the run was partial): where GPU time
+is short, ``--steps gpu-properties,golden`` after the CPU steps
 passed on the same commit elsewhere.  JUnit XML of each pytest step and
 ``summary.md`` go to the results folder, and, for each pytest step, the worst error ratio against float64 per
 property and array (``<step>-error-ratios.md``, also in ``summary.md``).  The

@@ -66,6 +66,7 @@ def grads(*ids: str) -> tuple[str, ...]:
 
 CARRY = tuple(f"{FWD_T}::test_persistent_ring_carry_cases[{n}]" for n in (
     "3-blocks-per-tile", "causal-1-to-16", "causal-3-stages", "key-ranges-with-empty-tiles"))
+GUARD = (f"{GUARD_T}::test_the_forward_writes_nothing_past_its_padded_outputs",)
 MASKED_ROWS = (f"{FWD_T}::test_fully_masked_rows_follow_the_contract[False]",
                f"{FWD_T}::test_fully_masked_rows_follow_the_contract[True]")
 
@@ -184,9 +185,12 @@ CATALOG: tuple[Mutant, ...] = (
        "          barriers.schedule_release_other(wg)\n          barriers.schedule_sync(wg)\n",
        "        pass\n", CARRY[3:]),
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
-       FWD, "num_tiles = t_pad // (2 * block_q)",
-       "num_tiles = (t_pad + 2 * block_q) // (2 * block_q)",
-       (f"{GUARD_T}::test_the_forward_writes_nothing_past_its_padded_outputs",)),
+       FWD, "num_tiles = -(-seq_q // (2 * block_q))",
+       "num_tiles = -(-seq_q // (2 * block_q)) + 1", GUARD),
+    _m("l-store-one-row-late", "a store one row past its tile (one row past the end)", FWD,
+       "plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, rows])",
+       "plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, pl.ds(q_base + 1, block_q)])",
+       GUARD),
     # -- backward ------------------------------------------------------------------
     _m("lse-base-e", "the backward reading lse in base e", BWD,
        "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",

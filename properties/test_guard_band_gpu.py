@@ -2,22 +2,20 @@
 
 A fresh output array cannot show a write past its end: the TMA unit drops a
 store outside the array it was described with, and the API slices the
-padded rows off anyway.  So the kernel is launched here on its padded inputs
-(as ``kernel.api`` pads them) with its outputs placed inside larger,
-NaN-filled mutable arrays (``flash_attention_forward(..., outputs=...)``):
-rows from the padded length on are a guard band that must stay NaN, and the
-rows of the real queries must be, bit for bit, what the API returns.  The
-cuDNN frontend's tests surround outputs with NaN guards the same way.
+padded rows off anyway.  So the kernel is launched here on the inputs the
+API prepares (``kernel.api._forward``, unpadded where TMA reads so) with its
+outputs placed inside larger, NaN-filled mutable arrays
+(``flash_attention_forward(..., outputs=...)``): rows from the last query
+tile's end on are a guard band that must stay NaN, and the rows of the real
+queries must be, bit for bit, what the API returns.  The cuDNN frontend's
+tests surround outputs with NaN guards the same way.
 
-The catalogued mutant ``extra-query-tile`` (harness/mutants.py) rounds the
-tile count up past the padded end: its results through the API are right,
-and only this property sees the extra tile's writes.
+The catalogued mutants ``extra-query-tile`` (the tile count rounded up past
+the end: its results through the API are right) and ``l-store-one-row-late``
+(harness/mutants.py) write past the end; this property sees those writes.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -28,49 +26,63 @@ from kernel.config import Config
 GUARD_ROWS = 40   # any positive count catches a write one row past the end
 
 
+def _api_launch(fc: ForwardCase, config: Config):
+  """The features, config, dtype and SM count ``dot_product_attention``
+  resolves for this case (its own code, up to the launch)."""
+  from unittest import mock
+  from kernel import api
+  got = {}
+
+  def record(features, config, dtype, num_sms, problem, backward):
+    got.update(features=features, config=config, dtype=dtype, num_sms=num_sms)
+    return lambda *args: (None, None)
+
+  with mock.patch.object(api, "_differentiable", record), api.lowering_only():
+    q, k, v, bias, mask, k_start, k_end = _arrays(fc)
+    api.dot_product_attention(q, k, v, bias, mask, k_start=k_start, k_end=k_end,
+                              scale=fc.scale, is_causal=fc.is_causal,
+                              logits_soft_cap=fc.logits_soft_cap,
+                              rescale_threshold=fc.rescale_threshold,
+                              normalize_output=fc.normalize_output, return_residuals=True,
+                              config=config)
+  return got
+
+
 def _padded_call(fc: ForwardCase, config: Config, guard: int):
   """A function of (q, k, v, bias, mask, k_start, k_end) returning the
-  guarded (out, m, l) buffers whole, and the padded lengths (Tp, Dv_pad)."""
+  guarded (out, m, l) buffers whole, and the padded lengths (Tp, Dv_pad).
+
+  The inputs are prepared by the API's own ``_forward`` (unpadded along the
+  sequence where TMA can read them so); only its launch is replaced by one
+  into NaN-filled buffers ``guard`` rows longer than the query tiles."""
   import jax
   import jax.numpy as jnp
-  from kernel import api, padding
-  from kernel.forward import Features, flash_attention_forward
+  from unittest import mock
+  from kernel import api
+  from kernel.forward import flash_attention_forward
 
-  B, T, N, H = fc.query.shape
-  S, hv = fc.key.shape[1], fc.value.shape[3]
-  problem = api.resolved_problem(fc.query, fc.key, fc.value, fc.bias, fc.mask,
-                                 is_causal=fc.is_causal, return_residuals=True,
-                                 k_start=fc.k_start, k_end=fc.k_end, config=config)
-  dtype = jnp.dtype(problem.dtype)
-  features = Features(
-      scale=float(H ** -0.5 if fc.scale is None else fc.scale), is_causal=fc.is_causal,
-      logits_soft_cap=fc.logits_soft_cap,
-      rescale_threshold=api._effective_threshold(fc.rescale_threshold, dtype),
-      normalize_output=fc.normalize_output, return_residuals=True, seq_q=T, seq_kv=S,
-      stage_2d=problem.bias_2d or problem.mask_2d)
+  launch_kw = _api_launch(fc, config)
   tile = 2 * config.block_q
-  t_pad = -(-T // tile) * tile
-  dv_pad = -(-hv // 64) * 64
+  t_pad = -(-fc.query.shape[1] // tile) * tile
+  dv_pad = -(-fc.value.shape[3] // 64) * 64
 
   @jax.jit
   def call(q, k, v, bias, mask, k_start, k_end):
-    pad = padding.pad_to_multiple
-    q = pad(pad(q.astype(dtype), 3, 64), 1, tile)
-    k = pad(pad(k.astype(dtype), 3, 64), 1, config.block_kv)
-    v = pad(pad(v.astype(dtype), 3, 64), 1, config.block_kv)
-    if bias is not None:
-      bias = padding.broadcast_operand(bias, dtype, tile, config.block_kv)
-    if mask is not None:
-      mask = padding.broadcast_operand(mask, jnp.int8, tile, config.block_kv)
-    ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=S, tile=tile,
-                                       num_tiles=t_pad // tile)
-    rows = t_pad + guard
-    outputs = (jax.new_ref(jnp.full((B, rows, N, dv_pad), jnp.nan, dtype)),
-               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
-               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
-    flash_attention_forward(q, k, v, bias, mask, ks, ke, tiles, features=features,
-                            config=config, num_sms=api._num_sms(), outputs=outputs)
-    return tuple(r[...] for r in outputs)
+    whole = []
+
+    def guarded_launch(q, k, v, *rest, **kw):
+      B, _, N, _ = q.shape
+      rows = t_pad + guard
+      refs = (jax.new_ref(jnp.full((B, rows, N, v.shape[3]), jnp.nan, q.dtype)),
+              jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
+              jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
+      flash_attention_forward(q, k, v, *rest, outputs=refs, **kw)
+      whole.extend(r[...] for r in refs)
+      return whole[0], tuple(whole[1:])
+
+    with mock.patch.object(api, "flash_attention_forward", guarded_launch):
+      api._forward.__wrapped__(q, k, v, bias, mask, k_start, k_end, **launch_kw)
+    return tuple(whole)
 
   return call, t_pad, dv_pad
 
@@ -95,6 +107,10 @@ def _cases():
     out.append((f"ragged-239x1-gqa-{p}", c, Config(64, 64, 2, persistent)))
     c = random_case(rng, seq_q=1023, seq_kv=1024, head_dim=128, is_causal=True)
     out.append((f"causal-1023x1024-bq128-{p}", c, Config(128, 64, 3, persistent)))
+    # Lengths TMA reads unpadded (multiples of 8, head dims of 64s): the
+    # last tile's stores are clipped only by the array's end.
+    c = random_case(rng, batch=2, seq_q=200, seq_kv=328, heads=2, head_dim=128)
+    out.append((f"unpadded-200x328-d128-{p}", c, Config(64, 128, 2, persistent)))
     c = random_case(rng, batch=2, seq_q=300, seq_kv=384, heads=2, kv_heads=1, head_dim=64)
     c.k_start = rng.integers(0, 384, (2, 2, 300)).astype(np.int32)
     c.k_end = (c.k_start + rng.integers(-20, 384, (2, 2, 300))).astype(np.int32)
@@ -132,26 +148,33 @@ def test_the_forward_writes_nothing_past_its_padded_outputs(name, fc, config):
         f"{what}: the guarded launch differs from the API's")
 
 
-def test_the_guarded_launch_lowers_for_cuda():
+def _case(name):
+  ((fc, config),) = [(c, cfg) for n, c, cfg in _CASES if n == name]
+  return fc, config
+
+
+@pytest.mark.parametrize("name", ["key-ranges-2d-mask-nonpersistent",
+                                  "unpadded-200x328-d128-persistent"])
+def test_the_guarded_launch_lowers_for_cuda(name):
   """CPU: the guarded launch (outputs as mutable operands, no fresh outputs)
   lowers for CUDA and keeps its Mosaic GPU kernel."""
   import jax
   from kernel import api
-  name, fc, config = _CASES[3]  # key ranges and a 2-D mask, non-persistent
-  call, _, _ = _padded_call(fc, config, GUARD_ROWS)
+  fc, config = _case(name)
+  call, t_pad, _ = _padded_call(fc, config, GUARD_ROWS)
   args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _arrays(fc)]
   with api.lowering_only():
     exported = jax.export.export(call, platforms=["cuda"])(*args)
   assert "mosaic_gpu" in exported.mlir_module()
   out_aval = exported.out_avals[0]
-  assert out_aval.shape[1] == 384 + GUARD_ROWS
+  assert out_aval.shape[1] == t_pad + GUARD_ROWS
 
 
 def test_outputs_of_the_wrong_shape_are_refused():
   import jax
   import jax.numpy as jnp
   from kernel import api
-  name, fc, config = _CASES[0]
+  fc, config = _case("ragged-113x203-d72-dv96-nonpersistent")  # q padded to whole tiles
   call, _, _ = _padded_call(fc, config, -1)   # one row short of the padded length
   args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _arrays(fc)]
   with api.lowering_only(), pytest.raises(ValueError, match="outputs: out must be"):

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                                         **limits),
       "mutants": lambda: run_module_step(
           "mutants", "harness.mutants",
-          ["--out", str(results / "mutants"), "--test-timeout", str(min(args.test_timeout, 90))],
+          ["--out", str(results / "mutants"), "--test-timeout", str(min(args.test_timeout, 60))],
           results, **limits),
       "memcheck": lambda: run_memcheck(results, step_timeout=min(args.step_timeout, 300)),
   }

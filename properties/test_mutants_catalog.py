@@ -113,3 +113,51 @@ def test_the_watchdog_names_the_hung_test_under_xdist(tmp_path):
   assert "test_sleeps" in proc.stdout + proc.stderr
   assert watchdog.hung_tests(folder=tmp_path / "hangs") == [
       "properties/test_sleeps.py::test_sleeps"]
+
+
+def test_every_mutant_lowers_for_cuda_and_changes_its_probe():
+  """The CPU half of the kill score: each patched kernel traces and lowers
+  for CUDA (a mutant that no longer builds would be 'killed' on the GPU for
+  the wrong reason) and its probe's traced program differs from the shipped
+  one (a patch the probe never reaches would survive for no reason).  One
+  child process: the patched packages replace each other in sys.modules."""
+  proc = subprocess.run([sys.executable, "-m", "harness", "mutants", "--lower"], cwd=REPO,
+                        capture_output=True, text=True, timeout=900)
+  n = len(mutants.CATALOG)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+  assert f"{n}/{n} mutants apply, lower for CUDA and change their probe's program" in proc.stdout
+
+
+_LOWERING_DEFECTS = """
+import dataclasses
+from harness import mutants, mutant_lowering
+dead = mutants.Mutant("dead", "test", "kernel/forward.py", ((
+    "consumers alike: the global block count, carried across tiles.",
+    "consumers alike (edited)."),), ("t",))
+broken = mutants.Mutant("broken", "test", "kernel/forward.py", ((
+    "rows = pl.ds(q_base, block_q)", "rows = pl.ds(q_base, block_q + 8)"),), ("t",))
+equivalent = dataclasses.replace(dead, name="argued", equivalent="a docstring")
+for p in mutant_lowering.check_lowering([dead, broken, equivalent], out=lambda s: None):
+  print("PROBLEM", p)
+"""
+
+
+def test_the_lowering_check_fails_a_dead_patch_and_one_that_does_not_lower():
+  proc = subprocess.run([sys.executable, "-c", _LOWERING_DEFECTS], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  problems = [l for l in proc.stdout.splitlines() if l.startswith("PROBLEM")]
+  assert len(problems) == 2, proc.stdout
+  assert problems[0].startswith("PROBLEM dead: the lowered program of probe 'fwd' is unchanged")
+  assert problems[1].startswith("PROBLEM broken: ")
+
+
+def test_a_run_past_its_budget_reports_mutants_not_run(tmp_path):
+  """No child outlives the budget; what could not start is listed, and the
+  score leaves it out (a partial run cannot read as complete)."""
+  results, control = mutants.run_all(mutants.CATALOG[:3], budget=0.0, timeout=60,
+                                     test_timeout=None, jobs=2, control_workers=0,
+                                     with_control=False)
+  assert [r.verdict for r in results] == [mutants.NOT_RUN] * 3 and control is None
+  assert "not run 3" in mutants.score_line(results)
+  assert "mutation score: 0/0" in mutants.score_line(results)

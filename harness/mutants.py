@@ -506,8 +506,9 @@ def run_all(chosen, *, budget: float, timeout: float, test_timeout: float, jobs:
   """(results, control) of the chosen mutants, ``jobs`` at a time, the
   control beside them on ``control_workers`` xdist workers.  Nothing runs
   past ``budget`` seconds from now: each child's limit is cut to what is
-  left, and a mutant not started while at least MIN_START seconds remain
-  is reported "not run" (a later ``--shard`` or ``--select`` covers it)."""
+  left, and a mutant not started while at least MIN_START seconds remain,
+  or stopped by the budget's end rather than its own limit, is reported
+  "not run" (a later ``--shard`` or ``--select`` covers it)."""
   deadline = time.time() + budget
   workdir = Path(tempfile.mkdtemp(prefix="harness-mutants-"))
 
@@ -516,8 +517,13 @@ def run_all(chosen, *, budget: float, timeout: float, test_timeout: float, jobs:
     if not m.equivalent and left < MIN_START:
       return Result(m.name, m.bug_class, NOT_RUN, [], 0.0,
                     f"the budget of {budget:.0f} s was spent first")
-    return run_mutant(m, timeout=min(timeout, left), test_timeout=test_timeout,
-                      workdir=workdir)
+    limit = min(timeout, left)
+    r = run_mutant(m, timeout=limit, test_timeout=test_timeout, workdir=workdir)
+    if r.verdict == "hang" and not r.killed_by and limit < timeout:
+      # Stopped by the budget's end, not by its own limit: no evidence of a hang.
+      return dataclasses.replace(r, verdict=NOT_RUN,
+                                 detail=f"stopped at the end of the {budget:.0f} s budget")
+    return r
 
   try:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -557,7 +563,9 @@ def main(argv=None) -> int:
                       help="seconds per mutant's child before it is killed as a hang")
   parser.add_argument("--test-timeout", type=float, default=60.0,
                       help="seconds per test (the conftest watchdog names the test)")
-  parser.add_argument("--jobs", type=int, default=6, help="mutants run at once")
+  parser.add_argument("--jobs", type=int, default=8,
+                      help="mutants run at once (the H200 hosts have 16 cores: compiling and "
+                           "the float64 references are CPU work)")
   parser.add_argument("--control-workers", type=int, default=4,
                       help="xdist workers of the control run (the unpatched copy)")
   parser.add_argument("--out", default="results/mutants", help="folder for mutants.md/json")

@@ -178,7 +178,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   S padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank
   3, (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
   (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
-  Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, T) f32.
+  Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, Tp)
+  f32, Tp = T rounded up to whole tiles.
   """
   f = features
   batch, seq_q, num_heads, head_dim = q.shape
@@ -696,7 +697,12 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
   out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
   if f.return_residuals:
-    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2
+    # m and l stay padded to whole tiles: a clipped store of the last
+    # tile's rows of a (B, N, T) array was seen to land in the next head's
+    # first rows (H200, 2026-12-01, T = 1000: l off by ~T at head 1, row 0),
+    # as if the copy were bounded by the flattened array, not by T.
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * 2 * block_q),
+                                      jnp.float32)] * 2
   if config.persistent:
     grid = (min(num_sms, batch * num_heads * num_tiles),)
     grid_names = ("sm",)

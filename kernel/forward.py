@@ -12,7 +12,7 @@ The key loop overlaps within a warpgroup too (FlashAttention-3): each turn on
 the tensor cores issues the next block's QK, then this block's PV; the
 softmax of the next block runs as soon as its QK completes, while the PV is
 still running, and the accumulator is rescaled once the PV completes.
-Measured on the H200 (ci/results/2026-11-30-s4), headline shape: 608.4
+Measured on the H200 (2026-11-30), headline shape: 608.4
 TFLOP/s, cuDNN 587.5 in the same process; in an A/B in one process the loop
 without the overlap ran at 574.3 where the overlap ran at 596.1.
 

@@ -100,7 +100,7 @@ def _inputs(point: Point, dtype, sets: int, backward: bool):
   return out
 
 
-def implementations(point: Point, variants, *, backward: bool) -> dict:
+def implementations(point: Point, variants, *, backward: bool, example: bool = True) -> dict:
   """name -> jitted function of (q, k, v[, d_out]) for one grid point."""
   import functools
   import jax
@@ -124,9 +124,9 @@ def implementations(point: Point, variants, *, backward: bool) -> dict:
                                                           config=config), config=config)))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
-  example = _example_kernel(point)
-  if example is not None:
-    fns["jax example"] = jax.jit(with_grad(example))
+  reference = _example_kernel(point) if example else None
+  if reference is not None:
+    fns["jax example"] = jax.jit(with_grad(reference))
   return fns
 
 
@@ -175,11 +175,11 @@ def time_interleaved(fns: dict, input_sets, *, target_s: float = 0.02, trials: i
 
 
 def run_grid(points, variants, *, backward: bool, dtype="bfloat16", sets: int = 3,
-             log=print) -> list[dict]:
+             example: bool = True, log=print) -> list[dict]:
   import jax.numpy as jnp
   rows = []
   for point in points:
-    fns = implementations(point, variants, backward=backward)
+    fns = implementations(point, variants, backward=backward, example=example)
     inputs = _inputs(point, jnp.dtype(dtype), sets, backward)
     times, errors = time_interleaved(fns, inputs)
     row = dict(dataclasses.asdict(point), heads=point.heads, kv_heads=point.kv_heads,
@@ -321,7 +321,7 @@ def main(args) -> int:
                          head_dims=head_dims)
     if args.causal_only:
       points = [p for p in points if p.causal]
-    rows += run_grid(points, variants, backward=backward)
+    rows += run_grid(points, variants, backward=backward, example=not args.no_example)
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
               commit=args.commit or os.environ.get("FLASH_COMMIT", "unknown"),
               date=datetime.date.today().isoformat(), dtype="bfloat16",

@@ -39,6 +39,11 @@ def cases() -> dict[str, dict]:
     c[f"d{d}-grad-bias-ranges"] = (base, dict(logits_soft_cap=10.0),
                                    dict(bias_shape=(2, 4, 300, 500), k_range_shape=(2, 1, 300)),
                                    True)
+  # Lengths read unpadded (whole 8-row groups, not whole tiles), with the
+  # residuals kept padded to whole tiles.
+  c["d128-p-unpadded"] = (dict(B=2, T=296, N=4, H=128, S=512, K=2, Hv=128),
+                          dict(config=Config(64, 128, 2, True), return_residuals=True), {}, False)
+  c["d64-grad-unpadded"] = (dict(B=1, T=296, N=2, H=64, S=512, K=1, Hv=64), {}, {}, True)
   return c
 
 

@@ -41,6 +41,9 @@ def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
       "fwd": (base, dict(config=Config(64, 128, 2, True), is_causal=True,
                          rescale_threshold=0.5, return_residuals=True,
                          logits_soft_cap=20.0), dict(k_range_shape=(2, 4, 300)), False),
+      # q read unpadded (a length of whole 8-row groups, not of whole tiles).
+      "fwd-unpadded": (dict(base, T=296), dict(config=Config(64, 128, 2, True),
+                                               return_residuals=True), {}, False),
       # A 2-D bias and mask staged through the ring with the keys.
       "fwd-staged": (base, dict(config=Config(64, 128, 2, False)),
                      dict(bias_shape=(1, 4, 300, 500), mask_shape=(2, 1, 300, 500)), False),

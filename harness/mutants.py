@@ -201,6 +201,13 @@ CATALOG: tuple[Mutant, ...] = (
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
        FWD, "num_tiles = -(-seq_q // (2 * block_q))",
        "num_tiles = -(-seq_q // (2 * block_q)) + 1", GUARD),
+    _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
+       "H200 2026-12-01: the last tile's rows spilled into the next head)", FWD,
+       "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * 2 * block_q),\n"
+       "                                      jnp.float32)] * 2\n",
+       "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2\n",
+       named("heuristic-ragged-1000-causal-gqa", "heuristic-ragged-776x1304-d64") + GUARD,
+       probe="fwd-unpadded"),
     _m("l-store-one-row-late", "a store one row past its tile (one row past the end)", FWD,
        "plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, rows])",
        "plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, pl.ds(q_base + 1, block_q)])",

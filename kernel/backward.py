@@ -28,11 +28,11 @@ producer waits on it before every refill (not before the first
 The fused dQ does 5 matrix products where the second kernel makes it 7 (it
 recomputes S and dP): forward + backward at the headline shape ran at
 479.1 TFLOP/s fused against 434.3 with the dQ kernel, in one process
-(ci/results/2026-11-30-s5), at the price of a dq that is
+(H200, 2026-11-30), at the price of a dq that is
 reproducible to one ulp rather than bitwise (ORDER_DEPENDENT_GRADIENTS).
 Head dims over 128 (no room for the f32 staging), a bias (dbias needs the
 f32 dS the dQ kernel writes) and causal attention (where the second kernel
-was the faster, session 6) keep the second kernel.
+was the faster, H200, 2026-11-30) keep the second kernel.
 
 The residuals are the forward's natural-log m and l: ``lse`` (base 2, what
 exp2 needs) is formed here as ``m * log2(e) + log2(l)``; a row with l = 0
@@ -169,7 +169,7 @@ def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> boo
   """Whether the backward accumulates dQ in the dK/dV kernel: where it fits
   (:func:`fused_dq_fits`) and not under causal: forward + backward at the headline shape, causal, ran at
   405.2 TFLOP/s with the dQ kernel against 378.9 fused (non-causal 458.5
-  against 518.2), in one process on the H200 (session 6, run 4).  Under
+  against 518.2), in one process on the H200 (2026-11-30).  Under
   causal each key tile's blocks walk fewer query blocks, so the fused dQ's
   per-step rendezvous and reduce-adds weigh more against the dQ kernel's
   recomputed S and dP (a reason not separated by measurement)."""
@@ -318,7 +318,7 @@ def _masked_terms(terms, keep_of, *, causal, on_diagonal):
   query), by a branch: every other step of a causal backward is wholly below
   the diagonal and skips the mask's index arithmetic and selects.  Forward +
   backward at the headline shape, causal: 396.2 against 318.1 TFLOP/s with
-  the mask on every step, in one process on the H200 (session 6, run 1)."""
+  the mask on every step, in one process on the H200 (2026-11-30)."""
   if causal:
     return lax.cond(on_diagonal(), lambda: terms(keep_of(True)), lambda: terms(keep_of(False)))
   return terms(keep_of(False))
@@ -452,7 +452,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
           # the tensor cores (fence), then the step's rendezvous: right after
           # the store, so that the owner waits for the other warpgroup's
           # dS^T and not for its dK/dV products as well (3.04 against
-          # 3.21 ms for the kernel at the headline shape, session 5).
+          # 3.21 ms for the kernel at the headline shape, H200, 2026-11-30).
           ds_st.at[ds_buffer(t), wg][...] = ds.astype(dtype)
           plgpu.commit_smem()
           barriers.ds_ready(dq_owner(t), wg)
@@ -533,7 +533,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       # of many heads, whose fused-dQ reduce-adds land on different rows,
       # and under causal the tiles with the most query blocks start first.
       # Measured against (kv_tiles, kv_heads, batch) in one process on the
-      # H200 (ci/results/2026-11-30-s5, run 10), forward + backward at the
+      # H200 (2026-11-30), forward + backward at the
       # headline shape: 496.1 against 468.3 TFLOP/s; causal 323.7 / 313.3.
       grid=(num_kv_heads, batch, kv_tiles), grid_names=("kv_heads", "batch", "kv_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
@@ -772,7 +772,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
   # delta in the inputs' own (B, T, N) order, fenced off from the transpose
   # and stack below: XLA fused all three into one kernel that took 0.29 ms
-  # at the headline shape, against 0.05 ms this way (H200, session 5).
+  # at the headline shape, against 0.05 ms this way (H200, 2026-11-30).
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = jnp.swapaxes(lax.optimization_barrier(delta), 1, 2)
   lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
@@ -801,7 +801,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal).items():
-    if est > plan_lib.SMEM_LIMIT_BYTES:  # by construction never; said clearly if it were
+    if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
                        f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")

@@ -12,7 +12,7 @@ The key loop overlaps within a warpgroup too (FlashAttention-3): each turn on
 the tensor cores issues the next block's QK, then this block's PV; the
 softmax of the next block runs as soon as its QK completes, while the PV is
 still running, and the accumulator is rescaled once the PV completes.
-Measured on the H200 (ci/results/2026-11-30-s4), headline shape: 608.4
+Measured on the H200 (2026-11-30), headline shape: 608.4
 TFLOP/s, cuDNN 587.5 in the same process; in an A/B in one process the loop
 without the overlap ran at 574.3 where the overlap ran at 596.1.
 
@@ -175,14 +175,15 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   S padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank
   3, (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
   (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
-  Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, T) f32.
+  Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, Tp)
+  f32, Tp = T rounded up to whole tiles.
 
   ``outputs``: None, or mutable arrays (``jax.new_ref``) the kernel writes
   instead of returning fresh ones: out (B, To, N, Dv) and, with residuals,
-  m and l (B, N, To), with To >= T.  Rows from ``num_tiles * 2 * block_q``
-  on are a guard band the kernel must leave as they were
-  (properties/test_guard_band_gpu.py: a fresh output cannot show a write
-  past its end, which the TMA unit drops).  Returns (None, None) then.
+  m and l (B, N, To), with To >= Tp.  Rows from Tp on are a guard band the
+  kernel must leave as they were (properties/test_guard_band_gpu.py: a
+  fresh output cannot show a write past its end, which the TMA unit drops).
+  Returns (None, None) then.
   """
   f = features
   batch, seq_q, num_heads, head_dim = q.shape
@@ -696,7 +697,12 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
   out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
   if f.return_residuals:
-    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2
+    # m and l stay padded to whole tiles: a clipped store of the last
+    # tile's rows of a (B, N, T) array was seen to land in the next head's
+    # first rows (H200, 2026-12-01, T = 1000: l off by ~T at head 1, row 0),
+    # as if the copy were bounded by the flattened array, not by T.
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * 2 * block_q),
+                                      jnp.float32)] * 2
   if config.persistent:
     grid = (min(num_sms, batch * num_heads * num_tiles),)
     grid_names = ("sm",)

@@ -1,0 +1,248 @@
+"""The barrier and ring protocol read out of the traced kernels, checked.
+
+For each distinct forward protocol the heuristics and the autotuner emit
+(:func:`forward_cases`: stages, persistent, schedule, staged bias/mask,
+causal; block sizes and head dims do not change the sequence of
+synchronisation events) this traces ``kernel/forward.py`` on the CPU, reads
+every role's events out of the jaxpr (:mod:`harness.extract`) under a set of
+environments — the key-block range ``[lb, lb + n)`` each tile reads from its
+``k_range_tiles`` entry, so trip counts, zero included, and the ring's offset
+are chosen here — and checks each with :func:`harness.extracted_proof.check`
+(every interleaving of the roles and the TMA completions).  Environments that
+give the same event sequences share one check.
+
+Environments (bounded, see :data:`TRIPS`): a non-persistent block runs one
+tile, checked for every ``n`` in ``0 .. stages + 2`` and ``lb`` in ``{0, 1}``;
+a persistent block walks tiles whose trip counts are every sequence of
+:data:`PERSISTENT_TILES` tiles over :data:`PERSISTENT_TRIPS`, so the ring
+wraps across tile boundaries, after empty tiles, and at every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from harness import extract as ex
+from harness import extracted_proof as xp
+
+PERSISTENT_TILES = 3
+LB_CHOICES = (0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCase:
+  """What the forward's synchronisation depends on, and one emitted config."""
+
+  num_stages: int
+  persistent: bool
+  schedule: str
+  bias: bool      # staged 2-D bias (through the ring)
+  mask: bool      # staged 2-D mask
+  causal: bool
+  block_q: int = 64
+  block_kv: int = 128
+  config_stages: int = 0   # Config.num_stages; more than num_stages when the keys are fewer
+
+  def key(self):
+    return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal)
+
+  def describe(self) -> str:
+    parts = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
+             self.schedule]
+    parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
+                              ("causal", self.causal)) if on]
+    return " ".join(parts)
+
+
+def forward_cases(problems=None) -> list[tuple[ForwardCase, int]]:
+  """Every distinct forward protocol of the emitted configs, with how many
+  (problem, config) pairs of :func:`harness.prove.problem_grid` it covers."""
+  from harness import prove
+  from kernel import heuristics, plan as plan_lib
+  found: dict = {}
+  for p in prove.problem_grid() if problems is None else problems:
+    configs = []
+    try:
+      configs.append(heuristics.get_heuristics_config(p))
+    except ValueError:
+      pass
+    configs += list(heuristics.get_autotuning_configs(p))
+    for c in configs:
+      stages = plan_lib.pipeline_plan(p, c).num_stages
+      case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
+                         c.block_q, c.block_kv, c.num_stages)
+      prev = found.get(case.key())
+      found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
+  return [found[k] for k in sorted(found)]
+
+
+def _const_values(closed, kernel_eqn) -> dict:
+  """gmem input index -> numpy value, for the kernel operands that are
+  constants of the traced program (the longest-first schedule tables)."""
+  known = {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
+
+  def walk(jaxpr, known):
+    for eqn in jaxpr.eqns:
+      if eqn is kernel_eqn:
+        return {i: known[v] for i, v in enumerate(eqn.invars) if v in known}
+      for sub in ex._subjaxprs(eqn.params):
+        if len(sub.invars) == len(eqn.invars):
+          inner = {iv: known[ov] for iv, ov in zip(sub.invars, eqn.invars)
+                   if not isinstance(ov, ex.jex_core.Literal) and ov in known}
+          inner.update({v: known[v] for v in sub.constvars if v in known})
+        else:
+          inner = {}
+        found = walk(sub, inner)
+        if found is not None:
+          return found
+    return None
+
+  return walk(closed.jaxpr, known) or {}
+
+
+class _Env:
+  """The integers the kernel reads from global memory: per tile ``qi`` its
+  key range from ``ranges[qi] = (lb, n)`` (the four k_range_tiles tables),
+  the schedule tables from the traced constants."""
+
+  def __init__(self, kernel_eqn, consts, ranges, block_kv):
+    self.ranges, self.block_kv = ranges, block_kv
+    self.consts = {f"gmem_in{i}": v for i, v in consts.items()}
+    num_tiles = len(ranges)
+    tables = [i for i, v in enumerate(kernel_eqn.invars)
+              if tuple(v.aval.shape) == (1, 1, num_tiles) and "int" in str(v.aval.dtype)
+              and i not in consts]
+    if len(tables) != 4:
+      raise ex.ExtractionError(f"expected the 4 k_range_tiles tables among the kernel's "
+                               f"operands, found {len(tables)}")
+    self.tables = {f"gmem_in{i}": k for k, i in enumerate(tables)}
+
+  def __call__(self, buf, idx):
+    if buf in self.consts:
+      return int(self.consts[buf][tuple(idx)])
+    which = self.tables.get(buf)
+    if which is None:
+      raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
+                               f"the prover gives no value")
+    lb, n = self.ranges[idx[-1]]
+    start_min, start_max = lb * self.block_kv, lb * self.block_kv
+    end_min = end_max = (lb + n) * self.block_kv
+    return (start_min, start_max, end_min, end_max)[which]
+
+
+def forward_environments(case: ForwardCase):
+  """Per-tile (lb, n) tuples: the environments a case is checked under."""
+  s = case.num_stages
+  if not case.persistent:
+    return [((lb, n),) for lb in LB_CHOICES for n in range(s + 3)]
+  trips = sorted({0, 1, s, s + 1})
+  return [tuple((0 if k else 1, n) for k, n in enumerate(seq))
+          for seq in itertools.product(trips, repeat=PERSISTENT_TILES)]
+
+
+def trace_case(case: ForwardCase, num_tiles: int, *, module=None):
+  from kernel import config as config_lib, forward
+  module = module or forward
+  config_stages = case.config_stages or case.num_stages
+  # effective stages = min(config, key blocks): fewer stages means that few keys
+  max_blocks = case.num_stages + 4 if config_stages == case.num_stages else case.num_stages
+  causal_room = max_blocks * case.block_kv  # the causal bound never caps a range here
+  seq_q = num_tiles * 2 * case.block_q
+  features = module.Features(
+      scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
+      normalize_output=True, return_residuals=False, seq_q=max(seq_q, causal_room),
+      seq_kv=max_blocks * case.block_kv, stage_2d=case.bias or case.mask)
+  config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
+                             num_stages=config_stages, persistent=case.persistent,
+                             schedule=case.schedule)
+  return ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=max_blocks,
+                          bias=case.bias, mask=case.mask, module=module)
+
+
+def extract_case(case: ForwardCase, ranges, *, traced=None, module=None):
+  """The extracted launches (one per block that runs) of ``case`` under ``ranges``."""
+  closed, kernel = traced or trace_case(case, len(ranges), module=module)
+  consts = _const_values(closed, kernel)
+  env = _Env(kernel, consts, ranges, case.block_kv)
+  grid0 = {"batch": 0, "heads": 0, "q_tiles": 0, "tiles": 0, "sm": 0}
+  if case.persistent:
+    return [ex.extract_kernel(kernel, env=env, grid=grid0, name="forward")]
+  return [ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": qi, "tiles": qi},
+                            name=f"forward block {qi}") for qi in range(len(ranges))]
+
+
+@dataclasses.dataclass
+class CaseResult:
+  case: ForwardCase
+  configs: int
+  environments: int
+  checks: int
+  states: int
+  seconds: float
+  violation: xp.Violation | None = None
+
+
+def check_case(case: ForwardCase, configs: int = 1, *, module=None,
+               environments=None) -> CaseResult:
+  start = time.perf_counter()
+  envs = environments if environments is not None else forward_environments(case)
+  traced = {}
+  seen, states = set(), 0
+  for ranges in envs:
+    nt = len(ranges)
+    if nt not in traced:
+      traced[nt] = trace_case(case, nt, module=module)
+    for launch in extract_case(case, ranges, traced=traced[nt]):
+      sk = launch.skeleton()
+      if sk in seen:
+        continue
+      seen.add(sk)
+      label = ", ".join(f"tile {i}: blocks [{lb}, {lb + n})" for i, (lb, n) in enumerate(ranges))
+      r = xp.check(launch, environment=f"{launch.name}; {label}")
+      states += r.states
+      if not r.ok:
+        return CaseResult(case, configs, len(envs), len(seen), states,
+                          time.perf_counter() - start, r.violation)
+  return CaseResult(case, configs, len(envs), len(seen), states, time.perf_counter() - start)
+
+
+def run(cases=None, *, verbose=True, module=None) -> list[CaseResult]:
+  cases = forward_cases() if cases is None else cases
+  out = []
+  for case, configs in cases:
+    r = check_case(case, configs, module=module)
+    out.append(r)
+    if verbose:
+      status = "proven" if r.violation is None else "VIOLATION"
+      print(f"  forward {case.describe():<55} {status:9s} {r.configs:4d} configs "
+            f"{r.checks:3d}/{r.environments:3d} env  {r.states:7d} states {r.seconds:6.2f} s",
+            flush=True)
+      if r.violation is not None:
+        print(r.violation.format())
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m harness prove --extracted")
+  parser.add_argument("--limit", type=int, default=0, help="check only the first N cases")
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  cases = forward_cases()
+  if args.limit:
+    cases = cases[:args.limit]
+  print(f"extracted protocol: {len(cases)} forward cases "
+        f"({sum(c for _, c in cases)} emitted configs)")
+  results = run(cases)
+  bad = [r for r in results if r.violation is not None]
+  print(f"extracted protocol: {len(results) - len(bad)}/{len(results)} proven in "
+        f"{time.perf_counter() - start:.1f} s")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -4,7 +4,8 @@ For one extracted launch (every role's event sequence under one environment:
 grid point, per-tile key ranges, hence trip counts including zero) this
 explores **every interleaving** of the roles and of the TMA completions
 (explicit-state search with a visited set; a step that only touches its own
-role's state is taken without branching, and the safety of every enabled
+role's state, and does not end a read other roles' steps are checked
+against, is taken without branching, and the safety of every enabled
 step is checked at every state, so the reduction loses no violation), under
 the hardware semantics encoded once here:
 
@@ -39,7 +40,8 @@ Properties (each failure is reported with a trace of kernel source lines):
   steps or is the end.
 * **named barriers**: ids outside Mosaic GPU's reserved ones and the
   hardware's 16, one use (kernel/barriers.py helper) per id, one thread count
-  per id.
+  per id, and no generation completed by one role's arrivals alone (a
+  barrier that synchronises with nobody: a token passed to oneself).
 * **async-proxy ordering**: shared memory written by ordinary stores is fenced
   (``commit_smem``) before an async-proxy read of it (TMA store, wgmma) by the
   same role, and before an arrive that publishes it to a role that reads it
@@ -58,7 +60,10 @@ import time
 from harness.extract import Event, Extracted
 from kernel import barriers as kbarriers
 
-MAX_STATES = 400_000
+MAX_STATES = 2_000_000
+# Local steps that end reads other roles' steps are checked against: never
+# taken ahead of the others (see check's reduction).
+RETIRING = frozenset(("wgmma_wait", "store_wait"))
 LOCAL = frozenset(("wgmma", "wgmma_wait", "smem_load", "smem_store", "fence", "tma_store",
                    "store_wait"))
 
@@ -334,7 +339,7 @@ def check(ex: Extracted, *, environment: str = "", max_states: int = MAX_STATES,
   # per named id (generation, arrived threads), per role the generation its
   # bar.sync waits for (or -1).
   init = (tuple(0 for _ in roles), tuple((0, 0) for _ in range(nb)), (),
-          tuple((0, 0) for _ in named_ids), tuple((-1, -1) for _ in roles))
+          tuple((0, 0, 0) for _ in named_ids), tuple((-1, -1) for _ in roles))
   parent = {init: None}
   stack = [init]
 
@@ -436,12 +441,20 @@ def check(ex: Extracted, *, environment: str = "", max_states: int = MAX_STATES,
         continue
       if k in ("bar_sync", "bar_arrive"):
         i = nid[e.bar_id]
-        gen, arrived = named[i]
+        gen, arrived, who = named[i]
         mine = gen
         arrived += role_threads[ri]
-        while arrived >= st.named_threads[e.bar_id]:
-          gen, arrived = gen + 1, arrived - st.named_threads[e.bar_id]
-        nn = named[:i] + ((gen, arrived),) + named[i + 1:]
+        who |= 1 << ri
+        need = st.named_threads[e.bar_id]
+        while arrived >= need:
+          if who == 1 << ri:
+            return fail("named barrier alone",
+                        f"{roles[ri]} completes a generation of named barrier {e.bar_id} "
+                        f"({need} threads) with its own arrivals only: it synchronises with "
+                        f"nobody", state, step)
+          gen, arrived = gen + 1, arrived - need
+          who = 1 << ri if arrived else 0
+        nn = named[:i] + ((gen, arrived, who),) + named[i + 1:]
         ns = syncw
         if k == "bar_sync" and gen <= mine:
           ns = syncw[:ri] + ((i, mine),) + syncw[ri + 1:]
@@ -471,8 +484,14 @@ def check(ex: Extracted, *, environment: str = "", max_states: int = MAX_STATES,
           return fail("read before copy completed",
                       f"{roles[ri]} reads {buf}[{slot}] expecting copy {n}, but copy "
                       f"{issued} already overwrote it", state, step)
-      if succ_local is None:
-        succ_local = ((pcs[:ri] + (pc + 1,) + pcs[ri + 1:], mb, tma, named, syncw), step)
+      nxt = ((pcs[:ri] + (pc + 1,) + pcs[ri + 1:], mb, tma, named, syncw), step)
+      if k in RETIRING:
+        # Retiring reads is visible to the other roles (what a refill may
+        # overwrite): taken alone, it would hide every state in which
+        # another role acts before the reads retire.
+        succ.append(nxt)
+      elif succ_local is None:
+        succ_local = nxt
     seen_writers = set()
     for idx, item in enumerate(tma):
       buf, slot, n = item

@@ -30,7 +30,7 @@ import numpy as np
 from harness import extract as ex
 from harness import extracted_proof as xp
 
-PERSISTENT_TILES = 3
+PERSISTENT_TILES = 2
 LB_CHOICES = (0, 1)
 
 
@@ -135,13 +135,27 @@ class _Env:
     return (start_min, start_max, end_min, end_max)[which]
 
 
+def _causal_offset(case: ForwardCase, max_trips: int) -> int:
+  """Tiles to put before the checked ones so that the causal bound, at most
+  ``(qi + 1) * 2 * block_q`` keys for tile ``qi``, never caps a range."""
+  if not case.causal:
+    return 0
+  need = -(-(max_trips + 1) * case.block_kv // (2 * case.block_q))  # tiles
+  return max(0, need - 1)
+
+
 def forward_environments(case: ForwardCase):
-  """Per-tile (lb, n) tuples: the environments a case is checked under."""
+  """Per-tile (lb, n) tuples: the environments a case is checked under.  A
+  non-persistent block runs one tile (the last of the tuple, the others are
+  the grid's other blocks, given the same range); a persistent block walks
+  them all: empty tiles first where the causal bound needs room."""
   s = case.num_stages
   if not case.persistent:
-    return [((lb, n),) for lb in LB_CHOICES for n in range(s + 3)]
+    pad = _causal_offset(case, s + 2)
+    return [((lb, n),) * (pad + 1) for lb in LB_CHOICES for n in range(s + 3)]
   trips = sorted({0, 1, s, s + 1})
-  return [tuple((0 if k else 1, n) for k, n in enumerate(seq))
+  pad = _causal_offset(case, s + 2)
+  return [((0, 0),) * pad + tuple((0 if k else 1, n) for k, n in enumerate(seq))
           for seq in itertools.product(trips, repeat=PERSISTENT_TILES)]
 
 
@@ -151,11 +165,10 @@ def trace_case(case: ForwardCase, num_tiles: int, *, module=None):
   config_stages = case.config_stages or case.num_stages
   # effective stages = min(config, key blocks): fewer stages means that few keys
   max_blocks = case.num_stages + 4 if config_stages == case.num_stages else case.num_stages
-  causal_room = max_blocks * case.block_kv  # the causal bound never caps a range here
   seq_q = num_tiles * 2 * case.block_q
   features = module.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
-      normalize_output=True, return_residuals=False, seq_q=max(seq_q, causal_room),
+      normalize_output=True, return_residuals=False, seq_q=seq_q,
       seq_kv=max_blocks * case.block_kv, stage_2d=case.bias or case.mask)
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=config_stages, persistent=case.persistent,
@@ -172,8 +185,11 @@ def extract_case(case: ForwardCase, ranges, *, traced=None, module=None):
   grid0 = {"batch": 0, "heads": 0, "q_tiles": 0, "tiles": 0, "sm": 0}
   if case.persistent:
     return [ex.extract_kernel(kernel, env=env, grid=grid0, name="forward")]
-  return [ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": qi, "tiles": qi},
-                            name=f"forward block {qi}") for qi in range(len(ranges))]
+  # Every block has the same range: check the one whose tile the causal bound
+  # caps least (longest-first runs the heaviest tile first).
+  qi = len(ranges) - 1
+  return [ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": qi, "tiles": 0},
+                            name=f"forward block {qi}")]
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
 """Protocol defects written into a copy of the kernel's source, for the
 extracted proof (:mod:`harness.prove_extracted`) to refute.
 
-Each mutant is a list of textual edits of ``kernel/forward.py``, each edit
+Each mutant is a list of textual edits of ``kernel/forward.py`` or
+``kernel/backward.py``, each edit
 matching exactly once, that keep the line count (two statements joined with
 ``;`` where one moves), so every source line a refutation names is the
 mutated file's line.  :func:`load` compiles the edited source as a module of
@@ -32,6 +33,8 @@ class Mutant:
   what: str
   edits: tuple            # ((old, new), ...) on kernel/forward.py
   persistent: bool = False  # only a persistent block can show it
+  file: str = "forward.py"  # the kernel file edited
+  backward: tuple = ()      # (head_dim, causal, bias, fuse_dq): the backward that shows it
 
 
 MUTANTS = (
@@ -85,6 +88,31 @@ MUTANTS = (
              "      pass\n      plgpu.copy_smem_to_gmem(o_smem,"),)),
 )
 
+BACKWARD_MUTANTS = (
+    Mutant("dq_slot_without_lb",
+           "the dQ kernel's ring slot computed from ki instead of ki - lb",
+           (("        slot = PipelineState.at(stages, ki - lb).index\n",
+             "        slot = PipelineState.at(stages, ki).index\n"),),
+           file="backward.py", backward=(64, False, False, False)),
+    Mutant("backward_producer_first_consumed_wait_skipped",
+           "the backward producer's first wait for a released slot skipped (> for >=)",
+           (("        pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))\n",
+             "        pl.when(t > stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))\n"),),
+           file="backward.py", backward=(64, False, False, True)),
+    Mutant("dkv_slot_released_before_products",
+           "a dK/dV ring slot released once dK's product is issued, before it completes",
+           (('            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot])\n',
+             '            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot]); plgpu.barrier_arrive(consumed.at[slot])\n'),
+            ("        # Every product reading the slot has completed (run_state waits).\n        plgpu.barrier_arrive(consumed.at[slot])\n",
+             "        # Every product reading the slot has completed (run_state waits).\n        pass\n")),
+           file="backward.py", backward=(64, False, False, True)),
+    Mutant("ds_handoff_without_commit_smem",
+           "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
+           (("          plgpu.commit_smem()\n          barriers.ds_ready(dq_owner(t), wg)\n",
+             "          pass\n          barriers.ds_ready(dq_owner(t), wg)\n"),),
+           file="backward.py", backward=(64, False, False, True)),
+)
+
 SAFE = (
     Mutant("release_key_after_qk_wait",
            "the next key slot released inside the loop body as soon as its QK retired "
@@ -99,17 +127,17 @@ SAFE = (
              "        plgpu.barrier_arrive(k_consumed.at[next_slot])\n        plgpu.barrier_arrive(v_consumed.at[slot])\n"),)),
 )
 
-BY_NAME = {m.name: m for m in MUTANTS + SAFE}
+BY_NAME = {m.name: m for m in MUTANTS + BACKWARD_MUTANTS + SAFE}
 
 
 def mutated_source(mutant: Mutant) -> str:
-  path = os.path.join(KERNEL_DIR, "forward.py")
+  path = os.path.join(KERNEL_DIR, mutant.file)
   with open(path) as f:
     src = f.read()
   for old, new in mutant.edits:
     if src.count(old) != 1:
       raise ValueError(f"mutant {mutant.name}: the edit's text occurs {src.count(old)} times "
-                       f"in kernel/forward.py, not once: {old!r}")
+                       f"in kernel/{mutant.file}, not once: {old!r}")
     if old.count("\n") != new.count("\n"):
       raise ValueError(f"mutant {mutant.name}: an edit must keep the line count")
     src = src.replace(old, new)
@@ -117,14 +145,16 @@ def mutated_source(mutant: Mutant) -> str:
 
 
 def load(mutant: Mutant | str) -> types.ModuleType:
-  """``kernel/forward.py`` with ``mutant``'s edits, as a fresh module."""
+  """The kernel file with ``mutant``'s edits, as a fresh module."""
   mutant = BY_NAME[mutant] if isinstance(mutant, str) else mutant
   src = mutated_source(mutant)
-  filename = os.path.join(KERNEL_DIR, f"forward.mutant_{mutant.name}.py")
+  stem = mutant.file[:-3]
+  filename = os.path.join(KERNEL_DIR, f"{stem}.mutant_{mutant.name}.py")
   lines = src.splitlines(keepends=True)
   linecache.cache[filename] = (len(src), None, lines, filename)
-  import kernel.forward  # noqa: F401 -- dataclasses look their module up in sys.modules
-  module = types.ModuleType("kernel.forward")
+  import importlib
+  importlib.import_module(f"kernel.{stem}")  # dataclasses look their module up in sys.modules
+  module = types.ModuleType(f"kernel.{stem}")
   module.__file__ = filename
   exec(compile(src, filename, "exec"), module.__dict__)  # noqa: S102 -- the kernel's own source
   return module

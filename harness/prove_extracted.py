@@ -1,5 +1,11 @@
 """The barrier and ring protocol read out of the traced kernels, checked.
 
+Backward (:func:`check_backward`): every launch kind of
+``kernel/backward.py`` (head dims 64/128/256, causal, bias, fused dQ or the
+dQ kernel) traced with 384 query rows (the dK/dV rings wrap) and the dQ
+tile's key range ``[lb, lb + n)`` for ``lb`` in ``{0, 1}``, ``n`` in
+:data:`BACKWARD_TRIPS`.
+
 For each distinct forward protocol the heuristics and the autotuner emit
 (:func:`forward_cases`: stages, persistent, schedule, staged bias/mask,
 causal; block sizes and head dims do not change the sequence of
@@ -227,6 +233,96 @@ def check_case(case: ForwardCase, configs: int = 1, *, module=None,
   return CaseResult(case, configs, len(envs), len(seen), states, time.perf_counter() - start)
 
 
+BACKWARD_HEAD_DIMS = (64, 128, 256)  # two stages, one dK/dV launch (fused dQ where it fits); one stage, dK and dV apart
+BACKWARD_TRIPS = (0, 1, 2, 3)     # key blocks of the dQ kernel's tile (64 keys each)
+# Queries: the dK/dV kernels stream every 64-row query block, so their ring
+# wraps past its first refill at 384 rows (6 blocks); the dQ kernel's tiles are 128 rows.
+BACKWARD_SEQ_Q = 384
+
+
+def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q=BACKWARD_SEQ_Q, seq_kv=192, ranges=True,
+                   module=None):
+  """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
+  CPU, and its Mosaic GPU kernels in launch order."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api, backward
+  module = module or backward
+  sds = jax.ShapeDtypeStruct
+  q = sds((1, seq_q, 1, head_dim), jnp.bfloat16)
+  k = sds((1, seq_kv, 1, head_dim), jnp.bfloat16)
+  rows = sds((1, 1, seq_q), jnp.float32)
+  b = sds((1, 1, seq_q, seq_kv), jnp.bfloat16) if bias else None
+  kr = sds((1, 1, seq_q), jnp.int32) if ranges else None
+
+  def fn(q, k, v, b, ks, ke, o, m, l, do):
+    return module.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do, scale=0.125,
+                                     is_causal=causal, fuse_dq=fuse_dq)
+
+  with api.lowering_only():
+    closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)
+  return closed, ex.find_kernels(closed.jaxpr)
+
+
+def backward_cases():
+  """(head_dim, causal, bias, fuse_dq): every launch kind kernel/backward.py makes."""
+  return [(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
+          for b in (False, True) for f in (True, False)]
+
+
+def check_backward(head_dim, causal, bias, fuse_dq, *, module=None) -> CaseResult:
+  """Every kernel of one backward, its dQ tile's key range [lb, lb + n) for
+  lb in {0, 1} and n in BACKWARD_TRIPS (the dK/dV kernels' query loops run
+  over the whole padded query length)."""
+  start = time.perf_counter()
+  closed, kernels = trace_backward(head_dim, causal=causal, bias=bias, fuse_dq=fuse_dq,
+                                   module=module)
+  grid = {"batch": 0, "heads": 0, "q_tiles": 0, "kv_tiles": 0, "kv_heads": 0}
+  seen, states, envs = set(), 0, 0
+  for kernel in kernels:
+    for lb in LB_CHOICES:
+      for n in BACKWARD_TRIPS:
+        envs += 1
+        nt = BACKWARD_SEQ_Q // 128
+        env = _Env(kernel, {}, ((lb, n),) * nt, 64) if _has_tables(kernel, nt) else _no_reads
+        launch = ex.extract_kernel(kernel, env=env, grid=grid, name="backward")
+        sk = launch.skeleton()
+        if sk in seen:
+          continue
+        seen.add(sk)
+        r = xp.check(launch, environment=f"backward d={head_dim} causal={causal} "
+                     f"bias={bias} fuse_dq={fuse_dq}; dQ tile blocks [{lb}, {lb + n})")
+        states += r.states
+        label = BackwardCase(head_dim, causal, bias, fuse_dq)
+        if not r.ok:
+          return CaseResult(label, 1, envs, len(seen), states, time.perf_counter() - start,
+                            r.violation)
+  return CaseResult(BackwardCase(head_dim, causal, bias, fuse_dq), 1, envs, len(seen), states,
+                    time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+  head_dim: int
+  causal: bool
+  bias: bool
+  fuse_dq: bool
+
+  def describe(self) -> str:
+    return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
+            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}")
+
+
+def _has_tables(kernel, num_tiles) -> bool:
+  return sum(tuple(v.aval.shape) == (1, 1, num_tiles) and "int" in str(v.aval.dtype)
+             for v in kernel.invars) == 4
+
+
+def _no_reads(buf, idx):
+  raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which the "
+                           f"prover gives no value")
+
+
 def representative(cases):
   """The cases ``python -m harness prove`` checks by default: every case
   without staged operands, and the staged ones up to two stages (a staged
@@ -278,7 +374,19 @@ def report(which: str = "representative", jobs: int = 2) -> bool:
   bad = [r for r in results if r.violation is not None]
   print(f"extracted forward protocol: {len(results) - len(bad)}/{len(results)} proven in "
         f"{time.perf_counter() - start:.1f} s ({jobs} worker(s))")
-  return not bad
+  bstart = time.perf_counter()
+  print("backward kernels, protocol extracted from their jaxpr (kernel/backward.py):")
+  bres = [check_backward(*c) for c in backward_cases()]
+  for r in bres:
+    status = "proven" if r.violation is None else "VIOLATION"
+    print(f"  {r.case.describe():<58} {status:9s} {r.checks:3d}/{r.environments:3d} env "
+          f"{r.states:8d} states {r.seconds:6.2f} s", flush=True)
+    if r.violation is not None:
+      print(r.violation.format())
+  bbad = [r for r in bres if r.violation is not None]
+  print(f"extracted backward protocol: {len(bres) - len(bbad)}/{len(bres)} proven in "
+        f"{time.perf_counter() - bstart:.1f} s; total {time.perf_counter() - start:.1f} s")
+  return not bad and not bbad
 
 
 def main(argv=None) -> int:

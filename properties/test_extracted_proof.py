@@ -30,6 +30,20 @@ def test_kernel_mutant_refuted(mutant):
   assert f"kernel/forward.mutant_{mutant.name}.py:" in text, text
 
 
+def test_shipped_backward_proves():
+  for case in ((64, False, False, True), (64, False, True, False), (256, True, True, False)):
+    r = pe.check_backward(*case)
+    assert r.violation is None, r.violation.format()
+    assert r.states > 1000
+
+
+@pytest.mark.parametrize("mutant", pmut.BACKWARD_MUTANTS, ids=lambda m: m.name)
+def test_backward_mutant_refuted(mutant):
+  r = pe.check_backward(*mutant.backward, module=pmut.load(mutant))
+  assert r.violation is not None, f"{mutant.name} ({mutant.what}) was not refuted"
+  assert f"kernel/backward.mutant_{mutant.name}.py:" in r.violation.format()
+
+
 @pytest.mark.parametrize("safe", pmut.SAFE, ids=lambda m: m.name)
 def test_safe_reordering_proves(safe):
   r = pe.check_case(ONE_TILE, module=pmut.load(safe))
@@ -46,7 +60,7 @@ def test_unknown_primitive_refused(monkeypatch):
 def test_mutant_edits_match_the_kernel_once():
   # mutated_source raises unless every edit matches exactly once and keeps
   # the line count; a kernel edit that moves a mutated line fails here first.
-  original = open(f"{pmut.KERNEL_DIR}/forward.py").read()
-  for m in pmut.MUTANTS + pmut.SAFE:
+  for m in pmut.MUTANTS + pmut.BACKWARD_MUTANTS + pmut.SAFE:
+    original = open(f"{pmut.KERNEL_DIR}/{m.file}").read()
     src = pmut.mutated_source(m)
     assert src != original and src.count("\n") == original.count("\n"), m.name

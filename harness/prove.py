@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from harness import handoff_model as hm
+from harness import prove_extracted
 from harness import protocol_model as pm
 from harness import ring_model as rm
 from kernel import heuristics, plan as plan_lib
@@ -201,8 +202,7 @@ def main(argv=None) -> int:
   handshake = HANDSHAKES[args.handshake]
   extracted_ok = True
   if args.extracted != "skip":
-    from harness import prove_extracted
-    extracted_ok = prove_extracted.report(args.extracted, jobs=args.jobs)
+    extracted_ok = prove_extracted.report(problem_grid(), args.extracted, jobs=args.jobs)
     print()
   start = time.perf_counter()
   rows = prove_all(handshake=handshake, jobs=args.jobs)

@@ -26,7 +26,6 @@ wraps across tile boundaries, after empty tiles, and at every phase.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import time
@@ -65,13 +64,13 @@ class ForwardCase:
     return " ".join(parts)
 
 
-def forward_cases(problems=None) -> list[tuple[ForwardCase, int]]:
-  """Every distinct forward protocol of the emitted configs, with how many
-  (problem, config) pairs of :func:`harness.prove.problem_grid` it covers."""
-  from harness import prove
+def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
+  """Every distinct forward protocol of the configs the heuristics and the
+  autotuner emit for ``problems`` (:func:`harness.prove.problem_grid`), with
+  how many (problem, config) pairs it covers."""
   from kernel import heuristics, plan as plan_lib
   found: dict = {}
-  for p in prove.problem_grid() if problems is None else problems:
+  for p in problems:
     configs = []
     try:
       configs.append(heuristics.get_heuristics_config(p))
@@ -327,7 +326,7 @@ def representative(cases):
   """The cases ``python -m harness prove`` checks by default: every case
   without staged operands, and the staged ones up to two stages (a staged
   bias and mask add slots to the same key phase, checked on the smallest
-  rings that wrap; ``--extracted all`` checks every case)."""
+  rings that wrap; ``python -m harness prove --extracted all`` checks every case)."""
   return [(c, n) for c, n in cases if not (c.bias or c.mask) or c.num_stages <= 2]
 
 
@@ -336,8 +335,7 @@ def _check_one(item):
   return check_case(case, configs)
 
 
-def run(cases=None, *, verbose=True, module=None, jobs=1) -> list[CaseResult]:
-  cases = forward_cases() if cases is None else cases
+def run(cases, *, verbose=True, module=None, jobs=1) -> list[CaseResult]:
   if jobs > 1 and module is None:
     import concurrent.futures
     import multiprocessing
@@ -362,10 +360,12 @@ def run(cases=None, *, verbose=True, module=None, jobs=1) -> list[CaseResult]:
   return out
 
 
-def report(which: str = "representative", jobs: int = 2) -> bool:
-  """Print the extracted forward proof; True when every case proves."""
+def report(problems, which: str = "representative", jobs: int = 2) -> bool:
+  """Print the extracted proof (forward: the configs emitted for ``problems``;
+  backward: every launch kind); True when every case proves.  Run by
+  ``python -m harness prove``."""
   start = time.perf_counter()
-  cases = forward_cases()
+  cases = forward_cases(problems)
   chosen = cases if which == "all" else representative(cases)
   print(f"forward kernel, protocol extracted from its jaxpr (kernel/forward.py): "
         f"{len(chosen)} of {len(cases)} distinct protocols ({which}), covering "
@@ -387,15 +387,3 @@ def report(which: str = "representative", jobs: int = 2) -> bool:
   print(f"extracted backward protocol: {len(bres) - len(bbad)}/{len(bres)} proven in "
         f"{time.perf_counter() - bstart:.1f} s; total {time.perf_counter() - start:.1f} s")
   return not bad and not bbad
-
-
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.prove_extracted")
-  parser.add_argument("--all", action="store_true", help="every case, not the representative set")
-  parser.add_argument("--jobs", type=int, default=2)
-  args = parser.parse_args(argv)
-  return 0 if report("all" if args.all else "representative", args.jobs) else 1
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

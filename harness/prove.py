@@ -1,6 +1,11 @@
 """``python -m harness prove``: the stage-ring protocol, proved for every config
 the kernel can be asked to run.
 
+First the forward kernel's protocol as extracted from its traced jaxpr
+(:mod:`harness.prove_extracted`: about the code itself, bounded in trip
+counts and tiles); then the hand-written Z3 models below (unbounded, by
+induction, but about a model that mirrors the code).
+
 The configs are those :func:`kernel.heuristics.get_heuristics_config` and
 :func:`kernel.heuristics.get_autotuning_configs` emit over a grid of problems
 (head dims, dtypes, staged bias/mask, causal, residuals, sequence lengths).
@@ -34,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from harness import handoff_model as hm
+from harness import prove_extracted
 from harness import protocol_model as pm
 from harness import ring_model as rm
 from kernel import heuristics, plan as plan_lib
@@ -188,8 +194,16 @@ def main(argv=None) -> int:
       "--handshake", choices=tuple(HANDSHAKES), default="kernel",
       help="the persistent blocks' pingpong handshake: the kernel's (default), or an "
            "earlier one of kernel/forward.py, to see its counterexample")
+  parser.add_argument(
+      "--extracted", choices=("representative", "all", "skip"), default="representative",
+      help="the forward protocol extracted from the traced kernel (harness/prove_extracted.py): "
+           "the representative set of distinct protocols (default), all of them, or none")
   args = parser.parse_args(argv)
   handshake = HANDSHAKES[args.handshake]
+  extracted_ok = True
+  if args.extracted != "skip":
+    extracted_ok = prove_extracted.report(problem_grid(), args.extracted, jobs=args.jobs)
+    print()
   start = time.perf_counter()
   rows = prove_all(handshake=handshake, jobs=args.jobs)
   print(f"stage-ring protocol; persistent blocks: {handshake.describe()}")
@@ -223,7 +237,8 @@ def main(argv=None) -> int:
     ok = sum(r.status == "proven" for r in assumed)
     print(f"persistent, assuming every tile has a key block (no k_start/k_end ranges): "
           f"{ok}/{len(assumed)} proven")
-  return 0 if proven == len(rows) and ring_proven == len(ring_rows) else 1
+  ok = proven == len(rows) and ring_proven == len(ring_rows) and extracted_ok
+  return 0 if ok else 1
 
 
 HANDSHAKES = {

@@ -1,0 +1,739 @@
+"""Read the barrier and stage-ring protocol out of a traced kernel (its jaxpr).
+
+The proof in :mod:`harness.extracted_proof` is about the code, not about a
+model written beside it: this module traces a kernel of ``kernel/`` on the
+CPU (``jax.make_jaxpr`` under ``kernel.api.lowering_only()``), finds the
+Mosaic GPU kernel (the ``mpmd_map`` whose mesh has the thread axis ``wg``)
+and runs its jaxpr abstractly once per role: every warpgroup, and every warp
+of a ``warp_map`` inside one.  Integer scalars are evaluated (loop counters,
+``prev_iters``, ``axis_index``, slot arithmetic, ``while``/``cond`` on them);
+integers read from global memory (per-tile key ranges, a tile schedule) come
+from an *environment* chosen by the prover; every other value is opaque.
+The result per role is its ordered list of protocol events (:class:`Event`):
+mbarrier waits (with the parity Mosaic GPU's per-thread phase bit gives them)
+and arrivals, TMA copies into a slot with their barrier, wgmma reads of
+shared memory and the waits that retire them, ordinary shared-memory stores
+and loads, ``commit_smem`` fences, TMA stores and their waits, named-barrier
+``bar.sync``/``bar.arrive`` with id and thread count.  Each event carries the
+kernel source line it was traced from and the symbolic slot expression the
+jaxpr computed (over loop counters and loads), for the traces.
+
+A primitive outside :data:`PURE` and the protocol primitives handled here is
+refused (:class:`UnknownPrimitive`): a new kind of synchronisation cannot slip
+past the proof.  So is a ``cond`` on an opaque value whose branches
+synchronise, and a ``while`` whose trip count is not an integer.
+
+What this does not see: Mosaic GPU's own lowering below the jaxpr (its
+implicit per-thread phase bit, ``arrive.expect_tx`` of a TMA copy, the
+``wgmma`` wait at the end of ``run_state``) is encoded once here as the
+documented semantics, and ptxas below that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import linecache
+import os
+import re
+from typing import Any, Callable
+
+import jax
+from jax import tree_util
+from jax.extend import core as jex_core
+
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernel")
+
+# Primitives with no synchronisation or shared-memory effect: arithmetic on
+# registers.  Anything else must be understood below or is refused.
+PURE = frozenset("""
+abs add and argmax argmin bitcast_convert_type broadcast_in_dim broadcasted_iota ceil clamp
+concatenate convert_element_type copy copy_p cos cumsum div dot_general eq erf exp exp2
+expand_dims floor ge gt imag integer_pow iota is_finite layout_cast le log log1p log2 logistic
+lt max min mul ne neg nextafter not optimization_barrier or pad pow real reduce_and reduce_max
+reduce_min reduce_or reduce_precision reduce_sum rem reshape round rsqrt select_n
+set_max_registers_p shift_left shift_right_arithmetic shift_right_logical sign sin slice sqrt
+square squeeze stack sub tanh transpose xor
+""".split())
+# Protocol and control primitives this module interprets.
+HANDLED = frozenset("""
+axis_index barrier_arrive barrier_wait commit_smem cond copy_gmem_to_smem copy_smem_to_gmem
+get inline_mgpu_p jit pjit closed_call load mpmd_map run_scoped run_state swap while
+wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref
+""".split())
+_INT_OPS = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "max": max, "min": min,
+    "div": lambda a, b: int(a / b) if b else _opaque_div(),  # C division, like lax.div
+    "rem": lambda a, b: a - b * int(a / b),
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
+    "and": lambda a, b: a & b if not isinstance(a, bool) else a and b,
+    "or": lambda a, b: a | b if not isinstance(a, bool) else a or b,
+}
+MAX_LOOP_TRIPS = 10_000
+
+
+class UnknownPrimitive(ValueError):
+  """The kernel uses a primitive the extractor does not understand."""
+
+
+class ExtractionError(ValueError):
+  """The kernel's protocol cannot be read as a sequence of events."""
+
+
+def _opaque_div():
+  raise ExtractionError("integer division by zero while evaluating the kernel's index arithmetic")
+
+
+def _const(c):
+  import numpy as np
+  if np.ndim(c) == 0 and np.issubdtype(np.asarray(c).dtype, np.integer):
+    return int(c), str(int(c))
+  return OPAQUE, "?"
+
+
+class Opaque:
+  """A value the protocol does not depend on (arrays, floats, unknown ints)."""
+
+  __slots__ = ()
+
+  def __repr__(self):
+    return "?"
+
+
+OPAQUE = Opaque()
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  name: str
+  space: str            # smem | gmem | barrier | regs
+  shape: tuple
+  num_arrivals: int = 0  # mbarriers
+
+
+@dataclasses.dataclass(frozen=True)
+class RefV:
+  buf: Buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """One protocol step of one role.
+
+  kind: wait | arrive | tma_load | tma_store | store_wait | wgmma | wgmma_wait |
+  smem_load | smem_store | fence | bar_sync | bar_arrive.
+  """
+
+  kind: str
+  role: str
+  src: str                     # kernel file:line
+  buf: str = ""                # the buffer (smem, or the mbarrier array for wait/arrive)
+  slot: int | None = None
+  bar: str = ""                # tma_load: the mbarrier array it completes
+  bar_slot: int | None = None
+  reads: tuple = ()            # wgmma: ((buffer, slot), ...)
+  n: int = 0                   # wgmma_wait / store_wait: groups left in flight
+  bar_id: int | None = None    # named barriers
+  threads: int = 0
+  family: str = ""             # named barriers: the kernel/barriers.py helper family
+  expr: str = ""               # the slot / id expression, symbolically
+
+  def where(self):
+    return (self.buf, self.slot)
+
+  def describe(self) -> str:
+    if self.kind in ("wait", "arrive"):
+      return f"{self.kind} {self.buf}[{self.slot}]"
+    if self.kind == "tma_load":
+      return f"TMA load -> {self.buf}[{self.slot}] completes {self.bar}[{self.bar_slot}]"
+    if self.kind == "tma_store":
+      return f"TMA store <- {self.buf}[{self.slot}]"
+    if self.kind == "wgmma":
+      return "wgmma reads " + ", ".join(f"{b}[{s}]" for b, s in self.reads)
+    if self.kind in ("wgmma_wait", "store_wait"):
+      return f"{self.kind}({self.n})"
+    if self.kind in ("smem_load", "smem_store"):
+      return f"{self.kind} {self.buf}[{self.slot}]"
+    if self.kind in ("bar_sync", "bar_arrive"):
+      return f"bar.{self.kind[4:]} id {self.bar_id} ({self.threads} threads, {self.family})"
+    return self.kind
+
+
+@dataclasses.dataclass
+class Extracted:
+  """The protocol of one kernel launch under one environment."""
+
+  name: str
+  roles: dict            # role name -> tuple[Event, ...]
+  threads: dict          # role name -> threads it contributes to named barriers
+  barriers: dict         # mbarrier array name -> Buffer
+  buffers: dict          # smem buffer name -> Buffer
+  overlaps: dict = dataclasses.field(default_factory=dict)  # buffer -> buffers sharing bytes
+
+  def skeleton(self):
+    """A hashable form: environments giving the same skeleton share a check."""
+    return tuple((r, tuple(dataclasses.astuple(e) for e in ev)) for r, ev in
+                 sorted(self.roles.items()))
+
+
+def _kernel_frame(source_info) -> str:
+  frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
+  for f in frames:
+    fn = os.path.abspath(f.file_name)
+    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py")):
+      return f"{os.path.relpath(fn, os.path.dirname(KERNEL_DIR))}:{f.line_num}"
+  from jax._src import source_info_util
+  return source_info_util.summarize(source_info)
+
+
+def _barrier_family(source_info) -> str:
+  frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
+  family = ""
+  for f in frames:  # innermost first: keep the outermost helper of barriers.py
+    if os.path.abspath(f.file_name).endswith(os.path.join("kernel", "barriers.py")):
+      name = f.function_name.split(".")[0]
+      if name != "_bar":
+        family = name
+  return {"schedule_sync": "schedule", "schedule_release_other": "schedule",
+          "ds_ready": "ds_ready"}.get(family, family or _kernel_frame(source_info))
+
+
+def _src_line(src: str) -> str:
+  path, _, line = src.rpartition(":")
+  full = os.path.join(os.path.dirname(KERNEL_DIR), path)
+  try:
+    return linecache.getline(full, int(line)).strip()
+  except ValueError:
+    return ""
+
+
+def _subjaxprs(params):
+  for p in params.values():
+    for s in (p if isinstance(p, (tuple, list)) else [p]):
+      if isinstance(s, jex_core.ClosedJaxpr):
+        yield s.jaxpr
+      elif isinstance(s, jex_core.Jaxpr):
+        yield s
+
+
+def find_kernels(jaxpr) -> list:
+  """Every Mosaic GPU kernel (``mpmd_map`` over a thread axis) in the jaxpr, in order."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "mpmd_map":
+      mesh = eqn.params["meshes"][0]
+      if getattr(mesh, "thread_name", None):
+        found.append(eqn)
+        continue
+    for sub in _subjaxprs(eqn.params):
+      found += find_kernels(sub)
+  return found
+
+
+_SYNC_PRIMS = frozenset("""barrier_arrive barrier_wait commit_smem copy_gmem_to_smem
+copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_deref_p
+run_state swap""".split())
+
+
+def _has_sync(jaxpr) -> bool:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _SYNC_PRIMS:
+      return True
+    if any(_has_sync(s) for s in _subjaxprs(eqn.params)):
+      return True
+  return False
+
+
+class _Interp:
+  def __init__(self, kernel_eqn, env: Callable, axes: dict):
+    self.eqn = kernel_eqn
+    self.env = env          # (gmem buffer name, index tuple) -> int
+    self.axes = dict(axes)  # grid axis name -> value
+    self.events: dict[str, list] = {}
+    self.role = None
+    self.buffers: dict[str, Buffer] = {}
+    self._alloc = 0
+    self.cells: dict[str, tuple] = {}   # registers behind run_state's refs
+    self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
+    self.loads = 0
+
+  # -- values ---------------------------------------------------------------
+  def read(self, env, v):
+    if isinstance(v, jex_core.Literal):
+      val = v.val
+      try:
+        import numpy as np
+        if np.ndim(val) == 0 and np.issubdtype(np.asarray(val).dtype, np.integer):
+          return int(val), str(int(val))
+        if np.ndim(val) == 0 and np.asarray(val).dtype == bool:
+          return bool(val), str(bool(val))
+      except TypeError:
+        pass
+      return OPAQUE, "?"
+    return env.get(v, (OPAQUE, "?"))
+
+  def _buffer(self, aval, space_hint=None):
+    self._alloc += 1
+    inner = getattr(aval, "inner_aval", aval)
+    dtype = getattr(inner, "dtype", None)
+    space = str(getattr(aval, "memory_space", space_hint or "")).lower()
+    arrivals = getattr(dtype, "num_arrivals", 0)
+    if arrivals:
+      kind = "barrier"
+    elif "gmem" in space or "any" in space:
+      kind = "gmem"
+    elif "smem" in space:
+      kind = "smem"
+    else:
+      kind = "regs"
+    return Buffer(f"{kind}{self._alloc}", kind, tuple(getattr(inner, "shape", ())), int(arrivals))
+
+  def _emit(self, ev: Event):
+    self.events.setdefault(self.role, []).append(ev)
+
+  # -- running --------------------------------------------------------------
+  def run(self, jaxpr, args, consts=()):
+    env = {}
+    for v, a in zip(jaxpr.constvars, consts):
+      env[v] = a
+    for v, a in zip(jaxpr.invars, args):
+      env[v] = a
+    for eqn in jaxpr.eqns:
+      outs = self.eqn_(eqn, env)
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
+    return [self.read(env, v) for v in jaxpr.outvars]
+
+  def _indexer_slot(self, treedef, leaves):
+    """The slot: the first integer index of the first indexer of a transform chain."""
+    vals = [l[0] if isinstance(l[0], (int, bool)) else 0 for l in leaves]
+    exprs = [l[1] for l in leaves]
+    try:
+      transforms = tree_util.tree_unflatten(treedef, vals)
+    except Exception as e:  # noqa: BLE001 -- reported with context
+      raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
+    flat = iter(zip(vals, exprs, leaves))
+    for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
+      if type(t).__name__ == "ExtractAliasedRef":
+        continue  # a view of a RefUnion: read by _view
+      indices = getattr(t, "indices", None)
+      if indices is None:
+        continue
+      first = indices[0] if indices else None
+      if isinstance(first, int):
+        # find the leaf it came from to keep its expression
+        for val, expr, leaf in flat:
+          if not isinstance(leaf[0], Opaque) and val == first:
+            return first, expr
+        return first, str(first)
+      return None, ""
+    return None, ""
+
+  def _split(self, eqn, env, names):
+    """Split an eqn's flat operands by its transform treedefs."""
+    vals = [self.read(env, v) for v in eqn.invars]
+    return vals
+
+  def eqn_(self, eqn, env):
+    name = eqn.primitive.name
+    src = _kernel_frame(eqn.source_info)
+    ins = [self.read(env, v) for v in eqn.invars]
+    nout = len(eqn.outvars)
+    if name in _INT_OPS and all(isinstance(x[0], (int, bool)) for x in ins) and len(ins) == 2:
+      val = _INT_OPS[name](ins[0][0], ins[1][0])
+      return [(val, f"{name}({ins[0][1]}, {ins[1][1]})")]
+    if name == "convert_element_type" and isinstance(ins[0][0], (int, bool)):
+      import numpy as np
+      dt = eqn.params["new_dtype"]
+      if np.issubdtype(dt, np.integer):
+        return [(int(ins[0][0]), ins[0][1])]
+      if dt == np.bool_:
+        return [(bool(ins[0][0]), ins[0][1])]
+      return [(OPAQUE, "?")]
+    if name == "select_n" and all(isinstance(x[0], (int, bool)) for x in ins):
+      which = int(ins[0][0])
+      return [(ins[1 + which][0], f"select({ins[0][1]}, {', '.join(x[1] for x in ins[1:])})")]
+    if name == "not" and isinstance(ins[0][0], bool):
+      return [(not ins[0][0], f"not({ins[0][1]})")]
+    if name == "neg" and isinstance(ins[0][0], int):
+      return [(-ins[0][0], f"-{ins[0][1]}")]
+    if name in PURE:
+      return [(OPAQUE, "?")] * nout
+    if name not in HANDLED:
+      raise UnknownPrimitive(
+          f"{src}: primitive {name!r} is not understood by harness/extract.py; "
+          f"a synchronisation primitive must be modelled before the proof can "
+          f"cover the kernel")
+    return getattr(self, "p_" + name)(eqn, env, ins, src)
+
+  # -- control --------------------------------------------------------------
+  def p_jit(self, eqn, env, ins, src):
+    sub = eqn.params["jaxpr"]
+    return self.run(sub.jaxpr, ins, [_const(c) for c in sub.consts])
+
+  p_pjit = p_jit
+
+  def p_closed_call(self, eqn, env, ins, src):
+    return self.p_jit(dict_eqn(eqn, jaxpr=eqn.params["call_jaxpr"]), env, ins, src)
+
+  def p_cond(self, eqn, env, ins, src):
+    branches = eqn.params["branches"]
+    index, *ops = ins
+    if isinstance(index[0], (int, bool)):
+      which = max(0, min(int(index[0]), len(branches) - 1))
+      b = branches[which]
+      return self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
+    if any(_has_sync(b.jaxpr) for b in branches):
+      raise ExtractionError(
+          f"{src}: a cond on a value the extractor cannot evaluate (data) has "
+          f"synchronisation in a branch")
+    return [(OPAQUE, "?")] * len(eqn.outvars)
+
+  def p_while(self, eqn, env, ins, src):
+    p = eqn.params
+    cc, bc = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, carry = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
+    cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+    for trip in range(MAX_LOOP_TRIPS + 1):
+      (go,) = self.run(cj.jaxpr, [*cconsts, *carry], [_const(c) for c in cj.consts])
+      if not isinstance(go[0], (int, bool)):
+        if _has_sync(bj.jaxpr):
+          raise ExtractionError(f"{src}: a while loop with synchronisation whose trip "
+                                f"count the extractor cannot evaluate")
+        return [(OPAQUE, "?")] * len(eqn.outvars)
+      if not go[0]:
+        return carry
+      carry = self.run(bj.jaxpr, [*bconsts, *carry], [_const(c) for c in bj.consts])
+      # the carries are the loop's counters and state: name them, so a slot
+      # reads as an expression over them rather than over the whole history
+      carry = [(v, f"{src.rpartition(':')[2]}.c{k}") for k, (v, e) in enumerate(carry)]
+    raise ExtractionError(f"{src}: while loop ran past {MAX_LOOP_TRIPS} trips")
+
+  def p_run_scoped(self, eqn, env, ins, src):
+    sub = eqn.params["jaxpr"]
+    consts = ins[:len(sub.constvars)] if len(ins) >= len(sub.constvars) else ins
+    args = []
+    for v in sub.invars:
+      buf = self._buffer(v.aval)
+      self.buffers[buf.name] = buf
+      args.append((RefV(buf), buf.name))
+    env2 = {}
+    for v, a in zip(sub.constvars, ins):
+      env2[v] = a
+    for v, a in zip(sub.invars, args):
+      env2[v] = a
+    for e in sub.eqns:
+      outs = self.eqn_(e, env2)
+      for v, o in zip(e.outvars, outs):
+        env2[v] = o
+    return [self.read(env2, v) for v in sub.outvars]
+
+  def p_run_state(self, eqn, env, ins, src):
+    sub = eqn.params["jaxpr"]
+    args = []
+    for v, a in zip(sub.invars, ins):
+      if isinstance(a[0], RefV):
+        args.append(a)
+      else:  # a value run_state turns into a fresh ref (an accumulator)
+        buf = self._buffer(v.aval, "regs")
+        self.cells[buf.name] = a
+        args.append((RefV(buf), a[1]))
+    self.run(sub, args)
+    # run_state hands its refs back as values: Mosaic GPU waits for every
+    # wgmma group in flight before it reads an accumulator out.
+    self._emit(Event("wgmma_wait", self.role, src, n=0))
+    return [(OPAQUE, "?")] * len(eqn.outvars)
+
+  def p_axis_index(self, eqn, env, ins, src):
+    axis = eqn.params["axis_name"]
+    if axis in self.axes:
+      v = self.axes[axis]
+      return [(v, str(axis) if isinstance(axis, str) else "warp")]
+    raise ExtractionError(f"{src}: axis_index of {axis!r} has no value in the environment")
+
+  def p_mpmd_map(self, eqn, env, ins, src):
+    mesh = eqn.params["meshes"][0]
+    if type(mesh).__name__ != "WarpMesh":
+      raise ExtractionError(f"{src}: nested mpmd_map over {mesh!r} is not modelled")
+    (body,) = eqn.params["jaxprs"]
+    outer = self.role
+    if self.events.get(outer):
+      raise ExtractionError(f"{src}: role {outer} synchronises outside its warp_map too")
+    for warp in range(4):
+      self.role = f"{outer}.warp{warp}"
+      self.axes[mesh.axis_name] = warp
+      self.run(body, ins)
+    del self.axes[mesh.axis_name]
+    self.role = outer
+    return [(OPAQUE, "?")] * len(eqn.outvars)
+
+  # -- memory ---------------------------------------------------------------
+  def _ref_and_slot(self, ref, treedef, leaves):
+    if not isinstance(ref[0], RefV):
+      raise ExtractionError(f"a ref operand the extractor lost track of: {ref}")
+    slot, expr = self._indexer_slot(treedef, leaves) if treedef is not None else (None, "")
+    return self._view(ref[0].buf, treedef), slot, expr
+
+  def _view(self, buf, treedef):
+    """A RefUnion member is a view at a byte offset of one allocation: a buffer
+    of its own, whose byte range the checker compares with the others'."""
+    if treedef is None:
+      return buf
+    try:
+      transforms = tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    except Exception:  # noqa: BLE001
+      return buf
+    for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
+      if type(t).__name__ == "ExtractAliasedRef":
+        import numpy as np
+        size = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+        view = Buffer(f"{buf.name}@{t.alias_group_idx}+{t.offset}", buf.space, tuple(t.shape))
+        self.buffers[view.name] = view
+        self.views[view.name] = (buf.name, t.offset, t.offset + size, t.alias_group_idx)
+        return view
+    return buf
+
+  def p_get(self, eqn, env, ins, src):
+    ref, *leaves = ins
+    treedef = eqn.params.get("tree")
+    buf, slot, expr = self._ref_and_slot(ref, treedef, leaves)
+    if buf.space == "gmem":
+      if not eqn.outvars[0].aval.shape and "int" in str(eqn.outvars[0].aval.dtype):
+        idx = tuple(l[0] for l in leaves)
+        self.loads += 1
+        return [(self.env(buf.name, idx), f"{buf.name}[{','.join(l[1] for l in leaves)}]")]
+      return [(OPAQUE, "?")]
+    if buf.space == "smem":
+      self._emit(Event("smem_load", self.role, src, buf.name, slot, expr=expr))
+    if buf.space == "regs" and not leaves:
+      return [self.cells.get(buf.name, (OPAQUE, "?"))]
+    return [(OPAQUE, "?")]
+
+  p_load = p_get
+
+  def p_swap(self, eqn, env, ins, src):
+    ref, val, *leaves = ins
+    buf, slot, expr = self._ref_and_slot(ref, eqn.params.get("tree"), leaves)
+    if buf.space == "regs":
+      old = self.cells.get(buf.name, (OPAQUE, "?"))
+      self.cells[buf.name] = val if not leaves else (OPAQUE, "?")
+      return [old]
+    if buf.space == "smem":
+      self._emit(Event("smem_store", self.role, src, buf.name, slot, expr=expr))
+    elif buf.space == "gmem":
+      raise ExtractionError(f"{src}: a plain store to global memory is not modelled")
+    return [(OPAQUE, "?")]
+
+  def _split_leaves(self, ins, *treedefs):
+    out, i = [], 0
+    for td in treedefs:
+      n = td.num_leaves if td is not None else 0
+      out.append((td, ins[i:i + n]))
+      i += n
+    return out, ins[i:]
+
+  def p_barrier_wait(self, eqn, env, ins, src):
+    ref, *leaves = ins
+    buf, slot, expr = self._ref_and_slot(ref, eqn.params["transforms_treedef"], leaves)
+    self._emit(Event("wait", self.role, src, buf.name, slot, expr=expr))
+    return []
+
+  def p_barrier_arrive(self, eqn, env, ins, src):
+    ref, *rest = ins
+    td = eqn.params["transforms_treedef"]
+    (parts, pred) = self._split_leaves(rest, td)
+    if eqn.params.get("has_user_predicate") and pred and pred[0][0] is not True:
+      if pred[0][0] is False:
+        return []
+      raise ExtractionError(f"{src}: a predicated arrive on data is not modelled")
+    buf, slot, expr = self._ref_and_slot(ref, td, parts[0][1])
+    self._emit(Event("arrive", self.role, src, buf.name, slot, expr=expr))
+    return []
+
+  def p_copy_gmem_to_smem(self, eqn, env, ins, src):
+    p = eqn.params
+    srcref, dst, *rest = ins
+    if not p.get("has_barrier", True):
+      raise ExtractionError(f"{src}: a TMA load without a barrier is not modelled")
+    bar, *rest = rest
+    (parts, pred) = self._split_leaves(rest, p["src_transforms_treedef"],
+                                       p["dst_transforms_treedef"],
+                                       p["barrier_transforms_treedef"])
+    if p.get("has_user_predicate"):
+      raise ExtractionError(f"{src}: a predicated TMA load is not modelled")
+    if p.get("collective_axes"):
+      raise ExtractionError(f"{src}: a multicast TMA load is not modelled")
+    dbuf, dslot, dexpr = self._ref_and_slot(dst, *parts[1])
+    bbuf, bslot, _ = self._ref_and_slot(bar, *parts[2])
+    self._emit(Event("tma_load", self.role, src, dbuf.name, dslot, bar=bbuf.name,
+                     bar_slot=bslot, expr=dexpr))
+    return []
+
+  def p_copy_smem_to_gmem(self, eqn, env, ins, src):
+    p = eqn.params
+    srcref, dst, *rest = ins
+    (parts, pred) = self._split_leaves(rest, p["src_transforms_treedef"],
+                                       p["dst_transforms_treedef"])
+    if p.get("has_user_predicate"):
+      raise ExtractionError(f"{src}: a predicated TMA store is not modelled")
+    if not p.get("commit_group", True):
+      raise ExtractionError(f"{src}: a TMA store outside a commit group is not modelled")
+    sbuf, sslot, sexpr = self._ref_and_slot(srcref, *parts[0])
+    self._emit(Event("tma_store", self.role, src, sbuf.name, sslot, expr=sexpr))
+    return []
+
+  def p_wait_smem_to_gmem(self, eqn, env, ins, src):
+    self._emit(Event("store_wait", self.role, src, n=int(eqn.params["n"])))
+    return []
+
+  def p_commit_smem(self, eqn, env, ins, src):
+    self._emit(Event("fence", self.role, src))
+    return []
+
+  def p_wgmma_ref(self, eqn, env, ins, src):
+    p = eqn.params
+    acc, a, b, *rest = ins
+    (parts, _) = self._split_leaves(rest, p["acc_transforms_tree"], p["a_transforms_tree"],
+                                    p["b_transforms_tree"])
+    reads = []
+    for opnd, part in ((a, parts[1]), (b, parts[2])):
+      if isinstance(opnd[0], RefV) and opnd[0].buf.space == "smem":
+        buf, slot, _ = self._ref_and_slot(opnd, *part)
+        reads.append((buf.name, slot))
+    self._emit(Event("wgmma", self.role, src, reads=tuple(reads)))
+    return []
+
+  def p_wgmma_accumulator_deref_p(self, eqn, env, ins, src):
+    self._emit(Event("wgmma_wait", self.role, src, n=int(eqn.params["wait_n"])))
+    return [(OPAQUE, "?")]
+
+  def p_inline_mgpu_p(self, eqn, env, ins, src):
+    fn = eqn.params["mgpu_fn"]
+    code = getattr(fn, "__code__", None)
+    if (code is None or not code.co_filename.endswith(os.path.join("kernel", "barriers.py"))
+        or fn.__qualname__ != "_bar.<locals>._emit"):
+      raise UnknownPrimitive(
+          f"{src}: inline_mgpu {getattr(fn, '__qualname__', fn)!r} is not one of "
+          f"kernel/barriers.py's named barriers; the extractor cannot see what it does")
+    closure = inspect.getclosurevars(fn).nonlocals
+    kind, threads = closure["kind"], int(closure["num_threads"])
+    if kind not in ("sync", "arrive"):
+      raise UnknownPrimitive(f"{src}: named barrier operation bar.{kind}")
+    (bid, expr), = ins
+    if not isinstance(bid, int):
+      raise ExtractionError(f"{src}: named barrier id is not an integer the extractor can evaluate")
+    self._emit(Event("bar_" + kind, self.role, _kernel_frame(eqn.source_info), bar_id=bid,
+                     threads=threads, family=_barrier_family(eqn.source_info), expr=expr))
+    return []
+
+
+def dict_eqn(eqn, **params):
+  return dataclasses.replace(eqn, params={**eqn.params, **params}) if dataclasses.is_dataclass(
+      eqn) else eqn.replace(params={**eqn.params, **params})
+
+
+def _name_buffers(events: dict) -> dict:
+  """Readable names from the kernel's source: an mbarrier array is named by the
+  identifier its first wait/arrive line indexes, a buffer by the destination
+  of its first TMA load or the source of its first TMA store."""
+  names = {}
+  pat = re.compile(r"([A-Za-z_]\w*)\.at\[")
+  for evs in events.values():
+    for e in evs:
+      line = _src_line(e.src)
+      found = pat.findall(line)
+      if e.kind in ("wait", "arrive") and found and e.buf not in names:
+        names[e.buf] = found[0]
+      elif e.kind == "tma_load" and len(found) >= 2 and e.buf not in names:
+        names[e.buf] = found[1]
+      elif e.kind == "tma_store" and e.buf not in names:
+        m = re.search(r"copy_smem_to_gmem\(\s*([A-Za-z_]\w*)", line)
+        if m:
+          names[e.buf] = m.group(1)
+  taken = {}
+  for k, v in list(names.items()):
+    if v in taken.values():
+      names[k] = f"{v}#{k}"
+    taken[k] = names[k]
+  return names
+
+
+def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel") -> Extracted:
+  """The events of every role of one ``mpmd_map`` kernel for one grid point
+  (``grid``: axis name -> index) and environment (``env(buffer, index)``: the
+  integer a kernel reads from global memory)."""
+  mesh = eqn_mesh = kernel_eqn.params["meshes"][0]
+  (body,) = kernel_eqn.params["jaxprs"]
+  roles, threads = {}, {}
+  all_buffers, views = {}, {}
+  for w in range(mesh.num_threads):
+    interp = _Interp(kernel_eqn, env, {**grid, eqn_mesh.thread_name: w})
+    interp.role = f"wg{w}"
+    gm = []
+    for v in body.invars:
+      buf = Buffer(f"gmem_in{len(gm)}", "gmem", tuple(getattr(v.aval, "shape", ())))
+      gm.append((RefV(buf), buf.name))
+    interp.run(body, gm)
+    for role, evs in interp.events.items():
+      if evs:
+        roles[role] = evs
+        threads[role] = 32 if ".warp" in role else 128
+    all_buffers.update(interp.buffers)
+    views.update(interp.views)
+  names = _name_buffers(roles)
+  rename = lambda b: names.get(b, b)
+  out = {}
+  for role, evs in roles.items():
+    out[role] = tuple(dataclasses.replace(
+        e, buf=rename(e.buf), bar=rename(e.bar),
+        reads=tuple((rename(b), s) for b, s in e.reads)) for e in evs)
+  barriers_ = {rename(b.name): b for b in all_buffers.values() if b.space == "barrier"}
+  buffers = {rename(b.name): b for b in all_buffers.values() if b.space == "smem"}
+  overlaps = {}
+  for a, (base_a, lo_a, hi_a, g_a) in views.items():
+    for b, (base_b, lo_b, hi_b, g_b) in views.items():
+      if a != b and base_a == base_b and g_a != g_b and lo_a < hi_b and lo_b < hi_a:
+        overlaps.setdefault(rename(a), set()).add(rename(b))
+  return Extracted(name, out, threads, barriers_, buffers,
+                   {k: frozenset(v) for k, v in overlaps.items()})
+
+
+# ---------------------------------------------------------------------------
+# Tracing the shipped kernels
+# ---------------------------------------------------------------------------
+
+def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
+                  head_dim=64, bias=False, mask=False, key_ranges=True, num_sms=1,
+                  module=None):
+  """The closed jaxpr of ``kernel.forward.flash_attention_forward`` and its
+  kernel eqn, traced on the CPU.  With ``key_ranges`` the kernel reads each
+  tile's key range from global memory (the environment decides it), so trip
+  counts, including zero, are the prover's to choose."""
+  import jax.numpy as jnp
+  from kernel import api, forward
+  forward = module or forward  # a mutated copy of kernel/forward.py, in the tests
+  sds = jax.ShapeDtypeStruct
+  tile = 2 * config.block_q
+  t_pad, s_pad = num_tiles * tile, kv_blocks * config.block_kv
+  dt = jnp.bfloat16
+  q = sds((batch, t_pad, heads, head_dim), dt)
+  k = sds((batch, s_pad, heads, head_dim), dt)
+  args = [q, k, k]
+  b_ = sds((1, 1, t_pad, s_pad), dt) if bias else None
+  m_ = sds((1, 1, t_pad, s_pad), jnp.int8) if mask else None
+  if key_ranges:
+    rows = sds((1, 1, t_pad), jnp.int32)
+    tiles = tuple(sds((1, 1, num_tiles), jnp.int32) for _ in range(4))
+  else:
+    rows, tiles = None, None
+
+  def fn(q, k, v, b, m, ks, ke, tl):
+    return forward.flash_attention_forward(q, k, v, b, m, ks, ke, tl, features=features,
+                                           config=config, num_sms=num_sms)
+
+  with api.lowering_only():
+    closed = jax.make_jaxpr(fn)(*args, b_, m_, rows, rows, tiles)
+  (kernel,) = find_kernels(closed.jaxpr)
+  return closed, kernel

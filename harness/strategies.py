@@ -522,8 +522,8 @@ def _runs(draw, length: int, max_runs: int = 8) -> list[int]:
 @st.composite
 def segment_specs(draw, B: int, T: int, S: int, *, contiguous: bool = True) -> SegmentSpec:
   """Segment ids for a batch: keys in runs, each id one run when
-  ``contiguous`` (else ids may repeat across runs); ids in any order and
-  range.  When T == S the queries often share the keys' ids (packed
+  ``contiguous`` (else, given three runs or more, the first id also ends
+  the row, split by another); ids in any order and range.  When T == S the queries often share the keys' ids (packed
   self-attention); otherwise they draw their own runs, whose ids may be
   absent from the keys (rows that see nothing)."""
   kv_rows, q_rows = [], []
@@ -535,6 +535,8 @@ def segment_specs(draw, B: int, T: int, S: int, *, contiguous: bool = True) -> S
       order = draw(st.permutations(range(r)))
     else:
       order = [draw(st.integers(0, max(1, r // 2))) for _ in range(r)]
+      if r >= 3:  # one id split by another: a hole in its run
+        order[-1], order[1] = order[0], order[0] + 1
     kv_runs = tuple((base + o, n) for o, n in zip(order, kv_lengths))
     if T == S and draw(st.booleans()):
       q_runs = kv_runs
@@ -549,10 +551,14 @@ def segment_specs(draw, B: int, T: int, S: int, *, contiguous: bool = True) -> S
 @st.composite
 def variant_specs(draw, shapes: AttentionShapes, *, lengths: bool = True,
                   windows: bool = True, segments: bool = True,
-                  layout: str = "contiguous") -> VariantSpec:
+                  layout: str = "contiguous", contiguous_ids: bool | None = None
+                  ) -> VariantSpec:
   """Any subset of the lengths, window and segments for ``shapes`` (at
-  least one of those allowed).  ``layout="any"`` draws non-contiguous key
-  ids as well."""
+  least one of those allowed).  Key ids are contiguous runs for
+  ``layout="contiguous"``, else drawn either way, unless ``contiguous_ids``
+  says (False: ids may repeat across runs, whatever the layout)."""
+  if contiguous_ids is None:
+    contiguous_ids = True if layout == "contiguous" else draw(st.booleans())
   kinds = [k for k, ok in (("q", lengths), ("kv", lengths), ("window", windows),
                            ("segments", segments)) if ok]
   chosen = draw(st.sets(st.sampled_from(kinds), min_size=1))
@@ -561,7 +567,7 @@ def variant_specs(draw, shapes: AttentionShapes, *, lengths: bool = True,
     query_seq_lengths=draw(seq_lengths(B, T)) if "q" in chosen else None,
     key_value_seq_lengths=draw(seq_lengths(B, S)) if "kv" in chosen else None,
     local_window_size=draw(local_windows(T, S)) if "window" in chosen else None,
-    segments=draw(segment_specs(B, T, S, contiguous=layout == "contiguous"))
+    segments=draw(segment_specs(B, T, S, contiguous=contiguous_ids))
     if "segments" in chosen else None,
     segment_layout=layout)
 

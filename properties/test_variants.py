@@ -221,14 +221,15 @@ def _seen_by_route(shapes: AttentionShapes, routed) -> np.ndarray:
 
 
 @st.composite
-def _mapping_cases(draw):
+def _mapping_cases(draw, segments_only=False):
   shapes = draw(st.sampled_from((
       AttentionShapes(B=2, T=37, N=2, H=8, S=37, K=1, Hv=8),
       AttentionShapes(B=1, T=20, N=1, H=8, S=53, K=1, Hv=8),
       AttentionShapes(B=2, T=64, N=2, H=8, S=16, K=2, Hv=8))))
   layout = draw(st.sampled_from(("contiguous", "any")))
-  spec = draw(hs.variant_specs(shapes, layout=layout))
-  user = draw(st.one_of(st.none(), hs.key_range_specs(shapes)))
+  spec = draw(hs.variant_specs(shapes, layout=layout, contiguous_ids=draw(st.booleans()),
+                               lengths=not segments_only, windows=not segments_only))
+  user = None if segments_only else draw(st.one_of(st.none(), hs.key_range_specs(shapes)))
   return shapes, spec, user
 
 
@@ -240,13 +241,13 @@ def _qkv(shapes):
 
 
 @settings(max_examples=30)
-@given(case=_mapping_cases())
+@given(case=st.one_of(_mapping_cases(), _mapping_cases(segments_only=True)))
 def test_key_ranges_see_exactly_the_keys_of_the_definition(case):
   """Per row, the keys kernel/variants.py lets through (key ranges combined
   with the user's, plus the "any" layout's mask) are exactly the keys the
   reference's elementwise definition lets through, on every row the
   contiguous layout does not poison; a poisoned row is one whose allowed
-  keys are not one interval; and the "any" layout's ranges contain every
+  keys are not one run of the key ids; and the "any" layout's ranges contain every
   allowed key (its block skipping is sound)."""
   shapes, spec, user = case
   kw = spec.build()
@@ -260,13 +261,15 @@ def test_key_ranges_see_exactly_the_keys_of_the_definition(case):
               else np.asarray(routed.poisoned))
   rows = np.broadcast_to(poisoned[:, None, :], want.shape[:3])
   assert np.array_equal(got[~rows], want[~rows])
-  if poisoned.any():
-    assert spec.segment_layout == "contiguous" and not spec.segments.kv_contiguous
-    # A poisoned row's keys are not an interval (the hull has a hole).
+  # Poisoned: exactly the rows whose id's keys are not one run (a hole in
+  # their hull), and only in the contiguous layout.
+  holes = np.zeros_like(poisoned)
+  if spec.segments is not None and spec.segment_layout == "contiguous":
     q_ids, kv_ids = spec.segments.build()
-    for b, i in zip(*np.nonzero(poisoned)):
+    for b, i in np.ndindex(*holes.shape):
       where = np.nonzero(kv_ids[b] == q_ids[b, i])[0]
-      assert where.size and where[-1] - where[0] + 1 > where.size
+      holes[b, i] = where.size > 0 and where[-1] - where[0] + 1 > where.size
+  assert np.array_equal(poisoned, holes)
   if spec.segment_layout == "any" and routed.k_start is not None:
     hull = ref_lib.key_visibility(shapes, k_start=np.asarray(routed.k_start),
                                   k_end=np.asarray(routed.k_end))

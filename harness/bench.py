@@ -1,7 +1,9 @@
 """TFLOP/s of the kernel (forward, or forward + backward) side by side with
 cuDNN, in one process; with --backward-parts, where the backward's time goes.
 
-``python -m harness.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``
+``python -m harness.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``;
+``python -m harness bench --grid [--backward] --out-dir docs`` times the whole grid
+(harness/bench_grid.py).
 
 Method (METHOD.md of the device notes): random normal inputs (never zeros),
 several input sets rotated so repeated calls do not measure the L2 cache,
@@ -16,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -317,7 +320,28 @@ def main(argv=None) -> int:
   parser.add_argument("--backward-parts", action="store_true",
                       help="per shape: the forward, the backward's glue and kernels alone, "
                            "and the whole forward + backward (ms; where the time goes)")
+  grid = parser.add_argument_group("--grid: the whole performance grid (harness/bench_grid.py)")
+  grid.add_argument("--grid", action="store_true",
+                    help="time the grid: head dims x seq x causal, ours beside cuDNN and JAX's "
+                         "example kernel; with --backward also forward + backward")
+  grid.add_argument("--variants", default="auto",
+                    help="semicolon-separated configs of ours: auto, or "
+                         "block_q,block_kv,num_stages[,p][,lf|rr]")
+  grid.add_argument("--out-dir", default=None,
+                    help="write performance.json/.md/.png here (docs/ for the committed page)")
+  grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")
+  grid.add_argument("--gqa", type=int, default=1, help="query heads per kv head")
+  grid.add_argument("--head-dims", default="64,128,256")
+  grid.add_argument("--no-ragged", action="store_true",
+                    help="leave out the lengths that are no multiple of a block")
+  grid.add_argument("--causal-only", action="store_true")
+  grid.add_argument("--backward-only", dest="forward_only_backward", action="store_true",
+                    help="only the forward + backward grid")
   args = parser.parse_args(argv)
+  if args.grid:
+    from harness import bench_grid
+    args.raw_argv = list(argv if argv is not None else sys.argv[1:])
+    return bench_grid.main(args)
   shapes = SHAPE_SETS[args.shapes]
   if args.backward_parts:
     results = []

@@ -13,9 +13,9 @@ Steps, in order:
 
 Steps 3 and 4 are reported as SKIPPED, with the reason, on a machine without
 an sm90 GPU.  ``--steps`` runs a subset (the others are reported as SKIPPED,
-"not selected", and the overall line says the run was partial): on a lent GPU
-whose time is short, ``--steps gpu-properties,golden`` after the CPU steps
-passed on the same commit elsewhere.  JUnit XML of each pytest step and
+"not selected", and the overall line says the run was partial): where GPU time
+is short, ``--steps gpu-properties,golden`` after the CPU steps passed on the
+same commit elsewhere.  JUnit XML of each pytest step and
 ``summary.md`` go to the results folder, and, for each pytest step, the worst error ratio against float64 per
 property and array (``<step>-error-ratios.md``, also in ``summary.md``).  The
 exit status is non-zero when any step fails.

@@ -1,8 +1,8 @@
 """The machinery under the Z3 model of the fused dQ's handoff between the
 compute warpgroups (``harness/handoff_model.py`` holds the protocol): the
 state layout, the named-barrier and epilogue actions, the exhaustive search
-and the inductive check.  (Session 4 also modelled a deferred schedule with
-it, which the H200 measured slower; it was removed in session 5.)
+and the inductive check.  (A deferred schedule was also modelled with it; the
+H200 measured it slower and it was removed on 2026-11-30.)
 
 A model is a :class:`State` (per warpgroup: step ``t``, its ghost ``phase``
 = t mod 2, program counter ``pc``, the generation ``need`` it waits for;

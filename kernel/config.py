@@ -6,6 +6,11 @@ import dataclasses
 
 SMEM_LIMIT_BYTES = 227 * 1024  # usable shared memory per block on sm90
 MAX_STAGES = 4
+# kernel/schedule.py: the order query tiles run in.  "round-robin": the grid's
+# own order (persistent: the grid dealt to the SMs in turn, query tiles
+# fastest).  "longest-first": heaviest tiles first inside L2 sections of kv
+# heads, dealt to the least-loaded SM when persistent.
+SCHEDULES = ("round-robin", "longest-first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,12 +21,14 @@ class Config:
   block_kv: keys per ring slot.
   num_stages: depth of the key/value ring in shared memory.
   persistent: one block per SM looping over the grid (see kernel/forward.py).
+  schedule: the order tiles run in, one of :data:`SCHEDULES`.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   persistent: bool = False
+  schedule: str = "round-robin"
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "num_stages"):
@@ -37,3 +44,5 @@ class Config:
           f"config.num_stages must be in [2, {MAX_STAGES}], got {self.num_stages}")
     if not isinstance(self.persistent, bool):
       raise ValueError(f"config.persistent must be a bool, got {self.persistent!r}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")

@@ -40,6 +40,7 @@ import numpy as np
 from kernel import barriers
 from kernel import mutants
 from kernel import plan as plan_lib
+from kernel import schedule as schedule_lib
 from kernel.config import Config
 from kernel.pipeline import PipelineState
 
@@ -151,24 +152,42 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
   return lb, ub
 
 
+def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
+                  head_dim_out, itemsize, block_q, block_kv, seq_q, seq_kv, is_causal):
+  """The longest-first order of this launch's tiles (kernel/schedule.py),
+  weighted by the key blocks each query tile visits."""
+  def tile_blocks(qi):
+    lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
+                            seq_kv=seq_kv, is_causal=is_causal)
+    return ub - lb
+  return schedule_lib.longest_first(
+      batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
+      tile_blocks=tile_blocks,
+      kv_bytes_per_head=s_pad * (head_dim + head_dim_out) * itemsize)
+
+
 def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             *, features: Features, config: Config, num_sms: int = 132):
   """Launch the kernel on padded, validated inputs.
 
-  q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv): D, Dv multiples of 64,
-  Tp a multiple of 2 * block_q, Sp a multiple of block_kv.  bias (rank 4,
-  dims 1 or full), mask int8 likewise, k_start/k_end int32 (rank 3,
-  (B|1, N|1, Tp|1)), k_range_tiles: None or (start_min, start_max, end_min,
-  end_max) each (B|1, N|1, num_tiles) int32.
-  Returns out (B, Tp, N, Dv) and, with return_residuals, m and l (B, N, Tp) f32.
+  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv multiples of 64,
+  T at least 2 * block_q and S at least block_kv, of any length beyond: the
+  TMA reads rows past the end as zeros (padded keys are masked, padded
+  query rows never stored) and clips the stores of the last tile, so a
+  ragged length costs no padded copy.  bias (rank 4, dims 1 or full, T and
+  S padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank
+  3, (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
+  (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
+  Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, T) f32.
   """
   f = features
-  batch, t_pad, num_heads, head_dim = q.shape
-  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  batch, seq_q, num_heads, head_dim = q.shape
+  _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   block_q, block_kv = config.block_q, config.block_kv
   group = num_heads // num_kv_heads
-  num_tiles = t_pad // (2 * block_q)
+  num_tiles = -(-seq_q // (2 * block_q))
+  s_pad = -(-seq_kv // block_kv) * block_kv
   problem = plan_lib.Problem(
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
       seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
@@ -181,9 +200,26 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   bq_kv = (block_q, block_kv)
   threshold = float(f.rescale_threshold)
   always_rescale = threshold == 1.0
-  # Masking of any kind means the scale is applied before the -inf select.
-  may_mask = (f.is_causal or mask is not None or k_start is not None
-              or k_end is not None or f.seq_kv % block_kv != 0)
+  # A mask or key range may remove keys from any block; causal and a ragged
+  # key length only from the blocks that reach the diagonal or the last key,
+  # which the key loop runs apart (``edge``) so the others keep the unmasked
+  # path (the scale folded into exp2, no select, no per-block branch).
+  masks_any_block = mask is not None or k_start is not None or k_end is not None
+  ragged_kv = f.seq_kv % block_kv != 0
+  has_edge = f.is_causal or ragged_kv
+  if config.schedule == "longest-first":
+    order = tile_schedule(
+        batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
+        s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
+        itemsize=np.dtype(dtype).itemsize, block_q=block_q, block_kv=block_kv,
+        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)
+    if config.persistent:
+      dealt, counts = order.assign(min(num_sms, order.total))
+      schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))
+    else:
+      schedule_tables = (jnp.asarray(order.order), None)
+  else:
+    order, schedule_tables = None, (None, None)
 
   def tile_range(qi, b, h, tiles_ref):
     if tiles_ref is None:
@@ -197,15 +233,28 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             k_start_min=start_min, k_end_max=end_max)
     return lb, ub, start_max, end_min
 
-  def for_each_tile(tile_body, init):
+  def for_each_tile(tile_body, init, sched_ref, counts_ref):
     """Run ``tile_body(b, h, qi, prev_iters) -> prev_iters`` over this block's tiles.
 
-    Non-persistent: the one tile of this grid point.  Persistent: a static
-    schedule over the whole logical grid (query tiles fastest, so blocks that
-    run together share a head's keys in L2); ``prev_iters`` carries the key
-    blocks every earlier tile of this block consumed, so the ring keeps its
-    phase across tiles (a tile may have zero key blocks).
+    Non-persistent: the one tile of this grid point (longest-first: the
+    grid point's entry of the schedule's order).  Persistent: the tiles this
+    block is dealt, in order (longest-first: its row of the schedule's
+    table; round-robin: the whole logical grid dealt in turn, query tiles
+    fastest, so blocks that run together share a head's keys in L2).
+    ``prev_iters`` carries the key blocks every earlier tile of this block
+    consumed, so the ring keeps its phase across tiles (a tile may have zero
+    key blocks).  Every warpgroup and warp calls this with the same tables,
+    so they walk the same tiles.
     """
+    if order is not None:
+      if not config.persistent:
+        return tile_body(*order.unpack(sched_ref[lax.axis_index("tiles")]), init)
+      sm = lax.axis_index("sm")
+
+      def step(j, carry):
+        return tile_body(*order.unpack(sched_ref[sm, j]), carry)
+
+      return lax.fori_loop(0, counts_ref[sm], step, jnp.int32(init))
     if not config.persistent:
       return tile_body(lax.axis_index("batch"), lax.axis_index("heads"),
                        lax.axis_index("q_tiles"), init)
@@ -226,7 +275,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     return PipelineState.at(stages, prev_iters + (ki - lb))
 
   def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
-           out_ref, m_ref, l_ref, scoped):
+           sched_ref, counts_ref, out_ref, m_ref, l_ref, scoped):
     wg = lax.axis_index("wg")
     smem, mbars = scoped
     ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_ring, mask_ring = smem
@@ -286,9 +335,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                         lambda: plgpu.load(tile.at[pl.ds(block_q, block_q)], layout=_WGMMA,
                                            optimized=False))
 
-      def logits(s, ki, *, causal):
+      def logits(s, ki, *, edge):
         """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
-        with the true logits being s * sc (sc > 0, deferred so exp2 fuses)."""
+        with the true logits being s * sc (sc > 0, deferred so exp2 fuses).
+        ``edge``: the block may reach the diagonal or the last (ragged) key."""
         k_base = ki * block_kv
         sc = f.scale
         if bias_ring is not None:
@@ -301,13 +351,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         if f.logits_soft_cap is not None:
           s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
         sc *= LOG2E
-        if not may_mask:
+        if not (masks_any_block or edge):
           return s, sc
         s = s * sc
         key = k_base + iota(1)
-        if causal:
+        if edge and f.is_causal:
           s = jnp.where(q_base + iota(0) >= key, s, _NEG_INF)
-        if f.seq_kv % block_kv:
+        if edge and ragged_kv:
           s = lax.cond(k_base + block_kv > f.seq_kv,
                        lambda: jnp.where(key < f.seq_kv, s, _NEG_INF), lambda: s)
         if k_start is not None:
@@ -351,11 +401,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           # The tile's last QK has completed: the query slot may be refilled.
           pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
 
-      def softmax(s, ki, m_i, l_i, pending, *, causal):
+      def softmax(s, ki, m_i, l_i, pending, *, edge):
         """Online softmax of key block ki's raw logits s: returns the factor
         that brings the accumulator (and, already applied, l_i) to the new
         reference max, p, and the new (m_i, l_i, pending)."""
-        s, sc = logits(s, ki, causal=causal)
+        s, sc = logits(s, ki, edge=edge)
         m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
         if always_rescale:
           base = safe(m_ij)
@@ -377,12 +427,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       def rescaled(acc, factor):
         return acc * lax.broadcast_in_dim(factor, acc.shape, [0])
 
-      def loop_body(ki, carry, *, causal):
+      def loop_body(ki, carry, *, edge):
         """PV of key block ki and QK of block ki + 1 in one turn on the tensor
         cores (QK issued first), then the softmax of block ki + 1 as soon as
         its QK completes, while the PV still runs (FlashAttention-3's
         intra-warpgroup overlap); the PV's result is rescaled once it
-        completes.  ``causal``: whether block ki + 1 needs the mask."""
+        completes.  ``edge``: whether block ki + 1 may reach the diagonal or
+        the last key (the masked path)."""
         acc, p16, m_i, l_i, *pending = carry
         slot, next_slot = ring(prev_iters, lb, ki), ring(prev_iters, lb, ki + 1)
         plgpu.barrier_wait(v_produced.at[slot])
@@ -400,7 +451,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
           factor, p, m_new, l_new, pend = softmax(
               s, ki + 1, m_ref_[...], l_ref_[...], [r[...] for r in pending_refs],
-              causal=causal)
+              edge=edge)
           factor_ref[...] = factor
           p_ref[...] = p.astype(dtype)
           m_ref_[...] = m_new
@@ -425,13 +476,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         """The tile's key blocks lb .. ub - 1 given the first one's logits s0:
         its softmax, the loop over blocks lb .. ub - 2 (PV of ki, QK and
         softmax of ki + 1), then the last block's PV alone."""
-        def first_softmax(causal):
-          _, p, m, l, pend = softmax(s0, lb, m_i, l_i, pending, causal=causal)
+        def first_softmax(edge):
+          _, p, m, l, pend = softmax(s0, lb, m_i, l_i, pending, edge=edge)
           if staged:  # its staged tiles are read: release the key-phase slot
             plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
           return p.astype(dtype), m, l + p.sum(axis=1), pend
 
-        if f.is_causal:
+        if has_edge:
           first = lambda: lax.cond(lb < ub_plain, functools.partial(first_softmax, False),
                                    functools.partial(first_softmax, True))
         else:
@@ -441,13 +492,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         p16, m, l, pend = lax.cond(ub > lb, first, lambda: (p16, m_i, l_i, pending))
         carry = (acc, p16, m, l, *pend)
         last = lax.max(lb, ub - 1)
-        if f.is_causal:
+        if has_edge:
           # Iteration ki masks block ki + 1: plain while ki + 1 < ub_plain.
           split = lax.min(last, lax.max(lb, ub_plain - 1))
-          carry = lax.fori_loop(lb, split, functools.partial(loop_body, causal=False), carry)
-          carry = lax.fori_loop(split, last, functools.partial(loop_body, causal=True), carry)
+          carry = lax.fori_loop(lb, split, functools.partial(loop_body, edge=False), carry)
+          carry = lax.fori_loop(split, last, functools.partial(loop_body, edge=True), carry)
         else:
-          carry = lax.fori_loop(lb, last, functools.partial(loop_body, causal=False), carry)
+          carry = lax.fori_loop(lb, last, functools.partial(loop_body, edge=False), carry)
         acc, p16, m, l, *pend = carry
 
         def last_pv(acc):
@@ -489,9 +540,15 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       # m_scale, the pending scale acc and l_i are relative to, is carried only
       # when the threshold can leave it behind m_i.
       pending = [] if always_rescale else [m_i]
-      # Blocks entirely below the diagonal for this warpgroup need no mask.
-      ub_plain = (lax.max(lb, lax.min(ub, lax.div(q_base + 1, jnp.int32(block_kv))))
-                  if f.is_causal else ub)
+      # Blocks entirely below the diagonal for this warpgroup, and holding
+      # no padded key, need no mask.
+      ub_plain = ub
+      if f.is_causal:
+        ub_plain = lax.min(ub_plain, lax.div(q_base + 1, jnp.int32(block_kv)))
+      if ragged_kv:
+        ub_plain = lax.min(ub_plain, jnp.int32(f.seq_kv // block_kv))
+      if has_edge:
+        ub_plain = lax.max(lb, ub_plain)
       acc, m_i, l_i, pending = key_loop(s0, acc, m_i, l_i, pending, ub_plain)
       m_scale = m_i if always_rescale else pending[0]
       if not config.persistent:
@@ -551,7 +608,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       # before the first tile and the one pass after the last loop (before the
       # epilogue of a non-persistent block), not one per tile.
       pl.when(wg == 1)(lambda: barriers.schedule_sync(wg))
-      for_each_tile(compute_tile, 0)
+      for_each_tile(compute_tile, 0, sched_ref, counts_ref)
       if config.persistent:
         pass_token_for_the_last_time()
       if config.persistent:
@@ -604,11 +661,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       def _(warp):
         @pl.when(warp == 0)
         def _():
-          for_each_tile(produce_tile, 0)
+          for_each_tile(produce_tile, 0, sched_ref, counts_ref)
 
         @pl.when(warp == 1)
         def _():
-          for_each_tile(prefetch_q_tile, 0)
+          for_each_tile(prefetch_q_tile, 0, sched_ref, counts_ref)
 
   def entry(*refs):
     m_buf = layout.m if f.return_residuals else None
@@ -632,17 +689,20 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     )
 
   def kernel_body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
-                  out_ref, *residual_refs):
+                  sched_ref, counts_ref, out_ref, *residual_refs):
     m_ref, l_ref = residual_refs if residual_refs else (None, None)
     entry(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
-          out_ref, m_ref, l_ref)
+          sched_ref, counts_ref, out_ref, m_ref, l_ref)
 
-  out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim_out), dtype)]
+  out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
   if f.return_residuals:
-    out_type += [jax.ShapeDtypeStruct((batch, num_heads, t_pad), jnp.float32)] * 2
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2
   if config.persistent:
     grid = (min(num_sms, batch * num_heads * num_tiles),)
     grid_names = ("sm",)
+  elif order is not None:
+    grid = (order.total,)
+    grid_names = ("tiles",)
   else:
     grid = (num_heads, num_tiles, batch)
     grid_names = ("heads", "q_tiles", "batch")
@@ -655,7 +715,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           approx_math=True, unsafe_no_auto_barriers=True),
-  )(q, k, v, bias, mask, k_start, k_end, k_range_tiles)
+  )(q, k, v, bias, mask, k_start, k_end, k_range_tiles, *schedule_tables)
   if f.return_residuals:
     out, m, l = results
     return out, (m, l)

@@ -1,7 +1,7 @@
 """Which tiling to run: the default config and the autotuner's candidates.
 
 One predicate decides both, as in the seed: does the shared-memory plan fit,
-``plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES``.  Nothing is
+``plan.config_fits(problem, config)``.  Nothing is
 compiled or measured here; the estimate is computed from the scratch layout the
 kernel allocates, so a config these functions emit is one the kernel can
 allocate.
@@ -14,15 +14,11 @@ import dataclasses
 import numpy as np
 
 from kernel import plan
-from kernel.config import Config, SMEM_LIMIT_BYTES
+from kernel.config import Config
 
 BLOCK_Q_CANDIDATES = (64, 128)
 BLOCK_KV_CANDIDATES = (64, 128, 256)
 NUM_STAGES_CANDIDATES = (2, 3, 4)
-
-
-def _fits(problem: plan.Problem, config: Config) -> bool:
-  return plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
 
 
 def _next_pow2(n: int) -> int:
@@ -44,14 +40,14 @@ def get_heuristics_config(problem: plan.Problem) -> Config:
                    lambda c: dataclasses.replace(c, block_kv=64),
                    lambda c: dataclasses.replace(c, persistent=False)):
     config = fallback(config)
-    if _fits(problem, config):
+    if plan.config_fits(problem, config):
       return config
     tried.append((config, plan.estimate_smem_bytes(problem, config)))
   config, est = tried[-1]
   raise ValueError(
       f"no heuristic config fits in shared memory: the last fallback {config} "
       f"needs an estimated {est} bytes ({est / 1024:.1f} KiB), the limit is "
-      f"{SMEM_LIMIT_BYTES} bytes, for head_dim={problem.head_dim}, "
+      f"{plan.SMEM_LIMIT_BYTES} bytes, for head_dim={problem.head_dim}, "
       f"head_dim_out={problem.head_dim_out}, "
       f"dtype={np.dtype(problem.dtype).name}"
       f"{', staged bias' if problem.bias_2d else ''}"
@@ -64,12 +60,15 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   block_q 128 only when the query length rounds up past 128; block_kv 128/256
   only when the key length rounds up to at least that; a non-persistent block
   with more stages than key blocks would only hold empty slots, so it is
-  skipped.  Every survivor fits in shared memory.
+  skipped.  Under a causal mask, where tiles do unequal work, each config
+  also comes with the longest-first schedule (kernel/schedule.py).  Every
+  survivor fits in shared memory.
   """
   block_qs = tuple(b for b in BLOCK_Q_CANDIDATES
                    if b == 64 or _next_pow2(problem.seq_q) > 128)
   block_kvs = tuple(b for b in BLOCK_KV_CANDIDATES
                     if b == 64 or b <= _next_pow2(problem.seq_kv))
+  schedules = ("round-robin", "longest-first") if problem.is_causal else ("round-robin",)
   configs = []
   for block_q in block_qs:
     for block_kv in block_kvs:
@@ -77,8 +76,9 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
         for num_stages in NUM_STAGES_CANDIDATES:
           if not persistent and num_stages > problem.num_kv_blocks(block_kv):
             continue
-          config = Config(block_q=block_q, block_kv=block_kv,
-                          num_stages=num_stages, persistent=persistent)
-          if _fits(problem, config):
-            configs.append(config)
+          for schedule in schedules:
+            config = Config(block_q=block_q, block_kv=block_kv, num_stages=num_stages,
+                            persistent=persistent, schedule=schedule)
+            if plan.config_fits(problem, config):
+              configs.append(config)
   return tuple(configs)

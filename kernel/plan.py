@@ -217,9 +217,24 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   return total
 
 
+def fits_in_smem(nbytes: int) -> bool:
+  """The one fit predicate, for every launch of both passes: a block may use
+  all of the SMEM_LIMIT_BYTES the hardware gives it, so the boundary is
+  inclusive.  (Every estimate is an SMEM_ALIGNMENT multiple plus 8 bytes per
+  mbarrier, so no plan lands exactly on the limit.)"""
+  return nbytes <= SMEM_LIMIT_BYTES
+
+
+def config_fits(problem: Problem, config: Config) -> bool:
+  """Whether the forward's scratch for ``config`` fits: what the heuristics
+  filter by, what the autotune cache's entries are re-checked with."""
+  return fits_in_smem(estimate_smem_bytes(problem, config))
+
+
 def check_fits(problem: Problem, config: Config) -> int:
+  """:func:`config_fits` as a ValueError naming the estimate; returns it."""
   est = estimate_smem_bytes(problem, config)
-  if est > SMEM_LIMIT_BYTES:
+  if not fits_in_smem(est):
     raise ValueError(
         f"config {config} needs an estimated {est} bytes of shared memory "
         f"({est / 1024:.1f} KiB) for head_dim={problem.head_dim}, "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
 
 import numpy as np
 import pytest
 
+from harness import autotune as tuner
 from kernel import autotune, heuristics, plan
 from kernel.config import Config
 
@@ -26,7 +29,7 @@ def test_record_then_lookup_round_trips(tmp_path):
   cache = tmp_path / "cache.json"
   assert autotune.lookup(PROBLEM, "NVIDIA H200", path=cache) is None
   best = Config(64, 128, 2, persistent=True)
-  autotune.record(PROBLEM, "NVIDIA H200", best, {str(best): 0.9}, path=cache)
+  tuner.record(PROBLEM, "NVIDIA H200", best, {str(best): 0.9}, path=cache)
   assert autotune.lookup(PROBLEM, "NVIDIA H200", path=cache) == best
   assert autotune.lookup(PROBLEM, "NVIDIA H100", path=cache) is None
   assert autotune.lookup(PROBLEM, "NVIDIA H200", path=cache, has_mask=True) is None
@@ -35,7 +38,7 @@ def test_record_then_lookup_round_trips(tmp_path):
 def test_a_cached_config_that_no_longer_fits_is_ignored(tmp_path):
   cache = tmp_path / "cache.json"
   big = dataclasses.replace(PROBLEM, head_dim=256, head_dim_out=256)
-  autotune.record(big, "NVIDIA H200", Config(128, 256, 4, persistent=True), {}, path=cache)
+  tuner.record(big, "NVIDIA H200", Config(128, 256, 4, persistent=True), {}, path=cache)
   assert autotune.lookup(big, "NVIDIA H200", path=cache) is None
 
 
@@ -49,7 +52,7 @@ def test_tune_keeps_the_fastest_and_skips_candidates_that_fail():
       raise RuntimeError("does not compile")
     return 1.0 if config == target else 2.0 + candidates.index(config)
 
-  best, timings = autotune.tune(PROBLEM, run)
+  best, timings = tuner.tune(PROBLEM, run)
   assert best == target
   assert isinstance(timings[str(candidates[0])], str)
 
@@ -62,15 +65,30 @@ def test_choose_falls_back_to_the_heuristic():
 def test_the_shipped_cache_is_well_formed():
   """The cache produced on the H200 ships with the package; every entry is a
   legal config and the fastest of the timings recorded with it (python -m
-  kernel.autotune regenerates it)."""
+  harness autotune regenerates it)."""
   assert autotune.CACHE_PATH.exists(), "kernel/autotune_cache.json is missing"
   data = autotune.load_cache()
   assert data.get("NVIDIA H200"), "the shipped cache has no H200 entries"
   for device, entries in data.items():
     for sig, entry in entries.items():
       best = Config(**entry["config"])  # validates
-      timed = {c: t for c, t in entry["median_ms"].items() if isinstance(t, float)}
-      assert timed[str(best)] == min(timed.values()), (device, sig)
+      timed = {_config_of(c): t for c, t in entry["median_ms"].items() if isinstance(t, float)}
+      assert timed[best] == min(timed.values()), (device, sig)
+
+
+def _config_of(text: str) -> Config:
+  """The Config a timing key names.  Keys are ``str(config)`` when it was
+  tuned; a field added to Config since then takes its default."""
+  fields = re.fullmatch(r"Config\((.*)\)", text).group(1)
+  return Config(**{k: ast.literal_eval(v) for k, v in
+                   (item.split("=", 1) for item in fields.split(", "))})
+
+
+def test_a_timing_key_reads_back_as_its_config():
+  config = Config(128, 64, 3, persistent=True)
+  assert _config_of(str(config)) == config
+  assert _config_of("Config(block_q=64, block_kv=128, num_stages=2, persistent=False)") == \
+      Config(64, 128, 2, persistent=False)
 
 
 def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch):
@@ -86,7 +104,7 @@ def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch)
   problem = autotune.selection_problem(plan.problem_for(q.shape, kv.shape, kv.shape, q.dtype))
   tuned = Config(64, 64, 3, persistent=False)
   assert tuned != heuristics.get_heuristics_config(problem)
-  autotune.record(problem, "NVIDIA H200", tuned, {str(tuned): 0.1})
+  tuner.record(problem, "NVIDIA H200", tuned, {str(tuned): 0.1})
   assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H200") == tuned
   assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H100") == \
       heuristics.get_heuristics_config(problem)

@@ -125,15 +125,17 @@ _NAMED = [(n, kw, c) for n, kw, c in fixed_cases()]
 
 
 @pytest.mark.parametrize("name,kwargs,cfg", _NAMED, ids=[n for n, _, _ in _NAMED])
-@pytest.mark.parametrize("persistent", [None, False, True], ids=["heuristic", "nonpersistent", "persistent"])
-def test_named_cases(name, kwargs, cfg, persistent):
+@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
+                                                 (True, "round-robin"), (True, "longest-first")],
+                         ids=["heuristic", "nonpersistent", "persistent", "persistent-lf"])
+def test_named_cases(name, kwargs, cfg, persistent, schedule):
   """The named ragged/feature cases of harness.device_check, every schedule."""
   from harness.conformance import random_case
   fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
   if persistent is not None:
     base = cfg or heuristics.get_heuristics_config(problem_of(fc))
-    cfg = dataclasses.replace(base, persistent=persistent)
-    if plan.estimate_smem_bytes(problem_of(fc), cfg) > plan.SMEM_LIMIT_BYTES:
+    cfg = dataclasses.replace(base, persistent=persistent, schedule=schedule)
+    if not plan.config_fits(problem_of(fc), cfg):
       pytest.skip(f"{cfg} does not fit for this case")
   out, m, l = run_kernel(fc, config=cfg)
   report = check_forward(fc, out, m, l)

@@ -125,8 +125,8 @@ def test_the_golden_steps_counts_come_from_the_golden_tools_own_summary(tmp_path
 
 
 def _collect(tmp_path, marker):
-  """pytest --collect-only over properties/ with z3 made unimportable (the
-  lent GPU machines have none)."""
+  """pytest --collect-only over properties/ with z3 made unimportable (GPU
+  machines without z3-solver)."""
   import os
   import subprocess
   import sys

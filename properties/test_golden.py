@@ -4,7 +4,8 @@ The stand-in returns the float64 reference rounded to the kernel's storage
 dtypes, so every classification (identical, reordered, drift, regression,
 missing) and
 the update's refusal to store a wrong golden can be exercised without a GPU.
-The real goldens are generated on the H200 (see ci/results/).
+The real goldens are generated on the H200 (`python -m harness golden update`,
+run by ci/device/produce.sh).
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ def problems(draw) -> plan.Problem:
   )
 
 
-def _fits(problem, config):
-  return plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
+_fits = plan.config_fits
 
 
 def _problem(head_dim=128, *, is_causal=False, bias_2d=False, mask_2d=False,
@@ -63,7 +62,7 @@ def test_heuristic_config_is_the_first_fallback_that_fits(problem):
     return
   config = heuristics.get_heuristics_config(problem)
   assert config == fitting[0]
-  assert plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
+  assert plan.config_fits(problem, config)
 
 
 def test_head_dim_256_falls_back_to_non_persistent():
@@ -93,7 +92,8 @@ def _next_pow2(n):
 
 @hypothesis.given(problems())
 def test_autotuning_candidates_are_the_seeds_enumeration(problem):
-  """Exactly the seed's grid, filtered by stage count and the estimate, each once."""
+  """Exactly the seed's grid, filtered by stage count and the estimate, each
+  once; under causal each also with the longest-first schedule."""
   configs = heuristics.get_autotuning_configs(problem)
   assert configs == heuristics.get_autotuning_configs(problem)  # deterministic
   assert len(set(configs)) == len(configs)
@@ -106,12 +106,13 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
       continue
     if not persistent and stages > -(-problem.seq_kv // bkv):
       continue
-    config = Config(bq, bkv, stages, persistent)
-    if _fits(problem, config):
-      expected.add(config)
+    for schedule in ("round-robin", "longest-first") if problem.is_causal else ("round-robin",):
+      config = Config(bq, bkv, stages, persistent, schedule)
+      if _fits(problem, config):
+        expected.add(config)
   assert set(configs) == expected
   for config in configs:
-    assert plan.estimate_smem_bytes(problem, config) < SMEM_LIMIT_BYTES
+    assert plan.config_fits(problem, config)
 
 
 def test_autotuning_short_sequences():
@@ -131,3 +132,39 @@ def test_autotuning_long_sequences_offer_everything_that_fits():
   assert {c.block_kv for c in configs} == {64, 128, 256}
   assert {c.num_stages for c in configs} == {2, 3, 4}
   assert {c.persistent for c in configs} == {False, True}
+
+
+def test_the_fit_boundary_is_inclusive_and_in_one_place():
+  """A plan may use the whole 227 KiB; one byte more does not fit."""
+  assert plan.fits_in_smem(SMEM_LIMIT_BYTES)
+  assert not plan.fits_in_smem(SMEM_LIMIT_BYTES + 1)
+
+
+@hypothesis.given(problems(), st.sampled_from(list(itertools.product(
+    (64, 128), (64, 128, 256), (2, 3, 4), (False, True)))))
+def test_no_forward_plan_lands_on_the_limit(problem, blocks):
+  """The boundary's direction decides nothing: an estimate is an alignment
+  multiple plus 8 bytes per mbarrier, never exactly the limit."""
+  config = Config(*blocks)
+  est = plan.estimate_smem_bytes(problem, config)
+  hypothesis.note(f"estimate {est}")
+  assert est != SMEM_LIMIT_BYTES
+  assert est % plan.SMEM_ALIGNMENT != 0
+
+
+def test_heuristics_cache_and_validation_share_the_limit(monkeypatch, tmp_path):
+  """Lowering the one limit moves the heuristic, the cache check and the
+  validation together (none of them keeps its own comparison)."""
+  from harness import autotune as tuner
+  from kernel import autotune
+  problem = _problem(128)
+  default = heuristics.get_heuristics_config(problem)
+  cache = tmp_path / "cache.json"
+  tuner.record(problem, "NVIDIA H200", default, {}, path=cache)
+  assert autotune.lookup(problem, "NVIDIA H200", path=cache) == default
+  monkeypatch.setattr(plan, "SMEM_LIMIT_BYTES", plan.estimate_smem_bytes(problem, default) - 1)
+  assert heuristics.get_heuristics_config(problem) != default
+  assert default not in heuristics.get_autotuning_configs(problem)
+  assert autotune.lookup(problem, "NVIDIA H200", path=cache) is None
+  with pytest.raises(ValueError, match="estimated"):
+    plan.check_fits(problem, default)

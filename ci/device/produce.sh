@@ -15,7 +15,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
   echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; }
 
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD 2>/dev/null; } > "$out/device.txt" 2>&1
-step autotune 270 "$py" -m kernel.autotune --shapes "$shapes" --report "$out/autotune-report.json"
+step autotune 270 "$py" -m harness autotune --shapes "$shapes" --report "$out/autotune-report.json"
 cp kernel/autotune_cache.json "$out/" 2>/dev/null
 step golden-update 100 "$py" -m harness golden update
 tar -cf "$out/golden.tar" golden

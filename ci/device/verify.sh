@@ -6,12 +6,11 @@
 # "gpu-gate" runs only the gate's GPU steps (gpu-properties, golden; ~4.5 of
 # the gate's 8 minutes): for when the CPU steps passed on the same commit
 # elsewhere (`bash ci/tox.sh -e gate` here) and device time is short.
-# One device call runs at most 10 minutes: "all" fits only when the gate
-# takes under ~7 (it took 8 in session 5); run "gate" and "bench" as two
-# calls, back to back while the machine is still warm.
-# z3-solver, missing on the lent machines, is installed from .whl/ when that
-# folder was carried (see the device notes); otherwise the gate's proof step
-# fails and says why.  Each step has its own time limit.
+# "all" takes the gate's 6.5 to 8 minutes (H200, 2026-11-30) plus the
+# benchmarks; where one command may run only 10 minutes, run "gate" and
+# "bench" as two commands, back to back while the machine is still warm.
+# z3-solver, where the machine has none, is installed from .whl/ when that
+# folder is present; otherwise the gate's proof step fails and says why.  Each step has its own time limit.
 set -uo pipefail
 dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|bench]}"
 part="${2:-all}"
@@ -36,8 +35,8 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
 
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; } > "$out/device.txt" 2>&1
 if [ "$part" = all ] || [ "$part" = gate ]; then
-  # 386 s in session 4, 480 s in session 5 (slower GPU properties): the
-  # limit leaves room, inside one device call's 600 s, for little else.
+  # The gate took 386 to 480 s on the H200 (2026-11-30; the GPU properties
+  # vary most): 570 s leaves room for that spread inside a 600 s command.
   step gate 570 "$py" -m harness gate --results "$out/gate" -- -rs
 fi
 if [ "$part" = gpu-gate ]; then

@@ -1,0 +1,334 @@
+"""The whole performance grid in one process: ``python -m harness bench --grid``.
+
+Forward (and with ``--backward``, forward + backward) TFLOP/s of this kernel
+beside cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``) and
+JAX's example Mosaic GPU kernel (``jax.experimental.pallas.ops.gpu.
+attention_mgpu``), interleaved per grid point in one process (the method of
+``harness/bench.py``: random normal inputs rotated over several sets,
+warm-up excluded, medians of interleaved trials).
+
+The grid: head dims 64 / 128 / 256 with 32 / 16 / 8 query heads, 16k tokens
+per batch (B = 16384 // seq), causal and not, at seq 1k, 2k, 4k, 8k, 16k
+(forward) or 1k, 4k, 16k (backward), plus ragged lengths that are no multiple
+of any block size (1000, 3000, 12017).  ``--gqa G`` gives every point G query
+heads per kv head.  Results go to ``OUT/performance.json``, a Markdown table
+with the ratios (``OUT/performance.md``) and a grouped-bar plot
+(``OUT/performance.png``), each naming the device, the jax version and the
+commit; the committed ``docs/performance.*`` are written by this command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+HEADS_FOR_DIM = {64: 32, 128: 16, 256: 8}
+FORWARD_SEQS = (1024, 2048, 4096, 8192, 16384)
+BACKWARD_SEQS = (1024, 4096, 16384)
+RAGGED_SEQS = (1000, 3000, 12017)
+TOKENS = 16384
+BACKWARD_FLOP_FACTOR = 3.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  head_dim: int
+  seq: int
+  causal: bool
+  kv_heads_ratio: int = 1   # query heads per kv head (GQA)
+
+  @property
+  def heads(self) -> int:
+    return HEADS_FOR_DIM[self.head_dim]
+
+  @property
+  def kv_heads(self) -> int:
+    return self.heads // self.kv_heads_ratio
+
+  @property
+  def batch(self) -> int:
+    return max(1, TOKENS // self.seq)
+
+  def flops(self, backward: bool) -> float:
+    f = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+    f = f / 2 if self.causal else f
+    return f * (BACKWARD_FLOP_FACTOR if backward else 1.0)
+
+  def label(self) -> str:
+    return (f"d{self.head_dim} {'causal ' if self.causal else ''}{self.seq}"
+            f"{f' gqa{self.kv_heads_ratio}' if self.kv_heads_ratio > 1 else ''}")
+
+
+def grid_points(*, backward: bool, ragged: bool = True, gqa: int = 1,
+                head_dims=(64, 128, 256)) -> list[Point]:
+  seqs = BACKWARD_SEQS if backward else FORWARD_SEQS
+  seqs = seqs + (RAGGED_SEQS if ragged else ())
+  return [Point(d, s, c, gqa) for d in head_dims for c in (False, True) for s in seqs]
+
+
+def parse_variant(text: str):
+  """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr]``:
+  p persistent, lf / rr the longest-first / round-robin schedule."""
+  from kernel.config import Config
+  if text == "auto":
+    return None
+  bq, bkv, st, *flags = text.split(",")
+  unknown = set(flags) - {"p", "lf", "rr"}
+  if unknown:
+    raise ValueError(f"--variants: unknown flag(s) {sorted(unknown)} in {text!r}")
+  return Config(int(bq), int(bkv), int(st), persistent="p" in flags,
+                schedule="longest-first" if "lf" in flags else "round-robin")
+
+
+def _inputs(point: Point, dtype, sets: int, backward: bool):
+  import jax
+  import jax.numpy as jnp
+  out = []
+  for i in range(sets):
+    kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(1000 + i), 4)
+    q = jax.random.normal(kq, (point.batch, point.seq, point.heads, point.head_dim),
+                          jnp.float32).astype(dtype)
+    kshape = (point.batch, point.seq, point.kv_heads, point.head_dim)
+    k = jax.random.normal(kk, kshape, jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, kshape, jnp.float32).astype(dtype)
+    extra = (jax.random.normal(kd, q.shape, jnp.float32).astype(dtype),) if backward else ()
+    out.append((q, k, v) + extra)
+  return out
+
+
+def implementations(point: Point, variants, *, backward: bool) -> dict:
+  """name -> jitted function of (q, k, v[, d_out]) for one grid point."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+
+  def with_grad(attention):
+    if not backward:
+      return attention
+
+    def grads(q, k, v, d_out):
+      out, pullback = jax.vjp(attention, q, k, v)
+      return pullback(d_out)
+    return grads
+
+  fns = {}
+  for text in variants:
+    config = parse_variant(text)
+    fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
+        lambda q, k, v, config: api.dot_product_attention(q, k, v, is_causal=point.causal,
+                                                          config=config), config=config)))
+  fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=point.causal, implementation="cudnn")))
+  example = _example_kernel(point)
+  if example is not None:
+    fns["jax example"] = jax.jit(with_grad(example))
+  return fns
+
+
+def _example_kernel(point: Point):
+  """JAX's example Mosaic GPU attention at its own tuning (block_q 64,
+  block_kv 128, or 64 at head dim 256; 2 stages), or None where it does not
+  apply (key lengths that are no multiple of its block)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as example
+  block_kv = 64 if point.head_dim == 256 else 128
+  if point.seq % block_kv:
+    return None
+  config = example.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2,
+                                causal=point.causal)
+  return lambda q, k, v: example.attention(q, k, v, config)
+
+
+def time_interleaved(fns: dict, input_sets, *, target_s: float = 0.02, trials: int = 7,
+                     warmup: int = 2) -> dict:
+  """Median seconds per call, trials interleaved across functions; each
+  trial a burst sized to about ``target_s`` so that host dispatch hides
+  behind device work at every size.  A function that fails is reported
+  by its error instead."""
+  import jax
+  times, errors, bursts = {}, {}, {}
+  for name, fn in fns.items():
+    try:
+      for i in range(warmup):
+        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*input_sets[0]))
+      once = max(time.perf_counter() - start, 1e-5)
+      bursts[name] = max(3, min(60, int(target_s / once)))
+    except Exception as err:  # noqa: BLE001  (a variant that cannot run is a table entry)
+      errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+  samples = {name: [] for name in bursts}
+  for t in range(trials):
+    for name in bursts:
+      fn, burst = fns[name], bursts[name]
+      start = time.perf_counter()
+      for j in range(burst):
+        r = fn(*input_sets[(t * burst + j) % len(input_sets)])
+      jax.block_until_ready(r)
+      samples[name].append((time.perf_counter() - start) / burst)
+  times = {name: statistics.median(v) for name, v in samples.items()}
+  return times, errors
+
+
+def run_grid(points, variants, *, backward: bool, dtype="bfloat16", sets: int = 3,
+             log=print) -> list[dict]:
+  import jax.numpy as jnp
+  rows = []
+  for point in points:
+    fns = implementations(point, variants, backward=backward)
+    inputs = _inputs(point, jnp.dtype(dtype), sets, backward)
+    times, errors = time_interleaved(fns, inputs)
+    row = dict(dataclasses.asdict(point), heads=point.heads, kv_heads=point.kv_heads,
+               batch=point.batch, dtype=dtype,
+               pass_="forward+backward" if backward else "forward", results={})
+    for name in fns:
+      if name in times:
+        row["results"][name] = dict(ms=times[name] * 1e3,
+                                    tflops=point.flops(backward) / times[name] / 1e12)
+      else:
+        row["results"][name] = dict(error=errors.get(name, "not timed"))
+    rows.append(row)
+    log(render_rows([row], header=not rows[:-1]), flush=True)
+  return rows
+
+
+def _cell(result: dict | None) -> str:
+  if not result:
+    return "-"
+  return f"{result['tflops']:.1f}" if "tflops" in result else "error"
+
+
+def render_rows(rows: list[dict], header: bool = True) -> str:
+  """Markdown: one line per point, TFLOP/s per implementation and each of
+  ours over cuDNN."""
+  names = []
+  for r in rows:
+    names += [n for n in r["results"] if n not in names]
+  ours = [n for n in names if n.startswith("ours")]
+  lines = []
+  if header:
+    cols = names + [f"{n} / cudnn" for n in ours]
+    lines += ["| pass | D | seq | causal | B | N/K | " + " | ".join(cols) + " |",
+              "|---|---|---|---|---|---|" + "---|" * len(cols)]
+  for r in rows:
+    res = r["results"]
+    cudnn = res.get("cudnn", {}).get("tflops")
+    ratios = []
+    for n in ours:
+      t = res.get(n, {}).get("tflops")
+      ratios.append(f"{t / cudnn:.2f}" if t and cudnn else "-")
+    lines.append(f"| {r['pass_']} | {r['head_dim']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | "
+                 f"{r['batch']} | {r['heads']}/{r['kv_heads']} | "
+                 + " | ".join(_cell(res.get(n)) for n in names) + " | " + " | ".join(ratios) + " |")
+  return "\n".join(lines)
+
+
+def summary(rows: list[dict], name: str) -> dict:
+  """The worst and median ratio of implementation ``name`` over cuDNN."""
+  ratios = []
+  for r in rows:
+    ours, cudnn = r["results"].get(name, {}), r["results"].get("cudnn", {})
+    if "tflops" in ours and "tflops" in cudnn:
+      ratios.append((ours["tflops"] / cudnn["tflops"], r))
+  if not ratios:
+    return {}
+  worst, at = min(ratios, key=lambda x: x[0])
+  return dict(points=len(ratios), worst=worst, worst_at=Point(
+      at["head_dim"], at["seq"], at["causal"], at["kv_heads_ratio"]).label() + f" ({at['pass_']})",
+      median=statistics.median(x for x, _ in ratios),
+      at_least_1=sum(x >= 1.0 for x, _ in ratios))
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+  """Grouped bars, one panel per (pass, head dim, causal), one group per
+  sequence length, one bar per implementation.  False if matplotlib is
+  missing (the JSON and Markdown are still written)."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  panels = sorted({(r["pass_"], r["head_dim"], r["causal"]) for r in rows})
+  names = []
+  for r in rows:
+    names += [n for n in r["results"] if n not in names]
+  cols = 2
+  nrows = -(-len(panels) // cols)
+  fig, axes = plt.subplots(nrows, cols, figsize=(7 * cols, 3.2 * nrows), squeeze=False)
+  for ax, (pass_, d, causal) in zip(axes.flat, panels):
+    sub = [r for r in rows if (r["pass_"], r["head_dim"], r["causal"]) == (pass_, d, causal)]
+    sub.sort(key=lambda r: r["seq"])
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+      vals = [r["results"].get(n, {}).get("tflops", 0.0) for r in sub]
+      xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(sub))]
+      bars = ax.bar(xs, vals, width, label=n)
+      for x, v in zip(xs, vals):
+        if v:
+          ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.set_xticks(range(len(sub)), [str(r["seq"]) for r in sub])
+    ax.set_title(f"{pass_}, head dim {d}{', causal' if causal else ''}", fontsize=9)
+    ax.set_ylabel("TFLOP/s")
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
+  axes.flat[0].legend(fontsize=7)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def write(rows: list[dict], out_dir: Path, *, meta: dict) -> None:
+  out_dir.mkdir(parents=True, exist_ok=True)
+  ours = sorted({n for r in rows for n in r["results"] if n.startswith("ours")})
+  (out_dir / "performance.json").write_text(json.dumps(dict(meta, rows=rows), indent=1) + "\n")
+  title = (f"{meta['device']}, jax {meta['jax']}, commit {meta['commit']}, {meta['date']}, "
+           f"{meta['dtype']}, {TOKENS} tokens per batch")
+  lines = ["# Performance", "",
+           f"Generated by `{meta['command']}` on {title}. Do not edit: run the command again.",
+           "", "TFLOP/s; FLOPs = 4·B·N·T·S·D, half when causal, ×3.5 for forward + backward.", ""]
+  for n in ours:
+    s = summary(rows, n)
+    if s:
+      lines.append(f"- **{n}** over cuDNN: worst {s['worst']:.2f} ({s['worst_at']}), median "
+                   f"{s['median']:.2f}, ≥ 1.0 at {s['at_least_1']} of {s['points']} points.")
+  lines += ["", render_rows(rows), ""]
+  if plot(rows, out_dir / "performance.png", title):
+    lines += ["![TFLOP/s per grid point](performance.png)", ""]
+  (out_dir / "performance.md").write_text("\n".join(lines))
+
+
+def main(args) -> int:
+  """Called by ``harness.bench`` for ``--grid``."""
+  import datetime
+  import jax
+  variants = args.variants.split(";")
+  for v in variants:
+    parse_variant(v)  # refuse a bad variant before any compile
+  passes = [False] + ([True] if args.backward else [])
+  if args.forward_only_backward:
+    passes = [True]
+  head_dims = tuple(int(d) for d in args.head_dims.split(","))
+  rows = []
+  for backward in passes:
+    points = grid_points(backward=backward, ragged=not args.no_ragged, gqa=args.gqa,
+                         head_dims=head_dims)
+    if args.causal_only:
+      points = [p for p in points if p.causal]
+    rows += run_grid(points, variants, backward=backward)
+  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+              commit=args.commit or os.environ.get("FLASH_COMMIT", "unknown"),
+              date=datetime.date.today().isoformat(), dtype="bfloat16",
+              command="python -m harness bench " + " ".join(args.raw_argv))
+  if args.out_dir:
+    write(rows, Path(args.out_dir), meta=meta)
+  print()
+  for n in sorted({n for r in rows for n in r["results"] if n.startswith("ours")}):
+    print(n, summary(rows, n))
+  return 0

@@ -225,7 +225,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
       mutant=mutants.check(_mutant),
-      stage_2d=stage_2d)
+      stage_2d=stage_2d,
+      window=routed.window if config.schedule == "longest-first" else None)
   if _backward not in BACKWARDS:
     raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,

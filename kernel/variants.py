@@ -66,6 +66,7 @@ class Routed:
   return_residuals: bool        # this API's (m, l)
   return_residual: bool         # jax.nn's log-sum-exp
   poisoned: Any = None          # (B, T) bool: rows set to NaN (contiguous layout)
+  window: tuple[int, int] | None = None  # (left, right), static: the schedule weighs tiles by it
 
   def finish(self, out, residuals):
     """``out``; ``(out, lse)``; ``(out, (m, l))``; or ``(out, lse, (m, l))``
@@ -206,4 +207,4 @@ def route(query, key, value, bias, mask, k_start, k_end, *, query_seq_lengths=No
   if end is not None:
     k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
   return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,
-                             poisoned=poisoned)
+                             poisoned=poisoned, window=window)

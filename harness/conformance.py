@@ -35,6 +35,11 @@ class ForwardCase:
   logits_soft_cap: float | None = None
   rescale_threshold: float = 1.0
   normalize_output: bool = True
+  # jax.nn's lengths and window, segment ids (harness.reference.VARIANT_ARGS),
+  # given to the reference and the kernel alike; the segment layout is the
+  # kernel's alone.
+  variants: dict = dataclasses.field(default_factory=dict)
+  segment_layout: str = "contiguous"
 
   def describe(self) -> str:
     parts = [f"q{self.query.shape} k{self.key.shape} v{self.value.shape} {self.query.dtype}"]
@@ -44,11 +49,15 @@ class ForwardCase:
         parts.append(f"{name}{np.shape(x)}")
     parts.append(f"scale={self.scale} causal={self.is_causal} cap={self.logits_soft_cap} "
                  f"threshold={self.rescale_threshold} normalize={self.normalize_output}")
+    for name, x in self.variants.items():
+      parts.append(f"{name}={x if np.ndim(x) < 1 or np.size(x) <= 8 else np.shape(x)}")
+    if "q_segment_ids" in self.variants:
+      parts.append(f"segment_layout={self.segment_layout}")
     return " ".join(parts)
 
   def reference_kwargs(self) -> dict:
     return dict(scale=self.scale, is_causal=self.is_causal, k_start=self.k_start,
-                k_end=self.k_end, logits_soft_cap=self.logits_soft_cap)
+                k_end=self.k_end, logits_soft_cap=self.logits_soft_cap, **self.variants)
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -88,7 +97,9 @@ def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2
       k_end=None if case.k_end is None else jnp.asarray(case.k_end),
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
-      config=config, _stage_2d=stage_2d)
+      config=config, _stage_2d=stage_2d, segment_layout=case.segment_layout,
+      **{name: x if name == "local_window_size" else jnp.asarray(x)
+         for name, x in case.variants.items()})
   result = jax.block_until_ready(result)
   if return_residuals:
     out, (m, l) = result

@@ -7,6 +7,10 @@ Semantics (the letters and layout are those of ``kernel/validation.py``)::
   key j takes part in row i iff  mask[b, n, i, j]                (if a mask)
                             and  j <= i                          (if is_causal)
                             and  k_start[b, n, i] <= j < k_end[b, n, i]
+                            and  i < query_seq_lengths[b]        (if given)
+                            and  j < key_value_seq_lengths[b]    (if given)
+                            and  i - left <= j <= i + right      (local_window_size)
+                            and  q_segment_ids[b, i] == kv_segment_ids[b, j]
   m   = max_j s[.., j]                       over the keys that take part
   l   = sum_j exp(s[.., j] - m)              over the keys that take part
   out = sum_j exp(s[.., j] - m) value[b, j, n // G] / l
@@ -14,6 +18,12 @@ Semantics (the letters and layout are those of ``kernel/validation.py``)::
 ``G = N // K`` query heads share a key/value head; ``scale`` defaults to
 ``1 / sqrt(H)``; the causal mask is aligned top-left, as in
 ``jax.nn.dot_product_attention`` (row i sees keys 0..i whatever T and S are).
+The lengths and the window are jax.nn.dot_product_attention's (an int window
+w means (w, w)); the segment ids are packed sequences' (Flax, tokamax).
+They are applied here as the elementwise conditions above, with no key
+ranges, so that the kernel's mapping of them onto key ranges
+(kernel/variants.py) is checked against an independent reading.  A padded
+query row (i >= query_seq_lengths[b]) is a fully masked row.
 
 Residuals: ``m`` and ``l`` have shape (B, N, T). ``m`` is in NATURAL-log space
 (the kernel keeps its running max in base 2 and must divide by log2(e) before
@@ -72,7 +82,14 @@ from kernel.validation import (
   float32,
   float64,
   validate_attention_args,
+  validate_variant_args,
 )
+
+# jax.nn.dot_product_attention's arguments beyond this module's own, and the
+# packed-sequence segment ids: every public function here takes them as
+# keyword arguments and only key_visibility reads them.
+VARIANT_ARGS = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size",
+                "q_segment_ids", "kv_segment_ids")
 
 __all__ = [
   "REFERENCE_DTYPES",
@@ -85,6 +102,7 @@ __all__ = [
   "naive_attention_vjp",
   "key_visibility",
   "reduce_to_shape",
+  "VARIANT_ARGS",
 ]
 
 # The reference also takes float64 inputs (finite differences need them).
@@ -147,9 +165,25 @@ def key_visibility(
   is_causal: bool = False,
   k_start: Any = None,
   k_end: Any = None,
+  query_seq_lengths: Any = None,
+  key_value_seq_lengths: Any = None,
+  local_window_size: Any = None,
+  q_segment_ids: Any = None,
+  kv_segment_ids: Any = None,
 ) -> np.ndarray:
-  """(B, N, T, S) bool: key j takes part in row i (mask, causal, key range)."""
+  """(B, N, T, S) bool: key j takes part in row i (mask, causal, key range,
+  and the VARIANT_ARGS, each straight from its definition):
+
+  * query_seq_lengths (B,): row i takes part only if i < len[b];
+  * key_value_seq_lengths (B,): key j only if j < len[b];
+  * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right;
+  * q_segment_ids (B, T), kv_segment_ids (B, S): q_ids[b, i] == kv_ids[b, j].
+  """
   B, N, T, S = shapes.logits_shape
+  window = validate_variant_args(
+    shapes, query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   visible = np.ones((B, N, T, S), dtype=bool)
   if mask is not None:
     visible &= np.broadcast_to(np.asarray(mask, dtype=bool), visible.shape)
@@ -163,6 +197,20 @@ def key_visibility(
   if k_end is not None:
     end = np.broadcast_to(np.asarray(k_end).astype(np.int64), (B, N, T))
     visible &= j < end[..., None]
+  i = np.arange(T)
+  if query_seq_lengths is not None:
+    q_len = np.asarray(query_seq_lengths).astype(np.int64)
+    visible &= (i[None, :] < q_len[:, None])[:, None, :, None]
+  if key_value_seq_lengths is not None:
+    kv_len = np.asarray(key_value_seq_lengths).astype(np.int64)
+    visible &= (j[None, :] < kv_len[:, None])[:, None, None, :]
+  if window is not None:
+    left, right = window
+    visible &= ((i[:, None] - left <= j[None, :]) & (j[None, :] <= i[:, None] + right))[None, None]
+  if q_segment_ids is not None:
+    q_ids = np.asarray(q_segment_ids).astype(np.int64)
+    kv_ids = np.asarray(kv_segment_ids).astype(np.int64)
+    visible &= (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
   return visible
 
 
@@ -208,7 +256,7 @@ class _Logits:
 
 
 def _logits(query, key, value, bias, mask, *, scale, is_causal, k_start, k_end,
-            logits_soft_cap) -> _Logits:
+            logits_soft_cap, **variants) -> _Logits:
   shapes = validate_attention_args(
     query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
     logits_soft_cap=logits_soft_cap, allowed_dtypes=REFERENCE_DTYPES)
@@ -227,7 +275,7 @@ def _logits(query, key, value, bias, mask, *, scale, is_causal, k_start, k_end,
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     s = u if cap is None else cap * np.tanh(u / cap)
   visible = key_visibility(shapes, mask, is_causal=is_causal, k_start=k_start,
-                           k_end=k_end)
+                           k_end=k_end, **variants)
   return _Logits(shapes, scale, q, k, v, u, s, visible, bias_shape, cap)
 
 
@@ -270,6 +318,7 @@ def attention_reference(
   k_start: Any = None,
   k_end: Any = None,
   logits_soft_cap: float | None = None,
+  **variants: Any,
 ) -> Reference:
   """Attention in float64 with residuals m, l (natural log, (B, N, T)).
 
@@ -277,7 +326,7 @@ def attention_reference(
   See the module docstring for the semantics and the fully masked row contract.
   """
   lg = _logits(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap)
+               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap, **variants)
   with np.errstate(invalid="ignore", over="ignore"):
     logits = np.where(lg.visible, lg.s, -np.inf)
     m = logits.max(axis=-1)  # NaN propagates through max
@@ -348,6 +397,7 @@ def backward_from_residuals(
   k_start: Any = None,
   k_end: Any = None,
   logits_soft_cap: float | None = None,
+  **variants: Any,
 ) -> Gradients:
   """Float64 gradients of sum(out * d_out) recomputed from GIVEN residuals.
 
@@ -357,7 +407,7 @@ def backward_from_residuals(
   residuals (e.g. m left in base 2) give wrong gradients.
   """
   lg = _logits(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap)
+               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap, **variants)
   return _backward(lg, out, m, l, d_out)
 
 
@@ -374,6 +424,7 @@ def attention_reference_vjp(
   k_start: Any = None,
   k_end: Any = None,
   logits_soft_cap: float | None = None,
+  **variants: Any,
 ) -> Gradients:
   """Float64 gradients of sum(out * d_out) w.r.t. query, key, value and bias.
 
@@ -382,7 +433,7 @@ def attention_reference_vjp(
   applied to the reference's own residuals.
   """
   kw = dict(scale=scale, is_causal=is_causal, k_start=k_start, k_end=k_end,
-            logits_soft_cap=logits_soft_cap)
+            logits_soft_cap=logits_soft_cap, **variants)
   ref = attention_reference(query, key, value, bias, mask, **kw)
   lg = _logits(query, key, value, bias, mask, **kw)
   return _backward(lg, ref.out, ref.m, ref.l, d_out)
@@ -423,7 +474,7 @@ class _NaiveForward:
 
 
 def _naive_forward(query, key, value, bias, mask, *, dtype, scale, is_causal,
-                   k_start, k_end, logits_soft_cap) -> _NaiveForward:
+                   k_start, k_end, logits_soft_cap, **variants) -> _NaiveForward:
   shapes = validate_attention_args(
     query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
     logits_soft_cap=logits_soft_cap, allowed_dtypes=REFERENCE_DTYPES)
@@ -448,7 +499,7 @@ def _naive_forward(query, key, value, bias, mask, *, dtype, scale, is_causal,
       t = r(np.tanh(r(u / cap)))
       s = r(cap * t)
     visible = key_visibility(shapes, mask, is_causal=is_causal,
-                             k_start=k_start, k_end=k_end)
+                             k_start=k_start, k_end=k_end, **variants)
     s = np.where(visible, s, -np.inf).astype(np.float32)
     m = s.max(axis=-1)
     empty = m == -np.inf
@@ -475,6 +526,7 @@ def naive_attention(
   k_start: Any = None,
   k_end: Any = None,
   logits_soft_cap: float | None = None,
+  **variants: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The textbook computation in ``dtype``: (out (B,T,N,Hv), m, l (B,N,T)), float64.
 
@@ -486,7 +538,7 @@ def naive_attention(
   """
   f = _naive_forward(query, key, value, bias, mask, dtype=dtype, scale=scale,
                      is_causal=is_causal, k_start=k_start, k_end=k_end,
-                     logits_soft_cap=logits_soft_cap)
+                     logits_soft_cap=logits_soft_cap, **variants)
   return (_heads_first(f.out).astype(np.float64), f.m.astype(np.float64),
           f.l.astype(np.float64))
 
@@ -505,6 +557,7 @@ def naive_attention_vjp(
   k_start: Any = None,
   k_end: Any = None,
   logits_soft_cap: float | None = None,
+  **variants: Any,
 ) -> Gradients:
   """Textbook backward in ``dtype`` (every op rounded), returned in float64.
 
@@ -512,7 +565,7 @@ def naive_attention_vjp(
   """
   f = _naive_forward(query, key, value, bias, mask, dtype=dtype, scale=scale,
                      is_causal=is_causal, k_start=k_start, k_end=k_end,
-                     logits_soft_cap=logits_soft_cap)
+                     logits_soft_cap=logits_soft_cap, **variants)
   r = _rounder(dtype)
   sh = f.shapes
   g = sh.group_size
@@ -551,6 +604,7 @@ def naive_gradient_yardstick(
   k_start: Any = None,
   k_end: Any = None,
   logits_soft_cap: float | None = None,
+  **variants: Any,
 ) -> dict[str, np.ndarray]:
   """The tolerance rule's "naive" gradients for a backward fed with stored
   residuals, per gradient name: the worse (against float64) of
@@ -564,7 +618,7 @@ def naive_gradient_yardstick(
   Either alone was seen to be a few float32 ulps too tight in rare cases.
   """
   kw = dict(scale=scale, is_causal=is_causal, k_start=k_start, k_end=k_end,
-            logits_soft_cap=logits_soft_cap)
+            logits_soft_cap=logits_soft_cap, **variants)
   want = attention_reference_vjp(query, key, value, bias, mask, d_out, **kw)
   out, m, l = naive_attention(query, key, value, bias, mask, dtype=dtype, **kw)
   fed = backward_from_residuals(query, key, value, bias, mask, out, m, l, d_out, **kw)

@@ -8,7 +8,11 @@ Small composable strategies, each named for what it draws:
   :func:`block_kvs`;
 * :func:`masks`, :func:`biases`, :func:`key_ranges` for a given shape, in every
   broadcast shape (B|1, N|1, T|1, S|1);
-* :func:`attention_cases` -- a whole call as an :class:`AttentionCase`.
+* :func:`attention_cases` -- a whole call as an :class:`AttentionCase`;
+* :func:`seq_lengths`, :func:`local_windows`, :func:`segment_specs`,
+  :func:`variant_specs` -- jax.nn.dot_product_attention's lengths and
+  windows and packed-sequence segment ids (:class:`VariantSpec`);
+  :func:`variant_cases` -- a whole call with them.
 
 Array contents are never drawn element by element: a case draws a seed and
 builds its arrays from ``numpy.random.default_rng(seed)`` (normal values, so
@@ -57,6 +61,13 @@ __all__ = [
   "key_range_specs",
   "key_ranges",
   "attention_cases",
+  "SegmentSpec",
+  "VariantSpec",
+  "seq_lengths",
+  "local_windows",
+  "segment_specs",
+  "variant_specs",
+  "variant_cases",
 ]
 
 # Lengths that are not multiples of 64/128 on purpose, plus the edges.
@@ -297,6 +308,7 @@ class CaseSpec:
   bias: BiasSpec | None = None
   key_range: KeyRangeSpec | None = None
   input_std: float = 1.0
+  variants: "VariantSpec | None" = None
 
 
 class AttentionCase:
@@ -324,6 +336,9 @@ class AttentionCase:
     self.mask = None if spec.mask is None else spec.mask.build()
     self.k_start, self.k_end = (None, None) if spec.key_range is None \
       else spec.key_range.build()
+    self.variant_kwargs = {} if spec.variants is None else spec.variants.build()
+    self.segment_layout = "contiguous" if spec.variants is None \
+      else spec.variants.segment_layout
 
   @property
   def shapes(self) -> AttentionShapes:
@@ -339,7 +354,7 @@ class AttentionCase:
     """Keyword arguments shared by the reference, the model and the kernel."""
     return dict(scale=self.spec.scale, is_causal=self.spec.is_causal,
                 k_start=self.k_start, k_end=self.k_end,
-                logits_soft_cap=self.spec.logits_soft_cap)
+                logits_soft_cap=self.spec.logits_soft_cap, **self.variant_kwargs)
 
   @property
   def rtol(self) -> float:
@@ -358,6 +373,8 @@ class AttentionCase:
       f"bias={None if s.bias is None else s.bias.shape}",
       f"key_range={None if s.key_range is None else (s.key_range.shape, s.key_range.which)}",
     ]
+    if s.variants is not None:
+      parts.append(f"variants={s.variants!r}")
     return "; ".join(parts)
 
   def __repr__(self) -> str:
@@ -423,6 +440,148 @@ def attention_cases(
                   is_causal=is_causal, logits_soft_cap=cap, mask=mask,
                   bias=bias, key_range=key_range)
   return build_case(spec)
+
+
+# ---------------------------------------------------------------------------
+# jax.nn.dot_product_attention's lengths and windows; packed segments.
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentSpec:
+  """Segment ids as runs: per batch row, ((id, length), ...) for the keys
+  and for the queries (lengths summing to S and T)."""
+
+  kv_runs: tuple[tuple[tuple[int, int], ...], ...]
+  q_runs: tuple[tuple[tuple[int, int], ...], ...]
+
+  def build(self) -> tuple[np.ndarray, np.ndarray]:
+    ids = lambda rows: np.stack([
+      np.concatenate([np.full(n, i, np.int32) for i, n in runs]) for runs in rows])
+    return ids(self.q_runs), ids(self.kv_runs)
+
+  @property
+  def kv_contiguous(self) -> bool:
+    """Each id is one run of the keys (segment_layout="contiguous")."""
+    return all(len({i for i, _ in runs}) == len(runs) for runs in self.kv_runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantSpec:
+  """The lengths, window and segments of a call, as plain values."""
+
+  query_seq_lengths: tuple[int, ...] | None = None
+  key_value_seq_lengths: tuple[int, ...] | None = None
+  local_window_size: int | tuple[int, int] | None = None
+  segments: SegmentSpec | None = None
+  segment_layout: str = "contiguous"
+
+  def build(self) -> dict[str, Any]:
+    """Keyword arguments for the reference and the kernel (segment_layout,
+    the kernel's alone, left out)."""
+    lengths = lambda x: None if x is None else np.asarray(x, np.int32)
+    q_ids, kv_ids = (None, None) if self.segments is None else self.segments.build()
+    kw = dict(query_seq_lengths=lengths(self.query_seq_lengths),
+              key_value_seq_lengths=lengths(self.key_value_seq_lengths),
+              local_window_size=self.local_window_size, q_segment_ids=q_ids,
+              kv_segment_ids=kv_ids)
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+@st.composite
+def seq_lengths(draw, batch: int, length: int) -> tuple[int, ...]:
+  """(B,) lengths of a sequence of ``length``: 0, the full length, ragged,
+  or past the end (jax.nn reads it as the full length)."""
+  one = st.one_of(st.sampled_from((0, length, length + 3)), st.integers(0, length))
+  return tuple(draw(one) for _ in range(batch))
+
+
+@st.composite
+def local_windows(draw, T: int, S: int) -> int | tuple[int, int]:
+  """An int or a (left, right) window: 0 (the diagonal only), small, as
+  wide as or wider than the sequences, or negative (jax.nn accepts it: no
+  key on that side, even the diagonal)."""
+  side = st.one_of(st.sampled_from((0, 0, 1, T + S, T + S + 7, -1)),
+                   st.integers(0, max(T, S)))
+  if draw(st.booleans()):
+    return draw(side)
+  return draw(side), draw(side)
+
+
+@st.composite
+def _runs(draw, length: int, max_runs: int = 8) -> list[int]:
+  """Run lengths summing to ``length`` (>= 1 each); one-token runs often."""
+  if length == 1:
+    return [1]
+  cuts = draw(st.sets(st.integers(1, length - 1), max_size=min(max_runs, length - 1)))
+  if cuts and draw(st.booleans()):  # one-token segments
+    cuts |= {c + 1 for c in cuts if c + 1 < length}
+  edges = [0, *sorted(cuts), length]
+  return [b - a for a, b in zip(edges, edges[1:])]
+
+
+@st.composite
+def segment_specs(draw, B: int, T: int, S: int, *, contiguous: bool = True) -> SegmentSpec:
+  """Segment ids for a batch: keys in runs, each id one run when
+  ``contiguous`` (else, given three runs or more, the first id also ends
+  the row, split by another); ids in any order and range.  When T == S the queries often share the keys' ids (packed
+  self-attention); otherwise they draw their own runs, whose ids may be
+  absent from the keys (rows that see nothing)."""
+  kv_rows, q_rows = [], []
+  for _ in range(B):
+    kv_lengths = draw(_runs(S))
+    r = len(kv_lengths)
+    base = draw(st.sampled_from((0, 1, -5, 2**30)))
+    if contiguous:
+      order = draw(st.permutations(range(r)))
+    else:
+      order = [draw(st.integers(0, max(1, r // 2))) for _ in range(r)]
+      if r >= 3:  # one id split by another: a hole in its run
+        order[-1], order[1] = order[0], order[0] + 1
+    kv_runs = tuple((base + o, n) for o, n in zip(order, kv_lengths))
+    if T == S and draw(st.booleans()):
+      q_runs = kv_runs
+    else:
+      pool = sorted({i for i, _ in kv_runs} | {base + r + 1})
+      q_runs = tuple((draw(st.sampled_from(pool)), n) for n in draw(_runs(T)))
+    kv_rows.append(kv_runs)
+    q_rows.append(q_runs)
+  return SegmentSpec(tuple(kv_rows), tuple(q_rows))
+
+
+@st.composite
+def variant_specs(draw, shapes: AttentionShapes, *, lengths: bool = True,
+                  windows: bool = True, segments: bool = True,
+                  layout: str = "contiguous", contiguous_ids: bool | None = None
+                  ) -> VariantSpec:
+  """Any subset of the lengths, window and segments for ``shapes`` (at
+  least one of those allowed).  Key ids are contiguous runs for
+  ``layout="contiguous"``, else drawn either way, unless ``contiguous_ids``
+  says (False: ids may repeat across runs, whatever the layout)."""
+  if contiguous_ids is None:
+    contiguous_ids = True if layout == "contiguous" else draw(st.booleans())
+  kinds = [k for k, ok in (("q", lengths), ("kv", lengths), ("window", windows),
+                           ("segments", segments)) if ok]
+  chosen = draw(st.sets(st.sampled_from(kinds), min_size=1))
+  B, T, S = shapes.B, shapes.T, shapes.S
+  return VariantSpec(
+    query_seq_lengths=draw(seq_lengths(B, T)) if "q" in chosen else None,
+    key_value_seq_lengths=draw(seq_lengths(B, S)) if "kv" in chosen else None,
+    local_window_size=draw(local_windows(T, S)) if "window" in chosen else None,
+    segments=draw(segment_specs(B, T, S, contiguous=contiguous_ids))
+    if "segments" in chosen else None,
+    segment_layout=layout)
+
+
+@st.composite
+def variant_cases(draw, *, lengths: bool = True, windows: bool = True,
+                  segments: bool = True, layout: str = "contiguous",
+                  **case_kwargs) -> AttentionCase:
+  """:func:`attention_cases` (``case_kwargs``) with lengths, a window or
+  segments drawn on top."""
+  case = draw(attention_cases(**case_kwargs))
+  spec = draw(variant_specs(case.shapes, lengths=lengths, windows=windows,
+                            segments=segments, layout=layout))
+  return build_case(dataclasses.replace(case.spec, variants=spec))
 
 
 # Every GPU example compiles kernels, so the big GPU properties are split into

@@ -27,6 +27,7 @@ import numpy as np
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel import sharding
+from kernel import variants
 from kernel.config import Config
 from kernel import backward as backward_pallas
 from kernel import backward_xla
@@ -155,16 +156,42 @@ def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
-                          is_causal=False, k_start=None, k_end=None,
+                          is_causal=False, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None, return_residual=False,
+                          q_segment_ids=None, kv_segment_ids=None,
+                          segment_layout="contiguous", k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
                           config=None, _backward="pallas", _stage_2d=True):
-  """Flash attention on sm90.  Returns ``out`` or ``(out, (m, l))``.
+  """Flash attention on sm90.  Returns ``out``, ``(out, (m, l))`` with
+  ``return_residuals``, ``(out, lse)`` with ``return_residual``, or
+  ``(out, lse, (m, l))`` with both.
 
   m (B, N, T) is the row max of the final logits in natural-log space, l the
   row sum of exp(logits - m); out is normalised by l unless
   ``normalize_output`` is False (then it is the sum of exp(logits - m) * v).
+
+  Every argument of ``jax.nn.dot_product_attention`` (jax 0.11.2) is taken
+  with its meaning and default: ``query_seq_lengths``,
+  ``key_value_seq_lengths``, ``local_window_size`` and ``return_residual``
+  (the natural-log log-sum-exp, (B, T, N), float32); ``implementation`` must
+  be None (this kernel; 'xla' and 'cudnn' are refused with a ValueError).
+  ``q_segment_ids`` (B, T) and ``kv_segment_ids`` (B, S) restrict each query
+  to the keys of its own segment (packed sequences); ``segment_layout``
+  "contiguous" (each id one run of kv_segment_ids; rows that break it come
+  out NaN) or "any" (a dense mask).  All of them become per-row key ranges
+  (kernel/variants.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
+  are refused: add the batch axis.
   """
+  routed = variants.route(
+      query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      segment_layout=segment_layout, implementation=implementation,
+      return_residual=return_residual, return_residuals=return_residuals)
+  mask, k_start, k_end = routed.mask, routed.k_start, routed.k_end
+  return_residuals = routed.kernel_residuals
   shapes = validate_attention_args(
       query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
       logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold)
@@ -196,13 +223,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       normalize_output=bool(normalize_output),
       return_residuals=bool(return_residuals),
       seq_q=shapes.T, seq_kv=shapes.S,
-      stage_2d=stage_2d)
+      stage_2d=stage_2d,
+      window=routed.window if config.schedule == "longest-first" else None)
   if _backward not in BACKWARDS:
     raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
                               BACKWARDS[_backward])
   out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
-  return (out, residuals) if return_residuals else out
+  return routed.finish(out, residuals)
 
 
 # The custom_vjp's backward: the sm90 kernels (kernel/backward.py), or their

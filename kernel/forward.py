@@ -66,6 +66,11 @@ class Features:
   # T and S goes through the stage ring (TMA, with the keys) instead of being
   # read from global memory by the compute warpgroups.
   stage_2d: bool = False
+  # jax.nn's local window (left, right), for the longest-first schedule's
+  # tile weights only: the kernel reads the window from the key ranges,
+  # which are traced and so hidden from the schedule (computed at trace
+  # time).  None elsewhere, so the window's value keys no other compile.
+  window: tuple[int, int] | None = None
 
 
 def _smem(buf: plan_lib.Buffer):
@@ -149,12 +154,22 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
-                  head_dim_out, itemsize, block_q, block_kv, seq_q, seq_kv, is_causal):
+                  head_dim_out, itemsize, block_q, block_kv, seq_q, seq_kv, is_causal,
+                  window=None):
   """The longest-first order of this launch's tiles (kernel/schedule.py),
-  weighted by the key blocks each query tile visits."""
+  weighted by the key blocks each query tile visits: causal, the key length
+  and a local ``window`` (left, right) are static and counted exactly; other
+  key ranges (lengths, segments, the caller's) are data the schedule cannot
+  see, so their tiles are weighed at this upper bound."""
   def tile_blocks(qi):
+    ks = ke = None
+    if window is not None:  # the tile's rows [r0, r1] see keys [r0 - left, r1 + right]
+      left, right = window
+      r0, r1 = qi * 2 * block_q, min((qi + 1) * 2 * block_q, seq_q) - 1
+      ks, ke = r0 - left, min(r1 + right + 1, seq_kv)
     lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
-                            seq_kv=seq_kv, is_causal=is_causal)
+                            seq_kv=seq_kv, is_causal=is_causal, k_start_min=ks,
+                            k_end_max=ke)
     return ub - lb
   return schedule_lib.longest_first(
       batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
@@ -217,7 +232,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
         s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
         itemsize=np.dtype(dtype).itemsize, block_q=block_q, block_kv=block_kv,
-        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)
+        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window)
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))

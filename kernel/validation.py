@@ -262,3 +262,77 @@ def validate_attention_args(
       )
 
   return shapes
+
+
+# ---------------------------------------------------------------------------
+# The arguments of jax.nn.dot_product_attention that this API maps onto key
+# ranges and masks (kernel/variants.py), and packed-sequence segment ids.
+
+SEGMENT_LAYOUTS = ("contiguous", "any")
+
+
+def _check_int_array(name: str, x: Any, shape: tuple[int, ...], letters: str) -> None:
+  x_shape, x_dtype = _shape_and_dtype(x)
+  if not np.issubdtype(x_dtype, np.integer) or x_dtype == np.dtype(bool):
+    raise ValueError(f"{name}: expected an integer dtype, got {_dtype_name(x_dtype)}")
+  if x_shape != shape:
+    raise ValueError(f"{name}: expected shape {letters} = {shape}, got {x_shape}")
+
+
+def _window_int(value: Any) -> int | None:
+  if isinstance(value, (bool, np.bool_)):
+    return None
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  return None
+
+
+def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
+  """``local_window_size`` as jax.nn.dot_product_attention reads it: None,
+  an int w meaning (w, w), or a pair (left, right) of ints.  Python or NumPy
+  integers only (the window shapes the kernel's block range, so it is
+  static); any sign, as jax.nn accepts any."""
+  if local_window_size is None:
+    return None
+  single = _window_int(local_window_size)
+  if single is not None:
+    return single, single
+  if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
+    pair = tuple(_window_int(w) for w in local_window_size)
+    if None not in pair:
+      return pair
+  raise ValueError(
+    "local_window_size: expected None, an int or a pair (left, right) of ints, "
+    f"got {local_window_size!r}")
+
+
+def validate_variant_args(
+  shapes: AttentionShapes,
+  *,
+  query_seq_lengths: Any = None,
+  key_value_seq_lengths: Any = None,
+  local_window_size: Any = None,
+  q_segment_ids: Any = None,
+  kv_segment_ids: Any = None,
+) -> tuple[int, int] | None:
+  """Check the sequence-length, window and segment arguments of a call whose
+  sizes are ``shapes``; return the window as (left, right) or None.
+
+  query_seq_lengths, key_value_seq_lengths: integer (B,); q_segment_ids
+  integer (B, T) and kv_segment_ids integer (B, S), both or neither.
+  Lengths of any value are meaningful (below 0: nothing; past the end:
+  everything), as in jax.nn.dot_product_attention.
+  """
+  B, T, S = shapes.B, shapes.T, shapes.S
+  if query_seq_lengths is not None:
+    _check_int_array("query_seq_lengths", query_seq_lengths, (B,), "(B,)")
+  if key_value_seq_lengths is not None:
+    _check_int_array("key_value_seq_lengths", key_value_seq_lengths, (B,), "(B,)")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    missing = "kv_segment_ids" if kv_segment_ids is None else "q_segment_ids"
+    other = "q_segment_ids" if missing == "kv_segment_ids" else "kv_segment_ids"
+    raise ValueError(f"{missing}: required when {other} is given")
+  if q_segment_ids is not None:
+    _check_int_array("q_segment_ids", q_segment_ids, (B, T), "(B, T)")
+    _check_int_array("kv_segment_ids", kv_segment_ids, (B, S), "(B, S)")
+  return normalize_window(local_window_size)

@@ -1,0 +1,210 @@
+"""The arguments of ``jax.nn.dot_product_attention`` the kernel has no input
+for, and packed-sequence segment ids, mapped onto per-row key ranges.
+
+The kernel takes per-query-row key ranges ``[k_start, k_end)`` and skips, per
+query tile, every key block outside the union of its rows' ranges
+(``kernel.forward.kv_block_range``; the backward honours them too).  Every
+variant below is such a range, so it costs no global-memory read per logit
+and skips the blocks it excludes:
+
+* ``query_seq_lengths`` (B,): rows ``i >= len[b]`` see no key (k_end = 0):
+  the fully masked row contract gives them output 0, m = -inf, l = 0 and no
+  gradient contribution (jax.nn's output there is 0 too).
+* ``key_value_seq_lengths`` (B,): ``k_end = min(k_end, len[b])``.
+* ``local_window_size`` (left, right), or w for (w, w): row i sees keys
+  ``i - left <= j <= i + right`` (positions top-left aligned, as jax.nn's
+  window and causal mask), so ``[i - left, i + right + 1)``.  Combined with
+  ``is_causal`` by intersection, as in jax.nn.
+* ``q_segment_ids`` (B, T), ``kv_segment_ids`` (B, S): row i sees only the
+  keys whose id equals its own.  With ``segment_layout="contiguous"`` (the
+  default) each id is assumed to occupy ONE contiguous run of
+  ``kv_segment_ids`` (packed documents; query ids may be in any order), so
+  the keys a row sees are one interval ``[first key with its id, last + 1)``,
+  found by a stable sort and binary search (no (T, S) array).  A row whose id
+  occurs in several runs of ``kv_segment_ids`` cannot be served by one
+  interval: its output, m, l and log-sum-exp are NaN (never a silently wrong
+  value).  ``segment_layout="any"`` takes any ids: it builds the dense
+  (B, 1, T, S) equality mask and passes it with the user's mask (one
+  global-memory read per logit), and still passes the interval hull of each
+  row's keys as its key range, so blocks outside it are skipped.
+  :func:`segments_are_contiguous` says, per batch row, whether the
+  contiguous layout holds.
+
+All sources are combined with the user's ``k_start``/``k_end`` by the max of
+the starts and the min of the ends.  Without any of these arguments the
+call's arrays are passed on untouched.
+
+``return_residual`` (jax.nn's) returns the natural-log log-sum-exp
+``m + log(l)``, float32, in jax.nn's shape (B, T, N), -inf on fully masked
+rows (jax.nn's XLA path returns a large finite negative there), not
+differentiated (jax.nn stops its gradient too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from kernel.validation import (SEGMENT_LAYOUTS, AttentionShapes, validate_attention_args,
+                               validate_variant_args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+  """What the kernel runs for a call: its mask and key ranges, whether it
+  must return residuals, and how to shape the results as asked."""
+
+  mask: Any
+  k_start: Any
+  k_end: Any
+  kernel_residuals: bool        # the kernel must return (m, l)
+  return_residuals: bool        # this API's (m, l)
+  return_residual: bool         # jax.nn's log-sum-exp
+  poisoned: Any = None          # (B, T) bool: rows set to NaN (contiguous layout)
+  window: tuple[int, int] | None = None  # (left, right), static: the schedule weighs tiles by it
+
+  def finish(self, out, residuals):
+    """``out``; ``(out, lse)``; ``(out, (m, l))``; or ``(out, lse, (m, l))``
+    when both residual flags are set."""
+    if self.poisoned is not None:
+      out = jnp.where(self.poisoned[:, :, None, None], jnp.nan, out).astype(out.dtype)
+      if residuals is not None:
+        rows = self.poisoned[:, None, :]
+        residuals = tuple(jnp.where(rows, jnp.nan, r) for r in residuals)
+    if not self.kernel_residuals:
+      return out
+    m, l = residuals
+    if not self.return_residual:
+      return out, (m, l)
+    lse = lax.stop_gradient(jnp.transpose(m + jnp.log(l), (0, 2, 1)))
+    return (out, lse, (m, l)) if self.return_residuals else (out, lse)
+
+
+def _rows(x) -> jax.Array:
+  return lax.broadcast_to_rank(jnp.asarray(x), 3)
+
+
+def segment_bounds(q_segment_ids, kv_segment_ids):
+  """Per query row, (start, end, single_run), each (B, T): the first key
+  with the row's id and one past the last (0, 0 where no key has it), and
+  whether those keys form one run (then [start, end) is exactly them)."""
+  dt = jnp.result_type(q_segment_ids, kv_segment_ids)
+  s = kv_segment_ids.shape[-1]
+
+  def one(q, kv):
+    order = jnp.argsort(kv, stable=True)  # equal ids keep position order
+    ids = kv[order]
+    lo = jnp.searchsorted(ids, q, side="left")
+    hi = jnp.searchsorted(ids, q, side="right")
+    found = hi > lo
+    first = order[jnp.clip(lo, 0, s - 1)]
+    last = order[jnp.clip(hi - 1, 0, s - 1)]
+    start = jnp.where(found, first, 0).astype(jnp.int32)
+    end = jnp.where(found, last + 1, 0).astype(jnp.int32)
+    return start, end, (end - start) == (hi - lo).astype(jnp.int32)
+
+  return jax.vmap(one)(jnp.asarray(q_segment_ids).astype(dt),
+                       jnp.asarray(kv_segment_ids).astype(dt))
+
+
+def segments_are_contiguous(kv_segment_ids) -> jax.Array:
+  """(B,) bool: each id of the batch row occupies one contiguous run of
+  ``kv_segment_ids`` (the ``segment_layout="contiguous"`` assumption)."""
+  kv = jnp.asarray(kv_segment_ids)
+  runs = 1 + jnp.sum(kv[:, 1:] != kv[:, :-1], axis=1)
+  ids = jnp.sort(kv, axis=1)
+  distinct = 1 + jnp.sum(ids[:, 1:] != ids[:, :-1], axis=1)
+  return runs == distinct
+
+
+def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
+               key_value_seq_lengths=None, window: tuple[int, int] | None = None,
+               q_segment_ids=None, kv_segment_ids=None):
+  """(start, end, single_run) of the new range sources alone: int32 arrays
+  broadcastable to (B, 1, T) (None where no source bounds that side), and
+  (B, T) bool or None for the segment rows served by one interval."""
+  T, S = shapes.T, shapes.S
+  starts, ends, single_run = [], [], None
+  i = lax.broadcasted_iota(jnp.int32, (1, 1, T), 2)
+  if window is not None:
+    # Beyond T + S a window is everything (or, negative, nothing); clipping
+    # keeps i +- w inside int32.
+    left, right = (int(np.clip(w, -(T + S + 2), T + S + 2)) for w in window)
+    starts.append(i - left)
+    ends.append(i + (right + 1))
+  if key_value_seq_lengths is not None:
+    kv_len = jnp.clip(jnp.asarray(key_value_seq_lengths), -1, S).astype(jnp.int32)
+    ends.append(kv_len[:, None, None])
+  if q_segment_ids is not None:
+    seg_start, seg_end, single_run = segment_bounds(q_segment_ids, kv_segment_ids)
+    starts.append(seg_start[:, None, :])
+    ends.append(seg_end[:, None, :])
+  start = None if not starts else _reduce(jnp.maximum, starts)
+  end = None if not ends else _reduce(jnp.minimum, ends)
+  if query_seq_lengths is not None:
+    q_len = jnp.clip(jnp.asarray(query_seq_lengths), 0, T).astype(jnp.int32)
+    end = jnp.where(i < q_len[:, None, None], S if end is None else end, 0)
+  return start, end, single_run
+
+
+def _reduce(op, xs):
+  out = xs[0]
+  for x in xs[1:]:
+    out = op(out, x)
+  return out
+
+
+def _check_flag(name, flag):
+  if not isinstance(flag, (bool, np.bool_)):
+    raise ValueError(f"{name}: expected a bool, got {flag!r}")
+
+
+def route(query, key, value, bias, mask, k_start, k_end, *, query_seq_lengths=None,
+          key_value_seq_lengths=None, local_window_size=None, q_segment_ids=None,
+          kv_segment_ids=None, segment_layout="contiguous", implementation=None,
+          return_residual=False, return_residuals=False) -> Routed:
+  """Validate the call's jax.nn and segment arguments and turn them into the
+  kernel's mask and key ranges (see the module docstring)."""
+  shapes = validate_attention_args(query, key, value, bias, mask, k_start=k_start,
+                                   k_end=k_end)
+  window = validate_variant_args(
+      shapes, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  if implementation is not None:
+    raise ValueError(
+        f"implementation: this kernel is its own implementation; expected None, got "
+        f"{implementation!r} (call jax.nn.dot_product_attention for 'xla' or 'cudnn')")
+  if segment_layout not in SEGMENT_LAYOUTS:
+    raise ValueError(f"segment_layout: expected one of {list(SEGMENT_LAYOUTS)}, "
+                     f"got {segment_layout!r}")
+  _check_flag("return_residual", return_residual)
+  _check_flag("return_residuals", return_residuals)
+  routed = Routed(mask, k_start, k_end, bool(return_residuals or return_residual),
+                  bool(return_residuals), bool(return_residual))
+  if (query_seq_lengths is None and key_value_seq_lengths is None and window is None
+      and q_segment_ids is None):
+    return routed
+  start, end, single_run = row_ranges(
+      shapes, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, window=window,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  poisoned = None
+  if q_segment_ids is not None:
+    if segment_layout == "any":
+      same = (jnp.asarray(q_segment_ids)[:, None, :, None]
+              == jnp.asarray(kv_segment_ids)[:, None, None, :])
+      mask = same if mask is None else jnp.logical_and(jnp.asarray(mask), same)
+    else:
+      poisoned = ~single_run
+  if start is not None:
+    k_start = start if k_start is None else jnp.maximum(_rows(k_start).astype(jnp.int32), start)
+  if end is not None:
+    k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
+  return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,
+                             poisoned=poisoned, window=window)

@@ -52,15 +52,32 @@ class ForwardCase:
   block_q: int = 64
   block_kv: int = 128
   config_stages: int = 0   # Config.num_stages; more than num_stages when the keys are fewer
+  # Persistent blocks that stage each warpgroup's output in its query slot
+  # (plan.overlays_query_with_output: separate buffers would not fit), traced
+  # at the problem's head dim and residuals, which decide that layout.
+  overlay_q: bool = False
+  overlay_head_dim: int = 64
+  overlay_residuals: bool = False
 
   def key(self):
-    return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal)
+    return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
+            self.overlay_q, self.residuals)
+
+  @property
+  def head_dim(self) -> int:
+    return self.overlay_head_dim if self.overlay_q else 64
+
+  @property
+  def residuals(self) -> bool:
+    return self.overlay_q and self.overlay_residuals
 
   def describe(self) -> str:
     parts = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
              self.schedule]
     parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
-                              ("causal", self.causal)) if on]
+                              ("causal", self.causal),
+                              ("output in the query slot", self.overlay_q),
+                              ("with residuals", self.residuals)) if on]
     return " ".join(parts)
 
 
@@ -79,8 +96,10 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
     configs += list(heuristics.get_autotuning_configs(p))
     for c in configs:
       stages = plan_lib.pipeline_plan(p, c).num_stages
+      overlay = plan_lib.scratch_layout(p, c).overlay_q_with_output
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
-                         c.block_q, c.block_kv, c.num_stages)
+                         c.block_q, c.block_kv, c.num_stages, overlay,
+                         p.head_dim if overlay else 64, overlay and p.return_residuals)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]
@@ -173,13 +192,21 @@ def trace_case(case: ForwardCase, num_tiles: int, *, module=None):
   seq_q = num_tiles * 2 * case.block_q
   features = module.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
-      normalize_output=True, return_residuals=False, seq_q=seq_q,
+      normalize_output=True, return_residuals=case.residuals, seq_q=seq_q,
       seq_kv=max_blocks * case.block_kv, stage_2d=case.bias or case.mask)
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=config_stages, persistent=case.persistent,
                              schedule=case.schedule)
+  from kernel import plan as plan_lib
+  traced = plan_lib.Problem(
+      dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim,
+      seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
+      mask_2d=case.mask, return_residuals=case.residuals)
+  if plan_lib.scratch_layout(traced, config).overlay_q_with_output != case.overlay_q:
+    raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
+                             f"stage the output where the case does")
   return ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=max_blocks,
-                          bias=case.bias, mask=case.mask, module=module)
+                          head_dim=case.head_dim, bias=case.bias, mask=case.mask, module=module)
 
 
 def extract_case(case: ForwardCase, ranges, *, traced=None, module=None):

@@ -297,6 +297,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     wg = lax.axis_index("wg")
     smem, mbars = scoped
     ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_ring, mask_ring = smem
+    if layout.overlay_q_with_output:
+      o_smems = q_smems  # each warpgroup stages its output in its query slot
     (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
      bias_produced, mask_produced) = mbars
     # With staged operands, a key block's slot is released (k_consumed) only
@@ -415,7 +417,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         return pl.run_scoped(compute_qk, plgpu.ACC(bq_kv, jnp.float32))
 
       def release_query_after(ki):
-        if config.persistent:
+        if config.persistent and not layout.overlay_q_with_output:
           # The tile's last QK has completed: the query slot may be refilled.
           pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
 
@@ -588,9 +590,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       else:
         out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
 
-      if config.persistent:
+      if config.persistent and not layout.overlay_q_with_output:
         # A tile without key blocks never ran a QK: release the query slot here.
         pl.when(ub == lb)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
+      if config.persistent:
         # The previous tile's output copy must have read o/m/l before we
         # overwrite them (it drained while this tile computed).
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -608,6 +611,12 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, rows])
       if not config.persistent:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      elif layout.overlay_q_with_output:
+        # The output was staged in the query slot: refill it only once the
+        # copy has read it.  The next tile's keys and values are already
+        # streaming; only its query load is exposed.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(q_consumed.at[wg])
       return prev_iters + (ub - lb)
 
 
@@ -685,7 +694,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
   def entry(*refs):
     m_buf = layout.m if f.return_residuals else None
-    out_group = (_smem(layout.o),
+    out_group = (None if layout.o is None else _smem(layout.o),
                  _smem(m_buf) if m_buf is not None else None,
                  _smem(layout.l) if m_buf is not None else None)
     qk_group = (_smem(layout.q), _smem(layout.k))

@@ -129,18 +129,32 @@ def pipeline_plan(problem: Problem, config: Config) -> PipelinePlan:
   key_phase = ("k",) + (("bias",) if problem.bias_2d else ()) + (
       ("mask",) if problem.mask_2d else ())
   cw = barriers.COMPUTE_WARPGROUPS
+  return PipelinePlan(
+      num_stages=stages, key_phase=key_phase, value_phase=("v",),
+      compute_warpgroups=cw, persistent=config.persistent,
+      mbarriers=_mbarriers(problem, config, overlays_query_with_output(problem, config)),
+      named_barriers=barriers.NAMED_BARRIERS)
+
+
+def _mbarriers(problem: Problem, config: Config, overlay_q: bool) -> tuple[MBarrier, ...]:
+  stages = effective_stages(problem, config)
+  key_phase = ("k",) + (("bias",) if problem.bias_2d else ()) + (
+      ("mask",) if problem.mask_2d else ())
+  cw = barriers.COMPUTE_WARPGROUPS
   mb = [MBarrier("q_produced", cw, 1, "each compute warpgroup's query tile landed")]
   if config.persistent:
-    mb.append(MBarrier("q_consumed", cw, 1,
-                       "a compute warpgroup's last QK of the tile completed: refill its queries"))
+    if overlay_q:
+      mb.append(MBarrier("q_consumed", cw, 1,
+                         "a compute warpgroup's output copy has read its query slot, "
+                         "where the output was staged: refill its queries"))
+    else:
+      mb.append(MBarrier("q_consumed", cw, 1,
+                         "a compute warpgroup's last QK of the tile completed: refill its queries"))
   for name in key_phase + ("v",):
     mb.append(MBarrier(f"{name}_produced", stages, 1, f"TMA of {name} into a slot landed"))
   mb.append(MBarrier("k_consumed", stages, cw, "both warpgroups finished QK on a slot"))
   mb.append(MBarrier("v_consumed", stages, cw, "both warpgroups finished PV on a slot"))
-  return PipelinePlan(
-      num_stages=stages, key_phase=key_phase, value_phase=("v",),
-      compute_warpgroups=cw, persistent=config.persistent,
-      mbarriers=tuple(mb), named_barriers=barriers.NAMED_BARRIERS)
+  return tuple(mb)
 
 
 def effective_stages(problem: Problem, config: Config) -> int:
@@ -161,13 +175,34 @@ class ScratchLayout:
   bias: Buffer | None
   mask: Buffer | None
   overlay_qk_with_output: bool  # the non-persistent RefUnion
+  # Persistent, when separate buffers do not fit: each compute warpgroup
+  # stages its output in its own query slot (o is None), which is refilled
+  # only once the output copy has read it.
+  overlay_q_with_output: bool = False
 
   def buffers(self) -> tuple[Buffer, ...]:
     return tuple(b for b in (self.q, self.k, self.v, self.o, self.m, self.l,
                              self.bias, self.mask) if b is not None)
 
 
+def overlays_query_with_output(problem: Problem, config: Config) -> bool:
+  """Whether a persistent block stages each warpgroup's output in its query
+  slot: only where the query and output tiles have one shape and separate
+  buffers would not fit (head dim 256 with 64-row tiles, where otherwise only
+  the non-persistent block fits; deeper rings or wider tiles at smaller head
+  dims, which the autotuner then measures).  Everywhere else the query slot
+  is refilled as soon as the tile's last QK completes, while the output
+  drains; here the next tile's query load waits for the output copy."""
+  if not config.persistent or problem.head_dim != problem.head_dim_out:
+    return False
+  return not fits_in_smem(_estimate(_layout(problem, config, overlay_q=False), problem, config))
+
+
 def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
+  return _layout(problem, config, overlay_q=overlays_query_with_output(problem, config))
+
+
+def _layout(problem: Problem, config: Config, *, overlay_q: bool) -> ScratchLayout:
   cw = barriers.COMPUTE_WARPGROUPS
   s = effective_stages(problem, config)
   bq, bkv = config.block_q, config.block_kv
@@ -177,7 +212,7 @@ def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
       q=Buffer("q", (cw, bq, problem.head_dim), dt),
       k=Buffer("k", (s, bkv, problem.head_dim), dt),
       v=Buffer("v", (s, bkv, problem.head_dim_out), dt),
-      o=Buffer("o", (cw, bq, problem.head_dim_out), dt),
+      o=None if overlay_q else Buffer("o", (cw, bq, problem.head_dim_out), dt),
       m=Buffer("m", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       l=Buffer("l", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       bias=Buffer("bias", (s, cw * bq, bkv), dt) if problem.bias_2d else None,
@@ -185,6 +220,7 @@ def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
       # Persistent blocks prefetch the next tile's queries while the output
       # drains, so only the non-persistent path may overlay them.
       overlay_qk_with_output=not config.persistent,
+      overlay_q_with_output=overlay_q,
   )
 
 
@@ -199,12 +235,15 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   descriptions the kernel allocates; the CPU tests check it against the
   lowering's own count (never below it, within a stated margin above).
   """
-  lay = scratch_layout(problem, config)
-  plan = pipeline_plan(problem, config)
+  return _estimate(scratch_layout(problem, config), problem, config)
+
+
+def _estimate(lay: ScratchLayout, problem: Problem, config: Config) -> int:
+  mbarriers = _mbarriers(problem, config, lay.overlay_q_with_output)
   # Mosaic GPU starts every allocation at a SMEM_ALIGNMENT boundary.
   pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT)
   qk = pad(lay.q) + pad(lay.k)
-  out = pad(lay.o) + sum(pad(b) for b in (lay.m, lay.l) if b is not None)
+  out = sum(pad(b) for b in (lay.o, lay.m, lay.l) if b is not None)
   if lay.overlay_qk_with_output:
     total = max(qk, out)
   else:
@@ -213,7 +252,7 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   total += sum(pad(b) for b in (lay.bias, lay.mask) if b is not None)
   total += REDUCTION_SCRATCH_BYTES
   total = _align(total, SMEM_ALIGNMENT)
-  total += MBARRIER_BYTES * sum(b.num_barriers for b in plan.mbarriers)
+  total += MBARRIER_BYTES * sum(b.num_barriers for b in mbarriers)
   return total
 
 

@@ -335,6 +335,8 @@ def main(argv=None) -> int:
   grid.add_argument("--no-ragged", action="store_true",
                     help="leave out the lengths that are no multiple of a block")
   grid.add_argument("--causal-only", action="store_true")
+  grid.add_argument("--seqs", default=None,
+                    help="comma-separated sequence lengths instead of the grid's")
   grid.add_argument("--no-example", action="store_true",
                     help="leave JAX's example Mosaic GPU kernel out (one compile less per point)")
   grid.add_argument("--backward-only", dest="forward_only_backward", action="store_true",

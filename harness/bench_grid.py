@@ -304,6 +304,24 @@ def write(rows: list[dict], out_dir: Path, *, meta: dict) -> None:
   (out_dir / "performance.md").write_text("\n".join(lines))
 
 
+def _portable(argv: list[str]) -> list[str]:
+  """The command as a reader would rerun it: the output folder, a path of the
+  machine that ran it, is written as OUTDIR."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      out.append("OUTDIR")
+      skip = False
+    elif a == "--out-dir":
+      out.append(a)
+      skip = True
+    elif a.startswith("--out-dir="):
+      out.append("--out-dir=OUTDIR")
+    else:
+      out.append(a)
+  return out
+
+
 def main(args) -> int:
   """Called by ``harness.bench`` for ``--grid``."""
   import datetime
@@ -321,11 +339,14 @@ def main(args) -> int:
                          head_dims=head_dims)
     if args.causal_only:
       points = [p for p in points if p.causal]
+    if args.seqs:
+      seqs = {int(x) for x in args.seqs.split(",")}
+      points = [p for p in points if p.seq in seqs]
     rows += run_grid(points, variants, backward=backward, example=not args.no_example)
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
               commit=args.commit or os.environ.get("FLASH_COMMIT", "unknown"),
               date=datetime.date.today().isoformat(), dtype="bfloat16",
-              command="python -m harness bench " + " ".join(args.raw_argv))
+              command="python -m harness bench " + " ".join(_portable(args.raw_argv)))
   if args.out_dir:
     write(rows, Path(args.out_dir), meta=meta)
   print()

@@ -472,7 +472,15 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
               s, ki + 1, m_ref_[...], l_ref_[...], [r[...] for r in pending_refs],
               edge=edge)
           factor_ref[...] = factor
-          p_ref[...] = p.astype(dtype)
+          # p stays float32 here; the operand cast waits for the PV below.
+          # The PV still in flight reads this block's p16 from registers, and
+          # the register allocator may give the next p16 those very registers:
+          # written while the PV runs, ptxas then serialises every wgmma of
+          # the kernel (C7513; measured on the H200, 2026-12-01: d256 causal
+          # forward at half the non-causal TFLOP/s, every HGMMA followed by a
+          # wait).  Cast after the PV completes, no register it reads is
+          # rewritten in flight.
+          p_ref[...] = p
           m_ref_[...] = m_new
           l_ref_[...] = l_new + p.sum(axis=1)
           for r, v in zip(pending_refs, pend):
@@ -480,9 +488,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
         # run_state returns once both products completed.  (m_i stands in as
         # the initial value of the factor, a row vector like it.)
-        acc, _, factor, p16, m_i, l_i, *pending = pl.run_state(issue_then_softmax)(
+        p_init = plgpu.layout_cast(jnp.zeros(bq_kv, jnp.float32), _WGMMA)
+        acc, _, factor, p, m_i, l_i, *pending = pl.run_state(issue_then_softmax)(
             (plgpu.ACC.init(acc), plgpu.ACC.init(jnp.zeros(bq_kv, jnp.float32)),
-             m_i, p16, m_i, l_i, *pending))
+             m_i, p_init, m_i, l_i, *pending))
+        p16 = p.astype(dtype)
         # Releases in the order the Z3 model proves: v of block ki, then k
         # (and a staged tile, read by the softmax) of block ki + 1, then the
         # queries after a persistent tile's last QK.

@@ -1,4 +1,4 @@
-"""``python -m harness <command>``: gate, prove, golden, bench, autotune, mutants."""
+"""``python -m harness <command>``: gate, prove, golden, bench, autotune, mutants, ptxas."""
 
 import sys
 
@@ -12,6 +12,7 @@ def main(argv=None) -> int:
       "bench": ("harness.bench", "TFLOP/s beside cuDNN; --grid: the whole performance grid"),
       "autotune": ("harness.autotune", "time the candidate configs on the GPU, write the cache"),
       "mutants": ("harness.mutants", "kernel mutants against the tests that must kill them"),
+      "ptxas": ("harness.ptxas_report", "registers, spills and wgmma serialisation per kernel (GPU)"),
   }
   if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
     print("usage: python -m harness {" + ",".join(commands) + "} [args]")

@@ -282,8 +282,31 @@ def selected_steps(spec: str) -> tuple[str, ...]:
   return names
 
 
-def render(steps: list[StepResult], device: str) -> str:
-  lines = [f"# Conformance gate\n\ndevice: {device}\n",
+def provenance() -> str:
+  """jax version, commit and date for the summary's head.  The commit is
+  ``FLASH_COMMIT`` where the caller sets it (a copied tree may carry no
+  ``.git``, or a stale one), else what git says here."""
+  import datetime
+  import subprocess
+  try:
+    import jax
+    jax_version = jax.__version__
+  except ImportError:
+    jax_version = "not installed"
+  commit = os.environ.get("FLASH_COMMIT")
+  if not commit:
+    try:
+      commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      commit = ""
+  return (f"jax {jax_version}, commit {commit or 'unknown'}, "
+          f"{datetime.date.today().isoformat()}")
+
+
+def render(steps: list[StepResult], device: str, about: str | None = None) -> str:
+  head = f"device: {device}" + (f"; {about}" if about else "")
+  lines = [f"# Conformance gate\n\n{head}\n",
            "| step | status | passed | failed | skipped | time | detail |",
            "|---|---|---|---|---|---|---|"]
   for s in steps:
@@ -343,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
       steps.append(runners[name]())
 
-  text = render(steps, device)
+  text = render(steps, device, provenance())
   for s in steps:
     ratios = results / f"{s.name}-error-ratios.md"
     if s.status != "SKIPPED" and ratios.exists():

@@ -206,3 +206,11 @@ def test_optional_steps_run_only_when_named(tmp_path, monkeypatch):
   assert gate.main(["--results", str(tmp_path), "--steps", "mutants,memcheck"]) == 0
   assert ran[-2:] == ["mutants", "memcheck"]
   assert "## Kernel mutants" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_summary_names_jax_commit_and_date(monkeypatch):
+  monkeypatch.setenv("FLASH_COMMIT", "abc1234")
+  about = gate.provenance()
+  assert "commit abc1234" in about and "jax " in about
+  text = gate.render([gate.StepResult("proofs", "PASS")], "no GPU", about)
+  assert text.splitlines()[2] == f"device: no GPU; {about}"

@@ -1,0 +1,67 @@
+"""ptxas's view of the shipped kernels (harness/ptxas_report.py).
+
+CPU: the report reads ptxas's own logs right (two logs as Mosaic GPU wrote
+them on the H200, 2026-12-01: a forward whose wgmmas ptxas serialised, and a
+backward kernel that spills).  GPU (marker ``gpu``): no shipped kernel kind
+has its wgmmas serialised, which would cost it its tensor-core overlap.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import ptxas_report as pr
+
+SERIALISED_LOG = """\
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 1550 by compiler to allow use of registers in GMMA in function 'kernel_body_mosaic_gpu_kernel'
+ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining input registers of a wgmma between start and end of the pipeline stage in the function 'kernel_body_mosaic_gpu_kernel'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kernel_body_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for kernel_body_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+"""
+
+SPILLING_LOG = """\
+ptxas warning : Registers are spilled to local memory in function 'body_mosaic_gpu_kernel', 332 bytes spill stores, 340 bytes spill loads
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'body_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for body_mosaic_gpu_kernel
+    336 bytes stack frame, 332 bytes spill stores, 340 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 336 bytes cumulative stack size, 1 bytes smem
+"""
+
+
+def test_a_serialised_kernel_is_reported_as_such():
+  r = pr.parse_ptxas("fwd-d256-causal", "kernel_body_0", SERIALISED_LOG)
+  assert r.serialised and r.registers == 168 and r.spill_bytes == 0
+  assert "SERIALISED" in r.line()
+
+
+def test_spills_are_counted_once_and_do_not_mark_serialisation():
+  r = pr.parse_ptxas("bwd-d256-full", "body_1", SPILLING_LOG)
+  assert not r.serialised and r.spill_bytes == 332 + 340 and r.registers == 168
+
+
+def test_every_launch_kind_is_compiled():
+  names = [k.name for k in pr.KINDS]
+  assert len(set(names)) == len(names) == 12
+  assert {(k.head_dim, k.causal, k.backward) for k in pr.KINDS} == {
+      (d, c, b) for d in (64, 128, 256) for c in (False, True) for b in (False, True)}
+
+
+def test_unknown_kind_is_refused_by_name(capsys):
+  with pytest.raises(SystemExit):
+    pr.main(["--select", "fwd-d96-causal"])
+  assert "fwd-d96-causal" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_no_shipped_kernel_has_its_wgmmas_serialised(tmp_path):
+  """Every kernel of every launch kind keeps its wgmma pipeline: ptxas
+  serialised none of them (C7513)."""
+  rows = pr.report(out=str(tmp_path))
+  print("\n".join(r.line() for r in rows))
+  assert len(rows) >= len(pr.KINDS)
+  serialised = [r.line() for r in rows if r.serialised]
+  assert not serialised, "\n".join(serialised)

@@ -163,7 +163,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           segment_layout="contiguous", k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, _backward="pallas", _stage_2d=True):
+                          config=None, deterministic=False, _backward="pallas",
+                          _stage_2d=True):
   """Flash attention on sm90.  Returns ``out``, ``(out, (m, l))`` with
   ``return_residuals``, ``(out, lse)`` with ``return_residual``, or
   ``(out, lse, (m, l))`` with both.
@@ -183,6 +184,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   out NaN) or "any" (a dense mask).  All of them become per-row key ranges
   (kernel/variants.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
   are refused: add the batch axis.
+
+  ``deterministic``: True makes the gradients bitwise reproducible from run
+  to run on every path (dq included: it is then formed by the dQ kernel,
+  never summed across thread blocks by float32 reduce-adds); False (the
+  default) lets the backward take the fused dQ where it applies (head dims
+  up to 128, no bias, not causal), whose dq may differ by one ulp between
+  runs (``harness.tolerance.run_to_run_bound``).  The forward is bitwise
+  reproducible either way.
   """
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
@@ -200,7 +209,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if shapes.Hv > plan_lib.MAX_HEAD_DIM:
     raise ValueError(f"value: head_dim {shapes.Hv} is over the limit {plan_lib.MAX_HEAD_DIM}")
   for name, flag in (("is_causal", is_causal), ("normalize_output", normalize_output),
-                     ("return_residuals", return_residuals)):
+                     ("return_residuals", return_residuals), ("deterministic", deterministic)):
     if not isinstance(flag, (bool, np.bool_)):
       raise ValueError(f"{name}: expected a bool, got {flag!r}")
   if config is not None and not isinstance(config, Config):
@@ -227,8 +236,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       window=routed.window if config.schedule == "longest-first" else None)
   if _backward not in BACKWARDS:
     raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
+  backward = BACKWARDS[_backward]
+  if deterministic and _backward in REPRODUCIBLE:
+    backward = REPRODUCIBLE[_backward]
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
-                              BACKWARDS[_backward])
+                              backward)
   out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
   return routed.finish(out, residuals)
 
@@ -244,6 +256,11 @@ BACKWARDS = {"pallas": backward_pallas.attention_backward,
              "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
                                                     fuse_dq=False),
              "xla": backward_xla.attention_backward}
+# deterministic=True: each backward that may sum dq across thread blocks in no
+# fixed order (the fused dQ) replaced by the same backward without it.
+REPRODUCIBLE = {"pallas": BACKWARDS["pallas-two-kernel"],
+                "pallas-serial": functools.partial(backward_pallas.attention_backward,
+                                                   schedule="serial", fuse_dq=False)}
 
 
 def _differentiable(features: Features, config: Config, dtype, num_sms: int,

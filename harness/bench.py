@@ -326,7 +326,8 @@ def main(argv=None) -> int:
                          "example kernel; with --backward also forward + backward")
   grid.add_argument("--variants", default="auto",
                     help="semicolon-separated configs of ours: auto, or "
-                         "block_q,block_kv,num_stages[,p][,lf|rr]")
+                         "block_q,block_kv,num_stages[,p][,lf|rr]; a trailing ,det "
+                         "(auto,det) times deterministic=True")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

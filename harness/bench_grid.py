@@ -72,16 +72,26 @@ def grid_points(*, backward: bool, ragged: bool = True, gqa: int = 1,
 
 def parse_variant(text: str):
   """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr]``:
-  p persistent, lf / rr the longest-first / round-robin schedule."""
+  p persistent, lf / rr the longest-first / round-robin schedule.  A
+  trailing ``,det`` (``auto,det``) asks for ``deterministic=True``; see
+  :func:`is_deterministic`."""
   from kernel.config import Config
-  if text == "auto":
+  fields = [f for f in text.split(",") if f != "det"]
+  if fields == ["auto"]:
     return None
-  bq, bkv, st, *flags = text.split(",")
+  if len(fields) < 3:
+    raise ValueError(f"--variants: expected auto or block_q,block_kv,num_stages[,flags], "
+                     f"got {text!r}")
+  bq, bkv, st, *flags = fields
   unknown = set(flags) - {"p", "lf", "rr"}
   if unknown:
     raise ValueError(f"--variants: unknown flag(s) {sorted(unknown)} in {text!r}")
   return Config(int(bq), int(bkv), int(st), persistent="p" in flags,
                 schedule="longest-first" if "lf" in flags else "round-robin")
+
+
+def is_deterministic(text: str) -> bool:
+  return "det" in text.split(",")
 
 
 def _inputs(point: Point, dtype, sets: int, backward: bool):
@@ -118,10 +128,11 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
 
   fns = {}
   for text in variants:
-    config = parse_variant(text)
+    config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
-        lambda q, k, v, config: api.dot_product_attention(q, k, v, is_causal=point.causal,
-                                                          config=config), config=config)))
+        lambda q, k, v, config, det: api.dot_product_attention(
+            q, k, v, is_causal=point.causal, config=config, deterministic=det),
+        config=config, det=det)))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

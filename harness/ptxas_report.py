@@ -1,7 +1,8 @@
 """``python -m harness ptxas``: what ptxas made of every shipped kernel kind.
 
 Each launch kind (forward and forward + backward at head dims 64 / 128 / 256,
-causal and not, ``config=None``) is compiled once in a child process with
+causal and not, ``config=None``, and the arguments that change the kernel's
+code: :data:`FEATURES`) is compiled once in a child process with
 Mosaic GPU's dumps on (``MOSAIC_GPU_DUMP_PTXAS``, ``MOSAIC_GPU_DUMP_PTX``,
 ``MOSAIC_GPU_DUMP_TO``); the report gives, per kernel, the registers, the
 stack frame and spill bytes, and whether ptxas **serialised the wgmmas**
@@ -36,10 +37,24 @@ class Kind:
   head_dim: int
   causal: bool
   backward: bool
+  feature: str = ""    # a key of FEATURES: the call's other arguments
 
   @property
   def name(self) -> str:
-    return f"{'bwd' if self.backward else 'fwd'}-d{self.head_dim}-{'causal' if self.causal else 'full'}"
+    return (f"{'bwd' if self.backward else 'fwd'}-d{self.head_dim}-"
+            f"{'causal' if self.causal else 'full'}{'-' + self.feature if self.feature else ''}")
+
+
+# Arguments that change the kernel's code (not only its tiling), each
+# compiled once beside the plain kinds: the deferred rescale, a staged 2-D
+# bias, the soft cap, per-row key ranges (jax.nn's lengths), a local window.
+FEATURES = {
+    "threshold0.5": "rescale_threshold=0.5",
+    "bias2d": "bias=jax.random.normal(ks[0], (1, {heads}, 4096, 4096), jnp.bfloat16)",
+    "softcap": "logits_soft_cap=30.0",
+    "lengths": "key_value_seq_lengths=jnp.array([3000], jnp.int32)",
+    "window": "local_window_size=(1024, 0)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +71,17 @@ class KernelReport:
             f"{self.spill_bytes:5d} spill bytes{flags}")
 
 
-KINDS = tuple(Kind(d, c, b) for d in HEAD_DIMS for c in (False, True) for b in (False, True))
+KINDS = tuple(Kind(d, c, b) for d in HEAD_DIMS for c in (False, True) for b in (False, True)) + (
+    Kind(128, False, False, "threshold0.5"), Kind(128, True, False, "bias2d"),
+    Kind(128, False, True, "bias2d"), Kind(128, False, False, "softcap"),
+    Kind(64, False, True, "lengths"), Kind(128, True, False, "window"))
 
 _PROGRAM = """
 import jax, jax.numpy as jnp
 from kernel import api
 ks = jax.random.split(jax.random.key(0), 3)
 q, k, v = (jax.random.normal(s, (1, 4096, {heads}, {d}), jnp.bfloat16) for s in ks)
-f = lambda q, k, v: api.dot_product_attention(q, k, v, is_causal={causal})
+f = lambda q, k, v: api.dot_product_attention(q, k, v, is_causal={causal}, {extra})
 if {backward}:
   g = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   jax.block_until_ready(jax.jit(g)(q, k, v))
@@ -84,8 +102,10 @@ def parse_ptxas(kind: str, kernel: str, text: str) -> KernelReport:
 
 def compile_kind(kind: Kind, dump: str, timeout: float = 180.0) -> list[KernelReport]:
   os.makedirs(dump, exist_ok=True)
-  code = _PROGRAM.format(heads=HEAD_DIMS[kind.head_dim], d=kind.head_dim, causal=kind.causal,
-                         backward=kind.backward)
+  heads = HEAD_DIMS[kind.head_dim]
+  extra = FEATURES[kind.feature].format(heads=heads) if kind.feature else ""
+  code = _PROGRAM.format(heads=heads, d=kind.head_dim, causal=kind.causal,
+                         backward=kind.backward, extra=extra)
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
              MOSAIC_GPU_DUMP_TO=dump)
   run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
 
 FWD, BWD, API = "kernel/forward.py", "kernel/backward.py", "kernel/api.py"
+PIPE = "kernel/pipeline.py"  # the ring positions every kernel's ring verbs read
 FWD_T = "properties/test_forward_gpu.py"
 GRAD_T = "properties/test_gradients_gpu.py"
 GUARD_T = "properties/test_guard_band_gpu.py"
@@ -165,8 +166,8 @@ CATALOG: tuple[Mutant, ...] = (
        "jnp.where(key > lax.broadcast_in_dim(k_start, bq_kv, [0]), s, _NEG_INF)",
        feature("key-ranges-with-empty")),
     _m("staged-mask-ignored", "the staged mask ignored", FWD,
-       "keep = staged_tile(mask_ring, ki)\n          s = jnp.where(keep != 0, s, _NEG_INF)\n",
-       "keep = staged_tile(mask_ring, ki)\n", feature("mask-2d-with-empty-row"), probe="fwd-staged"),
+       "keep = staged_tile(\"mask\", ki)\n          s = jnp.where(keep != 0, s, _NEG_INF)\n",
+       "keep = staged_tile(\"mask\", ki)\n", feature("mask-2d-with-empty-row"), probe="fwd-staged"),
     _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", FWD,
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
@@ -175,24 +176,27 @@ CATALOG: tuple[Mutant, ...] = (
        "hk = lax.div(h, jnp.int32(group))", "hk = lax.rem(h, jnp.int32(num_kv_heads))",
        named("heuristic-d128-gqa")),
     _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", FWD,
-       "def pv(acc_ref):\n            plgpu.wgmma(acc_ref, p16, v_smems.at[slot])",
-       "def pv(acc_ref):\n            plgpu.wgmma(acc_ref, p16, k_smems.at[slot])",
+       "def pv(acc_ref):\n            plgpu.wgmma(acc_ref, p16, values.slot(st))",
+       "def pv(acc_ref):\n            plgpu.wgmma(acc_ref, p16, keys.slot(st))",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
        FWD, "rows = pl.ds((2 * qi + w) * block_q, block_q)",
        "rows = pl.ds((2 * qi + 1 - w) * block_q, block_q)", named("heuristic-basic-d64")),
     _m("no-prev-iters-carry", "ring phase not carried across persistent tiles (tilelang #2674)",
-       FWD, "return PipelineState.at(stages, prev_iters + (ki - lb))",
-       "return PipelineState.at(stages, ki - lb)", CARRY),
-    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release", FWD,
-       "reuse = st.count >= stages", "reuse = st.count >= stages + 1",
-       named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1]),
+       FWD, "return keys.position(prev_iters + (ki - lb))",
+       "return keys.position(ki - lb)", CARRY),
+    # The refill rule is the ring's (kernel/pipeline.py, read by
+    # kernel/ring.py's producer_acquire), one for every kernel: the same
+    # patch twice, against the forward's tests and against the backward's.
+    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release", PIPE,
+       "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
+       named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1], probe="fwd"),
     _m("query-released-one-block-early", "a consumer released its slot one block early", FWD,
-       "pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))",
-       "pl.when(ki + 2 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))",
+       "pl.when(ki + 1 == ub)(lambda: queries.consumer_release(wg))",
+       "pl.when(ki + 2 == ub)(lambda: queries.consumer_release(wg))",
        CARRY[:1] + named("persistent-d128-gqa")),
     _m("empty-tile-keeps-query-slot", "an empty tile never releases its query slot (deadlock)",
-       FWD, "pl.when(ub == lb)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))", "None",
+       FWD, "pl.when(ub == lb)(lambda: queries.consumer_release(wg))", "None",
        CARRY[3:]),
     _m("empty-tile-skips-token-pass", "an empty tile skips the pingpong token (Z3-found deadlock)",
        FWD, "        @pl.when(ub == lb)\n        def _():\n"
@@ -271,16 +275,15 @@ CATALOG: tuple[Mutant, ...] = (
     _m("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", BWD,
        "return ds if keep is None else jnp.where(keep, ds, 0.0)", "return ds",
        (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",), probe="grad-causal"),
-    _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", BWD,
-       "pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))",
-       "pl.when(t >= stages + 1)(lambda: plgpu.barrier_wait(consumed.at[slot]))",
-       grads("gqa-d128", "d256-split-dkv")),
+    _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", PIPE,
+       "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
+       grads("gqa-d128", "d256-split-dkv"), probe="grad"),
     Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
            "products reading it completed", BWD, (
-               ("        plgpu.barrier_arrive(consumed.at[slot])\n        if fused:\n",
+               ("        stream.consumer_release(st)\n        if fused:\n",
                 "        if fused:\n"),
                ("        # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
-                "        plgpu.barrier_arrive(consumed.at[slot])\n")),
+                "        stream.consumer_release(st)\n")),
            grads("gqa-d128", "d256-split-dkv")),
 )
 

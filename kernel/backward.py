@@ -56,8 +56,8 @@ import numpy as np
 from kernel import barriers
 from kernel import padding
 from kernel import plan as plan_lib
+from kernel import ring as ring_lib
 from kernel.forward import _load_broadcast, _smem, kv_block_range
-from kernel.pipeline import PipelineState
 
 LOG2E = math.log2(math.e)
 # Gradients summed across thread blocks in float32 in no fixed order (the
@@ -176,12 +176,12 @@ def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> boo
   return fused_dq_fits(blocks, with_bias=with_bias) and not is_causal
 
 
-def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
+def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring):
   """The memory warpgroup of both kernels: 40 registers; its warp 0 issues
-  the stationary tiles' copies, then fills ring step t in [start, stop) into
-  slot ``PipelineState.at(stages, t).index`` with ``fill(t, slot)``.  Steps
-  0..S-1 find fresh slots; every later one first waits for both compute
-  warpgroups to release the slot (the forward's rule, harness/ring_model.py)."""
+  the stationary tiles' copies, then fills ring step t in [start, stop) at
+  position ``stream.position(t)`` with ``fill(t, st)``.  Steps 0..S-1 find
+  fresh slots; every later one first waits for both compute warpgroups to
+  release the slot (the forward's rule, harness/ring_model.py)."""
   plgpu.set_max_registers(40, action="decrease")
 
   @plgpu.warp_map
@@ -192,9 +192,9 @@ def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
 
       @pl.loop(start, stop)
       def _(t):
-        slot = PipelineState.at(stages, t).index
-        pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        fill(t, slot)
+        st = stream.position(t)
+        stream.producer_acquire(st)
+        fill(t, st)
 
 
 def _barrier_refs(plan):
@@ -359,6 +359,12 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     k_stat, *bars = bars
     v_stat = bars.pop(0) if want_dk else None
     q_prod, do_prod, rows_prod, consumed = bars
+    # K (and, for dK, V) stationary: one tile per compute warpgroup, filled
+    # once; each step streams a query block's q, residual rows and dO.
+    stationary = ring_lib.WarpgroupSlots(
+        {"k": (k_st, k_stat), **({"v": (v_st, v_stat)} if want_dk else {})})
+    stream = ring_lib.Ring(stages, {"q": (q_ring, q_prod), "rows": (rows_ring, rows_prod),
+                                    "do": (do_ring, do_prod)}, consumed)
     wg = lax.axis_index("wg")
     j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
     # Query blocks that can see any of this tile's keys (causal: from the
@@ -375,29 +381,30 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     def compute():
       plgpu.set_max_registers(232, action="increase")
       kv_base = (CW * j + wg) * bkv
-      plgpu.barrier_wait(k_stat.at[wg])
+      stationary.consumer_wait(wg, "k")
       if want_dk:
-        plgpu.barrier_wait(v_stat.at[wg])
+        stationary.consumer_wait(wg, "v")
 
       def step(t, carry):
         dk_acc, dv_acc = carry
-        slot = PipelineState.at(stages, t).index
+        st = stream.position(t)
         h, i = coords(t)
         q_base = i * bq
-        plgpu.barrier_wait(q_prod.at[slot])
-        plgpu.barrier_wait(rows_prod.at[slot])
-        plgpu.barrier_wait(do_prod.at[slot])
+        stream.consumer_wait(st, "q")
+        stream.consumer_wait(st, "rows")
+        stream.consumer_wait(st, "do")
+        q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
         zeros_t = plgpu.layout_cast(jnp.zeros(shape_t, jnp.float32), _WGMMA)
         if paired and want_dk:
           # S^T and dP^T depend on nothing computed here: issue both, wait once.
           def s_and_dp(refs):
             s_ref, dp_ref = refs
-            plgpu.wgmma(s_ref, k_st.at[wg], q_ring.at[slot].T)
-            plgpu.wgmma(dp_ref, v_st.at[wg], do_ring.at[slot].T)
+            plgpu.wgmma(s_ref, k_st.at[wg], q_slot.T)
+            plgpu.wgmma(dp_ref, v_st.at[wg], do_slot.T)
           s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros_t), plgpu.ACC.init(zeros_t)))
         else:
           def qk(acc):
-            plgpu.wgmma(acc, k_st.at[wg], q_ring.at[slot].T)
+            plgpu.wgmma(acc, k_st.at[wg], q_slot.T)
             return acc[...]
           s = pl.run_scoped(qk, plgpu.ACC(shape_t, jnp.float32))
           dp = None
@@ -424,19 +431,19 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
         def dp_now():
           def dp_(acc):
-            plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
+            plgpu.wgmma(acc, v_st.at[wg], do_slot.T)
             return acc[...]
           return pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
 
         def step_terms(keep, dp):
           """P^T and (for dK) dS^T of the step, zero where not kept."""
-          lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
+          lse2 = plgpu.load(stream.slot(st, "rows", 0), layout=_COL, optimized=False)
           p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
           ds = None
           if want_dk:
             if dp is None:
               dp = dp_now()
-            delta = plgpu.load(rows_ring.at[slot, 1], layout=_COL, optimized=False)
+            delta = plgpu.load(stream.slot(st, "rows", 1), layout=_COL, optimized=False)
             ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
             if dsdu is not None:
               ds = ds * dsdu
@@ -461,9 +468,9 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
         def grads(refs):
           if "dv" in refs:
-            plgpu.wgmma(refs["dv"], p.astype(dtype), do_ring.at[slot])
+            plgpu.wgmma(refs["dv"], p.astype(dtype), do_slot)
           if "dk" in refs:
-            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot])
+            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_slot)
 
         if paired:
           accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
@@ -472,7 +479,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             accs[n] = pl.run_state(grads)({n: plgpu.ACC.init(accs[n])})[n]
         dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
         # Every product reading the slot has completed (run_state waits).
-        plgpu.barrier_arrive(consumed.at[slot])
+        stream.consumer_release(st)
         if fused:
           # The step's owner forms its dQ part (both dS^T tiles are staged:
           # the rendezvous above) and reduce-adds it.
@@ -506,20 +513,18 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
     def load_stationary():
       for w in range(CW):
         rows_w = pl.ds((CW * j + w) * bkv, bkv)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows_w, hk], k_st.at[w], k_stat.at[w])
+        stationary.producer_copy(k_ref.at[b, rows_w, hk], w, "k")
         if want_dk:
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows_w, hk], v_st.at[w], v_stat.at[w])
+          stationary.producer_copy(v_ref.at[b, rows_w, hk], w, "v")
 
-    def fill(t, slot):
+    def fill(t, st):
       h, i = coords(t)
       qrows = pl.ds(i * bq, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, qrows, h], q_ring.at[slot], q_prod.at[slot])
-      plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, qrows], rows_ring.at[slot],
-                              rows_prod.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, qrows, h], do_ring.at[slot], do_prod.at[slot])
+      stream.producer_copy(q_ref.at[b, qrows, h], st, "q")
+      stream.producer_copy(rows_ref.at[b, h, :, qrows], st, "rows")
+      stream.producer_copy(do_ref.at[b, qrows, h], st, "do")
 
-    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, steps, stages,
-                                                consumed))
+    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, steps, stream))
 
   scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)),
              _barrier_refs(plan)]
@@ -632,6 +637,11 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
     ds_ref = rest[0] if want_ds else None
     (q_st, do_st, rows_st, k_ring, v_ring, ds_st), bars = rest[1:] if want_ds else rest
     q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
+    # Q, dO and the residual rows stationary, one tile per compute warpgroup;
+    # each step streams a key block's k and v.
+    stationary = ring_lib.WarpgroupSlots(
+        {"q": (q_st, q_stat), "do": (do_st, do_stat), "rows": (rows_st, rows_stat)})
+    stream = ring_lib.Ring(stages, {"k": (k_ring, k_prod), "v": (v_ring, v_prod)}, consumed)
     wg = lax.axis_index("wg")
     qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
     hk = lax.div(h, jnp.int32(group))
@@ -650,27 +660,28 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       plgpu.set_max_registers(232, action="increase")
       q_base = (CW * qi + wg) * bq
       rows = pl.ds(q_base, bq)
-      for bar in (q_stat, do_stat, rows_stat):
-        plgpu.barrier_wait(bar.at[wg])
+      for name in ("q", "do", "rows"):
+        stationary.consumer_wait(wg, name)
       lse2 = plgpu.load(rows_st.at[wg, 0], layout=_ROW, optimized=False)
       delta = plgpu.load(rows_st.at[wg, 1], layout=_ROW, optimized=False)
       ks = None if ks_ref is None else _load_broadcast(ks_ref, (b, h, rows), (bq,), _ROW)
       ke = None if ke_ref is None else _load_broadcast(ke_ref, (b, h, rows), (bq,), _ROW)
 
       def step(ki, dq_acc):
-        slot = PipelineState.at(stages, ki - lb).index
+        st = stream.position(ki - lb)
         k_base = ki * bkv
-        plgpu.barrier_wait(k_prod.at[slot])
-        plgpu.barrier_wait(v_prod.at[slot])
+        stream.consumer_wait(st, "k")
+        stream.consumer_wait(st, "v")
+        k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
         zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
 
         def s_and_dp(refs):
           s_ref, dp_ref = refs
-          plgpu.wgmma(s_ref, q_st.at[wg], k_ring.at[slot].T)
-          plgpu.wgmma(dp_ref, do_st.at[wg], v_ring.at[slot].T)
+          plgpu.wgmma(s_ref, q_st.at[wg], k_slot.T)
+          plgpu.wgmma(dp_ref, do_st.at[wg], v_slot.T)
 
         def qk(acc):
-          plgpu.wgmma(acc, q_st.at[wg], k_ring.at[slot].T)
+          plgpu.wgmma(acc, q_st.at[wg], k_slot.T)
           return acc[...]
 
         if paired:  # S and dP need nothing computed here: issue both, wait once
@@ -695,7 +706,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
                                             terms=terms)
 
         def dp_(acc):
-          plgpu.wgmma(acc, do_st.at[wg], v_ring.at[slot].T)
+          plgpu.wgmma(acc, do_st.at[wg], v_slot.T)
           return acc[...]
 
         def step_terms(keep, dp):
@@ -715,10 +726,10 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
                               on_diagonal=lambda: meets_diagonal(k_base, bkv, q_base))
 
         def dsk(acc):
-          plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])
+          plgpu.wgmma(acc, ds.astype(dtype), k_slot)
 
         dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
-        plgpu.barrier_arrive(consumed.at[slot])
+        stream.consumer_release(st)
         if want_ds:
           # The previous block's dS copy must have read the staging buffer.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -738,17 +749,16 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
     def load_stationary():
       for w in range(CW):
         rows_w = pl.ds((CW * qi + w) * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows_w, h], q_st.at[w], q_stat.at[w])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows_w, h], do_st.at[w], do_stat.at[w])
-        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, rows_w], rows_st.at[w], rows_stat.at[w])
+        stationary.producer_copy(q_ref.at[b, rows_w, h], w, "q")
+        stationary.producer_copy(do_ref.at[b, rows_w, h], w, "do")
+        stationary.producer_copy(rows_ref.at[b, h, :, rows_w], w, "rows")
 
-    def fill(t, slot):
+    def fill(t, st):
       keys = pl.ds((lb + t) * bkv, bkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_ring.at[slot], k_prod.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_ring.at[slot], v_prod.at[slot])
+      stream.producer_copy(k_ref.at[b, keys, hk], st, "k")
+      stream.producer_copy(v_ref.at[b, keys, hk], st, "v")
 
-    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, ub - lb, stages,
-                                                consumed))
+    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, ub - lb, stream))
 
   smem = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
   out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim), dtype)]

@@ -39,9 +39,9 @@ import numpy as np
 
 from kernel import barriers
 from kernel import plan as plan_lib
+from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
 from kernel.config import Config
-from kernel.pipeline import PipelineState
 
 LOG2E = math.log2(math.e)
 _WGMMA = plgpu.Layout.WGMMA
@@ -287,10 +287,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
     return final
 
-  def ring_state(prev_iters, lb, ki):
+  def ring_state(keys, prev_iters, lb, ki):
     """The ring position of tile-local key block ki, for producer and
     consumers alike: the global block count, carried across tiles."""
-    return PipelineState.at(stages, prev_iters + (ki - lb))
+    return keys.position(prev_iters + (ki - lb))
 
   def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
            sched_ref, counts_ref, out_ref, m_ref, l_ref, scoped):
@@ -301,14 +301,24 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       o_smems = q_smems  # each warpgroup stages its output in its query slot
     (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
      bias_produced, mask_produced) = mbars
+    queries = ring_lib.WarpgroupSlots({"q": (q_smems, q_produced)}, q_consumed)
+    # The key phase: k and the staged bias/mask tiles of the same key block,
+    # released together; the value phase at the same positions.
+    key_buffers = {"k": (k_smems, k_produced)}
+    if bias_ring is not None:
+      key_buffers["bias"] = (bias_ring, bias_produced)
+    if mask_ring is not None:
+      key_buffers["mask"] = (mask_ring, mask_produced)
+    keys = ring_lib.Ring(stages, key_buffers, k_consumed)
+    values = ring_lib.Ring(stages, {"v": (v_smems, v_produced)}, v_consumed)
     # With staged operands, a key block's slot is released (k_consumed) only
     # once its bias/mask tile has been read, after the softmax's mask; else
     # right after its QK completes.
     staged = bias_ring is not None or mask_ring is not None
 
     def ring(prev_iters, lb, ki):
-      """Slot of tile-local key block ki: global count prev_iters + (ki - lb)."""
-      return ring_state(prev_iters, lb, ki).index
+      """Position of tile-local key block ki: global count prev_iters + (ki - lb)."""
+      return ring_state(keys, prev_iters, lb, ki)
 
     def pass_token_for_the_last_time():
       pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
@@ -317,7 +327,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       lb, ub, k_start_max, k_end_min = tile_range(qi, b, h, tiles_ref)
       q_base = (2 * qi + wg) * block_q
       rows = pl.ds(q_base, block_q)
-      q_smem = q_smems.at[wg]
+      q_smem = queries.slot(wg)
 
       def iota(dim):
         return plgpu.broadcasted_iota(jnp.int32, bq_kv, dim, layout=_WGMMA)
@@ -331,24 +341,24 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim_out), jnp.float32), _WGMMA)
 
-      plgpu.barrier_wait(q_produced.at[wg])
+      queries.consumer_wait(wg)
 
       @pl.when(ub > lb)
       def _():
-        plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, lb)])
+        keys.consumer_wait(ring(prev_iters, lb, lb))
 
-      def wait_staged(slot):
+      def wait_staged(st):
         # The rest of the key phase, right after the QK issue (the order the
         # Z3 model proves: wait k, issue QK, wait bias/mask, pass the token).
-        for ring_ref, produced in ((bias_ring, bias_produced), (mask_ring, mask_produced)):
-          if ring_ref is not None:
-            plgpu.barrier_wait(produced.at[slot])
+        if bias_ring is not None:
+          keys.consumer_wait(st, "bias")
+        if mask_ring is not None:
+          keys.consumer_wait(st, "mask")
 
-      def staged_tile(ring_ref, ki):
+      def staged_tile(buffer, ki):
         """This warpgroup's rows of key block ki's staged bias/mask tile
-        (waited for in wait_staged; released with k_consumed after this)."""
-        slot = ring(prev_iters, lb, ki)
-        tile = ring_ref.at[slot]
+        (waited for in wait_staged; released with the keys after this)."""
+        tile = keys.slot(ring(prev_iters, lb, ki), buffer)
         return lax.cond(wg == 0,
                         lambda: plgpu.load(tile.at[pl.ds(0, block_q)], layout=_WGMMA,
                                            optimized=False),
@@ -362,7 +372,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         k_base = ki * block_kv
         sc = f.scale
         if bias_ring is not None:
-          bias = staged_tile(bias_ring, ki)
+          bias = staged_tile("bias", ki)
           s, sc = s * sc + bias.astype(jnp.float32), 1.0
         elif bias_ref is not None:
           bias = _load_broadcast(bias_ref, (b, h, rows, pl.ds(k_base, block_kv)),
@@ -391,7 +401,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
               lambda: jnp.where(key < lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF),
               lambda: s)
         if mask_ring is not None:
-          keep = staged_tile(mask_ring, ki)
+          keep = staged_tile("mask", ki)
           s = jnp.where(keep != 0, s, _NEG_INF)
         elif mask_ref is not None:
           keep = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, block_kv)),
@@ -406,11 +416,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
       def qk(ki):
         """Issue QK^T of key block ki, let the other warpgroup issue, wait."""
-        slot = ring(prev_iters, lb, ki)
+        st = ring(prev_iters, lb, ki)
 
         def compute_qk(s_ref):
-          plgpu.wgmma(s_ref, q_smem, k_smems.at[slot].T)
-          wait_staged(slot)
+          plgpu.wgmma(s_ref, q_smem, keys.slot(st).T)
+          wait_staged(st)
           barriers.schedule_release_other(wg)
           return s_ref[...]
 
@@ -419,7 +429,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       def release_query_after(ki):
         if config.persistent and not layout.overlay_q_with_output:
           # The tile's last QK has completed: the query slot may be refilled.
-          pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
+          pl.when(ki + 1 == ub)(lambda: queries.consumer_release(wg))
 
       def softmax(s, ki, m_i, l_i, pending, *, edge):
         """Online softmax of key block ki's raw logits s: returns the factor
@@ -454,16 +464,16 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         completes.  ``edge``: whether block ki + 1 may reach the diagonal or
         the last key (the masked path)."""
         acc, p16, m_i, l_i, *pending = carry
-        slot, next_slot = ring(prev_iters, lb, ki), ring(prev_iters, lb, ki + 1)
-        plgpu.barrier_wait(v_produced.at[slot])
+        st, next_st = ring(prev_iters, lb, ki), ring(prev_iters, lb, ki + 1)
+        values.consumer_wait(st)
         barriers.schedule_sync(wg)
 
         def issue_then_softmax(refs):
           acc_ref, s_ref, factor_ref, p_ref, m_ref_, l_ref_, *pending_refs = refs
-          plgpu.barrier_wait(k_produced.at[next_slot])
-          plgpu.wgmma(s_ref, q_smem, k_smems.at[next_slot].T)
-          plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
-          wait_staged(next_slot)
+          keys.consumer_wait(next_st)
+          plgpu.wgmma(s_ref, q_smem, keys.slot(next_st).T)
+          plgpu.wgmma(acc_ref, p16, values.slot(st))
+          wait_staged(next_st)
           barriers.schedule_release_other(wg)
           # wgmma groups complete in issue order: at most one in flight means
           # the QK is done, the PV may still run.
@@ -496,8 +506,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         # Releases in the order the Z3 model proves: v of block ki, then k
         # (and a staged tile, read by the softmax) of block ki + 1, then the
         # queries after a persistent tile's last QK.
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        plgpu.barrier_arrive(k_consumed.at[next_slot])
+        values.consumer_release(st)
+        keys.consumer_release(next_st)
         release_query_after(ki + 1)
         return (rescaled(acc, factor), p16, m_i, l_i, *pending)
 
@@ -508,7 +518,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         def first_softmax(edge):
           _, p, m, l, pend = softmax(s0, lb, m_i, l_i, pending, edge=edge)
           if staged:  # its staged tiles are read: release the key-phase slot
-            plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
+            keys.consumer_release(ring(prev_iters, lb, lb))
           return p.astype(dtype), m, l + p.sum(axis=1), pend
 
         if has_edge:
@@ -531,14 +541,14 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         acc, p16, m, l, *pend = carry
 
         def last_pv(acc):
-          slot = ring(prev_iters, lb, last)
-          plgpu.barrier_wait(v_produced.at[slot])
+          st = ring(prev_iters, lb, last)
+          values.consumer_wait(st)
           barriers.schedule_sync(wg)
 
           def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
+            plgpu.wgmma(acc_ref, p16, values.slot(st))
           acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_consumed.at[slot])
+          values.consumer_release(st)
           return acc
 
         acc = lax.cond(ub > lb, last_pv, lambda a: a, acc)
@@ -550,7 +560,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       def first_qk():
         s = qk(lb)
         if not staged:
-          plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
+          keys.consumer_release(ring(prev_iters, lb, lb))
         release_query_after(lb)
         return s
 
@@ -602,7 +612,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
 
       if config.persistent and not layout.overlay_q_with_output:
         # A tile without key blocks never ran a QK: release the query slot here.
-        pl.when(ub == lb)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
+        pl.when(ub == lb)(lambda: queries.consumer_release(wg))
       if config.persistent:
         # The previous tile's output copy must have read o/m/l before we
         # overwrite them (it drained while this tile computed).
@@ -626,7 +636,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         # copy has read it.  The next tile's keys and values are already
         # streaming; only its query load is exposed.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(q_consumed.at[wg])
+        queries.consumer_release(wg)
       return prev_iters + (ub - lb)
 
 
@@ -659,26 +669,23 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         hk = lax.div(h, jnp.int32(group))
 
         def fill(ki):
-          st = ring_state(prev_iters, lb, ki)
-          keys = pl.ds(ki * block_kv, block_kv)
-          # Global fills 0..S-1 find fresh slots (the producer starts at phase
-          # 1, like CUTLASS's); every later one waits for both warpgroups.
-          reuse = st.count >= stages
-          pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[st.index]))
-          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
-                                  k_produced.at[st.index])
+          st = ring_state(keys, prev_iters, lb, ki)
+          kb = pl.ds(ki * block_kv, block_kv)
+          # Global fills 0..S-1 find fresh slots; every later one waits for
+          # both warpgroups (ring.Ring.producer_acquire).
+          keys.producer_acquire(st)
+          keys.producer_copy(k_ref.at[b, kb, hk], st)
           # The rest of the key phase: the super-tile's bias/mask tile of this
-          # key block, released with the keys (k_consumed).
-          for ring_ref, src, produced in ((bias_ring, bias_ref, bias_produced),
-                                          (mask_ring, mask_ref, mask_produced)):
-            if ring_ref is not None:
-              plgpu.copy_gmem_to_smem(
-                  src.at[0 if src.shape[0] == 1 else b, 0 if src.shape[1] == 1 else h,
-                         pl.ds(2 * qi * block_q, 2 * block_q), keys],
-                  ring_ref.at[st.index], produced.at[st.index])
-          pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[st.index]))
-          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smems.at[st.index],
-                                  v_produced.at[st.index])
+          # key block, released with the keys.
+          staged_src = lambda src: src.at[0 if src.shape[0] == 1 else b,
+                                          0 if src.shape[1] == 1 else h,
+                                          pl.ds(2 * qi * block_q, 2 * block_q), kb]
+          if "bias" in keys.buffers:
+            keys.producer_copy(staged_src(bias_ref), st, "bias")
+          if "mask" in keys.buffers:
+            keys.producer_copy(staged_src(mask_ref), st, "mask")
+          values.producer_acquire(st)
+          values.producer_copy(v_ref.at[b, kb, hk], st)
 
         pl.loop(lb, ub)(fill)
         return prev_iters + (ub - lb)
@@ -687,9 +694,9 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         """Warp 1: the tile's queries, once the previous tile's are consumed."""
         for w in range(barriers.COMPUTE_WARPGROUPS):
           if config.persistent:
-            pl.when(step > 0)(lambda w=w: plgpu.barrier_wait(q_consumed.at[w]))
+            queries.producer_acquire(w, step > 0)
           rows = pl.ds((2 * qi + w) * block_q, block_q)
-          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smems.at[w], q_produced.at[w])
+          queries.producer_copy(q_ref.at[b, rows, h], w)
         return step + 1
 
       @plgpu.warp_map

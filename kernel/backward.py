@@ -57,18 +57,14 @@ from kernel import barriers
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
-from kernel.forward import _load_broadcast, _smem, kv_block_range
+from kernel.common import (COL, LOG2E, ROW, WGMMA, kv_block_range, load_broadcast, smem,
+                           tile_key_bounds)
 
-LOG2E = math.log2(math.e)
 # Gradients summed across thread blocks in float32 in no fixed order (the
 # fused dQ's reduce-adds): their bits may differ from run to run, within
 # harness.tolerance.run_to_run_bound.  Every other output is bitwise
 # reproducible.
 ORDER_DEPENDENT_GRADIENTS = ("dq",)
-_WGMMA = plgpu.Layout.WGMMA
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
-_NEG_INF = float("-inf")
 CW = barriers.COMPUTE_WARPGROUPS
 
 
@@ -204,7 +200,7 @@ def _barrier_refs(plan):
 
 def _allocate(buffers):
   """Scratch refs for buffer descriptions (None stays None: an unused slot)."""
-  return tuple(None if b is None else _smem(b) for b in buffers)
+  return tuple(None if b is None else smem(b) for b in buffers)
 
 
 def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
@@ -296,8 +292,8 @@ def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
   indices giving bool arrays: key ranges, mask, padded keys), in order.
   ``key_dim``: the tile's dimension along keys (0 in the dK/dV kernel's
   transposed tiles, 1 in the dQ kernel's)."""
-  key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=_WGMMA)
-  query = query_base + plgpu.broadcasted_iota(jnp.int32, shape, 1 - key_dim, layout=_WGMMA)
+  key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=WGMMA)
+  query = query_base + plgpu.broadcasted_iota(jnp.int32, shape, 1 - key_dim, layout=WGMMA)
   keep = key <= query if causal else None
   for term in terms:
     keep = _and(keep, term(key))
@@ -394,7 +390,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         stream.consumer_wait(st, "rows")
         stream.consumer_wait(st, "do")
         q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
-        zeros_t = plgpu.layout_cast(jnp.zeros(shape_t, jnp.float32), _WGMMA)
+        zeros_t = plgpu.layout_cast(jnp.zeros(shape_t, jnp.float32), WGMMA)
         if paired and want_dk:
           # S^T and dP^T depend on nothing computed here: issue both, wait once.
           def s_and_dp(refs):
@@ -408,12 +404,12 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             return acc[...]
           s = pl.run_scoped(qk, plgpu.ACC(shape_t, jnp.float32))
           dp = None
-        bias = None if bias_ref is None else _load_broadcast(
-            bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
+        bias = None if bias_ref is None else load_broadcast(
+            bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
 
         def per_query(ref):  # k_start / k_end of the block's queries, along the tile
-          v = _load_broadcast(ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
+          v = load_broadcast(ref, (b, h, pl.ds(q_base, bq)), (bq,), COL)
           return lax.broadcast_in_dim(v, shape_t, [1])
 
         terms = []
@@ -422,8 +418,8 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
         if ke_ref is not None:
           terms.append(lambda key: key < per_query(ke_ref))
         if mask_ref is not None:
-          terms.append(lambda key: _load_broadcast(
-              mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA) != 0)
+          terms.append(lambda key: load_broadcast(
+              mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, WGMMA) != 0)
         if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
           terms.append(lambda key: key < f.seq_kv)  # padded keys add nothing to dQ
         keep_of = lambda causal: _pair_keep(shape_t, kv_base, q_base, 0, causal=causal,
@@ -437,13 +433,13 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
         def step_terms(keep, dp):
           """P^T and (for dK) dS^T of the step, zero where not kept."""
-          lse2 = plgpu.load(stream.slot(st, "rows", 0), layout=_COL, optimized=False)
+          lse2 = plgpu.load(stream.slot(st, "rows", 0), layout=COL, optimized=False)
           p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
           ds = None
           if want_dk:
             if dp is None:
               dp = dp_now()
-            delta = plgpu.load(stream.slot(st, "rows", 1), layout=_COL, optimized=False)
+            delta = plgpu.load(stream.slot(st, "rows", 1), layout=COL, optimized=False)
             ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
             if dsdu is not None:
               ds = ds * dsdu
@@ -489,7 +485,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
             _dq_reduce_add(part, dq_st.at[wg], dq_ref.at[b, pl.ds(q_base, bq), h])
         return dk_acc, dv_acc
 
-      zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
+      zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), WGMMA)
       dk_acc = zeros(head_dim) if want_dk else None
       dv_acc = zeros(head_dim_out) if want_dv else None
       dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
@@ -662,10 +658,10 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       rows = pl.ds(q_base, bq)
       for name in ("q", "do", "rows"):
         stationary.consumer_wait(wg, name)
-      lse2 = plgpu.load(rows_st.at[wg, 0], layout=_ROW, optimized=False)
-      delta = plgpu.load(rows_st.at[wg, 1], layout=_ROW, optimized=False)
-      ks = None if ks_ref is None else _load_broadcast(ks_ref, (b, h, rows), (bq,), _ROW)
-      ke = None if ke_ref is None else _load_broadcast(ke_ref, (b, h, rows), (bq,), _ROW)
+      lse2 = plgpu.load(rows_st.at[wg, 0], layout=ROW, optimized=False)
+      delta = plgpu.load(rows_st.at[wg, 1], layout=ROW, optimized=False)
+      ks = None if ks_ref is None else load_broadcast(ks_ref, (b, h, rows), (bq,), ROW)
+      ke = None if ke_ref is None else load_broadcast(ke_ref, (b, h, rows), (bq,), ROW)
 
       def step(ki, dq_acc):
         st = stream.position(ki - lb)
@@ -673,7 +669,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
         stream.consumer_wait(st, "k")
         stream.consumer_wait(st, "v")
         k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
-        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
+        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
 
         def s_and_dp(refs):
           s_ref, dp_ref = refs
@@ -688,8 +684,8 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
           s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
         else:
           s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-        bias = None if bias_ref is None else _load_broadcast(
-            bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
+        bias = None if bias_ref is None else load_broadcast(
+            bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, WGMMA)
         s, dsdu = _scaled_logits(s, f, bias)
 
         terms = []
@@ -700,8 +696,8 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
         if ke is not None:
           terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
         if mask_ref is not None:
-          terms.append(lambda key: _load_broadcast(
-              mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA) != 0)
+          terms.append(lambda key: load_broadcast(
+              mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, WGMMA) != 0)
         keep_of = lambda causal: _pair_keep(shape, k_base, q_base, 1, causal=causal,
                                             terms=terms)
 
@@ -738,7 +734,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
           plgpu.copy_smem_to_gmem(ds_st.at[wg], ds_ref.at[b, h, rows, pl.ds(k_base, bkv)])
         return dq_acc
 
-      dq_acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), _WGMMA)
+      dq_acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), WGMMA)
       dq_acc = lax.fori_loop(lb, ub, step, dq_acc)
       # q is no longer read: it stages dQ.
       q_st.at[wg][...] = (dq_acc * f.scale).astype(dtype)

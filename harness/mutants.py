@@ -231,14 +231,14 @@ CATALOG: tuple[Mutant, ...] = (
        "dq, ds = (dq_accum[...] * f.scale).astype(dtype), None",
        "dq, ds = dq_accum[...].astype(dtype), None", grads("gqa-d128"), probe="grad-fused"),
     _m("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", BWD,
-       "q_st.at[wg][...] = (dq_acc * f.scale).astype(dtype)",
-       "q_st.at[wg][...] = dq_acc.astype(dtype)", grads("ragged-causal-d72-dv96"), probe="grad-causal"),
+       "q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)",
+       "q_st[...] = dq_acc.astype(c.dtype)", grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _m("dk-missing-scale", "dk missing the scale", BWD,
-       "        if name == \"dk\":\n          acc = acc * f.scale\n", "", grads("gqa-d128")),
+       "    if name == \"dk\":\n      acc = acc * c.f.scale\n", "", grads("gqa-d128")),
     _m("dk-dv-swapped", "dk and dv swapped (joint launch)", BWD,
-       'results = {"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}',
-       'results = {"dk": (dv_acc, k_st), "dv": (dk_acc, v_st)} if want_dk and want_dv else '
-       '{"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}', grads("gqa-d128")),
+       'results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}',
+       'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)} if len(c.outputs) == 2 else '
+       '{"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}', grads("gqa-d128")),
     _m("backward-causal-diagonal-masked", "causal off by one in the backward", BWD,
        "keep = key <= query if causal else None", "keep = key < query if causal else None",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
@@ -248,16 +248,17 @@ CATALOG: tuple[Mutant, ...] = (
        ("properties/test_causal_skip.py::test_the_predicate_sees_the_corners",)
        + grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _m("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
-       BWD, "lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) if f.is_causal else jnp.int32(0)",
-       "lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) + 1 if f.is_causal else jnp.int32(0)",
+       BWD, "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)",
+       "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) + 1 if c.f.is_causal "
+       "else jnp.int32(0)",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
     _m("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", BWD,
-       "return hk * group + lax.div(t, per_head), lo + lax.rem(t, per_head)",
-       "return hk + num_kv_heads * lax.div(t, per_head), lo + lax.rem(t, per_head)",
+       "return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
+       "return c.hk + c.num_kv_heads * lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        grads("gqa-d128")),
     _m("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", BWD,
-       "    hk = lax.div(h, jnp.int32(group))\n    if tiles_ref is None:",
-       "    hk = lax.rem(h, jnp.int32(num_kv_heads))\n    if tiles_ref is None:",
+       "  hk = lax.div(h, jnp.int32(c.group))\n  f = c.f\n  if tiles_ref is None:",
+       "  hk = lax.rem(h, jnp.int32(c.num_kv_heads))\n  f = c.f\n  if tiles_ref is None:",
        grads("gqa-causal-dq-kernel"), probe="grad-causal"),
     Mutant("bias-after-softcap", "bias added after the soft cap", BWD, ((
         "  if bias is not None:\n    u = u + bias.astype(jnp.float32)\n"
@@ -282,10 +283,10 @@ CATALOG: tuple[Mutant, ...] = (
        grads("gqa-d128", "d256-split-dkv"), probe="grad"),
     Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
            "products reading it completed", BWD, (
-               ("        stream.consumer_release(st)\n        if fused:\n",
-                "        if fused:\n"),
-               ("        # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
-                "        stream.consumer_release(st)\n")),
+               ("  stream.consumer_release(st)\n  if c.fused:\n",
+                "  if c.fused:\n"),
+               ("  # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
+                "  stream.consumer_release(st)\n")),
            grads("gqa-d128", "d256-split-dkv")),
 )
 

@@ -167,7 +167,8 @@ CATALOG: tuple[Mutant, ...] = (
        feature("key-ranges-with-empty")),
     _m("staged-mask-ignored", "the staged mask ignored", FWD,
        "keep = staged_tile(c, t, \"mask\", ki)\n    s = jnp.where(keep != 0, s, NEG_INF)\n",
-       "keep = staged_tile(c, t, \"mask\", ki)\n", feature("mask-2d-with-empty-row"), probe="fwd-staged"),
+       "keep = staged_tile(c, t, \"mask\", ki)\n", feature("mask-2d-with-empty-row"),
+       probe="fwd-staged"),
     _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", FWD,
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
@@ -248,7 +249,8 @@ CATALOG: tuple[Mutant, ...] = (
        ("properties/test_causal_skip.py::test_the_predicate_sees_the_corners",)
        + grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _m("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
-       BWD, "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)",
+       BWD,
+       "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)",
        "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) + 1 if c.f.is_causal "
        "else jnp.int32(0)",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),

@@ -450,6 +450,10 @@ class DkvKernel(_Operands):
     return "dk" in self.outputs
 
   @property
+  def want_dv(self) -> bool:
+    return "dv" in self.outputs
+
+  @property
   def shape_t(self) -> tuple[int, int]:
     return (self.bkv, self.bq)  # S^T: keys x queries
 
@@ -530,7 +534,8 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
       c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head, steps=per_head * c.group,
       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary, stream=stream)
+      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
+      stream=stream)
   pl.when(wg < CW)(functools.partial(_dkv_compute, c))
   pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
                                               functools.partial(_dkv_fill, c), 0, c.steps,
@@ -570,7 +575,7 @@ def _dkv_compute(c: DkvKernel):
     c.stationary.consumer_wait(wg, "v")
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
   dk_acc = zeros(c.head_dim) if c.want_dk else None
-  dv_acc = zeros(c.head_dim_out) if "dv" in c.outputs else None
+  dv_acc = zeros(c.head_dim_out) if c.want_dv else None
   dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_dkv_step, c, kv_base),
                                  (dk_acc, dv_acc))
   if c.fused:  # the last dQ product has read both K tiles before they stage dK

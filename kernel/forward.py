@@ -113,7 +113,7 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
 class Kernel:
   """What every role of one launch reads: its sizes and switches (set by
   :func:`flash_attention_forward`) and, inside the kernel, its refs, rings
-  and warpgroup index (set by :func:`_kernel`)."""
+  and warpgroup index (set by :func:`_dispatch`)."""
 
   f: Features
   config: Config

@@ -178,12 +178,19 @@ class Extracted:
                  sorted(self.roles.items()))
 
 
-def _kernel_frame(source_info) -> str:
+def _kernel_frame(source_info, site: str | None = None) -> str:
+  """The innermost line of a kernel file, past the helpers of barriers.py,
+  pipeline.py and ring.py.  ``site``: the line of the ``cond`` being run,
+  for an operation whose frames hold none: JAX's traceback of an operation
+  in a branch stops at the branch function, which for a ring verb's
+  conditional wait is ring.py's own."""
   frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
   for f in frames:
     fn = os.path.abspath(f.file_name)
-    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py")):
+    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
       return f"{os.path.relpath(fn, os.path.dirname(KERNEL_DIR))}:{f.line_num}"
+  if site is not None:
+    return site
   from jax._src import source_info_util
   return source_info_util.summarize(source_info)
 
@@ -258,6 +265,7 @@ class _Interp:
     self.cells: dict[str, tuple] = {}   # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
     self.loads = 0
+    self.site = None        # the kernel line of the cond whose branch runs
 
   # -- values ---------------------------------------------------------------
   def read(self, env, v):
@@ -338,7 +346,7 @@ class _Interp:
 
   def eqn_(self, eqn, env):
     name = eqn.primitive.name
-    src = _kernel_frame(eqn.source_info)
+    src = _kernel_frame(eqn.source_info, self.site)
     ins = [self.read(env, v) for v in eqn.invars]
     nout = len(eqn.outvars)
     if name in _INT_OPS and all(isinstance(x[0], (int, bool)) for x in ins) and len(ins) == 2:
@@ -384,7 +392,11 @@ class _Interp:
     if isinstance(index[0], (int, bool)):
       which = max(0, min(int(index[0]), len(branches) - 1))
       b = branches[which]
-      return self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
+      outer, self.site = self.site, src
+      try:
+        return self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
+      finally:
+        self.site = outer
     if any(_has_sync(b.jaxpr) for b in branches):
       raise ExtractionError(
           f"{src}: a cond on a value the extractor cannot evaluate (data) has "
@@ -624,7 +636,7 @@ class _Interp:
     (bid, expr), = ins
     if not isinstance(bid, int):
       raise ExtractionError(f"{src}: named barrier id is not an integer the extractor can evaluate")
-    self._emit(Event("bar_" + kind, self.role, _kernel_frame(eqn.source_info), bar_id=bid,
+    self._emit(Event("bar_" + kind, self.role, src, bar_id=bid,
                      threads=threads, family=_barrier_family(eqn.source_info), expr=expr))
     return []
 
@@ -634,15 +646,31 @@ def dict_eqn(eqn, **params):
       eqn) else eqn.replace(params={**eqn.params, **params})
 
 
+_RING_VERB = re.compile(r"([A-Za-z_]\w*)\.(producer_acquire|producer_copy|consumer_wait|"
+                        r"consumer_release)\((.*)")
+
+
 def _name_buffers(events: dict) -> dict:
   """Readable names from the kernel's source: an mbarrier array is named by the
   identifier its first wait/arrive line indexes, a buffer by the destination
-  of its first TMA load or the source of its first TMA store."""
+  of its first TMA load or the source of its first TMA store.  A line that
+  calls a verb of kernel/ring.py (``keys.consumer_wait(st, "bias")``) names
+  them after the ring and the buffer it names: ``keys.bias`` for the
+  buffer, ``keys.bias.produced`` for its barriers, ``keys.consumed``."""
   names = {}
   pat = re.compile(r"([A-Za-z_]\w*)\.at\[")
   for evs in events.values():
     for e in evs:
       line = _src_line(e.src)
+      verb = _RING_VERB.search(line)
+      if verb and e.kind in ("wait", "arrive", "tma_load"):
+        ring, verb, args = verb.groups()
+        part = re.match(r"[^\"]*\"(\w+)\"", args)
+        buf = f"{ring}.{part.group(1)}" if part else ring
+        name = {"consumer_wait": f"{buf}.produced", "producer_copy": buf}.get(
+            verb, f"{ring}.consumed")
+        names.setdefault(e.buf, name)
+        continue
       found = pat.findall(line)
       if e.kind in ("wait", "arrive") and found and e.buf not in names:
         names[e.buf] = found[0]

@@ -44,6 +44,33 @@ def cases() -> dict[str, dict]:
   c["d128-p-unpadded"] = (dict(B=2, T=296, N=4, H=128, S=512, K=2, Hv=128),
                           dict(config=Config(64, 128, 2, True), return_residuals=True), {}, False)
   c["d64-grad-unpadded"] = (dict(B=1, T=296, N=2, H=64, S=512, K=1, Hv=64), {}, {}, True)
+  # The longest-first schedule (its tables, and a local window it weighs
+  # tiles by), three stages, 128-row warpgroup blocks, 2-D operands read from
+  # global memory instead of staged, and the private backward variants.
+  d128 = dict(B=2, T=300, N=4, H=128, S=500, K=2, Hv=128)
+  for persistent in (False, True):
+    p = "p" if persistent else "np"
+    lf = Config(64, 128, 2, persistent, "longest-first")
+    c[f"d128-{p}-longest-first-causal"] = (d128, dict(config=lf, is_causal=True), {}, False)
+    c[f"d128-{p}-longest-first-window"] = (
+        d128, dict(config=lf, local_window_size=(100, 20), return_residuals=True), {}, False)
+  c["d128-np-3stages-unstaged-2d"] = (
+      d128, dict(config=Config(64, 128, 3, False), _stage_2d=False),
+      dict(bias_shape=(2, 4, 300, 500), mask_shape=(2, 4, 300, 500)), False)
+  c["d64-p-bq128-3stages-staged-mask"] = (
+      dict(B=2, T=600, N=4, H=64, S=500, K=2, Hv=64),
+      dict(config=Config(128, 64, 3, True), is_causal=True),
+      dict(mask_shape=(2, 4, 600, 500)), False)
+  c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, _backward="pallas-serial"),
+                                       dict(bias_shape=(1, 4, 300, 500)), True)
+  c["d128-grad-two-kernel"] = (d128, dict(_backward="pallas-two-kernel"), {}, True)
+  c["d128-grad-fused-mask-ranges"] = (d128, {}, dict(mask_shape=(2, 1, 300, 500),
+                                                     k_range_shape=(2, 4, 300)), True)
+  c["d96-grad-split-causal"] = (dict(B=1, T=200, N=2, H=96, S=328, K=1, Hv=192),
+                                dict(is_causal=True), {}, True)
+  # The guarded launch (outputs as mutable operands: no fresh outputs).
+  c["d128-p-guarded-outputs"] = (d128, dict(config=Config(64, 128, 2, True),
+                                            return_residuals=True, _guarded=True), {}, False)
   return c
 
 
@@ -69,11 +96,53 @@ def jaxpr_text(shapes, kwargs, operands, gradients) -> str:
                                      **extra, **kwargs)
 
   target = fn
+  if kwargs.get("_guarded"):
+    target = _guarded(args, {k: v for k, v in kwargs.items() if k != "_guarded"})
   if gradients:
     argnums = (0, 1, 2) + ((3,) if "bias" in names else ())
     target = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
   with api.lowering_only():
     return str(jax.make_jaxpr(target)(*args))
+
+
+def _guarded(args, kwargs):
+  """The API's own launch (features, config, dtype, SM count as
+  ``dot_product_attention`` resolves them), replaced by one into mutable
+  outputs 16 rows longer than the padded query length, as
+  properties/test_guard_band_gpu.py does."""
+  import jax
+  import jax.numpy as jnp
+  from unittest import mock
+  from kernel import api
+  from kernel.forward import flash_attention_forward
+  got = {}
+
+  def record(features, config, dtype, num_sms, problem, backward):
+    got.update(features=features, config=config, dtype=dtype, num_sms=num_sms)
+    return lambda *a: (None, (None, None))
+
+  with mock.patch.object(api, "_differentiable", record), api.lowering_only():
+    jax.eval_shape(lambda *a: api.dot_product_attention(*a, **kwargs), *args)
+
+  def call(q, k, v):
+    whole = []
+
+    def guarded_launch(q, k, v, *rest, **kw):
+      B, _, N, _ = q.shape
+      tile = 2 * kw["config"].block_q
+      rows = -(-q.shape[1] // tile) * tile + 16
+      refs = (jax.new_ref(jnp.full((B, rows, N, v.shape[3]), jnp.nan, q.dtype)),
+              jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
+              jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
+      flash_attention_forward(q, k, v, *rest, outputs=refs, **kw)
+      whole.extend(r[...] for r in refs)
+      return whole[0], tuple(whole[1:])
+
+    with mock.patch.object(api, "flash_attention_forward", guarded_launch):
+      api._forward.__wrapped__(q, k, v, None, None, None, None, **got)
+    return tuple(whole)
+
+  return call
 
 
 def main(argv=None) -> int:

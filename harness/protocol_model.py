@@ -33,6 +33,10 @@ action one step of ``kernel/forward.py``'s program order:
   the phase of its "produced" mbarrier (arrive.expect_tx is the issue).
 * ``async``: wgmma completion and the output copy's read of the o slot.
 
+An action that models a verb of the kernel's rings (kernel/ring.py) is named
+after it: ``producer_acquire``, ``producer_copy``, ``consumer_wait``,
+``consumer_release``, then the barrier or buffer it reads.
+
 Every number comes from :func:`kernel.plan.pipeline_plan` and
 :mod:`kernel.barriers` (stages, staged buffers, arrival counts, named-barrier
 thread counts); none is retyped here.
@@ -620,13 +624,14 @@ class Model:
         def here(s, i=i, wait=wait):
           h = z3.And(self.at(s, a, wait), s["memory.idx"] == i)
           return z3.And(h, more(s)) if wait == "k_wait" else h
-        self._act(actor=a, label=wait, name=f"wait {cons}", slot=i, block=g,
+        self._act(actor=a, label=wait, name=f"producer_acquire: wait {cons}", slot=i, block=g,
                   parity=lambda s, bar=bar: s[f"memory.bit.{bar}"],
                   guard=lambda s, here=here, bar=bar: z3.And(
                       here(s), reuse(s), self.passes(s, a, bar)),
                   update=lambda s, f, bar=bar, nxt=nxt: {
                       "memory.pc": self.goto(a, nxt), **self._wait_bit(s, a, bar)})
-        self._act(actor=a, label=wait, name=f"no {cons} wait (slot's first use)",
+        self._act(actor=a, label=wait,
+                  name=f"producer_acquire: no {cons} wait (slot's first use)",
                   slot=i, block=g,
                   guard=lambda s, here=here: z3.And(here(s), z3.Not(reuse(s))),
                   update=lambda s, f, nxt=nxt: {"memory.pc": self.goto(a, nxt)})
@@ -652,7 +657,7 @@ class Model:
             out.append(("overlay", "TMA into k after the output overlaid it",
                         z3.Not(z3.Or([self.output_written(s, w) for w in range(self.W)]))))
           return out
-        self._act(actor=a, label=label, name=f"issue TMA {b}", slot=i, block=g,
+        self._act(actor=a, label=label, name=f"producer_copy: TMA {b}", slot=i, block=g,
                   parity=lambda s: s["memory.ph"],
                   guard=lambda s, label=label, i=i: z3.And(self.at(s, a, label),
                                                            s["memory.idx"] == i),
@@ -674,13 +679,14 @@ class Model:
       nxt_wait = seq[seq.index(wait) + 1]
       more = (lambda s: t(s) < self.NT) if wait == first else (lambda s: z3.BoolVal(True))
       if self.persistent:
-        self._act(actor=a, label=wait, name=f"wait {bar}", slot=w, block=t,
+        self._act(actor=a, label=wait, name=f"producer_acquire: wait {bar}", slot=w, block=t,
                   parity=lambda s, bar=bar: s[f"qload.bit.{bar}"],
                   guard=lambda s, wait=wait, more=more, bar=bar: z3.And(
                       self.at(s, a, wait), more(s), t(s) >= 1, self.passes(s, a, bar)),
                   update=lambda s, f, n=nxt_wait, bar=bar: {
                       "qload.pc": self.goto(a, n), **self._wait_bit(s, a, bar)})
-      self._act(actor=a, label=wait, name="no wait (first tile)", slot=w, block=t,
+      self._act(actor=a, label=wait, name="producer_acquire: no wait (first tile)", slot=w,
+                block=t,
                 guard=lambda s, wait=wait, more=more: z3.And(
                     self.at(s, a, wait), more(s), t(s) == 0),
                 update=lambda s, f, n=nxt_wait: {"qload.pc": self.goto(a, n)})
@@ -704,7 +710,7 @@ class Model:
           out.append(("overlay", "TMA into q after the output overlaid it",
                       z3.Not(z3.Or([self.output_written(s, v) for v in range(self.W)]))))
         return out
-      self._act(actor=a, label=issue, name=f"issue TMA q[{w}]", slot=w, block=t,
+      self._act(actor=a, label=issue, name=f"producer_copy: TMA q[{w}]", slot=w, block=t,
                 guard=lambda s, issue=issue: self.at(s, a, issue), update=upd,
                 checks=checks)
 
@@ -857,7 +863,7 @@ class Model:
 
         def extra(s, f, j=j):
           return ring_wait(s, b, j, offset)[1]
-        what = f"wait {b}_produced" + ("" if b in ("k", "v") else f", read {b}")
+        what = f"consumer_wait: wait {b}_produced" + ("" if b in ("k", "v") else f", read {b}")
         where = " (next block)" if offset else " (first block)" if label.endswith("0") else ""
         act(label, what + where, guard=guard, extra=extra,
             nxt=nxt, slot=j, block=block, parity=parity_of(b, j, offset),
@@ -943,7 +949,7 @@ class Model:
       return {"end": z3.If(known >= 0, known,
                            z3.If(t + 1 == self.NT, self.T, g(s) + least))}
 
-    self._act(actor=a, label="q_wait", name=f"wait q_produced[{w}]", slot=w,
+    self._act(actor=a, label="q_wait", name=f"consumer_wait: wait q_produced[{w}]", slot=w,
               block=lambda s: s[f"{a}.t"], parity=lambda s: s[f"{a}.bit.q_produced[{w}]"],
               guard=lambda s: z3.And(self.at(s, a, "q_wait"), s[f"{a}.t"] < self.NT,
                                      self.passes(s, a, f"q_produced[{w}]")),
@@ -985,17 +991,17 @@ class Model:
         nxt=lambda s: self.goto(a, first[first.index("sched_arrive0") + 1]))
     after_release = lambda s: chain(("q_release", self.persistent and last_qk(s)), "loop")
     for i in range(S):
-      act("k_release_early", "arrive k_consumed (before the QK completed)",
+      act("k_release_early", "consumer_release: arrive k_consumed (before the QK completed)",
           guard=lambda s, i=i: idx(s) == i, extra=lambda s, f, i=i: self._arrive(s, "k_consumed", i),
           nxt=lambda s: self.goto(a, "qk_wait0"), slot=i, block=g)
     act("qk_wait0", "wait for the QK wgmma", guard=lambda s: z3.Not(s[f"{a}.qk"]),
         nxt=(after_release if self.mut == "release_before_wgmma"
              else lambda s: self.goto(a, "k_release")))
     for i in range(S):
-      act("k_release", "arrive k_consumed", guard=lambda s, i=i: idx(s) == i,
+      act("k_release", "consumer_release: arrive k_consumed", guard=lambda s, i=i: idx(s) == i,
           extra=lambda s, f, i=i: self._arrive(s, "k_consumed", i), nxt=after_release,
           slot=i, block=g)
-    act("q_release", f"arrive q_consumed[{w}] (the tile's last QK completed)",
+    act("q_release", f"consumer_release: arrive q_consumed[{w}] (the tile's last QK completed)",
         extra=lambda s, f: self._arrive(s, "q_consumed", w),
         nxt=lambda s: self.goto(a, "loop"))
 
@@ -1048,7 +1054,7 @@ class Model:
         if local:
           u.update(self._advance(s, a, prefix="l"))
         return u
-      act("v_release", "arrive v_consumed", guard=lambda s, i=i: idx(s) == i,
+      act("v_release", "consumer_release: arrive v_consumed", guard=lambda s, i=i: idx(s) == i,
           extra=v_release, nxt=lambda s: chain(("k_release", g(s) + 1 < E(s)), "loop"),
           slot=i, block=g)
 
@@ -1068,7 +1074,7 @@ class Model:
         extra=lambda s, f: self._bar(s, oth),
         nxt=lambda s: chain(("q_release_end", release_at_end(s)),
                             ("store_wait", self.persistent), "epi_sync"))
-    act("q_release_end", f"arrive q_consumed[{w}] (after the key loop)",
+    act("q_release_end", f"consumer_release: arrive q_consumed[{w}] (after the key loop)",
         extra=lambda s, f: self._arrive(s, "q_consumed", w),
         nxt=lambda s: self.goto(a, "store_wait"))
     act("store_wait", "wait_smem_to_gmem (the last output copy read o)",

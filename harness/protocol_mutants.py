@@ -1,14 +1,17 @@
 """Protocol defects written into a copy of the kernel's source, for the
 extracted proof (:mod:`harness.prove_extracted`) to refute.
 
-Each mutant is a list of textual edits of ``kernel/forward.py`` or
-``kernel/backward.py``, each edit
+Each mutant is a list of textual edits of ``kernel/forward.py``,
+``kernel/backward.py`` or a module their rings run through
+(``kernel/pipeline.py``), each edit
 matching exactly once, that keep the line count (two statements joined with
 ``;`` where one moves), so every source line a refutation names is the
 mutated file's line.  :func:`load` compiles the edited source as a module of
 its own (``kernel/forward.mutant_<name>.py``, registered with ``linecache``
 so traces print the mutated lines) without touching the file on disk or the
-imported ``kernel.forward``.
+imported ``kernel.forward``.  A mutant of a helper module is loaded as
+``kernel/<helper>.mutant_<name>.py``, and the kernel it is meant for (its
+``host``) is executed afresh over it, as ``kernel/<host>.mutant_<name>.py``.
 
 :data:`SAFE` are reorderings that keep the protocol correct: the proof must
 still succeed on them (no false alarms from a proof tied to one statement
@@ -35,81 +38,86 @@ class Mutant:
   persistent: bool = False  # only a persistent block can show it
   file: str = "forward.py"  # the kernel file edited
   backward: tuple = ()      # (head_dim, causal, bias, fuse_dq): the backward that shows it
+  host: str = ""            # the kernel file run over an edited helper (default: file)
+
+  @property
+  def kernel(self) -> str:
+    return self.host or self.file
 
 
 MUTANTS = (
     Mutant("key_released_before_qk",
            "the first key slot of a tile released before its QK is issued",
-           (("        s = qk(lb)\n",
-             "        plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)]); s = qk(lb)\n"),
-            ("        if not staged:\n          plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])\n",
-             "        if not staged:\n          pass\n"))),
+           (("    s = qk(c, t, t.lb)\n",
+             "    c.keys.consumer_release(key_position(c, t, t.lb)); s = qk(c, t, t.lb)\n"),
+            ("    if not c.staged:\n      c.keys.consumer_release(key_position(c, t, t.lb))\n",
+             "    if not c.staged:\n      pass\n"))),
     Mutant("last_value_released_before_pv",
            "the last value slot released right after its PV is issued, before it completes",
-           (("            plgpu.wgmma(acc_ref, p16, v_smems.at[slot])\n          acc = pl.run_state(pv)",
-             "            plgpu.wgmma(acc_ref, p16, v_smems.at[slot]); plgpu.barrier_arrive(v_consumed.at[slot])\n          acc = pl.run_state(pv)"),
-            ("          acc = pl.run_state(pv)(plgpu.ACC.init(acc))\n          plgpu.barrier_arrive(v_consumed.at[slot])\n",
-             "          acc = pl.run_state(pv)(plgpu.ACC.init(acc))\n          pass\n")),
+           (("    plgpu.wgmma(acc_ref, p16, c.values.slot(st))\n  acc = pl.run_state(pv)",
+             "    plgpu.wgmma(acc_ref, p16, c.values.slot(st)); c.values.consumer_release(st)\n  acc = pl.run_state(pv)"),
+            ("  acc = pl.run_state(pv)(plgpu.ACC.init(acc))\n  c.values.consumer_release(st)\n",
+             "  acc = pl.run_state(pv)(plgpu.ACC.init(acc))\n  pass\n")),
            persistent=True),  # one tile never refills its last slots
     Mutant("value_released_before_pv",
            "in the key loop, a value slot released after its PV is issued, before it completes",
-           (("          wait_staged(next_slot)\n",
-             "          plgpu.barrier_arrive(v_consumed.at[slot]); wait_staged(next_slot)\n"),
-            ("        plgpu.barrier_arrive(v_consumed.at[slot])\n        plgpu.barrier_arrive(k_consumed.at[next_slot])\n",
-             "        pass\n        plgpu.barrier_arrive(k_consumed.at[next_slot])\n"))),
+           (("    wait_staged(c, next_st)\n",
+             "    c.values.consumer_release(st); wait_staged(c, next_st)\n"),
+            ("  c.values.consumer_release(st)\n  c.keys.consumer_release(next_st)\n",
+             "  pass\n  c.keys.consumer_release(next_st)\n"))),
     Mutant("producer_first_reuse_wait_skipped",
            "the producer's first wait for a released slot skipped (> for >=)",
-           (("          reuse = st.count >= stages\n", "          reuse = st.count > stages\n"),)),
+           (("    return self.count >= self.num_stages\n", "    return self.count > self.num_stages\n"),),
+           file="pipeline.py", host="forward.py"),
     Mutant("producer_ring_off_by_one",
            "the producer's ring position one ahead of the consumers'",
-           (("          st = ring_state(prev_iters, lb, ki)\n",
-             "          st = ring_state(prev_iters, lb, ki + 1)\n"),)),
+           (("    st = ring_state(keys, prev_iters, lb, ki)\n",
+             "    st = ring_state(keys, prev_iters, lb, ki + 1)\n"),)),
     Mutant("one_warpgroup_drops_prev_iters",
            "compute warpgroup 1 does not carry prev_iters across tiles",
-           (("      return ring_state(prev_iters, lb, ki).index\n",
-             "      return ring_state(prev_iters * (1 - wg), lb, ki).index\n"),),
+           (("  return ring_state(c.keys, t.prev_iters, t.lb, ki)\n",
+             "  return ring_state(c.keys, t.prev_iters * (1 - c.wg), t.lb, ki)\n"),),
            persistent=True),
     Mutant("pingpong_token_to_wrong_warpgroup",
            "after the first QK, the pingpong token passed to the warpgroup's own barrier",
-           (("          wait_staged(slot)\n          barriers.schedule_release_other(wg)\n",
-             "          wait_staged(slot)\n          barriers.schedule_release_other(1 - wg)\n"),)),
+           (("    wait_staged(c, st)\n    barriers.schedule_release_other(c.wg)\n",
+             "    wait_staged(c, st)\n    barriers.schedule_release_other(1 - c.wg)\n"),)),
     Mutant("epilogue_on_pingpong_id",
            "the epilogue's sync on the pingpong barrier's id (one id, two purposes)",
-           (("        barriers.epilogue_sync()  # both warpgroups are done with q and k\n",
-             "        barriers._bar('sync', barriers.schedule_id(0), barriers.BY_NAME['epilogue'].num_threads)\n"),)),
+           (("    barriers.epilogue_sync()  # both warpgroups are done with q and k\n",
+             "    barriers._bar('sync', barriers.schedule_id(0), barriers.BY_NAME['epilogue'].num_threads)\n"),)),
     Mutant("query_prefetch_before_consumed",
            "the next tile's queries fetched before the second tile waits q_consumed (> 1 for > 0)",
-           (("            pl.when(step > 0)(lambda w=w: plgpu.barrier_wait(q_consumed.at[w]))\n",
-             "            pl.when(step > 1)(lambda w=w: plgpu.barrier_wait(q_consumed.at[w]))\n"),),
+           (("      c.queries.producer_acquire(w, step > 0)\n",
+             "      c.queries.producer_acquire(w, step > 1)\n"),),
            persistent=True),
     Mutant("missing_commit_smem_before_store",
            "the output tile stored to shared memory and TMA-stored without commit_smem",
-           (("      plgpu.commit_smem()\n      plgpu.copy_smem_to_gmem(o_smem,",
-             "      pass\n      plgpu.copy_smem_to_gmem(o_smem,"),)),
+           (("  plgpu.commit_smem()\n  plgpu.copy_smem_to_gmem(o_smem,",
+             "  pass\n  plgpu.copy_smem_to_gmem(o_smem,"),)),
 )
 
 BACKWARD_MUTANTS = (
     Mutant("dq_slot_without_lb",
            "the dQ kernel's ring slot computed from ki instead of ki - lb",
-           (("        slot = PipelineState.at(stages, ki - lb).index\n",
-             "        slot = PipelineState.at(stages, ki).index\n"),),
+           (("  st = stream.position(ki - c.lb)\n",
+             "  st = stream.position(ki)\n"),),
            file="backward.py", backward=(64, False, False, False)),
     Mutant("backward_producer_first_consumed_wait_skipped",
            "the backward producer's first wait for a released slot skipped (> for >=)",
-           (("        pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))\n",
-             "        pl.when(t > stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))\n"),),
-           file="backward.py", backward=(64, False, False, True)),
+           (("    return self.count >= self.num_stages\n", "    return self.count > self.num_stages\n"),),
+           file="pipeline.py", host="backward.py", backward=(64, False, False, True)),
     Mutant("dkv_slot_released_before_products",
            "a dK/dV ring slot released once dK's product is issued, before it completes",
-           (('            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot])\n',
-             '            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot]); plgpu.barrier_arrive(consumed.at[slot])\n'),
-            ("        # Every product reading the slot has completed (run_state waits).\n        plgpu.barrier_arrive(consumed.at[slot])\n",
-             "        # Every product reading the slot has completed (run_state waits).\n        pass\n")),
+           (('      plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)\n',
+             '      plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot); stream.consumer_release(st)\n'),
+            ("  # Every product reading the slot has completed (run_state waits).\n  stream.consumer_release(st)\n",
+             "  # Every product reading the slot has completed (run_state waits).\n  pass\n")),
            file="backward.py", backward=(64, False, False, True)),
     Mutant("ds_handoff_without_commit_smem",
            "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
-           (("          plgpu.commit_smem()\n          barriers.ds_ready(dq_owner(t), wg)\n",
-             "          pass\n          barriers.ds_ready(dq_owner(t), wg)\n"),),
+           (("    plgpu.commit_smem()\n    barriers.ds_ready(dq_owner(t), wg)\n",
+             "    pass\n    barriers.ds_ready(dq_owner(t), wg)\n"),),
            file="backward.py", backward=(64, False, False, True)),
 )
 
@@ -117,14 +125,14 @@ SAFE = (
     Mutant("release_key_after_qk_wait",
            "the next key slot released inside the loop body as soon as its QK retired "
            "(wait_n=1), before the PV completes",
-           (("          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)\n",
-             "          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1); plgpu.barrier_arrive(k_consumed.at[next_slot])\n"),
-            ("        plgpu.barrier_arrive(v_consumed.at[slot])\n        plgpu.barrier_arrive(k_consumed.at[next_slot])\n",
-             "        plgpu.barrier_arrive(v_consumed.at[slot])\n        pass\n"))),
+           (("    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)\n",
+             "    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1); c.keys.consumer_release(next_st)\n"),
+            ("  c.values.consumer_release(st)\n  c.keys.consumer_release(next_st)\n",
+             "  c.values.consumer_release(st)\n  pass\n"))),
     Mutant("releases_swapped",
            "the loop's two releases in the other order (key slot, then value slot)",
-           (("        plgpu.barrier_arrive(v_consumed.at[slot])\n        plgpu.barrier_arrive(k_consumed.at[next_slot])\n",
-             "        plgpu.barrier_arrive(k_consumed.at[next_slot])\n        plgpu.barrier_arrive(v_consumed.at[slot])\n"),)),
+           (("  c.values.consumer_release(st)\n  c.keys.consumer_release(next_st)\n",
+             "  c.keys.consumer_release(next_st)\n  c.values.consumer_release(st)\n"),)),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS + BACKWARD_MUTANTS + SAFE}
@@ -144,12 +152,13 @@ def mutated_source(mutant: Mutant) -> str:
   return src
 
 
-def load(mutant: Mutant | str) -> types.ModuleType:
-  """The kernel file with ``mutant``'s edits, as a fresh module."""
-  mutant = BY_NAME[mutant] if isinstance(mutant, str) else mutant
-  src = mutated_source(mutant)
-  stem = mutant.file[:-3]
-  filename = os.path.join(KERNEL_DIR, f"{stem}.mutant_{mutant.name}.py")
+# The kernel modules between a helper and the kernels, executed afresh (in
+# this order) over a mutated helper: ring.py binds pipeline's PipelineState
+# when it is executed.
+_THROUGH = {"pipeline.py": ("ring.py",), "ring.py": ()}
+
+
+def _module(stem: str, src: str, filename: str) -> types.ModuleType:
   lines = src.splitlines(keepends=True)
   linecache.cache[filename] = (len(src), None, lines, filename)
   import importlib
@@ -157,4 +166,40 @@ def load(mutant: Mutant | str) -> types.ModuleType:
   module = types.ModuleType(f"kernel.{stem}")
   module.__file__ = filename
   exec(compile(src, filename, "exec"), module.__dict__)  # noqa: S102 -- the kernel's own source
+  return module
+
+
+def load(mutant: Mutant | str) -> types.ModuleType:
+  """The kernel file with ``mutant``'s edits, as a fresh module; for a
+  mutant of a helper, its host kernel executed afresh over the edited
+  helper (and the modules between them: :data:`_THROUGH`)."""
+  import sys
+  import kernel
+  mutant = BY_NAME[mutant] if isinstance(mutant, str) else mutant
+  src = mutated_source(mutant)
+  if mutant.kernel == mutant.file:
+    stem = mutant.file[:-3]
+    return _module(stem, src, os.path.join(KERNEL_DIR, f"{stem}.mutant_{mutant.name}.py"))
+  chain = [(mutant.file, src, f"{mutant.file[:-3]}.mutant_{mutant.name}.py")]
+  for through in _THROUGH[mutant.file]:
+    chain.append((through, open(os.path.join(KERNEL_DIR, through)).read(), through))
+  host = mutant.kernel
+  chain.append((host, open(os.path.join(KERNEL_DIR, host)).read(),
+                f"{host[:-3]}.mutant_{mutant.name}.py"))
+  import importlib
+  for file, _, _ in chain:  # the shipped modules, imported before any is swapped
+    importlib.import_module(f"kernel.{file[:-3]}")
+  saved = {}
+  try:
+    for file, text, filename in chain:
+      stem = file[:-3]
+      module = _module(stem, text, os.path.join(KERNEL_DIR, filename))
+      # What the next module's imports bind: this fresh one.
+      saved.setdefault(stem, (sys.modules[f"kernel.{stem}"], getattr(kernel, stem)))
+      sys.modules[f"kernel.{stem}"] = module
+      setattr(kernel, stem, module)
+  finally:
+    for stem, (mod, attr) in saved.items():
+      sys.modules[f"kernel.{stem}"] = mod
+      setattr(kernel, stem, attr)
   return module

@@ -3,7 +3,7 @@
 Each backward launch (dK/dV, dQ) has one producer (warp 0 of the memory
 warpgroup) and ``C`` consumers (the compute warpgroups) around a ring of
 ``S`` slots.  Block ``g`` of the stream goes to slot
-``PipelineState.at(S, g).index``; it consists of ``B`` buffers, each copied
+``PipelineState.at(S, g).index`` (``Ring.position(g)``); it consists of ``B`` buffers, each copied
 by its own TMA completing its own "produced" mbarrier; every consumer waits on
 the ``B`` produced barriers of its slot in order, reads, and arrives once on
 the slot's "consumed" mbarrier (``C`` arrivals a phase); the producer waits on
@@ -12,14 +12,17 @@ without the pingpong (``harness/protocol_model.py`` has that one); the
 numbers (S, the buffers, the arrival counts) are read from the very mbarrier
 plan the kernel allocates (``kernel.backward.launches``), none retyped.
 
-Actors and actions (one step each):
+Actors and actions (one step each), named after the verbs of
+kernel/ring.py's ``Ring`` that the kernels call:
 
-* producer ``acquire``: before block gp (if gp >= S) wait ``consumed[slot]``;
-  ``issue``: one TMA per buffer, in order (the block is issued once all are);
+* producer ``producer_acquire``: before block gp (if gp >= S) wait
+  ``consumed[slot]``; ``producer_copy``: one TMA per buffer, in order (the
+  block is issued once all are);
 * ``tma`` ``land(s, b)``: an issued copy lands at any later time, writing the
   slot's buffer and completing the phase of its produced barrier;
-* consumer ``wait``: wait produced[slot][b] for its next buffer b, then read
-  it; ``release``: arrive on consumed[slot] once all B are read.
+* consumer ``consumer_wait``: wait produced[slot][b] for its next buffer b,
+  then read it; ``consumer_release``: arrive on consumed[slot] once all B
+  are read.
 
 Hardware rule: an mbarrier with c completed phases passes
 ``try_wait.parity(p)`` iff ``p != c mod 2``; Mosaic GPU keeps one parity bit
@@ -166,25 +169,25 @@ def actions(m: State, n) -> list[Action]:
   """Every action from state ``m`` (n: the number of blocks)."""
   p, S, B, C = m.p, m.S, m.B, m.C
   out = []
-  # -- producer acquire: wait consumed[ip] from block S (2S in the mutant) on.
+  # -- producer_acquire: wait consumed[ip] from block S (2S in the mutant) on.
   first_wait = 2 * S if p.mutation == "wait_from_2S" else S
   must_wait = m.gp >= first_wait
   if p.mutation == "producer_skips_wait":
     must_wait = z3.BoolVal(False)
   passes = _at(m.cons_par, m.ip) != _at(m.pbit, m.ip)
   out.append(Action(
-      "producer acquire",
+      "producer_acquire",
       z3.And(z3.Not(m.acq), m.gp < n, z3.Or(z3.Not(must_wait), passes)),
       {"acq": z3.BoolVal(True), "jb": z3.IntVal(0),
        "pbit": [z3.If(z3.And(must_wait, m.ip == s), z3.Not(m.pbit[s]), m.pbit[s])
                 for s in range(S)]},
       z3.BoolVal(False)))
-  # -- producer issue of buffer jb of block gp into slot ip.
+  # -- producer_copy of buffer jb of block gp into slot ip.
   last = m.jb == B - 1
   wrap = m.ip == S - 1
   collision = z3.Or([z3.And(m.ic[c] == m.ip, m.gc[c] < m.gp) for c in range(C)])
   out.append(Action(
-      "producer issue",
+      "producer_copy",
       z3.And(m.acq, m.jb < B),
       {"pending": [[z3.Or(m.pending[s][b], z3.And(m.ip == s, m.jb == b)) for b in range(B)]
                    for s in range(S)],
@@ -220,7 +223,7 @@ def actions(m: State, n) -> list[Action]:
                 z3.If(m.ic[c] == s2, z3.Not(m.cbit[c2][s2][b2]), m.cbit[c2][s2][b2])
                 for b2 in range(B)] for s2 in range(S)] for c2 in range(C)]
       out.append(Action(
-          f"consumer {c} waits {p.buffers[b]}",
+          f"consumer {c}: consumer_wait {p.buffers[b]}",
           z3.And(m.gc[c] < n, m.rb[c] == b, ppar != bit),
           {"cbit": cbit, "rb": _set(m.rb, z3.IntVal(c), m.rb[c] + 1, C)},
           data != m.gc[c]))
@@ -228,7 +231,7 @@ def actions(m: State, n) -> list[Action]:
     full = _at(m.cons_cnt, slot) + 1 == p.arrivals
     wrap_c = m.ic[c] == S - 1
     out.append(Action(
-        f"consumer {c} releases",
+        f"consumer {c}: consumer_release",
         z3.And(m.gc[c] < n, m.rb[c] >= release_at),
         {"cons_cnt": [z3.If(slot == s, z3.If(full, 0, m.cons_cnt[s] + 1), m.cons_cnt[s])
                       for s in range(S)],

@@ -31,7 +31,8 @@ from kernel import variants
 from kernel.config import Config
 from kernel import backward as backward_pallas
 from kernel import backward_xla
-from kernel.forward import Features, flash_attention_forward, is_2d
+from kernel.common import is_2d
+from kernel.forward import Features, flash_attention_forward
 from kernel.validation import validate_attention_args
 
 _state = threading.local()

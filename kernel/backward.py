@@ -4,12 +4,21 @@ Both kernels have the forward's shape (``kernel/forward.py``): three
 warpgroups along ``wg``; warpgroups 0 and 1 compute at 232 registers, each on
 its own 64-row slice of a stationary tile; warpgroup 2 (40 registers) issues
 every TMA copy, first the stationary tiles, then the streamed blocks into a
-``num_stages``-deep ring.  The ring is the forward's protocol: the slot of
-streamed block t is ``PipelineState.at(num_stages, t).index``; each slot has
-one "produced" mbarrier per streamed buffer and one "consumed" mbarrier that
-both compute warpgroups arrive on once they are done with the slot; the
-producer waits on it before every refill (not before the first
-``num_stages`` fills).
+``num_stages``-deep ring.  The ring is the forward's protocol, through the
+same verbs (kernel/ring.py): streamed block t sits at position
+``stream.position(t)``; each slot has one "produced" mbarrier per streamed
+buffer and one "consumed" mbarrier that both compute warpgroups arrive on
+once they are done with the slot; the producer waits on it before every
+refill (not before the first ``num_stages`` fills).  The stationary tiles
+are a :class:`kernel.ring.WarpgroupSlots`, filled once.
+
+Each kernel is a launch (:func:`dkv_call`, :func:`dq_call`) that sizes a
+frozen context (:class:`DkvKernel`, :class:`DqKernel`), an entry that builds
+the rings over the scratch and dispatches the warpgroups, the memory
+warpgroup (:func:`_memory_warpgroup`, shared), and a compute role whose step
+(:func:`_dkv_step`, :func:`_dq_step`) runs the arithmetic both kernels share
+on their transposed tiles (:func:`_step_scores`) between its own waits,
+products and releases.
 
 * ``dkv``: a block owns ``2 * block_kv`` keys of one key/value head (K and V
   stationary) and streams, for every query head of its group and every query
@@ -44,7 +53,9 @@ defect in its catalogue of source patches).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 from jax import lax
@@ -56,19 +67,15 @@ import numpy as np
 from kernel import barriers
 from kernel import padding
 from kernel import plan as plan_lib
-from kernel.forward import _load_broadcast, _smem, kv_block_range
-from kernel.pipeline import PipelineState
+from kernel import ring as ring_lib
+from kernel.common import (COL, LOG2E, ROW, WGMMA, kv_block_range, load_broadcast, smem,
+                           tile_key_bounds)
 
-LOG2E = math.log2(math.e)
 # Gradients summed across thread blocks in float32 in no fixed order (the
 # fused dQ's reduce-adds): their bits may differ from run to run, within
 # harness.tolerance.run_to_run_bound.  Every other output is bitwise
 # reproducible.
 ORDER_DEPENDENT_GRADIENTS = ("dq",)
-_WGMMA = plgpu.Layout.WGMMA
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
-_NEG_INF = float("-inf")
 CW = barriers.COMPUTE_WARPGROUPS
 
 
@@ -176,12 +183,12 @@ def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> boo
   return fused_dq_fits(blocks, with_bias=with_bias) and not is_causal
 
 
-def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
+def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring):
   """The memory warpgroup of both kernels: 40 registers; its warp 0 issues
-  the stationary tiles' copies, then fills ring step t in [start, stop) into
-  slot ``PipelineState.at(stages, t).index`` with ``fill(t, slot)``.  Steps
-  0..S-1 find fresh slots; every later one first waits for both compute
-  warpgroups to release the slot (the forward's rule, harness/ring_model.py)."""
+  the stationary tiles' copies, then fills ring step t in [start, stop) at
+  position ``stream.position(t)`` with ``fill(t, st)``.  Steps 0..S-1 find
+  fresh slots; every later one first waits for both compute warpgroups to
+  release the slot (the forward's rule, harness/ring_model.py)."""
   plgpu.set_max_registers(40, action="decrease")
 
   @plgpu.warp_map
@@ -192,9 +199,9 @@ def _memory_warpgroup(load_stationary, fill, start, stop, stages, consumed):
 
       @pl.loop(start, stop)
       def _(t):
-        slot = PipelineState.at(stages, t).index
-        pl.when(t >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-        fill(t, slot)
+        st = stream.position(t)
+        stream.producer_acquire(st)
+        fill(t, st)
 
 
 def _barrier_refs(plan):
@@ -204,7 +211,7 @@ def _barrier_refs(plan):
 
 def _allocate(buffers):
   """Scratch refs for buffer descriptions (None stays None: an unused slot)."""
-  return tuple(None if b is None else _smem(b) for b in buffers)
+  return tuple(None if b is None else smem(b) for b in buffers)
 
 
 def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
@@ -296,8 +303,8 @@ def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
   indices giving bool arrays: key ranges, mask, padded keys), in order.
   ``key_dim``: the tile's dimension along keys (0 in the dK/dV kernel's
   transposed tiles, 1 in the dQ kernel's)."""
-  key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=_WGMMA)
-  query = query_base + plgpu.broadcasted_iota(jnp.int32, shape, 1 - key_dim, layout=_WGMMA)
+  key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=WGMMA)
+  query = query_base + plgpu.broadcasted_iota(jnp.int32, shape, 1 - key_dim, layout=WGMMA)
   keep = key <= query if causal else None
   for term in terms:
     keep = _and(keep, term(key))
@@ -324,6 +331,133 @@ def _masked_terms(terms, keep_of, *, causal, on_diagonal):
   return terms(keep_of(False))
 
 
+def _product(shape, a, b):
+  """A B^T into a fresh f32 accumulator, waited for."""
+  def product(acc):
+    plgpu.wgmma(acc, a, b.T)
+    return acc[...]
+  return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
+                 terms, key_dim, key_base, num_keys, query_base, lse2_of, delta_of):
+  """The step both kernels share, on tiles transposed to each other: S (and,
+  for dS, dP) from shared memory, the logits, the kept (key, query) pairs,
+  P = exp2(S log2 e - lse) and dS = P (dP - delta), zero where not kept.
+
+  ``s_ops``, ``dp_ops``: the (A, B) of S = A B^T and dP = A B^T (dp_ops
+  unused without ``want_ds``); ``paired``: S and dP issued together and
+  waited once; ``bias_of()``: the step's bias tile or None; ``terms``: the
+  keep conditions besides causal (:func:`_pair_keep`); ``key_dim``: the
+  tile's dimension along keys, the per-query rows ``lse2_of()`` and
+  ``delta_of()`` broadcast along the other (read where the arithmetic first
+  needs them).  Returns (P, dS), dS None without ``want_ds``.
+  """
+  query_dim = 1 - key_dim
+  zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
+  if paired and want_ds:
+    # S and dP depend on nothing computed here: issue both, wait once.
+    def s_and_dp(refs):
+      s_ref, dp_ref = refs
+      plgpu.wgmma(s_ref, s_ops[0], s_ops[1].T)
+      plgpu.wgmma(dp_ref, dp_ops[0], dp_ops[1].T)
+    s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+  else:
+    s, dp = _product(shape, *s_ops), None
+  s, dsdu = _scaled_logits(s, f, bias_of())
+  keep_of = lambda causal: _pair_keep(shape, key_base, query_base, key_dim, causal=causal,
+                                      terms=terms)
+
+  def step_terms(keep, dp):
+    """P and (for dS) dS of the step, zero where not kept."""
+    p = _probabilities(s, lax.broadcast_in_dim(lse2_of(), shape, [query_dim]), keep)
+    ds = None
+    if want_ds:
+      if dp is None:
+        dp = _product(shape, *dp_ops)
+      ds = p * (dp - lax.broadcast_in_dim(delta_of(), shape, [query_dim]))
+      if dsdu is not None:
+        ds = ds * dsdu
+      ds = _masked_to_zero(ds, keep)
+    return p, ds
+
+  if f.is_causal and want_ds and dp is None:
+    dp = _product(shape, *dp_ops)  # outside the branch: both sides read it
+  return _masked_terms(lambda keep: step_terms(keep, dp), keep_of, causal=f.is_causal,
+                       on_diagonal=lambda: meets_diagonal(key_base, num_keys, query_base))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Operands:
+  """The operands both kernels take, as refs inside the kernel (keywords:
+  a kernel's own fields come first)."""
+
+  q_ref: Any = None
+  k_ref: Any = None
+  v_ref: Any = None
+  do_ref: Any = None
+  rows_ref: Any = None
+  bias_ref: Any = None
+  mask_ref: Any = None
+  ks_ref: Any = None
+  ke_ref: Any = None
+  dq_ref: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DkvKernel(_Operands):
+  """What the roles of one dK/dV launch read: sizes and switches (set by
+  :func:`dkv_call`), and inside the kernel its refs, rings and grid point
+  (set by :func:`_dkv_kernel`)."""
+
+  f: BackwardFeatures
+  blocks: BackwardBlocks
+  outputs: tuple[str, ...]
+  head_dim: int
+  head_dim_out: int
+  dtype: Any
+  num_kv_heads: int
+  group: int                # query heads per key/value head
+  nq: int                   # streamed query blocks of the padded length
+  s_pad: int
+  fused: bool               # dQ accumulated here (into dq_ref)
+  # Inside the kernel:
+  wg: Any = None
+  j: Any = None             # the key tile
+  hk: Any = None
+  b: Any = None
+  lo: Any = None            # the first query block that sees the tile's keys
+  per_head: Any = None      # query blocks per query head
+  steps: Any = None         # per_head for every query head of the group
+  out_refs: tuple = ()
+  k_st: Any = None          # the stationary tiles, which stage dK and dV at the end
+  v_st: Any = None
+  ds_st: Any = None
+  dq_st: Any = None
+  stationary: ring_lib.WarpgroupSlots | None = None   # k (and v) per compute warpgroup
+  stream: ring_lib.Ring | None = None                  # q, rows, dO per query block
+
+  @property
+  def bkv(self) -> int:
+    return self.blocks.rows
+
+  @property
+  def bq(self) -> int:
+    return self.blocks.dkv_stream_q
+
+  @property
+  def want_dk(self) -> bool:
+    return "dk" in self.outputs
+
+  @property
+  def want_dv(self) -> bool:
+    return "dv" in self.outputs
+
+  @property
+  def shape_t(self) -> tuple[int, int]:
+    return (self.bkv, self.bq)  # S^T: keys x queries
+
+
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
              blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
   """dK and/or dV (``outputs``) on padded inputs.
@@ -339,190 +473,19 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
-  group = num_heads // num_kv_heads
-  bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
-  paired = blocks.schedule == "paired"
-  nq = t_pad // bq
-  kv_tiles = s_pad // blocks.dkv_tile
-  want_dk, want_dv = "dk" in outputs, "dv" in outputs
   fused = dq_accum is not None
-  if fused and not (want_dk and want_dv):
+  if fused and not ("dk" in outputs and "dv" in outputs):
     raise ValueError("the fused dQ needs dK and dV in the same launch")
-  shape_t = (bkv, bq)  # S^T: keys x queries
-  plan = dkv_mbarriers(blocks, outputs)
+  kernel = DkvKernel(f=f, blocks=blocks, outputs=outputs, head_dim=head_dim,
+                     head_dim_out=head_dim_out, dtype=dtype, num_kv_heads=num_kv_heads,
+                     group=num_heads // num_kv_heads,
+                     nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused)
 
-  def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
-           dq_ref, *out_refs_and_scratch):
-    out_refs = out_refs_and_scratch[:len(outputs)]
-    (k_st, v_st, q_ring, do_ring, rows_ring, ds_st, dq_st), bars = \
-        out_refs_and_scratch[len(outputs):]
-    k_stat, *bars = bars
-    v_stat = bars.pop(0) if want_dk else None
-    q_prod, do_prod, rows_prod, consumed = bars
-    wg = lax.axis_index("wg")
-    j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
-    # Query blocks that can see any of this tile's keys (causal: from the
-    # tile's first key on); every query head of the group, in turn.
-    lo = lax.div(j * blocks.dkv_tile, jnp.int32(bq)) if f.is_causal else jnp.int32(0)
-    lo = lax.min(lo, jnp.int32(nq))
-    per_head = nq - lo
-    steps = per_head * group
-
-    def coords(t):
-      return hk * group + lax.div(t, per_head), lo + lax.rem(t, per_head)
-
-    @pl.when(wg < CW)
-    def compute():
-      plgpu.set_max_registers(232, action="increase")
-      kv_base = (CW * j + wg) * bkv
-      plgpu.barrier_wait(k_stat.at[wg])
-      if want_dk:
-        plgpu.barrier_wait(v_stat.at[wg])
-
-      def step(t, carry):
-        dk_acc, dv_acc = carry
-        slot = PipelineState.at(stages, t).index
-        h, i = coords(t)
-        q_base = i * bq
-        plgpu.barrier_wait(q_prod.at[slot])
-        plgpu.barrier_wait(rows_prod.at[slot])
-        plgpu.barrier_wait(do_prod.at[slot])
-        zeros_t = plgpu.layout_cast(jnp.zeros(shape_t, jnp.float32), _WGMMA)
-        if paired and want_dk:
-          # S^T and dP^T depend on nothing computed here: issue both, wait once.
-          def s_and_dp(refs):
-            s_ref, dp_ref = refs
-            plgpu.wgmma(s_ref, k_st.at[wg], q_ring.at[slot].T)
-            plgpu.wgmma(dp_ref, v_st.at[wg], do_ring.at[slot].T)
-          s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros_t), plgpu.ACC.init(zeros_t)))
-        else:
-          def qk(acc):
-            plgpu.wgmma(acc, k_st.at[wg], q_ring.at[slot].T)
-            return acc[...]
-          s = pl.run_scoped(qk, plgpu.ACC(shape_t, jnp.float32))
-          dp = None
-        bias = None if bias_ref is None else _load_broadcast(
-            bias_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA)
-        s, dsdu = _scaled_logits(s, f, bias)
-
-        def per_query(ref):  # k_start / k_end of the block's queries, along the tile
-          v = _load_broadcast(ref, (b, h, pl.ds(q_base, bq)), (bq,), _COL)
-          return lax.broadcast_in_dim(v, shape_t, [1])
-
-        terms = []
-        if ks_ref is not None:
-          terms.append(lambda key: key >= per_query(ks_ref))
-        if ke_ref is not None:
-          terms.append(lambda key: key < per_query(ke_ref))
-        if mask_ref is not None:
-          terms.append(lambda key: _load_broadcast(
-              mask_ref, (b, h, pl.ds(kv_base, bkv), pl.ds(q_base, bq)), shape_t, _WGMMA) != 0)
-        if fused and (f.seq_kv % bkv or s_pad != f.seq_kv):
-          terms.append(lambda key: key < f.seq_kv)  # padded keys add nothing to dQ
-        keep_of = lambda causal: _pair_keep(shape_t, kv_base, q_base, 0, causal=causal,
-                                            terms=terms)
-
-        def dp_now():
-          def dp_(acc):
-            plgpu.wgmma(acc, v_st.at[wg], do_ring.at[slot].T)
-            return acc[...]
-          return pl.run_scoped(dp_, plgpu.ACC(shape_t, jnp.float32))
-
-        def step_terms(keep, dp):
-          """P^T and (for dK) dS^T of the step, zero where not kept."""
-          lse2 = plgpu.load(rows_ring.at[slot, 0], layout=_COL, optimized=False)
-          p = _probabilities(s, lax.broadcast_in_dim(lse2, shape_t, [1]), keep)
-          ds = None
-          if want_dk:
-            if dp is None:
-              dp = dp_now()
-            delta = plgpu.load(rows_ring.at[slot, 1], layout=_COL, optimized=False)
-            ds = p * (dp - lax.broadcast_in_dim(delta, shape_t, [1]))
-            if dsdu is not None:
-              ds = ds * dsdu
-            ds = _masked_to_zero(ds, keep)
-          return p, ds
-
-        if f.is_causal and want_dk and dp is None:
-          dp = dp_now()  # outside the branch: both sides read it
-        p, ds = _masked_terms(lambda keep: step_terms(keep, dp), keep_of, causal=f.is_causal,
-                              on_diagonal=lambda: meets_diagonal(kv_base, bkv, q_base))
-        if fused:
-          # This warpgroup's dS^T into the step's staging buffer, visible to
-          # the tensor cores (fence), then the step's rendezvous: right after
-          # the store, so that the owner waits for the other warpgroup's
-          # dS^T and not for its dK/dV products as well (3.04 against
-          # 3.21 ms for the kernel at the headline shape, H200, 2026-11-30).
-          ds_st.at[ds_buffer(t), wg][...] = ds.astype(dtype)
-          plgpu.commit_smem()
-          barriers.ds_ready(dq_owner(t), wg)
-        # dV += P^T dO and dK += dS^T Q: issued together, waited once.
-        accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
-
-        def grads(refs):
-          if "dv" in refs:
-            plgpu.wgmma(refs["dv"], p.astype(dtype), do_ring.at[slot])
-          if "dk" in refs:
-            plgpu.wgmma(refs["dk"], ds.astype(dtype), q_ring.at[slot])
-
-        if paired:
-          accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
-        else:
-          for n in list(accs):
-            accs[n] = pl.run_state(grads)({n: plgpu.ACC.init(accs[n])})[n]
-        dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
-        # Every product reading the slot has completed (run_state waits).
-        plgpu.barrier_arrive(consumed.at[slot])
-        if fused:
-          # The step's owner forms its dQ part (both dS^T tiles are staged:
-          # the rendezvous above) and reduce-adds it.
-          @pl.when(wg == dq_owner(t))
-          def _():
-            part = _dq_product(ds_st, ds_buffer(t), k_st)
-            _dq_reduce_add(part, dq_st.at[wg], dq_ref.at[b, pl.ds(q_base, bq), h])
-        return dk_acc, dv_acc
-
-      zeros = lambda d: plgpu.layout_cast(jnp.zeros((bkv, d), jnp.float32), _WGMMA)
-      dk_acc = zeros(head_dim) if want_dk else None
-      dv_acc = zeros(head_dim_out) if want_dv else None
-      dk_acc, dv_acc = lax.fori_loop(0, steps, step, (dk_acc, dv_acc))
-      if fused:  # the last dQ product has read both K tiles before they stage dK
-        barriers.epilogue_sync()
-      # The stationary tiles are no longer read: they stage the results.
-      rows_out = pl.ds(kv_base, bkv)
-      results = {"dk": (dk_acc, k_st), "dv": (dv_acc, v_st)}
-      for name, ref in zip(outputs, out_refs):
-        acc, buf = results[name]
-        if name == "dk":
-          acc = acc * f.scale
-        buf.at[wg][...] = acc.astype(dtype)
-      plgpu.commit_smem()
-      for name, ref in zip(outputs, out_refs):
-        plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[b, rows_out, hk])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if fused:  # the last dQ reduce-add has landed before the kernel ends
-        plgpu.wait_smem_to_gmem(0)
-
-    def load_stationary():
-      for w in range(CW):
-        rows_w = pl.ds((CW * j + w) * bkv, bkv)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows_w, hk], k_st.at[w], k_stat.at[w])
-        if want_dk:
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows_w, hk], v_st.at[w], v_stat.at[w])
-
-    def fill(t, slot):
-      h, i = coords(t)
-      qrows = pl.ds(i * bq, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, qrows, h], q_ring.at[slot], q_prod.at[slot])
-      plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, qrows], rows_ring.at[slot],
-                              rows_prod.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, qrows, h], do_ring.at[slot], do_prod.at[slot])
-
-    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, steps, stages,
-                                                consumed))
+  def body(*refs):
+    _dkv_kernel(kernel, *refs)
 
   scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)),
-             _barrier_refs(plan)]
+             _barrier_refs(dkv_mbarriers(blocks, outputs))]
   out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads,
                                     head_dim if name == "dk" else head_dim_out), dtype)
               for name in outputs]
@@ -535,11 +498,175 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       # Measured against (kv_tiles, kv_heads, batch) in one process on the
       # H200 (2026-11-30), forward + backward at the
       # headline shape: 496.1 against 468.3 TFLOP/s; causal 323.7 / 313.3.
-      grid=(num_kv_heads, batch, kv_tiles), grid_names=("kv_heads", "batch", "kv_tiles"),
+      grid=(num_kv_heads, batch, s_pad // blocks.dkv_tile),
+      grid_names=("kv_heads", "batch", "kv_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, dq_accum)
   return dict(zip(outputs, results))
+
+
+def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
+                ks_ref, ke_ref, dq_ref, *out_refs_and_scratch):
+  """The dK/dV kernel's entry: its rings over the scratch, the key tile of
+  this grid point and the query blocks it visits, each warpgroup's role."""
+  n_out = len(c.outputs)
+  out_refs = out_refs_and_scratch[:n_out]
+  (k_st, v_st, q_ring, do_ring, rows_ring, ds_st, dq_st), bars = out_refs_and_scratch[n_out:]
+  k_stat, *bars = bars
+  v_stat = bars.pop(0) if c.want_dk else None
+  q_prod, do_prod, rows_prod, consumed = bars
+  # K (and, for dK, V) stationary: one tile per compute warpgroup, filled
+  # once; each step streams a query block's q, residual rows and dO.
+  stationary = ring_lib.WarpgroupSlots(
+      {"k": (k_st, k_stat), **({"v": (v_st, v_stat)} if c.want_dk else {})})
+  stream = ring_lib.Ring(c.blocks.num_stages, {"q": (q_ring, q_prod),
+                                               "rows": (rows_ring, rows_prod),
+                                               "do": (do_ring, do_prod)}, consumed)
+  wg = lax.axis_index("wg")
+  j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
+  # Query blocks that can see any of this tile's keys (causal: from the
+  # tile's first key on); every query head of the group, in turn.
+  lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)
+  lo = lax.min(lo, jnp.int32(c.nq))
+  per_head = c.nq - lo
+  c = dataclasses.replace(
+      c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head, steps=per_head * c.group,
+      q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
+      bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
+      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
+      stream=stream)
+  pl.when(wg < CW)(functools.partial(_dkv_compute, c))
+  pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
+                                              functools.partial(_dkv_fill, c), 0, c.steps,
+                                              stream))
+
+
+def _dkv_coords(c: DkvKernel, t):
+  """(query head, query block) of step t."""
+  return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)
+
+
+def _dkv_load_stationary(c: DkvKernel):
+  for w in range(CW):
+    rows_w = pl.ds((CW * c.j + w) * c.bkv, c.bkv)
+    c.stationary.producer_copy(c.k_ref.at[c.b, rows_w, c.hk], w, "k")
+    if c.want_dk:
+      c.stationary.producer_copy(c.v_ref.at[c.b, rows_w, c.hk], w, "v")
+
+
+def _dkv_fill(c: DkvKernel, t, st):
+  h, i = _dkv_coords(c, t)
+  qrows = pl.ds(i * c.bq, c.bq)
+  stream = c.stream
+  stream.producer_copy(c.q_ref.at[c.b, qrows, h], st, "q")
+  stream.producer_copy(c.rows_ref.at[c.b, h, :, qrows], st, "rows")
+  stream.producer_copy(c.do_ref.at[c.b, qrows, h], st, "do")
+
+
+def _dkv_compute(c: DkvKernel):
+  """A compute warpgroup: its 64 keys' dK/dV over every step, then the
+  results staged in the stationary tiles and stored."""
+  plgpu.set_max_registers(232, action="increase")
+  wg = c.wg
+  kv_base = (CW * c.j + wg) * c.bkv
+  c.stationary.consumer_wait(wg, "k")
+  if c.want_dk:
+    c.stationary.consumer_wait(wg, "v")
+  zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
+  dk_acc = zeros(c.head_dim) if c.want_dk else None
+  dv_acc = zeros(c.head_dim_out) if c.want_dv else None
+  dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_dkv_step, c, kv_base),
+                                 (dk_acc, dv_acc))
+  if c.fused:  # the last dQ product has read both K tiles before they stage dK
+    barriers.epilogue_sync()
+  # The stationary tiles are no longer read: they stage the results.
+  rows_out = pl.ds(kv_base, c.bkv)
+  results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}
+  for name, ref in zip(c.outputs, c.out_refs):
+    acc, buf = results[name]
+    if name == "dk":
+      acc = acc * c.f.scale
+    buf.at[wg][...] = acc.astype(c.dtype)
+  plgpu.commit_smem()
+  for name, ref in zip(c.outputs, c.out_refs):
+    plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[c.b, rows_out, c.hk])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if c.fused:  # the last dQ reduce-add has landed before the kernel ends
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_step(c: DkvKernel, kv_base, t, carry):
+  """Step t: query block i of query head h against this warpgroup's keys:
+  P^T and dS^T (:func:`_step_scores`), dV += P^T dO and dK += dS^T Q, and
+  with the fused dQ this block's part of dQ by the step's owner."""
+  dk_acc, dv_acc = carry
+  wg, b, stream = c.wg, c.b, c.stream
+  st = stream.position(t)
+  h, i = _dkv_coords(c, t)
+  q_base = i * c.bq
+  stream.consumer_wait(st, "q")
+  stream.consumer_wait(st, "rows")
+  stream.consumer_wait(st, "do")
+  q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
+  tile = (b, h, pl.ds(kv_base, c.bkv), pl.ds(q_base, c.bq))
+
+  def per_query(ref):  # k_start / k_end of the block's queries, along the tile
+    v = load_broadcast(ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), COL)
+    return lax.broadcast_in_dim(v, c.shape_t, [1])
+
+  terms = []
+  if c.ks_ref is not None:
+    terms.append(lambda key: key >= per_query(c.ks_ref))
+  if c.ke_ref is not None:
+    terms.append(lambda key: key < per_query(c.ke_ref))
+  if c.mask_ref is not None:
+    terms.append(lambda key: load_broadcast(c.mask_ref, tile, c.shape_t, WGMMA) != 0)
+  if c.fused and (c.f.seq_kv % c.bkv or c.s_pad != c.f.seq_kv):
+    terms.append(lambda key: key < c.f.seq_kv)  # padded keys add nothing to dQ
+  p, ds = _step_scores(
+      c.f, c.shape_t, s_ops=(c.stationary.slot(wg, "k"), q_slot),
+      dp_ops=(c.stationary.slot(wg, "v"), do_slot) if c.want_dk else None,
+      paired=c.blocks.schedule == "paired", want_ds=c.want_dk,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(
+          c.bias_ref, tile, c.shape_t, WGMMA),
+      terms=terms, key_dim=0, key_base=kv_base, num_keys=c.bkv, query_base=q_base,
+      lse2_of=lambda: plgpu.load(stream.slot(st, "rows", 0), layout=COL, optimized=False),
+      delta_of=lambda: plgpu.load(stream.slot(st, "rows", 1), layout=COL, optimized=False))
+  if c.fused:
+    # This warpgroup's dS^T into the step's staging buffer, visible to
+    # the tensor cores (fence), then the step's rendezvous: right after
+    # the store, so that the owner waits for the other warpgroup's
+    # dS^T and not for its dK/dV products as well (3.04 against
+    # 3.21 ms for the kernel at the headline shape, H200, 2026-11-30).
+    c.ds_st.at[ds_buffer(t), wg][...] = ds.astype(c.dtype)
+    plgpu.commit_smem()
+    barriers.ds_ready(dq_owner(t), wg)
+  # dV += P^T dO and dK += dS^T Q: issued together, waited once.
+  accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
+
+  def grads(refs):
+    if "dv" in refs:
+      plgpu.wgmma(refs["dv"], p.astype(c.dtype), do_slot)
+    if "dk" in refs:
+      plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)
+
+  if c.blocks.schedule == "paired":
+    accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
+  else:
+    for n in list(accs):
+      accs[n] = pl.run_state(grads)({n: plgpu.ACC.init(accs[n])})[n]
+  dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
+  # Every product reading the slot has completed (run_state waits).
+  stream.consumer_release(st)
+  if c.fused:
+    # The step's owner forms its dQ part (both dS^T tiles are staged:
+    # the rendezvous above) and reduce-adds it.
+    @pl.when(wg == dq_owner(t))
+    def _():
+      part = _dq_product(c.ds_st, ds_buffer(t), c.k_st)
+      _dq_reduce_add(part, c.dq_st.at[wg], c.dq_ref.at[b, pl.ds(q_base, c.bq), h])
+  return dk_acc, dv_acc
 
 
 # The fused dQ.  dQ_i = scale * sum_j dS_ij K_j sums over every key tile, and
@@ -607,6 +734,46 @@ def _dq_reduce_add(part, staging, dq_dst):
   plgpu.copy_smem_to_gmem(staging, dq_dst, reduction_op="add")
 
 
+@dataclasses.dataclass(frozen=True)
+class DqKernel(_Operands):
+  """What the roles of one dQ launch read: sizes and switches (set by
+  :func:`dq_call`), and inside the kernel its refs, rings and grid point
+  (set by :func:`_dq_kernel`)."""
+
+  f: BackwardFeatures
+  blocks: BackwardBlocks
+  want_ds: bool             # also write dS (the logits gradient)
+  head_dim: int
+  dtype: Any
+  num_kv_heads: int
+  group: int                # query heads per key/value head
+  s_pad: int
+  # Inside the kernel:
+  wg: Any = None
+  qi: Any = None            # the query tile
+  h: Any = None
+  b: Any = None
+  hk: Any = None
+  lb: Any = None            # the tile's key blocks [lb, ub)
+  ub: Any = None
+  ds_ref: Any = None
+  ds_st: Any = None
+  stationary: ring_lib.WarpgroupSlots | None = None   # q, dO, rows per compute warpgroup
+  stream: ring_lib.Ring | None = None                  # k, v per key block
+
+  @property
+  def bq(self) -> int:
+    return self.blocks.rows
+
+  @property
+  def bkv(self) -> int:
+    return self.blocks.dq_stream_kv
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return (self.bq, self.bkv)
+
+
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
             f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool):
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
@@ -620,147 +787,140 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
-  group = num_heads // num_kv_heads
-  bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
-  paired = blocks.schedule == "paired"
-  num_tiles = t_pad // blocks.dq_tile
-  shape = (bq, bkv)
-  plan = dq_mbarriers(blocks)
+  kernel = DqKernel(f=f, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
+                    num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, s_pad=s_pad)
 
-  def body(q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref, ke_ref,
-           tiles_ref, dq_ref, *rest):
-    ds_ref = rest[0] if want_ds else None
-    (q_st, do_st, rows_st, k_ring, v_ring, ds_st), bars = rest[1:] if want_ds else rest
-    q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
-    wg = lax.axis_index("wg")
-    qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
-    hk = lax.div(h, jnp.int32(group))
-    if tiles_ref is None:
-      lb, ub = kv_block_range(qi, block_q=bq, block_kv=bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
-                              is_causal=f.is_causal)
-    else:
-      start_min, _, _, end_max = (r[0 if r.shape[0] == 1 else b, 0 if r.shape[1] == 1 else h, qi]
-                                  for r in tiles_ref)
-      lb, ub = kv_block_range(qi, block_q=bq, block_kv=bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
-                              is_causal=f.is_causal, k_start_min=start_min,
-                              k_end_max=end_max)
+  def body(*refs):
+    _dq_kernel(kernel, *refs)
 
-    @pl.when(wg < CW)
-    def compute():
-      plgpu.set_max_registers(232, action="increase")
-      q_base = (CW * qi + wg) * bq
-      rows = pl.ds(q_base, bq)
-      for bar in (q_stat, do_stat, rows_stat):
-        plgpu.barrier_wait(bar.at[wg])
-      lse2 = plgpu.load(rows_st.at[wg, 0], layout=_ROW, optimized=False)
-      delta = plgpu.load(rows_st.at[wg, 1], layout=_ROW, optimized=False)
-      ks = None if ks_ref is None else _load_broadcast(ks_ref, (b, h, rows), (bq,), _ROW)
-      ke = None if ke_ref is None else _load_broadcast(ke_ref, (b, h, rows), (bq,), _ROW)
-
-      def step(ki, dq_acc):
-        slot = PipelineState.at(stages, ki - lb).index
-        k_base = ki * bkv
-        plgpu.barrier_wait(k_prod.at[slot])
-        plgpu.barrier_wait(v_prod.at[slot])
-        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
-
-        def s_and_dp(refs):
-          s_ref, dp_ref = refs
-          plgpu.wgmma(s_ref, q_st.at[wg], k_ring.at[slot].T)
-          plgpu.wgmma(dp_ref, do_st.at[wg], v_ring.at[slot].T)
-
-        def qk(acc):
-          plgpu.wgmma(acc, q_st.at[wg], k_ring.at[slot].T)
-          return acc[...]
-
-        if paired:  # S and dP need nothing computed here: issue both, wait once
-          s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
-        else:
-          s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-        bias = None if bias_ref is None else _load_broadcast(
-            bias_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA)
-        s, dsdu = _scaled_logits(s, f, bias)
-
-        terms = []
-        if f.seq_kv % bkv or s_pad != f.seq_kv:
-          terms.append(lambda key: key < f.seq_kv)  # padded keys
-        if ks is not None:
-          terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
-        if ke is not None:
-          terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
-        if mask_ref is not None:
-          terms.append(lambda key: _load_broadcast(
-              mask_ref, (b, h, rows, pl.ds(k_base, bkv)), shape, _WGMMA) != 0)
-        keep_of = lambda causal: _pair_keep(shape, k_base, q_base, 1, causal=causal,
-                                            terms=terms)
-
-        def dp_(acc):
-          plgpu.wgmma(acc, do_st.at[wg], v_ring.at[slot].T)
-          return acc[...]
-
-        def step_terms(keep, dp):
-          """P and dS of the step, zero where not kept."""
-          p = _probabilities(s, lax.broadcast_in_dim(lse2, shape, [0]), keep)
-          if dp is None:
-            dp = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))
-          ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-          if dsdu is not None:
-            ds = ds * dsdu
-          return p, _masked_to_zero(ds, keep)
-
-        dp_in = dp if paired else None
-        if f.is_causal and dp_in is None:
-          dp_in = pl.run_scoped(dp_, plgpu.ACC(shape, jnp.float32))  # both branches read it
-        p, ds = _masked_terms(lambda keep: step_terms(keep, dp_in), keep_of, causal=f.is_causal,
-                              on_diagonal=lambda: meets_diagonal(k_base, bkv, q_base))
-
-        def dsk(acc):
-          plgpu.wgmma(acc, ds.astype(dtype), k_ring.at[slot])
-
-        dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
-        plgpu.barrier_arrive(consumed.at[slot])
-        if want_ds:
-          # The previous block's dS copy must have read the staging buffer.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          ds_st.at[wg][...] = ds
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(ds_st.at[wg], ds_ref.at[b, h, rows, pl.ds(k_base, bkv)])
-        return dq_acc
-
-      dq_acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), _WGMMA)
-      dq_acc = lax.fori_loop(lb, ub, step, dq_acc)
-      # q is no longer read: it stages dQ.
-      q_st.at[wg][...] = (dq_acc * f.scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_st.at[wg], dq_ref.at[b, rows, h])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    def load_stationary():
-      for w in range(CW):
-        rows_w = pl.ds((CW * qi + w) * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows_w, h], q_st.at[w], q_stat.at[w])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows_w, h], do_st.at[w], do_stat.at[w])
-        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, rows_w], rows_st.at[w], rows_stat.at[w])
-
-    def fill(t, slot):
-      keys = pl.ds((lb + t) * bkv, bkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_ring.at[slot], k_prod.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_ring.at[slot], v_prod.at[slot])
-
-    pl.when(wg == CW)(lambda: _memory_warpgroup(load_stationary, fill, 0, ub - lb, stages,
-                                                consumed))
-
-  smem = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
+  scratch = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
   out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim), dtype)]
   if want_ds:
     out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
   results = plgpu.kernel(
-      body, out_type=out_type, scratch_types=[smem, _barrier_refs(plan)],
-      grid=(num_tiles, num_heads, batch), grid_names=("q_tiles", "heads", "batch"),
+      body, out_type=out_type, scratch_types=[scratch, _barrier_refs(dq_mbarriers(blocks))],
+      grid=(t_pad // blocks.dq_tile, num_heads, batch), grid_names=("q_tiles", "heads", "batch"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles)
   return (results[0], results[1]) if want_ds else (results[0], None)
+
+
+def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref,
+               ke_ref, tiles_ref, dq_ref, *rest):
+  """The dQ kernel's entry: its rings over the scratch, the query tile of
+  this grid point and its key blocks, each warpgroup's role."""
+  ds_ref = rest[0] if c.want_ds else None
+  (q_st, do_st, rows_st, k_ring, v_ring, ds_st), bars = rest[1:] if c.want_ds else rest
+  q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
+  # Q, dO and the residual rows stationary, one tile per compute warpgroup;
+  # each step streams a key block's k and v.
+  stationary = ring_lib.WarpgroupSlots(
+      {"q": (q_st, q_stat), "do": (do_st, do_stat), "rows": (rows_st, rows_stat)})
+  stream = ring_lib.Ring(c.blocks.num_stages, {"k": (k_ring, k_prod), "v": (v_ring, v_prod)},
+                         consumed)
+  wg = lax.axis_index("wg")
+  qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
+  hk = lax.div(h, jnp.int32(c.group))
+  f = c.f
+  if tiles_ref is None:
+    lb, ub = kv_block_range(qi, block_q=c.bq, block_kv=c.bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
+                            is_causal=f.is_causal)
+  else:
+    start_min, _, _, end_max = tile_key_bounds(tiles_ref, b, h, qi)
+    lb, ub = kv_block_range(qi, block_q=c.bq, block_kv=c.bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
+                            is_causal=f.is_causal, k_start_min=start_min, k_end_max=end_max)
+  c = dataclasses.replace(
+      c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
+      do_ref=do_ref, rows_ref=rows_ref, bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref,
+      ke_ref=ke_ref, dq_ref=dq_ref, ds_ref=ds_ref, ds_st=ds_st, stationary=stationary,
+      stream=stream)
+  pl.when(wg < CW)(functools.partial(_dq_compute, c))
+  pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dq_load_stationary, c),
+                                              functools.partial(_dq_fill, c), 0, ub - lb,
+                                              stream))
+
+
+def _dq_load_stationary(c: DqKernel):
+  for w in range(CW):
+    rows_w = pl.ds((CW * c.qi + w) * c.bq, c.bq)
+    c.stationary.producer_copy(c.q_ref.at[c.b, rows_w, c.h], w, "q")
+    c.stationary.producer_copy(c.do_ref.at[c.b, rows_w, c.h], w, "do")
+    c.stationary.producer_copy(c.rows_ref.at[c.b, c.h, :, rows_w], w, "rows")
+
+
+def _dq_fill(c: DqKernel, t, st):
+  keys = pl.ds((c.lb + t) * c.bkv, c.bkv)
+  stream = c.stream
+  stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k")
+  stream.producer_copy(c.v_ref.at[c.b, keys, c.hk], st, "v")
+
+
+def _dq_compute(c: DqKernel):
+  """A compute warpgroup: its 64 query rows' dQ over the tile's key
+  blocks, then staged in its query tile and stored."""
+  plgpu.set_max_registers(232, action="increase")
+  wg = c.wg
+  q_base = (CW * c.qi + wg) * c.bq
+  rows = pl.ds(q_base, c.bq)
+  for name in ("q", "do", "rows"):
+    c.stationary.consumer_wait(wg, name)
+  lse2 = plgpu.load(c.stationary.slot(wg, "rows", 0), layout=ROW, optimized=False)
+  delta = plgpu.load(c.stationary.slot(wg, "rows", 1), layout=ROW, optimized=False)
+  per_row = lambda ref: None if ref is None else load_broadcast(ref, (c.b, c.h, rows), (c.bq,),
+                                                                 ROW)
+  ks, ke = per_row(c.ks_ref), per_row(c.ke_ref)
+  step = functools.partial(_dq_step, c, q_base, rows, lse2, delta, ks, ke)
+  dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, c.head_dim), jnp.float32), WGMMA)
+  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
+  # q is no longer read: it stages dQ.
+  q_st = c.stationary.slot(wg, "q")
+  q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
+  """Key block ki against this warpgroup's query rows: P and dS
+  (:func:`_step_scores`), dQ += dS K, and dS stored where wanted."""
+  f, wg, b, h, stream, shape = c.f, c.wg, c.b, c.h, c.stream, c.shape
+  st = stream.position(ki - c.lb)
+  k_base = ki * c.bkv
+  stream.consumer_wait(st, "k")
+  stream.consumer_wait(st, "v")
+  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  tile = (b, h, rows, pl.ds(k_base, c.bkv))
+  terms = []
+  if f.seq_kv % c.bkv or c.s_pad != f.seq_kv:
+    terms.append(lambda key: key < f.seq_kv)  # padded keys
+  if ks is not None:
+    terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
+  if ke is not None:
+    terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
+  if c.mask_ref is not None:
+    terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
+  _, ds = _step_scores(
+      f, shape, s_ops=(c.stationary.slot(wg, "q"), k_slot),
+      dp_ops=(c.stationary.slot(wg, "do"), v_slot), paired=c.blocks.schedule == "paired",
+      want_ds=True,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
+                                                                     WGMMA),
+      terms=terms, key_dim=1, key_base=k_base, num_keys=c.bkv, query_base=q_base,
+      lse2_of=lambda: lse2, delta_of=lambda: delta)
+
+  def dsk(acc):
+    plgpu.wgmma(acc, ds.astype(c.dtype), k_slot)
+
+  dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+  stream.consumer_release(st)
+  if c.want_ds:
+    # The previous block's dS copy must have read the staging buffer.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    c.ds_st.at[wg][...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(k_base, c.bkv)])
+  return dq_acc
 
 
 def residual_rows(m, l, out, d_out, t_pad: int):

@@ -6,7 +6,21 @@ turns on the tensor cores through the pingpong schedule barriers of
 ``kernel/barriers.py``; warpgroup 2 (40 registers) only issues TMA copies of
 keys and values into the ``num_stages``-deep ring described by
 ``kernel/plan.py``.  Automatic barriers are off: every handshake below is
-placed by hand and is the protocol that ``harness/protocol_model.py`` proves.
+placed by hand and is the protocol that ``harness/protocol_model.py`` proves
+and ``harness/extract.py`` reads out of the traced kernel.
+
+The roles are functions over one :class:`Kernel` context: the launch
+(:func:`flash_attention_forward`) sizes it, :func:`_kernel` allocates the
+scratch and :func:`_dispatch` builds the rings over it (``queries``, one slot
+per compute warpgroup; ``keys``, with any staged bias/mask tiles; ``values``:
+kernel/ring.py, whose verbs are the only handshakes) and starts each
+warpgroup's role.  The memory warpgroup (:func:`memory_warpgroup`) runs
+:func:`produce_tile` on warp 0 and :func:`prefetch_queries` on warp 1; each
+compute warpgroup (:func:`compute_warpgroup`) runs :func:`compute_tile`:
+:func:`tile_start`, :func:`tile_prologue`, :func:`key_loop` (its
+:func:`loop_body` per block, :func:`last_pv`) and :func:`epilogue`.  All of
+them walk the same tiles (:func:`for_each_tile`) and compute ring positions
+the same way (:func:`ring_state`).
 
 The key loop overlaps within a warpgroup too (FlashAttention-3): each turn on
 the tensor cores issues the next block's QK, then this block's PV; the
@@ -28,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+from typing import Any
 
 import jax
 from jax import lax
@@ -39,15 +53,13 @@ import numpy as np
 
 from kernel import barriers
 from kernel import plan as plan_lib
+from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
+from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, batch_head, is_2d, kv_block_range,
+                           load_broadcast, smem, tile_key_bounds)
 from kernel.config import Config
-from kernel.pipeline import PipelineState
 
-LOG2E = math.log2(math.e)
-_WGMMA = plgpu.Layout.WGMMA
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
-_NEG_INF = float("-inf")
+CW = barriers.COMPUTE_WARPGROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,86 +85,6 @@ class Features:
   window: tuple[int, int] | None = None
 
 
-def _smem(buf: plan_lib.Buffer):
-  if not buf.swizzled:
-    return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype))
-  bits = np.dtype(buf.dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(buf.shape[-1] * bits, buf.name)
-  transforms = (plgpu.TilingTransform((8, 8 * swizzle // bits)),
-                plgpu.SwizzleTransform(swizzle))
-  return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)
-
-
-def _load_broadcast(ref, idx, shape, layout):
-  """Load ``ref[idx]`` where size-1 dims of ``ref`` broadcast to ``shape``.
-
-  ``idx`` has one entry per dim of ``ref``: an int/scalar or a ``pl.ds``.  The
-  sliced dims of the result are the ``pl.ds`` entries, in order; they map onto
-  ``shape``.  Size-1 dims of ``ref`` are read at 0 and broadcast.
-  """
-  new_idx, kept = [], []
-  sliced = 0
-  for d, ix in zip(ref.shape, idx):
-    if isinstance(ix, pl.Slice):
-      if d == 1:
-        new_idx.append(0)
-      else:
-        new_idx.append(ix)
-        kept.append(sliced)
-      sliced += 1
-    else:
-      new_idx.append(0 if d == 1 else ix)
-  new_idx = tuple(new_idx)
-  if len(kept) == len(shape):
-    value = plgpu.load(ref.at[new_idx], layout=layout, optimized=False)
-  elif kept:
-    (dim,) = kept
-    value = plgpu.load(ref.at[new_idx], layout=layout.reduce(1 - dim) if len(shape) == 2 else layout,
-                       optimized=False)
-    value = lax.broadcast_in_dim(value, shape, (dim,))
-  else:
-    value = ref[new_idx]
-    value = lax.broadcast_in_dim(value, shape, ())
-  return plgpu.layout_cast(value, layout)
-
-
-def is_2d(operand) -> bool:
-  """A bias or mask that varies along both T and S (the kind that is staged
-  through the ring; broadcast ones are read from global memory).  Any rank:
-  the shape is read as broadcast to (B, N, T, S).  The API asks this of the
-  caller's operand, the kernel of the padded one: one predicate for both."""
-  if operand is None:
-    return False
-  shape = tuple(np.shape(operand))
-  shape = (1,) * (4 - len(shape)) + shape
-  return shape[2] != 1 and shape[3] != 1
-
-
-def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
-                   k_start_min=None, k_end_max=None):
-  """Key blocks [lb, ub) that query super-tile ``qi`` must visit.
-
-  Shared by the memory and both compute warpgroups (they must agree), and by
-  the Z3 coverage grid.  Works on Python ints and traced int32 scalars.
-  """
-  num_blocks = -(-seq_kv // block_kv)
-  lb, ub = 0, num_blocks
-  _max = max if isinstance(qi, int) else lax.max
-  _min = min if isinstance(qi, int) else lax.min
-  cdiv = (lambda a, b: -(-a // b)) if isinstance(qi, int) else (
-      lambda a, b: lax.div(a + (b - 1), jnp.int32(b)))
-  if is_causal:
-    last_row = _min((qi + 1) * (2 * block_q), seq_q)  # exclusive
-    ub = _min(ub, cdiv(last_row, block_kv))
-  if k_start_min is not None:
-    lb = _max(lb, lax.div(lax.max(k_start_min, 0), jnp.int32(block_kv))
-              if not isinstance(k_start_min, int) else max(k_start_min, 0) // block_kv)
-  if k_end_max is not None:
-    ub = _min(ub, cdiv(_max(k_end_max, 0), block_kv))
-  ub = _max(ub, lb)  # an empty range, never a negative one
-  return lb, ub
-
-
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
                   head_dim_out, itemsize, block_q, block_kv, seq_q, seq_kv, is_causal,
                   window=None):
@@ -176,6 +108,116 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
       tile_blocks=tile_blocks,
       kv_bytes_per_head=s_pad * (head_dim + head_dim_out) * itemsize)
 
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """What every role of one launch reads: its sizes and switches (set by
+  :func:`flash_attention_forward`) and, inside the kernel, its refs, rings
+  and warpgroup index (set by :func:`_dispatch`)."""
+
+  f: Features
+  config: Config
+  batch: int
+  num_heads: int
+  num_tiles: int
+  group: int                 # query heads per key/value head
+  head_dim_out: int
+  dtype: Any
+  stages: int                # the ring's depth (kernel.plan.effective_stages)
+  layout: plan_lib.ScratchLayout
+  order: Any                 # the longest-first schedule, or None (round-robin)
+  # A mask or key range may remove keys from any block; causal and a ragged
+  # key length only from the blocks that reach the diagonal or the last key,
+  # which the key loop runs apart (``edge``) so the others keep the unmasked
+  # path (the scale folded into exp2, no select, no per-block branch).
+  masks_any_block: bool
+  # Inside the kernel:
+  wg: Any = None
+  q_ref: Any = None
+  k_ref: Any = None
+  v_ref: Any = None
+  bias_ref: Any = None
+  mask_ref: Any = None
+  ks_ref: Any = None
+  ke_ref: Any = None
+  tiles_ref: Any = None      # per-tile key-range bounds (kernel.padding.key_ranges)
+  sched_ref: Any = None      # longest-first: the tile order (or each SM's tiles)
+  counts_ref: Any = None     # longest-first, persistent: tiles per SM
+  out_ref: Any = None
+  m_ref: Any = None
+  l_ref: Any = None
+  queries: ring_lib.WarpgroupSlots | None = None
+  keys: ring_lib.Ring | None = None      # k, and the staged bias/mask tiles
+  values: ring_lib.Ring | None = None
+  o_smems: Any = None
+  m_smems: Any = None
+  l_smems: Any = None
+
+  @property
+  def block_q(self) -> int:
+    return self.config.block_q
+
+  @property
+  def block_kv(self) -> int:
+    return self.config.block_kv
+
+  @property
+  def bq_kv(self) -> tuple[int, int]:
+    return (self.config.block_q, self.config.block_kv)
+
+  @property
+  def threshold(self) -> float:
+    return float(self.f.rescale_threshold)
+
+  @property
+  def always_rescale(self) -> bool:
+    return self.threshold == 1.0
+
+  @property
+  def ragged_kv(self) -> bool:
+    return self.f.seq_kv % self.config.block_kv != 0
+
+  @property
+  def has_edge(self) -> bool:
+    return self.f.is_causal or self.ragged_kv
+
+  @property
+  def stage_bias(self) -> bool:
+    return "bias" in self.keys.buffers
+
+  @property
+  def stage_mask(self) -> bool:
+    return "mask" in self.keys.buffers
+
+  @property
+  def staged(self) -> bool:
+    # With staged operands, a key block's slot is released only once its
+    # bias/mask tile has been read, after the softmax's mask; else right
+    # after its QK completes.
+    return self.stage_bias or self.stage_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """One compute warpgroup's part of one query super-tile: its grid indices,
+  the key blocks [lb, ub) it visits and the global count ``prev_iters`` of
+  key blocks before them, its query rows, and their key ranges."""
+
+  b: Any
+  h: Any
+  qi: Any
+  prev_iters: Any
+  lb: Any
+  ub: Any
+  k_start_max: Any           # the tile's key-range bounds (None: no ranges)
+  k_end_min: Any
+  q_base: Any                # this warpgroup's first query row
+  rows: Any                  # its query rows, pl.ds(q_base, block_q)
+  k_start: Any               # per query row (None: no ranges)
+  k_end: Any
+
+
+# -- the launch ----------------------------------------------------------------
 
 def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             *, features: Features, config: Config, num_sms: int = 132,
@@ -205,7 +247,6 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   block_q, block_kv = config.block_q, config.block_kv
-  group = num_heads // num_kv_heads
   num_tiles = -(-seq_q // (2 * block_q))
   s_pad = -(-seq_kv // block_kv) * block_kv
   problem = plan_lib.Problem(
@@ -215,18 +256,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       return_residuals=f.return_residuals)
   plan_lib.check_fits(problem, config)
   pipe = plan_lib.pipeline_plan(problem, config)
-  layout = plan_lib.scratch_layout(problem, config)
-  stages = pipe.num_stages
-  bq_kv = (block_q, block_kv)
-  threshold = float(f.rescale_threshold)
-  always_rescale = threshold == 1.0
-  # A mask or key range may remove keys from any block; causal and a ragged
-  # key length only from the blocks that reach the diagonal or the last key,
-  # which the key loop runs apart (``edge``) so the others keep the unmasked
-  # path (the scale folded into exp2, no select, no per-block branch).
-  masks_any_block = mask is not None or k_start is not None or k_end is not None
-  ragged_kv = f.seq_kv % block_kv != 0
-  has_edge = f.is_causal or ragged_kv
+  order = schedule_tables = None
   if config.schedule == "longest-first":
     order = tile_schedule(
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
@@ -238,496 +268,14 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))
     else:
       schedule_tables = (jnp.asarray(order.order), None)
-  else:
-    order, schedule_tables = None, (None, None)
+  kernel = Kernel(
+      f=f, config=config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
+      group=num_heads // num_kv_heads, head_dim_out=head_dim_out, dtype=dtype,
+      stages=pipe.num_stages, layout=plan_lib.scratch_layout(problem, config), order=order,
+      masks_any_block=mask is not None or k_start is not None or k_end is not None)
 
-  def tile_range(qi, b, h, tiles_ref):
-    if tiles_ref is None:
-      return kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=f.seq_q,
-                            seq_kv=f.seq_kv, is_causal=f.is_causal) + (None, None)
-    start_min, start_max, end_min, end_max = (
-        r[0 if r.shape[0] == 1 else b, 0 if r.shape[1] == 1 else h, qi]
-        for r in tiles_ref)
-    lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=f.seq_q,
-                            seq_kv=f.seq_kv, is_causal=f.is_causal,
-                            k_start_min=start_min, k_end_max=end_max)
-    return lb, ub, start_max, end_min
-
-  def for_each_tile(tile_body, init, sched_ref, counts_ref):
-    """Run ``tile_body(b, h, qi, prev_iters) -> prev_iters`` over this block's tiles.
-
-    Non-persistent: the one tile of this grid point (longest-first: the
-    grid point's entry of the schedule's order).  Persistent: the tiles this
-    block is dealt, in order (longest-first: its row of the schedule's
-    table; round-robin: the whole logical grid dealt in turn, query tiles
-    fastest, so blocks that run together share a head's keys in L2).
-    ``prev_iters`` carries the key blocks every earlier tile of this block
-    consumed, so the ring keeps its phase across tiles (a tile may have zero
-    key blocks).  Every warpgroup and warp calls this with the same tables,
-    so they walk the same tiles.
-    """
-    if order is not None:
-      if not config.persistent:
-        return tile_body(*order.unpack(sched_ref[lax.axis_index("tiles")]), init)
-      sm = lax.axis_index("sm")
-
-      def step(j, carry):
-        return tile_body(*order.unpack(sched_ref[sm, j]), carry)
-
-      return lax.fori_loop(0, counts_ref[sm], step, jnp.int32(init))
-    if not config.persistent:
-      return tile_body(lax.axis_index("batch"), lax.axis_index("heads"),
-                       lax.axis_index("q_tiles"), init)
-
-    @plgpu.nd_loop((batch, num_heads, num_tiles), collective_axes="sm",
-                   init_carry=jnp.int32(init))
-    def final(info, carry):
-      b, h, qi = info.index
-      return tile_body(b, h, qi, carry)
-
-    return final
-
-  def ring_state(prev_iters, lb, ki):
-    """The ring position of tile-local key block ki, for producer and
-    consumers alike: the global block count, carried across tiles."""
-    return PipelineState.at(stages, prev_iters + (ki - lb))
-
-  def body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
-           sched_ref, counts_ref, out_ref, m_ref, l_ref, scoped):
-    wg = lax.axis_index("wg")
-    smem, mbars = scoped
-    ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_ring, mask_ring = smem
-    if layout.overlay_q_with_output:
-      o_smems = q_smems  # each warpgroup stages its output in its query slot
-    (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
-     bias_produced, mask_produced) = mbars
-    # With staged operands, a key block's slot is released (k_consumed) only
-    # once its bias/mask tile has been read, after the softmax's mask; else
-    # right after its QK completes.
-    staged = bias_ring is not None or mask_ring is not None
-
-    def ring(prev_iters, lb, ki):
-      """Slot of tile-local key block ki: global count prev_iters + (ki - lb)."""
-      return ring_state(prev_iters, lb, ki).index
-
-    def pass_token_for_the_last_time():
-      pl.when(wg == 0)(lambda: barriers.schedule_release_other(wg))
-
-    def compute_tile(b, h, qi, prev_iters):
-      lb, ub, k_start_max, k_end_min = tile_range(qi, b, h, tiles_ref)
-      q_base = (2 * qi + wg) * block_q
-      rows = pl.ds(q_base, block_q)
-      q_smem = q_smems.at[wg]
-
-      def iota(dim):
-        return plgpu.broadcasted_iota(jnp.int32, bq_kv, dim, layout=_WGMMA)
-
-      def row_values(ref):
-        return _load_broadcast(ref, (b, h, rows), (block_q,), _ROW)
-
-      k_start = None if ks_ref is None else row_values(ks_ref)
-      k_end = None if ke_ref is None else row_values(ke_ref)
-      m_i = plgpu.layout_cast(jnp.full((block_q,), _NEG_INF, jnp.float32), _ROW)
-      l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _ROW)
-      acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim_out), jnp.float32), _WGMMA)
-
-      plgpu.barrier_wait(q_produced.at[wg])
-
-      @pl.when(ub > lb)
-      def _():
-        plgpu.barrier_wait(k_produced.at[ring(prev_iters, lb, lb)])
-
-      def wait_staged(slot):
-        # The rest of the key phase, right after the QK issue (the order the
-        # Z3 model proves: wait k, issue QK, wait bias/mask, pass the token).
-        for ring_ref, produced in ((bias_ring, bias_produced), (mask_ring, mask_produced)):
-          if ring_ref is not None:
-            plgpu.barrier_wait(produced.at[slot])
-
-      def staged_tile(ring_ref, ki):
-        """This warpgroup's rows of key block ki's staged bias/mask tile
-        (waited for in wait_staged; released with k_consumed after this)."""
-        slot = ring(prev_iters, lb, ki)
-        tile = ring_ref.at[slot]
-        return lax.cond(wg == 0,
-                        lambda: plgpu.load(tile.at[pl.ds(0, block_q)], layout=_WGMMA,
-                                           optimized=False),
-                        lambda: plgpu.load(tile.at[pl.ds(block_q, block_q)], layout=_WGMMA,
-                                           optimized=False))
-
-      def logits(s, ki, *, edge):
-        """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
-        with the true logits being s * sc (sc > 0, deferred so exp2 fuses).
-        ``edge``: the block may reach the diagonal or the last (ragged) key."""
-        k_base = ki * block_kv
-        sc = f.scale
-        if bias_ring is not None:
-          bias = staged_tile(bias_ring, ki)
-          s, sc = s * sc + bias.astype(jnp.float32), 1.0
-        elif bias_ref is not None:
-          bias = _load_broadcast(bias_ref, (b, h, rows, pl.ds(k_base, block_kv)),
-                                 bq_kv, _WGMMA)
-          s, sc = s * sc + bias.astype(jnp.float32), 1.0
-        if f.logits_soft_cap is not None:
-          s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
-        sc *= LOG2E
-        if not (masks_any_block or edge):
-          return s, sc
-        s = s * sc
-        key = k_base + iota(1)
-        if edge and f.is_causal:
-          s = jnp.where(q_base + iota(0) >= key, s, _NEG_INF)
-        if edge and ragged_kv:
-          s = lax.cond(k_base + block_kv > f.seq_kv,
-                       lambda: jnp.where(key < f.seq_kv, s, _NEG_INF), lambda: s)
-        if k_start is not None:
-          s = lax.cond(
-              k_base < k_start_max,
-              lambda: jnp.where(key >= lax.broadcast_in_dim(k_start, bq_kv, [0]), s, _NEG_INF),
-              lambda: s)
-        if k_end is not None:
-          s = lax.cond(
-              k_base + block_kv > k_end_min,
-              lambda: jnp.where(key < lax.broadcast_in_dim(k_end, bq_kv, [0]), s, _NEG_INF),
-              lambda: s)
-        if mask_ring is not None:
-          keep = staged_tile(mask_ring, ki)
-          s = jnp.where(keep != 0, s, _NEG_INF)
-        elif mask_ref is not None:
-          keep = _load_broadcast(mask_ref, (b, h, rows, pl.ds(k_base, block_kv)),
-                                 bq_kv, _WGMMA)
-          s = jnp.where(keep != 0, s, _NEG_INF)
-        return s, 1.0
-
-      def safe(x):
-        # exp2(x - base) with base = -inf would be NaN; rows that have seen no
-        # unmasked key use base 0, where every p is exp2(-inf) = 0.
-        return jnp.where(x == _NEG_INF, 0.0, x)
-
-      def qk(ki):
-        """Issue QK^T of key block ki, let the other warpgroup issue, wait."""
-        slot = ring(prev_iters, lb, ki)
-
-        def compute_qk(s_ref):
-          plgpu.wgmma(s_ref, q_smem, k_smems.at[slot].T)
-          wait_staged(slot)
-          barriers.schedule_release_other(wg)
-          return s_ref[...]
-
-        return pl.run_scoped(compute_qk, plgpu.ACC(bq_kv, jnp.float32))
-
-      def release_query_after(ki):
-        if config.persistent and not layout.overlay_q_with_output:
-          # The tile's last QK has completed: the query slot may be refilled.
-          pl.when(ki + 1 == ub)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
-
-      def softmax(s, ki, m_i, l_i, pending, *, edge):
-        """Online softmax of key block ki's raw logits s: returns the factor
-        that brings the accumulator (and, already applied, l_i) to the new
-        reference max, p, and the new (m_i, l_i, pending)."""
-        s, sc = logits(s, ki, edge=edge)
-        m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
-        if always_rescale:
-          base = safe(m_ij)
-          factor = jnp.exp2(m_i - base)
-          l_i = l_i * factor
-        else:
-          (m_scale,) = pending
-          alpha = jnp.exp2(m_scale - safe(m_ij))
-          rescale = (alpha < threshold) | (m_scale == _NEG_INF)
-          factor = jnp.where(rescale, alpha, 1.0)
-          l_i = l_i * factor
-          m_scale = jnp.where(rescale, m_ij, m_scale)
-          pending = [m_scale]
-          base = safe(m_scale)
-        p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
-        return factor, p, m_ij, l_i, pending
-
-      def rescaled(acc, factor):
-        return acc * lax.broadcast_in_dim(factor, acc.shape, [0])
-
-      def loop_body(ki, carry, *, edge):
-        """PV of key block ki and QK of block ki + 1 in one turn on the tensor
-        cores (QK issued first), then the softmax of block ki + 1 as soon as
-        its QK completes, while the PV still runs (FlashAttention-3's
-        intra-warpgroup overlap); the PV's result is rescaled once it
-        completes.  ``edge``: whether block ki + 1 may reach the diagonal or
-        the last key (the masked path)."""
-        acc, p16, m_i, l_i, *pending = carry
-        slot, next_slot = ring(prev_iters, lb, ki), ring(prev_iters, lb, ki + 1)
-        plgpu.barrier_wait(v_produced.at[slot])
-        barriers.schedule_sync(wg)
-
-        def issue_then_softmax(refs):
-          acc_ref, s_ref, factor_ref, p_ref, m_ref_, l_ref_, *pending_refs = refs
-          plgpu.barrier_wait(k_produced.at[next_slot])
-          plgpu.wgmma(s_ref, q_smem, k_smems.at[next_slot].T)
-          plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
-          wait_staged(next_slot)
-          barriers.schedule_release_other(wg)
-          # wgmma groups complete in issue order: at most one in flight means
-          # the QK is done, the PV may still run.
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-          factor, p, m_new, l_new, pend = softmax(
-              s, ki + 1, m_ref_[...], l_ref_[...], [r[...] for r in pending_refs],
-              edge=edge)
-          factor_ref[...] = factor
-          # p stays float32 here; the operand cast waits for the PV below.
-          # The PV still in flight reads this block's p16 from registers, and
-          # the register allocator may give the next p16 those very registers:
-          # written while the PV runs, ptxas then serialises every wgmma of
-          # the kernel (C7513; measured on the H200, 2026-12-01: d256 causal
-          # forward at half the non-causal TFLOP/s, every HGMMA followed by a
-          # wait).  Cast after the PV completes, no register it reads is
-          # rewritten in flight.
-          p_ref[...] = p
-          m_ref_[...] = m_new
-          l_ref_[...] = l_new + p.sum(axis=1)
-          for r, v in zip(pending_refs, pend):
-            r[...] = v
-
-        # run_state returns once both products completed.  (m_i stands in as
-        # the initial value of the factor, a row vector like it.)
-        p_init = plgpu.layout_cast(jnp.zeros(bq_kv, jnp.float32), _WGMMA)
-        acc, _, factor, p, m_i, l_i, *pending = pl.run_state(issue_then_softmax)(
-            (plgpu.ACC.init(acc), plgpu.ACC.init(jnp.zeros(bq_kv, jnp.float32)),
-             m_i, p_init, m_i, l_i, *pending))
-        p16 = p.astype(dtype)
-        # Releases in the order the Z3 model proves: v of block ki, then k
-        # (and a staged tile, read by the softmax) of block ki + 1, then the
-        # queries after a persistent tile's last QK.
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        plgpu.barrier_arrive(k_consumed.at[next_slot])
-        release_query_after(ki + 1)
-        return (rescaled(acc, factor), p16, m_i, l_i, *pending)
-
-      def key_loop(s0, acc, m_i, l_i, pending, ub_plain):
-        """The tile's key blocks lb .. ub - 1 given the first one's logits s0:
-        its softmax, the loop over blocks lb .. ub - 2 (PV of ki, QK and
-        softmax of ki + 1), then the last block's PV alone."""
-        def first_softmax(edge):
-          _, p, m, l, pend = softmax(s0, lb, m_i, l_i, pending, edge=edge)
-          if staged:  # its staged tiles are read: release the key-phase slot
-            plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
-          return p.astype(dtype), m, l + p.sum(axis=1), pend
-
-        if has_edge:
-          first = lambda: lax.cond(lb < ub_plain, functools.partial(first_softmax, False),
-                                   functools.partial(first_softmax, True))
-        else:
-          first = functools.partial(first_softmax, False)
-
-        p16 = plgpu.layout_cast(jnp.zeros(bq_kv, dtype), _WGMMA)
-        p16, m, l, pend = lax.cond(ub > lb, first, lambda: (p16, m_i, l_i, pending))
-        carry = (acc, p16, m, l, *pend)
-        last = lax.max(lb, ub - 1)
-        if has_edge:
-          # Iteration ki masks block ki + 1: plain while ki + 1 < ub_plain.
-          split = lax.min(last, lax.max(lb, ub_plain - 1))
-          carry = lax.fori_loop(lb, split, functools.partial(loop_body, edge=False), carry)
-          carry = lax.fori_loop(split, last, functools.partial(loop_body, edge=True), carry)
-        else:
-          carry = lax.fori_loop(lb, last, functools.partial(loop_body, edge=False), carry)
-        acc, p16, m, l, *pend = carry
-
-        def last_pv(acc):
-          slot = ring(prev_iters, lb, last)
-          plgpu.barrier_wait(v_produced.at[slot])
-          barriers.schedule_sync(wg)
-
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_smems.at[slot])
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          return acc
-
-        acc = lax.cond(ub > lb, last_pv, lambda a: a, acc)
-        return acc, m, l, pend
-
-      # Prologue: QK of the tile's first block (the loop issues each next one).
-      s0 = plgpu.layout_cast(jnp.zeros(bq_kv, jnp.float32), _WGMMA)
-
-      def first_qk():
-        s = qk(lb)
-        if not staged:
-          plgpu.barrier_arrive(k_consumed.at[ring(prev_iters, lb, lb)])
-        release_query_after(lb)
-        return s
-
-      s0 = lax.cond(ub > lb, first_qk, lambda: s0)
-      if config.persistent:
-        # A tile without key blocks still passes and then acquires the token
-        # once, as a one-block tile would: otherwise warpgroup 0 runs a tile
-        # ahead, its query refill waits on warpgroup 1's q_consumed, and
-        # warpgroup 1 waits on warpgroup 0's pass (a deadlock the Z3 model
-        # found with trip counts [0, 0, 0]).
-        @pl.when(ub == lb)
-        def _():
-          barriers.schedule_release_other(wg)
-          barriers.schedule_sync(wg)
-
-      # m_scale, the pending scale acc and l_i are relative to, is carried only
-      # when the threshold can leave it behind m_i.
-      pending = [] if always_rescale else [m_i]
-      # Blocks entirely below the diagonal for this warpgroup, and holding
-      # no padded key, need no mask.
-      ub_plain = ub
-      if f.is_causal:
-        ub_plain = lax.min(ub_plain, lax.div(q_base + 1, jnp.int32(block_kv)))
-      if ragged_kv:
-        ub_plain = lax.min(ub_plain, jnp.int32(f.seq_kv // block_kv))
-      if has_edge:
-        ub_plain = lax.max(lb, ub_plain)
-      acc, m_i, l_i, pending = key_loop(s0, acc, m_i, l_i, pending, ub_plain)
-      m_scale = m_i if always_rescale else pending[0]
-      if not config.persistent:
-        # Before the epilogue: warpgroup 1's last PV waits for this pass, and
-        # the output overlay's epilogue barrier waits for warpgroup 1.
-        pass_token_for_the_last_time()
-
-      # Epilogue.  acc and l_i are relative to m_scale; alpha brings them to m_i.
-      if always_rescale:
-        l_res = l_i
-      else:
-        l_res = l_i * jnp.exp2(m_scale - safe(m_i))
-      if f.normalize_output:
-        # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
-        # fully masked rows (acc is 0 there).
-        inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
-        out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-      elif always_rescale:
-        out = acc
-      else:
-        out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
-
-      if config.persistent and not layout.overlay_q_with_output:
-        # A tile without key blocks never ran a QK: release the query slot here.
-        pl.when(ub == lb)(lambda: plgpu.barrier_arrive(q_consumed.at[wg]))
-      if config.persistent:
-        # The previous tile's output copy must have read o/m/l before we
-        # overwrite them (it drained while this tile computed).
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      if layout.overlay_qk_with_output:
-        barriers.epilogue_sync()  # both warpgroups are done with q and k
-      o_smem = o_smems.at[wg]
-      o_smem[...] = out.astype(dtype)
-      if f.return_residuals:
-        m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
-        l_smems.at[wg][...] = l_res
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
-      if f.return_residuals:
-        plgpu.copy_smem_to_gmem(m_smems.at[wg], m_ref.at[b, h, rows])
-        plgpu.copy_smem_to_gmem(l_smems.at[wg], l_ref.at[b, h, rows])
-      if not config.persistent:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      elif layout.overlay_q_with_output:
-        # The output was staged in the query slot: refill it only once the
-        # copy has read it.  The next tile's keys and values are already
-        # streaming; only its query load is exposed.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.barrier_arrive(q_consumed.at[wg])
-      return prev_iters + (ub - lb)
-
-
-    @pl.when(wg < barriers.COMPUTE_WARPGROUPS)
-    def compute_wg():
-      plgpu.set_max_registers(232, action="increase")
-      # The pingpong is one token passed between the warpgroups: warpgroup 0
-      # starts holding it.  Each warpgroup strictly alternates "acquire"
-      # (bar.sync on its own barrier) and "pass" (bar.arrive on the other's),
-      # across tile boundaries too, so every generation of a named barrier is
-      # one pass plus one acquire.  Were a warpgroup to pass twice in a row,
-      # its 2 x 128 arrivals would complete a generation on their own and the
-      # other warpgroup's acquire would wait forever.  Hence the one acquire
-      # before the first tile and the one pass after the last loop (before the
-      # epilogue of a non-persistent block), not one per tile.
-      pl.when(wg == 1)(lambda: barriers.schedule_sync(wg))
-      for_each_tile(compute_tile, 0, sched_ref, counts_ref)
-      if config.persistent:
-        pass_token_for_the_last_time()
-      if config.persistent:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    @pl.when(wg == barriers.COMPUTE_WARPGROUPS)
-    def memory_wg():
-      plgpu.set_max_registers(40, action="decrease")
-
-      def produce_tile(b, h, qi, prev_iters):
-        """Warp 0: every key/value TMA of the tile into the ring."""
-        lb, ub, _, _ = tile_range(qi, b, h, tiles_ref)
-        hk = lax.div(h, jnp.int32(group))
-
-        def fill(ki):
-          st = ring_state(prev_iters, lb, ki)
-          keys = pl.ds(ki * block_kv, block_kv)
-          # Global fills 0..S-1 find fresh slots (the producer starts at phase
-          # 1, like CUTLASS's); every later one waits for both warpgroups.
-          reuse = st.count >= stages
-          pl.when(reuse)(lambda: plgpu.barrier_wait(k_consumed.at[st.index]))
-          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smems.at[st.index],
-                                  k_produced.at[st.index])
-          # The rest of the key phase: the super-tile's bias/mask tile of this
-          # key block, released with the keys (k_consumed).
-          for ring_ref, src, produced in ((bias_ring, bias_ref, bias_produced),
-                                          (mask_ring, mask_ref, mask_produced)):
-            if ring_ref is not None:
-              plgpu.copy_gmem_to_smem(
-                  src.at[0 if src.shape[0] == 1 else b, 0 if src.shape[1] == 1 else h,
-                         pl.ds(2 * qi * block_q, 2 * block_q), keys],
-                  ring_ref.at[st.index], produced.at[st.index])
-          pl.when(reuse)(lambda: plgpu.barrier_wait(v_consumed.at[st.index]))
-          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smems.at[st.index],
-                                  v_produced.at[st.index])
-
-        pl.loop(lb, ub)(fill)
-        return prev_iters + (ub - lb)
-
-      def prefetch_q_tile(b, h, qi, step):
-        """Warp 1: the tile's queries, once the previous tile's are consumed."""
-        for w in range(barriers.COMPUTE_WARPGROUPS):
-          if config.persistent:
-            pl.when(step > 0)(lambda w=w: plgpu.barrier_wait(q_consumed.at[w]))
-          rows = pl.ds((2 * qi + w) * block_q, block_q)
-          plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smems.at[w], q_produced.at[w])
-        return step + 1
-
-      @plgpu.warp_map
-      def _(warp):
-        @pl.when(warp == 0)
-        def _():
-          for_each_tile(produce_tile, 0, sched_ref, counts_ref)
-
-        @pl.when(warp == 1)
-        def _():
-          for_each_tile(prefetch_q_tile, 0, sched_ref, counts_ref)
-
-  def entry(*refs):
-    m_buf = layout.m if f.return_residuals else None
-    out_group = (None if layout.o is None else _smem(layout.o),
-                 _smem(m_buf) if m_buf is not None else None,
-                 _smem(layout.l) if m_buf is not None else None)
-    qk_group = (_smem(layout.q), _smem(layout.k))
-    if layout.overlay_qk_with_output:
-      overlay = plgpu.RefUnion(qk_group, out_group)
-    else:
-      overlay = (qk_group, out_group)
-    mb = {b_.name: plgpu.Barrier(num_arrivals=b_.num_arrivals, num_barriers=b_.num_barriers)
-          for b_ in pipe.mbarriers}
-    staged = lambda buf: None if buf is None else _smem(buf)
-    pl.run_scoped(
-        lambda *scoped: body(*refs, scoped=scoped),
-        (overlay, _smem(layout.v), staged(layout.bias), staged(layout.mask)),
-        (mb["q_produced"], mb.get("q_consumed"), mb["k_produced"], mb["v_produced"],
-         mb["k_consumed"], mb["v_consumed"], mb.get("bias_produced"), mb.get("mask_produced")),
-        collective_axes="wg",
-    )
-
-  def kernel_body(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
-                  sched_ref, counts_ref, out_ref, *residual_refs):
-    m_ref, l_ref = residual_refs if residual_refs else (None, None)
-    entry(q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref, tiles_ref,
-          sched_ref, counts_ref, out_ref, m_ref, l_ref)
+  def kernel_body(*refs):
+    _kernel(kernel, pipe.mbarriers, *refs)
 
   out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
   if f.return_residuals:
@@ -746,26 +294,19 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   else:
     grid = (num_heads, num_tiles, batch)
     grid_names = ("heads", "q_tiles", "batch")
+  launch = functools.partial(
+      plgpu.kernel, kernel_body, grid=grid, grid_names=grid_names,
+      num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True))
+  operands = (q, k, v, bias, mask, k_start, k_end, k_range_tiles,
+              *(schedule_tables or (None, None)))
   if outputs is not None:
     _check_guarded_outputs(outputs, out_type)
     # Operands after the inputs and schedule tables: kernel_body takes them
     # as its outputs.
-    plgpu.kernel(
-        kernel_body, out_type=[], grid=grid, grid_names=grid_names,
-        num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
-    )(q, k, v, bias, mask, k_start, k_end, k_range_tiles, *schedule_tables, *outputs)
+    launch(out_type=[])(*operands, *outputs)
     return None, None
-  results = plgpu.kernel(
-      kernel_body,
-      out_type=out_type,
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=barriers.NUM_WARPGROUPS,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          approx_math=True, unsafe_no_auto_barriers=True),
-  )(q, k, v, bias, mask, k_start, k_end, k_range_tiles, *schedule_tables)
+  results = launch(out_type=out_type)(*operands)
   if f.return_residuals:
     out, m, l = results
     return out, (m, l)
@@ -785,3 +326,553 @@ def _check_guarded_outputs(outputs, out_type):
     if not fits or dtype != want.dtype:
       raise ValueError(f"outputs: {name} must be {want.dtype} shaped like {want.shape} with "
                        f"axis {axis} at least as long, got {dtype} {shape}")
+
+
+def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref,
+            tiles_ref, sched_ref, counts_ref, out_ref, *residual_refs):
+  """The kernel's entry: allocate the scratch of kernel/plan.py's layout and
+  mbarrier plan, build the rings over it, and dispatch the warpgroups."""
+  m_ref, l_ref = residual_refs if residual_refs else (None, None)
+  layout = c.layout
+  m_buf = layout.m if c.f.return_residuals else None
+  out_group = (None if layout.o is None else smem(layout.o),
+               smem(m_buf) if m_buf is not None else None,
+               smem(layout.l) if m_buf is not None else None)
+  qk_group = (smem(layout.q), smem(layout.k))
+  if layout.overlay_qk_with_output:
+    overlay = plgpu.RefUnion(qk_group, out_group)
+  else:
+    overlay = (qk_group, out_group)
+  mb = {b_.name: plgpu.Barrier(num_arrivals=b_.num_arrivals, num_barriers=b_.num_barriers)
+        for b_ in mbarriers}
+  staged = lambda buf: None if buf is None else smem(buf)
+  refs = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, bias_ref=bias_ref, mask_ref=mask_ref,
+              ks_ref=ks_ref, ke_ref=ke_ref, tiles_ref=tiles_ref, sched_ref=sched_ref,
+              counts_ref=counts_ref, out_ref=out_ref, m_ref=m_ref, l_ref=l_ref)
+  pl.run_scoped(
+      lambda *scoped: _dispatch(c, refs, *scoped),
+      (overlay, smem(layout.v), staged(layout.bias), staged(layout.mask)),
+      (mb["q_produced"], mb.get("q_consumed"), mb["k_produced"], mb["v_produced"],
+       mb["k_consumed"], mb["v_consumed"], mb.get("bias_produced"), mb.get("mask_produced")),
+      collective_axes="wg",
+  )
+
+
+def _dispatch(c: Kernel, refs: dict, smems, mbars):
+  """The rings over the allocated scratch, then each warpgroup's role."""
+  wg = lax.axis_index("wg")
+  ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_smems, mask_smems = smems
+  if c.layout.overlay_q_with_output:
+    o_smems = q_smems  # each warpgroup stages its output in its query slot
+  (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
+   bias_produced, mask_produced) = mbars
+  # The key phase: k and the staged bias/mask tiles of the same key block,
+  # released together; the value phase at the same positions.
+  key_buffers = {"k": (k_smems, k_produced)}
+  if bias_smems is not None:
+    key_buffers["bias"] = (bias_smems, bias_produced)
+  if mask_smems is not None:
+    key_buffers["mask"] = (mask_smems, mask_produced)
+  c = dataclasses.replace(
+      c, wg=wg, **refs,
+      queries=ring_lib.WarpgroupSlots({"q": (q_smems, q_produced)}, q_consumed),
+      keys=ring_lib.Ring(c.stages, key_buffers, k_consumed),
+      values=ring_lib.Ring(c.stages, {"v": (v_smems, v_produced)}, v_consumed),
+      o_smems=o_smems, m_smems=m_smems, l_smems=l_smems)
+  pl.when(wg < CW)(functools.partial(compute_warpgroup, c))
+  pl.when(wg == CW)(functools.partial(memory_warpgroup, c))
+
+
+# -- the tile walk and ring positions, shared by every role ---------------------
+
+def tile_range(c: Kernel, qi, b, h):
+  """(lb, ub, k_start_max, k_end_min): the key blocks of query tile qi of
+  (b, h), and the bounds of its key ranges (None without ranges)."""
+  if c.tiles_ref is None:
+    return kv_block_range(qi, block_q=c.block_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
+                          seq_kv=c.f.seq_kv, is_causal=c.f.is_causal) + (None, None)
+  start_min, start_max, end_min, end_max = tile_key_bounds(c.tiles_ref, b, h, qi)
+  lb, ub = kv_block_range(qi, block_q=c.block_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
+                          seq_kv=c.f.seq_kv, is_causal=c.f.is_causal,
+                          k_start_min=start_min, k_end_max=end_max)
+  return lb, ub, start_max, end_min
+
+
+def for_each_tile(c: Kernel, tile_body, init):
+  """Run ``tile_body(b, h, qi, prev_iters) -> prev_iters`` over this block's tiles.
+
+  Non-persistent: the one tile of this grid point (longest-first: the
+  grid point's entry of the schedule's order).  Persistent: the tiles this
+  block is dealt, in order (longest-first: its row of the schedule's
+  table; round-robin: the whole logical grid dealt in turn, query tiles
+  fastest, so blocks that run together share a head's keys in L2).
+  ``prev_iters`` carries the key blocks every earlier tile of this block
+  consumed, so the ring keeps its phase across tiles (a tile may have zero
+  key blocks).  Every warpgroup and warp calls this with the same tables,
+  so they walk the same tiles.
+  """
+  order = c.order
+  if order is not None:
+    if not c.config.persistent:
+      return tile_body(*order.unpack(c.sched_ref[lax.axis_index("tiles")]), init)
+    sm = lax.axis_index("sm")
+
+    def step(j, carry):
+      return tile_body(*order.unpack(c.sched_ref[sm, j]), carry)
+
+    return lax.fori_loop(0, c.counts_ref[sm], step, jnp.int32(init))
+  if not c.config.persistent:
+    return tile_body(lax.axis_index("batch"), lax.axis_index("heads"),
+                     lax.axis_index("q_tiles"), init)
+
+  @plgpu.nd_loop((c.batch, c.num_heads, c.num_tiles), collective_axes="sm",
+                 init_carry=jnp.int32(init))
+  def final(info, carry):
+    b, h, qi = info.index
+    return tile_body(b, h, qi, carry)
+
+  return final
+
+
+def ring_state(keys, prev_iters, lb, ki):
+  """The ring position of tile-local key block ki, for producer and
+  consumers alike: the global block count, carried across tiles."""
+  return keys.position(prev_iters + (ki - lb))
+
+
+def key_position(c: Kernel, t: Tile, ki):
+  """The position of the tile's key block ki, as a compute warpgroup sees it."""
+  return ring_state(c.keys, t.prev_iters, t.lb, ki)
+
+
+# -- the memory warpgroup --------------------------------------------------------
+
+def memory_warpgroup(c: Kernel):
+  """40 registers; warp 0 streams keys and values through the ring, warp 1
+  prefetches each tile's queries."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  @plgpu.warp_map
+  def _(warp):
+    @pl.when(warp == 0)
+    def _():
+      for_each_tile(c, functools.partial(produce_tile, c), 0)
+
+    @pl.when(warp == 1)
+    def _():
+      for_each_tile(c, functools.partial(prefetch_queries, c), 0)
+
+
+def produce_tile(c: Kernel, b, h, qi, prev_iters):
+  """Warp 0: every key/value TMA of the tile into the ring."""
+  lb, ub, _, _ = tile_range(c, qi, b, h)
+  hk = lax.div(h, jnp.int32(c.group))
+  keys, values = c.keys, c.values
+
+  def fill(ki):
+    st = ring_state(keys, prev_iters, lb, ki)
+    kb = pl.ds(ki * c.block_kv, c.block_kv)
+    # Global fills 0..S-1 find fresh slots; every later one waits for
+    # both warpgroups (ring.Ring.producer_acquire).
+    keys.producer_acquire(st)
+    keys.producer_copy(c.k_ref.at[b, kb, hk], st)
+    # The rest of the key phase: the super-tile's bias/mask tile of this
+    # key block, released with the keys.
+    staged_src = lambda src: src.at[(*batch_head(src, b, h),
+                                     pl.ds(2 * qi * c.block_q, 2 * c.block_q), kb)]
+    if c.stage_bias:
+      keys.producer_copy(staged_src(c.bias_ref), st, "bias")
+    if c.stage_mask:
+      keys.producer_copy(staged_src(c.mask_ref), st, "mask")
+    values.producer_acquire(st)
+    values.producer_copy(c.v_ref.at[b, kb, hk], st)
+
+  pl.loop(lb, ub)(fill)
+  return prev_iters + (ub - lb)
+
+
+def prefetch_queries(c: Kernel, b, h, qi, step):
+  """Warp 1: the tile's queries, once the previous tile's are consumed."""
+  for w in range(CW):
+    if c.config.persistent:
+      c.queries.producer_acquire(w, step > 0)
+    rows = pl.ds((2 * qi + w) * c.block_q, c.block_q)
+    c.queries.producer_copy(c.q_ref.at[b, rows, h], w)
+  return step + 1
+
+
+# -- the compute warpgroups ------------------------------------------------------
+
+def compute_warpgroup(c: Kernel):
+  """232 registers; the tiles of this block, one query tile each."""
+  plgpu.set_max_registers(232, action="increase")
+  # The pingpong is one token passed between the warpgroups: warpgroup 0
+  # starts holding it.  Each warpgroup strictly alternates "acquire"
+  # (bar.sync on its own barrier) and "pass" (bar.arrive on the other's),
+  # across tile boundaries too, so every generation of a named barrier is
+  # one pass plus one acquire.  Were a warpgroup to pass twice in a row,
+  # its 2 x 128 arrivals would complete a generation on their own and the
+  # other warpgroup's acquire would wait forever.  Hence the one acquire
+  # before the first tile and the one pass after the last loop (before the
+  # epilogue of a non-persistent block), not one per tile.
+  pl.when(c.wg == 1)(lambda: barriers.schedule_sync(c.wg))
+  for_each_tile(c, functools.partial(compute_tile, c), 0)
+  if c.config.persistent:
+    pass_token_for_the_last_time(c)
+  if c.config.persistent:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def pass_token_for_the_last_time(c: Kernel):
+  pl.when(c.wg == 0)(lambda: barriers.schedule_release_other(c.wg))
+
+
+def compute_tile(c: Kernel, b, h, qi, prev_iters):
+  """One query tile on this warpgroup: the prologue (its queries and first
+  keys waited for, the first QK), the key loop, the epilogue."""
+  t, acc, m_i, l_i = tile_start(c, b, h, qi, prev_iters)
+  s0, pending, ub_plain = tile_prologue(c, t, m_i)
+  acc, m_i, l_i, pending = key_loop(c, t, s0, acc, m_i, l_i, pending, ub_plain)
+  epilogue(c, t, acc, m_i, l_i, pending)
+  return prev_iters + (t.ub - t.lb)
+
+
+def tile_start(c: Kernel, b, h, qi, prev_iters):
+  """The tile's indices and key ranges, the zeroed softmax state and
+  accumulator; then wait for its queries and its first key block."""
+  lb, ub, k_start_max, k_end_min = tile_range(c, qi, b, h)
+  q_base = (2 * qi + c.wg) * c.block_q
+  rows = pl.ds(q_base, c.block_q)
+  row_values = lambda ref: None if ref is None else load_broadcast(
+      ref, (b, h, rows), (c.block_q,), ROW)
+  t = Tile(b, h, qi, prev_iters, lb, ub, k_start_max, k_end_min, q_base, rows,
+           k_start=row_values(c.ks_ref), k_end=row_values(c.ke_ref))
+  m_i = plgpu.layout_cast(jnp.full((c.block_q,), NEG_INF, jnp.float32), ROW)
+  l_i = plgpu.layout_cast(jnp.zeros((c.block_q,), jnp.float32), ROW)
+  acc = plgpu.layout_cast(jnp.zeros((c.block_q, c.head_dim_out), jnp.float32), WGMMA)
+
+  c.queries.consumer_wait(c.wg)
+
+  @pl.when(ub > lb)
+  def _():
+    c.keys.consumer_wait(key_position(c, t, lb))
+
+  return t, acc, m_i, l_i
+
+
+def tile_prologue(c: Kernel, t: Tile, m_i):
+  """QK of the tile's first block (the loop issues each next one); the
+  pending scale, if carried; the end of the blocks that need no mask."""
+  s0 = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)
+
+  def first_qk():
+    s = qk(c, t, t.lb)
+    if not c.staged:
+      c.keys.consumer_release(key_position(c, t, t.lb))
+    release_query_after(c, t, t.lb)
+    return s
+
+  s0 = lax.cond(t.ub > t.lb, first_qk, lambda: s0)
+  if c.config.persistent:
+    # A tile without key blocks still passes and then acquires the token
+    # once, as a one-block tile would: otherwise warpgroup 0 runs a tile
+    # ahead, its query refill waits on warpgroup 1's release, and
+    # warpgroup 1 waits on warpgroup 0's pass (a deadlock the Z3 model
+    # found with trip counts [0, 0, 0]).
+    @pl.when(t.ub == t.lb)
+    def _():
+      barriers.schedule_release_other(c.wg)
+      barriers.schedule_sync(c.wg)
+
+  # m_scale, the pending scale acc and l_i are relative to, is carried only
+  # when the threshold can leave it behind m_i.
+  pending = [] if c.always_rescale else [m_i]
+  # Blocks entirely below the diagonal for this warpgroup, and holding
+  # no padded key, need no mask.
+  ub_plain = t.ub
+  if c.f.is_causal:
+    ub_plain = lax.min(ub_plain, lax.div(t.q_base + 1, jnp.int32(c.block_kv)))
+  if c.ragged_kv:
+    ub_plain = lax.min(ub_plain, jnp.int32(c.f.seq_kv // c.block_kv))
+  if c.has_edge:
+    ub_plain = lax.max(t.lb, ub_plain)
+  return s0, pending, ub_plain
+
+
+def iota(c: Kernel, dim):
+  return plgpu.broadcasted_iota(jnp.int32, c.bq_kv, dim, layout=WGMMA)
+
+
+def safe(x):
+  # exp2(x - base) with base = -inf would be NaN; rows that have seen no
+  # unmasked key use base 0, where every p is exp2(-inf) = 0.
+  return jnp.where(x == NEG_INF, 0.0, x)
+
+
+def rescaled(acc, factor):
+  return acc * lax.broadcast_in_dim(factor, acc.shape, [0])
+
+
+def wait_staged(c: Kernel, st):
+  # The rest of the key phase, right after the QK issue (the order the
+  # Z3 model proves: wait k, issue QK, wait bias/mask, pass the token).
+  if c.stage_bias:
+    c.keys.consumer_wait(st, "bias")
+  if c.stage_mask:
+    c.keys.consumer_wait(st, "mask")
+
+
+def staged_tile(c: Kernel, t: Tile, buffer, ki):
+  """This warpgroup's rows of key block ki's staged bias/mask tile
+  (waited for in wait_staged; released with the keys after this)."""
+  tile = c.keys.slot(key_position(c, t, ki), buffer)
+  return lax.cond(c.wg == 0,
+                  lambda: plgpu.load(tile.at[pl.ds(0, c.block_q)], layout=WGMMA,
+                                     optimized=False),
+                  lambda: plgpu.load(tile.at[pl.ds(c.block_q, c.block_q)], layout=WGMMA,
+                                     optimized=False))
+
+
+def qk(c: Kernel, t: Tile, ki):
+  """Issue QK^T of key block ki, let the other warpgroup issue, wait."""
+  st = key_position(c, t, ki)
+
+  def compute_qk(s_ref):
+    plgpu.wgmma(s_ref, c.queries.slot(c.wg), c.keys.slot(st).T)
+    wait_staged(c, st)
+    barriers.schedule_release_other(c.wg)
+    return s_ref[...]
+
+  return pl.run_scoped(compute_qk, plgpu.ACC(c.bq_kv, jnp.float32))
+
+
+def release_query_after(c: Kernel, t: Tile, ki):
+  if c.config.persistent and not c.layout.overlay_q_with_output:
+    # The tile's last QK has completed: the query slot may be refilled.
+    pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))
+
+
+def logits(c: Kernel, t: Tile, s, ki, *, edge):
+  """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
+  with the true logits being s * sc (sc > 0, deferred so exp2 fuses).
+  ``edge``: the block may reach the diagonal or the last (ragged) key."""
+  f, block_kv, bq_kv = c.f, c.block_kv, c.bq_kv
+  k_base = ki * block_kv
+  sc = f.scale
+  if c.stage_bias:
+    bias = staged_tile(c, t, "bias", ki)
+    s, sc = s * sc + bias.astype(jnp.float32), 1.0
+  elif c.bias_ref is not None:
+    bias = load_broadcast(c.bias_ref, (t.b, t.h, t.rows, pl.ds(k_base, block_kv)),
+                          bq_kv, WGMMA)
+    s, sc = s * sc + bias.astype(jnp.float32), 1.0
+  if f.logits_soft_cap is not None:
+    s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
+  sc *= LOG2E
+  if not (c.masks_any_block or edge):
+    return s, sc
+  s = s * sc
+  key = k_base + iota(c, 1)
+  if edge and f.is_causal:
+    s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)
+  if edge and c.ragged_kv:
+    s = lax.cond(k_base + block_kv > f.seq_kv,
+                 lambda: jnp.where(key < f.seq_kv, s, NEG_INF), lambda: s)
+  if t.k_start is not None:
+    s = lax.cond(
+        k_base < t.k_start_max,
+        lambda: jnp.where(key >= lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF),
+        lambda: s)
+  if t.k_end is not None:
+    s = lax.cond(
+        k_base + block_kv > t.k_end_min,
+        lambda: jnp.where(key < lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF),
+        lambda: s)
+  if c.stage_mask:
+    keep = staged_tile(c, t, "mask", ki)
+    s = jnp.where(keep != 0, s, NEG_INF)
+  elif c.mask_ref is not None:
+    keep = load_broadcast(c.mask_ref, (t.b, t.h, t.rows, pl.ds(k_base, block_kv)),
+                          bq_kv, WGMMA)
+    s = jnp.where(keep != 0, s, NEG_INF)
+  return s, 1.0
+
+
+def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
+  """Online softmax of key block ki's raw logits s: returns the factor
+  that brings the accumulator (and, already applied, l_i) to the new
+  reference max, p, and the new (m_i, l_i, pending)."""
+  s, sc = logits(c, t, s, ki, edge=edge)
+  m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
+  if c.always_rescale:
+    base = safe(m_ij)
+    factor = jnp.exp2(m_i - base)
+    l_i = l_i * factor
+  else:
+    (m_scale,) = pending
+    alpha = jnp.exp2(m_scale - safe(m_ij))
+    rescale = (alpha < c.threshold) | (m_scale == NEG_INF)
+    factor = jnp.where(rescale, alpha, 1.0)
+    l_i = l_i * factor
+    m_scale = jnp.where(rescale, m_ij, m_scale)
+    pending = [m_scale]
+    base = safe(m_scale)
+  p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
+  return factor, p, m_ij, l_i, pending
+
+
+def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, ub_plain):
+  """The tile's key blocks lb .. ub - 1 given the first one's logits s0:
+  its softmax, the loop over blocks lb .. ub - 2 (PV of ki, QK and
+  softmax of ki + 1), then the last block's PV alone."""
+  lb, ub = t.lb, t.ub
+
+  def first_softmax(edge):
+    _, p, m, l, pend = softmax(c, t, s0, lb, m_i, l_i, pending, edge=edge)
+    if c.staged:  # its staged tiles are read: release the key-phase slot
+      c.keys.consumer_release(key_position(c, t, lb))
+    return p.astype(c.dtype), m, l + p.sum(axis=1), pend
+
+  if c.has_edge:
+    first = lambda: lax.cond(lb < ub_plain, functools.partial(first_softmax, False),
+                             functools.partial(first_softmax, True))
+  else:
+    first = functools.partial(first_softmax, False)
+
+  p16 = plgpu.layout_cast(jnp.zeros(c.bq_kv, c.dtype), WGMMA)
+  p16, m, l, pend = lax.cond(ub > lb, first, lambda: (p16, m_i, l_i, pending))
+  carry = (acc, p16, m, l, *pend)
+  last = lax.max(lb, ub - 1)
+  body = functools.partial(loop_body, c, t)
+  if c.has_edge:
+    # Iteration ki masks block ki + 1: plain while ki + 1 < ub_plain.
+    split = lax.min(last, lax.max(lb, ub_plain - 1))
+    carry = lax.fori_loop(lb, split, functools.partial(body, edge=False), carry)
+    carry = lax.fori_loop(split, last, functools.partial(body, edge=True), carry)
+  else:
+    carry = lax.fori_loop(lb, last, functools.partial(body, edge=False), carry)
+  acc, p16, m, l, *pend = carry
+  acc = lax.cond(ub > lb, functools.partial(last_pv, c, t, last, p16), lambda a: a, acc)
+  return acc, m, l, pend
+
+
+def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
+  """PV of key block ki and QK of block ki + 1 in one turn on the tensor
+  cores (QK issued first), then the softmax of block ki + 1 as soon as
+  its QK completes, while the PV still runs (FlashAttention-3's
+  intra-warpgroup overlap); the PV's result is rescaled once it
+  completes.  ``edge``: whether block ki + 1 may reach the diagonal or
+  the last key (the masked path)."""
+  acc, p16, m_i, l_i, *pending = carry
+  st, next_st = key_position(c, t, ki), key_position(c, t, ki + 1)
+  c.values.consumer_wait(st)
+  barriers.schedule_sync(c.wg)
+
+  def issue_then_softmax(refs):
+    acc_ref, s_ref, factor_ref, p_ref, m_ref_, l_ref_, *pending_refs = refs
+    c.keys.consumer_wait(next_st)
+    plgpu.wgmma(s_ref, c.queries.slot(c.wg), c.keys.slot(next_st).T)
+    plgpu.wgmma(acc_ref, p16, c.values.slot(st))
+    wait_staged(c, next_st)
+    barriers.schedule_release_other(c.wg)
+    # wgmma groups complete in issue order: at most one in flight means
+    # the QK is done, the PV may still run.
+    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+    factor, p, m_new, l_new, pend = softmax(
+        c, t, s, ki + 1, m_ref_[...], l_ref_[...], [r[...] for r in pending_refs],
+        edge=edge)
+    factor_ref[...] = factor
+    # p stays float32 here; the operand cast waits for the PV below.
+    # The PV still in flight reads this block's p16 from registers, and
+    # the register allocator may give the next p16 those very registers:
+    # written while the PV runs, ptxas then serialises every wgmma of
+    # the kernel (C7513; measured on the H200, 2026-12-01: d256 causal
+    # forward at half the non-causal TFLOP/s, every HGMMA followed by a
+    # wait).  Cast after the PV completes, no register it reads is
+    # rewritten in flight.
+    p_ref[...] = p
+    m_ref_[...] = m_new
+    l_ref_[...] = l_new + p.sum(axis=1)
+    for r, v in zip(pending_refs, pend):
+      r[...] = v
+
+  # run_state returns once both products completed.  (m_i stands in as
+  # the initial value of the factor, a row vector like it.)
+  p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)
+  acc, _, factor, p, m_i, l_i, *pending = pl.run_state(issue_then_softmax)(
+      (plgpu.ACC.init(acc), plgpu.ACC.init(jnp.zeros(c.bq_kv, jnp.float32)),
+       m_i, p_init, m_i, l_i, *pending))
+  p16 = p.astype(c.dtype)
+  # Releases in the order the Z3 model proves: v of block ki, then k
+  # (and a staged tile, read by the softmax) of block ki + 1, then the
+  # queries after a persistent tile's last QK.
+  c.values.consumer_release(st)
+  c.keys.consumer_release(next_st)
+  release_query_after(c, t, ki + 1)
+  return (rescaled(acc, factor), p16, m_i, l_i, *pending)
+
+
+def last_pv(c: Kernel, t: Tile, last, p16, acc):
+  """The PV of the tile's last key block, alone."""
+  st = key_position(c, t, last)
+  c.values.consumer_wait(st)
+  barriers.schedule_sync(c.wg)
+
+  def pv(acc_ref):
+    plgpu.wgmma(acc_ref, p16, c.values.slot(st))
+  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  c.values.consumer_release(st)
+  return acc
+
+
+def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
+  """Normalise (or bring to m_i), stage in shared memory, TMA to global."""
+  f, wg, layout = c.f, c.wg, c.layout
+  m_scale = m_i if c.always_rescale else pending[0]
+  if not c.config.persistent:
+    # Before the epilogue: warpgroup 1's last PV waits for this pass, and
+    # the output overlay's epilogue barrier waits for warpgroup 1.
+    pass_token_for_the_last_time(c)
+
+  # acc and l_i are relative to m_scale; alpha brings them to m_i.
+  if c.always_rescale:
+    l_res = l_i
+  else:
+    l_res = l_i * jnp.exp2(m_scale - safe(m_i))
+  if f.normalize_output:
+    # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
+    # fully masked rows (acc is 0 there).
+    inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
+    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+  elif c.always_rescale:
+    out = acc
+  else:
+    out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
+
+  if c.config.persistent and not layout.overlay_q_with_output:
+    # A tile without key blocks never ran a QK: release the query slot here.
+    pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))
+  if c.config.persistent:
+    # The previous tile's output copy must have read o/m/l before we
+    # overwrite them (it drained while this tile computed).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if layout.overlay_qk_with_output:
+    barriers.epilogue_sync()  # both warpgroups are done with q and k
+  o_smem = c.o_smems.at[wg]
+  o_smem[...] = out.astype(c.dtype)
+  if f.return_residuals:
+    c.m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
+    c.l_smems.at[wg][...] = l_res
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, c.out_ref.at[t.b, t.rows, t.h])
+  if f.return_residuals:
+    plgpu.copy_smem_to_gmem(c.m_smems.at[wg], c.m_ref.at[t.b, t.h, t.rows])
+    plgpu.copy_smem_to_gmem(c.l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])
+  if not c.config.persistent:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  elif layout.overlay_q_with_output:
+    # The output was staged in the query slot: refill it only once the
+    # copy has read it.  The next tile's keys and values are already
+    # streaming; only its query load is exposed.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    c.queries.consumer_release(wg)

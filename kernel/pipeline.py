@@ -7,10 +7,12 @@ index at ``num_stages`` and flips the phase on the wrap.
 
 The kernel never derives a slot inline: it builds a state from the *global*
 block count (``prev_iters`` plus the tile-local step, so the ring keeps its
-phase across the persistent grid loop) and reads ``index``.  The Z3 model in
-``harness/protocol_model.py`` takes the same object as its subject: its
-transitions call :meth:`advance`, and its invariant relates ``index``/``phase`` to
-``count`` the way :meth:`at` does.
+phase across the persistent grid loop) and hands it to the verbs of
+:class:`kernel.ring.Ring`, which read ``index`` (and :attr:`refills`).  The Z3
+model in ``harness/protocol_model.py`` advances its ring positions the same
+way (wrap and flip, checked against :meth:`at` by
+properties/test_protocol_proof.py), and its invariant relates
+``index``/``phase`` to ``count`` the way :meth:`at` does.
 
 Mosaic GPU tracks mbarrier parity implicitly (one bit per barrier, flipped by
 every wait), so the kernel only reads ``index``; the bit it waits on equals
@@ -21,6 +23,7 @@ what the proof checks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 
@@ -77,5 +80,11 @@ class PipelineState:
         index, phase = 0, phase ^ 1
     return PipelineState(self.num_stages, index, phase, self.count + n)
 
-  def slot(self) -> Any:
-    return self.index
+  @functools.cached_property
+  def refills(self) -> Any:
+    """Whether the producer's fill at this position reuses a slot that
+    consumers held: from the ``num_stages``-th fill on.  The first round
+    finds fresh slots (CUTLASS starts the producer at phase 1 for the same
+    effect: :meth:`producer_start`).  Computed once per state: the producer
+    asks it for each buffer phase it fills at this position."""
+    return self.count >= self.num_stages

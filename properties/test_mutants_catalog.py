@@ -135,7 +135,7 @@ dead = mutants.Mutant("dead", "test", "kernel/forward.py", ((
     "consumers alike: the global block count, carried across tiles.",
     "consumers alike (edited)."),), ("t",))
 broken = mutants.Mutant("broken", "test", "kernel/forward.py", ((
-    "rows = pl.ds(q_base, block_q)", "rows = pl.ds(q_base, block_q + 8)"),), ("t",))
+    "rows = pl.ds(q_base, c.block_q)", "rows = pl.ds(q_base, c.block_q + 8)"),), ("t",))
 equivalent = dataclasses.replace(dead, name="argued", equivalent="a docstring")
 for p in mutant_lowering.check_lowering([dead, broken, equivalent], out=lambda s: None):
   print("PROBLEM", p)

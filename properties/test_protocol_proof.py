@@ -220,7 +220,8 @@ def test_release_before_the_wgmma_completes_is_refuted():
   assert ce is not None
   _assert_trace(ce, "overwrite")
   assert "TMA into k" in ce.what
-  assert any(r.action == "arrive k_consumed (before the QK completed)" for r in ce.trace)
+  assert any(r.action == "consumer_release: arrive k_consumed (before the QK completed)"
+             for r in ce.trace)
 
 
 def test_warpgroup_with_fewer_blocks_that_keeps_its_slots_deadlocks_the_producer():

@@ -50,7 +50,7 @@ def test_a_plan_whose_consumed_barrier_counts_one_arrival_is_refuted():
   wrong = dataclasses.replace(SMALL, arrivals=1)
   assert not rm.prove(wrong).proven
   trace = rm.find_counterexample(wrong, n=SMALL.num_stages + 2, max_steps=16)
-  assert trace is not None and trace[-1] == "UNSAFE: producer issue", trace
+  assert trace is not None and trace[-1] == "UNSAFE: producer_copy", trace
 
 
 def test_the_proof_is_not_vacuous():

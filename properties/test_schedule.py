@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
-from kernel import forward, schedule
+from kernel import common, schedule
 
 
 @st.composite
@@ -36,7 +36,7 @@ def launches(draw):
   per_head = s_pad * 256 * 2
   section = draw(st.sampled_from([per_head, 3 * per_head, schedule.L2_SECTION_BYTES]),
                  label="section_bytes")
-  blocks = lambda qi: np.subtract(*forward.kv_block_range(
+  blocks = lambda qi: np.subtract(*common.kv_block_range(
       qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
       is_causal=causal)[::-1])
   order = schedule.longest_first(

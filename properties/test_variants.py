@@ -362,10 +362,10 @@ _SKIP_BLOCK_Q, _SKIP_BLOCK_KV = 64, 128
 
 
 def _visited_blocks(T, S, kw, *, is_causal):
-  """Per query tile, [lb, ub) of the forward's key loop (kernel.forward's
+  """Per query tile, [lb, ub) of the forward's key loop (kernel.common's
   kv_block_range on the tile bounds kernel.padding.key_ranges makes; the
   dQ kernel reads the same)."""
-  from kernel import forward, padding
+  from kernel import common, padding
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   routed = variants.route(sds(1, T, 1, 64), sds(1, S, 1, 64), sds(1, S, 1, 64), None, None,
                           None, None, **kw)
@@ -374,7 +374,7 @@ def _visited_blocks(T, S, kw, *, is_causal):
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=S, tile=tile,
                                    num_tiles=num_tiles)
   start_min, _, _, end_max = (np.asarray(x)[0, 0] for x in tiles)
-  return np.array([forward.kv_block_range(
+  return np.array([common.kv_block_range(
       qi, block_q=_SKIP_BLOCK_Q, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
       is_causal=is_causal, k_start_min=int(start_min[qi]), k_end_max=int(end_max[qi]))
       for qi in range(num_tiles)])

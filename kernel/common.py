@@ -1,0 +1,118 @@
+"""What the forward and backward kernels share: Mosaic GPU layouts and
+constants, scratch allocation from kernel/plan.py's buffer descriptions,
+broadcast loads, and the key-block range every actor of a kernel must agree
+on."""
+
+from __future__ import annotations
+
+import math
+
+from jax import lax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import numpy as np
+
+from kernel import plan as plan_lib
+
+LOG2E = math.log2(math.e)
+NEG_INF = float("-inf")
+# wgmma's accumulator layout, and its row and column vectors.
+WGMMA = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+def smem(buf: plan_lib.Buffer):
+  """The scratch ref of one buffer description (swizzled for wgmma where
+  the description says so)."""
+  if not buf.swizzled:
+    return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype))
+  bits = np.dtype(buf.dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(buf.shape[-1] * bits, buf.name)
+  transforms = (plgpu.TilingTransform((8, 8 * swizzle // bits)),
+                plgpu.SwizzleTransform(swizzle))
+  return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)
+
+
+def load_broadcast(ref, idx, shape, layout):
+  """Load ``ref[idx]`` where size-1 dims of ``ref`` broadcast to ``shape``.
+
+  ``idx`` has one entry per dim of ``ref``: an int/scalar or a ``pl.ds``.  The
+  sliced dims of the result are the ``pl.ds`` entries, in order; they map onto
+  ``shape``.  Size-1 dims of ``ref`` are read at 0 and broadcast.
+  """
+  new_idx, kept = [], []
+  sliced = 0
+  for d, ix in zip(ref.shape, idx):
+    if isinstance(ix, pl.Slice):
+      if d == 1:
+        new_idx.append(0)
+      else:
+        new_idx.append(ix)
+        kept.append(sliced)
+      sliced += 1
+    else:
+      new_idx.append(0 if d == 1 else ix)
+  new_idx = tuple(new_idx)
+  if len(kept) == len(shape):
+    value = plgpu.load(ref.at[new_idx], layout=layout, optimized=False)
+  elif kept:
+    (dim,) = kept
+    value = plgpu.load(ref.at[new_idx], layout=layout.reduce(1 - dim) if len(shape) == 2 else layout,
+                       optimized=False)
+    value = lax.broadcast_in_dim(value, shape, (dim,))
+  else:
+    value = ref[new_idx]
+    value = lax.broadcast_in_dim(value, shape, ())
+  return plgpu.layout_cast(value, layout)
+
+
+def batch_head(ref, b, h):
+  """The (batch, head) index of an operand whose batch or head dim may be 1
+  (broadcast): 0 there."""
+  return (0 if ref.shape[0] == 1 else b, 0 if ref.shape[1] == 1 else h)
+
+
+def is_2d(operand) -> bool:
+  """A bias or mask that varies along both T and S (the kind that is staged
+  through the ring; broadcast ones are read from global memory).  Any rank:
+  the shape is read as broadcast to (B, N, T, S).  The API asks this of the
+  caller's operand, the kernel of the padded one: one predicate for both."""
+  if operand is None:
+    return False
+  shape = tuple(np.shape(operand))
+  shape = (1,) * (4 - len(shape)) + shape
+  return shape[2] != 1 and shape[3] != 1
+
+
+def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
+                   k_start_min=None, k_end_max=None):
+  """Key blocks [lb, ub) that query super-tile ``qi`` must visit.
+
+  Shared by the memory and both compute warpgroups (they must agree), and by
+  the Z3 coverage grid.  Works on Python ints and traced int32 scalars.
+  """
+  num_blocks = -(-seq_kv // block_kv)
+  lb, ub = 0, num_blocks
+  _max = max if isinstance(qi, int) else lax.max
+  _min = min if isinstance(qi, int) else lax.min
+  cdiv = (lambda a, b: -(-a // b)) if isinstance(qi, int) else (
+      lambda a, b: lax.div(a + (b - 1), jnp.int32(b)))
+  if is_causal:
+    last_row = _min((qi + 1) * (2 * block_q), seq_q)  # exclusive
+    ub = _min(ub, cdiv(last_row, block_kv))
+  if k_start_min is not None:
+    lb = _max(lb, lax.div(lax.max(k_start_min, 0), jnp.int32(block_kv))
+              if not isinstance(k_start_min, int) else max(k_start_min, 0) // block_kv)
+  if k_end_max is not None:
+    ub = _min(ub, cdiv(_max(k_end_max, 0), block_kv))
+  ub = _max(ub, lb)  # an empty range, never a negative one
+  return lb, ub
+
+
+def tile_key_bounds(tiles_ref, b, h, qi):
+  """(start_min, start_max, end_min, end_max) of query tile ``qi``'s key
+  ranges, read from the per-tile table (kernel.padding.key_ranges)."""
+  start_min, start_max, end_min, end_max = (r[(*batch_head(r, b, h), qi)] for r in tiles_ref)
+  return start_min, start_max, end_min, end_max

@@ -130,6 +130,14 @@ CATALOG: tuple[Mutant, ...] = (
        "the pending scale dropped from the unnormalised output", FWD,
        "out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])",
        "out = acc", named("heuristic-threshold-0.5-unnormalised"), probe="fwd-unnormalised"),
+    Mutant("pv-operand-rewritten-in-flight",
+           "a register an in-flight wgmma reads rewritten before its wait (ptxas then "
+           "serialises every wgmma of the kernel)", FWD, (
+               ("p_ref[...] = p\n    m_ref_", "p_ref[...] = p.astype(c.dtype)\n    m_ref_"),
+               ("  p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)\n",
+                "  p_init = p16\n")),
+           ("properties/test_ptxas_report.py::"
+            "test_no_shipped_kernel_has_its_wgmmas_serialised[fwd-d256-causal]",)),
     _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", FWD,
        "return self.threshold == 1.0", "return self.threshold >= 0.999", (),
        equivalent="rescaling at every block is what the threshold branch does when alpha < "

@@ -68,7 +68,7 @@ from kernel import barriers
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
-from kernel.common import (COL, LOG2E, ROW, WGMMA, kv_block_range, load_broadcast, smem,
+from kernel.common import (COL, LOG2E, ROW, WGMMA, Logits, kv_block_range, load_broadcast, smem,
                            tile_key_bounds)
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
@@ -79,13 +79,9 @@ ORDER_DEPENDENT_GRADIENTS = ("dq",)
 CW = barriers.COMPUTE_WARPGROUPS
 
 
-@dataclasses.dataclass(frozen=True)
-class BackwardFeatures:
-  scale: float
-  is_causal: bool
-  logits_soft_cap: float | None
-  seq_q: int     # unpadded
-  seq_kv: int    # unpadded
+# The backward specialises on the logits alone (no threshold, residuals or
+# staging switches of the forward's Features).
+BackwardFeatures = Logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,10 +384,23 @@ def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Operands:
-  """The operands both kernels take, as refs inside the kernel (keywords:
-  a kernel's own fields come first)."""
+class _Launch:
+  """What the roles of both kernels read (keywords; a kernel's own fields
+  come first): the launch's sizes, and inside the kernel the operands as
+  refs, the grid point, the rings."""
 
+  f: BackwardFeatures
+  blocks: BackwardBlocks
+  head_dim: int
+  dtype: Any
+  num_kv_heads: int
+  group: int                # query heads per key/value head
+  s_pad: int
+  # Inside the kernel:
+  wg: Any = None
+  b: Any = None
+  hk: Any = None
+  ds_st: Any = None
   q_ref: Any = None
   k_ref: Any = None
   v_ref: Any = None
@@ -405,57 +414,33 @@ class _Operands:
 
 
 @dataclasses.dataclass(frozen=True)
-class DkvKernel(_Operands):
-  """What the roles of one dK/dV launch read: sizes and switches (set by
-  :func:`dkv_call`), and inside the kernel its refs, rings and grid point
-  (set by :func:`_dkv_kernel`)."""
+class DkvKernel(_Launch):
+  """One dK/dV launch: its own sizes and switches (set by :func:`dkv_call`)
+  and, inside the kernel, its grid point (set by :func:`_dkv_kernel`)."""
 
-  f: BackwardFeatures
-  blocks: BackwardBlocks
   outputs: tuple[str, ...]
-  head_dim: int
   head_dim_out: int
-  dtype: Any
-  num_kv_heads: int
-  group: int                # query heads per key/value head
   nq: int                   # streamed query blocks of the padded length
-  s_pad: int
   fused: bool               # dQ accumulated here (into dq_ref)
   # Inside the kernel:
-  wg: Any = None
   j: Any = None             # the key tile
-  hk: Any = None
-  b: Any = None
   lo: Any = None            # the first query block that sees the tile's keys
   per_head: Any = None      # query blocks per query head
   steps: Any = None         # per_head for every query head of the group
   out_refs: tuple = ()
   k_st: Any = None          # the stationary tiles, which stage dK and dV at the end
   v_st: Any = None
-  ds_st: Any = None
   dq_st: Any = None
   stationary: ring_lib.WarpgroupSlots | None = None   # k (and v) per compute warpgroup
   stream: ring_lib.Ring | None = None                  # q, rows, dO per query block
 
-  @property
-  def bkv(self) -> int:
-    return self.blocks.rows
-
-  @property
-  def bq(self) -> int:
-    return self.blocks.dkv_stream_q
-
-  @property
-  def want_dk(self) -> bool:
-    return "dk" in self.outputs
-
-  @property
-  def want_dv(self) -> bool:
-    return "dv" in self.outputs
-
-  @property
-  def shape_t(self) -> tuple[int, int]:
-    return (self.bkv, self.bq)  # S^T: keys x queries
+  # Keys per warpgroup (stationary), queries per streamed block, the
+  # outputs this launch forms, and S^T's shape (keys x queries).
+  bkv = property(lambda self: self.blocks.rows)
+  bq = property(lambda self: self.blocks.dkv_stream_q)
+  want_dk = property(lambda self: "dk" in self.outputs)
+  want_dv = property(lambda self: "dv" in self.outputs)
+  shape_t = property(lambda self: (self.bkv, self.bq))
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
@@ -735,43 +720,24 @@ def _dq_reduce_add(part, staging, dq_dst):
 
 
 @dataclasses.dataclass(frozen=True)
-class DqKernel(_Operands):
-  """What the roles of one dQ launch read: sizes and switches (set by
-  :func:`dq_call`), and inside the kernel its refs, rings and grid point
-  (set by :func:`_dq_kernel`)."""
+class DqKernel(_Launch):
+  """One dQ launch: its own switch (set by :func:`dq_call`) and, inside the
+  kernel, its grid point (set by :func:`_dq_kernel`)."""
 
-  f: BackwardFeatures
-  blocks: BackwardBlocks
   want_ds: bool             # also write dS (the logits gradient)
-  head_dim: int
-  dtype: Any
-  num_kv_heads: int
-  group: int                # query heads per key/value head
-  s_pad: int
   # Inside the kernel:
-  wg: Any = None
   qi: Any = None            # the query tile
   h: Any = None
-  b: Any = None
-  hk: Any = None
   lb: Any = None            # the tile's key blocks [lb, ub)
   ub: Any = None
   ds_ref: Any = None
-  ds_st: Any = None
   stationary: ring_lib.WarpgroupSlots | None = None   # q, dO, rows per compute warpgroup
   stream: ring_lib.Ring | None = None                  # k, v per key block
 
-  @property
-  def bq(self) -> int:
-    return self.blocks.rows
-
-  @property
-  def bkv(self) -> int:
-    return self.blocks.dq_stream_kv
-
-  @property
-  def shape(self) -> tuple[int, int]:
-    return (self.bq, self.bkv)
+  # Query rows per warpgroup (stationary), keys per streamed block, S's shape.
+  bq = property(lambda self: self.blocks.rows)
+  bkv = property(lambda self: self.blocks.dq_stream_kv)
+  shape = property(lambda self: (self.bq, self.bkv))
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,

@@ -5,6 +5,7 @@ on."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from jax import lax
@@ -14,6 +15,20 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
 from kernel import plan as plan_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+  """What both passes specialise the logits on (static, hashable): the
+  scale, the causal mask, the soft cap and the unpadded lengths.  The
+  forward's Features add its own switches; the backward takes this as is."""
+
+  scale: float
+  is_causal: bool
+  logits_soft_cap: float | None
+  seq_q: int          # unpadded
+  seq_kv: int         # unpadded
+
 
 LOG2E = math.log2(math.e)
 NEG_INF = float("-inf")

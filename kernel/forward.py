@@ -55,28 +55,24 @@ from kernel import barriers
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
-from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, batch_head, is_2d, kv_block_range,
-                           load_broadcast, smem, tile_key_bounds)
+from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, Logits, batch_head, is_2d,
+                           kv_block_range, load_broadcast, smem, tile_key_bounds)
 from kernel.config import Config
 
 CW = barriers.COMPUTE_WARPGROUPS
 
 
 @dataclasses.dataclass(frozen=True)
-class Features:
-  """Static, hashable description of everything the kernel specialises on."""
+class Features(Logits):
+  """Static, hashable description of everything the kernel specialises on:
+  the logits (:class:`kernel.common.Logits`) and the forward's switches."""
 
-  scale: float
-  is_causal: bool
-  logits_soft_cap: float | None
   rescale_threshold: float
   normalize_output: bool
   return_residuals: bool
-  seq_q: int          # unpadded
-  seq_kv: int         # unpadded
-  # Private until measured on the H200: a bias or mask that varies along both
-  # T and S goes through the stage ring (TMA, with the keys) instead of being
-  # read from global memory by the compute warpgroups.
+  # A bias or mask that varies along both T and S goes through the stage
+  # ring (TMA, with the keys) instead of being read from global memory by
+  # the compute warpgroups, where a config fits with it.
   stage_2d: bool = False
   # jax.nn's local window (left, right), for the longest-first schedule's
   # tile weights only: the kernel reads the window from the key ranges,

@@ -133,6 +133,22 @@ def _check_scalar(name: str, value: Any) -> float:
     raise ValueError(f"{name}: expected a real scalar, got {value!r}") from err
 
 
+def _is_integer(dtype) -> bool:
+  return np.issubdtype(dtype, np.integer) and dtype != np.dtype(bool)
+
+
+def _check_operand(name, x, dtype_ok, dtype_wanted: str, target, target_name: str) -> None:
+  """An optional operand that must broadcast to ``target``, with its dtype
+  and shape refused by name."""
+  if x is None:
+    return
+  shape, dtype = _shape_and_dtype(x)
+  if not dtype_ok(dtype):
+    raise ValueError(f"{name}: expected {dtype_wanted}, got {_dtype_name(dtype)}")
+  if not broadcastable_to(shape, target):
+    raise ValueError(f"{name}: shape {shape} is not broadcastable to {target_name} = {target}")
+
+
 def validate_attention_args(
   query: Any,
   key: Any,
@@ -206,41 +222,12 @@ def validate_attention_args(
 
   shapes = AttentionShapes(B=B, T=T, N=N, H=H, S=S, K=K, Hv=Hv)
 
-  if bias is not None:
-    b_shape, b_dtype = _shape_and_dtype(bias)
-    if not _is_floating(b_dtype):
-      raise ValueError(
-        f"bias: expected a floating-point dtype, got {_dtype_name(b_dtype)}"
-      )
-    if not broadcastable_to(b_shape, shapes.logits_shape):
-      raise ValueError(
-        f"bias: shape {b_shape} is not broadcastable to (B, N, T, S) = "
-        f"{shapes.logits_shape}"
-      )
-
-  if mask is not None:
-    m_shape, m_dtype = _shape_and_dtype(mask)
-    if m_dtype != np.dtype(bool):
-      raise ValueError(f"mask: expected dtype bool, got {_dtype_name(m_dtype)}")
-    if not broadcastable_to(m_shape, shapes.logits_shape):
-      raise ValueError(
-        f"mask: shape {m_shape} is not broadcastable to (B, N, T, S) = "
-        f"{shapes.logits_shape}"
-      )
-
+  _check_operand("bias", bias, _is_floating, "a floating-point dtype",
+                 shapes.logits_shape, "(B, N, T, S)")
+  _check_operand("mask", mask, lambda d: d == np.dtype(bool), "dtype bool",
+                 shapes.logits_shape, "(B, N, T, S)")
   for name, bound in (("k_start", k_start), ("k_end", k_end)):
-    if bound is None:
-      continue
-    r_shape, r_dtype = _shape_and_dtype(bound)
-    if not np.issubdtype(r_dtype, np.integer) or r_dtype == np.dtype(bool):
-      raise ValueError(
-        f"{name}: expected an integer dtype, got {_dtype_name(r_dtype)}"
-      )
-    if not broadcastable_to(r_shape, shapes.row_shape):
-      raise ValueError(
-        f"{name}: shape {r_shape} is not broadcastable to (B, N, T) = "
-        f"{shapes.row_shape}"
-      )
+    _check_operand(name, bound, _is_integer, "an integer dtype", shapes.row_shape, "(B, N, T)")
 
   if scale is not None:
     value_ = _check_scalar("scale", scale)

@@ -2,8 +2,9 @@
 cuDNN, in one process; with --backward-parts, where the backward's time goes.
 
 ``python -m harness.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``;
-``python -m harness bench --grid [--backward] --out-dir docs`` times the whole grid
-(harness/bench_grid.py).
+``python -m harness bench --grid [--backward] [--sections dense,windows-segments] --out-dir docs``
+times the whole grid (harness/bench_grid.py) and local windows / packed
+segments (harness/bench_windows_segments.py).
 
 Method (METHOD.md of the device notes): random normal inputs (never zeros),
 several input sets rotated so repeated calls do not measure the L2 cache,
@@ -342,11 +343,24 @@ def main(argv=None) -> int:
                     help="leave JAX's example Mosaic GPU kernel out (one compile less per point)")
   grid.add_argument("--backward-only", dest="forward_only_backward", action="store_true",
                     help="only the forward + backward grid")
+  grid.add_argument("--sections", default="dense",
+                    help="comma-separated: dense (the grid) and/or windows-segments (local "
+                         "windows and packed segments beside the dense-mask route and cuDNN, "
+                         "harness/bench_windows_segments.py); --out-dir keeps the parts of an "
+                         "existing performance.json this run does not time")
+  grid.add_argument("--section-head-dims", default=None,
+                    help="comma-separated head dims of the windows-segments section "
+                         "(default: bench_windows_segments.HEAD_DIMS, 128)")
   args = parser.parse_args(argv)
   if args.grid:
-    from harness import bench_grid
+    from harness import bench_grid, bench_windows_segments
+    sections = {bench_windows_segments.NAME: bench_windows_segments}
+    try:
+      bench_grid.chosen_sections(args.sections, sections)
+    except ValueError as err:
+      parser.error(str(err))
     args.raw_argv = list(argv if argv is not None else sys.argv[1:])
-    return bench_grid.main(args)
+    return bench_grid.main(args, sections)
   shapes = SHAPE_SETS[args.shapes]
   if args.backward_parts:
     results = []

@@ -5,7 +5,10 @@
 
 The corpus (:data:`CORPUS`) names small cases — shapes, dtypes, masks,
 biases, key ranges, thresholds, heuristic and explicit configs, persistent and
-not.  Inputs are regenerated from each case's spec and seed, never stored.
+not, and jax.nn's lengths and windows and packed segment ids
+(``harness.strategies.VariantSpec``, mapped onto key ranges by
+kernel/variants.py).  Inputs are regenerated from each case's spec and seed,
+never stored.
 For each case ``golden/<name>.npz`` holds the kernel's outputs (out in its own
 dtype's bits, m and l in float32) and, for cases with gradients, dq, dk, dv
 (and dbias) of ``sum(out * d_out)`` through ``jax.vjp`` of the public API, in
@@ -29,6 +32,8 @@ Per case, ``check`` reports one of
 
 ``update`` classifies the new outputs against the old goldens the same way,
 prints the table, then writes; nothing is overwritten without the table.
+``--select NAME,...`` restricts either to the named cases (``update`` then
+rewrites only their files and manifest entries).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from typing import Callable
 import numpy as np
 
 from harness.conformance import ForwardCase, check_forward, check_gradients, compute_dtype
+from harness.strategies import SegmentSpec, VariantSpec
 from harness.tolerance import rtol_for, run_to_run_bound
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,8 +77,10 @@ class GoldenSpec:
   logits_soft_cap: float | None = None
   rescale_threshold: float = 1.0
   normalize_output: bool = True
-  config: tuple | None = None      # None = heuristic; else (block_q, block_kv, stages, persistent)
+  config: tuple | None = None      # None = heuristic; else Config's fields in order
   gradients: bool = True           # store dq, dk, dv (dbias) too (normalised output only)
+  # jax.nn's lengths and window, segment ids and their layout; None: none.
+  variants: VariantSpec | None = None
 
   @property
   def has_gradients(self) -> bool:
@@ -119,11 +127,20 @@ class GoldenSpec:
     if self.key_range:
       case.k_start = rng.integers(0, s // 2, (b, n, t)).astype(np.int32)
       case.k_end = (case.k_start + rng.integers(-8, s, (b, n, t))).astype(np.int32)
+    if self.variants is not None:  # plain values: no draw from rng, so the arrays above stay
+      case.variants = self.variants.build()
+      case.segment_layout = self.variants.segment_layout
     return case
 
   def resolved_config(self):
     from kernel.config import Config
     return None if self.config is None else Config(*self.config)
+
+
+def _documents(*rows) -> SegmentSpec:
+  """Packed documents: per batch row ((id, length), ...), the same runs for
+  queries and keys."""
+  return SegmentSpec(kv_runs=rows, q_runs=rows)
 
 
 CORPUS: tuple[GoldenSpec, ...] = (
@@ -153,6 +170,41 @@ CORPUS: tuple[GoldenSpec, ...] = (
     # config=None runs the autotuned config on an H200.
     GoldenSpec("autotuned-1024-d128", 19, seq_q=1024, seq_kv=1024, heads=1, head_dim=128,
                gradients=False),  # keeps the corpus small; others cover the backward
+    # jax.nn's lengths and windows and packed segments, forward and gradients.
+    # Lengths: per batch row a full / ragged / zero query length against a
+    # ragged (one past a block) / zero / full key length.
+    GoldenSpec("lengths-ragged-zero-full", 20, batch=3, seq_q=160, seq_kv=200,
+               variants=VariantSpec(query_seq_lengths=(160, 77, 0),
+                                    key_value_seq_lengths=(129, 0, 200))),
+    # Windows long enough that query tiles skip key blocks on both sides.
+    GoldenSpec("window-int-causal", 21, seq_q=448, seq_kv=448, is_causal=True,
+               variants=VariantSpec(local_window_size=100)),
+    GoldenSpec("window-int-64x64-blocks", 22, seq_q=384, seq_kv=384, config=(64, 64, 2, False),
+               variants=VariantSpec(local_window_size=40)),
+    GoldenSpec("window-pair-ragged", 23, seq_q=300, seq_kv=421,
+               variants=VariantSpec(local_window_size=(150, 17))),
+    # The window reaches the longest-first schedule (Features.window).
+    GoldenSpec("window-pair-causal-longest-first", 24, seq_q=512, seq_kv=512, is_causal=True,
+               config=(64, 128, 2, True, "longest-first"),
+               variants=VariantSpec(local_window_size=(130, 64))),
+    # Packed documents (each id one run: per-row key ranges), a one-token one
+    # among them, boundaries on and off the block grid.
+    GoldenSpec("segments-packed-causal", 25, seq_q=448, seq_kv=448, is_causal=True,
+               variants=VariantSpec(segments=_documents(
+                   ((3, 100), (1, 1), (8, 155), (2, 64), (6, 128))))),
+    # Id 4 split by id 5, and a query id the keys lack: only the dense-mask
+    # layout serves them.  The first query tile is all id 5, so the hull of
+    # its keys still skips a block.
+    GoldenSpec("segments-split-any-layout", 26, seq_q=256, seq_kv=320,
+               variants=VariantSpec(segments=SegmentSpec(
+                   kv_runs=(((4, 90), (5, 70), (4, 160)),),
+                   q_runs=(((5, 128), (4, 122), (9, 6)),)), segment_layout="any")),
+    GoldenSpec("lengths-window-segments-causal", 27, batch=2, seq_q=320, seq_kv=320,
+               is_causal=True,
+               variants=VariantSpec(query_seq_lengths=(320, 250),
+                                    key_value_seq_lengths=(290, 320),
+                                    local_window_size=(120, 0),
+                                    segments=_documents(((1, 170), (2, 150)), ((7, 320),)))),
 )
 
 
@@ -168,36 +220,65 @@ def _checksum(a: np.ndarray) -> str:
   return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
 
 
-def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
-  """The kernel's outputs in storage form: out and gradients in the input
-  dtype, m/l float32."""
+def kernel_function(spec: GoldenSpec) -> tuple[Callable, tuple]:
+  """``(f, args)``: ``f(*args)`` runs the case through the public API and
+  returns its stored arrays by name, as JAX arrays (out, m, l; with
+  gradients, dq, dk, dv (dbias) of ``sum(out * d_out)`` through ``jax.vjp``).
+  :func:`run_kernel_for` calls it as is; ``jax.jit(f)`` lowers it for CUDA
+  on any host (properties/test_golden.py)."""
   import jax
   import jax.numpy as jnp
   from kernel import api
   case = spec.build()
   j = lambda x: None if x is None else jnp.asarray(x)
+  # The window is static (a Python int or pair); lengths and ids are arrays.
+  variant_kwargs = {name: x if name == "local_window_size" else jnp.asarray(x)
+                    for name, x in case.variants.items()}
 
   def attention(q, k, v, bias):
     return api.dot_product_attention(
         q, k, v, bias, j(case.mask), is_causal=case.is_causal, k_start=j(case.k_start),
         k_end=j(case.k_end), logits_soft_cap=case.logits_soft_cap,
         rescale_threshold=case.rescale_threshold, normalize_output=case.normalize_output,
-        return_residuals=True, config=spec.resolved_config())
+        return_residuals=True, config=spec.resolved_config(),
+        segment_layout=case.segment_layout, **variant_kwargs)
 
   args = (j(case.query), j(case.key), j(case.value), j(case.bias))
   if not spec.has_gradients:
-    out, (m, l) = attention(*args)
-    grads = {}
-  else:
-    with_bias = "dbias" in spec.arrays()
-    f = (attention if with_bias
-         else lambda q, k, v: attention(q, k, v, args[3]))
-    (out, (m, l)), vjp = jax.vjp(f, *args[:4 if with_bias else 3])
-    cotangent = (jnp.asarray(spec.d_out()), (jnp.zeros_like(m), jnp.zeros_like(l)))
-    grads = dict(zip(GRADIENT_ARRAYS, map(np.asarray, vjp(cotangent))))
-  jax.block_until_ready(out)
-  return {"out": np.asarray(out), "m": np.asarray(m, np.float32),
-          "l": np.asarray(l, np.float32), **grads}
+    def forward(q, k, v, bias):
+      out, (m, l) = attention(q, k, v, bias)
+      return {"out": out, "m": m, "l": l}
+    return forward, args
+
+  with_bias = "dbias" in spec.arrays()
+
+  def with_gradients(q, k, v, bias, d_out):
+    f = attention if with_bias else (lambda q, k, v: attention(q, k, v, bias))
+    primals = (q, k, v, bias) if with_bias else (q, k, v)
+    (out, (m, l)), vjp = jax.vjp(f, *primals)
+    grads = vjp((d_out, (jnp.zeros_like(m), jnp.zeros_like(l))))
+    return {"out": out, "m": m, "l": l, **dict(zip(GRADIENT_ARRAYS, grads))}
+  return with_gradients, args + (jnp.asarray(spec.d_out()),)
+
+
+def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
+  """The kernel's outputs in storage form: out and gradients in the input
+  dtype, m/l float32."""
+  import jax
+  f, args = kernel_function(spec)
+  arrays = jax.block_until_ready(f(*args))
+  return {k: np.asarray(x, np.float32) if k in ("m", "l") else np.asarray(x)
+          for k, x in arrays.items()}
+
+
+def _kernel_mask_and_ranges(case: ForwardCase):
+  """The mask and key ranges the API hands the kernel for ``case``: its own,
+  with the variants mapped onto them (kernel/variants.py)."""
+  from kernel import variants
+  routed = variants.route(case.query, case.key, case.value, case.bias, case.mask,
+                          case.k_start, case.k_end, segment_layout=case.segment_layout,
+                          **case.variants)
+  return routed.mask, routed.k_start, routed.k_end
 
 
 def config_used(spec: GoldenSpec) -> dict:
@@ -208,17 +289,17 @@ def config_used(spec: GoldenSpec) -> dict:
     return {"source": "spec", **dataclasses.asdict(spec.resolved_config())}
   from kernel import api, autotune
   case = spec.build()
-  chosen = api.chosen_config(case.query, case.key, case.value, case.bias, case.mask,
-                             is_causal=case.is_causal, k_start=case.k_start,
-                             k_end=case.k_end)
+  mask, k_start, k_end = _kernel_mask_and_ranges(case)
+  chosen = api.chosen_config(case.query, case.key, case.value, case.bias, mask,
+                             is_causal=case.is_causal, k_start=k_start, k_end=k_end)
   device = api.sm90_device()
   problem = autotune.selection_problem(api.resolved_problem(
-      case.query, case.key, case.value, case.bias, case.mask, is_causal=case.is_causal,
-      k_start=case.k_start, k_end=case.k_end))
+      case.query, case.key, case.value, case.bias, mask, is_causal=case.is_causal,
+      k_start=k_start, k_end=k_end))
   cached = device is not None and autotune.lookup(
       problem, device.device_kind, has_bias=case.bias is not None,
-      has_mask=case.mask is not None,
-      has_key_ranges=case.k_start is not None or case.k_end is not None) == chosen
+      has_mask=mask is not None,
+      has_key_ranges=k_start is not None or k_end is not None) == chosen
   return {"source": "autotune cache" if cached else "heuristic", **dataclasses.asdict(chosen)}
 
 
@@ -428,11 +509,32 @@ def pin_xla_numerics() -> None:
   os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in PINNED_XLA_FLAGS if f not in flags])
 
 
+def selected(names: str | None, corpus=CORPUS) -> tuple[GoldenSpec, ...]:
+  """The cases named in ``names`` (comma-separated), in corpus order; None:
+  the whole corpus.  An unknown name is refused, naming ``--select``."""
+  if names is None:
+    return corpus
+  wanted = [n.strip() for n in names.split(",") if n.strip()]
+  known = {s.name for s in corpus}
+  unknown = [n for n in wanted if n not in known]
+  if unknown or not wanted:
+    raise ValueError(f"--select: unknown case(s) {unknown or [names]}; the corpus has "
+                     f"{', '.join(s.name for s in corpus)}")
+  return tuple(s for s in corpus if s.name in wanted)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness golden")
   parser.add_argument("action", choices=("check", "update"))
   parser.add_argument("--dir", default=str(GOLDEN_DIR))
+  parser.add_argument("--select", default=None, metavar="NAME,...",
+                      help="only these corpus cases (update rewrites only their files "
+                           "and manifest entries)")
   args = parser.parse_args(argv)
+  try:
+    corpus = selected(args.select)
+  except ValueError as err:
+    parser.error(str(err))
   pin_xla_numerics()
   from kernel import api
   if api.sm90_device() is None:
@@ -441,10 +543,10 @@ def main(argv=None) -> int:
   import jax
   directory = Path(args.dir)
   if args.action == "check":
-    verdicts, ok = check(directory=directory)
+    verdicts, ok = check(corpus=corpus, directory=directory)
     print(render(verdicts))
     return 0 if ok else 1
-  verdicts = update(directory=directory, device=api.sm90_device().device_kind,
+  verdicts = update(corpus=corpus, directory=directory, device=api.sm90_device().device_kind,
                     jax_version=jax.__version__)
   print("golden update: new outputs against the previous goldens (written unless a regression):")
   print(render(verdicts))

@@ -5,19 +5,25 @@ dtypes, so every classification (identical, reordered, drift, regression,
 missing) and
 the update's refusal to store a wrong golden can be exercised without a GPU.
 The real goldens are generated on the H200 (`python -m harness golden update`,
-run by ci/device/produce.sh).
+run by ci/device/produce.sh).  The cases with jax.nn's lengths and windows
+and packed segments (``GoldenSpec.variants``) are checked to build, to reach
+the public API with every variant (the call the tool runs, lowered for CUDA),
+to make the key loops skip blocks, and to go through update and check.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from harness import golden
 from harness.conformance import compute_dtype
-from harness.reference import attention_reference, attention_reference_vjp
+from harness.reference import VARIANT_ARGS, attention_reference, attention_reference_vjp
+from kernel import api
 
 CORPUS = tuple(s for s in golden.CORPUS if s.name in (
     "plain-d64", "ragged-239x1", "mask-full-empty-row", "threshold-zero-unnormalised",
@@ -181,3 +187,164 @@ def test_a_golden_in_the_first_format_is_read_and_completed_by_update(tmp_path):
   golden.update(reference_runner, (spec,), tmp_path)
   verdicts, ok = golden.check(reference_runner, (spec,), tmp_path)
   assert ok and verdicts[0].status == "identical"
+
+
+# ---------------------------------------------------------------------------
+# The variant cases: jax.nn's lengths and windows, packed segments.
+
+VARIANT_CASES = tuple(s for s in golden.CORPUS if s.variants is not None)
+BY_NAME = {s.name: s for s in golden.CORPUS}
+
+
+def test_the_corpus_has_each_variant():
+  """Lengths (a full, a ragged and a zero one, queries and keys), int and
+  (left, right) windows with and without causal, packed documents under
+  causal, and the dense-mask layout's non-contiguous ids."""
+  v = lambda name: BY_NAME[name].variants
+  lengths = v("lengths-ragged-zero-full")
+  case = BY_NAME["lengths-ragged-zero-full"]
+  for given, full in ((lengths.query_seq_lengths, case.seq_q),
+                      (lengths.key_value_seq_lengths, case.seq_kv)):
+    assert 0 in given and full in given and any(0 < n < full for n in given)
+  windows = {(isinstance(s.variants.local_window_size, int), s.is_causal)
+             for s in VARIANT_CASES if s.variants.local_window_size is not None}
+  assert windows == {(True, True), (True, False), (False, True), (False, False)}
+  packed = v("segments-packed-causal")
+  assert BY_NAME["segments-packed-causal"].is_causal and packed.segment_layout == "contiguous"
+  assert packed.segments.kv_contiguous and len(packed.segments.kv_runs[0]) >= 3
+  split = v("segments-split-any-layout")
+  assert split.segment_layout == "any" and not split.segments.kv_contiguous
+
+
+@pytest.mark.parametrize("spec", VARIANT_CASES, ids=lambda s: s.name)
+def test_a_variant_case_builds_what_the_reference_reads(spec):
+  """The spec's variants land in ForwardCase.variants under the reference's
+  names, with its segment layout, without moving the other arrays (the same
+  seed without variants draws the same inputs); gradients are stored."""
+  case = spec.build()
+  assert case.variants and set(case.variants) <= set(VARIANT_ARGS)
+  assert case.segment_layout == spec.variants.segment_layout
+  plain = dataclasses.replace(spec, variants=None).build()
+  assert np.array_equal(case.query, plain.query) and np.array_equal(case.value, plain.value)
+  assert spec.arrays() == ("out", "m", "l", "dq", "dk", "dv")
+  # The reference sees fewer keys than without the variants: they reached it.
+  ref = attention_reference(case.query, case.key, case.value, case.bias, case.mask,
+                            **case.reference_kwargs())
+  ref_plain = attention_reference(plain.query, plain.key, plain.value, plain.bias, plain.mask,
+                                  **plain.reference_kwargs())
+  assert ref.visible.sum() < ref_plain.visible.sum()
+
+
+@pytest.mark.parametrize("spec", VARIANT_CASES, ids=lambda s: s.name)
+def test_a_variant_case_reaches_the_api_and_lowers_for_cuda(spec, monkeypatch):
+  """The call the tool runs (golden.kernel_function) hands every variant and
+  the segment layout to kernel.api.dot_product_attention, and lowers for
+  CUDA, forward and vjp, into Mosaic GPU kernels with the stored arrays'
+  shapes."""
+  seen = []
+  real = api.dot_product_attention
+
+  def recording(*args, **kwargs):
+    seen.append(kwargs)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(api, "dot_product_attention", recording)
+  f, args = golden.kernel_function(spec)
+  with api.lowering_only():
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+  assert seen, "the tool did not call kernel.api.dot_product_attention"
+  want = spec.build().variants
+  for kwargs in seen:
+    assert kwargs["segment_layout"] == spec.variants.segment_layout
+    for name, value in want.items():
+      assert np.array_equal(np.asarray(kwargs[name]), np.asarray(value)), name
+  outs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+  assert tuple(sorted(outs)) == tuple(sorted(spec.arrays()))
+  case = spec.build()
+  assert outs["out"].shape == case.query.shape[:3] + (case.value.shape[3],)
+  assert outs["dk"].shape == case.key.shape and outs["dq"].shape == case.query.shape
+  assert exported.mlir_module().count("stablehlo.custom_call @mosaic_gpu") >= 2
+
+
+def _key_blocks_visited(spec) -> tuple[int, int]:
+  """(visited, plain): key blocks the forward's loop runs over every query
+  tile of every batch row and head (kernel.forward.kv_block_range on the
+  ranges kernel/variants.py makes, with the config the case runs on this
+  host), and the same count for the call without the case's variants."""
+  from kernel import forward, padding
+  case = spec.build()
+  config = golden.config_used(spec)
+  block_q, block_kv = config["block_q"], config["block_kv"]
+  _, k_start, k_end = golden._kernel_mask_and_ranges(case)
+  b, t, n, s = case.query.shape[0], case.query.shape[1], case.query.shape[2], case.key.shape[1]
+  num_tiles = -(-t // (2 * block_q))
+  _, _, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=2 * block_q,
+                                   num_tiles=num_tiles)
+  start_min, _, _, end_max = (np.broadcast_to(np.asarray(x), (b, n, num_tiles))
+                              for x in tiles)
+
+  def blocks(qi, **ranges):
+    lo, hi = forward.kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=t,
+                                    seq_kv=s, is_causal=case.is_causal, **ranges)
+    return hi - lo
+
+  visited = sum(blocks(qi, k_start_min=int(start_min[bi, h, qi]),
+                       k_end_max=int(end_max[bi, h, qi]))
+                for bi in range(b) for h in range(n) for qi in range(num_tiles))
+  return visited, b * n * sum(blocks(qi) for qi in range(num_tiles))
+
+
+@pytest.mark.parametrize("spec", [s for s in VARIANT_CASES
+                                  if s.variants.local_window_size is not None
+                                  or s.variants.segments is not None], ids=lambda s: s.name)
+def test_window_and_segment_cases_skip_key_blocks(spec):
+  """Each window and segment case makes some query tile skip a key block it
+  would visit without them: the goldens hold the skipping kernel's bits."""
+  visited, plain = _key_blocks_visited(spec)
+  assert visited < plain, (visited, plain)
+
+
+def test_a_variant_case_goes_through_update_and_check(tmp_path):
+  """Without its golden a variant case is missing (check fails); update
+  writes it; the same outputs are then identical, and a wrong dv a
+  regression."""
+  cases = (BY_NAME["lengths-ragged-zero-full"], BY_NAME["segments-split-any-layout"])
+  verdicts, ok = golden.check(reference_runner, cases, tmp_path)
+  assert not ok and {v.status for v in verdicts} == {"missing"}
+  golden.update(reference_runner, cases, tmp_path)
+  verdicts, ok = golden.check(reference_runner, cases, tmp_path)
+  assert ok and {v.status for v in verdicts} == {"identical"}
+  manifest = json.loads((tmp_path / "manifest.json").read_text())
+  assert manifest["segments-split-any-layout"]["spec"]["variants"]["segment_layout"] == "any"
+
+  def wrong_dv(spec):
+    r = reference_runner(spec)
+    r["dv"] = (r["dv"].astype(np.float64) * 1.5).astype(r["dv"].dtype)
+    return r
+  verdicts, ok = golden.check(wrong_dv, cases, tmp_path)
+  assert not ok and {v.status for v in verdicts} == {"regression"}
+
+
+def test_select_names_cases_and_update_rewrites_only_them(stored):
+  """--select picks cases by name, in corpus order; update given the
+  selection rewrites only their files and manifest entries."""
+  picked = golden.selected("ragged-239x1,plain-d64", CORPUS)
+  assert [s.name for s in picked] == ["plain-d64", "ragged-239x1"]
+  assert golden.selected(None, CORPUS) == CORPUS
+  others = {s.name: (stored / f"{s.name}.npz").read_bytes() for s in CORPUS
+            if s not in picked}
+  before = json.loads((stored / "manifest.json").read_text())
+  golden.update(perturbed(reference_runner, ulps=1), picked, stored, device="second")
+  after = json.loads((stored / "manifest.json").read_text())
+  for name, data in others.items():
+    assert (stored / f"{name}.npz").read_bytes() == data and after[name] == before[name]
+  assert {after[s.name]["device"] for s in picked} == {"second"}
+
+
+@pytest.mark.parametrize("names", ["no-such-case", "plain-d64,nope", ","])
+def test_select_refuses_unknown_names_by_argument(names, capsys):
+  with pytest.raises(ValueError, match="^--select: unknown"):
+    golden.selected(names)
+  with pytest.raises(SystemExit) as stop:  # before any GPU check: a typo fails anywhere
+    golden.main(["check", "--select", names])
+  assert stop.value.code == 2 and "--select: unknown" in capsys.readouterr().err

@@ -208,6 +208,18 @@ CORPUS: tuple[GoldenSpec, ...] = (
 )
 
 
+# Cases in the corpus whose first goldens only an H200 can write: until then
+# `golden check` reports them **missing**, so the GPU gate fails on them
+# (`python -m harness golden update --select NAMES` on an H200 writes them).
+# The CPU suite checks that none of them has a golden yet: once written and
+# committed, this tuple must be emptied, so no case stays here unnoticed.
+AWAITING_FIRST_GOLDEN: tuple[str, ...] = (
+    "lengths-ragged-zero-full", "window-int-causal", "window-int-64x64-blocks",
+    "window-pair-ragged", "window-pair-causal-longest-first", "segments-packed-causal",
+    "segments-split-any-layout", "lengths-window-segments-causal",
+)
+
+
 def kernel_source_hash() -> str:
   h = hashlib.sha256()
   for path in sorted((REPO / "kernel").glob("*.py")):

@@ -106,8 +106,8 @@ def _with_backward(attention):
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """One row of ours: a config (None: what config=None runs), whether a
-  2-D bias goes through the stage ring (the private _stage_2d), and with
-  --backward, which backward (kernel.api.BACKWARDS; None: --backward-impl)."""
+  2-D bias goes through the stage ring (kernel.experiments' stage_2d), and with
+  --backward, which backward (kernel.experiments.BACKWARDS; None: --backward-impl)."""
   config: object = None
   stage_2d: bool = True
   backward: str | None = None
@@ -123,7 +123,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   same interleaved trials.  With ``backward``, each call is a forward plus a
   backward (jax.grad); with ``bias_2d``, every call gets a random (B, N, T, S)
   bias."""
-  from kernel import api
+  from kernel import api, experiments
   variants = [c if isinstance(c, Variant) else Variant(c) for c in configs]
   variants = [v if v.backward else dataclasses.replace(v, backward=backward_impl)
               for v in variants]
@@ -143,10 +143,10 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   errors = {}
   flops = shape.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0)
   for i, var in enumerate(variants):
-    fn = jax.jit(wrap(lambda q, k, v, bias, var=var: api.dot_product_attention(
+    fn = jax.jit(wrap(lambda q, k, v, bias, var=var: experiments.dot_product_attention(
         q, k, v, bias, is_causal=shape.causal, config=var.config,
-        rescale_threshold=rescale_threshold, _backward=var.backward,
-        _stage_2d=var.stage_2d)))
+        rescale_threshold=rescale_threshold, backward=var.backward,
+        stage_2d=var.stage_2d)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -308,14 +308,14 @@ def main(argv=None) -> int:
                       help="semicolon-separated block_q,block_kv,num_stages[,p] or 'auto' "
                            "(config=None), each optionally ending in ',u' (read a 2-D bias from "
                            "global memory instead of staging it through the ring, the "
-                           "private _stage_2d=False), to sweep instead of the default config")
+                           "kernel.experiments' stage_2d=False), to sweep instead of the default config")
   parser.add_argument("--threshold", type=float, default=1.0, help="rescale_threshold")
   parser.add_argument("--backward", action="store_true",
                       help="time forward + backward (jax.grad), counted as 3.5x the forward FLOPs")
   parser.add_argument("--bias-2d", action="store_true",
                       help="give every call a random (B, N, T, S) bias")
   parser.add_argument("--backward-impl", default="pallas",
-                      help="with --backward: comma-separated kernel.api.BACKWARDS names "
+                      help="with --backward: comma-separated kernel.experiments.BACKWARDS names "
                            "(pallas, pallas-two-kernel, pallas-serial, xla), each timed "
                            "with every config in the same process")
   parser.add_argument("--backward-parts", action="store_true",
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     configs = []
     for item in args.configs.split(";"):
       fields = item.split(",")
-      staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (_stage_2d=False)
+      staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (stage_2d=False)
       fields = fields if staged else fields[:-1]
       if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
         configs.append(Variant(None, staged))

@@ -83,13 +83,13 @@ def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
   ``stage_2d`` the staging of 2-D bias/mask through the ring (the API's
-  default; False reads them from global memory, the private _stage_2d).
+  default; False reads them from global memory, kernel.experiments' stage_2d).
   """
   import jax
   import jax.numpy as jnp
-  from kernel import api
+  from kernel import experiments
   args = [jnp.asarray(x) for x in (case.query, case.key, case.value)]
-  result = api.dot_product_attention(
+  result = experiments.dot_product_attention(
       *args, None if case.bias is None else jnp.asarray(case.bias),
       None if case.mask is None else jnp.asarray(case.mask),
       scale=case.scale, is_causal=case.is_causal,
@@ -97,7 +97,7 @@ def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2
       k_end=None if case.k_end is None else jnp.asarray(case.k_end),
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
-      config=config, _stage_2d=stage_2d, segment_layout=case.segment_layout,
+      config=config, stage_2d=stage_2d, segment_layout=case.segment_layout,
       **{name: x if name == "local_window_size" else jnp.asarray(x)
          for name, x in case.variants.items()})
   result = jax.block_until_ready(result)

@@ -55,15 +55,15 @@ def cases() -> dict[str, dict]:
     c[f"d128-{p}-longest-first-window"] = (
         d128, dict(config=lf, local_window_size=(100, 20), return_residuals=True), {}, False)
   c["d128-np-3stages-unstaged-2d"] = (
-      d128, dict(config=Config(64, 128, 3, False), _stage_2d=False),
+      d128, dict(config=Config(64, 128, 3, False), stage_2d=False),
       dict(bias_shape=(2, 4, 300, 500), mask_shape=(2, 4, 300, 500)), False)
   c["d64-p-bq128-3stages-staged-mask"] = (
       dict(B=2, T=600, N=4, H=64, S=500, K=2, Hv=64),
       dict(config=Config(128, 64, 3, True), is_causal=True),
       dict(mask_shape=(2, 4, 600, 500)), False)
-  c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, _backward="pallas-serial"),
+  c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, backward="pallas-serial"),
                                        dict(bias_shape=(1, 4, 300, 500)), True)
-  c["d128-grad-two-kernel"] = (d128, dict(_backward="pallas-two-kernel"), {}, True)
+  c["d128-grad-two-kernel"] = (d128, dict(backward="pallas-two-kernel"), {}, True)
   c["d128-grad-fused-mask-ranges"] = (d128, {}, dict(mask_shape=(2, 1, 300, 500),
                                                      k_range_shape=(2, 4, 300)), True)
   c["d96-grad-split-causal"] = (dict(B=1, T=200, N=2, H=96, S=328, K=1, Hv=192),
@@ -77,7 +77,7 @@ def cases() -> dict[str, dict]:
 def jaxpr_text(shapes, kwargs, operands, gradients) -> str:
   import jax
   import jax.numpy as jnp
-  from kernel import api
+  from kernel import api, experiments
   sds = jax.ShapeDtypeStruct
   dt = jnp.bfloat16
   B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
@@ -92,8 +92,8 @@ def jaxpr_text(shapes, kwargs, operands, gradients) -> str:
 
   def fn(q, k, v, *rest):
     extra = dict(zip(names, rest))
-    return api.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
-                                     **extra, **kwargs)
+    return experiments.dot_product_attention(q, k, v, extra.pop("bias", None),
+                                             extra.pop("mask", None), **extra, **kwargs)
 
   target = fn
   if kwargs.get("_guarded"):
@@ -113,7 +113,7 @@ def _guarded(args, kwargs):
   import jax
   import jax.numpy as jnp
   from unittest import mock
-  from kernel import api
+  from kernel import api, experiments
   from kernel.forward import flash_attention_forward
   got = {}
 
@@ -122,7 +122,7 @@ def _guarded(args, kwargs):
     return lambda *a: (None, (None, None))
 
   with mock.patch.object(api, "_differentiable", record), api.lowering_only():
-    jax.eval_shape(lambda *a: api.dot_product_attention(*a, **kwargs), *args)
+    jax.eval_shape(lambda *a: experiments.dot_product_attention(*a, **kwargs), *args)
 
   def call(q, k, v):
     whole = []

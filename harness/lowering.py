@@ -53,7 +53,7 @@ def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_sha
   forward and the backward kernels; ``smem_bytes`` is then the largest of the
   kernels.
   """
-  from kernel import api
+  from kernel import api, experiments
   sds = jax.ShapeDtypeStruct
   dt = jnp.dtype(dtype)
   B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
@@ -68,7 +68,7 @@ def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_sha
 
   def fn(q, k, v, *rest):
     extra = dict(zip(names, rest))
-    return api.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
+    return experiments.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
                                      **extra, **kwargs)
 
   target = fn

@@ -29,11 +29,16 @@ from kernel import plan as plan_lib
 from kernel import sharding
 from kernel import variants
 from kernel.config import Config
-from kernel import backward as backward_pallas
-from kernel import backward_xla
 from kernel.common import is_2d
 from kernel.forward import Features, flash_attention_forward
 from kernel.validation import validate_attention_args
+from kernel import backward as backward_pallas
+
+# The custom_vjp's backward: the sm90 kernels of kernel/backward.py.  Where
+# the dK/dV kernel would sum dq across thread blocks (the fused dQ, one ulp
+# from run to run), deterministic=True forms dq by the dQ kernel instead.
+SHIPPED_BACKWARD = backward_pallas.attention_backward
+REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward, fuse_dq=False)
 
 _state = threading.local()
 
@@ -115,7 +120,7 @@ def _staging_fits(query, key, value, bias, mask, config, *, is_causal, return_re
   try:
     if config is None:
       config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                             k_start=k_start, k_end=k_end, _stage_2d=True)
+                             k_start=k_start, k_end=k_end)
     plan_lib.check_fits(_problem(query, key, value, bias, mask, is_causal=is_causal,
                                  return_residuals=return_residuals, stage_2d=True), config)
   except ValueError:
@@ -138,16 +143,21 @@ def resolved_problem(query, key, value, bias=None, mask=None, *, is_causal=False
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
-                  k_start=None, k_end=None, device_kind: str | None = None,
-                  _stage_2d=True) -> Config:
+                  k_start=None, k_end=None, device_kind: str | None = None) -> Config:
   """The config ``dot_product_attention(..., config=None)`` runs for these
   arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
   this device and signature, else the heuristic.  ``device_kind`` defaults
   to the sm90 GPU of this process (none: the heuristic)."""
+  return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
+                        k_end=k_end, device_kind=device_kind, stage_2d=True)
+
+
+def _chosen_config(query, key, value, bias, mask, *, is_causal, k_start, k_end,
+                   device_kind, stage_2d) -> Config:
   from kernel import autotune
   problem = autotune.selection_problem(_problem(
       query, key, value, bias, mask, is_causal=is_causal, return_residuals=False,
-      stage_2d=_stage_2d))
+      stage_2d=stage_2d))
   if device_kind is None and not getattr(_state, "lowering_only", False):
     device = sm90_device()
     device_kind = None if device is None else device.device_kind
@@ -164,8 +174,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           segment_layout="contiguous", k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, deterministic=False, _backward="pallas",
-                          _stage_2d=True):
+                          config=None, deterministic=False):
   """Flash attention on sm90.  Returns ``out``, ``(out, (m, l))`` with
   ``return_residuals``, ``(out, lse)`` with ``return_residual``, or
   ``(out, lse, (m, l))`` with both.
@@ -194,6 +203,20 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   runs (``harness.tolerance.run_to_run_bound``).  The forward is bitwise
   reproducible either way.
   """
+  return _attention(**locals(), backward=SHIPPED_BACKWARD,
+                    reproducible_backward=REPRODUCIBLE_BACKWARD, stage_2d=True)
+
+
+def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+               key_value_seq_lengths, local_window_size, implementation, return_residual,
+               q_segment_ids, kv_segment_ids, segment_layout, k_start, k_end,
+               logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
+               config, deterministic, backward, reproducible_backward, stage_2d: bool):
+  """dot_product_attention with the variants kept for measurement and tests
+  (kernel/experiments.py): ``backward`` the custom_vjp's backward,
+  ``reproducible_backward`` the one ``deterministic=True`` takes instead
+  (None: ``backward`` itself), ``stage_2d`` False reads 2-D bias and mask
+  from global memory."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -219,11 +242,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
   problem = resolved_problem(query, key, value, bias, mask, is_causal=is_causal,
                              return_residuals=return_residuals, k_start=k_start, k_end=k_end,
-                             config=config, stage_2d=_stage_2d)
+                             config=config, stage_2d=stage_2d)
   stage_2d = problem.bias_2d or problem.mask_2d
   if config is None:
-    config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                           k_start=k_start, k_end=k_end, _stage_2d=stage_2d)
+    config = _chosen_config(query, key, value, bias, mask, is_causal=is_causal,
+                            k_start=k_start, k_end=k_end, device_kind=None,
+                            stage_2d=stage_2d)
   plan_lib.check_fits(problem, config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
@@ -235,40 +259,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       seq_q=shapes.T, seq_kv=shapes.S,
       stage_2d=stage_2d,
       window=routed.window if config.schedule == "longest-first" else None)
-  if _backward not in BACKWARDS:
-    raise ValueError(f"_backward: expected one of {sorted(BACKWARDS)}, got {_backward!r}")
-  backward = BACKWARDS[_backward]
-  if deterministic and _backward in REPRODUCIBLE:
-    backward = REPRODUCIBLE[_backward]
+  if deterministic and reproducible_backward is not None:
+    backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
                               backward)
   out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
   return routed.finish(out, residuals)
 
 
-# The custom_vjp's backward: the sm90 kernels (kernel/backward.py), or their
-# executable specification in plain JAX (kernel/backward_xla.py), which tests
-# compare them with.  Both read the same residuals.
-BACKWARDS = {"pallas": backward_pallas.attention_backward,
-             "pallas-serial": functools.partial(backward_pallas.attention_backward,
-                                                schedule="serial"),
-             # dQ by its own kernel even where the fused one applies: bitwise
-             # reproducible, and the A/B of the fusion.
-             "pallas-two-kernel": functools.partial(backward_pallas.attention_backward,
-                                                    fuse_dq=False),
-             "xla": backward_xla.attention_backward}
-# deterministic=True: each backward that may sum dq across thread blocks in no
-# fixed order (the fused dQ) replaced by the same backward without it.
-REPRODUCIBLE = {"pallas": BACKWARDS["pallas-two-kernel"],
-                "pallas-serial": functools.partial(backward_pallas.attention_backward,
-                                                   schedule="serial", fuse_dq=False)}
-
-
 def _differentiable(features: Features, config: Config, dtype, num_sms: int,
                     problem: plan_lib.Problem, attention_backward):
   """The forward kernel under a custom_vjp whose backward reads the kernel's
   own residuals (out, and m in natural log, l): ``attention_backward``, one
-  of BACKWARDS."""
+  of kernel.experiments.BACKWARDS."""
 
   def run(f, q, k, v, bias, mask, ks, ke):
     def local(q, k, v, bias, mask, ks, ke):   # on one device's batch/head shard

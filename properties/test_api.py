@@ -81,3 +81,20 @@ def test_vmap_and_jit_lower_for_cuda():
   out, m, l = exported.out_avals
   assert out.shape == (3, 2, 200, 4, 96)
   assert m.shape == l.shape == (3, 2, 4, 200)
+
+
+def test_the_public_function_has_no_experiment_hooks():
+  """The variants kept for measurement (kernel/experiments.py) are not part of
+  the public signature, and a variant name that does not exist is refused."""
+  import inspect
+  import jax.numpy as jnp
+  from kernel import api, experiments
+  params = inspect.signature(api.dot_product_attention).parameters
+  assert not [p for p in params if p.startswith("_")]
+  assert set(inspect.signature(api.chosen_config).parameters) >= {"device_kind"}
+  assert not [p for p in inspect.signature(api.chosen_config).parameters if p.startswith("_")]
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="backward"):
+    experiments.dot_product_attention(q, q, q, backward="pallas-fast")
+  with pytest.raises(TypeError, match="unexpected"):
+    experiments.dot_product_attention(q, q, q, stage2d=False)

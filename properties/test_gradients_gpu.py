@@ -18,15 +18,15 @@ from hypothesis import given, note, settings
 from harness import strategies as hs
 from harness.conformance import gradient_reports
 from harness.tolerance import run_to_run_bound
-from kernel import api
+from kernel import api, experiments
 
 pytestmark = pytest.mark.gpu
-# The backward under test (a kernel.api.BACKWARDS name): the shipped one
+# The backward under test (a kernel.experiments.BACKWARDS name): the shipped one
 # unless GRADIENT_BACKWARD names another, e.g. to run these properties on a
 # private variant before it ships (GRADIENT_BACKWARD=<name>; ci/device/compare-backward.sh).
 BACKWARD = os.environ.get("GRADIENT_BACKWARD", "pallas")
-if BACKWARD not in api.BACKWARDS:
-  raise ValueError(f"GRADIENT_BACKWARD: expected one of {sorted(api.BACKWARDS)}, "
+if BACKWARD not in experiments.BACKWARDS:
+  raise ValueError(f"GRADIENT_BACKWARD: expected one of {sorted(experiments.BACKWARDS)}, "
                    f"got {BACKWARD!r}")
 
 
@@ -36,10 +36,10 @@ def kernel_grads(case, backward=BACKWARD):
   d_out = jnp.asarray(case.d_out, jnp.float32)
 
   def loss(q, k, v, bias):
-    out = api.dot_product_attention(q, k, v, bias, j(case.mask), scale=kw["scale"],
+    out = experiments.dot_product_attention(q, k, v, bias, j(case.mask), scale=kw["scale"],
                                     is_causal=kw["is_causal"], k_start=j(case.k_start),
                                     k_end=j(case.k_end), logits_soft_cap=kw["logits_soft_cap"],
-                                    _backward=backward)
+                                    backward=backward)
     return jnp.sum(out.astype(jnp.float32) * d_out)
 
   argnums = (0, 1, 2, 3) if case.bias is not None else (0, 1, 2)

@@ -51,14 +51,14 @@ def _problem(q_shape, k_shape, v_shape, kw):
       sds(kw.get("mask_shape"), jnp.bool_), is_causal=kw.get("is_causal", False),
       return_residuals=kw.get("return_residuals", False),
       k_start=sds(kw.get("k_range_shape"), jnp.int32), k_end=sds(kw.get("k_range_shape"), jnp.int32),
-      stage_2d=kw.get("_stage_2d", True))
+      stage_2d=kw.get("stage_2d", True))
 
 
 def _grid():
   features = _features(SEQ, SEQ)
-  # The 2-D bias and mask read from global memory (the private _stage_2d=False,
+  # The 2-D bias and mask read from global memory (the private stage_2d=False,
   # and what the API falls back to where staging does not fit): its configs too.
-  features["everything-unstaged"] = dict(features["everything"], _stage_2d=False)
+  features["everything-unstaged"] = dict(features["everything"], stage_2d=False)
   for cls, (d, dv) in SHAPE_CLASSES.items():
     for feat, kw in features.items():
       problem = _problem((1, SEQ, 2, d), (1, SEQ, 1, d), (1, SEQ, 1, dv), kw)
@@ -164,7 +164,7 @@ def test_staged_bias_and_mask_lower_and_the_estimate_holds(d, kw, problem, cfg):
   config emitted for the staged problem lowers, and the shared-memory estimate
   (which counts the staged buffers) still bounds the lowering's allocation."""
   lowered = lower_attention(dict(B=2, T=1000, N=2, H=d, S=1000, K=1, Hv=d), config=cfg,
-                            return_residuals=True, _stage_2d=True, **kw)
+                            return_residuals=True, stage_2d=True, **kw)
   est = plan.estimate_smem_bytes(problem, cfg)
   assert lowered.smem_bytes <= est <= lowered.smem_bytes + SMEM_MARGIN_BYTES, (
       f"estimate {est} vs lowering {lowered.smem_bytes}")

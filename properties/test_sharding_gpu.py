@@ -3,7 +3,7 @@
 ``jax.jit`` over inputs sharded by batch, by heads, or both
 (``kernel/sharding.py``'s rule runs each device's kernels on its shard) gives
 the single-device program's results: out, m, l, dK, dV bitwise; dQ bitwise
-with the two-kernel backward (``_backward="pallas-two-kernel"``) and within
+with the two-kernel backward (``backward="pallas-two-kernel"``) and within
 ``harness.tolerance.run_to_run_bound`` with the shipped fused dQ (its float32
 reduce-adds run in no fixed order, single device or not); dbias bitwise
 where the bias is sharded like the query, and within a few bf16 roundings
@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from harness.tolerance import run_to_run_bound
-from kernel import api
+from kernel import api, experiments
 
 pytestmark = pytest.mark.gpu
 
@@ -73,13 +73,13 @@ def _specs(bias_batch):
 
 def _program(backward, is_causal):
   def forward(q, k, v, bias, mask):
-    return api.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal,
-                                     return_residuals=True, _backward=backward)
+    return experiments.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal,
+                                     return_residuals=True, backward=backward)
 
   def grads(q, k, v, bias, mask, d_out):
     def loss(q, k, v, bias):
-      out = api.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal,
-                                      _backward=backward)
+      out = experiments.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal,
+                                      backward=backward)
       return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Try a backward variant (a kernel.api.BACKWARDS name) on an H200 in one call,
+# Try a backward variant (a kernel.experiments.BACKWARDS name) on an H200 in one call,
 # before it ships: the GPU gradient properties on it, then forward + backward
 # timed against the shipped backward and cuDNN in one process (the headline
 # shape, non-causal and causal), then ptxas's
@@ -35,10 +35,10 @@ dump="$out/ptxas"
 mkdir -p "$dump"
 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$dump" step ptxas 90 "$py" -c "
 import jax, jax.numpy as jnp
-from kernel import api
+from kernel import experiments
 ks = jax.random.split(jax.random.key(0), 3)
 q, k, v = (jax.random.normal(s, (2, 4096, 16, 128), jnp.bfloat16) for s in ks)
-f = lambda q, k, v: api.dot_product_attention(q, k, v, _backward='$variant').astype(jnp.float32).sum()
+f = lambda q, k, v: experiments.dot_product_attention(q, k, v, backward='$variant').astype(jnp.float32).sum()
 jax.block_until_ready(jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
 print('compiled and ran')"
 grep -rh -i "spill\|registers" "$dump" 2>/dev/null | sort | uniq -c > "$out/ptxas-summary.txt"

@@ -52,7 +52,7 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench-backward 150 "$py" -m harness.bench --shapes headline-both --backward --configs auto \
     --backward-impl pallas,pallas-two-kernel --out "$out/bench-backward.json"
   # A 2-D bias staged through the ring (the default) against read from
-  # global memory (the private _stage_2d=False), in one process.
+  # global memory (kernel.experiments' stage_2d=False), in one process.
   step bench-bias-staging 70 "$py" -m harness.bench --shapes headline --bias-2d \
     --configs "auto;auto,u" --out "$out/bench-bias-staging.json"
 fi

@@ -1,0 +1,66 @@
+"""Variants of the kernel kept for measurement and tests, not for users.
+
+The public :func:`kernel.api.dot_product_attention` runs the shipped kernels.
+The harness and the benchmark reach the others through this module:
+
+* ``backward``: the custom_vjp's backward by name (:data:`BACKWARDS`): the
+  shipped sm90 kernels ("pallas"), the same with each product waited on its
+  own ("pallas-serial"), dQ always by its own kernel ("pallas-two-kernel",
+  the A/B of the fused dQ), or the kernels' executable specification in
+  plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
+  All read the same residuals.
+* ``stage_2d``: False reads a 2-D bias or mask from global memory instead of
+  staging it through the ring (the A/B of the staging; the same bits).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kernel import backward as backward_pallas
+from kernel import backward_xla
+
+from kernel import api
+
+BACKWARDS = {
+    "pallas": api.SHIPPED_BACKWARD,
+    "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial"),
+    "pallas-two-kernel": api.REPRODUCIBLE_BACKWARD,
+    "xla": backward_xla.attention_backward,
+}
+# deterministic=True: each backward that may sum dq across thread blocks in
+# no fixed order (the fused dQ) replaced by the same backward without it.
+REPRODUCIBLE = {
+    "pallas": api.REPRODUCIBLE_BACKWARD,
+    "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial",
+                                       fuse_dq=False),
+}
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
+                          stage_2d=True, **kwargs):
+  """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
+  (a :data:`BACKWARDS` name) and ``stage_2d``; every other argument as
+  there, with its default."""
+  import inspect
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
+  params = inspect.signature(api.dot_product_attention).parameters
+  unknown = sorted(set(kwargs) - set(params))
+  if unknown:
+    raise TypeError(f"dot_product_attention() got unexpected keyword arguments {unknown}")
+  args = {name: p.default for name, p in params.items()
+          if p.default is not inspect.Parameter.empty}
+  args.update(kwargs)
+  return api._attention(query, key, value, bias, mask, **{
+      k: v for k, v in args.items() if k not in ("bias", "mask")},
+      backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
+      stage_2d=stage_2d)
+
+
+def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
+                  k_start=None, k_end=None, device_kind=None, stage_2d=True):
+  """:func:`kernel.api.chosen_config` with ``stage_2d``."""
+  return api._chosen_config(query, key, value, bias, mask, is_causal=is_causal,
+                            k_start=k_start, k_end=k_end, device_kind=device_kind,
+                            stage_2d=stage_2d)

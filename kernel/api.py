@@ -108,38 +108,43 @@ def _problem(query, key, value, bias, mask, *, is_causal, return_residuals, stag
       mask_2d=stage_2d and is_2d(mask))
 
 
-def _staging_fits(query, key, value, bias, mask, config, *, is_causal, return_residuals,
-                  k_start, k_end) -> bool:
-  """Whether 2-D bias/mask tiles can go through the ring with the keys: the
-  given config, or else some config of the heuristics, fits 227 KiB with
-  the staged buffers.  Otherwise they are read from global memory (head
-  dims of 256 with both a 2-D bias and mask, say); the results are the same
-  bits either way (properties/test_forward_gpu.py)."""
-  if not (is_2d(bias) or is_2d(mask)):
-    return True
-  try:
-    if config is None:
-      config = chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                             k_start=k_start, k_end=k_end)
-    plan_lib.check_fits(_problem(query, key, value, bias, mask, is_causal=is_causal,
-                                 return_residuals=return_residuals, stage_2d=True), config)
-  except ValueError:
-    return False
-  return True
+def resolve(query, key, value, bias=None, mask=None, *, is_causal=False,
+            return_residuals=False, k_start=None, k_end=None, config=None,
+            stage_2d=True) -> tuple[plan_lib.Problem, Config]:
+  """The (problem, config) ``dot_product_attention`` runs for these
+  arguments (arrays or ShapeDtypeStructs), resolved once: a 2-D bias or mask
+  is staged through the ring with the keys where the config (given, or the
+  one ``config=None`` picks for the staged problem) fits with it, else read
+  from global memory, with the config picked for that problem (head dims of
+  256 with both a 2-D bias and mask, say; the results are the same bits
+  either way, properties/test_forward_gpu.py).  Raises if the config does not
+  fit."""
+  def problem_for(staged):
+    return _problem(query, key, value, bias, mask, is_causal=is_causal,
+                    return_residuals=return_residuals, stage_2d=staged)
+
+  def config_for(staged):
+    if config is not None:
+      return config
+    return _chosen_config(query, key, value, bias, mask, is_causal=is_causal,
+                          k_start=k_start, k_end=k_end, device_kind=None, stage_2d=staged)
+
+  if bool(stage_2d) and (is_2d(bias) or is_2d(mask)):
+    problem = problem_for(True)
+    try:
+      chosen = config_for(True)   # the heuristic refuses a problem nothing fits
+      if plan_lib.config_fits(problem, chosen):
+        return problem, chosen
+    except ValueError:
+      pass
+  problem, chosen = problem_for(False), config_for(False)
+  plan_lib.check_fits(problem, chosen)
+  return problem, chosen
 
 
-def resolved_problem(query, key, value, bias=None, mask=None, *, is_causal=False,
-                     return_residuals=False, k_start=None, k_end=None, config=None,
-                     stage_2d=True) -> plan_lib.Problem:
-  """The problem ``dot_product_attention`` runs for these arguments (arrays
-  or ShapeDtypeStructs): 2-D bias and mask staged through the ring where
-  :func:`_staging_fits`, else read from global memory."""
-  stage = bool(stage_2d) and _staging_fits(query, key, value, bias, mask, config,
-                                           is_causal=is_causal,
-                                           return_residuals=return_residuals,
-                                           k_start=k_start, k_end=k_end)
-  return _problem(query, key, value, bias, mask, is_causal=is_causal,
-                  return_residuals=return_residuals, stage_2d=stage)
+def resolved_problem(query, key, value, bias=None, mask=None, **kwargs) -> plan_lib.Problem:
+  """The problem of :func:`resolve`."""
+  return resolve(query, key, value, bias, mask, **kwargs)[0]
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
@@ -240,15 +245,10 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
     raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
   _check_device()
 
-  problem = resolved_problem(query, key, value, bias, mask, is_causal=is_causal,
-                             return_residuals=return_residuals, k_start=k_start, k_end=k_end,
-                             config=config, stage_2d=stage_2d)
+  problem, config = resolve(query, key, value, bias, mask, is_causal=is_causal,
+                            return_residuals=return_residuals, k_start=k_start, k_end=k_end,
+                            config=config, stage_2d=stage_2d)
   stage_2d = problem.bias_2d or problem.mask_2d
-  if config is None:
-    config = _chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                            k_start=k_start, k_end=k_end, device_kind=None,
-                            stage_2d=stage_2d)
-  plan_lib.check_fits(problem, config)
   features = Features(
       scale=float(shapes.H ** -0.5 if scale is None else scale),
       is_causal=bool(is_causal),

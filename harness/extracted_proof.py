@@ -82,7 +82,7 @@ class Violation:
     for i, (role, ev, note) in enumerate(self.trace):
       lines.append(f"  {i:3d} {role:<10} {ev.src:<22} {ev.describe()}"
                    + (f"  [{note}]" if note else "")
-                   + (f"  slot = {ev.expr}" if ev.expr and len(ev.expr) < 90 else ""))
+)
     return "\n".join(lines)
 
 

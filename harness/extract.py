@@ -16,8 +16,8 @@ shared memory and the waits that retire them, ordinary shared-memory stores
 and loads, ``commit_smem`` fences, TMA stores and their waits, named-barrier
 ``bar.sync``/``bar.arrive`` with id and thread count.  Each event carries the
 kernel source line it was traced from, for the traces, and the iterations of
-the while loops around it (:attr:`Event.loops`), which cut a role's events
-into tiles and key-loop iterations (:mod:`harness.role_programs`).
+the while loops around it (:attr:`Extracted.loops`), which cut a role's
+events into tiles and key-loop iterations (:mod:`harness.role_programs`).
 
 The interpreter runs only the eqns the protocol can see (:class:`_Program`:
 register arithmetic without an integer scalar result is skipped, its value
@@ -147,10 +147,6 @@ class Event:
   bar_id: int | None = None    # named barriers
   threads: int = 0
   family: str = ""             # named barriers: the kernel/barriers.py helper family
-  # The iterations of the evaluated while loops around the event, outermost
-  # first: ((loop source line, iteration), ...).  harness/role_programs.py
-  # cuts a role's events into tiles and key-loop iterations by them.
-  loops: tuple = ()
 
   def where(self):
     return (self.buf, self.slot)
@@ -183,6 +179,19 @@ class Extracted:
   barriers: dict         # mbarrier array name -> Buffer
   buffers: dict          # smem buffer name -> Buffer
   overlaps: dict = dataclasses.field(default_factory=dict)  # buffer -> buffers sharing bytes
+  # role name -> per event, the iterations of the evaluated while loops
+  # around it, outermost first: ((loop source line, iteration), ...).
+  loops: dict = dataclasses.field(default_factory=dict)
+  # Buffers and barriers are named by allocation (smem12, barrier7: the same
+  # in every extraction of one trace); these are their names in the
+  # kernel's source, for traces.
+  names: dict = dataclasses.field(default_factory=dict)
+
+  def label(self, e: Event) -> Event:
+    """``e`` with the source's names."""
+    n = self.names.get
+    return dataclasses.replace(e, buf=n(e.buf, e.buf), bar=n(e.bar, e.bar),
+                               reads=tuple((n(b, b), s) for b, s in e.reads))
 
   def skeleton(self):
     """A hashable form: environments giving the same skeleton share a check."""
@@ -214,7 +223,21 @@ def _kernel_frame_uncached(source_info) -> str:
   return source_info_util.summarize(source_info)
 
 
+_FAMILIES: dict = {}  # id(traceback) -> (traceback, family)
+
+
 def _barrier_family(source_info) -> str:
+  tb = getattr(source_info, "traceback", None)
+  hit = _FAMILIES.get(id(tb))
+  if hit is not None and hit[0] is tb:
+    return hit[1]
+  out = _barrier_family_uncached(source_info)
+  if tb is not None:
+    _FAMILIES[id(tb)] = (tb, out)
+  return out
+
+
+def _barrier_family_uncached(source_info) -> str:
   frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
   family = ""
   for f in frames:  # innermost first: keep the outermost helper of barriers.py
@@ -395,12 +418,13 @@ class _Interp:
     self.env = env          # (gmem buffer name, index tuple) -> int
     self.axes = dict(axes)  # grid axis name -> value
     self.events: dict[str, list] = {}
+    self.event_loops: dict[str, list] = {}
     self.role = None
     self.buffers: dict[str, Buffer] = {}
     self._alloc = 0
     self.cells: dict[str, Any] = {}     # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
-    self.loops: tuple = ()               # the enclosing while iterations (Event.loops)
+    self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
 
   def _buffer(self, aval, space_hint=None):
     self._alloc += 1
@@ -419,9 +443,8 @@ class _Interp:
     return Buffer(f"{kind}{self._alloc}", kind, tuple(getattr(inner, "shape", ())), int(arrivals))
 
   def _emit(self, ev: Event):
-    if self.loops:
-      ev = dataclasses.replace(ev, loops=self.loops)
     self.events.setdefault(self.role, []).append(ev)
+    self.event_loops.setdefault(self.role, []).append(self.loops)
 
   # -- running --------------------------------------------------------------
   def run(self, jaxpr, args, consts=()):
@@ -729,29 +752,50 @@ def dict_eqn(eqn, **params):
       eqn) else eqn.replace(params={**eqn.params, **params})
 
 
+_LINE_NAMES: dict = {}  # kernel file:line -> (identifiers indexed with .at[, store source)
+
+
+def _line_names(src: str):
+  hit = _LINE_NAMES.get(src)
+  if hit is None:
+    line = _src_line(src)
+    m = re.search(r"copy_smem_to_gmem\(\s*([A-Za-z_]\w*)", line)
+    hit = _LINE_NAMES[src] = (re.findall(r"([A-Za-z_]\w*)\.at\[", line),
+                              m.group(1) if m else None)
+  return hit
+
+
 def _name_buffers(events: dict) -> dict:
-  """Readable names from the kernel's source: an mbarrier array is named by the
-  identifier its first wait/arrive line indexes, a buffer by the destination
-  of its first TMA load or the source of its first TMA store."""
-  names = {}
-  pat = re.compile(r"([A-Za-z_]\w*)\.at\[")
+  """Readable names from the kernel's source, for traces: an mbarrier array
+  is named by the identifier its wait lines index (its arrive lines where
+  nobody waits), a buffer by the destination of its TMA loads or the source
+  of its TMA stores.  A line with several ``.at[`` is read as the call's
+  argument order has it; a name two buffers would share is made unique."""
+  votes: dict = {}
+  rank = {"wait": 0, "tma_load": 0, "tma_store": 1, "arrive": 2}
   for evs in events.values():
     for e in evs:
-      line = _src_line(e.src)
-      found = pat.findall(line)
-      if e.kind in ("wait", "arrive") and found and e.buf not in names:
-        names[e.buf] = found[0]
-      elif e.kind == "tma_load" and len(found) >= 2 and e.buf not in names:
-        names[e.buf] = found[1]
-      elif e.kind == "tma_store" and e.buf not in names:
-        m = re.search(r"copy_smem_to_gmem\(\s*([A-Za-z_]\w*)", line)
-        if m:
-          names[e.buf] = m.group(1)
-  taken = {}
-  for k, v in list(names.items()):
-    if v in taken.values():
-      names[k] = f"{v}#{k}"
-    taken[k] = names[k]
+      if e.kind not in rank:
+        continue
+      found, stored = _line_names(e.src)
+      name = None
+      if e.kind == "wait" and len(found) == 1:
+        name = found[0]
+      elif e.kind == "arrive" and len(found) == 1:
+        name = found[0]
+      elif e.kind == "tma_load" and len(found) >= 2:
+        name = found[1]
+      elif e.kind == "tma_store" and stored:
+        name = stored
+      if name:
+        best = votes.get(e.buf)
+        if best is None or rank[e.kind] < best[0]:
+          votes[e.buf] = (rank[e.kind], name)
+  names, taken = {}, set()
+  for raw in sorted(votes, key=lambda b: (votes[b], b)):
+    name = votes[raw][1]
+    names[raw] = name if name not in taken else f"{name}#{raw}"
+    taken.add(names[raw])
   return names
 
 
@@ -761,7 +805,7 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
   integer a kernel reads from global memory)."""
   mesh = eqn_mesh = kernel_eqn.params["meshes"][0]
   (body,) = kernel_eqn.params["jaxprs"]
-  roles, threads = {}, {}
+  roles, threads, loops = {}, {}, {}
   all_buffers, views = {}, {}
   for w in range(mesh.num_threads):
     interp = _Interp(kernel_eqn, env, {**grid, eqn_mesh.thread_name: w})
@@ -774,25 +818,20 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
     for role, evs in interp.events.items():
       if evs:
         roles[role] = evs
+        loops[role] = tuple(interp.event_loops[role])
         threads[role] = 32 if ".warp" in role else 128
     all_buffers.update(interp.buffers)
     views.update(interp.views)
-  names = _name_buffers(roles)
-  rename = lambda b: names.get(b, b)
-  out = {}
-  for role, evs in roles.items():
-    out[role] = tuple(dataclasses.replace(
-        e, buf=rename(e.buf), bar=rename(e.bar),
-        reads=tuple((rename(b), s) for b, s in e.reads)) for e in evs)
-  barriers_ = {rename(b.name): b for b in all_buffers.values() if b.space == "barrier"}
-  buffers = {rename(b.name): b for b in all_buffers.values() if b.space == "smem"}
+  out = {role: tuple(evs) for role, evs in roles.items()}
+  barriers_ = {b.name: b for b in all_buffers.values() if b.space == "barrier"}
+  buffers = {b.name: b for b in all_buffers.values() if b.space == "smem"}
   overlaps = {}
   for a, (base_a, lo_a, hi_a, g_a) in views.items():
     for b, (base_b, lo_b, hi_b, g_b) in views.items():
       if a != b and base_a == base_b and g_a != g_b and lo_a < hi_b and lo_b < hi_a:
-        overlaps.setdefault(rename(a), set()).add(rename(b))
+        overlaps.setdefault(a, set()).add(b)
   return Extracted(name, out, threads, barriers_, buffers,
-                   {k: frozenset(v) for k, v in overlaps.items()})
+                   {k: frozenset(v) for k, v in overlaps.items()}, loops, _name_buffers(out))
 
 
 # ---------------------------------------------------------------------------

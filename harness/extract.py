@@ -772,7 +772,8 @@ def _name_buffers(events: dict) -> dict:
   of its TMA stores.  A line with several ``.at[`` is read as the call's
   argument order has it; a name two buffers would share is made unique."""
   votes: dict = {}
-  rank = {"wait": 0, "tma_load": 0, "tma_store": 1, "arrive": 2}
+  rank = {"wait": 0, "tma_load": 0, "tma_store": 1, "arrive": 2, "smem_store": 3,
+          "smem_load": 4}
   for evs in events.values():
     for e in evs:
       if e.kind not in rank:
@@ -781,7 +782,7 @@ def _name_buffers(events: dict) -> dict:
       name = None
       if e.kind == "wait" and len(found) == 1:
         name = found[0]
-      elif e.kind == "arrive" and len(found) == 1:
+      elif e.kind in ("arrive", "smem_store", "smem_load") and len(found) == 1:
         name = found[0]
       elif e.kind == "tma_load" and len(found) >= 2:
         name = found[1]

@@ -72,7 +72,8 @@ Reductions, each losing no violation:
   issue, whose reads are then tracked while they run; a fence; a load or
   store of shared memory no other role touches) is taken alone, without
   branching, but the safety of every enabled step of every role is checked
-  at every state.  Waits that retire reads (wgmma waits, store waits) and
+  at every state.  So is a load of a slot a TMA copy fills: a copy issued
+  into the slot while the load is a role's next step is reported there.  Waits that retire reads (wgmma waits, store waits) and
   every step other roles can observe are interleaved.
 * A wait that can pass is taken at once.  What a delay could add is the
   waiter's lag: another phase of its barrier completing before it passes.
@@ -204,7 +205,10 @@ class _Static:
               self.violations.append(Violation(
                   "barrier mismatch", f"copies into {e.buf}[{e.slot}] complete both "
                   f"{prev[0]}[{prev[1]}] and {e.bar}[{e.bar_slot}]", where))
-            (stationary if kind == "pre" else ring_slots).add(key)
+            # Filled once per launch: before the tile loop, or (one tile)
+            # outside its key loop.
+            once = kind == "pre" or (not prog.persistent and kind != "iter")
+            (stationary if once else ring_slots).add(key)
             bar_keys.add((e.bar, e.bar_slot))
             smem_slots.add(key)
             access.setdefault(key, set()).add(ri)
@@ -261,6 +265,15 @@ class _Static:
     self.stationary_bar = [bool(c) and all(self.tma_slots[i] in self.stationary for i in c)
                            for c in self.family_copies]
     self.slot_rbuf = [self.rbuf_index.get(b, -1) for b, _ in self.tma_slots]
+    self.families = [(bi, self.family_waits[bi], self.family_copies[bi],
+                      frozenset(self.family_copies[bi]))
+                     for bi in range(len(self.bar_keys)) if not self.stationary_bar[bi]]
+    self.rbuf_slots = [(bi, frozenset(ci for ci in range(len(self.tma_slots))
+                                      if self.slot_rbuf[ci] == bi))
+                       for bi in range(len(self.ring_buffers))]
+    self.reads = [r.reads for r in self.roles]
+    self.has_generic = any(e.kind == "smem_store" for us in units_of for _, evs in us
+                           for e in evs)
     self._named()
     # per role, per event object: local (taken alone) or not
     self.local = [{} for _ in self.roles]
@@ -271,10 +284,117 @@ class _Static:
     for ri, us in enumerate(units_of):
       for _, evs in us:
         self.unit_id(evs)
+    self.rotation = None if prog.word is not None else self._rotation()
+    # per unit, per event: taken alone when reached (see check's reductions)
+    self.alone = [[(self.local_any(e) and e.kind not in ("wgmma_wait", "store_wait"))
+                   or e.kind in EAGER for e in evs] for evs in self.units]
+
+  # -- symmetry ---------------------------------------------------------------
+  def _rotation(self):
+    """If the program is equivariant under shifting every ring position by
+    one -- each unit at a warm position x + 1 is the unit at x with the ring
+    arrays' slots advanced by one -- the per-role maps that rotate units
+    back by k (for k in 0 .. M-1), else None.  A ring array is one whose
+    slots the shift advances: found from the units, then checked."""
+    ring = self.ring
+    S, M = ring.stages, ring.period
+    if S < 2 and M < 2:
+      return None
+    warm = list(range(S, S + M))
+    arrays = set()
+    # units by (role, kind, class) at warm classes
+    def unit_at(role, kind, c, rest):
+      table = getattr(role, kind)
+      ctx = {**ring.features(c), **rest}
+      try:
+        return table.get(ctx, role=role.name, kind=kind)
+      except CoverageError:
+        return None
+    rests = {"head": [{"later": l, "n": n} for l in (False, True) for n in range(N_CAP + 1)],
+             "iter": [{"ahead": a} for a in range(1, AHEAD_CAP + 1)],
+             "tail": [{"n": n} for n in range(N_CAP + 1)], "post": [{}]}
+    pairs = []
+    for role in self.roles:
+      for kind, rs in rests.items():
+        for rest in rs:
+          for c in warm:
+            a, b = unit_at(role, kind, c, rest), unit_at(role, kind, ring.advance(c), rest)
+            if a is None or b is None:
+              continue
+            if len(a) != len(b):
+              return None
+            pairs.append((role, a, b))
+            for x, y in zip(a, b):
+              for (bx, sx), (by, sy) in zip(_slots(x), _slots(y)):
+                if bx != by:
+                  return None
+                if sx != sy:
+                  arrays.add(bx)
+    if not arrays:
+      return None
+    sizes = {}
+    for e in self.all_events():
+      for b, sl in _slots(e):
+        if b in arrays:
+          sizes[b] = max(sizes.get(b, 0), sl + 1)
+    if any(n != S for n in sizes.values()):
+      return None
+    self.ring_arrays = arrays
+    for role, a, b in pairs:
+      if tuple(_rotate_event(x, arrays, S, 1) for x in a) != b:
+        return None
+    # every unit of a role, rotated back by k, is a unit of the role
+    maps = []
+    for ri, us in enumerate(self.units_of):
+      per_k = []
+      for k in range(M):
+        m = {}
+        for _, evs in us:
+          rot = tuple(_rotate_event(x, arrays, S, -k) for x in evs)
+          u = self.uid.get(rot)
+          if u is not None:  # else a unit of the cold start: never moved
+            m[self.uid[evs]] = u
+        per_k.append(m)
+      maps.append(per_k)
+    # index permutations of the slot-indexed state, per k
+    def perm(keys):
+      index = {key: i for i, key in enumerate(keys)}
+      return [tuple(index[(b, (sl - k) % S) if b in arrays else (b, sl)] for b, sl in keys)
+              for k in range(M)]
+    try:
+      self.perm_bar = perm(self.bar_keys)
+      self.perm_tma = perm(self.tma_slots)
+      self.perm_smem = perm(self.smem_slots)
+      self.perm_waits = [perm(sorted(w, key=lambda key, w=w: w[key])) for w in self.waits_of]
+    except KeyError:
+      return None  # a ring array some state names only some slots of
+    # inverse permutations, by the permutation's identity
+    self.inverse = []
+    for k in range(M):
+      inv = {}
+      for p in [self.perm_bar[k], self.perm_tma[k], self.perm_smem[k]] + \
+          [w[k] for w in self.perm_waits]:
+        q = [0] * len(p)
+        for i, j in enumerate(p):
+          q[j] = i
+        inv[id(p)] = tuple(q)
+      self.inverse.append(inv)
+    return maps
+
+  def local_any(self, e):
+    """Local for whichever role runs it (a unit's events are one role's)."""
+    return any(r.get(e, False) for r in self.local)
+
+  def all_events(self):
+    for us in self.units_of:
+      for _, evs in us:
+        yield from evs
 
   def _is_local(self, ri, e):
     if e.kind in ("wgmma", "fence", "tma_store"):
       return True
+    if e.kind == "smem_load" and (e.buf, e.slot) in self.copy_bar:
+      return True  # a copy's read: an issue that would overwrite it sees it coming
     if e.kind in ("smem_load", "smem_store"):
       return self.private.get((ri, (e.buf, e.slot)), False)
     return False
@@ -532,114 +652,132 @@ class _Search:
 
   # -- normal form --------------------------------------------------------------
   def normalise(self, state):
+    """The state's canonical form: the word cut to what some role still
+    reads, and every counter family shifted to start at 0 (ring-order
+    write indices replaced by their ranks)."""
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     st = self.st
     word = env[0]
+    reads = st.reads
     # The word's start: the earliest position any role still reads.
     cut = len(word)
+    mixed_active = False
     for ri, r in enumerate(roles):
-      phase, x = r[0], r[3]
-      reads = st.roles[ri].reads
+      phase = r[0]
       if phase == DONE:
         continue
       if phase == PRE:
         cut = 0
-        break
-      if reads == "all":
-        cut = min(cut, x)
-      elif reads == "blocks":
-        if phase != POST:
-          cut = min(cut, _nth(word, "B", x))
-      else:
-        if phase != POST:
-          cut = min(cut, 0 if x == 0 else _nth(word, "|", x - 1) + 1)
+        mixed_active = mixed_active or reads[ri] == "all"
+        continue
+      kind = reads[ri]
+      if kind == "all":
+        mixed_active = True
+        if r[3] < cut:
+          cut = r[3]
+      elif phase != POST and cut:
+        if kind == "blocks":
+          at = _nth(word, "B", r[3])
+        else:
+          at = 0 if r[3] == 0 else _nth(word, "|", r[3] - 1) + 1
+        if at < cut:
+          cut = at
     if cut and self.prog.word is None:
       dropped = word[:cut]
       nb_, nt_ = dropped.count("B"), dropped.count("|")
       env = (word[cut:], self.ring.advance(env[1], nb_), env[2] or nt_ > 0) + env[3:]
-      new_roles = []
-      for ri, r in enumerate(roles):
-        reads = st.roles[ri].reads
-        if r[0] in (PRE, DONE):
-          new_roles.append(r)
-        elif reads == "all":
-          new_roles.append(r[:3] + (r[3] - cut,) + r[4:])
-        elif reads == "blocks":
-          new_roles.append(r[:3] + (r[3] - nb_,) + r[4:])
-        else:
-          new_roles.append(r[:3] + (r[3] - nt_,) + r[4:])
-      roles = tuple(new_roles)
-      content = tuple(c if c[0] != C_GEN or c[2] < 0 else
-                      (C_GEN, c[1], c[2] - cut if c[2] >= cut else -1) for c in content)
-    if not any(r[0] not in (PRE, DONE) for ri, r in enumerate(roles)
-               if st.roles[ri].reads == "all"):
+      shift = {"all": cut, "blocks": nb_, "tiles": nt_}
+      roles = tuple(r if r[0] in (PRE, DONE) or not shift[reads[ri]] else
+                    r[:3] + (r[3] - shift[reads[ri]],) + r[4:] for ri, r in enumerate(roles))
+      if st.has_generic:
+        content = tuple(c if c[0] != C_GEN or c[2] < 0 else
+                        (C_GEN, c[1], c[2] - cut if c[2] >= cut else -1) for c in content)
+    if not mixed_active and not env[0]:
       # No role reads the word: blocks and tiles are counted apart, and only
       # relative to each other's readers.
-      for reads in ("blocks", "tiles"):
-        active = [ri for ri, r in enumerate(roles) if st.roles[ri].reads == reads
+      for kind in ("blocks", "tiles"):
+        active = [ri for ri, r in enumerate(roles) if reads[ri] == kind
                   and r[0] in (HEAD, ITER, TAIL)]
-        if active and not env[0]:
+        if active:
           low = min(roles[ri][3] for ri in active)
           if low:
-            roles = tuple(r[:3] + (r[3] - low,) + r[4:] if st.roles[ri].reads == reads
+            roles = tuple(r[:3] + (r[3] - low,) + r[4:] if reads[ri] == kind
                           and r[0] not in (PRE, DONE) else r for ri, r in enumerate(roles))
     if len(env[0]) > self.window:
       raise _Fail("unbounded drift", f"the roles drift apart by more than {self.window} "
                   f"symbols of the environment: the search would not end")
     # Counters, relative within each family.
-    mb = list(mb)
-    issued = list(issued)
-    roles = [list(r) for r in roles]
-    tma = list(tma)
-    for bi in range(len(st.bar_keys)):
-      if st.stationary_bar[bi]:
+    rl = None
+    for bi, fam_waits, fam_copies, copy_set in st.families:
+      base = mb[bi][0]
+      for ri, wi in fam_waits:
+        v = roles[ri][5][wi]
+        if v < base:
+          base = v
+      for ci in fam_copies:
+        if issued[ci] < base:
+          base = issued[ci]
+      if not base:
         continue
-      vals = [mb[bi][0]] + [roles[ri][5][wi] for ri, wi in st.family_waits[bi]]
-      vals += [issued[ci] for ci in st.family_copies[bi]]
-      base = min(vals)
+      if rl is None:
+        rl = list(roles)
+      mb = _set(mb, bi, (mb[bi][0] - base, mb[bi][1]))
+      for ri, wi in fam_waits:
+        r = rl[ri]
+        rl[ri] = r[:5] + (_set(r[5], wi, r[5][wi] - base),) + r[6:]
+      if fam_copies:
+        issued = tuple(v - base if ci in copy_set else v for ci, v in enumerate(issued))
+        tma = tuple((ci, n - base) if ci in copy_set else (ci, n) for ci, n in tma)
+    if rl is not None:
+      roles = tuple(rl)
+    for i in range(len(named)):
+      base = named[i][0]
+      for r in roles:
+        if r[11] is not None and r[11][0] == i and r[11][1] < base:
+          base = r[11][1]
       if base:
-        mb[bi] = (mb[bi][0] - base, mb[bi][1])
-        for ri, wi in st.family_waits[bi]:
-          w = list(roles[ri][5])
-          w[wi] -= base
-          roles[ri][5] = tuple(w)
-        cs = set(st.family_copies[bi])
-        for ci in cs:
-          issued[ci] -= base
-        tma = [(ci, n - base) if ci in cs else (ci, n) for ci, n in tma]
-    if st.ring_buffers:
-      # Ring order compares write indices only with each other: keep their
-      # order (ranks), not their values.
-      gidx = list(gidx)
-      wcount = list(wcount)
-      for bi in range(len(st.ring_buffers)):
-        slots = [ci for ci in range(len(gidx)) if st.slot_rbuf[ci] == bi]
-        vals = {wcount[bi]} | {gidx[ci] for ci in slots if gidx[ci] >= 0}
-        vals |= {r[10][bi] for r in roles if r[10][bi] >= 0}
-        rank = {v: i for i, v in enumerate(sorted(vals))}
-        wcount[bi] = rank[wcount[bi]]
-        for ci in slots:
-          if gidx[ci] >= 0:
-            gidx[ci] = rank[gidx[ci]]
-        for r in roles:
-          if r[10][bi] >= 0:
-            lr = list(r[10])
-            lr[bi] = rank[lr[bi]]
-            r[10] = tuple(lr)
-      gidx, wcount = tuple(gidx), tuple(wcount)
-    if named:
-      named = list(named)
-      for i in range(len(named)):
-        vals = [named[i][0]] + [r[11][1] for r in roles if r[11] is not None and r[11][0] == i]
-        base = min(vals)
-        if base:
-          named[i] = (named[i][0] - base,) + named[i][1:]
-          for r in roles:
-            if r[11] is not None and r[11][0] == i:
-              r[11] = (i, r[11][1] - base)
-      named = tuple(named)
-    return (env, tuple(tuple(r) for r in roles), tuple(mb), tuple(tma), tuple(issued), gidx,
-            wcount, content, named)
+        named = _set(named, i, (named[i][0] - base,) + named[i][1:])
+        roles = tuple(r if r[11] is None or r[11][0] != i else
+                      r[:11] + ((i, r[11][1] - base),) for r in roles)
+    state = (env, roles, mb, tma, issued, gidx, wcount, content, named)
+    if st.rotation is not None and env[1] >= self.ring.stages:
+      k = (env[1] - self.ring.stages) % self.ring.period
+      if k and all(r[0] != PRE for r in roles):
+        state = self.rotate(state, k)
+    return state
+
+  def rotate(self, state, k):
+    """The state with every ring position moved back by k (symmetry)."""
+    st = self.st
+    env, roles, mb, tma, issued, gidx, wcount, content, named = state
+    S = self.ring.stages
+    pb, pt, ps = st.perm_bar[k], st.perm_tma[k], st.perm_smem[k]
+
+    inverse = st.inverse[k]
+
+    def moved(p, t):
+      inv = inverse[id(p)]
+      return tuple([t[j] for j in inv])
+    env = (env[0], S + (env[1] - S - k) % self.ring.period) + env[2:]
+    new_roles = []
+    for ri, r in enumerate(roles):
+      phase, uid, kk, x, y, waits, waited, groups, stores, dirty, lastread, syncw = r
+      if phase != DONE:
+        uid = st.rotation[ri][k].get(uid)
+        if uid is None:
+          return state  # a unit the shift does not reach: keep the state as it is
+      if st.reads[ri] == "blocks" and phase != PRE and y >= S:
+        y = S + (y - S - k) % self.ring.period
+      pw = st.perm_waits[ri][k]
+      waits = moved(pw, waits)
+      waited = sum(1 << pw[i] for i in range(len(pw)) if waited >> i & 1)
+      groups = tuple(tuple(ps[si] for si in g) for g in groups)
+      stores = tuple(ps[si] for si in stores)
+      dirty = frozenset(ps[si] for si in dirty)
+      new_roles.append((phase, uid, kk, x, y, waits, waited, groups, stores, dirty, lastread,
+                        syncw))
+    return (env, tuple(new_roles), moved(pb, mb), tuple((pt[ci], n) for ci, n in tma),
+            moved(pt, issued), moved(pt, gidx), wcount, moved(ps, content), named)
 
   # -- one step ---------------------------------------------------------------
   def successors(self, state):
@@ -668,7 +806,7 @@ class _Search:
         continue
       if e.kind == "wait":
         self.check_lag(state, ri, e)
-      if (st.local[ri][e] and e.kind not in ("wgmma_wait", "store_wait")) or e.kind in EAGER:
+      if st.alone[uid][k]:
         if succ_local is None:
           succ_local = out
       else:
@@ -854,9 +992,17 @@ class _Search:
     else:
       raise AssertionError(kind)
     out = []
+    touched = ()
+    if kind == "tma_load" and st.slot_rbuf[st.tma_index[(e.buf, e.slot)]] >= 0:
+      touched = (st.slot_rbuf[st.tma_index[(e.buf, e.slot)]],)
+    elif kind in ("wgmma", "smem_load") and lastread != r[10]:
+      touched = tuple(bi for bi in range(len(lastread)) if lastread[bi] != r[10][bi])
     for ph, u, kk_, x2, y2, env2 in self.settle(ri, phase, uid, k + 1, x, y, env, roles):
       nr = (ph, u, kk_, x2, y2, waits, waited, groups, stores, dirty, lastread, syncw)
-      out.append(((env2, _set(roles, ri, nr), mb, tma, issued, gidx, wcount, content, named),
+      roles2, gidx2, wcount2 = _set(roles, ri, nr), gidx, wcount
+      for bi in touched:
+        gidx2, wcount2, roles2 = self.rerank(bi, gidx2, wcount2, roles2)
+      out.append(((env2, roles2, mb, tma, issued, gidx2, wcount2, content, named),
                   (ri, e, note)))
     return out
 
@@ -885,6 +1031,25 @@ class _Search:
                       f"{st.names[ri]} may pass its wait on {e.buf}[{e.slot}] while "
                       f"{st.names[rj]}'s arrive (at {o.src}) completes the next phase: one "
                       f"parity bit cannot tell them apart")
+
+  def rerank(self, bi, gidx, wcount, roles):
+    """Ring order compares a buffer's write indices only with each other:
+    keep their ranks, not their values (called where they change)."""
+    slots = self.st.rbuf_slots[bi][1]
+    vals = {wcount[bi]}
+    for ci in slots:
+      if gidx[ci] >= 0:
+        vals.add(gidx[ci])
+    for r in roles:
+      if r[10][bi] >= 0:
+        vals.add(r[10][bi])
+    if max(vals) == len(vals) - 1:
+      return gidx, wcount, roles
+    rank = {v: i for i, v in enumerate(sorted(vals))}
+    return (tuple(rank[g] if g >= 0 and ci in slots else g for ci, g in enumerate(gidx)),
+            _set(wcount, bi, rank[wcount[bi]]),
+            tuple(r if r[10][bi] < 0 else
+                  r[:10] + (_set(r[10], bi, rank[r[10][bi]]),) + r[11:] for r in roles))
 
   def anchor(self, ri, r):
     return r[3] if self.st.roles[ri].reads == "all" and r[0] not in (PRE, DONE) else -2
@@ -1019,6 +1184,26 @@ class _Search:
              tuple((0, 0, 0) for _ in st.named_ids)) for env, roles in partial]
 
 
+def _slots(e: Event):
+  """(array, slot) pairs an event names: its buffer or barrier, a copy's
+  barrier, a wgmma's operands."""
+  out = []
+  if e.buf and e.slot is not None:
+    out.append((e.buf, e.slot))
+  if e.bar and e.bar_slot is not None:
+    out.append((e.bar, e.bar_slot))
+  out += [(b, sl) for b, sl in e.reads if sl is not None]
+  return out
+
+
+def _rotate_event(e: Event, arrays, stages: int, k: int) -> Event:
+  rot = lambda b, sl: (sl + k) % stages if b in arrays and sl is not None else sl
+  if not (e.buf in arrays or e.bar in arrays or any(b in arrays for b, _ in e.reads)):
+    return e
+  return dataclasses.replace(e, slot=rot(e.buf, e.slot), bar_slot=rot(e.bar, e.bar_slot),
+                             reads=tuple((b, rot(b, sl)) for b, sl in e.reads))
+
+
 def _set(t: tuple, i: int, v) -> tuple:
   return t[:i] + (v,) + t[i + 1:]
 
@@ -1063,16 +1248,19 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES) -> CheckResult:
       else:
         trace.append((st.names[ri], ev, note))
     v.trace = trace + v.trace
-    v.environment = describe_word(_word_of(parent, state))
+    v.environment = describe_word(_word_of(parent, roots, state))
     return CheckResult(False, len(parent), time.perf_counter() - start, v)
 
   try:
-    inits = [search.normalise(s) for s in search.initial()]
+    raw_inits = search.initial()
+    inits = [search.normalise(s) for s in raw_inits]
   except (_Fail, CoverageError) as f:
     v = Violation(getattr(f, "kind", "coverage"), getattr(f, "message", str(f)))
     return CheckResult(False, 0, time.perf_counter() - start, v)
-  for init in inits:
+  roots = {}
+  for init, raw in zip(inits, raw_inits):
     parent[init] = None
+    roots[init] = raw[0][0]
   stack = list(inits)
   while stack:
     state = stack.pop()
@@ -1096,11 +1284,12 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES) -> CheckResult:
   return CheckResult(True, len(parent), time.perf_counter() - start)
 
 
-def _word_of(parent, state) -> str:
+def _word_of(parent, roots, state) -> str:
   """The environment a path read, from the symbols each step appended."""
   parts = []
   s = state
   while parent[s] is not None:
     s, _, grown = parent[s]
     parts.append(grown)
+  parts.append(roots.get(s, ""))
   return "".join(reversed(parts))

@@ -478,7 +478,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   # the dQ kernel's last tile bounds its causal range at 2 * (tiles) blocks
   seq_long = tile * max(-(-long * blocks.dkv_stream_q // tile), -(-long // 2) + 1)
   seq_kv = -(-(long + 2) * blocks.dq_stream_kv // blocks.dkv_tile) * blocks.dkv_tile
-  shapes = (seq_long,) if case.causal else (seq_long, 1)
+  shapes = (seq_long,) if case.causal else (seq_long, blocks.dkv_stream_q)
   learners: list = []
   for seq_q in shapes:
     closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,

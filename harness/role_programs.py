@@ -102,13 +102,10 @@ class Ring:
   stages: int
   exact: bool = False
 
-  @property
-  def period(self) -> int:
-    return math.lcm(self.stages, 2)
-
-  @property
-  def classes(self) -> int:
-    return self.stages + self.period
+  def __post_init__(self):
+    object.__setattr__(self, "period", math.lcm(self.stages, 2))
+    object.__setattr__(self, "classes", self.stages + self.period)
+    object.__setattr__(self, "_features", {})
 
   def cls(self, x: int) -> int:
     s = self.stages
@@ -123,8 +120,11 @@ class Ring:
 
   def features(self, c: int) -> dict:
     """The position features of every x of class c (:data:`POSITION`)."""
-    return {"cls": c, "slot": c % self.stages, "warm": c >= self.stages,
-            "mod": c % self.period}
+    hit = self._features.get(c)
+    if hit is None:
+      hit = self._features[c] = {"cls": c, "slot": c % self.stages, "warm": c >= self.stages,
+                                 "mod": c % self.period}
+    return hit
 
 
 @dataclasses.dataclass
@@ -267,6 +267,7 @@ class Learner:
     self.probes = 0
     self.seen: list = []     # (extraction, trip counts, description)
     self.exact = ring.exact  # one environment: every unit keyed by where it is
+    self.probe = 0           # the index in seen of the extraction being read
 
   def observe(self, ex: Extracted, trips, *, where: str = "") -> None:
     """One extraction whose block ran tiles with these trip counts."""
@@ -319,18 +320,18 @@ class Learner:
 
   def _one(self, role, kind, ctx, events, where):
     if kind == "pre":
-      prev = self.pre.setdefault(role, (events, where))
+      prev = self.pre.setdefault(role, (events, where, self.probe))
       if prev[0] != events:
         self.conflicts.append((f"{role}: its events before the tile loop differ between "
-                               f"{prev[1]} and {where}", prev[1], where))
+                               f"{prev[1]} and {where}", prev[2], self.probe))
       return
     key = tuple(sorted(ctx.items()))
     seen = self.obs.setdefault((role, kind), {})
-    prev = seen.setdefault(key, (events, where))
+    prev = seen.setdefault(key, (events, where, self.probe))
     if prev[0] != events:
       self.conflicts.append((
           f"{role}: its {kind} unit in context {dict(key)} differs between {prev[1]} and "
-          f"{where}: {_diff(prev[0], events)}", prev[1], where))
+          f"{where}: {_diff(prev[0], events)}", prev[2], self.probe))
 
   def _full(self, ctx: dict) -> dict:
     return {**ctx, **self.ring.features(ctx["cls"])} if "cls" in ctx else dict(ctx)
@@ -338,7 +339,7 @@ class Learner:
   def _table(self, role, kind) -> Table:
     """The coarsest features every observation agrees with: fewest distinct
     keys, then fewest features."""
-    seen = [(self._full(dict(k)), evs) for k, (evs, _) in
+    seen = [(self._full(dict(k)), evs) for k, (evs, *_) in
             self.obs.get((role, kind), {}).items()]
     if self.exact:
       features = tuple(sorted(seen[0][0])) if seen else ()
@@ -415,12 +416,12 @@ class Learner:
 
   def program(self) -> LaunchProgram:
     self.obs, self.pre, self.deltas, self.conflicts = {}, {}, {}, []
-    for ex, trips, where in self.seen:
+    for i, (ex, trips, where) in enumerate(self.seen):
+      self.probe = i
       self._observe(ex, trips, where)
     if self.conflicts:
       message, a, b = self.conflicts[0]
-      probes = [p for p in self.seen if p[2].split(",")[0] in (a.split(",")[0], b.split(",")[0])]
-      raise PremiseError(f"{self.name}: {message}", probes)
+      raise PremiseError(f"{self.name}: {message}", [self.seen[a], self.seen[b]])
     roles = []
     for role in sorted(self.threads):
       pairs = self.deltas.get(role, set())

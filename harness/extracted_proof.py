@@ -143,6 +143,7 @@ class CheckResult:
   states: int
   seconds: float
   violation: Violation | None = None
+  unexecuted: list = dataclasses.field(default_factory=list)  # (role, Event), with record
 
 
 class _Fail(Exception):
@@ -446,11 +447,12 @@ class _Static:
 
 
 class _Search:
-  def __init__(self, st: _Static, max_states: int):
-    self.st, self.max_states = st, max_states
+  def __init__(self, st: _Static, max_states: int, reduce: bool = True):
+    self.st, self.max_states, self.reduce = st, max_states, reduce
     self.prog = st.prog
     self.ring = st.ring
     self.window = 4 * (st.ring.stages + AHEAD_CAP) + 16
+    self.rotate_states = reduce
 
   # -- the environment ------------------------------------------------------
   # env = (word, class at its start, a tile boundary before it, no more
@@ -631,17 +633,29 @@ class _Search:
       return out
     raise AssertionError(phase)
 
+  # A unit's context is read from the environment only as far as the role's
+  # tables depend on it: a decision no unit needs yet would only multiply
+  # the states by the futures it fixes.
   def head_at(self, ri, p, env, roles):
+    role = self.st.roles[ri]
+    if "n" in role.head.features or "n" in role.tail.features:
+      counts = self.run_of_blocks(env, roles, p, N_CAP)
+    else:
+      counts = [(-1, env)]
     out = []
-    for n, env2 in self.run_of_blocks(env, roles, p, N_CAP):
+    for n, env2 in counts:
       ctx = {**self.ring.features(self.cls_at(env2, p)), "later": self.later_at(env2, p),
              "n": n, **self.at_tile(env2, p)}
       out.append((HEAD, self.unit(ri, "head", ctx), p, n, env2))
     return out
 
   def iter_at(self, ri, p, nk, env, roles):
+    if "ahead" in self.st.roles[ri].iter.features:
+      counts = self.run_of_blocks(env, roles, p, AHEAD_CAP)
+    else:
+      counts = [(-1, env)]
     out = []
-    for a, env2 in self.run_of_blocks(env, roles, p, AHEAD_CAP):
+    for a, env2 in counts:
       ctx = {**self.ring.features(self.cls_at(env2, p)), "ahead": a}
       out.append((ITER, self.unit(ri, "iter", ctx), p, nk, env2))
     return out
@@ -740,7 +754,7 @@ class _Search:
         roles = tuple(r if r[11] is None or r[11][0] != i else
                       r[:11] + ((i, r[11][1] - base),) for r in roles)
     state = (env, roles, mb, tma, issued, gidx, wcount, content, named)
-    if st.rotation is not None and env[1] >= self.ring.stages:
+    if st.rotation is not None and self.rotate_states and env[1] >= self.ring.stages:
       k = (env[1] - self.ring.stages) % self.ring.period
       if k and all(r[0] != PRE for r in roles):
         state = self.rotate(state, k)
@@ -804,9 +818,9 @@ class _Search:
         return Violation(f.kind, f.message, [(st.names[ri], e, f.note)]), []
       if out is None:   # blocked
         continue
-      if e.kind == "wait":
+      if e.kind == "wait" and self.reduce:
         self.check_lag(state, ri, e)
-      if st.alone[uid][k]:
+      if st.alone[uid][k] and self.reduce:
         if succ_local is None:
           succ_local = out
       else:
@@ -836,7 +850,7 @@ class _Search:
       if arr >= st.arrivals[bi]:
         done, arr = done + 1, 0
       s2 = _set(_set(state, 2, _set(mb, bi, (done, arr))), 3, tma[:idx] + tma[idx + 1:])
-      (succ if needed else deferred).append((s2, (-1, (ci, n), "")))
+      (succ if needed or not self.reduce else deferred).append((s2, (-1, (ci, n), "")))
     if succ_local is not None:
       return None, succ_local
     if not succ:
@@ -1218,13 +1232,20 @@ def _nth(word: str, ch: str, n: int) -> int:
   return i
 
 
-def check(prog: LaunchProgram, *, max_states: int = MAX_STATES) -> CheckResult:
-  """Every property of the module docstring for one launch, every environment."""
+def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = True,
+          record: bool = False) -> CheckResult:
+  """Every property of the module docstring for one launch, every environment.
+  ``reduce=False``: every interleaving, no reduction (to test them);
+  ``record``: also list the units' events no explored step took (with the
+  ring's rotation off, which would fold some of them into others)."""
   start = time.perf_counter()
   st = _Static(prog)
   if st.violations:
     return CheckResult(False, 0, time.perf_counter() - start, st.violations[0])
-  search = _Search(st, max_states)
+  search = _Search(st, max_states, reduce)
+  if record:
+    search.rotate_states = False
+  taken: set = set()
   parent: dict = {}
 
   def fail(v: Violation, state, last=None):
@@ -1275,13 +1296,20 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES) -> CheckResult:
         norm = search.normalise(nxt)
       except _Fail as f:
         return fail(Violation(f.kind, f.message), state)
+      if record and step[0] >= 0 and step[1] is not None:
+        taken.add((step[0], step[1]))
       if norm not in parent:
         grown = nxt[0][0][len(state[0][0]):] if nxt[0][0].startswith(state[0][0]) else ""
         parent[norm] = (state, step, grown)
         if len(parent) > max_states:
           raise RuntimeError(f"{prog.name}: state budget {max_states} exceeded")
         stack.append(norm)
-  return CheckResult(True, len(parent), time.perf_counter() - start)
+  result = CheckResult(True, len(parent), time.perf_counter() - start)
+  if record:
+    result.unexecuted = sorted({(st.names[ri], e) for ri, us in enumerate(st.units_of)
+                                for _, evs in us for e in evs if (ri, e) not in taken},
+                               key=repr)
+  return result
 
 
 def _word_of(parent, roots, state) -> str:

@@ -167,3 +167,39 @@ def test_mutant_edits_match_the_kernel_once():
     original = open(f"{pmut.KERNEL_DIR}/{m.file}").read()
     src = pmut.mutated_source(m)
     assert src != original and src.count("\n") == original.count("\n"), m.name
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_the_proofs_slot_is_the_kernels(stages):
+  """The ring class the proof folds positions into keeps the kernel's slot
+  (PipelineState, kernel/pipeline.py).  The phase is not part of it: the
+  search counts each role's waits and each barrier's phases (relative to
+  each other), as Mosaic GPU's per-thread phase bit does."""
+  from kernel.pipeline import PipelineState
+  ring = rp.Ring(stages)
+  for x in range(6 * stages + 3):
+    c = ring.cls(x)
+    assert ring.features(c)["slot"] == PipelineState.at(stages, x).index
+    assert ring.advance(c) == ring.cls(x + 1)
+    if x >= stages:  # warm positions one period apart share a class
+      assert ring.cls(x + ring.period) == c
+
+
+def test_named_barriers_past_the_budget_are_refused():
+  """kernel/barriers.py refuses a plan past the hardware's 16 named barriers,
+  and the proof refuses an id that is Mosaic GPU's or past 16."""
+  from kernel import barriers
+  first_free = max(b.id for b in barriers.NAMED_BARRIERS) + 1
+  extra = tuple(barriers.NamedBarrier(f"extra{i}", first_free + i, 256, "")
+                for i in range(16 - first_free + 1))
+  with pytest.raises(ValueError, match="16"):
+    barriers.check_budget(barriers.NAMED_BARRIERS + extra)
+  with pytest.raises(ValueError, match="overlap"):
+    barriers.check_budget(barriers.NAMED_BARRIERS + (barriers.NamedBarrier("clash", 1, 256, ""),))
+  ev = extract.Event("bar_arrive", "wg0", "kernel/x.py:1", bar_id=16, threads=256, family="x")
+  empty = rp.Table((), (((), ()),))
+  roles = tuple(rp.RoleProgram(name, 128, None, (ev,) if name == "wg0" else (), empty,
+                               rp.Table((), ()), empty, empty, "tiles") for name in ("wg0", "wg1"))
+  prog = rp.LaunchProgram("x", rp.Ring(1), False, 0, None, roles, (), ())
+  r = xp.check(prog)
+  assert not r.ok and r.violation.kind == "named barrier id", r.violation

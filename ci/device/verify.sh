@@ -9,8 +9,8 @@
 # "all" takes the gate's 6.5 to 8 minutes (H200, 2026-11-30) plus the
 # benchmarks; where one command may run only 10 minutes, run "gate" and
 # "bench" as two commands, back to back while the machine is still warm.
-# z3-solver, where the machine has none, is installed from .whl/ when that
-# folder is present; otherwise the gate's proof step fails and says why.  Each step has its own time limit.
+# Wheels in .whl/, when that folder is present, are installed first (for a
+# dependency the machine lacks).  Each step has its own time limit.
 set -uo pipefail
 dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|bench]}"
 part="${2:-all}"

@@ -747,11 +747,6 @@ class _Interp:
     return []
 
 
-def dict_eqn(eqn, **params):
-  return dataclasses.replace(eqn, params={**eqn.params, **params}) if dataclasses.is_dataclass(
-      eqn) else eqn.replace(params={**eqn.params, **params})
-
-
 _LINE_NAMES: dict = {}  # kernel file:line -> (identifiers indexed with .at[, store source)
 
 

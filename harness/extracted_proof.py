@@ -111,11 +111,9 @@ from kernel import barriers as kbarriers
 
 MAX_STATES = 3_000_000
 PRE, HEAD, ITER, TAIL, POST, DONE = range(6)
-PHASE_KIND = {HEAD: "head", ITER: "iter", TAIL: "tail", POST: "post"}
 # Slot contents (per shared-memory slot): the latest TMA copy, an ordinary
 # store (role, step), clobbered by a write into overlapping bytes, nothing.
 C_TMA, C_GEN, C_CLOB, C_NONE = 0, 1, 2, 3
-ASYNC_READS = ("wgmma", "tma_store")
 # Steps taken alone once a role reaches them (see the module docstring).
 EAGER = frozenset(("wait", "arrive", "tma_load"))
 
@@ -269,6 +267,10 @@ class _Static:
     self.families = [(bi, self.family_waits[bi], self.family_copies[bi],
                       frozenset(self.family_copies[bi]))
                      for bi in range(len(self.bar_keys)) if not self.stationary_bar[bi]]
+    self.family_of = {f[0]: f for f in self.families}
+    self.copy_family = [self.bar_index[self.copy_bar[key]] for key in self.tma_slots]
+    self.wait_family = [[self.bar_index[key] for key in sorted(w, key=lambda key, w=w: w[key])]
+                        for w in self.waits_of]
     self.rbuf_slots = [(bi, frozenset(ci for ci in range(len(self.tma_slots))
                                       if self.slot_rbuf[ci] == bi))
                        for bi in range(len(self.ring_buffers))]
@@ -665,10 +667,11 @@ class _Search:
     return [(TAIL, self.unit(ri, "tail", ctx), p, nk, env)]
 
   # -- normal form --------------------------------------------------------------
-  def normalise(self, state):
+  def normalise(self, state, parent=None):
     """The state's canonical form: the word cut to what some role still
     reads, and every counter family shifted to start at 0 (ring-order
-    write indices replaced by their ranks)."""
+    write indices replaced by their ranks).  ``parent``: the normal state
+    it was stepped from (only the families that step changed are shifted)."""
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     st = self.st
     word = env[0]
@@ -722,7 +725,10 @@ class _Search:
                   f"symbols of the environment: the search would not end")
     # Counters, relative within each family.
     rl = None
-    for bi, fam_waits, fam_copies, copy_set in st.families:
+    families = st.families
+    if parent is not None:
+      families = self.changed_families(state, parent)
+    for bi, fam_waits, fam_copies, copy_set in families:
       base = mb[bi][0]
       for ri, wi in fam_waits:
         v = roles[ri][5][wi]
@@ -744,6 +750,9 @@ class _Search:
         tma = tuple((ci, n - base) if ci in copy_set else (ci, n) for ci, n in tma)
     if rl is not None:
       roles = tuple(rl)
+    if parent is not None and named is parent[8] and all(
+        r[11] is q[11] for r, q in zip(roles, parent[1])):
+      return self.rotated((env, roles, mb, tma, issued, gidx, wcount, content, named))
     for i in range(len(named)):
       base = named[i][0]
       for r in roles:
@@ -753,12 +762,31 @@ class _Search:
         named = _set(named, i, (named[i][0] - base,) + named[i][1:])
         roles = tuple(r if r[11] is None or r[11][0] != i else
                       r[:11] + ((i, r[11][1] - base),) for r in roles)
-    state = (env, roles, mb, tma, issued, gidx, wcount, content, named)
+    return self.rotated((env, roles, mb, tma, issued, gidx, wcount, content, named))
+
+  def rotated(self, state):
+    st = self.st
+    env, roles = state[0], state[1]
     if st.rotation is not None and self.rotate_states and env[1] >= self.ring.stages:
       k = (env[1] - self.ring.stages) % self.ring.period
       if k and all(r[0] != PRE for r in roles):
         state = self.rotate(state, k)
     return state
+
+  def changed_families(self, state, parent):
+    """The counter families a step from ``parent`` to ``state`` changed."""
+    st = self.st
+    mb, pmb = state[2], parent[2]
+    out = set()
+    if mb is not pmb:
+      out.update(bi for bi in range(len(mb)) if mb[bi] is not pmb[bi] and mb[bi] != pmb[bi])
+    issued, pissued = state[4], parent[4]
+    if issued is not pissued:
+      out.update(st.copy_family[ci] for ci in range(len(issued)) if issued[ci] != pissued[ci])
+    for ri, (r, q) in enumerate(zip(state[1], parent[1])):
+      if r[5] is not q[5]:
+        out.update(st.wait_family[ri][wi] for wi in range(len(r[5])) if r[5][wi] != q[5][wi])
+    return [st.family_of[bi] for bi in sorted(out) if bi in st.family_of]
 
   def rotate(self, state, k):
     """The state with every ring position moved back by k (symmetry)."""
@@ -799,6 +827,17 @@ class _Search:
     enabled step of every role checked."""
     st = self.st
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
+    # The role whose next step is taken alone, if any: the first whose step
+    # may be (and can be taken now); every other role's step is then only
+    # checked.
+    chosen = -1
+    if self.reduce:
+      for ri, r in enumerate(roles):
+        if r[0] != DONE and r[11] is None and st.alone[r[1]][r[2]]:
+          e = st.units[r[1]][r[2]]
+          if e.kind != "wait" or self.wait_passes(state, ri, e):
+            chosen = ri
+            break
     succ_local, succ = None, []
     for ri, r in enumerate(roles):
       phase, uid, k = r[0], r[1], r[2]
@@ -807,24 +846,25 @@ class _Search:
         continue
       if syncw is not None:
         i, g = syncw
-        if named[i][0] > g:
+        if named[i][0] > g and chosen < 0:
           nr = r[:11] + (None,)
           succ.append((_set(state, 1, _set(roles, ri, nr)), (ri, None, "generation complete")))
         continue
       e = st.units[uid][k]
       try:
-        out = self.step(state, ri, e)
+        out = self.step(state, ri, e, build=chosen < 0 or chosen == ri)
+        if out is not None and e.kind == "wait" and self.reduce:
+          self.check_lag(state, ri, e)
       except _Fail as f:
         return Violation(f.kind, f.message, [(st.names[ri], e, f.note)]), []
       if out is None:   # blocked
         continue
-      if e.kind == "wait" and self.reduce:
-        self.check_lag(state, ri, e)
-      if st.alone[uid][k] and self.reduce:
-        if succ_local is None:
-          succ_local = out
-      else:
+      if ri == chosen:
+        succ_local = out
+      elif chosen < 0:
         succ.extend(out)
+    if succ_local is not None:
+      return None, succ_local
     # TMA completions: per issuing role the oldest copy in flight, taken now
     # only where a role waits on the barrier of it or of a later copy of the
     # same role (lazy completion, see the module docstring).
@@ -873,9 +913,17 @@ class _Search:
       return Violation("deadlock", "no role can step: " + "; ".join(blocked)), []
     return None, succ
 
-  def step(self, state, ri, e):
+  def wait_passes(self, state, ri, e) -> bool:
+    st = self.st
+    key = (e.buf, e.slot)
+    done = state[2][st.bar_index[key]][0]
+    kk = state[1][ri][5][st.waits_of[ri][key]]
+    return done % 2 != kk % 2
+
+  def step(self, state, ri, e, build: bool = True):
     """Role ri takes event e: None if blocked, else [(state, step)] (several
-    when the role then reads an undecided environment).  Raises _Fail."""
+    when the role then reads an undecided environment; ``build=False``: only
+    checked, [] when enabled).  Raises _Fail."""
     st = self.st
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     r = roles[ri]
@@ -1005,6 +1053,8 @@ class _Search:
         stores = stores[len(stores) - e.n:] if e.n else ()
     else:
       raise AssertionError(kind)
+    if not build:
+      return []
     out = []
     touched = ()
     if kind == "tma_load" and st.slot_rbuf[st.tma_index[(e.buf, e.slot)]] >= 0:
@@ -1293,7 +1343,7 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = T
       return fail(violation, state)
     for nxt, step in succ:
       try:
-        norm = search.normalise(nxt)
+        norm = search.normalise(nxt, state)
       except _Fail as f:
         return fail(Violation(f.kind, f.message), state)
       if record and step[0] >= 0 and step[1] is not None:

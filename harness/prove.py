@@ -104,8 +104,13 @@ def main(argv=None) -> int:
     first = "forward" if protocol_mutants.BY_NAME[args.mutant].file == "forward.py" else "backward"
   elif args.fail_fast:
     first = "forward"
-  items = work_items(first=first)
-  results = pe.prove(items, jobs=args.jobs, mutant=args.mutant, fail_fast=args.fail_fast)
+  if args.fail_fast or args.jobs <= 1:
+    items = work_items(first=first)
+    results = pe.prove(items, jobs=1, mutant=args.mutant, fail_fast=args.fail_fast)
+  else:
+    with pe.workers(args.jobs) as pool:  # they start while the cases are listed
+      items = work_items(first=first)
+      results = pe.prove(items, jobs=args.jobs, mutant=args.mutant, pool=pool)
   print(format_results(results))
   proven = sum(r.ok for r in results)
   forward = sum(kind == "forward" for kind, _, _ in items)

@@ -15,22 +15,26 @@ Launches whose programs are equal (the same units, source lines included)
 share one check.
 
 Probes.  A forward block reads each tile's key range ``[lb, lb + n)`` from
-its ``k_range_tiles`` entry, so the probe chooses it: a non-persistent
-block runs one tile, probed for n = 0 .. S + 2M + 3 (M = lcm(S, 2)); a
-persistent block walks many tiles (:data:`PROBE_TILES`, traced with
-:data:`PROBE_SMS` blocks so that the probed blocks' tiles are late ones,
-whose causal bound leaves room), each tile's n chosen as the kernel asks
-for it so as to show contexts not yet seen (:class:`_Chooser`).  The
-backward's dQ kernel reads its tile's range the same way; the dK/dV
-kernels' streams are as long as the traced shapes make them, so they are
-traced at two query lengths (and, causal, every key tile of them, whose
-streams start further in).
+its ``k_range_tiles`` entry, so the probe chooses it (``lb`` alternating,
+which the units must not depend on): a non-persistent block runs one tile,
+probed for n = 0, 1, 2, 3 and S + M + 3 (M = lcm(S, 2)); a persistent block
+(traced with :data:`PROBE_SMS` blocks, the probed ones those whose tiles'
+causal bounds leave the most room) walks :func:`probe_tiles` tiles, each
+tile's n chosen as the kernel asks for it so as to show head contexts not
+yet seen (:class:`_Chooser`).  Then each context the learned tables lack
+gets a probe of its own (:func:`_realise`).  The backward's dQ kernel reads
+its tile's range the same way; the dK/dV kernels' streams are as long as
+the traced shapes make them, so they are traced at two query lengths (and,
+causal, every key tile of them, whose streams start further in).
+
+A case whose units break the premise is reported with the two probes that
+disagree, each checked under its own environment (its trace, if it has a
+violation, is the failure shown).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import numpy as np
@@ -253,7 +257,7 @@ def _kv_blocks(ring: rp.Ring) -> int:
 
 def trace_case(case: ForwardCase, *, module=None):
   """The closed jaxpr and kernel eqn of ``case`` traced on the CPU: a
-  persistent grid of PROBE_SMS blocks and PROBE_TILES tiles each, or enough
+  persistent grid of PROBE_SMS blocks and probe_tiles tiles each, or enough
   query tiles that the probed block's causal bound allows every probe."""
   from kernel import config as config_lib, forward, plan as plan_lib
   module = module or forward
@@ -285,7 +289,7 @@ def trace_case(case: ForwardCase, *, module=None):
 
 def probe_tiles(ring: rp.Ring) -> int:
   """Tiles each probed persistent block walks in the first round."""
-  return ring.classes + 4
+  return ring.classes + 2
 
 
 def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.LaunchProgram:
@@ -398,7 +402,6 @@ def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
 # -- backward -------------------------------------------------------------------
 
 BACKWARD_HEAD_DIMS = (64, 128, 256)  # two stages, one dK/dV launch (fused dQ where it fits); one stage, dK and dV apart
-BACKWARD_TILE = 128   # query rows of a dQ tile; the dK/dV kernels stream 64-row blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,8 +470,9 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   padded to 128, so an even number of them), under causal from key tile j's
   first key on: one causal trace shows streams of every even length from
   its longest down to 0; non-causal, a long trace and the shortest (one
-  query).  The dQ kernel's tile reads its key range from the tables: probed
-  for n = 0 .. S + M + 3 at the long trace's last tile."""
+  64-row block of queries).  The dQ kernel's tile reads its key range from
+  the tables: probed at the long trace's last tile for n = 0, 1, 2, 3 and
+  S + M + 3, then for each context the learned tables still lack."""
   from kernel import backward
   module = module or backward
   blocks = module.blocks_for(case.head_dim, case.head_dim)
@@ -480,6 +484,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   seq_kv = -(-(long + 2) * blocks.dq_stream_kv // blocks.dkv_tile) * blocks.dkv_tile
   shapes = (seq_long,) if case.causal else (seq_long, blocks.dkv_stream_q)
   learners: list = []
+  probes: dict = {}     # id(learner) -> probe(n), for launches that read their range
   for seq_q in shapes:
     closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
                                      fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
@@ -499,9 +504,11 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
           continue  # the dQ kernel's stream is its table's: probed at one length
         tables, num_tiles = found
         learner.name = learner.name.replace("launch", "dQ kernel, launch")
-        for n in range(long + 1):
+
+        def probe(n, learner=learner, kernel=kernel, tables=tables, consts=consts,
+                  num_tiles=num_tiles, seq_q=seq_q):
           lb = n % 2
-          env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi, n=n, lb=lb: (lb, n))
+          env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi: (lb, n))
           launch = ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": num_tiles - 1},
                                      name="dq")
           (qi,) = env.order
@@ -510,6 +517,10 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
               seq_kv=seq_kv, is_causal=case.causal, k_start_min=lb * blocks.dq_stream_kv,
               k_end_max=(lb + n) * blocks.dq_stream_kv)
           learner.observe(launch, [hi - lo], where=f"the dQ tile's key blocks [{lo}, {hi})")
+
+        probes[id(learner)] = probe
+        for n in sorted({0, 1, 2, 3, long}):
+          probe(n)
       else:
         kv_tiles = -(-seq_kv // blocks.dkv_tile)
         for j in range(kv_tiles) if case.causal else (0,):
@@ -521,7 +532,17 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   for learner in learners:
     lengths = [t for _, trips, _ in learner.seen for t in trips]
     learner.min_blocks = min(lengths)   # no shorter stream exists
-    programs.append(learner.program())
+    prog = learner.program()
+    probe = probes.get(id(learner))
+    for _ in range(4):
+      missing = learner.missing(prog) if probe else []
+      if not missing:
+        break
+      for n in sorted({_realise(ring, kind, ctx, persistent=False)[0]
+                       for _, kind, ctx in missing}):
+        probe(n)
+      prog = learner.program()
+    programs.append(prog)
   return programs
 
 
@@ -589,8 +610,8 @@ def _check(prog):
   return xp.check(prog)
 
 
-def prove(items, *, jobs: int = 2, mutant: str | None = None,
-          fail_fast: bool = False) -> list[Result]:
+def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
+          pool=None) -> list[Result]:
   """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
   ("backward", BackwardCase, 0)), check each distinct one, and return one
   Result per check (premise failures included).  ``mutant``: trace a
@@ -611,20 +632,70 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None,
       if any(not r.ok for r in new):
         break
     return results
+  if pool is not None:
+    return _prove_pooled(pool, jobs, work, configs, mutant)
   if jobs > 1:
-    import concurrent.futures
-    import multiprocessing
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-      learned = list(pool.map(_programs_of, [(w, mutant) for w in work], chunksize=1))
-      results = _collect(work, learned, configs, distinct)
-      checked = list(pool.map(_check, [p for p, _ in distinct.values()], chunksize=1))
-  else:
-    learned = [_programs_of((w, mutant)) for w in work]
-    results = _collect(work, learned, configs, distinct)
-    checked = [xp.check(p) for p, _ in distinct.values()]
-  for (_, result), res in zip(distinct.values(), checked):
-    _record(result, res)
+    with workers(jobs) as pool:
+      return _prove_pooled(pool, jobs, work, configs, mutant)
+  learned = [_programs_of((w, mutant)) for w in work]
+  results = _collect(work, learned, configs, distinct)
+  for prog, result in distinct.values():
+    _record(result, xp.check(prog))
+  return results
+
+
+def workers(jobs: int):
+  """A pool of ``jobs`` fresh processes (spawned: no traced state shared),
+  each already importing what it needs (:func:`_warm_up`) while the caller
+  prepares the work."""
+  import concurrent.futures
+  import multiprocessing
+  pool = concurrent.futures.ProcessPoolExecutor(
+      max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+  for _ in range(jobs):
+    pool.submit(_warm_up)
+  return pool
+
+
+def _warm_up():
+  from kernel import backward, forward  # noqa: F401  (jax and the kernels)
+  return 0
+
+
+def _prove_pooled(pool, jobs, work, configs, mutant) -> list[Result]:
+  """Learn and check on the pool as results come: a worker that frees up
+  takes a pending check first (the costliest cases are learned first, so
+  their checks start early), else the next case to learn."""
+  import concurrent.futures
+  distinct: dict = {}
+  learned: dict = {}
+  running: dict = {}   # future -> ("learn", index) | ("check", key)
+  checks, next_learn = [], 0
+  checked: dict = {}
+  while next_learn < len(work) or checks or running:
+    while len(running) < jobs and (checks or next_learn < len(work)):
+      if checks:
+        key = checks.pop(0)
+        running[pool.submit(_check, distinct[key][0])] = ("check", key)
+      else:
+        running[pool.submit(_programs_of, (work[next_learn], mutant))] = ("learn", next_learn)
+        next_learn += 1
+    done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+    for fut in done:
+      kind, what = running.pop(fut)
+      if kind == "check":
+        checked[what] = fut.result()
+        continue
+      learned[what] = fut.result()
+      before = set(distinct)
+      _collect([work[what]], [learned[what]], configs, distinct)
+      checks += [k for k in distinct if k not in before]
+  # The results named and ordered as a run in one process would have them.
+  by_key = {key: checked[key] for key in distinct}
+  distinct = {}
+  results = _collect(work, [learned[i] for i in range(len(work))], configs, distinct)
+  for key, (prog, result) in distinct.items():
+    _record(result, by_key[key])
   return results
 
 

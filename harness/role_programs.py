@@ -4,12 +4,15 @@ premise that makes the extracted proof unbounded.
 
 **Environment.**  One thread block runs T >= 1 tiles (a persistent forward
 block; every other launch runs T = 1), tile t visiting n_t >= 0 key blocks
-(the stream of a backward kernel: n_t >= 1 where the kernel cannot have an
-empty one).  Write G_t = n_0 + ... + n_{t-1}, the ring position tile t starts
-at, and ``cls(x) = x`` for x < S, ``S + (x - S) mod M`` beyond, with S the
-ring's stages and M = lcm(S, 2): the class of a ring position, which
-decides its slot (x mod S), its mbarrier parity round (x div S mod 2) and
-whether the producer must wait for a release (x >= S).
+(bounded below where no shorter stream exists, e.g. the dK/dV kernels'
+query streams, and above where the problems have that few key blocks, e.g.
+a config whose stages outnumber them).  Write G_t = n_0 + ... + n_{t-1}, the
+ring position tile t starts at, and ``cls(x) = x`` for x < S,
+``S + (x - S) mod M`` beyond, with S the ring's stages and M = lcm(S, 2):
+the class of a ring position, which decides its slot (x mod S), whether the
+producer must wait for a release there (x >= S), and x mod 2 (the fused
+dQ's buffer and owner).  It does not decide a barrier's phase: the search
+counts each role's waits and each barrier's completed phases.
 
 **Units.**  :func:`segment` cuts the events :mod:`harness.extract` reads for
 one role under one environment by the while-loop iterations around them
@@ -22,10 +25,15 @@ the loops of one tile, e.g. the forward's plain and masked loops) and a
 **Premise (P).**  Every unit is a function of its context: head of
 (cls(G_t), t >= 1, min(n_t, 2)), iter j of (cls(G_t + j), min(n_t - j, 3)),
 tail of (cls(G_t + n_t), min(n_t, 2)), post of cls(G_T); pre is constant.
-:class:`Learner` keeps, per role and unit kind, the coarsest subset of those
-features that every observed instance agrees with (:class:`Table`); an
-instance that no subset explains is a :class:`PremiseError` naming the two
-contexts.
+:class:`Learner` keeps, per role and unit kind, the coarsest features every
+observed instance agrees with (the position as nothing, its slot, its slot
+and whether it is past the first S, x mod M, or its class; each other
+feature kept or dropped: :class:`Table`), then asks for a probe of every
+context those features can take that no probe showed
+(:meth:`Learner.missing`).  An instance that even all the features do not
+explain is a :class:`PremiseError` naming the two probes, which are then
+checked on their own, each under its one environment (:func:`concrete`),
+for a trace of what the kernel does there.
 
 **Consequence.**  Under (P) a role's events under *any* environment are what
 a finite automaton emits while it reads the environment as the word
@@ -40,12 +48,13 @@ included: the ring position and the mbarrier parities carried across tiles
 of any trip count (``prev_iters``) are part of every state it explores.
 
 **What is tested, not proved.**  (P) itself: the probes
-(:mod:`harness.prove_extracted`) walk every context the automaton can reach,
-most of them several times at positions that differ by M and with other key
-ranges, and every instance must agree with its table; a context the search
-needs and no probe showed is a :class:`CoverageError`.  A kernel whose
-events depended on, say, G mod 2M would go unseen only if no probe showed
-the difference.  Both errors fail ``python -m harness prove``.
+(:mod:`harness.prove_extracted`) show every context the search can ask for
+under the learned features, most of them several times, at positions that
+differ by M and with other key ranges, and every instance must agree with
+its table; a context the search needs and no probe showed is a
+:class:`CoverageError`.  A kernel whose events depended on, say, G mod 2M,
+or on a feature only one probe shows, would go unseen only if no probe
+showed the difference.  Both errors fail ``python -m harness prove``.
 
 Roles that read only part of the word (:attr:`RoleProgram.reads`): a role
 whose units are all per key block (the producer, which does not see tile
@@ -62,7 +71,7 @@ import dataclasses
 import itertools
 import math
 
-from harness.extract import Event, Extracted
+from harness.extract import Extracted
 
 # The features a unit kind may depend on, besides the ring position's.
 OTHER_FEATURES = {

@@ -1349,7 +1349,8 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = T
       if record and step[0] >= 0 and step[1] is not None:
         taken.add((step[0], step[1]))
       if norm not in parent:
-        grown = nxt[0][0][len(state[0][0]):] if nxt[0][0].startswith(state[0][0]) else ""
+        word, before = nxt[0][0], state[0][0]
+        grown = "" if word is before else word[len(before):]
         parent[norm] = (state, step, grown)
         if len(parent) > max_states:
           raise RuntimeError(f"{prog.name}: state budget {max_states} exceeded")

@@ -7,7 +7,7 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   commands = {
       "gate": ("harness.gate", "the conformance gate: everything this machine can run"),
-      "prove": ("harness.prove", "the protocol extracted from the traced kernels, then the Z3 models"),
+      "prove": ("harness.prove", "the barrier and ring protocol read out of the traced kernels, proved"),
       "golden": ("harness.golden", "golden-file regression: check | update"),
       "bench": ("harness.bench", "TFLOP/s beside cuDNN; --grid: the whole performance grid"),
       "autotune": ("harness.autotune", "time the candidate configs on the GPU, write the cache"),

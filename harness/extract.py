@@ -15,8 +15,14 @@ and arrivals, TMA copies into a slot with their barrier, wgmma reads of
 shared memory and the waits that retire them, ordinary shared-memory stores
 and loads, ``commit_smem`` fences, TMA stores and their waits, named-barrier
 ``bar.sync``/``bar.arrive`` with id and thread count.  Each event carries the
-kernel source line it was traced from and the symbolic slot expression the
-jaxpr computed (over loop counters and loads), for the traces.
+kernel source line it was traced from, for the traces, and the iterations of
+the while loops around it (:attr:`Extracted.loops`), which cut a role's
+events into tiles and key-loop iterations (:mod:`harness.role_programs`).
+
+The interpreter runs only the eqns the protocol can see (:class:`_Program`:
+register arithmetic without an integer scalar result is skipped, its value
+being opaque anyway), with plain Python values, so that the many
+environments of a proof cost milliseconds each.
 
 A primitive outside :data:`PURE` and the protocol primitives handled here is
 refused (:class:`UnknownPrimitive`): a new kind of synchronisation cannot slip
@@ -64,8 +70,8 @@ wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref
 _INT_OPS = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
     "max": max, "min": min,
-    "div": lambda a, b: int(a / b) if b else _opaque_div(),  # C division, like lax.div
-    "rem": lambda a, b: a - b * int(a / b),
+    "div": lambda a, b: _cdiv(a, b),  # C division (toward zero), like lax.div
+    "rem": lambda a, b: a - b * _cdiv(a, b),
     "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
     "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
     "and": lambda a, b: a & b if not isinstance(a, bool) else a and b,
@@ -82,15 +88,18 @@ class ExtractionError(ValueError):
   """The kernel's protocol cannot be read as a sequence of events."""
 
 
-def _opaque_div():
-  raise ExtractionError("integer division by zero while evaluating the kernel's index arithmetic")
+def _cdiv(a, b):
+  if not b:
+    raise ExtractionError("integer division by zero while evaluating the kernel's index arithmetic")
+  q = abs(a) // abs(b)
+  return q if (a >= 0) == (b > 0) else -q
 
 
 def _const(c):
   import numpy as np
   if np.ndim(c) == 0 and np.issubdtype(np.asarray(c).dtype, np.integer):
-    return int(c), str(int(c))
-  return OPAQUE, "?"
+    return int(c)
+  return OPAQUE
 
 
 class Opaque:
@@ -138,7 +147,6 @@ class Event:
   bar_id: int | None = None    # named barriers
   threads: int = 0
   family: str = ""             # named barriers: the kernel/barriers.py helper family
-  expr: str = ""               # the slot / id expression, symbolically
 
   def where(self):
     return (self.buf, self.slot)
@@ -171,11 +179,27 @@ class Extracted:
   barriers: dict         # mbarrier array name -> Buffer
   buffers: dict          # smem buffer name -> Buffer
   overlaps: dict = dataclasses.field(default_factory=dict)  # buffer -> buffers sharing bytes
+  # role name -> per event, the iterations of the evaluated while loops
+  # around it, outermost first: ((loop source line, iteration), ...).
+  loops: dict = dataclasses.field(default_factory=dict)
+  # Buffers and barriers are named by allocation (smem12, barrier7: the same
+  # in every extraction of one trace); these are their names in the
+  # kernel's source, for traces.
+  names: dict = dataclasses.field(default_factory=dict)
+
+  def label(self, e: Event) -> Event:
+    """``e`` with the source's names."""
+    n = self.names.get
+    return dataclasses.replace(e, buf=n(e.buf, e.buf), bar=n(e.bar, e.bar),
+                               reads=tuple((n(b, b), s) for b, s in e.reads))
 
   def skeleton(self):
     """A hashable form: environments giving the same skeleton share a check."""
     return tuple((r, tuple(dataclasses.astuple(e) for e in ev)) for r, ev in
                  sorted(self.roles.items()))
+
+
+_FRAMES: dict = {}  # id(traceback) -> (traceback, "kernel/file.py:line")
 
 
 def _kernel_frame(source_info, site: str | None = None) -> str:
@@ -184,18 +208,46 @@ def _kernel_frame(source_info, site: str | None = None) -> str:
   for an operation whose frames hold none: JAX's traceback of an operation
   in a branch stops at the branch function, which for a ring verb's
   conditional wait is ring.py's own."""
-  frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
-  for f in frames:
-    fn = os.path.abspath(f.file_name)
-    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
-      return f"{os.path.relpath(fn, os.path.dirname(KERNEL_DIR))}:{f.line_num}"
+  tb = getattr(source_info, "traceback", None)
+  hit = _FRAMES.get(id(tb))
+  if hit is not None and hit[0] is tb:
+    out = hit[1]
+  else:
+    out = _kernel_frame_uncached(source_info)
+    if tb is not None:
+      _FRAMES[id(tb)] = (tb, out)
+  if out is not None:
+    return out
   if site is not None:
     return site
   from jax._src import source_info_util
   return source_info_util.summarize(source_info)
 
 
+def _kernel_frame_uncached(source_info) -> str | None:
+  frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
+  for f in frames:
+    fn = os.path.abspath(f.file_name)
+    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
+      return f"{os.path.relpath(fn, os.path.dirname(KERNEL_DIR))}:{f.line_num}"
+  return None
+
+
+_FAMILIES: dict = {}  # id(traceback) -> (traceback, family)
+
+
 def _barrier_family(source_info) -> str:
+  tb = getattr(source_info, "traceback", None)
+  hit = _FAMILIES.get(id(tb))
+  if hit is not None and hit[0] is tb:
+    return hit[1]
+  out = _barrier_family_uncached(source_info)
+  if tb is not None:
+    _FAMILIES[id(tb)] = (tb, out)
+  return out
+
+
+def _barrier_family_uncached(source_info) -> str:
   frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
   family = ""
   for f in frames:  # innermost first: keep the outermost helper of barriers.py
@@ -253,34 +305,137 @@ def _has_sync(jaxpr) -> bool:
   return False
 
 
+_CALLS = ("pjit", "jit", "closed_call")
+_INT = (int, bool)
+
+
+def _int_scalar(aval) -> bool:
+  import numpy as np
+  dtype = getattr(aval, "dtype", None)
+  if getattr(aval, "shape", None) != () or dtype is None:
+    return False
+  try:
+    return bool(np.issubdtype(dtype, np.integer) or dtype == np.bool_)
+  except TypeError:
+    return False
+
+
+def _literal_value(val):
+  import numpy as np
+  try:
+    if np.ndim(val) == 0 and np.issubdtype(np.asarray(val).dtype, np.integer):
+      return int(val)
+    if np.ndim(val) == 0 and np.asarray(val).dtype == bool:
+      return bool(val)
+  except TypeError:
+    pass
+  return OPAQUE
+
+
+class _LiteralKey:
+  __slots__ = ()
+
+
+class _Program:
+  """One jaxpr, prepared for the interpreter: the eqns whose effect the
+  protocol can see (every one but register arithmetic with no integer scalar
+  result, whose values are opaque anyway: a variable never bound reads as
+  opaque, and calls of only such arithmetic), and its literals' values.
+  Unknown primitives stay, so that running them refuses them."""
+
+  __slots__ = ("jaxpr", "eqns", "literals")
+
+  def __init__(self, jaxpr):
+    self.jaxpr = jaxpr
+    self.eqns, self.literals = [], {}
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      if not any(_int_scalar(v.aval) for v in eqn.outvars):
+        if name in PURE:
+          continue
+        if name in _CALLS:
+          sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+          if not _program(getattr(sub, "jaxpr", sub)).eqns:
+            continue
+        if name == "cond" and not any(_program(b.jaxpr).eqns for b in eqn.params["branches"]):
+          continue
+      keys = []
+      for v in eqn.invars:
+        if isinstance(v, jex_core.Literal):  # unhashable: a key of its own
+          key = _LiteralKey()
+          self.literals[key] = _literal_value(v.val)
+          keys.append(key)
+        else:
+          keys.append(v)
+      self.eqns.append((eqn, eqn.primitive.name, tuple(keys)))
+
+
+_PROGRAMS: dict = {}  # id(jaxpr) -> _Program (which keeps the jaxpr alive)
+
+
+def _program(jaxpr) -> _Program:
+  hit = _PROGRAMS.get(id(jaxpr))
+  if hit is None or hit.jaxpr is not jaxpr:
+    hit = _PROGRAMS[id(jaxpr)] = _Program(jaxpr)
+  return hit
+
+
+class _Leaf:
+  """A placeholder leaf: where in a transform chain an operand lands."""
+
+  __slots__ = ("k",)
+
+  def __init__(self, k):
+    self.k = k
+
+
+_TRANSFORMS: dict = {}  # id(treedef) -> (treedef, where the slot comes from, view)
+
+
+def _transform_info(treedef):
+  """For a chain of ref transforms: where its slot comes from (the first
+  index of its first indexer: ("leaf", k), ("static", int) or ("none",)) and
+  the RefUnion member it selects, if any (an ExtractAliasedRef)."""
+  hit = _TRANSFORMS.get(id(treedef))
+  if hit is not None and hit[0] is treedef:
+    return hit[1], hit[2]
+  try:
+    transforms = tree_util.tree_unflatten(treedef, [_Leaf(k) for k in range(treedef.num_leaves)])
+  except Exception as e:  # noqa: BLE001 -- reported with context
+    raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
+  slot, view = None, None
+  for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
+    if type(t).__name__ == "ExtractAliasedRef":
+      view = view or t
+      continue
+    indices = getattr(t, "indices", None)
+    if indices is None or slot is not None:
+      continue
+    first = indices[0] if indices else None
+    if isinstance(first, _Leaf):
+      slot = ("leaf", first.k)
+    elif isinstance(first, int) and not isinstance(first, bool):
+      slot = ("static", first)
+    else:
+      slot = ("none",)
+  _TRANSFORMS[id(treedef)] = (treedef, slot, view)
+  return slot, view
+
+
 class _Interp:
   def __init__(self, kernel_eqn, env: Callable, axes: dict):
     self.eqn = kernel_eqn
     self.env = env          # (gmem buffer name, index tuple) -> int
     self.axes = dict(axes)  # grid axis name -> value
     self.events: dict[str, list] = {}
+    self.event_loops: dict[str, list] = {}
     self.role = None
     self.buffers: dict[str, Buffer] = {}
     self._alloc = 0
-    self.cells: dict[str, tuple] = {}   # registers behind run_state's refs
+    self.cells: dict[str, Any] = {}     # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
-    self.loads = 0
-    self.site = None        # the kernel line of the cond whose branch runs
-
-  # -- values ---------------------------------------------------------------
-  def read(self, env, v):
-    if isinstance(v, jex_core.Literal):
-      val = v.val
-      try:
-        import numpy as np
-        if np.ndim(val) == 0 and np.issubdtype(np.asarray(val).dtype, np.integer):
-          return int(val), str(int(val))
-        if np.ndim(val) == 0 and np.asarray(val).dtype == bool:
-          return bool(val), str(bool(val))
-      except TypeError:
-        pass
-      return OPAQUE, "?"
-    return env.get(v, (OPAQUE, "?"))
+    self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
+    self.site = None                     # the kernel line of the cond whose branch runs
 
   def _buffer(self, aval, space_hint=None):
     self._alloc += 1
@@ -300,98 +455,71 @@ class _Interp:
 
   def _emit(self, ev: Event):
     self.events.setdefault(self.role, []).append(ev)
+    self.event_loops.setdefault(self.role, []).append(self.loops)
 
   # -- running --------------------------------------------------------------
   def run(self, jaxpr, args, consts=()):
-    env = {}
-    for v, a in zip(jaxpr.constvars, consts):
-      env[v] = a
-    for v, a in zip(jaxpr.invars, args):
-      env[v] = a
-    for eqn in jaxpr.eqns:
-      outs = self.eqn_(eqn, env)
+    prog = _program(jaxpr)
+    env = dict(prog.literals)
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    get = env.get
+    for eqn, name, keys in prog.eqns:
+      ins = [get(k, OPAQUE) for k in keys]
+      op = _INT_OPS.get(name)
+      if op is not None and len(ins) == 2:
+        a, b = ins
+        if type(a) in _INT and type(b) in _INT:
+          env[eqn.outvars[0]] = op(a, b)
+          continue
+      outs = self.eqn_(eqn, name, ins)
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
-    return [self.read(env, v) for v in jaxpr.outvars]
+    return [get(v, OPAQUE) if not isinstance(v, jex_core.Literal) else _literal_value(v.val)
+            for v in jaxpr.outvars]
 
-  def _indexer_slot(self, treedef, leaves):
-    """The slot: the first integer index of the first indexer of a transform chain."""
-    vals = [l[0] if isinstance(l[0], (int, bool)) else 0 for l in leaves]
-    exprs = [l[1] for l in leaves]
-    try:
-      transforms = tree_util.tree_unflatten(treedef, vals)
-    except Exception as e:  # noqa: BLE001 -- reported with context
-      raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
-    flat = iter(zip(vals, exprs, leaves))
-    for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
-      if type(t).__name__ == "ExtractAliasedRef":
-        continue  # a view of a RefUnion: read by _view
-      indices = getattr(t, "indices", None)
-      if indices is None:
-        continue
-      first = indices[0] if indices else None
-      if isinstance(first, int):
-        # find the leaf it came from to keep its expression
-        for val, expr, leaf in flat:
-          if not isinstance(leaf[0], Opaque) and val == first:
-            return first, expr
-        return first, str(first)
-      return None, ""
-    return None, ""
-
-  def _split(self, eqn, env, names):
-    """Split an eqn's flat operands by its transform treedefs."""
-    vals = [self.read(env, v) for v in eqn.invars]
-    return vals
-
-  def eqn_(self, eqn, env):
-    name = eqn.primitive.name
-    src = _kernel_frame(eqn.source_info, self.site)
-    ins = [self.read(env, v) for v in eqn.invars]
+  def eqn_(self, eqn, name, ins):
     nout = len(eqn.outvars)
-    if name in _INT_OPS and all(isinstance(x[0], (int, bool)) for x in ins) and len(ins) == 2:
-      val = _INT_OPS[name](ins[0][0], ins[1][0])
-      return [(val, f"{name}({ins[0][1]}, {ins[1][1]})")]
-    if name == "convert_element_type" and isinstance(ins[0][0], (int, bool)):
+    if name == "convert_element_type" and type(ins[0]) in _INT:
       import numpy as np
       dt = eqn.params["new_dtype"]
       if np.issubdtype(dt, np.integer):
-        return [(int(ins[0][0]), ins[0][1])]
+        return [int(ins[0])]
       if dt == np.bool_:
-        return [(bool(ins[0][0]), ins[0][1])]
-      return [(OPAQUE, "?")]
-    if name == "select_n" and all(isinstance(x[0], (int, bool)) for x in ins):
-      which = int(ins[0][0])
-      return [(ins[1 + which][0], f"select({ins[0][1]}, {', '.join(x[1] for x in ins[1:])})")]
-    if name == "not" and isinstance(ins[0][0], bool):
-      return [(not ins[0][0], f"not({ins[0][1]})")]
-    if name == "neg" and isinstance(ins[0][0], int):
-      return [(-ins[0][0], f"-{ins[0][1]}")]
+        return [bool(ins[0])]
+      return [OPAQUE]
+    if name == "select_n" and all(type(x) in _INT for x in ins):
+      return [ins[1 + int(ins[0])]]
+    if name == "not" and type(ins[0]) is bool:
+      return [not ins[0]]
+    if name == "neg" and type(ins[0]) is int:
+      return [-ins[0]]
     if name in PURE:
-      return [(OPAQUE, "?")] * nout
+      return [OPAQUE] * nout
+    src = _kernel_frame(eqn.source_info, self.site)
     if name not in HANDLED:
       raise UnknownPrimitive(
           f"{src}: primitive {name!r} is not understood by harness/extract.py; "
           f"a synchronisation primitive must be modelled before the proof can "
           f"cover the kernel")
-    return getattr(self, "p_" + name)(eqn, env, ins, src)
+    return getattr(self, "p_" + name)(eqn, ins, src)
 
   # -- control --------------------------------------------------------------
-  def p_jit(self, eqn, env, ins, src):
+  def p_jit(self, eqn, ins, src):
     sub = eqn.params["jaxpr"]
     return self.run(sub.jaxpr, ins, [_const(c) for c in sub.consts])
 
   p_pjit = p_jit
 
-  def p_closed_call(self, eqn, env, ins, src):
-    return self.p_jit(dict_eqn(eqn, jaxpr=eqn.params["call_jaxpr"]), env, ins, src)
+  def p_closed_call(self, eqn, ins, src):
+    sub = eqn.params["call_jaxpr"]
+    return self.run(sub.jaxpr, ins, [_const(c) for c in sub.consts])
 
-  def p_cond(self, eqn, env, ins, src):
+  def p_cond(self, eqn, ins, src):
     branches = eqn.params["branches"]
     index, *ops = ins
-    if isinstance(index[0], (int, bool)):
-      which = max(0, min(int(index[0]), len(branches) - 1))
-      b = branches[which]
+    if type(index) in _INT:
+      b = branches[max(0, min(int(index), len(branches) - 1))]
       outer, self.site = self.site, src
       try:
         return self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
@@ -401,71 +529,61 @@ class _Interp:
       raise ExtractionError(
           f"{src}: a cond on a value the extractor cannot evaluate (data) has "
           f"synchronisation in a branch")
-    return [(OPAQUE, "?")] * len(eqn.outvars)
+    return [OPAQUE] * len(eqn.outvars)
 
-  def p_while(self, eqn, env, ins, src):
+  def p_while(self, eqn, ins, src):
     p = eqn.params
     cc, bc = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+    cjc, bjc = [_const(c) for c in cj.consts], [_const(c) for c in bj.consts]
+    outer = self.loops
     for trip in range(MAX_LOOP_TRIPS + 1):
-      (go,) = self.run(cj.jaxpr, [*cconsts, *carry], [_const(c) for c in cj.consts])
-      if not isinstance(go[0], (int, bool)):
+      (go,) = self.run(cj.jaxpr, [*cconsts, *carry], cjc)
+      if type(go) not in _INT:
         if _has_sync(bj.jaxpr):
           raise ExtractionError(f"{src}: a while loop with synchronisation whose trip "
                                 f"count the extractor cannot evaluate")
-        return [(OPAQUE, "?")] * len(eqn.outvars)
-      if not go[0]:
+        return [OPAQUE] * len(eqn.outvars)
+      if not go:
         return carry
-      carry = self.run(bj.jaxpr, [*bconsts, *carry], [_const(c) for c in bj.consts])
-      # the carries are the loop's counters and state: name them, so a slot
-      # reads as an expression over them rather than over the whole history
-      carry = [(v, f"{src.rpartition(':')[2]}.c{k}") for k, (v, e) in enumerate(carry)]
+      self.loops = outer + ((src, trip),)
+      carry = self.run(bj.jaxpr, [*bconsts, *carry], bjc)
+      self.loops = outer
     raise ExtractionError(f"{src}: while loop ran past {MAX_LOOP_TRIPS} trips")
 
-  def p_run_scoped(self, eqn, env, ins, src):
+  def p_run_scoped(self, eqn, ins, src):
     sub = eqn.params["jaxpr"]
-    consts = ins[:len(sub.constvars)] if len(ins) >= len(sub.constvars) else ins
     args = []
     for v in sub.invars:
       buf = self._buffer(v.aval)
       self.buffers[buf.name] = buf
-      args.append((RefV(buf), buf.name))
-    env2 = {}
-    for v, a in zip(sub.constvars, ins):
-      env2[v] = a
-    for v, a in zip(sub.invars, args):
-      env2[v] = a
-    for e in sub.eqns:
-      outs = self.eqn_(e, env2)
-      for v, o in zip(e.outvars, outs):
-        env2[v] = o
-    return [self.read(env2, v) for v in sub.outvars]
+      args.append(RefV(buf))
+    return self.run(sub, args, ins[:len(sub.constvars)])
 
-  def p_run_state(self, eqn, env, ins, src):
+  def p_run_state(self, eqn, ins, src):
     sub = eqn.params["jaxpr"]
     args = []
     for v, a in zip(sub.invars, ins):
-      if isinstance(a[0], RefV):
+      if isinstance(a, RefV):
         args.append(a)
       else:  # a value run_state turns into a fresh ref (an accumulator)
         buf = self._buffer(v.aval, "regs")
         self.cells[buf.name] = a
-        args.append((RefV(buf), a[1]))
+        args.append(RefV(buf))
     self.run(sub, args)
     # run_state hands its refs back as values: Mosaic GPU waits for every
     # wgmma group in flight before it reads an accumulator out.
     self._emit(Event("wgmma_wait", self.role, src, n=0))
-    return [(OPAQUE, "?")] * len(eqn.outvars)
+    return [OPAQUE] * len(eqn.outvars)
 
-  def p_axis_index(self, eqn, env, ins, src):
+  def p_axis_index(self, eqn, ins, src):
     axis = eqn.params["axis_name"]
     if axis in self.axes:
-      v = self.axes[axis]
-      return [(v, str(axis) if isinstance(axis, str) else "warp")]
+      return [self.axes[axis]]
     raise ExtractionError(f"{src}: axis_index of {axis!r} has no value in the environment")
 
-  def p_mpmd_map(self, eqn, env, ins, src):
+  def p_mpmd_map(self, eqn, ins, src):
     mesh = eqn.params["meshes"][0]
     if type(mesh).__name__ != "WarpMesh":
       raise ExtractionError(f"{src}: nested mpmd_map over {mesh!r} is not modelled")
@@ -479,66 +597,69 @@ class _Interp:
       self.run(body, ins)
     del self.axes[mesh.axis_name]
     self.role = outer
-    return [(OPAQUE, "?")] * len(eqn.outvars)
+    return [OPAQUE] * len(eqn.outvars)
 
   # -- memory ---------------------------------------------------------------
-  def _ref_and_slot(self, ref, treedef, leaves):
-    if not isinstance(ref[0], RefV):
-      raise ExtractionError(f"a ref operand the extractor lost track of: {ref}")
-    slot, expr = self._indexer_slot(treedef, leaves) if treedef is not None else (None, "")
-    return self._view(ref[0].buf, treedef), slot, expr
+  def _ref_and_slot(self, ref, treedef, leaves, src=""):
+    """The buffer a (ref, transforms) operand names, and its slot: the first
+    integer index of the first indexer of the transform chain."""
+    if not isinstance(ref, RefV):
+      raise ExtractionError(f"{src}: a ref operand the extractor lost track of: {ref!r}")
+    if treedef is None:
+      return ref.buf, None
+    where, view = _transform_info(treedef)
+    slot = None
+    if where is not None and where[0] == "leaf":
+      slot = leaves[where[1]]
+      if type(slot) not in _INT:
+        raise ExtractionError(f"{src}: a shared-memory or barrier slot the extractor "
+                              f"cannot evaluate (an index computed from data)")
+      slot = int(slot)
+    elif where is not None and where[0] == "static":
+      slot = where[1]
+    return (self._view(ref.buf, view) if view is not None else ref.buf), slot
 
-  def _view(self, buf, treedef):
+  def _view(self, buf, t):
     """A RefUnion member is a view at a byte offset of one allocation: a buffer
     of its own, whose byte range the checker compares with the others'."""
-    if treedef is None:
-      return buf
-    try:
-      transforms = tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
-    except Exception:  # noqa: BLE001
-      return buf
-    for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
-      if type(t).__name__ == "ExtractAliasedRef":
-        import numpy as np
-        size = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-        view = Buffer(f"{buf.name}@{t.alias_group_idx}+{t.offset}", buf.space, tuple(t.shape))
-        self.buffers[view.name] = view
-        self.views[view.name] = (buf.name, t.offset, t.offset + size, t.alias_group_idx)
-        return view
-    return buf
+    import numpy as np
+    size = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+    view = Buffer(f"{buf.name}@{t.alias_group_idx}+{t.offset}", buf.space, tuple(t.shape))
+    self.buffers[view.name] = view
+    self.views[view.name] = (buf.name, t.offset, t.offset + size, t.alias_group_idx)
+    return view
 
-  def p_get(self, eqn, env, ins, src):
+  def p_get(self, eqn, ins, src):
     ref, *leaves = ins
-    treedef = eqn.params.get("tree")
-    buf, slot, expr = self._ref_and_slot(ref, treedef, leaves)
-    if buf.space == "gmem":
-      if not eqn.outvars[0].aval.shape and "int" in str(eqn.outvars[0].aval.dtype):
-        idx = tuple(l[0] for l in leaves)
-        self.loads += 1
-        return [(self.env(buf.name, idx), f"{buf.name}[{','.join(l[1] for l in leaves)}]")]
-      return [(OPAQUE, "?")]
+    if isinstance(ref, RefV) and ref.buf.space == "gmem":
+      out = eqn.outvars[0].aval
+      if not out.shape and "int" in str(out.dtype):
+        return [self.env(ref.buf.name, tuple(leaves))]
+      return [OPAQUE]
+    buf, slot = self._ref_and_slot(ref, eqn.params.get("tree"), leaves, src)
     if buf.space == "smem":
-      self._emit(Event("smem_load", self.role, src, buf.name, slot, expr=expr))
+      self._emit(Event("smem_load", self.role, src, buf.name, slot))
     if buf.space == "regs" and not leaves:
-      return [self.cells.get(buf.name, (OPAQUE, "?"))]
-    return [(OPAQUE, "?")]
+      return [self.cells.get(buf.name, OPAQUE)]
+    return [OPAQUE]
 
   p_load = p_get
 
-  def p_swap(self, eqn, env, ins, src):
+  def p_swap(self, eqn, ins, src):
     ref, val, *leaves = ins
-    buf, slot, expr = self._ref_and_slot(ref, eqn.params.get("tree"), leaves)
+    if isinstance(ref, RefV) and ref.buf.space == "gmem":
+      raise ExtractionError(f"{src}: a plain store to global memory is not modelled")
+    buf, slot = self._ref_and_slot(ref, eqn.params.get("tree"), leaves, src)
     if buf.space == "regs":
-      old = self.cells.get(buf.name, (OPAQUE, "?"))
-      self.cells[buf.name] = val if not leaves else (OPAQUE, "?")
+      old = self.cells.get(buf.name, OPAQUE)
+      self.cells[buf.name] = val if not leaves else OPAQUE
       return [old]
     if buf.space == "smem":
-      self._emit(Event("smem_store", self.role, src, buf.name, slot, expr=expr))
-    elif buf.space == "gmem":
-      raise ExtractionError(f"{src}: a plain store to global memory is not modelled")
-    return [(OPAQUE, "?")]
+      self._emit(Event("smem_store", self.role, src, buf.name, slot))
+    return [OPAQUE]
 
-  def _split_leaves(self, ins, *treedefs):
+  @staticmethod
+  def _split_leaves(ins, *treedefs):
     out, i = [], 0
     for td in treedefs:
       n = td.num_leaves if td is not None else 0
@@ -546,25 +667,25 @@ class _Interp:
       i += n
     return out, ins[i:]
 
-  def p_barrier_wait(self, eqn, env, ins, src):
+  def p_barrier_wait(self, eqn, ins, src):
     ref, *leaves = ins
-    buf, slot, expr = self._ref_and_slot(ref, eqn.params["transforms_treedef"], leaves)
-    self._emit(Event("wait", self.role, src, buf.name, slot, expr=expr))
+    buf, slot = self._ref_and_slot(ref, eqn.params["transforms_treedef"], leaves, src)
+    self._emit(Event("wait", self.role, src, buf.name, slot))
     return []
 
-  def p_barrier_arrive(self, eqn, env, ins, src):
+  def p_barrier_arrive(self, eqn, ins, src):
     ref, *rest = ins
     td = eqn.params["transforms_treedef"]
     (parts, pred) = self._split_leaves(rest, td)
-    if eqn.params.get("has_user_predicate") and pred and pred[0][0] is not True:
-      if pred[0][0] is False:
+    if eqn.params.get("has_user_predicate") and pred and pred[0] is not True:
+      if pred[0] is False:
         return []
       raise ExtractionError(f"{src}: a predicated arrive on data is not modelled")
-    buf, slot, expr = self._ref_and_slot(ref, td, parts[0][1])
-    self._emit(Event("arrive", self.role, src, buf.name, slot, expr=expr))
+    buf, slot = self._ref_and_slot(ref, td, parts[0][1], src)
+    self._emit(Event("arrive", self.role, src, buf.name, slot))
     return []
 
-  def p_copy_gmem_to_smem(self, eqn, env, ins, src):
+  def p_copy_gmem_to_smem(self, eqn, ins, src):
     p = eqn.params
     srcref, dst, *rest = ins
     if not p.get("has_barrier", True):
@@ -577,13 +698,13 @@ class _Interp:
       raise ExtractionError(f"{src}: a predicated TMA load is not modelled")
     if p.get("collective_axes"):
       raise ExtractionError(f"{src}: a multicast TMA load is not modelled")
-    dbuf, dslot, dexpr = self._ref_and_slot(dst, *parts[1])
-    bbuf, bslot, _ = self._ref_and_slot(bar, *parts[2])
+    dbuf, dslot = self._ref_and_slot(dst, *parts[1], src)
+    bbuf, bslot = self._ref_and_slot(bar, *parts[2], src)
     self._emit(Event("tma_load", self.role, src, dbuf.name, dslot, bar=bbuf.name,
-                     bar_slot=bslot, expr=dexpr))
+                     bar_slot=bslot))
     return []
 
-  def p_copy_smem_to_gmem(self, eqn, env, ins, src):
+  def p_copy_smem_to_gmem(self, eqn, ins, src):
     p = eqn.params
     srcref, dst, *rest = ins
     (parts, pred) = self._split_leaves(rest, p["src_transforms_treedef"],
@@ -592,36 +713,36 @@ class _Interp:
       raise ExtractionError(f"{src}: a predicated TMA store is not modelled")
     if not p.get("commit_group", True):
       raise ExtractionError(f"{src}: a TMA store outside a commit group is not modelled")
-    sbuf, sslot, sexpr = self._ref_and_slot(srcref, *parts[0])
-    self._emit(Event("tma_store", self.role, src, sbuf.name, sslot, expr=sexpr))
+    sbuf, sslot = self._ref_and_slot(srcref, *parts[0], src)
+    self._emit(Event("tma_store", self.role, src, sbuf.name, sslot))
     return []
 
-  def p_wait_smem_to_gmem(self, eqn, env, ins, src):
+  def p_wait_smem_to_gmem(self, eqn, ins, src):
     self._emit(Event("store_wait", self.role, src, n=int(eqn.params["n"])))
     return []
 
-  def p_commit_smem(self, eqn, env, ins, src):
+  def p_commit_smem(self, eqn, ins, src):
     self._emit(Event("fence", self.role, src))
     return []
 
-  def p_wgmma_ref(self, eqn, env, ins, src):
+  def p_wgmma_ref(self, eqn, ins, src):
     p = eqn.params
     acc, a, b, *rest = ins
     (parts, _) = self._split_leaves(rest, p["acc_transforms_tree"], p["a_transforms_tree"],
                                     p["b_transforms_tree"])
     reads = []
     for opnd, part in ((a, parts[1]), (b, parts[2])):
-      if isinstance(opnd[0], RefV) and opnd[0].buf.space == "smem":
-        buf, slot, _ = self._ref_and_slot(opnd, *part)
+      if isinstance(opnd, RefV) and opnd.buf.space == "smem":
+        buf, slot = self._ref_and_slot(opnd, *part, src)
         reads.append((buf.name, slot))
     self._emit(Event("wgmma", self.role, src, reads=tuple(reads)))
     return []
 
-  def p_wgmma_accumulator_deref_p(self, eqn, env, ins, src):
+  def p_wgmma_accumulator_deref_p(self, eqn, ins, src):
     self._emit(Event("wgmma_wait", self.role, src, n=int(eqn.params["wait_n"])))
-    return [(OPAQUE, "?")]
+    return [OPAQUE]
 
-  def p_inline_mgpu_p(self, eqn, env, ins, src):
+  def p_inline_mgpu_p(self, eqn, ins, src):
     fn = eqn.params["mgpu_fn"]
     code = getattr(fn, "__code__", None)
     if (code is None or not code.co_filename.endswith(os.path.join("kernel", "barriers.py"))
@@ -633,58 +754,87 @@ class _Interp:
     kind, threads = closure["kind"], int(closure["num_threads"])
     if kind not in ("sync", "arrive"):
       raise UnknownPrimitive(f"{src}: named barrier operation bar.{kind}")
-    (bid, expr), = ins
-    if not isinstance(bid, int):
+    (bid,) = ins
+    if type(bid) is not int:
       raise ExtractionError(f"{src}: named barrier id is not an integer the extractor can evaluate")
-    self._emit(Event("bar_" + kind, self.role, src, bar_id=bid,
-                     threads=threads, family=_barrier_family(eqn.source_info), expr=expr))
+    self._emit(Event("bar_" + kind, self.role, src, bar_id=bid, threads=threads,
+                     family=_barrier_family(eqn.source_info)))
     return []
 
 
-def dict_eqn(eqn, **params):
-  return dataclasses.replace(eqn, params={**eqn.params, **params}) if dataclasses.is_dataclass(
-      eqn) else eqn.replace(params={**eqn.params, **params})
+_LINE_NAMES: dict = {}  # kernel file:line -> (identifiers indexed with .at[, store source)
+
+
+def _line_names(src: str):
+  hit = _LINE_NAMES.get(src)
+  if hit is None:
+    line = _src_line(src)
+    m = re.search(r"copy_smem_to_gmem\(\s*([A-Za-z_]\w*)", line)
+    hit = _LINE_NAMES[src] = (re.findall(r"([A-Za-z_]\w*)\.at\[", line),
+                              m.group(1) if m else None)
+  return hit
 
 
 _RING_VERB = re.compile(r"([A-Za-z_]\w*)\.(producer_acquire|producer_copy|consumer_wait|"
                         r"consumer_release)\((.*)")
 
 
+def _ring_verb_name(e) -> str | None:
+  """A line that calls a verb of kernel/ring.py (``keys.consumer_wait(st,
+  "bias")``) names what it touches after the ring and the buffer it names:
+  ``keys.bias`` for the buffer, ``keys.bias.produced`` for its barriers,
+  ``keys.consumed``."""
+  if e.kind not in ("wait", "arrive", "tma_load"):
+    return None
+  verb = _RING_VERB.search(_src_line(e.src))
+  if not verb:
+    return None
+  ring, verb, args = verb.groups()
+  part = re.match(r"[^\"]*\"(\w+)\"", args)
+  buf = f"{ring}.{part.group(1)}" if part else ring
+  return {"consumer_wait": f"{buf}.produced", "producer_copy": buf}.get(verb, f"{ring}.consumed")
+
+
 def _name_buffers(events: dict) -> dict:
-  """Readable names from the kernel's source: an mbarrier array is named by the
-  identifier its first wait/arrive line indexes, a buffer by the destination
-  of its first TMA load or the source of its first TMA store.  A line that
-  calls a verb of kernel/ring.py (``keys.consumer_wait(st, "bias")``) names
-  them after the ring and the buffer it names: ``keys.bias`` for the
-  buffer, ``keys.bias.produced`` for its barriers, ``keys.consumed``."""
-  names = {}
-  pat = re.compile(r"([A-Za-z_]\w*)\.at\[")
+  """Readable names from the kernel's source, for traces: a ring's buffers
+  and barriers after the ring verb that touches them (:func:`_ring_verb_name`),
+  else an mbarrier array by the identifier its wait lines index (its arrive
+  lines where nobody waits), a buffer by the destination of its TMA loads or
+  the source of its TMA stores.  A line with several ``.at[`` is read as the
+  call's argument order has it; a name two buffers would share is made
+  unique."""
+  votes: dict = {}
+  rank = {"ring": -1, "wait": 0, "tma_load": 0, "tma_store": 1, "arrive": 2, "smem_store": 3,
+          "smem_load": 4}
   for evs in events.values():
     for e in evs:
-      line = _src_line(e.src)
-      verb = _RING_VERB.search(line)
-      if verb and e.kind in ("wait", "arrive", "tma_load"):
-        ring, verb, args = verb.groups()
-        part = re.match(r"[^\"]*\"(\w+)\"", args)
-        buf = f"{ring}.{part.group(1)}" if part else ring
-        name = {"consumer_wait": f"{buf}.produced", "producer_copy": buf}.get(
-            verb, f"{ring}.consumed")
-        names.setdefault(e.buf, name)
+      if e.kind not in rank:
         continue
-      found = pat.findall(line)
-      if e.kind in ("wait", "arrive") and found and e.buf not in names:
-        names[e.buf] = found[0]
-      elif e.kind == "tma_load" and len(found) >= 2 and e.buf not in names:
-        names[e.buf] = found[1]
-      elif e.kind == "tma_store" and e.buf not in names:
-        m = re.search(r"copy_smem_to_gmem\(\s*([A-Za-z_]\w*)", line)
-        if m:
-          names[e.buf] = m.group(1)
-  taken = {}
-  for k, v in list(names.items()):
-    if v in taken.values():
-      names[k] = f"{v}#{k}"
-    taken[k] = names[k]
+      ring_name = _ring_verb_name(e)
+      if ring_name:
+        best = votes.get(e.buf)
+        if best is None or rank["ring"] < best[0]:
+          votes[e.buf] = (rank["ring"], ring_name)
+        continue
+      found, stored = _line_names(e.src)
+      name = None
+      if e.kind == "wait" and len(found) == 1:
+        name = found[0]
+      elif e.kind in ("arrive", "smem_store", "smem_load") and len(found) == 1:
+        name = found[0]
+      elif e.kind == "tma_load" and len(found) >= 2:
+        name = found[1]
+      elif e.kind == "tma_store" and stored:
+        name = stored
+      if name:
+        best = votes.get(e.buf)
+        if best is None or rank[e.kind] < best[0]:
+          votes[e.buf] = (rank[e.kind], name)
+  names, taken = {}, set()
+  for raw in sorted(votes, key=lambda b: (votes[b], b)):
+    name = votes[raw][1]
+    names[raw] = name if name not in taken else f"{name}#{raw}"
+    taken.add(names[raw])
   return names
 
 
@@ -694,7 +844,7 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
   integer a kernel reads from global memory)."""
   mesh = eqn_mesh = kernel_eqn.params["meshes"][0]
   (body,) = kernel_eqn.params["jaxprs"]
-  roles, threads = {}, {}
+  roles, threads, loops = {}, {}, {}
   all_buffers, views = {}, {}
   for w in range(mesh.num_threads):
     interp = _Interp(kernel_eqn, env, {**grid, eqn_mesh.thread_name: w})
@@ -702,30 +852,25 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
     gm = []
     for v in body.invars:
       buf = Buffer(f"gmem_in{len(gm)}", "gmem", tuple(getattr(v.aval, "shape", ())))
-      gm.append((RefV(buf), buf.name))
+      gm.append(RefV(buf))
     interp.run(body, gm)
     for role, evs in interp.events.items():
       if evs:
         roles[role] = evs
+        loops[role] = tuple(interp.event_loops[role])
         threads[role] = 32 if ".warp" in role else 128
     all_buffers.update(interp.buffers)
     views.update(interp.views)
-  names = _name_buffers(roles)
-  rename = lambda b: names.get(b, b)
-  out = {}
-  for role, evs in roles.items():
-    out[role] = tuple(dataclasses.replace(
-        e, buf=rename(e.buf), bar=rename(e.bar),
-        reads=tuple((rename(b), s) for b, s in e.reads)) for e in evs)
-  barriers_ = {rename(b.name): b for b in all_buffers.values() if b.space == "barrier"}
-  buffers = {rename(b.name): b for b in all_buffers.values() if b.space == "smem"}
+  out = {role: tuple(evs) for role, evs in roles.items()}
+  barriers_ = {b.name: b for b in all_buffers.values() if b.space == "barrier"}
+  buffers = {b.name: b for b in all_buffers.values() if b.space == "smem"}
   overlaps = {}
   for a, (base_a, lo_a, hi_a, g_a) in views.items():
     for b, (base_b, lo_b, hi_b, g_b) in views.items():
       if a != b and base_a == base_b and g_a != g_b and lo_a < hi_b and lo_b < hi_a:
-        overlaps.setdefault(rename(a), set()).add(rename(b))
+        overlaps.setdefault(a, set()).add(b)
   return Extracted(name, out, threads, barriers_, buffers,
-                   {k: frozenset(v) for k, v in overlaps.items()})
+                   {k: frozenset(v) for k, v in overlaps.items()}, loops, _name_buffers(out))
 
 
 # ---------------------------------------------------------------------------

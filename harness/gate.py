@@ -7,7 +7,8 @@ Steps, in order:
 1. **cpu-properties** — ``pytest -n auto properties/ -m "not gpu"``: the float64
    reference, the executable model of the kernel's arithmetic, bad input,
    heuristics, CUDA lowering of every config (no GPU needed).
-2. **proofs** — the Z3 proofs of the stage-ring protocol (``harness.prove``).
+2. **proofs** — the barrier and stage-ring protocol of every launch, read out of
+   the traced kernels and proved for every environment (``harness.prove``).
 3. **gpu-properties** — ``pytest -n auto properties/ -m gpu`` on an sm90 GPU.
 4. **golden** — the golden-file check on an sm90 GPU (``harness.golden``).
 

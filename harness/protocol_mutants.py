@@ -95,6 +95,15 @@ MUTANTS = (
            "the output tile stored to shared memory and TMA-stored without commit_smem",
            (("  plgpu.commit_smem()\n  plgpu.copy_smem_to_gmem(o_smem,",
              "  pass\n  plgpu.copy_smem_to_gmem(o_smem,"),)),
+    # kernel/forward.py before 0b8ad79: deadlocks only after two tiles
+    # without key blocks in a row (trip counts 0, 0, 0), which no check of
+    # two tiles could show.
+    Mutant("empty_tile_skips_token",
+           "a persistent tile without key blocks neither passes nor acquires the pingpong token",
+           (("    @pl.when(t.ub == t.lb)\n    def _():\n      barriers.schedule_release_other(c.wg)\n"
+             "      barriers.schedule_sync(c.wg)\n",
+             "    @pl.when(t.ub == t.lb)\n    def _():\n      pass\n      pass\n"),),
+           persistent=True),
 )
 
 BACKWARD_MUTANTS = (
@@ -118,6 +127,24 @@ BACKWARD_MUTANTS = (
            "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
            (("    plgpu.commit_smem()\n    barriers.ds_ready(dq_owner(t), wg)\n",
              "    pass\n    barriers.ds_ready(dq_owner(t), wg)\n"),),
+           file="backward.py", backward=(64, False, False, True)),
+    Mutant("ds_handoff_one_buffer",
+           "every step of the fused dQ stages its dS^T in the same buffer",
+           (("def ds_buffer(t):\n  return t % DS_BUFFERS\n",
+             "def ds_buffer(t):\n  return 0 * t\n"),),
+           file="backward.py", backward=(64, False, False, True)),
+    Mutant("ds_owner_skips_wait",
+           "the fused dQ's rendezvous: neither warpgroup waits, the step's owner reads the "
+           "other's dS^T unsynchronised",
+           (("    barriers.ds_ready(dq_owner(t), wg)\n",
+             "    barriers.ds_ready(1 - wg, wg)\n"),),
+           file="backward.py", backward=(64, False, False, True)),
+    Mutant("dk_staged_before_dq_products_end",
+           "the fused dQ's K tiles overwritten with dK without the epilogue barrier",
+           (("  if c.fused:  # the last dQ product has read both K tiles before they stage dK\n"
+             "    barriers.epilogue_sync()\n",
+             "  if c.fused:  # the last dQ product has read both K tiles before they stage dK\n"
+             "    pass\n"),),
            file="backward.py", backward=(64, False, False, True)),
 )
 

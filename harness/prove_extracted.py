@@ -1,42 +1,50 @@
-"""The barrier and ring protocol read out of the traced kernels, checked.
-
-Backward (:func:`check_backward`): every launch kind of
-``kernel/backward.py`` (head dims 64/128/256, causal, bias, fused dQ or the
-dQ kernel) traced with 384 query rows (the dK/dV rings wrap) and the dQ
-tile's key range ``[lb, lb + n)`` for ``lb`` in ``{0, 1}``, ``n`` in
-:data:`BACKWARD_TRIPS`.
+"""The barrier and ring protocol read out of the traced kernels, proved.
 
 For each distinct forward protocol the heuristics and the autotuner emit
 (:func:`forward_cases`: stages, persistent, schedule, staged bias/mask,
-causal; block sizes and head dims do not change the sequence of
-synchronisation events) this traces ``kernel/forward.py`` on the CPU, reads
-every role's events out of the jaxpr (:mod:`harness.extract`) under a set of
-environments — the key-block range ``[lb, lb + n)`` each tile reads from its
-``k_range_tiles`` entry, so trip counts, zero included, and the ring's offset
-are chosen here — and checks each with :func:`harness.extracted_proof.check`
-(every interleaving of the roles and the TMA completions).  Environments that
-give the same event sequences share one check.
+causal, the output staged in the query slot; block sizes and head dims do
+not change the sequence of synchronisation events) and for every launch
+kind of ``kernel/backward.py`` (:func:`backward_cases`), this traces the
+kernel on the CPU, reads every role's events out of the jaxpr
+(:mod:`harness.extract`) under *probe* environments, learns each role's
+program from them (:mod:`harness.role_programs`, which states the premise
+that makes the proof unbounded and tests it on every probe) and checks it
+for every environment (:func:`harness.extracted_proof.check`: every number
+of tiles, every trip count per tile, zero included, every interleaving).
+Launches whose programs are equal (the same units, source lines included)
+share one check.
 
-Environments (bounded, see :data:`TRIPS`): a non-persistent block runs one
-tile, checked for every ``n`` in ``0 .. stages + 2`` and ``lb`` in ``{0, 1}``;
-a persistent block walks tiles whose trip counts are every sequence of
-:data:`PERSISTENT_TILES` tiles over :data:`PERSISTENT_TRIPS`, so the ring
-wraps across tile boundaries, after empty tiles, and at every phase.
+Probes.  A forward block reads each tile's key range ``[lb, lb + n)`` from
+its ``k_range_tiles`` entry, so the probe chooses it (``lb`` alternating,
+which the units must not depend on): a non-persistent block runs one tile,
+probed for n = 0, 1, 2, 3 and S + M + 3 (M = lcm(S, 2)); a persistent block
+(traced with :data:`PROBE_SMS` blocks, the probed ones those whose tiles'
+causal bounds leave the most room) walks :func:`probe_tiles` tiles, each
+tile's n chosen as the kernel asks for it so as to show head contexts not
+yet seen (:class:`_Chooser`).  Then each context the learned tables lack
+gets a probe of its own (:func:`_realise`).  The backward's dQ kernel reads
+its tile's range the same way; the dK/dV kernels' streams are as long as
+the traced shapes make them, so they are traced at two query lengths (and,
+causal, every key tile of them, whose streams start further in).
+
+A case whose units break the premise is reported with the two probes that
+disagree, each checked under its own environment (its trace, if it has a
+violation, is the failure shown).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 
 import numpy as np
 
 from harness import extract as ex
 from harness import extracted_proof as xp
+from harness import role_programs as rp
 
-PERSISTENT_TILES = 2
-LB_CHOICES = (0, 1)
+PROBE_SMS = 16        # blocks of the traced persistent grid
+PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,22 +137,28 @@ def _const_values(closed, kernel_eqn) -> dict:
   return walk(closed.jaxpr, known) or {}
 
 
-class _Env:
-  """The integers the kernel reads from global memory: per tile ``qi`` its
-  key range from ``ranges[qi] = (lb, n)`` (the four k_range_tiles tables),
-  the schedule tables from the traced constants."""
+def _range_tables(kernel_eqn, consts, num_tiles) -> dict:
+  tables = [i for i, v in enumerate(kernel_eqn.invars)
+            if tuple(v.aval.shape) == (1, 1, num_tiles) and "int" in str(v.aval.dtype)
+            and i not in consts]
+  if len(tables) != 4:
+    raise ex.ExtractionError(f"expected the 4 k_range_tiles tables among the kernel's "
+                             f"operands, found {len(tables)}")
+  return {f"gmem_in{i}": k for k, i in enumerate(tables)}
 
-  def __init__(self, kernel_eqn, consts, ranges, block_kv):
-    self.ranges, self.block_kv = ranges, block_kv
+
+class _Env:
+  """The integers a kernel reads from global memory: the schedule tables
+  from the traced constants, and per tile ``qi`` its key range, which
+  ``choose(qi)`` decides as the kernel first asks for it and returns as
+  ``(lb, n)`` (lb, n in key blocks: the four k_range_tiles entries
+  lb * block_kv, lb * block_kv, (lb + n) * block_kv, (lb + n) * block_kv)."""
+
+  def __init__(self, tables: dict, consts: dict, block_kv: int, choose):
+    self.tables, self.block_kv, self.choose = tables, block_kv, choose
     self.consts = {f"gmem_in{i}": v for i, v in consts.items()}
-    num_tiles = len(ranges)
-    tables = [i for i, v in enumerate(kernel_eqn.invars)
-              if tuple(v.aval.shape) == (1, 1, num_tiles) and "int" in str(v.aval.dtype)
-              and i not in consts]
-    if len(tables) != 4:
-      raise ex.ExtractionError(f"expected the 4 k_range_tiles tables among the kernel's "
-                               f"operands, found {len(tables)}")
-    self.tables = {f"gmem_in{i}": k for k, i in enumerate(tables)}
+    self.ranges: dict = {}
+    self.order: list = []   # tiles in the order first asked for
 
   def __call__(self, buf, idx):
     if buf in self.consts:
@@ -153,51 +167,113 @@ class _Env:
     if which is None:
       raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
                                f"the prover gives no value")
-    lb, n = self.ranges[idx[-1]]
-    start_min, start_max = lb * self.block_kv, lb * self.block_kv
-    end_min = end_max = (lb + n) * self.block_kv
-    return (start_min, start_max, end_min, end_max)[which]
+    qi = idx[-1]
+    if qi not in self.ranges:
+      self.ranges[qi] = self.choose(qi)
+      self.order.append(qi)
+    lb, n = self.ranges[qi]
+    return ((lb, lb, lb + n, lb + n)[which]) * self.block_kv
 
 
-def _causal_offset(case: ForwardCase, max_trips: int) -> int:
-  """Tiles to put before the checked ones so that the causal bound, at most
-  ``(qi + 1) * 2 * block_q`` keys for tile ``qi``, never caps a range."""
-  if not case.causal:
-    return 0
-  need = -(-(max_trips + 1) * case.block_kv // (2 * case.block_q))  # tiles
-  return max(0, need - 1)
+def _no_reads(buf, idx):
+  raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which the "
+                           f"prover gives no value")
 
 
-def forward_environments(case: ForwardCase):
-  """Per-tile (lb, n) tuples: the environments a case is checked under.  A
-  non-persistent block runs one tile (the last of the tuple, the others are
-  the grid's other blocks, given the same range); a persistent block walks
-  them all: empty tiles first where the causal bound needs room."""
-  s = case.num_stages
-  if not case.persistent:
-    pad = _causal_offset(case, s + 2)
-    return [((lb, n),) * (pad + 1) for lb in LB_CHOICES for n in range(s + 3)]
-  trips = sorted({0, 1, s, s + 1})
-  pad = _causal_offset(case, s + 2)
-  return [((0, 0),) * pad + tuple((0 if k else 1, n) for k, n in enumerate(seq))
-          for seq in itertools.product(trips, repeat=PERSISTENT_TILES)]
+def _ring(stages: int) -> rp.Ring:
+  return rp.Ring(stages)
 
 
-def trace_case(case: ForwardCase, num_tiles: int, *, module=None):
-  from kernel import config as config_lib, forward
+def _probe_trips(ring: rp.Ring) -> int:
+  """The longest trip count a one-tile probe walks: every ring class, with
+  every lookahead of a key-loop iteration."""
+  return ring.classes + rp.AHEAD_CAP
+
+
+class _Chooser:
+  """Trip counts for a persistent probe's tiles, chosen tile by tile within
+  each tile's causal bound (``cap(qi)``) so that the probes of one case show
+  every head context (ring class, trip count 0 / 1 / 2 or more; tails and
+  key-loop iterations follow from them) and a tile long enough for every
+  iteration's lookahead, then all of them again at other ring positions.
+  ``seen`` (context -> times shown) is shared by the probes of one case."""
+
+  def __init__(self, ring: rp.Ring, cap, first: int, seen: dict, lb: bool = True):
+    self.ring, self.cap, self.first, self.seen, self.lb = ring, cap, first, seen, lb
+    self.g, self.t = 0, 0
+    self.long = ring.classes + rp.AHEAD_CAP
+
+  def wanted(self, want: int):
+    """The head contexts (class, min(n, 2)) and "long" shown fewer than ``want`` times."""
+    out = {(c, a) for c in range(self.ring.classes) for a in range(rp.N_CAP + 1)
+           if self.seen.get((c, a), 0) < want}
+    if self.seen.get("long", 0) < want:
+      out.add("long")
+    return out
+
+  def distance(self, c, targets, cap):
+    """Tiles needed from ring class c to a tile that shows a target."""
+    frontier, dist = {c}, 0
+    seen = set()
+    while frontier and dist < 2 * self.ring.classes:
+      if "long" in targets or any((x, a) in targets for x in frontier
+                                  for a in range(rp.N_CAP + 1)):
+        return dist
+      seen |= frontier
+      frontier = {self.ring.advance(x, n) for x in frontier for n in range(min(cap, 2) + 1)}
+      frontier -= seen
+      dist += 1
+    return 1 << 20
+
+  def __call__(self, qi):
+    cap = self.cap(qi)
+    c = self.ring.cls(self.g)
+    if self.t == 0:
+      n = min(self.first, cap)
+    else:
+      targets = self.wanted(1) or self.wanted(2)
+      if "long" in targets and cap >= self.long:
+        n = self.long
+      else:
+        here = [a for a in range(min(cap, rp.N_CAP) + 1) if (c, a) in targets]
+        if here:
+          n = here[0]
+        else:  # towards the nearest class that still has a target
+          n = min(range(min(cap, rp.N_CAP) + 1),
+                  key=lambda n: (self.distance(self.ring.advance(c, n), targets, cap), -n))
+    if self.t >= 1:
+      key = (c, min(n, rp.N_CAP))
+      self.seen[key] = self.seen.get(key, 0) + 1
+      if n >= self.long:
+        self.seen["long"] = self.seen.get("long", 0) + 1
+    self.g += n
+    self.t += 1
+    return (self.t % 2 if self.lb else 0, n)
+
+
+def _kv_blocks(ring: rp.Ring) -> int:
+  return max(_probe_trips(ring), ring.classes + rp.AHEAD_CAP) + 2
+
+
+def trace_case(case: ForwardCase, *, module=None):
+  """The closed jaxpr and kernel eqn of ``case`` traced on the CPU: a
+  persistent grid of PROBE_SMS blocks and probe_tiles tiles each, or enough
+  query tiles that the probed block's causal bound allows every probe."""
+  from kernel import config as config_lib, forward, plan as plan_lib
   module = module or forward
+  ring = _ring(case.num_stages)
   config_stages = case.config_stages or case.num_stages
   # effective stages = min(config, key blocks): fewer stages means that few keys
-  max_blocks = case.num_stages + 4 if config_stages == case.num_stages else case.num_stages
+  kv_blocks = _kv_blocks(ring) if config_stages == case.num_stages else case.num_stages
+  num_tiles = PROBE_SMS * probe_tiles(ring) if case.persistent else _probe_trips(ring) + 1
   seq_q = num_tiles * 2 * case.block_q
   features = module.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
       normalize_output=True, return_residuals=case.residuals, seq_q=seq_q,
-      seq_kv=max_blocks * case.block_kv, stage_2d=case.bias or case.mask)
+      seq_kv=kv_blocks * case.block_kv, stage_2d=case.bias or case.mask)
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=config_stages, persistent=case.persistent,
                              schedule=case.schedule)
-  from kernel import plan as plan_lib
   traced = plan_lib.Problem(
       dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim,
       seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
@@ -205,68 +281,148 @@ def trace_case(case: ForwardCase, num_tiles: int, *, module=None):
   if plan_lib.scratch_layout(traced, config).overlay_q_with_output != case.overlay_q:
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
-  return ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=max_blocks,
-                          head_dim=case.head_dim, bias=case.bias, mask=case.mask, module=module)
+  closed, kernel = ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
+                                    head_dim=case.head_dim, bias=case.bias, mask=case.mask,
+                                    module=module, num_sms=PROBE_SMS)
+  return closed, kernel, features
 
 
-def extract_case(case: ForwardCase, ranges, *, traced=None, module=None):
-  """The extracted launches (one per block that runs) of ``case`` under ``ranges``."""
-  closed, kernel = traced or trace_case(case, len(ranges), module=module)
+def probe_tiles(ring: rp.Ring) -> int:
+  """Tiles each probed persistent block walks in the first round."""
+  return ring.classes + 2
+
+
+def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.LaunchProgram:
+  """The role programs of ``case``'s blocks, learned from probes: a first
+  round that walks many contexts (and several again), then one probe per
+  context the learned tables still lack (:meth:`harness.role_programs.Learner.missing`)."""
+  from kernel import forward
+  module = module or forward
+  closed, kernel, features = traced or trace_case(case, module=module)
+  ring = _ring(case.num_stages)
   consts = _const_values(closed, kernel)
-  env = _Env(kernel, consts, ranges, case.block_kv)
+  num_tiles = features.seq_q // (2 * case.block_q)
+  tables = _range_tables(kernel, consts, num_tiles)
+  bkv = case.block_kv
+
+  def actual(qi, lb, n):
+    """The key blocks the kernel visits for a requested range (the causal
+    bound may cut it), by the kernel's own rule."""
+    lo, hi = module.kv_block_range(qi, block_q=case.block_q, block_kv=bkv,
+                                   seq_q=features.seq_q, seq_kv=features.seq_kv,
+                                   is_causal=case.causal, k_start_min=lb * bkv,
+                                   k_end_max=(lb + n) * bkv)
+    return lo, hi - lo
+
+  # A config with more stages than key blocks runs with as many stages as
+  # blocks: its problems have no more key blocks than that.
+  few = (case.config_stages or case.num_stages) != case.num_stages
+  learner = rp.Learner(f"forward {case.describe()}", ring, persistent=case.persistent,
+                       max_blocks=case.num_stages if few else None)
   grid0 = {"batch": 0, "heads": 0, "q_tiles": 0, "tiles": 0, "sm": 0}
+
+  def probe(choose, sm=None):
+    env = _Env(tables, consts, bkv, choose)
+    if case.persistent:
+      launch = ex.extract_kernel(kernel, env=env, grid={**grid0, "sm": sm},
+                                 name=f"forward block {sm}")
+    else:
+      # the last query tile: its causal bound the widest (the longest-first
+      # order's grid point 0 runs its heaviest tile)
+      launch = ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": num_tiles - 1},
+                                 name="forward block")
+    trips = []
+    for qi in env.order:
+      lb, n = env.ranges[qi]
+      lo, m = actual(qi, lb, n)
+      if few and m < n:
+        raise ex.ExtractionError(f"tile {qi}: {n} key blocks asked of a problem with fewer")
+      if (lo, m) != (lb, n):
+        raise ex.ExtractionError(f"tile {qi}: asked for key blocks [{lb}, {lb + n}), the "
+                                 f"kernel visits [{lo}, {lo + m})")
+      trips.append(n)
+    learner.observe(launch, trips, where=("block " + str(sm) + ", tiles" if case.persistent
+                                          else "one tile") + f" of {trips} key blocks")
+
+  def planned(trips, sm=None):
+    order = []
+
+    def choose(qi):
+      t = len(order)
+      order.append(qi)
+      n = trips[t] if t < len(trips) else 0
+      return (t % 2 if actual(qi, 1, n)[1] == n else 0, n)
+    probe(choose, sm)
+
+  # blocks whose tiles' causal bounds are the widest
+  wide = [PROBE_SMS - 1 - k if case.schedule == "round-robin" else k
+          for k in range(PROBED_BLOCKS)]
   if case.persistent:
-    return [ex.extract_kernel(kernel, env=env, grid=grid0, name="forward")]
-  # Every block has the same range: check the one whose tile the causal bound
-  # caps least (longest-first runs the heaviest tile first).
-  qi = len(ranges) - 1
-  return [ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": qi, "tiles": 0},
-                            name=f"forward block {qi}")]
+    seen: dict = {}
+    for k, first in enumerate((0, 2)):
+      chooser = _Chooser(ring, lambda qi: actual(qi, 0, 1 << 20)[1] if few else
+                         actual(qi, 1, 1 << 20)[1], first=first, seen=seen, lb=not few)
+      probe(chooser, wide[k])
+  else:
+    for n in sorted({0, 1, 2, 3, _probe_trips(ring)}):
+      if not few or n <= case.num_stages:
+        planned([n])
+  for _ in range(4):
+    prog = learner.program()
+    missing = learner.missing(prog)
+    if not missing:
+      return prog
+    done = set()
+    for role, kind, ctx in missing:
+      trips = _realise(ring, kind, ctx, persistent=case.persistent)
+      if trips not in done:
+        done.add(trips)
+        planned(list(trips), wide[0])
+  raise rp.CoverageError(f"{learner.name}: probes do not cover {missing[:3]}")
 
 
-@dataclasses.dataclass
-class CaseResult:
-  case: ForwardCase
-  configs: int
-  environments: int
-  checks: int
-  states: int
-  seconds: float
-  violation: xp.Violation | None = None
+def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
+  """Trip counts of a block's tiles that show a unit of ``kind`` in ``ctx``."""
+  c = ctx["cls"]
+  if persistent:
+    if kind == "head":
+      return (ctx["n"],) if not ctx["later"] else (c, ctx["n"])
+    if kind == "iter":
+      return (c, ctx["ahead"])
+    if kind == "tail":
+      return (c - ctx["n"], ctx["n"])
+    return (c,)
+  if kind == "head":
+    return (ctx["n"],)
+  if kind == "iter":
+    return (c + ctx["ahead"],)
+  return (c,)
 
 
-def check_case(case: ForwardCase, configs: int = 1, *, module=None,
-               environments=None) -> CaseResult:
-  start = time.perf_counter()
-  envs = environments if environments is not None else forward_environments(case)
-  traced = {}
-  seen, states = set(), 0
-  for ranges in envs:
-    nt = len(ranges)
-    if nt not in traced:
-      traced[nt] = trace_case(case, nt, module=module)
-    for launch in extract_case(case, ranges, traced=traced[nt]):
-      sk = launch.skeleton()
-      if sk in seen:
-        continue
-      seen.add(sk)
-      label = ", ".join(f"tile {i}: blocks [{lb}, {lb + n})" for i, (lb, n) in enumerate(ranges))
-      r = xp.check(launch, environment=f"{launch.name}; {label}")
-      states += r.states
-      if not r.ok:
-        return CaseResult(case, configs, len(envs), len(seen), states,
-                          time.perf_counter() - start, r.violation)
-  return CaseResult(case, configs, len(envs), len(seen), states, time.perf_counter() - start)
-
+# -- backward -------------------------------------------------------------------
 
 BACKWARD_HEAD_DIMS = (64, 128, 256)  # two stages, one dK/dV launch (fused dQ where it fits); one stage, dK and dV apart
-BACKWARD_TRIPS = (0, 1, 2, 3)     # key blocks of the dQ kernel's tile (64 keys each)
-# Queries: the dK/dV kernels stream every 64-row query block, so their ring
-# wraps past its first refill at 384 rows (6 blocks); the dQ kernel's tiles are 128 rows.
-BACKWARD_SEQ_Q = 384
 
 
-def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q=BACKWARD_SEQ_Q, seq_kv=192, ranges=True,
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+  head_dim: int
+  causal: bool
+  bias: bool
+  fuse_dq: bool
+
+  def describe(self) -> str:
+    return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
+            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}")
+
+
+def backward_cases() -> list[BackwardCase]:
+  """Every launch kind kernel/backward.py makes."""
+  return [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
+          for b in (False, True) for f in (True, False)]
+
+
+def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
                    module=None):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
   CPU, and its Mosaic GPU kernels in launch order."""
@@ -290,127 +446,279 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q=BACKWARD_SEQ_Q, seq
   return closed, ex.find_kernels(closed.jaxpr)
 
 
-def backward_cases():
-  """(head_dim, causal, bias, fuse_dq): every launch kind kernel/backward.py makes."""
-  return [(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
-          for b in (False, True) for f in (True, False)]
+def _stream_length(launch, role="wg2.warp0") -> int:
+  """A stream's length as its producer runs it: the iterations of its loop."""
+  return len({lp[0] for lp in launch.loops.get(role, ()) if lp})
 
 
-def check_backward(head_dim, causal, bias, fuse_dq, *, module=None) -> CaseResult:
-  """Every kernel of one backward, its dQ tile's key range [lb, lb + n) for
-  lb in {0, 1} and n in BACKWARD_TRIPS (the dK/dV kernels' query loops run
-  over the whole padded query length)."""
+def _tables_of(kernel, consts):
+  """(the four k_range_tiles tables, tiles) of a kernel that reads them, else None."""
+  for v in kernel.invars:
+    shape = tuple(v.aval.shape)
+    if len(shape) == 3 and shape[:2] == (1, 1) and "int" in str(v.aval.dtype):
+      try:
+        return _range_tables(kernel, consts, shape[2]), shape[2]
+      except ex.ExtractionError:
+        continue
+  return None
+
+
+def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
+  """The role programs of every launch of one backward, learned from probes.
+
+  The dK/dV kernels stream a query length's blocks (64 rows; the length is
+  padded to 128, so an even number of them), under causal from key tile j's
+  first key on: one causal trace shows streams of every even length from
+  its longest down to 0; non-causal, a long trace and the shortest (one
+  64-row block of queries).  The dQ kernel's tile reads its key range from
+  the tables: probed at the long trace's last tile for n = 0, 1, 2, 3 and
+  S + M + 3, then for each context the learned tables still lack."""
+  from kernel import backward
+  module = module or backward
+  blocks = module.blocks_for(case.head_dim, case.head_dim)
+  ring = _ring(blocks.num_stages)
+  long = _probe_trips(ring)
+  tile = blocks.dq_tile
+  # the dQ kernel's last tile bounds its causal range at 2 * (tiles) blocks
+  seq_long = tile * max(-(-long * blocks.dkv_stream_q // tile), -(-long // 2) + 1)
+  seq_kv = -(-(long + 2) * blocks.dq_stream_kv // blocks.dkv_tile) * blocks.dkv_tile
+  shapes = (seq_long,) if case.causal else (seq_long, blocks.dkv_stream_q)
+  learners: list = []
+  probes: dict = {}     # id(learner) -> probe(n), for launches that read their range
+  for seq_q in shapes:
+    closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
+                                     fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
+                                     module=module)
+    if not learners:
+      learners = [rp.Learner(f"{case.describe()}, launch {i + 1} of {len(kernels)}", ring,
+                             persistent=False) for i in range(len(kernels))]
+    elif len(learners) != len(kernels):
+      raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches at one length, "
+                               f"{len(learners)} at another")
+    grid = {"batch": 0, "heads": 0, "q_tiles": 0, "kv_tiles": 0, "kv_heads": 0}
+    for learner, kernel in zip(learners, kernels):
+      consts = _const_values(closed, kernel)
+      found = _tables_of(kernel, consts)
+      if found is not None:
+        if seq_q != seq_long:
+          continue  # the dQ kernel's stream is its table's: probed at one length
+        tables, num_tiles = found
+        learner.name = learner.name.replace("launch", "dQ kernel, launch")
+
+        def probe(n, learner=learner, kernel=kernel, tables=tables, consts=consts,
+                  num_tiles=num_tiles, seq_q=seq_q):
+          lb = n % 2
+          env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi: (lb, n))
+          launch = ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": num_tiles - 1},
+                                     name="dq")
+          (qi,) = env.order
+          lo, hi = module.kv_block_range(
+              qi, block_q=blocks.rows, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
+              seq_kv=seq_kv, is_causal=case.causal, k_start_min=lb * blocks.dq_stream_kv,
+              k_end_max=(lb + n) * blocks.dq_stream_kv)
+          learner.observe(launch, [hi - lo], where=f"the dQ tile's key blocks [{lo}, {hi})")
+
+        probes[id(learner)] = probe
+        for n in sorted({0, 1, 2, 3, long}):
+          probe(n)
+      else:
+        kv_tiles = -(-seq_kv // blocks.dkv_tile)
+        for j in range(kv_tiles) if case.causal else (0,):
+          launch = ex.extract_kernel(kernel, env=_no_reads, grid={**grid, "kv_tiles": j},
+                                     name="dkv")
+          n = _stream_length(launch)
+          learner.observe(launch, [n], where=f"key tile {j} of {seq_q} queries ({n} blocks)")
+  programs = []
+  for learner in learners:
+    lengths = [t for _, trips, _ in learner.seen for t in trips]
+    learner.min_blocks = min(lengths)   # no shorter stream exists
+    prog = learner.program()
+    probe = probes.get(id(learner))
+    for _ in range(4):
+      missing = learner.missing(prog) if probe else []
+      if not missing:
+        break
+      for n in sorted({_realise(ring, kind, ctx, persistent=False)[0]
+                       for _, kind, ctx in missing}):
+        probe(n)
+      prog = learner.program()
+    programs.append(prog)
+  return programs
+
+
+# -- running -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+  """One check: a launch program (shared by every case whose program is
+  equal), or the probes of a case whose events break the premise."""
+
+  name: str
+  cases: list                      # descriptions of the cases it covers
+  configs: int = 0                 # emitted (problem, config) pairs covered
+  states: int = 0
+  seconds: float = 0.0
+  violation: xp.Violation | None = None
+  premise: str | None = None       # the premise's failure, when no trace was found
+  probes: int = 0
+
+  @property
+  def ok(self) -> bool:
+    return self.violation is None and self.premise is None
+
+
+_MUTANTS: dict = {}   # mutant name -> (forward module, backward module), per process
+
+
+def _modules(mutant):
+  """The kernel modules to trace: the shipped ones, or ``mutant``'s edit of
+  one of them (harness/protocol_mutants.py)."""
+  from kernel import backward, forward
+  if mutant is None:
+    return forward, backward
+  if mutant not in _MUTANTS:
+    from harness import protocol_mutants
+    m = protocol_mutants.BY_NAME[mutant]
+    mod = protocol_mutants.load(m)
+    _MUTANTS[mutant] = (mod, backward) if m.kernel == "forward.py" else (forward, mod)
+  return _MUTANTS[mutant]
+
+
+def _programs_of(item):
+  """((kind, case), mutant) -> ([(name, LaunchProgram)], premise failure or None, seconds)."""
+  (kind, case), mutant = item
+  forward, backward = _modules(mutant)
   start = time.perf_counter()
-  closed, kernels = trace_backward(head_dim, causal=causal, bias=bias, fuse_dq=fuse_dq,
-                                   module=module)
-  grid = {"batch": 0, "heads": 0, "q_tiles": 0, "kv_tiles": 0, "kv_heads": 0}
-  seen, states, envs = set(), 0, 0
-  for kernel in kernels:
-    for lb in LB_CHOICES:
-      for n in BACKWARD_TRIPS:
-        envs += 1
-        nt = BACKWARD_SEQ_Q // 128
-        env = _Env(kernel, {}, ((lb, n),) * nt, 64) if _has_tables(kernel, nt) else _no_reads
-        launch = ex.extract_kernel(kernel, env=env, grid=grid, name="backward")
-        sk = launch.skeleton()
-        if sk in seen:
-          continue
-        seen.add(sk)
-        r = xp.check(launch, environment=f"backward d={head_dim} causal={causal} "
-                     f"bias={bias} fuse_dq={fuse_dq}; dQ tile blocks [{lb}, {lb + n})")
-        states += r.states
-        label = BackwardCase(head_dim, causal, bias, fuse_dq)
-        if not r.ok:
-          return CaseResult(label, 1, envs, len(seen), states, time.perf_counter() - start,
-                            r.violation)
-  return CaseResult(BackwardCase(head_dim, causal, bias, fuse_dq), 1, envs, len(seen), states,
-                    time.perf_counter() - start)
+  try:
+    if kind == "forward":
+      progs = [(case.describe(), forward_program(case, module=forward))]
+    else:
+      progs = [(p.name, p) for p in backward_programs(case, module=backward)]
+    return progs, None, time.perf_counter() - start
+  except rp.PremiseError as err:
+    if kind == "forward":
+      stages, persistent = case.num_stages, case.persistent
+    else:
+      stages, persistent = backward.blocks_for(case.head_dim, case.head_dim).num_stages, False
+    concrete = [rp.concrete(case.describe(), stages, p, persistent=persistent)
+                for p in err.probes]
+    return [(c.name, c) for c in concrete], str(err), time.perf_counter() - start
 
 
-@dataclasses.dataclass(frozen=True)
-class BackwardCase:
-  head_dim: int
-  causal: bool
-  bias: bool
-  fuse_dq: bool
-
-  def describe(self) -> str:
-    return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
-            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}")
+def _check(prog):
+  return xp.check(prog)
 
 
-def _has_tables(kernel, num_tiles) -> bool:
-  return sum(tuple(v.aval.shape) == (1, 1, num_tiles) and "int" in str(v.aval.dtype)
-             for v in kernel.invars) == 4
+def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
+          pool=None) -> list[Result]:
+  """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
+  ("backward", BackwardCase, 0)), check each distinct one, and return one
+  Result per check (premise failures included).  ``mutant``: trace a
+  protocol mutant's kernel source instead of the shipped one.
+  ``fail_fast``: one worker, in order, stopping at the first failure."""
+  work = [(kind, case) for kind, case, _ in items]
+  configs = {id(c): n for _, c, n in items}
+  distinct: dict = {}
+  if fail_fast:
+    results = []
+    for w in work:
+      learned = _programs_of((w, mutant))
+      new = _collect([w], [learned], configs, distinct)
+      results += new
+      for prog, result in list(distinct.values()):
+        if result in new:
+          _record(result, xp.check(prog))
+      if any(not r.ok for r in new):
+        break
+    return results
+  if pool is not None:
+    return _prove_pooled(pool, jobs, work, configs, mutant)
+  if jobs > 1:
+    with workers(jobs) as pool:
+      return _prove_pooled(pool, jobs, work, configs, mutant)
+  learned = [_programs_of((w, mutant)) for w in work]
+  results = _collect(work, learned, configs, distinct)
+  for prog, result in distinct.values():
+    _record(result, xp.check(prog))
+  return results
 
 
-def _no_reads(buf, idx):
-  raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which the "
-                           f"prover gives no value")
+def workers(jobs: int):
+  """A pool of ``jobs`` fresh processes (spawned: no traced state shared),
+  each already importing what it needs (:func:`_warm_up`) while the caller
+  prepares the work."""
+  import concurrent.futures
+  import multiprocessing
+  pool = concurrent.futures.ProcessPoolExecutor(
+      max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+  for _ in range(jobs):
+    pool.submit(_warm_up)
+  return pool
 
 
-def representative(cases):
-  """The cases ``python -m harness prove`` checks by default: every case
-  without staged operands, and the staged ones up to two stages (a staged
-  bias and mask add slots to the same key phase, checked on the smallest
-  rings that wrap; ``python -m harness prove --extracted all`` checks every case)."""
-  return [(c, n) for c, n in cases if not (c.bias or c.mask) or c.num_stages <= 2]
+def _warm_up():
+  from kernel import backward, forward  # noqa: F401  (jax and the kernels)
+  return 0
 
 
-def _check_one(item):
-  case, configs = item
-  return check_case(case, configs)
+def _prove_pooled(pool, jobs, work, configs, mutant) -> list[Result]:
+  """Learn and check on the pool as results come: a worker that frees up
+  takes a pending check first (the costliest cases are learned first, so
+  their checks start early), else the next case to learn."""
+  import concurrent.futures
+  distinct: dict = {}
+  learned: dict = {}
+  running: dict = {}   # future -> ("learn", index) | ("check", key)
+  checks, next_learn = [], 0
+  checked: dict = {}
+  while next_learn < len(work) or checks or running:
+    while len(running) < jobs and (checks or next_learn < len(work)):
+      if checks:
+        key = checks.pop(0)
+        running[pool.submit(_check, distinct[key][0])] = ("check", key)
+      else:
+        running[pool.submit(_programs_of, (work[next_learn], mutant))] = ("learn", next_learn)
+        next_learn += 1
+    done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+    for fut in done:
+      kind, what = running.pop(fut)
+      if kind == "check":
+        checked[what] = fut.result()
+        continue
+      learned[what] = fut.result()
+      before = set(distinct)
+      _collect([work[what]], [learned[what]], configs, distinct)
+      checks += [k for k in distinct if k not in before]
+  # The results named and ordered as a run in one process would have them.
+  by_key = {key: checked[key] for key in distinct}
+  distinct = {}
+  results = _collect(work, [learned[i] for i in range(len(work))], configs, distinct)
+  for key, (prog, result) in distinct.items():
+    _record(result, by_key[key])
+  return results
 
 
-def run(cases, *, verbose=True, module=None, jobs=1) -> list[CaseResult]:
-  if jobs > 1 and module is None:
-    import concurrent.futures
-    import multiprocessing
-    ctx = multiprocessing.get_context("spawn")
-    # costliest first (persistent, deep rings, staged), so the workers finish together
-    order = sorted(range(len(cases)), key=lambda i: (
-        -cases[i][0].persistent, -cases[i][0].num_stages,
-        -(cases[i][0].bias + cases[i][0].mask)))
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-      futures = {i: pool.submit(_check_one, cases[i]) for i in order}
-      out = [futures[i].result() for i in range(len(cases))]
-  else:
-    out = [check_case(case, configs, module=module) for case, configs in cases]
-  if verbose:
-    for r in out:
-      status = "proven" if r.violation is None else "VIOLATION"
-      print(f"  {r.case.describe():<58} {status:9s} {r.configs:4d} configs "
-            f"{r.checks:3d}/{r.environments:3d} env {r.states:8d} states {r.seconds:6.2f} s",
-            flush=True)
-      if r.violation is not None:
-        print(r.violation.format())
-  return out
+def _record(result, res):
+  result.states, result.seconds = res.states, result.seconds + res.seconds
+  result.violation = res.violation
 
 
-def report(problems, which: str = "representative", jobs: int = 2) -> bool:
-  """Print the extracted proof (forward: the configs emitted for ``problems``;
-  backward: every launch kind); True when every case proves.  Run by
-  ``python -m harness prove``."""
-  start = time.perf_counter()
-  cases = forward_cases(problems)
-  chosen = cases if which == "all" else representative(cases)
-  print(f"forward kernel, protocol extracted from its jaxpr (kernel/forward.py): "
-        f"{len(chosen)} of {len(cases)} distinct protocols ({which}), covering "
-        f"{sum(n for _, n in chosen)} of {sum(n for _, n in cases)} emitted configs")
-  results = run(chosen, jobs=jobs)
-  bad = [r for r in results if r.violation is not None]
-  print(f"extracted forward protocol: {len(results) - len(bad)}/{len(results)} proven in "
-        f"{time.perf_counter() - start:.1f} s ({jobs} worker(s))")
-  bstart = time.perf_counter()
-  print("backward kernels, protocol extracted from their jaxpr (kernel/backward.py):")
-  bres = [check_backward(*c) for c in backward_cases()]
-  for r in bres:
-    status = "proven" if r.violation is None else "VIOLATION"
-    print(f"  {r.case.describe():<58} {status:9s} {r.checks:3d}/{r.environments:3d} env "
-          f"{r.states:8d} states {r.seconds:6.2f} s", flush=True)
-    if r.violation is not None:
-      print(r.violation.format())
-  bbad = [r for r in bres if r.violation is not None]
-  print(f"extracted backward protocol: {len(bres) - len(bbad)}/{len(bres)} proven in "
-        f"{time.perf_counter() - bstart:.1f} s; total {time.perf_counter() - start:.1f} s")
-  return not bad and not bbad
+def _collect(work, learned, configs, distinct) -> list[Result]:
+  """Group the learned programs by equality; a case whose premise failed
+  gets its own results (its probes' programs), marked with the failure."""
+  results = []
+  for (kind, case), (progs, premise, seconds) in zip(work, learned):
+    for name, prog in progs:
+      key = prog.key()
+      if premise is None and key in distinct:
+        r = distinct[key][1]
+        r.cases.append(case.describe() if kind == "forward" else name)
+        r.configs += configs.get(id(case), 0)
+        r.seconds += seconds / len(progs)
+        continue
+      r = Result(name, [case.describe() if kind == "forward" else name],
+                 configs.get(id(case), 0), seconds=seconds / len(progs), premise=premise)
+      results.append(r)
+      distinct[key if premise is None else (key, len(distinct))] = (prog, r)
+  return results

@@ -6,7 +6,7 @@ The public API, importable from the package::
   out = dot_product_attention(query, key, value, is_causal=True)
 
 It is resolved on first use (PEP 562), so that ``import kernel.plan`` and the
-other pure-Python modules (read by the Z3 proofs and the heuristics' tests)
+other pure-Python modules (read by the heuristics and their tests)
 do not pay for importing JAX and Pallas.
 """
 

@@ -136,8 +136,8 @@ def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
 
 
 def dkv_mbarriers(blocks: BackwardBlocks, outputs: tuple[str, ...]) -> tuple[plan_lib.MBarrier, ...]:
-  """The dK/dV kernel's mbarriers, allocated by :func:`dkv_call` and read by
-  the Z3 ring model (harness/ring_model.py).  V's tile is read only by
+  """The dK/dV kernel's mbarriers, allocated by :func:`dkv_call` (and
+  counted by :func:`launch_smem_bytes`).  V's tile is read only by
   dP^T = V dO^T, which only dK needs."""
   stationary = ("k", "v") if "dk" in outputs else ("k",)
   return _mbarriers("dkv", blocks.num_stages, ("q", "do", "rows"), stationary)
@@ -152,7 +152,7 @@ def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
              is_causal: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
   (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`).
-  The defaults give every launch kind there is (the Z3 ring model's list)."""
+  The defaults give every launch kind there is."""
   blocks = blocks_for(head_dim, head_dim_out)
   groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
   out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
@@ -184,7 +184,8 @@ def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring)
   the stationary tiles' copies, then fills ring step t in [start, stop) at
   position ``stream.position(t)`` with ``fill(t, st)``.  Steps 0..S-1 find
   fresh slots; every later one first waits for both compute warpgroups to
-  release the slot (the forward's rule, harness/ring_model.py)."""
+  release the slot (the forward's rule; harness/extracted_proof.py checks it
+  on the traced kernels)."""
   plgpu.set_max_registers(40, action="decrease")
 
   @plgpu.warp_map
@@ -676,10 +677,9 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
 # are); properties/test_gradients_gpu.py bounds the difference.
 
 
-# The fused dQ's schedule, read by the kernel and by its Z3 model
-# (harness/handoff_model.py): step t stages dS^T in buffer ds_buffer(t) and
-# is owned by warpgroup dq_owner(t).  Both work on ints, traced int32 and Z3
-# integers alike (t >= 0).
+# The fused dQ's schedule: step t stages dS^T in buffer ds_buffer(t) and is
+# owned by warpgroup dq_owner(t).  Both work on ints and traced int32 alike
+# (t >= 0); the extracted proof checks the handoff they schedule.
 DS_BUFFERS = 2
 
 

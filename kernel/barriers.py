@@ -13,8 +13,8 @@ Two kinds of barrier synchronise one thread block:
 
 A named barrier completes a generation when ``num_threads`` threads have
 arrived (``bar.sync`` arrives and waits, ``bar.arrive`` only arrives); surplus
-arrivals count toward the next generation.  That rule is what the Z3 model in
-``harness/protocol_model.py`` encodes.
+arrivals count toward the next generation.  That rule is what the proof of
+the extracted protocol (``harness/extracted_proof.py``) encodes.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ turns on the tensor cores through the pingpong schedule barriers of
 ``kernel/barriers.py``; warpgroup 2 (40 registers) only issues TMA copies of
 keys and values into the ``num_stages``-deep ring described by
 ``kernel/plan.py``.  Automatic barriers are off: every handshake below is
-placed by hand and is the protocol that ``harness/protocol_model.py`` proves
-and ``harness/extract.py`` reads out of the traced kernel.
+placed by hand and is the protocol that ``harness/extract.py`` reads out of
+the traced kernel and ``harness/extracted_proof.py`` proves.
 
 The roles are functions over one :class:`Kernel` context: the launch
 (:func:`flash_attention_forward`) sizes it, :func:`_kernel` allocates the
@@ -573,7 +573,7 @@ def tile_prologue(c: Kernel, t: Tile, m_i):
     # A tile without key blocks still passes and then acquires the token
     # once, as a one-block tile would: otherwise warpgroup 0 runs a tile
     # ahead, its query refill waits on warpgroup 1's release, and
-    # warpgroup 1 waits on warpgroup 0's pass (a deadlock the Z3 model
+    # warpgroup 1 waits on warpgroup 0's pass (a deadlock the protocol model
     # found with trip counts [0, 0, 0]).
     @pl.when(t.ub == t.lb)
     def _():
@@ -610,8 +610,8 @@ def rescaled(acc, factor):
 
 
 def wait_staged(c: Kernel, st):
-  # The rest of the key phase, right after the QK issue (the order the
-  # Z3 model proves: wait k, issue QK, wait bias/mask, pass the token).
+  # The rest of the key phase, right after the QK issue: wait k, issue QK,
+  # wait bias/mask, pass the token.
   if c.stage_bias:
     c.keys.consumer_wait(st, "bias")
   if c.stage_mask:
@@ -799,7 +799,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
       (plgpu.ACC.init(acc), plgpu.ACC.init(jnp.zeros(c.bq_kv, jnp.float32)),
        m_i, p_init, m_i, l_i, *pending))
   p16 = p.astype(c.dtype)
-  # Releases in the order the Z3 model proves: v of block ki, then k
+  # Releases: v of block ki, then k
   # (and a staged tile, read by the softmax) of block ki + 1, then the
   # queries after a persistent tile's last QK.
   c.values.consumer_release(st)

@@ -7,9 +7,9 @@ One source of truth for three consumers:
 * the shared-memory estimate (:func:`estimate_smem_bytes`) that the config
   validation, the heuristics and the autotuner consult is computed from the
   very description the kernel allocates, and
-* the Z3 model of the ring (``harness/protocol_model.py``) reads the number of
-  stages, the staged buffers and the barrier arrival counts from
-  :class:`PipelinePlan` instead of retyping them.
+* the proof, which reads the protocol out of the traced kernel
+  (``harness/extract.py``), sees the stages, the staged buffers and the
+  barrier arrival counts this plan declares, as the kernel allocates them.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ that fills it; per slot one "consumed" mbarrier, on which every consumer
 warpgroup arrives once it is done with the slot (its arrival count is the
 number of consumers: kernel/plan.py declares both).  Like CUTLASS's
 ``PipelineTmaAsync``, a kernel sees role verbs only, never a barrier array,
-so each protocol step has a name that a reader, the Z3 models
-(harness/protocol_model.py, harness/ring_model.py) and the extractor
+so each protocol step has a name that a reader and the extractor
 (harness/extract.py, which names barrier arrays after the ring and buffer a
 verb's call names) can find:
 

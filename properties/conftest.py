@@ -89,24 +89,6 @@ def pytest_collection_modifyitems(config, items):
     item.add_marker(skip)
 
 
-# The Z3 proofs' modules import z3 at the top and hold no GPU test.  A GPU
-# machine may have no z3-solver (the H200 runners of 2026-11-30 had none), so a
-# GPU-only run there (``-m gpu``: the gate's gpu-properties step,
-# ``verify.sh gpu-gate``) would fail collecting them.  Only such a run leaves them out; every other run
-# collects them and fails loudly where z3 is missing.
-_NEEDS_Z3 = ("test_handoff_proof.py", "test_protocol_proof.py", "test_ring_proof.py")
-
-
-def pytest_ignore_collect(collection_path, config):
-  if collection_path.name not in _NEEDS_Z3 or config.getoption("markexpr", "") != "gpu":
-    return None
-  try:
-    import z3  # noqa: F401
-  except ImportError:
-    return True
-  return None
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   """Each test under harness.watchdog's time limit (FLASH_TEST_TIMEOUT)."""

@@ -1,60 +1,163 @@
-"""The protocol read out of the traced forward kernel (harness/extract.py) and
-checked (harness/extracted_proof.py): the shipped kernel proves, each
-protocol defect written into a copy of kernel/forward.py is refuted with a
-trace naming the mutated file's lines, safe reorderings still prove, and an
-unknown primitive is refused rather than skipped."""
+"""The protocol read out of the traced kernels (harness/extract.py), learned
+as role programs (harness/role_programs.py) and proved for every environment
+(harness/extracted_proof.py): the shipped kernels prove, each protocol defect
+written into a copy of the kernel's source makes ``python -m harness prove``
+fail with a trace naming the mutated file's lines, safe reorderings still
+prove, an unknown primitive is refused, a kernel whose events depend on more
+than the proof's contexts is caught, and the search's reductions lose none of
+the defects an unreduced search finds."""
+
+import contextlib
+import dataclasses
+import io
 
 import pytest
 
 from harness import extract
+from harness import extracted_proof as xp
+from harness import prove as prove_cli
 from harness import prove_extracted as pe
 from harness import protocol_mutants as pmut
+from harness import role_programs as rp
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+FUSED = pe.BackwardCase(64, False, False, True)
 
 
-def test_shipped_kernel_proves():
-  for case in (ONE_TILE, PERSISTENT):
-    r = pe.check_case(case)
-    assert r.violation is None, r.violation.format()
-    assert r.checks > 1 and r.states > 1000  # the environments really ran the ring
+def _run_prove(*argv):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rc = prove_cli.main(list(argv))
+  return rc, out.getvalue()
 
 
-@pytest.mark.parametrize("mutant", pmut.MUTANTS, ids=lambda m: m.name)
-def test_kernel_mutant_refuted(mutant):
-  module = pmut.load(mutant)
-  r = pe.check_case(PERSISTENT if mutant.persistent else ONE_TILE, module=module)
-  assert r.violation is not None, f"{mutant.name} ({mutant.what}) was not refuted"
-  text = r.violation.format()
-  assert f"kernel/forward.mutant_{mutant.name}.py:" in text, text
+@pytest.fixture(scope="module")
+def shipped_programs():
+  return {case: pe.forward_program(case) for case in (ONE_TILE, PERSISTENT)}
+
+
+def test_shipped_kernel_proves_for_every_environment(shipped_programs):
+  for case, prog in shipped_programs.items():
+    r = xp.check(prog)
+    assert r.ok, r.violation.format()
+    assert r.states > 1000  # the ring really turned
 
 
 def test_shipped_backward_proves():
-  for case in ((64, False, False, True), (64, False, True, False), (256, True, True, False)):
-    r = pe.check_backward(*case)
-    assert r.violation is None, r.violation.format()
+  for prog in pe.backward_programs(FUSED):
+    r = xp.check(prog)
+    assert r.ok, r.violation.format()
     assert r.states > 1000
 
 
-@pytest.mark.parametrize("mutant", pmut.BACKWARD_MUTANTS, ids=lambda m: m.name)
-def test_backward_mutant_refuted(mutant):
-  r = pe.check_backward(*mutant.backward, module=pmut.load(mutant))
-  assert r.violation is not None, f"{mutant.name} ({mutant.what}) was not refuted"
-  assert f"kernel/backward.mutant_{mutant.name}.py:" in r.violation.format()
+@pytest.mark.parametrize("mutant", pmut.MUTANTS + pmut.BACKWARD_MUTANTS, ids=lambda m: m.name)
+def test_kernel_mutant_fails_prove(mutant):
+  """``python -m harness prove --mutant NAME`` (its smallest cases first,
+  stopping at the first failure) fails with a trace of the mutated file."""
+  rc, out = _run_prove("--mutant", mutant.name, "--fail-fast")
+  assert rc == 1, out
+  stem = mutant.kernel[:-3]
+  assert f"kernel/{stem}.mutant_{mutant.name}.py:" in out, out
+
+
+def test_a_deadlock_that_needs_three_tiles_is_found():
+  """Before 0b8ad79 the token was not passed on a tile without key blocks:
+  two such tiles in a row deadlock, which no check of two tiles shows.
+  The search chooses the number of tiles itself."""
+  rc, out = _run_prove("--mutant", "empty_tile_skips_token", "--fail-fast")
+  assert rc == 1 and "deadlock" in out and "tiles of 0, 0, 0 key blocks" in out, out
 
 
 @pytest.mark.parametrize("safe", pmut.SAFE, ids=lambda m: m.name)
 def test_safe_reordering_proves(safe):
-  r = pe.check_case(ONE_TILE, module=pmut.load(safe))
-  assert r.violation is None, r.violation.format()
+  results = pe.prove([("forward", ONE_TILE, 1), ("forward", PERSISTENT, 1)], mutant=safe.name,
+                     fail_fast=True)
+  assert results and all(r.ok for r in results), [r.violation.format() for r in results
+                                                   if r.violation]
 
 
 def test_unknown_primitive_refused(monkeypatch):
   # commit_smem stands in for a synchronisation the extractor was never taught.
   monkeypatch.setattr(extract, "HANDLED", extract.HANDLED - {"commit_smem"})
   with pytest.raises(extract.UnknownPrimitive, match="commit_smem"):
-    pe.extract_case(ONE_TILE, ((0, 1),))
+    pe.forward_program(ONE_TILE)
+
+
+def test_a_premise_the_kernel_breaks_fails_loudly():
+  """The producer that skips its first wait for a release (> for >=) fills
+  position S unlike S + M: its units depend on more than the ring class.
+  The learner refuses the program, and the probes that disagree are
+  checked as they are, which shows the overwrite."""
+  mutant = pmut.BY_NAME["producer_first_reuse_wait_skipped"]
+  with pytest.raises(rp.PremiseError, match="wg2.warp0") as err:
+    pe.forward_program(ONE_TILE, module=pmut.load(mutant))
+  assert len(err.value.probes) == 2
+  rc, out = _run_prove("--mutant", mutant.name, "--fail-fast")
+  assert rc == 1 and "the events depend on more than the proof's contexts" in out, out
+  assert "overwrite before release" in out, out
+
+
+def test_learned_tables_are_the_coarsest_the_probes_allow(shipped_programs):
+  """A consumer's units depend on the slot (not on the whole ring class),
+  the producer's fill on whether it must wait for a release, and the
+  query prefetch on nothing but whether a tile is the first."""
+  prog = shipped_programs[PERSISTENT]
+  roles = {r.name: r for r in prog.roles}
+  assert "slot" in roles["wg0"].iter.features and "cls" not in roles["wg0"].iter.features
+  assert roles["wg2.warp0"].reads == "blocks"
+  assert roles["wg2.warp1"].reads == "tiles"
+  assert roles["wg2.warp1"].head.features == ("later",)
+
+
+def test_a_context_no_probe_showed_is_a_coverage_error(shipped_programs):
+  prog = shipped_programs[PERSISTENT]
+  wg0 = next(r for r in prog.roles if r.name == "wg0")
+  thin = rp.Table(wg0.head.features, wg0.head.units[:1])
+  roles = tuple(dataclasses.replace(r, head=thin) if r.name == "wg0" else r
+                for r in prog.roles)
+  r = xp.check(dataclasses.replace(prog, roles=roles))
+  assert not r.ok and r.violation.kind == "coverage", r.violation
+
+
+def test_segments_follow_the_loops():
+  ev = lambda i: extract.Event("fence", "r", f"kernel/x.py:{i}")
+  events = [ev(i) for i in range(7)]
+  loops = [(), (("t", 0),), (("t", 0), ("k", 0)), (("t", 0), ("k", 1)), (("t", 0),),
+           (("t", 1),), ()]
+  seg = rp.segment(events, loops, persistent=True, num_tiles=2, role="r")
+  assert seg.pre == (events[0],) and seg.post == (events[6],)
+  (h0, i0, t0), (h1, i1, t1) = seg.tiles
+  assert h0 == (events[1],) and i0 == [(events[2],), (events[3],)] and t0 == (events[4],)
+  assert h1 == (events[5],) and i1 == [] and t1 == ()
+  with pytest.raises(rp.PremiseError, match="between two key-loop"):
+    rp.segment([ev(0), ev(1), ev(2)], [(("k", 0),), (), (("k", 1),)], persistent=False,
+               num_tiles=1, role="r")
+
+
+@pytest.mark.parametrize("name", ["key_released_before_qk", "value_released_before_pv",
+                                  "pingpong_token_to_wrong_warpgroup",
+                                  "missing_commit_smem_before_store", None])
+def test_the_reductions_lose_no_violation(name):
+  """On one-tile blocks every reduction of the search (steps taken alone,
+  lazy copy completion, the ring's rotation) off and on give the same
+  verdict and the same kind of violation."""
+  prog = pe.forward_program(ONE_TILE, module=pmut.load(name) if name else None)
+  full, reduced = xp.check(prog, reduce=False), xp.check(prog)
+  assert full.ok == reduced.ok
+  if not full.ok:
+    assert full.violation.kind == reduced.violation.kind
+  assert full.states > reduced.states
+
+
+def test_the_search_runs_every_unit(shipped_programs):
+  """Not vacuous: every event of every unit the probes showed is taken in
+  some explored state."""
+  for prog in shipped_programs.values():
+    r = xp.check(prog, record=True)
+    assert r.ok
+    missed = [(role, e.src, e.describe()) for role, e in r.unexecuted]
+    assert not missed, missed[:5]
 
 
 def test_mutant_edits_match_the_kernel_once():
@@ -64,3 +167,39 @@ def test_mutant_edits_match_the_kernel_once():
     original = open(f"{pmut.KERNEL_DIR}/{m.file}").read()
     src = pmut.mutated_source(m)
     assert src != original and src.count("\n") == original.count("\n"), m.name
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_the_proofs_slot_is_the_kernels(stages):
+  """The ring class the proof folds positions into keeps the kernel's slot
+  (PipelineState, kernel/pipeline.py).  The phase is not part of it: the
+  search counts each role's waits and each barrier's phases (relative to
+  each other), as Mosaic GPU's per-thread phase bit does."""
+  from kernel.pipeline import PipelineState
+  ring = rp.Ring(stages)
+  for x in range(6 * stages + 3):
+    c = ring.cls(x)
+    assert ring.features(c)["slot"] == PipelineState.at(stages, x).index
+    assert ring.advance(c) == ring.cls(x + 1)
+    if x >= stages:  # warm positions one period apart share a class
+      assert ring.cls(x + ring.period) == c
+
+
+def test_named_barriers_past_the_budget_are_refused():
+  """kernel/barriers.py refuses a plan past the hardware's 16 named barriers,
+  and the proof refuses an id that is Mosaic GPU's or past 16."""
+  from kernel import barriers
+  first_free = max(b.id for b in barriers.NAMED_BARRIERS) + 1
+  extra = tuple(barriers.NamedBarrier(f"extra{i}", first_free + i, 256, "")
+                for i in range(16 - first_free + 1))
+  with pytest.raises(ValueError, match="16"):
+    barriers.check_budget(barriers.NAMED_BARRIERS + extra)
+  with pytest.raises(ValueError, match="overlap"):
+    barriers.check_budget(barriers.NAMED_BARRIERS + (barriers.NamedBarrier("clash", 1, 256, ""),))
+  ev = extract.Event("bar_arrive", "wg0", "kernel/x.py:1", bar_id=16, threads=256, family="x")
+  empty = rp.Table((), (((), ()),))
+  roles = tuple(rp.RoleProgram(name, 128, None, (ev,) if name == "wg0" else (), empty,
+                               rp.Table((), ()), empty, empty, "tiles") for name in ("wg0", "wg1"))
+  prog = rp.LaunchProgram("x", rp.Ring(1), False, 0, None, roles, (), ())
+  r = xp.check(prog)
+  assert not r.ok and r.violation.kind == "named barrier id", r.violation

@@ -11,8 +11,8 @@
 # "bench" as two commands, back to back while the machine is still warm.
 # FLASH_COMMIT=<commit> names the measured commit in the summary (a copied
 # tree may carry no .git).
-# z3-solver, where the machine has none, is installed from .whl/ when that
-# folder is present; otherwise the gate's proof step fails and says why.  Each step has its own time limit.
+# Wheels in .whl/, when that folder is present, are installed first (for a
+# dependency the machine lacks).  Each step has its own time limit.
 set -uo pipefail
 dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|bench]}"
 part="${2:-all}"

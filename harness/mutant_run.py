@@ -39,7 +39,11 @@ def carry_cases():
   # Per tile of 128 rows a random key range; every third tile empty.
   tile_start = rng.integers(0, 1024, (4, 8, t // 128))
   tile_len = rng.integers(1, 700, (4, 8, t // 128))
+  # An empty tile must visit no key block (lb == ub): its range starts and
+  # ends on a block boundary (an unaligned empty range still visits the
+  # block it falls in, all masked, and is no empty tile).
   tile_len[:, :, ::3] = 0
+  tile_start[:, :, ::3] = 128 * rng.integers(0, 8, tile_start[:, :, ::3].shape)
   c.k_start = np.repeat(tile_start, 128, axis=2).astype(np.int32)
   c.k_end = np.repeat(np.minimum(tile_start + tile_len, 1024), 128, axis=2).astype(np.int32)
   cases.append(("key-ranges-with-empty-tiles", c, Config(64, 128, 2, True)))

@@ -346,7 +346,8 @@ def apply(mutant: Mutant, root: Path) -> Path:
 def child_env(root: Path, test_timeout: float | None) -> dict:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONDONTWRITEBYTECODE="1")
   env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  env.setdefault("HYPOTHESIS_PROFILE", "ci")
+  # One failing example kills a mutant: no shrinking (properties/conftest.py).
+  env["HYPOTHESIS_PROFILE"] = "mutants"
   # A mutant's broken comparisons must not reach the gate's error-ratio table.
   from harness.conformance import RATIO_LOG_ENV
   env.pop(RATIO_LOG_ENV, None)

@@ -180,3 +180,30 @@ def test_a_child_stopped_by_the_budget_is_not_counted_as_a_hang(monkeypatch):
   (r,), _ = mutants.run_all(mutants.CATALOG[:1], budget=300.0, timeout=120, test_timeout=None,
                             jobs=1, control_workers=0, with_control=False)
   assert r.verdict == "hang", r
+
+
+def test_the_empty_tile_carry_case_has_empty_tiles_before_others_on_one_sm():
+  """The persistent carry case "key-ranges-with-empty-tiles" must hold tiles
+  that visit no key block (lb == ub) and that are followed by another tile
+  of the same block on the H200's 132 SMs: otherwise the empty tile's query
+  release and token pass run nowhere and their mutants cannot be killed."""
+  from harness.mutant_run import carry_cases
+  from kernel.common import kv_block_range
+  ((_, fc, cfg),) = [c for c in carry_cases() if c[0] == "key-ranges-with-empty-tiles"]
+  assert cfg.persistent
+  batch, seq_q, heads = fc.query.shape[:3]
+  tile = 2 * cfg.block_q
+  grid = [(b, h, qi) for b in range(batch) for h in range(heads)
+          for qi in range(-(-seq_q // tile))]   # dealt in turn, query tiles fastest
+
+  def empty(b, h, qi):
+    rows = slice(qi * tile, (qi + 1) * tile)
+    lb, ub = kv_block_range(qi, block_q=cfg.block_q, block_kv=cfg.block_kv, seq_q=seq_q,
+                            seq_kv=fc.key.shape[1], is_causal=fc.is_causal,
+                            k_start_min=int(fc.k_start[b, h, rows].min()),
+                            k_end_max=int(fc.k_end[b, h, rows].max()))
+    return ub == lb
+
+  sms = 132
+  followed = [g for g in range(len(grid) - sms) if empty(*grid[g])]
+  assert len(followed) >= 10, followed

@@ -70,11 +70,32 @@ def test_the_readme_example_lowers_for_cuda(monkeypatch):
 
 
 def test_a_readme_that_shows_the_example_shows_it_verbatim():
-  """The README (and its draft) show examples/quickstart.py as it is tested,
-  not a copy that can drift from it."""
+  """The README shows examples/quickstart.py as it is tested, not a copy
+  that can drift from it."""
+  readme = (EXAMPLE.parent.parent / "README.md").read_text()
+  assert "from kernel import dot_product_attention" in readme, "the README shows no example"
+  assert f"```python\n{EXAMPLE.read_text().strip()}\n```" in readme
+
+
+def test_the_readme_names_only_paths_and_commands_that_exist():
+  """Every repository path the README names in backticks exists, and every
+  ``python -m harness <command>`` it shows is one the harness has."""
+  import contextlib
+  import io
+  import re
+  from harness.__main__ import main as harness_main
   root = EXAMPLE.parent.parent
-  shown = [p for p in (root / "README.md", root / "docs" / "README-draft.md")
-           if p.exists() and "from kernel import dot_product_attention" in p.read_text()]
-  assert shown, "no README shows the example"
-  for path in shown:
-    assert f"```python\n{EXAMPLE.read_text().strip()}\n```" in path.read_text(), path
+  readme = (root / "README.md").read_text()
+  tops = ("kernel/", "harness/", "properties/", "examples/", "golden/", "docs/", "ci/", ".ci/")
+  paths = {m.split("<")[0] for m in re.findall(r"`([^`\s]+)`", readme) if m.startswith(tops)}
+  missing = sorted(p for p in paths
+                   if not (any(root.glob(p)) if "*" in p else (root / p).exists()))
+  assert paths and not missing, missing
+  modules = set(re.findall(r"python -m harness\.(\w+)", readme))
+  assert not [m for m in modules if not (root / "harness" / f"{m}.py").exists()], modules
+  commands = set(re.findall(r"python -m harness (\w+)", readme))
+  usage = io.StringIO()
+  with contextlib.redirect_stdout(usage):
+    harness_main(["--help"])
+  known = set(re.findall(r"^  (\w+) ", usage.getvalue(), re.M))
+  assert commands and commands <= known, sorted(commands - known)

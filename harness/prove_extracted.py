@@ -175,6 +175,35 @@ class _Env:
     return ((lb, lb, lb + n, lb + n)[which]) * self.block_kv
 
 
+class _BandEnv:
+  """The integers a dK/dV kernel reads: per key tile ``j`` the band of query
+  blocks ``[lo, hi)`` it streams (kernel.padding.query_block_ranges), which
+  ``choose(j)`` decides; ``tables`` maps each table's buffer to 0 (lo) or
+  1 (hi)."""
+
+  def __init__(self, tables: dict, choose):
+    self.tables, self.choose = tables, choose
+
+  def __call__(self, buf, idx):
+    which = self.tables.get(buf)
+    if which is None:
+      raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
+                               f"the prover gives no value")
+    return self.choose(idx[-1])[which]
+
+
+def _band_tables(kernel, consts, num_key_tiles) -> dict:
+  """{buffer: 0 (lo) / 1 (hi)} of a dK/dV kernel's two query-block tables,
+  the int (1, 1, key tiles) operands in operand order."""
+  tables = [i for i, v in enumerate(kernel.invars)
+            if tuple(v.aval.shape) == (1, 1, num_key_tiles) and "int" in str(v.aval.dtype)
+            and i not in consts]
+  if len(tables) != 2:
+    raise ex.ExtractionError(f"expected the 2 query-block tables (lo, hi) among the dK/dV "
+                             f"kernel's operands, found {len(tables)}")
+  return {f"gmem_in{i}": k for k, i in enumerate(tables)}
+
+
 def _no_reads(buf, idx):
   raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which the "
                            f"prover gives no value")
@@ -466,13 +495,15 @@ def _tables_of(kernel, consts):
 def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
-  The dK/dV kernels stream a query length's blocks (64 rows; the length is
-  padded to 128, so an even number of them), under causal from key tile j's
-  first key on: one causal trace shows streams of every even length from
-  its longest down to 0; non-causal, a long trace and the shortest (one
-  64-row block of queries).  The dQ kernel's tile reads its key range from
-  the tables: probed at the long trace's last tile for n = 0, 1, 2, 3 and
-  S + M + 3, then for each context the learned tables still lack."""
+  The dK/dV kernels stream the query blocks (64 rows) of the band their
+  key tile reads from its tables, under causal from key tile j's first key
+  on: with the whole length as band, one causal trace shows streams of
+  every even length from its longest down to 0 (non-causal: a long trace
+  and the shortest, one 64-row block of queries); then key tile 0 of the
+  long trace is probed with bands of n = 0, 1, 2, 3 and S + M + 3 blocks,
+  and each context the learned tables still lack.  The dQ kernel's tile
+  reads its key range from the tables: probed at the long trace's last tile
+  for the same n, then for each missing context likewise."""
   from kernel import backward
   module = module or backward
   blocks = module.blocks_for(case.head_dim, case.head_dim)
@@ -523,11 +554,29 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
           probe(n)
       else:
         kv_tiles = -(-seq_kv // blocks.dkv_tile)
+        nq = seq_q // blocks.dkv_stream_q
+        bands = _band_tables(kernel, consts, kv_tiles)
         for j in range(kv_tiles) if case.causal else (0,):
-          launch = ex.extract_kernel(kernel, env=_no_reads, grid={**grid, "kv_tiles": j},
-                                     name="dkv")
+          launch = ex.extract_kernel(kernel, env=_BandEnv(bands, lambda j: (0, nq)),
+                                     grid={**grid, "kv_tiles": j}, name="dkv")
           n = _stream_length(launch)
           learner.observe(launch, [n], where=f"key tile {j} of {seq_q} queries ({n} blocks)")
+        if seq_q != seq_long:
+          continue
+
+        def band_probe(n, learner=learner, kernel=kernel, bands=bands, nq=nq):
+          lb = n % 2 if n + 1 <= nq else 0
+          launch = ex.extract_kernel(kernel, env=_BandEnv(bands, lambda j: (lb, lb + n)),
+                                     grid={**grid, "kv_tiles": 0}, name="dkv")
+          got = _stream_length(launch)
+          if got != n:
+            raise ex.ExtractionError(f"{learner.name}: key tile 0 given the query blocks "
+                                     f"[{lb}, {lb + n}) streams {got}")
+          learner.observe(launch, [n], where=f"key tile 0, query blocks [{lb}, {lb + n})")
+
+        probes[id(learner)] = band_probe
+        for n in sorted({0, 1, 2, 3, long}):
+          band_probe(n)
   programs = []
   for learner in learners:
     lengths = [t for _, trips, _ in learner.seen for t in trips]

@@ -68,8 +68,8 @@ from kernel import barriers
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
-from kernel.common import (COL, LOG2E, ROW, WGMMA, Logits, kv_block_range, load_broadcast, smem,
-                           tile_key_bounds)
+from kernel.common import (COL, LOG2E, ROW, WGMMA, Logits, batch_head, kv_block_range,
+                           load_broadcast, smem, tile_key_bounds)
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
 # fused dQ's reduce-adds): their bits may differ from run to run, within
@@ -412,6 +412,8 @@ class _Launch:
   ks_ref: Any = None
   ke_ref: Any = None
   dq_ref: Any = None
+  qlo_ref: Any = None       # dK/dV: per key tile, the query blocks that see it
+  qhi_ref: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,12 +447,15 @@ class DkvKernel(_Launch):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None):
+             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
+             query_blocks=None):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
   (B, N, 2, Tp) f32 = [lse2, delta]; bias_t / mask_t: bias and mask with T and
-  S swapped (dims 1 or full); k_start / k_end (B|1, N|1, Tp|1) int32.
+  S swapped (dims 1 or full); k_start / k_end (B|1, N|1, Tp|1) int32;
+  ``query_blocks``: None or (lo, hi), each (B|1, K|1, key tiles) int32, the
+  query blocks each key tile streams (kernel.padding.query_block_ranges).
 
   ``dq_accum``: a zeroed (B, Tp, N, D) f32 ``jax.new_ref``; when given
   (outputs dK and dV together), the kernel also adds each key tile's part of
@@ -488,12 +493,13 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       grid_names=("kv_heads", "batch", "kv_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
-  )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, dq_accum)
+  )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
+    *(query_blocks if query_blocks is not None else (None, None)), dq_accum)
   return dict(zip(outputs, results))
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
-                ks_ref, ke_ref, dq_ref, *out_refs_and_scratch):
+                ks_ref, ke_ref, qlo_ref, qhi_ref, dq_ref, *out_refs_and_scratch):
   """The dK/dV kernel's entry: its rings over the scratch, the key tile of
   this grid point and the query blocks it visits, each warpgroup's role."""
   n_out = len(c.outputs)
@@ -512,15 +518,21 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
   wg = lax.axis_index("wg")
   j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
   # Query blocks that can see any of this tile's keys (causal: from the
-  # tile's first key on); every query head of the group, in turn.
+  # tile's first key on; key ranges: the band the table gives, which a
+  # local window or packed documents narrow to the blocks that reach the
+  # tile); every query head of the group, in turn.
   lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)
+  hi = jnp.int32(c.nq)
+  if qlo_ref is not None:
+    lo = lax.max(lo, qlo_ref[(*batch_head(qlo_ref, b, hk), j)])
+    hi = lax.min(hi, qhi_ref[(*batch_head(qhi_ref, b, hk), j)])
   lo = lax.min(lo, jnp.int32(c.nq))
-  per_head = c.nq - lo
+  per_head = lax.max(hi - lo, jnp.int32(0))
   c = dataclasses.replace(
       c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head, steps=per_head * c.group,
       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
+      qlo_ref=qlo_ref, qhi_ref=qhi_ref, out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
       stream=stream)
   pl.when(wg < CW)(functools.partial(_dkv_compute, c))
   pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
@@ -949,13 +961,17 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
                                      num_tiles=t_pad // tile)
 
+  query_blocks = padding.query_block_ranges(
+      ks, ke, seq_kv=s, block_q=blocks.dkv_stream_q, key_tile=blocks.dkv_tile,
+      num_key_tiles=s_pad // blocks.dkv_tile, group=heads // key.shape[2])
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
   dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
   dkv = {}
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum))
+                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
+                        query_blocks=query_blocks))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

@@ -57,3 +57,46 @@ def key_ranges(k_start, k_end, *, seq_kv: int, tile: int, num_tiles: int):
   tiles = (per_tile(ks, jnp.min), per_tile(ks, jnp.max), per_tile(ke, jnp.min),
            per_tile(ke, jnp.max))
   return (ks if k_start is not None else None, ke if k_end is not None else None, tiles)
+
+
+def query_block_ranges(k_start, k_end, *, seq_kv: int, block_q: int, key_tile: int,
+                       num_key_tiles: int, group: int):
+  """Per key tile of ``key_tile`` keys, the query blocks (``block_q`` rows)
+  whose rows may see any of its keys: ``(lo, hi)``, each (B|1, K|1,
+  num_key_tiles) int32, the hull [lo, hi) of those blocks over the ``group``
+  query heads of each kv head ((0, 0) where none sees the tile).
+
+  ``k_start`` / ``k_end`` are :func:`key_ranges`' per-row ranges (None: the
+  whole length), their query axis padded to whole blocks.  A block is seen
+  when the union of its rows' ranges meets the tile; blocks inside the hull
+  that meet it not are visited and masked, so any layout of ranges is
+  served, and ranges that move with the row (a local window, packed
+  documents) give each tile the band of blocks that reach it.
+  """
+  if k_start is None and k_end is None:
+    return None
+  rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
+  # Clipped to the keys there are: a range reaching past them sees none there.
+  ks = jnp.clip(rows(0 if k_start is None else k_start), 0, seq_kv)
+  ke = jnp.clip(rows(seq_kv if k_end is None else k_end), 0, seq_kv)
+  t_pad = max(ks.shape[2], ke.shape[2])
+  if t_pad % block_q:
+    raise ValueError(f"query_block_ranges: {t_pad} rows are no whole number of "
+                     f"{block_q}-row blocks")
+  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (t_pad,)
+  nq = t_pad // block_q
+
+  def per_block(x, reduce):
+    x = jnp.broadcast_to(x, shape)
+    return reduce(x.reshape(*shape[:2], nq, block_q), axis=-1)
+
+  first, end = per_block(ks, jnp.min), per_block(ke, jnp.max)         # (B|1, N|1, nq)
+  tile_lo = jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile       # (tiles,)
+  seen = ((first[..., None] < tile_lo + key_tile) & (end[..., None] > tile_lo)
+          & (end > first)[..., None])                                 # (.., nq, tiles)
+  if shape[1] != 1:   # the hull over each kv head's group of query heads
+    seen = seen.reshape(shape[0], shape[1] // group, group, nq, num_key_tiles).any(axis=2)
+  block = jnp.arange(nq, dtype=jnp.int32)[:, None]
+  lo = jnp.min(jnp.where(seen, block, nq), axis=-2)
+  hi = jnp.max(jnp.where(seen, block + 1, 0), axis=-2)
+  return jnp.where(hi > 0, lo, 0).astype(jnp.int32), hi.astype(jnp.int32)

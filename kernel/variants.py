@@ -89,6 +89,12 @@ def _rows(x) -> jax.Array:
   return lax.broadcast_to_rank(jnp.asarray(x), 3)
 
 
+# jnp.searchsorted's default ("scan") is a loop XLA runs one launch per
+# step: at 16384 tokens the two searches took longer than the kernel's
+# forward (0.49 against 0.46 ms, H200, 2026-12-02); unrolled, the steps fuse.
+SEARCH = "scan_unrolled"
+
+
 def segment_bounds(q_segment_ids, kv_segment_ids):
   """Per query row, (start, end, single_run), each (B, T): the first key
   with the row's id and one past the last (0, 0 where no key has it), and
@@ -99,8 +105,8 @@ def segment_bounds(q_segment_ids, kv_segment_ids):
   def one(q, kv):
     order = jnp.argsort(kv, stable=True)  # equal ids keep position order
     ids = kv[order]
-    lo = jnp.searchsorted(ids, q, side="left")
-    hi = jnp.searchsorted(ids, q, side="right")
+    lo = jnp.searchsorted(ids, q, side="left", method=SEARCH)
+    hi = jnp.searchsorted(ids, q, side="right", method=SEARCH)
     found = hi > lo
     first = order[jnp.clip(lo, 0, s - 1)]
     last = order[jnp.clip(hi - 1, 0, s - 1)]

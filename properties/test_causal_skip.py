@@ -43,3 +43,53 @@ def test_the_predicate_sees_the_corners():
   assert bwd.meets_diagonal(0, 64, 62)
   assert bwd.meets_diagonal(64, 64, 0)
   assert not bwd.meets_diagonal(0, 128, 127)
+
+
+@given(data=st.data(), layout=st.sampled_from(["random", "window", "documents"]),
+       group=st.sampled_from([1, 2]), per_head=st.booleans())
+def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group, per_head):
+  """kernel.padding.query_block_ranges: every (row, key) pair a row's range
+  [k_start, k_end) admits lies in a query block inside its key tile's band
+  (the dK/dV kernel streams only that band), over the kv head's group of
+  query heads; a tile no row sees has the empty band (0, 0); for a window
+  or packed documents the band is exactly the blocks that see the tile."""
+  from kernel import padding
+  block_q, key_tile = 64, 128
+  nq = data.draw(st.integers(1, 6), label="query blocks")
+  tiles = data.draw(st.integers(1, 4), label="key tiles")
+  t, s = nq * block_q, tiles * key_tile - data.draw(st.integers(0, key_tile - 1), label="cut")
+  heads = 2 * group if per_head else 1
+  rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16), label="seed"))
+  i = np.arange(t)
+  if layout == "random":
+    ks = rng.integers(-5, s + 5, (1, heads, t))
+    ke = ks + rng.integers(-3, s, (1, heads, t))
+  elif layout == "window":
+    left = int(rng.integers(0, s))
+    ks, ke = np.broadcast_to(i - left, (1, heads, t)), np.broadcast_to(i + 1, (1, heads, t))
+  else:
+    cuts = np.sort(rng.choice(np.arange(1, t), size=min(3, t - 1), replace=False))
+    doc = np.searchsorted(cuts, i, side="right")
+    starts = np.concatenate([[0], cuts])[doc]
+    ends = np.concatenate([cuts, [t]])[doc]
+    ks, ke = (np.broadcast_to(np.minimum(x, s), (1, heads, t)) for x in (starts, ends))
+  lo, hi = (np.asarray(x) for x in padding.query_block_ranges(
+      jnp.asarray(ks, jnp.int32), jnp.asarray(ke, jnp.int32), seq_kv=s, block_q=block_q,
+      key_tile=key_tile, num_key_tiles=tiles, group=group))
+  kv_heads = heads // group if per_head else 1
+  assert lo.shape == (1, kv_heads, tiles) and hi.shape == lo.shape
+  seen = np.zeros((kv_heads, tiles, nq), bool)
+  for h in range(heads):
+    for r in range(t):
+      keys = np.arange(max(ks[0, h, r], 0), min(ke[0, h, r], s))
+      for tile in np.unique(keys // key_tile):
+        seen[h // group if per_head else 0, tile, r // block_q] = True
+  for hk in range(kv_heads):
+    for tile in range(tiles):
+      blocks = np.flatnonzero(seen[hk, tile])
+      if blocks.size == 0:
+        assert (lo[0, hk, tile], hi[0, hk, tile]) == (0, 0)
+      else:
+        assert lo[0, hk, tile] <= blocks.min() and blocks.max() < hi[0, hk, tile]
+        if layout != "random":  # a block's rows then see one interval: the band is tight
+          assert (lo[0, hk, tile], hi[0, hk, tile]) == (blocks.min(), blocks.max() + 1)

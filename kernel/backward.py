@@ -962,7 +962,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                                      num_tiles=t_pad // tile)
 
   query_blocks = padding.query_block_ranges(
-      ks, ke, seq_kv=s, block_q=blocks.dkv_stream_q, key_tile=blocks.dkv_tile,
+      ks, ke, seq_kv=s, num_rows=t_pad, block_q=blocks.dkv_stream_q, key_tile=blocks.dkv_tile,
       num_key_tiles=s_pad // blocks.dkv_tile, group=heads // key.shape[2])
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)

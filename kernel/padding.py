@@ -59,15 +59,16 @@ def key_ranges(k_start, k_end, *, seq_kv: int, tile: int, num_tiles: int):
   return (ks if k_start is not None else None, ke if k_end is not None else None, tiles)
 
 
-def query_block_ranges(k_start, k_end, *, seq_kv: int, block_q: int, key_tile: int,
-                       num_key_tiles: int, group: int):
+def query_block_ranges(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int,
+                       key_tile: int, num_key_tiles: int, group: int):
   """Per key tile of ``key_tile`` keys, the query blocks (``block_q`` rows)
   whose rows may see any of its keys: ``(lo, hi)``, each (B|1, K|1,
   num_key_tiles) int32, the hull [lo, hi) of those blocks over the ``group``
   query heads of each kv head ((0, 0) where none sees the tile).
 
   ``k_start`` / ``k_end`` are :func:`key_ranges`' per-row ranges (None: the
-  whole length), their query axis padded to whole blocks.  A block is seen
+  whole length), their query axis ``num_rows`` (padded to whole blocks) or
+  1 (one range for every row).  A block is seen
   when the union of its rows' ranges meets the tile; blocks inside the hull
   that meet it not are visited and masked, so any layout of ranges is
   served, and ranges that move with the row (a local window, packed
@@ -79,12 +80,11 @@ def query_block_ranges(k_start, k_end, *, seq_kv: int, block_q: int, key_tile: i
   # Clipped to the keys there are: a range reaching past them sees none there.
   ks = jnp.clip(rows(0 if k_start is None else k_start), 0, seq_kv)
   ke = jnp.clip(rows(seq_kv if k_end is None else k_end), 0, seq_kv)
-  t_pad = max(ks.shape[2], ke.shape[2])
-  if t_pad % block_q:
-    raise ValueError(f"query_block_ranges: {t_pad} rows are no whole number of "
-                     f"{block_q}-row blocks")
-  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (t_pad,)
-  nq = t_pad // block_q
+  if num_rows % block_q or any(x.shape[2] not in (1, num_rows) for x in (ks, ke)):
+    raise ValueError(f"query_block_ranges: ranges over {ks.shape[2]} and {ke.shape[2]} rows "
+                     f"for {num_rows} rows in whole {block_q}-row blocks")
+  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (num_rows,)
+  nq = num_rows // block_q
 
   def per_block(x, reduce):
     x = jnp.broadcast_to(x, shape)

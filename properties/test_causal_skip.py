@@ -45,7 +45,7 @@ def test_the_predicate_sees_the_corners():
   assert not bwd.meets_diagonal(0, 128, 127)
 
 
-@given(data=st.data(), layout=st.sampled_from(["random", "window", "documents"]),
+@given(data=st.data(), layout=st.sampled_from(["random", "window", "documents", "one range"]),
        group=st.sampled_from([1, 2]), per_head=st.booleans())
 def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group, per_head):
   """kernel.padding.query_block_ranges: every (row, key) pair a row's range
@@ -64,6 +64,9 @@ def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group
   if layout == "random":
     ks = rng.integers(-5, s + 5, (1, heads, t))
     ke = ks + rng.integers(-3, s, (1, heads, t))
+  elif layout == "one range":   # one range for every row: a query axis of 1
+    ks = rng.integers(-5, s + 5, (1, heads, 1))
+    ke = ks + rng.integers(-3, s, (1, heads, 1))
   elif layout == "window":
     left = int(rng.integers(0, s))
     ks, ke = np.broadcast_to(i - left, (1, heads, t)), np.broadcast_to(i + 1, (1, heads, t))
@@ -74,14 +77,15 @@ def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group
     ends = np.concatenate([cuts, [t]])[doc]
     ks, ke = (np.broadcast_to(np.minimum(x, s), (1, heads, t)) for x in (starts, ends))
   lo, hi = (np.asarray(x) for x in padding.query_block_ranges(
-      jnp.asarray(ks, jnp.int32), jnp.asarray(ke, jnp.int32), seq_kv=s, block_q=block_q,
-      key_tile=key_tile, num_key_tiles=tiles, group=group))
+      jnp.asarray(ks, jnp.int32), jnp.asarray(ke, jnp.int32), seq_kv=s, num_rows=t,
+      block_q=block_q, key_tile=key_tile, num_key_tiles=tiles, group=group))
   kv_heads = heads // group if per_head else 1
   assert lo.shape == (1, kv_heads, tiles) and hi.shape == lo.shape
   seen = np.zeros((kv_heads, tiles, nq), bool)
   for h in range(heads):
     for r in range(t):
-      keys = np.arange(max(ks[0, h, r], 0), min(ke[0, h, r], s))
+      row = r if ks.shape[2] > 1 else 0
+      keys = np.arange(max(ks[0, h, row], 0), min(ke[0, h, row], s))
       for tile in np.unique(keys // key_tile):
         seen[h // group if per_head else 0, tile, r // block_q] = True
   for hk in range(kv_heads):

@@ -11,6 +11,8 @@ allocations move every rerun's buffers; with the default, dq stays within
 
 from __future__ import annotations
 
+import os
+
 import re
 
 import jax
@@ -102,12 +104,18 @@ def _reruns(case, deterministic, reruns):
   """``reruns`` results of the same call, each computed while a differently
   sized allocation holds memory, so that the call's buffers (and XLA's
   workspaces) land at other addresses, beside one large allocation of most
-  of the memory this process may use for the whole loop."""
+  of the memory this process may use for the whole loop: half of what the
+  allocator has free, shared among the xdist workers on this GPU (each of
+  them sees the whole GPU as its limit; holding half of it in every worker
+  ran the gate's other workers out of memory on the H200, 2026-12-02)."""
   fn, args = _runner(case, deterministic)
   device = jax.devices("gpu")[0]
   stats = device.memory_stats() or {}
   free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-  hold = jnp.zeros((max(free // 2, 1),), jnp.uint8) if free > 0 else None
+  workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+  gpus = max(len([g for g in os.environ.get("FLASH_HOST_GPUS", "").split(",") if g]), 1)
+  sharing = -(-workers // gpus)   # properties/conftest.py deals workers to GPUs in turn
+  hold = jnp.zeros((max(free // (2 * sharing), 1),), jnp.uint8) if free > 0 else None
   results = []
   for i in range(reruns):
     shift = jnp.zeros(((i % 7) * (1 << 20) + 1,), jnp.uint8)

@@ -113,6 +113,22 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   assert lowered.smem_bytes > 0 and plan.fits_in_smem(lowered.smem_bytes)
 
 
+# Key ranges in every shape the API takes: per row and head, per row for
+# every head, one range for every row (a query axis of 1), one per batch row.
+RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]
+
+
+@pytest.mark.parametrize("shape", RANGE_SHAPES, ids=["x".join(map(str, s)) for s in RANGE_SHAPES])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_backward_lowers_with_key_ranges_of_every_shape(shape, causal):
+  """The dK/dV kernels' query bands (kernel.padding.query_block_ranges) are
+  formed from key ranges of every broadcast shape, and the whole backward
+  lowers for CUDA with them."""
+  lowered = lower_attention(dict(B=2, T=300, N=4, H=64, S=200, K=2, Hv=64), gradients=True,
+                            k_range_shape=shape, is_causal=causal)
+  assert lowered.smem_bytes > 0
+
+
 @pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
 @pytest.mark.parametrize("path", ["fused-dq", "bias", "causal"])
 def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):

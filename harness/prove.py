@@ -11,7 +11,8 @@ launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
 programs are learned from probe environments and proved for every number
 of tiles and key blocks (:mod:`harness.prove_extracted`,
 :mod:`harness.role_programs`, :mod:`harness.extracted_proof`); launches
-whose programs are equal share one check.  A failure prints its trace in
+whose programs are equal up to the names of their buffers and barriers
+share one check.  A failure prints its trace in
 kernel source lines and the environment that shows it.
 
 ``--mutant NAME`` proves a protocol defect of ``harness/protocol_mutants.py``

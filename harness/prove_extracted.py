@@ -11,8 +11,9 @@ program from them (:mod:`harness.role_programs`, which states the premise
 that makes the proof unbounded and tests it on every probe) and checks it
 for every environment (:func:`harness.extracted_proof.check`: every number
 of tiles, every trip count per tile, zero included, every interleaving).
-Launches whose programs are equal (the same units, source lines included)
-share one check.
+Launches whose programs are equal up to the names of their buffers and
+barriers and their source lines (the staged bias's ring and the staged
+mask's: :meth:`harness.role_programs.LaunchProgram.shape`) share one check.
 
 Probes.  A forward block reads each tile's key range ``[lb, lb + n)`` from
 its ``k_range_tiles`` entry, so the probe chooses it (``lb`` alternating,
@@ -705,12 +706,14 @@ def _record(result, res):
 
 
 def _collect(work, learned, configs, distinct) -> list[Result]:
-  """Group the learned programs by equality; a case whose premise failed
-  gets its own results (its probes' programs), marked with the failure."""
+  """Group the learned programs by shape (equal up to the names of buffers
+  and barriers: :meth:`harness.role_programs.LaunchProgram.shape`); a case
+  whose premise failed gets its own results (its probes' programs), marked
+  with the failure."""
   results = []
   for (kind, case), (progs, premise, seconds) in zip(work, learned):
     for name, prog in progs:
-      key = prog.key()
+      key = prog.shape()
       if premise is None and key in distinct:
         r = distinct[key][1]
         r.cases.append(case.describe() if kind == "forward" else name)

@@ -697,72 +697,76 @@ class _Search:
     return [(TAIL, self.unit(ri, "tail", ctx), p, nk, env)]
 
   # -- normal form --------------------------------------------------------------
-  def normalise(self, state, parent=None, family=-1):
+  def normalise(self, state, parent=None, family=-1, moved=True):
     """The state's canonical form: the word cut to what some role still
     reads, and every counter family shifted to start at 0 (ring-order
     write indices replaced by their ranks).  ``parent``: the normal state
     it was stepped from, ``family``: the one counter family that step
     changed (-1: none, -2: none, but the named barriers changed; only
-    what the step changed is shifted)."""
+    what the step changed is shifted); ``moved=False``: the step left the
+    word and every role's place in it as they were (a next event of the
+    same unit, a copy landing), so the word's cut is the parent's, none."""
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     st = self.st
     word = env[0]
     reads = st.reads
-    # The word's start: the earliest position any role still reads.
-    if not word:
-      cut = 0
-      mixed_active = False
-      for ri in st.all_readers:
-        if roles[ri][0] != DONE:
-          mixed_active = True
-          break
-    else:
-      cut = len(word)
-      mixed_active = False
-      for ri, r in enumerate(roles):
-        phase = r[0]
-        if phase == DONE:
-          continue
-        if phase == PRE:
-          cut = 0
-          mixed_active = mixed_active or reads[ri] == "all"
-          continue
-        kind = reads[ri]
-        if kind == "all":
-          mixed_active = True
-          if r[3] < cut:
-            cut = r[3]
-        elif phase != POST and cut:
-          if kind == "blocks":
-            at = _nth(word, "B", r[3])
-          else:
-            at = 0 if r[3] == 0 else _nth(word, "|", r[3] - 1) + 1
-          if at < cut:
-            cut = at
-    if cut and self.prog.word is None:
-      dropped = word[:cut]
-      nb_, nt_ = dropped.count("B"), dropped.count("|")
-      env = (word[cut:], self.ring.advance(env[1], nb_), env[2] or nt_ > 0) + env[3:]
-      shift = {"all": cut, "blocks": nb_, "tiles": nt_}
-      roles = tuple(r if r[0] in (PRE, DONE) or not shift[reads[ri]] else
-                    r[:3] + (r[3] - shift[reads[ri]],) + r[4:] for ri, r in enumerate(roles))
-      if st.has_generic:
-        content = tuple(c if c[0] != C_GEN or c[2] < 0 else
-                        (C_GEN, c[1], c[2] - cut if c[2] >= cut else -1) for c in content)
-    if not mixed_active and not env[0]:
-      # No role reads the word: blocks and tiles are counted apart, and only
-      # relative to each other's readers.
-      for kind in ("blocks", "tiles"):
-        active = [ri for ri, r in enumerate(roles) if reads[ri] == kind
-                  and r[0] in (HEAD, ITER, TAIL)]
-        if active:
-          low = min(roles[ri][3] for ri in active)
-          if low:
-            roles = tuple(r[:3] + (r[3] - low,) + r[4:] if reads[ri] == kind
-                          and r[0] not in (PRE, DONE) else r for ri, r in enumerate(roles))
-    if len(env[0]) > self.window:
-      raise _Fail("unbounded drift", f"the roles drift apart by more than {self.window} "
-                  f"symbols of the environment: the search would not end")
+    # The word's start: the earliest position any role still reads (a step
+    # that moved nobody leaves a normal parent's word as it was: cut).
+    if parent is None or moved:
+      if not word:
+        cut = 0
+        mixed_active = False
+        for ri in st.all_readers:
+          if roles[ri][0] != DONE:
+            mixed_active = True
+            break
+      else:
+        cut = len(word)
+        mixed_active = False
+        for ri, r in enumerate(roles):
+          phase = r[0]
+          if phase == DONE:
+            continue
+          if phase == PRE:
+            cut = 0
+            mixed_active = mixed_active or reads[ri] == "all"
+            continue
+          kind = reads[ri]
+          if kind == "all":
+            mixed_active = True
+            if r[3] < cut:
+              cut = r[3]
+          elif phase != POST and cut:
+            if kind == "blocks":
+              at = _nth(word, "B", r[3])
+            else:
+              at = 0 if r[3] == 0 else _nth(word, "|", r[3] - 1) + 1
+            if at < cut:
+              cut = at
+      if cut and self.prog.word is None:
+        dropped = word[:cut]
+        nb_, nt_ = dropped.count("B"), dropped.count("|")
+        env = (word[cut:], self.ring.advance(env[1], nb_), env[2] or nt_ > 0) + env[3:]
+        shift = {"all": cut, "blocks": nb_, "tiles": nt_}
+        roles = tuple(r if r[0] in (PRE, DONE) or not shift[reads[ri]] else
+                      r[:3] + (r[3] - shift[reads[ri]],) + r[4:] for ri, r in enumerate(roles))
+        if st.has_generic:
+          content = tuple(c if c[0] != C_GEN or c[2] < 0 else
+                          (C_GEN, c[1], c[2] - cut if c[2] >= cut else -1) for c in content)
+      if not mixed_active and not env[0]:
+        # No role reads the word: blocks and tiles are counted apart, and only
+        # relative to each other's readers.
+        for kind in ("blocks", "tiles"):
+          active = [ri for ri, r in enumerate(roles) if reads[ri] == kind
+                    and r[0] in (HEAD, ITER, TAIL)]
+          if active:
+            low = min(roles[ri][3] for ri in active)
+            if low:
+              roles = tuple(r[:3] + (r[3] - low,) + r[4:] if reads[ri] == kind
+                            and r[0] not in (PRE, DONE) else r for ri, r in enumerate(roles))
+      if len(env[0]) > self.window:
+        raise _Fail("unbounded drift", f"the roles drift apart by more than {self.window} "
+                    f"symbols of the environment: the search would not end")
     # Counters, relative within each family.
     rl = None
     families = st.families
@@ -847,9 +851,9 @@ class _Search:
 
   # -- one step ---------------------------------------------------------------
   def successors(self, state):
-    """(violation or None, [(state, step, family)]) -- the reduced successors,
-    every enabled step of every role checked (``family``: the barrier index
-    of the counter family the step changed, -1 for none)."""
+    """(violation or None, [(state, step, family, moved)]) -- the reduced
+    successors, every enabled step of every role checked (``family`` and
+    ``moved``: what the step changed, for :meth:`normalise`)."""
     st = self.st
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     units, ubar, uwi = st.units, st.ubar, st.uwi
@@ -878,7 +882,7 @@ class _Search:
         if named[i][0] > g and chosen < 0:
           nr = r[:11] + (None,)
           succ.append((_set(state, 1, _set(roles, ri, nr)), (ri, None, "generation complete"),
-                       -2))
+                       -2, False))
         continue
       e = units[uid][k]
       build = chosen < 0 or chosen == ri
@@ -933,7 +937,8 @@ class _Search:
       if arr >= st.arrivals[bi]:
         done, arr = done + 1, 0
       s2 = _set(_set(state, 2, _set(mb, bi, (done, arr))), 3, tma[:idx] + tma[idx + 1:])
-      (succ if needed or not self.reduce else deferred).append((s2, (-1, (ci, n), ""), bi))
+      (succ if needed or not self.reduce else deferred).append((s2, (-1, (ci, n), ""), bi,
+                                                                False))
     if succ_local is not None:
       return None, succ_local
     if not succ:
@@ -964,7 +969,7 @@ class _Search:
     return done % 2 != kk % 2
 
   def step(self, state, ri, e, build: bool = True):
-    """Role ri takes event e: None if blocked, else [(state, step, family)] (several
+    """Role ri takes event e: None if blocked, else [(state, step, family, moved)] (several
     when the role then reads an undecided environment; ``build=False``: only
     checked, [] when enabled).  Raises _Fail."""
     st = self.st
@@ -1111,7 +1116,7 @@ class _Search:
     if k + 1 < len(st.units[uid]) and not touched:   # the next event of the same unit
       nr = (phase, uid, k + 1, x, y, waits, waited, groups, stores, dirty, lastread, syncw)
       return [((env, roles[:ri] + (nr,) + roles[ri + 1:], mb, tma, issued, gidx, wcount,
-                content, named), (ri, e, note), fam)]
+                content, named), (ri, e, note), fam, False)]
     out = []
     for ph, u, kk_, x2, y2, env2 in self.settle(ri, phase, uid, k + 1, x, y, env, roles):
       nr = (ph, u, kk_, x2, y2, waits, waited, groups, stores, dirty, lastread, syncw)
@@ -1119,7 +1124,7 @@ class _Search:
       for bi in touched:
         gidx2, wcount2, roles2 = self.rerank(bi, gidx2, wcount2, roles2)
       out.append(((env2, roles2, mb, tma, issued, gidx2, wcount2, content, named),
-                  (ri, e, note), fam))
+                  (ri, e, note), fam, not (ph == phase and x2 == x and y2 == y and env2 is env)))
     return out
 
   def check_lag(self, state, ri, e):
@@ -1394,9 +1399,9 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = T
     if violation is not None:
       return fail(violation, state)
     before = state[0][0]
-    for nxt, step, family in succ:
+    for nxt, step, family, moved in succ:
       try:
-        norm = search.normalise(nxt, state, family)
+        norm = search.normalise(nxt, state, family, moved)
       except _Fail as f:
         return fail(Violation(f.kind, f.message), state)
       if record and step[0] >= 0 and step[1] is not None:

@@ -790,11 +790,16 @@ class _Search:
         r = rl[ri]
         rl[ri] = r[:5] + (_set(r[5], wi, r[5][wi] - base),) + r[6:]
       if fam_copies:
-        issued = tuple(v - base if ci in copy_set else v for ci, v in enumerate(issued))
+        il = list(issued)
+        for ci in fam_copies:
+          il[ci] -= base
+        issued = tuple(il)
         tma = tuple((ci, n - base) if ci in copy_set else (ci, n) for ci, n in tma)
     if rl is not None:
       roles = tuple(rl)
     if parent is not None and family != -2:  # the named barriers as they were: normal
+      if not moved:   # the ring's class and every unit as the parent's: rotated as it was
+        return (env, roles, mb, tma, issued, gidx, wcount, content, named)
       return self.rotated((env, roles, mb, tma, issued, gidx, wcount, content, named))
     for i in range(len(named)):
       base = named[i][0]
@@ -936,7 +941,8 @@ class _Search:
       arr += 1
       if arr >= st.arrivals[bi]:
         done, arr = done + 1, 0
-      s2 = _set(_set(state, 2, _set(mb, bi, (done, arr))), 3, tma[:idx] + tma[idx + 1:])
+      s2 = (env, roles, mb[:bi] + ((done, arr),) + mb[bi + 1:], tma[:idx] + tma[idx + 1:],
+            issued, gidx, wcount, content, named)
       (succ if needed or not self.reduce else deferred).append((s2, (-1, (ci, n), ""), bi,
                                                                 False))
     if succ_local is not None:
@@ -996,7 +1002,7 @@ class _Search:
           raise _Fail("parity alias",
                       f"{name}'s wait on {e.buf}[{e.slot}] passes {kk + 1 - done} phases "
                       f"early: it took an older phase for the one it waits for")
-        waits = _set(waits, wi, kk + 1)
+        waits = waits[:wi] + (kk + 1,) + waits[wi + 1:]
         waited = waited | (1 << wi)
         note = _PASSES[kk % 2]
         fam = bi
@@ -1008,7 +1014,7 @@ class _Search:
         arr += 1
         if arr >= st.arrivals[bi]:
           done, arr = done + 1, 0
-        mb = _set(mb, bi, (done, arr))
+        mb = mb[:bi] + ((done, arr),) + mb[bi + 1:]
         fam = bi
     elif kind == "tma_load":
         ci = st.ubar[uid][k]
@@ -1120,7 +1126,7 @@ class _Search:
     out = []
     for ph, u, kk_, x2, y2, env2 in self.settle(ri, phase, uid, k + 1, x, y, env, roles):
       nr = (ph, u, kk_, x2, y2, waits, waited, groups, stores, dirty, lastread, syncw)
-      roles2, gidx2, wcount2 = _set(roles, ri, nr), gidx, wcount
+      roles2, gidx2, wcount2 = roles[:ri] + (nr,) + roles[ri + 1:], gidx, wcount
       for bi in touched:
         gidx2, wcount2, roles2 = self.rerank(bi, gidx2, wcount2, roles2)
       out.append(((env2, roles2, mb, tma, issued, gidx2, wcount2, content, named),
@@ -1159,16 +1165,21 @@ class _Search:
     slots = self.st.rbuf_slots[bi][1]
     vals = {wcount[bi]}
     for ci in slots:
-      if gidx[ci] >= 0:
-        vals.add(gidx[ci])
+      g = gidx[ci]
+      if g >= 0:
+        vals.add(g)
     for r in roles:
-      if r[10][bi] >= 0:
-        vals.add(r[10][bi])
+      g = r[10][bi]
+      if g >= 0:
+        vals.add(g)
     if max(vals) == len(vals) - 1:
       return gidx, wcount, roles
     rank = {v: i for i, v in enumerate(sorted(vals))}
-    return (tuple(rank[g] if g >= 0 and ci in slots else g for ci, g in enumerate(gidx)),
-            _set(wcount, bi, rank[wcount[bi]]),
+    gl = list(gidx)
+    for ci in slots:
+      if gl[ci] >= 0:
+        gl[ci] = rank[gl[ci]]
+    return (tuple(gl), _set(wcount, bi, rank[wcount[bi]]),
             tuple(r if r[10][bi] < 0 else
                   r[:10] + (_set(r[10], bi, rank[r[10][bi]]),) + r[11:] for r in roles))
 
@@ -1188,9 +1199,10 @@ class _Search:
     st = self.st
     b, s = st.smem_slots[si]
     for rj, other in enumerate(roles):
-      if any(si in g for g in other[7]):
-        raise _Fail(kind, f"{what} while a wgmma of {st.names[rj]} still reads "
-                    f"{b}[{s}]")
+      for g in other[7]:
+        if si in g:
+          raise _Fail(kind, f"{what} while a wgmma of {st.names[rj]} still reads "
+                      f"{b}[{s}]")
       if si in other[8]:
         raise _Fail(kind, f"{what} while a TMA store of {st.names[rj]} still reads "
                     f"{b}[{s}]")

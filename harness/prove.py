@@ -15,8 +15,15 @@ whose programs are equal up to the names of their buffers and barriers
 share one check.  A failure prints its trace in
 kernel source lines and the environment that shows it.
 
+The run keeps what passed in ``.cache/prove/`` (:mod:`harness.prove_cache`:
+the learned programs under a digest of the kernel and extraction sources,
+each passed check under its program's shape and the checker's sources), and
+a later run of the same sources takes it from there; ``--no-cache`` learns
+and checks everything anew, as a fresh clone does.
+
 ``--mutant NAME`` proves a protocol defect of ``harness/protocol_mutants.py``
-written into a copy of the kernel's source instead (the command must fail).
+written into a copy of the kernel's source instead (the command must fail;
+it never uses the cache, nor does ``--fail-fast``).
 """
 
 from __future__ import annotations
@@ -97,7 +104,8 @@ def main(argv=None) -> int:
                       help="one process, smallest cases first, stop at the first failure")
   parser.add_argument("--no-cache", action="store_true",
                       help="learn and check everything anew (harness/prove_cache.py: the "
-                      "cache keeps what passed, keyed by the sources; --mutant never uses it)")
+                      "cache keeps what passed, keyed by the sources; --mutant and --fail-fast never "
+                      "use it)")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   first = None

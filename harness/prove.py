@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     # The backward's cases need no heuristics: the workers start on them
     # while the forward's are listed.
     early = [("backward", c) for c in pe.backward_cases()][:3 * args.jobs]
-    with pe.workers(args.jobs) as pool:
+    with pe.workers(args.jobs, fork=True) as pool:
       results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool, cache=cache,
                          early=early)
   items = listed

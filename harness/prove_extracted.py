@@ -682,19 +682,27 @@ def _checked(key, prog, result, cache):
   return hit
 
 
-def workers(jobs: int):
+def workers(jobs: int, *, fork: bool = False):
   """A pool of ``jobs`` processes that start with JAX and the kernels
-  imported: forked from this one where that is safe (one thread and no JAX
-  backend yet, so nothing traced or running to share), else spawned fresh
-  and importing them (:func:`_warm_up`) while the caller prepares the work."""
+  imported.  ``fork``: forked from this one where that is safe -- the
+  caller knows this process (``python -m harness prove`` does), no other
+  Python thread runs and no JAX backend is up, so nothing traced or running
+  is shared; NumPy's BLAS threads handle a fork themselves -- else spawned
+  fresh, importing them (:func:`_warm_up`) while the caller prepares the
+  work."""
   import concurrent.futures
   import multiprocessing
   import sys
   import threading
-  from jax._src import xla_bridge
   from kernel import backward, forward  # noqa: F401  (what a forked worker inherits)
-  fork = ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
-          and not xla_bridge.backends_are_initialized())
+  if fork:
+    try:
+      from jax._src import xla_bridge
+      started = xla_bridge.backends_are_initialized()
+    except Exception:  # noqa: BLE001 -- another JAX: take it as started
+      started = True
+    fork = ("fork" in multiprocessing.get_all_start_methods()
+            and threading.active_count() == 1 and not started)
   sys.stdout.flush()
   sys.stderr.flush()
   pool = concurrent.futures.ProcessPoolExecutor(

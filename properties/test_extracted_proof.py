@@ -263,3 +263,15 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   other = prove_cache.Cache(tmp_path)
   other.digests = {k: v + "x" for k, v in other.digests.items()}
   assert other.get("learned", pe._learn_key(("forward", ONE_TILE), None)) is None
+
+
+def test_the_pool_reports_what_one_process_does(tmp_path):
+  """On a pool, with cases handed out before the rest are listed and a
+  cache, the results are those of one process, in the listing's order."""
+  from harness import prove_cache
+  items = [("forward", ONE_TILE, 1), ("backward", FUSED, 0)]
+  alone = pe.prove(items, jobs=1)
+  pooled = pe.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),
+                    early=[("backward", FUSED)])
+  assert [(r.name, r.cases, r.ok, r.states) for r in pooled] == \
+      [(r.name, r.cases, r.ok, r.states) for r in alone]

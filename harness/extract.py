@@ -343,11 +343,12 @@ class _Program:
   opaque, and calls of only such arithmetic), and its literals' values.
   Unknown primitives stay, so that running them refuses them."""
 
-  __slots__ = ("jaxpr", "eqns", "literals")
+  __slots__ = ("jaxpr", "eqns", "literals", "frames")
 
   def __init__(self, jaxpr):
     self.jaxpr = jaxpr
     self.eqns, self.literals = [], {}
+    self.frames = {}  # id(eqn) -> its innermost kernel line, or None (see _kernel_frame)
     for eqn in jaxpr.eqns:
       name = eqn.primitive.name
       if not any(_int_scalar(v.aval) for v in eqn.outvars):
@@ -368,6 +369,8 @@ class _Program:
         else:
           keys.append(v)
       self.eqns.append((eqn, eqn.primitive.name, tuple(keys)))
+      if name not in PURE:
+        self.frames[id(eqn)] = _kernel_frame_uncached(eqn.source_info)
 
 
 _PROGRAMS: dict = {}  # id(jaxpr) -> _Program (which keeps the jaxpr alive)
@@ -472,13 +475,13 @@ class _Interp:
         if type(a) in _INT and type(b) in _INT:
           env[eqn.outvars[0]] = op(a, b)
           continue
-      outs = self.eqn_(eqn, name, ins)
+      outs = self.eqn_(eqn, name, ins, prog)
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
     return [get(v, OPAQUE) if not isinstance(v, jex_core.Literal) else _literal_value(v.val)
             for v in jaxpr.outvars]
 
-  def eqn_(self, eqn, name, ins):
+  def eqn_(self, eqn, name, ins, prog):
     nout = len(eqn.outvars)
     if name == "convert_element_type" and type(ins[0]) in _INT:
       import numpy as np
@@ -496,7 +499,9 @@ class _Interp:
       return [-ins[0]]
     if name in PURE:
       return [OPAQUE] * nout
-    src = _kernel_frame(eqn.source_info, self.site)
+    src = prog.frames[id(eqn)]
+    if src is None:
+      src = _kernel_frame(eqn.source_info, self.site)
     if name not in HANDLED:
       raise UnknownPrimitive(
           f"{src}: primitive {name!r} is not understood by harness/extract.py; "
@@ -779,6 +784,9 @@ _RING_VERB = re.compile(r"([A-Za-z_]\w*)\.(producer_acquire|producer_copy|consum
                         r"consumer_release)\((.*)")
 
 
+_RING_NAMES: dict = {}  # (event kind, kernel file:line) -> _ring_verb_name
+
+
 def _ring_verb_name(e) -> str | None:
   """A line that calls a verb of kernel/ring.py (``keys.consumer_wait(st,
   "bias")``) names what it touches after the ring and the buffer it names:
@@ -786,6 +794,13 @@ def _ring_verb_name(e) -> str | None:
   ``keys.consumed``."""
   if e.kind not in ("wait", "arrive", "tma_load"):
     return None
+  key = (e.kind, e.src)
+  if key not in _RING_NAMES:
+    _RING_NAMES[key] = _ring_verb_name_uncached(e)
+  return _RING_NAMES[key]
+
+
+def _ring_verb_name_uncached(e) -> str | None:
   verb = _RING_VERB.search(_src_line(e.src))
   if not verb:
     return None

@@ -116,6 +116,7 @@ PRE, HEAD, ITER, TAIL, POST, DONE = range(6)
 C_TMA, C_GEN, C_CLOB, C_NONE = 0, 1, 2, 3
 # Steps taken alone once a role reaches them (see the module docstring).
 EAGER = frozenset(("wait", "arrive", "tma_load"))
+_PASSES = ("phase 0 passes", "phase 1 passes")
 
 
 @dataclasses.dataclass
@@ -178,6 +179,8 @@ class _Static:
     self.violations: list[Violation] = []
     self.units: list[tuple] = []
     self.uid: dict = {}
+    self.uid_of_obj: dict = {}   # id(unit tuple) -> uid, for the tuples the tables hold
+    self.held: list = []         # those tuples, kept alive while their ids are keys
     units_of = []   # per role: [(unit kind, events)]
     for r in self.roles:
       us = [("pre", r.pre)]
@@ -268,6 +271,9 @@ class _Static:
                       frozenset(self.family_copies[bi]))
                      for bi in range(len(self.bar_keys)) if not self.stationary_bar[bi]]
     self.family_of = {f[0]: f for f in self.families}
+    # by the barrier index a step changed (-1, -2: none), the families to shift
+    self.family_list = {bi: [self.family_of[bi]] if bi in self.family_of else []
+                        for bi in range(-2, len(self.bar_keys))}
     self.copy_family = [self.bar_index[self.copy_bar[key]] for key in self.tma_slots]
     self.wait_family = [[self.bar_index[key] for key in sorted(w, key=lambda key, w=w: w[key])]
                         for w in self.waits_of]
@@ -275,6 +281,7 @@ class _Static:
                                       if self.slot_rbuf[ci] == bi))
                        for bi in range(len(self.ring_buffers))]
     self.reads = [r.reads for r in self.roles]
+    self.all_readers = [ri for ri, r in enumerate(self.reads) if r == "all"]
     self.has_generic = any(e.kind == "smem_store" for us in units_of for _, evs in us
                            for e in evs)
     self._named()
@@ -287,6 +294,24 @@ class _Static:
     for ri, us in enumerate(units_of):
       for _, evs in us:
         self.unit_id(evs)
+    # per unit, per event: the barrier index of a wait or arrive (a TMA
+    # load's: its slot's copy index), and a wait's index among its role's
+    self.ubar, self.uwi = [], []
+    role_of = {name: ri for ri, name in enumerate(self.names)}
+    for evs in self.units:
+      bars, wis = [], []
+      for e in evs:
+        key = (e.buf, e.slot)
+        if e.kind in ("wait", "arrive"):
+          bars.append(self.bar_index[key])
+        elif e.kind == "tma_load":
+          bars.append(self.tma_index[key])
+        else:
+          bars.append(-1)
+        wis.append(self.waits_of[role_of[e.role]][key] if e.kind == "wait" else -1)
+      self.ubar.append(tuple(bars))
+      self.uwi.append(tuple(wis))
+    self.tma_writer = [self.writer[b] for b, _ in self.tma_slots]
     self.rotation = None if prog.word is not None else self._rotation()
     # per unit, per event: taken alone when reached (see check's reductions)
     self.alone = [[(self.local_any(e) and e.kind not in ("wgmma_wait", "store_wait"))
@@ -403,10 +428,15 @@ class _Static:
     return False
 
   def unit_id(self, evs) -> int:
+    u = self.uid_of_obj.get(id(evs))
+    if u is not None:
+      return u
     u = self.uid.get(evs)
     if u is None:
       u = self.uid[evs] = len(self.units)
       self.units.append(evs)
+    self.uid_of_obj[id(evs)] = u
+    self.held.append(evs)
     return u
 
   def _named(self):
@@ -667,67 +697,81 @@ class _Search:
     return [(TAIL, self.unit(ri, "tail", ctx), p, nk, env)]
 
   # -- normal form --------------------------------------------------------------
-  def normalise(self, state, parent=None):
+  def normalise(self, state, parent=None, family=-1, moved=True):
     """The state's canonical form: the word cut to what some role still
     reads, and every counter family shifted to start at 0 (ring-order
     write indices replaced by their ranks).  ``parent``: the normal state
-    it was stepped from (only the families that step changed are shifted)."""
+    it was stepped from, ``family``: the one counter family that step
+    changed (-1: none, -2: none, but the named barriers changed; only
+    what the step changed is shifted); ``moved=False``: the step left the
+    word and every role's place in it as they were (a next event of the
+    same unit, a copy landing), so the word's cut is the parent's, none."""
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     st = self.st
     word = env[0]
     reads = st.reads
-    # The word's start: the earliest position any role still reads.
-    cut = len(word)
-    mixed_active = False
-    for ri, r in enumerate(roles):
-      phase = r[0]
-      if phase == DONE:
-        continue
-      if phase == PRE:
+    # The word's start: the earliest position any role still reads (a step
+    # that moved nobody leaves a normal parent's word as it was: cut).
+    if parent is None or moved:
+      if not word:
         cut = 0
-        mixed_active = mixed_active or reads[ri] == "all"
-        continue
-      kind = reads[ri]
-      if kind == "all":
-        mixed_active = True
-        if r[3] < cut:
-          cut = r[3]
-      elif phase != POST and cut:
-        if kind == "blocks":
-          at = _nth(word, "B", r[3])
-        else:
-          at = 0 if r[3] == 0 else _nth(word, "|", r[3] - 1) + 1
-        if at < cut:
-          cut = at
-    if cut and self.prog.word is None:
-      dropped = word[:cut]
-      nb_, nt_ = dropped.count("B"), dropped.count("|")
-      env = (word[cut:], self.ring.advance(env[1], nb_), env[2] or nt_ > 0) + env[3:]
-      shift = {"all": cut, "blocks": nb_, "tiles": nt_}
-      roles = tuple(r if r[0] in (PRE, DONE) or not shift[reads[ri]] else
-                    r[:3] + (r[3] - shift[reads[ri]],) + r[4:] for ri, r in enumerate(roles))
-      if st.has_generic:
-        content = tuple(c if c[0] != C_GEN or c[2] < 0 else
-                        (C_GEN, c[1], c[2] - cut if c[2] >= cut else -1) for c in content)
-    if not mixed_active and not env[0]:
-      # No role reads the word: blocks and tiles are counted apart, and only
-      # relative to each other's readers.
-      for kind in ("blocks", "tiles"):
-        active = [ri for ri, r in enumerate(roles) if reads[ri] == kind
-                  and r[0] in (HEAD, ITER, TAIL)]
-        if active:
-          low = min(roles[ri][3] for ri in active)
-          if low:
-            roles = tuple(r[:3] + (r[3] - low,) + r[4:] if reads[ri] == kind
-                          and r[0] not in (PRE, DONE) else r for ri, r in enumerate(roles))
-    if len(env[0]) > self.window:
-      raise _Fail("unbounded drift", f"the roles drift apart by more than {self.window} "
-                  f"symbols of the environment: the search would not end")
+        mixed_active = False
+        for ri in st.all_readers:
+          if roles[ri][0] != DONE:
+            mixed_active = True
+            break
+      else:
+        cut = len(word)
+        mixed_active = False
+        for ri, r in enumerate(roles):
+          phase = r[0]
+          if phase == DONE:
+            continue
+          if phase == PRE:
+            cut = 0
+            mixed_active = mixed_active or reads[ri] == "all"
+            continue
+          kind = reads[ri]
+          if kind == "all":
+            mixed_active = True
+            if r[3] < cut:
+              cut = r[3]
+          elif phase != POST and cut:
+            if kind == "blocks":
+              at = _nth(word, "B", r[3])
+            else:
+              at = 0 if r[3] == 0 else _nth(word, "|", r[3] - 1) + 1
+            if at < cut:
+              cut = at
+      if cut and self.prog.word is None:
+        dropped = word[:cut]
+        nb_, nt_ = dropped.count("B"), dropped.count("|")
+        env = (word[cut:], self.ring.advance(env[1], nb_), env[2] or nt_ > 0) + env[3:]
+        shift = {"all": cut, "blocks": nb_, "tiles": nt_}
+        roles = tuple(r if r[0] in (PRE, DONE) or not shift[reads[ri]] else
+                      r[:3] + (r[3] - shift[reads[ri]],) + r[4:] for ri, r in enumerate(roles))
+        if st.has_generic:
+          content = tuple(c if c[0] != C_GEN or c[2] < 0 else
+                          (C_GEN, c[1], c[2] - cut if c[2] >= cut else -1) for c in content)
+      if not mixed_active and not env[0]:
+        # No role reads the word: blocks and tiles are counted apart, and only
+        # relative to each other's readers.
+        for kind in ("blocks", "tiles"):
+          active = [ri for ri, r in enumerate(roles) if reads[ri] == kind
+                    and r[0] in (HEAD, ITER, TAIL)]
+          if active:
+            low = min(roles[ri][3] for ri in active)
+            if low:
+              roles = tuple(r[:3] + (r[3] - low,) + r[4:] if reads[ri] == kind
+                            and r[0] not in (PRE, DONE) else r for ri, r in enumerate(roles))
+      if len(env[0]) > self.window:
+        raise _Fail("unbounded drift", f"the roles drift apart by more than {self.window} "
+                    f"symbols of the environment: the search would not end")
     # Counters, relative within each family.
     rl = None
     families = st.families
     if parent is not None:
-      families = self.changed_families(state, parent)
+      families = st.family_list[family]
     for bi, fam_waits, fam_copies, copy_set in families:
       base = mb[bi][0]
       for ri, wi in fam_waits:
@@ -746,12 +790,16 @@ class _Search:
         r = rl[ri]
         rl[ri] = r[:5] + (_set(r[5], wi, r[5][wi] - base),) + r[6:]
       if fam_copies:
-        issued = tuple(v - base if ci in copy_set else v for ci, v in enumerate(issued))
+        il = list(issued)
+        for ci in fam_copies:
+          il[ci] -= base
+        issued = tuple(il)
         tma = tuple((ci, n - base) if ci in copy_set else (ci, n) for ci, n in tma)
     if rl is not None:
       roles = tuple(rl)
-    if parent is not None and named is parent[8] and all(
-        r[11] is q[11] for r, q in zip(roles, parent[1])):
+    if parent is not None and family != -2:  # the named barriers as they were: normal
+      if not moved:   # the ring's class and every unit as the parent's: rotated as it was
+        return (env, roles, mb, tma, issued, gidx, wcount, content, named)
       return self.rotated((env, roles, mb, tma, issued, gidx, wcount, content, named))
     for i in range(len(named)):
       base = named[i][0]
@@ -772,21 +820,6 @@ class _Search:
       if k and all(r[0] != PRE for r in roles):
         state = self.rotate(state, k)
     return state
-
-  def changed_families(self, state, parent):
-    """The counter families a step from ``parent`` to ``state`` changed."""
-    st = self.st
-    mb, pmb = state[2], parent[2]
-    out = set()
-    if mb is not pmb:
-      out.update(bi for bi in range(len(mb)) if mb[bi] is not pmb[bi] and mb[bi] != pmb[bi])
-    issued, pissued = state[4], parent[4]
-    if issued is not pissued:
-      out.update(st.copy_family[ci] for ci in range(len(issued)) if issued[ci] != pissued[ci])
-    for ri, (r, q) in enumerate(zip(state[1], parent[1])):
-      if r[5] is not q[5]:
-        out.update(st.wait_family[ri][wi] for wi in range(len(r[5])) if r[5][wi] != q[5][wi])
-    return [st.family_of[bi] for bi in sorted(out) if bi in st.family_of]
 
   def rotate(self, state, k):
     """The state with every ring position moved back by k (symmetry)."""
@@ -823,19 +856,24 @@ class _Search:
 
   # -- one step ---------------------------------------------------------------
   def successors(self, state):
-    """(violation or None, [(state, step)]) -- the reduced successors, every
-    enabled step of every role checked."""
+    """(violation or None, [(state, step, family, moved)]) -- the reduced
+    successors, every enabled step of every role checked (``family`` and
+    ``moved``: what the step changed, for :meth:`normalise`)."""
     st = self.st
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
+    units, ubar, uwi = st.units, st.ubar, st.uwi
+    reduce = self.reduce
     # The role whose next step is taken alone, if any: the first whose step
     # may be (and can be taken now); every other role's step is then only
     # checked.
     chosen = -1
-    if self.reduce:
+    if reduce:
+      alone = st.alone
       for ri, r in enumerate(roles):
-        if r[0] != DONE and r[11] is None and st.alone[r[1]][r[2]]:
-          e = st.units[r[1]][r[2]]
-          if e.kind != "wait" or self.wait_passes(state, ri, e):
+        if r[0] != DONE and r[11] is None and alone[r[1]][r[2]]:
+          uid, k = r[1], r[2]
+          if (units[uid][k].kind != "wait"
+              or mb[ubar[uid][k]][0] % 2 != r[5][uwi[uid][k]] % 2):
             chosen = ri
             break
     succ_local, succ = None, []
@@ -848,12 +886,24 @@ class _Search:
         i, g = syncw
         if named[i][0] > g and chosen < 0:
           nr = r[:11] + (None,)
-          succ.append((_set(state, 1, _set(roles, ri, nr)), (ri, None, "generation complete")))
+          succ.append((_set(state, 1, _set(roles, ri, nr)), (ri, None, "generation complete"),
+                       -2, False))
         continue
-      e = st.units[uid][k]
+      e = units[uid][k]
+      build = chosen < 0 or chosen == ri
+      kind = e.kind
+      if not build:
+        # Only checked: a wait that stays blocked, and a retiring wait or a
+        # fence, which have nothing to check, need no step.
+        if kind == "wait":
+          done, kk = mb[ubar[uid][k]][0], r[5][uwi[uid][k]]
+          if done < kk + 2 and done % 2 == kk % 2:
+            continue
+        elif kind in ("wgmma_wait", "store_wait", "fence"):
+          continue
       try:
-        out = self.step(state, ri, e, build=chosen < 0 or chosen == ri)
-        if out is not None and e.kind == "wait" and self.reduce:
+        out = self.step(state, ri, e, build=build)
+        if out is not None and kind == "wait" and reduce:
           self.check_lag(state, ri, e)
       except _Fail as f:
         return Violation(f.kind, f.message, [(st.names[ri], e, f.note)]), []
@@ -868,29 +918,33 @@ class _Search:
     # TMA completions: per issuing role the oldest copy in flight, taken now
     # only where a role waits on the barrier of it or of a later copy of the
     # same role (lazy completion, see the module docstring).
-    waited = set()
-    for ri, r in enumerate(roles):
-      if r[0] != DONE and r[11] is None:
-        e = st.units[r[1]][r[2]]
-        if e.kind == "wait":
-          waited.add(st.bar_index[(e.buf, e.slot)])
-    heads, deferred = {}, []
-    for idx, (ci, n) in enumerate(tma):
-      w = st.writer[st.tma_slots[ci][0]]
-      bi = st.bar_index[st.copy_bar[st.tma_slots[ci]]]
-      if w not in heads:
-        heads[w] = [idx, bi in waited]
-      elif bi in waited:
-        heads[w][1] = True
-    for w, (idx, needed) in heads.items():
+    if not tma:
+      deferred = []
+    else:
+      waited = set()
+      for ri, r in enumerate(roles):
+        if r[0] != DONE and r[11] is None:
+          if units[r[1]][r[2]].kind == "wait":
+            waited.add(ubar[r[1]][r[2]])
+      heads, deferred = {}, []
+      writer, copy_family = st.tma_writer, st.copy_family
+      for idx, (ci, n) in enumerate(tma):
+        w = writer[ci]
+        if w not in heads:
+          heads[w] = [idx, copy_family[ci] in waited]
+        elif copy_family[ci] in waited:
+          heads[w][1] = True
+    for w, (idx, needed) in (heads.items() if tma else ()):
       ci, n = tma[idx]
-      bi = st.bar_index[st.copy_bar[st.tma_slots[ci]]]
+      bi = st.copy_family[ci]
       done, arr = mb[bi]
       arr += 1
       if arr >= st.arrivals[bi]:
         done, arr = done + 1, 0
-      s2 = _set(_set(state, 2, _set(mb, bi, (done, arr))), 3, tma[:idx] + tma[idx + 1:])
-      (succ if needed or not self.reduce else deferred).append((s2, (-1, (ci, n), "")))
+      s2 = (env, roles, mb[:bi] + ((done, arr),) + mb[bi + 1:], tma[:idx] + tma[idx + 1:],
+            issued, gidx, wcount, content, named)
+      (succ if needed or not self.reduce else deferred).append((s2, (-1, (ci, n), ""), bi,
+                                                                False))
     if succ_local is not None:
       return None, succ_local
     if not succ:
@@ -915,13 +969,13 @@ class _Search:
 
   def wait_passes(self, state, ri, e) -> bool:
     st = self.st
-    key = (e.buf, e.slot)
-    done = state[2][st.bar_index[key]][0]
-    kk = state[1][ri][5][st.waits_of[ri][key]]
+    r = state[1][ri]
+    done = state[2][st.ubar[r[1]][r[2]]][0]
+    kk = r[5][st.uwi[r[1]][r[2]]]
     return done % 2 != kk % 2
 
   def step(self, state, ri, e, build: bool = True):
-    """Role ri takes event e: None if blocked, else [(state, step)] (several
+    """Role ri takes event e: None if blocked, else [(state, step, family, moved)] (several
     when the role then reads an undecided environment; ``build=False``: only
     checked, [] when enabled).  Raises _Fail."""
     st = self.st
@@ -931,10 +985,10 @@ class _Search:
     kind = e.kind
     name = st.names[ri]
     note = ""
+    fam = -1   # the counter family the step changes
     if kind == "wait":
-        key = (e.buf, e.slot)
-        bi = st.bar_index[key]
-        wi = st.waits_of[ri][key]
+        bi = st.ubar[uid][k]
+        wi = st.uwi[uid][k]
         done = mb[bi][0]
         kk = waits[wi]
         if done >= kk + 2:
@@ -948,20 +1002,22 @@ class _Search:
           raise _Fail("parity alias",
                       f"{name}'s wait on {e.buf}[{e.slot}] passes {kk + 1 - done} phases "
                       f"early: it took an older phase for the one it waits for")
-        waits = _set(waits, wi, kk + 1)
+        waits = waits[:wi] + (kk + 1,) + waits[wi + 1:]
         waited = waited | (1 << wi)
-        note = f"phase {kk % 2} passes"
+        note = _PASSES[kk % 2]
+        fam = bi
     elif kind == "arrive":
-        self.check_publish(ri, r, e)
-        bi = st.bar_index[(e.buf, e.slot)]
+        if dirty:
+          self.check_publish(ri, r, e)
+        bi = st.ubar[uid][k]
         done, arr = mb[bi]
         arr += 1
         if arr >= st.arrivals[bi]:
           done, arr = done + 1, 0
-        mb = _set(mb, bi, (done, arr))
+        mb = mb[:bi] + ((done, arr),) + mb[bi + 1:]
+        fam = bi
     elif kind == "tma_load":
-        key = (e.buf, e.slot)
-        ci = st.tma_index[key]
+        ci = st.ubar[uid][k]
         si = st.tma_smem[ci]
         n = issued[ci] + 1
         if (ci, n - 1) in tma:
@@ -978,6 +1034,7 @@ class _Search:
           if rj != ri:
             self.check_pending_read(rj, other, ci, n)
         issued = _set(issued, ci, n)
+        fam = st.copy_family[ci]
         rb = st.slot_rbuf[ci]
         if rb >= 0:
           gidx = _set(gidx, ci, wcount[rb])
@@ -987,7 +1044,8 @@ class _Search:
         for w in st.clobbers[si]:
           content = _set(content, w, (C_CLOB,))
     elif kind in ("bar_sync", "bar_arrive"):
-        self.check_publish(ri, r, e)
+        if dirty:
+          self.check_publish(ri, r, e)
         i = st.nid[e.bar_id]
         gen, arrived, who = named[i]
         mine = gen
@@ -1005,6 +1063,7 @@ class _Search:
         named = _set(named, i, (gen, arrived, who))
         if kind == "bar_sync" and gen <= mine:
           syncw = (i, mine)
+        fam = -2
     elif kind == "wgmma":
         slots = []
         for b, s in e.reads:
@@ -1055,19 +1114,23 @@ class _Search:
       raise AssertionError(kind)
     if not build:
       return []
-    out = []
     touched = ()
-    if kind == "tma_load" and st.slot_rbuf[st.tma_index[(e.buf, e.slot)]] >= 0:
-      touched = (st.slot_rbuf[st.tma_index[(e.buf, e.slot)]],)
+    if kind == "tma_load" and st.slot_rbuf[ci] >= 0:
+      touched = (st.slot_rbuf[ci],)
     elif kind in ("wgmma", "smem_load") and lastread != r[10]:
       touched = tuple(bi for bi in range(len(lastread)) if lastread[bi] != r[10][bi])
+    if k + 1 < len(st.units[uid]) and not touched:   # the next event of the same unit
+      nr = (phase, uid, k + 1, x, y, waits, waited, groups, stores, dirty, lastread, syncw)
+      return [((env, roles[:ri] + (nr,) + roles[ri + 1:], mb, tma, issued, gidx, wcount,
+                content, named), (ri, e, note), fam, False)]
+    out = []
     for ph, u, kk_, x2, y2, env2 in self.settle(ri, phase, uid, k + 1, x, y, env, roles):
       nr = (ph, u, kk_, x2, y2, waits, waited, groups, stores, dirty, lastread, syncw)
-      roles2, gidx2, wcount2 = _set(roles, ri, nr), gidx, wcount
+      roles2, gidx2, wcount2 = roles[:ri] + (nr,) + roles[ri + 1:], gidx, wcount
       for bi in touched:
         gidx2, wcount2, roles2 = self.rerank(bi, gidx2, wcount2, roles2)
       out.append(((env2, roles2, mb, tma, issued, gidx2, wcount2, content, named),
-                  (ri, e, note)))
+                  (ri, e, note), fam, not (ph == phase and x2 == x and y2 == y and env2 is env)))
     return out
 
   def check_lag(self, state, ri, e):
@@ -1102,16 +1165,21 @@ class _Search:
     slots = self.st.rbuf_slots[bi][1]
     vals = {wcount[bi]}
     for ci in slots:
-      if gidx[ci] >= 0:
-        vals.add(gidx[ci])
+      g = gidx[ci]
+      if g >= 0:
+        vals.add(g)
     for r in roles:
-      if r[10][bi] >= 0:
-        vals.add(r[10][bi])
+      g = r[10][bi]
+      if g >= 0:
+        vals.add(g)
     if max(vals) == len(vals) - 1:
       return gidx, wcount, roles
     rank = {v: i for i, v in enumerate(sorted(vals))}
-    return (tuple(rank[g] if g >= 0 and ci in slots else g for ci, g in enumerate(gidx)),
-            _set(wcount, bi, rank[wcount[bi]]),
+    gl = list(gidx)
+    for ci in slots:
+      if gl[ci] >= 0:
+        gl[ci] = rank[gl[ci]]
+    return (tuple(gl), _set(wcount, bi, rank[wcount[bi]]),
             tuple(r if r[10][bi] < 0 else
                   r[:10] + (_set(r[10], bi, rank[r[10][bi]]),) + r[11:] for r in roles))
 
@@ -1131,9 +1199,10 @@ class _Search:
     st = self.st
     b, s = st.smem_slots[si]
     for rj, other in enumerate(roles):
-      if any(si in g for g in other[7]):
-        raise _Fail(kind, f"{what} while a wgmma of {st.names[rj]} still reads "
-                    f"{b}[{s}]")
+      for g in other[7]:
+        if si in g:
+          raise _Fail(kind, f"{what} while a wgmma of {st.names[rj]} still reads "
+                      f"{b}[{s}]")
       if si in other[8]:
         raise _Fail(kind, f"{what} while a TMA store of {st.names[rj]} still reads "
                     f"{b}[{s}]")
@@ -1341,18 +1410,19 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = T
       return fail(Violation("coverage", str(f)), state)
     if violation is not None:
       return fail(violation, state)
-    for nxt, step in succ:
+    before = state[0][0]
+    for nxt, step, family, moved in succ:
       try:
-        norm = search.normalise(nxt, state)
+        norm = search.normalise(nxt, state, family, moved)
       except _Fail as f:
         return fail(Violation(f.kind, f.message), state)
       if record and step[0] >= 0 and step[1] is not None:
         taken.add((step[0], step[1]))
-      if norm not in parent:
-        word, before = nxt[0][0], state[0][0]
-        grown = "" if word is before else word[len(before):]
-        parent[norm] = (state, step, grown)
-        if len(parent) > max_states:
+      word = nxt[0][0]
+      size = len(parent)
+      parent.setdefault(norm, (state, step, "" if word is before else word[len(before):]))
+      if len(parent) != size:
+        if size >= max_states:
           raise RuntimeError(f"{prog.name}: state budget {max_states} exceeded")
         stack.append(norm)
   result = CheckResult(True, len(parent), time.perf_counter() - start)

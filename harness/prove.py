@@ -11,11 +11,19 @@ launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
 programs are learned from probe environments and proved for every number
 of tiles and key blocks (:mod:`harness.prove_extracted`,
 :mod:`harness.role_programs`, :mod:`harness.extracted_proof`); launches
-whose programs are equal share one check.  A failure prints its trace in
+whose programs are equal up to the names of their buffers and barriers
+share one check.  A failure prints its trace in
 kernel source lines and the environment that shows it.
 
+The run keeps what passed in ``.cache/prove/`` (:mod:`harness.prove_cache`:
+the learned programs under a digest of the kernel and extraction sources,
+each passed check under its program's shape and the checker's sources), and
+a later run of the same sources takes it from there; ``--no-cache`` learns
+and checks everything anew, as a fresh clone does.
+
 ``--mutant NAME`` proves a protocol defect of ``harness/protocol_mutants.py``
-written into a copy of the kernel's source instead (the command must fail).
+written into a copy of the kernel's source instead (the command must fail;
+it never uses the cache, nor does ``--fail-fast``).
 """
 
 from __future__ import annotations
@@ -94,6 +102,10 @@ def main(argv=None) -> int:
                       "prove instead of the shipped kernel")
   parser.add_argument("--fail-fast", action="store_true",
                       help="one process, smallest cases first, stop at the first failure")
+  parser.add_argument("--no-cache", action="store_true",
+                      help="learn and check everything anew (harness/prove_cache.py: the "
+                      "cache keeps what passed, keyed by the sources; --mutant and --fail-fast never "
+                      "use it)")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   first = None
@@ -104,13 +116,30 @@ def main(argv=None) -> int:
     first = "forward" if protocol_mutants.BY_NAME[args.mutant].kernel == "forward.py" else "backward"
   elif args.fail_fast:
     first = "forward"
+  cache = None
+  if args.mutant is None and not args.fail_fast and not args.no_cache:
+    from harness import prove_cache
+    cache = prove_cache.Cache()
+  listed: list = []
+
+  def listing():
+    hit = cache.get("listed", repr(first)) if cache is not None else None
+    listed[:] = hit if hit is not None else work_items(first=first)
+    if cache is not None and hit is None:
+      cache.put("listed", repr(first), listed)
+    return listed
+
   if args.fail_fast or args.jobs <= 1:
-    items = work_items(first=first)
-    results = pe.prove(items, jobs=1, mutant=args.mutant, fail_fast=args.fail_fast)
+    results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
+                       cache=cache)
   else:
-    with pe.workers(args.jobs) as pool:  # they start while the cases are listed
-      items = work_items(first=first)
-      results = pe.prove(items, jobs=args.jobs, mutant=args.mutant, pool=pool)
+    # The backward's cases need no heuristics: the workers start on them
+    # while the forward's are listed.
+    early = [("backward", c) for c in pe.backward_cases()][:3 * args.jobs]
+    with pe.workers(args.jobs, fork=True) as pool:
+      results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool, cache=cache,
+                         early=early)
+  items = listed
   print(format_results(results))
   proven = sum(r.ok for r in results)
   forward = sum(kind == "forward" for kind, _, _ in items)
@@ -120,6 +149,10 @@ def main(argv=None) -> int:
         f"protocols ({configs} emitted configs) and {len(items) - forward} backward "
         f"launch kinds, for every number of tiles and key blocks"
         + (f" ({args.mutant})" if args.mutant else ""))
+  if cache is not None and (cache.hits["learned"] or cache.hits["checked"]):
+    print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
+          f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "
+          f"{cache.hits['checked']} of {len(results)} checks")
   print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
   return 0 if proven == len(results) else 1
 

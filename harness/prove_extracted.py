@@ -11,8 +11,9 @@ program from them (:mod:`harness.role_programs`, which states the premise
 that makes the proof unbounded and tests it on every probe) and checks it
 for every environment (:func:`harness.extracted_proof.check`: every number
 of tiles, every trip count per tile, zero included, every interleaving).
-Launches whose programs are equal (the same units, source lines included)
-share one check.
+Launches whose programs are equal up to the names of their buffers and
+barriers and their source lines (the staged bias's ring and the staged
+mask's: :meth:`harness.role_programs.LaunchProgram.shape`) share one check.
 
 Probes.  A forward block reads each tile's key range ``[lb, lb + n)`` from
 its ``k_range_tiles`` entry, so the probe chooses it (``lb`` alternating,
@@ -660,15 +661,22 @@ def _check(prog):
 
 
 def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
-          pool=None) -> list[Result]:
+          pool=None, cache=None, early=()) -> list[Result]:
   """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
   ("backward", BackwardCase, 0)), check each distinct one, and return one
-  Result per check (premise failures included).  ``mutant``: trace a
-  protocol mutant's kernel source instead of the shipped one.
-  ``fail_fast``: one worker, in order, stopping at the first failure."""
-  work = [(kind, case) for kind, case, _ in items]
-  configs = {id(c): n for _, c, n in items}
-  distinct: dict = {}
+  Result per check (premise failures included).  ``items`` may be a callable
+  that lists them: on a pool it is called once the ``early`` items ((kind,
+  case) pairs it will list) are on the workers, which so start while it
+  lists the rest.  ``mutant``: trace a protocol mutant's kernel source
+  instead of the shipped one.  ``fail_fast``: one worker, in order,
+  stopping at the first failure.  ``cache``: a
+  :class:`harness.prove_cache.Cache` to take learned programs and passed
+  checks from, and to keep new ones in."""
+  if fail_fast or (pool is None and jobs <= 1):
+    items = items() if callable(items) else items
+    work = [(kind, case) for kind, case, _ in items]
+    configs = {id(c): n for _, c, n in items}
+    distinct: dict = {}
   if fail_fast:
     results = []
     for w in work:
@@ -682,25 +690,72 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
         break
     return results
   if pool is not None:
-    return _prove_pooled(pool, jobs, work, configs, mutant)
+    return _prove_pooled(pool, jobs, items, early, mutant, cache)
   if jobs > 1:
     with workers(jobs) as pool:
-      return _prove_pooled(pool, jobs, work, configs, mutant)
-  learned = [_programs_of((w, mutant)) for w in work]
+      return _prove_pooled(pool, jobs, items, early, mutant, cache)
+  learned = [_learned(w, mutant, cache) for w in work]
   results = _collect(work, learned, configs, distinct)
-  for prog, result in distinct.values():
-    _record(result, xp.check(prog))
+  for key, (prog, result) in distinct.items():
+    _record(result, _checked(key, prog, result, cache))
   return results
 
 
-def workers(jobs: int):
-  """A pool of ``jobs`` fresh processes (spawned: no traced state shared),
-  each already importing what it needs (:func:`_warm_up`) while the caller
-  prepares the work."""
+def _learn_key(w, mutant) -> str:
+  return repr((w, mutant))
+
+
+def _learned(w, mutant, cache):
+  """_programs_of, through the cache (a case whose premise failed is not kept)."""
+  hit = cache.get("learned", _learn_key(w, mutant)) if cache is not None else None
+  if hit is None:
+    hit = _programs_of((w, mutant))
+    if cache is not None and hit[1] is None:
+      cache.put("learned", _learn_key(w, mutant), hit)
+  return hit
+
+
+def _cacheable(key, result) -> bool:
+  return result.premise is None   # a premise failure's probes are keyed apart
+
+
+def _checked(key, prog, result, cache):
+  """The check of one distinct program, through the cache (kept when it passed)."""
+  if cache is None or not _cacheable(key, result):
+    return xp.check(prog)
+  hit = cache.get("checked", repr(key))
+  if hit is None:
+    hit = xp.check(prog)
+    if hit.ok:
+      cache.put("checked", repr(key), hit)
+  return hit
+
+
+def workers(jobs: int, *, fork: bool = False):
+  """A pool of ``jobs`` processes that start with JAX and the kernels
+  imported.  ``fork``: forked from this one where that is safe -- the
+  caller knows this process (``python -m harness prove`` does), no other
+  Python thread runs and no JAX backend is up, so nothing traced or running
+  is shared; NumPy's BLAS threads handle a fork themselves -- else spawned
+  fresh, importing them (:func:`_warm_up`) while the caller prepares the
+  work."""
   import concurrent.futures
   import multiprocessing
+  import sys
+  import threading
+  from kernel import backward, forward  # noqa: F401  (what a forked worker inherits)
+  if fork:
+    try:
+      from jax._src import xla_bridge
+      started = xla_bridge.backends_are_initialized()
+    except Exception:  # noqa: BLE001 -- another JAX: take it as started
+      started = True
+    fork = ("fork" in multiprocessing.get_all_start_methods()
+            and threading.active_count() == 1 and not started)
+  sys.stdout.flush()
+  sys.stderr.flush()
   pool = concurrent.futures.ProcessPoolExecutor(
-      max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+      max_workers=jobs, mp_context=multiprocessing.get_context("fork" if fork else "spawn"))
   for _ in range(jobs):
     pool.submit(_warm_up)
   return pool
@@ -711,40 +766,78 @@ def _warm_up():
   return 0
 
 
-def _prove_pooled(pool, jobs, work, configs, mutant) -> list[Result]:
+def _prove_pooled(pool, jobs, items, early, mutant, cache) -> list[Result]:
   """Learn and check on the pool as results come: a worker that frees up
   takes a pending check first (the costliest cases are learned first, so
-  their checks start early), else the next case to learn."""
+  their checks start early), else the next case to learn; what the cache
+  holds is taken from it instead."""
   import concurrent.futures
-  distinct: dict = {}
-  learned: dict = {}
-  running: dict = {}   # future -> ("learn", index) | ("check", key)
-  checks, next_learn = [], 0
-  checked: dict = {}
-  while next_learn < len(work) or checks or running:
-    while len(running) < jobs and (checks or next_learn < len(work)):
+  distinct: dict = {}   # shape -> (program, Result): which checks there are
+  learned: dict = {}    # (kind, case) -> _programs_of's answer
+  checked: dict = {}    # shape -> CheckResult
+  running: dict = {}    # future -> ("learn", (kind, case)) | ("check", shape)
+  checks, queue, taken = [], list(early), set()
+  listed = None
+
+  def learnt(w, answer):
+    learned[w] = answer
+    before = set(distinct)
+    _collect([w], [answer], {}, distinct)
+    for key in distinct:
+      if key in before:
+        continue
+      hit = (cache.get("checked", repr(key))
+             if cache is not None and _cacheable(key, distinct[key][1]) else None)
+      if hit is not None:
+        checked[key] = hit
+      else:
+        checks.append(key)
+
+  while True:
+    # Before the listing all the early items are handed out (they queue),
+    # so that the workers stay busy while it runs.
+    while len(running) < (jobs if listed is not None else max(jobs, len(early))) and (
+        checks or queue):
       if checks:
         key = checks.pop(0)
         running[pool.submit(_check, distinct[key][0])] = ("check", key)
+        continue
+      w = queue.pop(0)
+      if w in taken:
+        continue
+      taken.add(w)
+      hit = cache.get("learned", _learn_key(w, mutant)) if cache is not None else None
+      if hit is not None:
+        learnt(w, hit)
       else:
-        running[pool.submit(_programs_of, (work[next_learn], mutant))] = ("learn", next_learn)
-        next_learn += 1
+        running[pool.submit(_programs_of, (w, mutant))] = ("learn", w)
+    if listed is None:
+      listed = items() if callable(items) else items
+      queue += [(kind, case) for kind, case, _ in listed]
+      continue
+    if not running:
+      if checks or queue:
+        continue
+      break
     done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
     for fut in done:
       kind, what = running.pop(fut)
+      answer = fut.result()
       if kind == "check":
-        checked[what] = fut.result()
+        checked[what] = answer
+        if cache is not None and answer.ok and _cacheable(what, distinct[what][1]):
+          cache.put("checked", repr(what), answer)
         continue
-      learned[what] = fut.result()
-      before = set(distinct)
-      _collect([work[what]], [learned[what]], configs, distinct)
-      checks += [k for k in distinct if k not in before]
+      if cache is not None and answer[1] is None:
+        cache.put("learned", _learn_key(what, mutant), answer)
+      learnt(what, answer)
   # The results named and ordered as a run in one process would have them.
-  by_key = {key: checked[key] for key in distinct}
-  distinct = {}
-  results = _collect(work, [learned[i] for i in range(len(work))], configs, distinct)
-  for key, (prog, result) in distinct.items():
-    _record(result, by_key[key])
+  work = [(kind, case) for kind, case, _ in listed]
+  configs = {id(c): n for _, c, n in listed}
+  final: dict = {}
+  results = _collect(work, [learned[w] for w in work], configs, final)
+  for key, (prog, result) in final.items():
+    _record(result, checked[key])
   return results
 
 
@@ -754,12 +847,14 @@ def _record(result, res):
 
 
 def _collect(work, learned, configs, distinct) -> list[Result]:
-  """Group the learned programs by equality; a case whose premise failed
-  gets its own results (its probes' programs), marked with the failure."""
+  """Group the learned programs by shape (equal up to the names of buffers
+  and barriers: :meth:`harness.role_programs.LaunchProgram.shape`); a case
+  whose premise failed gets its own results (its probes' programs), marked
+  with the failure."""
   results = []
   for (kind, case), (progs, premise, seconds) in zip(work, learned):
-    for name, prog in progs:
-      key = prog.key()
+    for i, (name, prog) in enumerate(progs):
+      key = prog.shape()
       if premise is None and key in distinct:
         r = distinct[key][1]
         r.cases.append(case.describe() if kind == "forward" else name)
@@ -769,5 +864,5 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
       r = Result(name, [case.describe() if kind == "forward" else name],
                  configs.get(id(case), 0), seconds=seconds / len(progs), premise=premise)
       results.append(r)
-      distinct[key if premise is None else (key, len(distinct))] = (prog, r)
+      distinct[key if premise is None else (key, kind, case, i)] = (prog, r)
   return results

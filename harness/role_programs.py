@@ -257,6 +257,42 @@ class LaunchProgram:
     return (self.ring, self.persistent, self.min_blocks, self.max_blocks, self.roles,
             self.barriers, self.overlaps, self.word)
 
+  def shape(self):
+    """The key up to the names of buffers and mbarrier arrays and the source
+    lines: every buffer and barrier renamed by where it first appears (roles
+    by name, each role's units in the order pre, head, iter, tail, post and
+    by context, events in order), events without their lines.  The search
+    of :mod:`harness.extracted_proof` compares names only for equality and
+    reads lines only to print a trace, so two launches of one shape have
+    isomorphic state spaces, explored in the same order: one check decides
+    both, and its trace (in one launch's names) is the other's renamed."""
+    names: dict = {}
+
+    def n(b):
+      if not b:
+        return b
+      if b not in names:
+        names[b] = f"#{len(names)}"
+      return names[b]
+
+    def event(e):
+      return (e.kind, e.role, n(e.buf), e.slot, n(e.bar), e.bar_slot,
+              tuple((n(b), s) for b, s in e.reads), e.n, e.bar_id, e.threads, e.family)
+
+    roles = []
+    for r in sorted(self.roles, key=lambda r: r.name):
+      tables = tuple((t.features, tuple((k, tuple(event(e) for e in evs))
+                                        for k, evs in sorted(t.units, key=lambda u: repr(u[0]))))
+                     for t in (r.head, r.iter, r.tail, r.post))
+      roles.append((r.name, r.threads, r.delta, r.reads, tuple(event(e) for e in r.pre), tables))
+    # barriers and overlaps no event names keep no name: only their count matters
+    rename = lambda b: names.get(b, "?")
+    barriers = tuple(sorted((rename(b), a, sl) for b, a, sl in self.barriers))
+    overlaps = tuple(sorted((rename(a), tuple(sorted(rename(x) for x in bs)))
+                            for a, bs in self.overlaps))
+    return (self.ring, self.persistent, self.min_blocks, self.max_blocks, tuple(roles),
+            barriers, overlaps, self.word)
+
 
 class Learner:
   """Collects unit instances from extractions and builds the launch's
@@ -277,6 +313,8 @@ class Learner:
     self.seen: list = []     # (extraction, trip counts, description)
     self.exact = ring.exact  # one environment: every unit keyed by where it is
     self.probe = 0           # the index in seen of the extraction being read
+    self._read = (0, ())     # probes of seen read into obs, and the roles then known
+    self._tables: dict = {}  # (role, kind) -> (observations it was built from, Table)
 
   def observe(self, ex: Extracted, trips, *, where: str = "") -> None:
     """One extraction whose block ran tiles with these trip counts."""
@@ -348,6 +386,13 @@ class Learner:
   def _table(self, role, kind) -> Table:
     """The coarsest features every observation agrees with: fewest distinct
     keys, then fewest features."""
+    count = len(self.obs.get((role, kind), ()))   # observations are only added
+    hit = self._tables.get((role, kind))
+    if hit is None or hit[0] != count:
+      hit = self._tables[(role, kind)] = (count, self._table_of(role, kind))
+    return hit[1]
+
+  def _table_of(self, role, kind) -> Table:
     seen = [(self._full(dict(k)), evs) for k, (evs, *_) in
             self.obs.get((role, kind), {}).items()]
     if self.exact:
@@ -424,10 +469,16 @@ class Learner:
     return out
 
   def program(self) -> LaunchProgram:
-    self.obs, self.pre, self.deltas, self.conflicts = {}, {}, {}, []
-    for i, (ex, trips, where) in enumerate(self.seen):
+    # The probes are read in order, each once: a role first seen in a later
+    # probe (whose earlier probes then count as empty for it) reads them anew.
+    done, known = self._read
+    if known != tuple(sorted(self.threads)):
+      self.obs, self.pre, self.deltas, self.conflicts, self._tables = {}, {}, {}, [], {}
+      done = 0
+    for i in range(done, len(self.seen)):
       self.probe = i
-      self._observe(ex, trips, where)
+      self._observe(*self.seen[i])
+    self._read = (len(self.seen), tuple(sorted(self.threads)))
     if self.conflicts:
       message, a, b = self.conflicts[0]
       raise PremiseError(f"{self.name}: {message}", [self.seen[a], self.seen[b]])

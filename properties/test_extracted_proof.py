@@ -203,3 +203,75 @@ def test_named_barriers_past_the_budget_are_refused():
   prog = rp.LaunchProgram("x", rp.Ring(1), False, 0, None, roles, (), ())
   r = xp.check(prog)
   assert not r.ok and r.violation.kind == "named barrier id", r.violation
+
+
+def _renamed(prog, rename):
+  """``prog`` with its buffers and barriers renamed and every line moved."""
+  n = lambda b: rename.get(b, b)
+
+  def event(e):
+    return dataclasses.replace(e, buf=n(e.buf), bar=n(e.bar), src=e.src + "0",
+                               reads=tuple((n(b), s) for b, s in e.reads))
+
+  def table(t):
+    return rp.Table(t.features, tuple((k, tuple(event(e) for e in evs)) for k, evs in t.units))
+
+  roles = tuple(dataclasses.replace(r, pre=tuple(event(e) for e in r.pre), head=table(r.head),
+                                    iter=table(r.iter), tail=table(r.tail), post=table(r.post))
+                for r in prog.roles)
+  return dataclasses.replace(
+      prog, roles=roles, barriers=tuple((n(b), a, s) for b, a, s in prog.barriers),
+      overlaps=tuple((n(a), tuple(n(x) for x in bs)) for a, bs in prog.overlaps))
+
+
+def test_programs_equal_up_to_names_share_one_check(shipped_programs):
+  """A launch whose buffers and barriers are named otherwise (the staged
+  bias's ring against the staged mask's) and whose lines moved has the
+  shape of the original and the same search; one that merges two buffers
+  into one name is another program."""
+  prog = shipped_programs[PERSISTENT]
+  bufs = sorted(({e.buf for r in prog.roles for e in r.pre} |
+                 {e.buf for r in prog.roles for t in (r.head, r.iter, r.tail, r.post)
+                  for _, evs in t.units for e in evs}) - {""})
+  renamed = _renamed(prog, {b: f"other.{b}" for b in bufs})
+  assert renamed.key() != prog.key() and renamed.shape() == prog.shape()
+  a, b = xp.check(prog), xp.check(renamed)
+  assert a.ok and b.ok and a.states == b.states
+  merged = _renamed(prog, {bufs[1]: bufs[0]})
+  assert merged.shape() != prog.shape()
+
+
+def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
+  """A second run takes the learned programs and the passed checks from the
+  cache and reports the same; a violation is not kept (every run finds it
+  anew, from the current sources)."""
+  from harness import prove_cache
+  cache = prove_cache.Cache(tmp_path)
+  items = [("forward", ONE_TILE, 1)]
+  first = pe.prove(items, jobs=1, cache=cache)
+  assert all(r.ok for r in first) and cache.hits == {"learned": 0, "listed": 0, "checked": 0}
+  again = prove_cache.Cache(tmp_path)
+  second = pe.prove(items, jobs=1, cache=again)
+  assert again.hits["learned"] == 1 and again.hits["checked"] == len(first)
+  assert [(r.name, r.ok, r.states) for r in second] == [(r.name, r.ok, r.states) for r in first]
+  # A failing check is recomputed, not kept.
+  prog = pe.forward_program(ONE_TILE, module=pmut.load("key_released_before_qk"))
+  failed = pe._checked(prog.shape(), prog, pe.Result(prog.name, []), again)
+  assert not failed.ok
+  assert again.get("checked", repr(prog.shape())) is None
+  # Another checker source is another digest: nothing of the first is found.
+  other = prove_cache.Cache(tmp_path)
+  other.digests = {k: v + "x" for k, v in other.digests.items()}
+  assert other.get("learned", pe._learn_key(("forward", ONE_TILE), None)) is None
+
+
+def test_the_pool_reports_what_one_process_does(tmp_path):
+  """On a pool, with cases handed out before the rest are listed and a
+  cache, the results are those of one process, in the listing's order."""
+  from harness import prove_cache
+  items = [("forward", ONE_TILE, 1), ("backward", FUSED, 0)]
+  alone = pe.prove(items, jobs=1)
+  pooled = pe.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),
+                    early=[("backward", FUSED)])
+  assert [(r.name, r.cases, r.ok, r.states) for r in pooled] == \
+      [(r.name, r.cases, r.ok, r.states) for r in alone]

@@ -1,6 +1,6 @@
-"""The protocol read out of the traced kernels (harness/extract.py), learned
-as role programs (harness/role_programs.py) and proved for every environment
-(harness/extracted_proof.py): the shipped kernels prove, each protocol defect
+"""The protocol read out of the traced kernels (harness/proofs/extract.py), learned
+as role programs (harness/proofs/role_programs.py) and proved for every environment
+(harness/proofs/extracted_proof.py): the shipped kernels prove, each protocol defect
 written into a copy of the kernel's source makes ``python -m harness prove``
 fail with a trace naming the mutated file's lines, safe reorderings still
 prove, an unknown primitive is refused, a kernel whose events depend on more
@@ -13,12 +13,12 @@ import io
 
 import pytest
 
-from harness import extract
-from harness import extracted_proof as xp
-from harness import prove as prove_cli
-from harness import prove_extracted as pe
-from harness import protocol_mutants as pmut
-from harness import role_programs as rp
+from harness.proofs import extract
+from harness.proofs import extracted_proof as xp
+from harness.proofs import prove as prove_cli
+from harness.proofs import prove_extracted as pe
+from harness.proofs import protocol_mutants as pmut
+from harness.proofs import role_programs as rp
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)

@@ -1,0 +1,1 @@
+"""The harness's proofs: the barrier and stage-ring protocol read out of the traced kernels, and its proof."""

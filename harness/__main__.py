@@ -6,13 +6,13 @@ import sys
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   commands = {
-      "gate": ("harness.gate", "the conformance gate: everything this machine can run"),
-      "prove": ("harness.prove", "the barrier and ring protocol read out of the traced kernels, proved"),
-      "golden": ("harness.golden", "golden-file regression: check | update"),
-      "bench": ("harness.bench", "TFLOP/s beside cuDNN; --grid: the whole performance grid"),
-      "autotune": ("harness.autotune", "time the candidate configs on the GPU, write the cache"),
-      "mutants": ("harness.mutants", "kernel mutants against the tests that must kill them"),
-      "ptxas": ("harness.ptxas_report", "registers, spills and wgmma serialisation per kernel (GPU)"),
+      "gate": ("harness.tools.gate", "the conformance gate: everything this machine can run"),
+      "prove": ("harness.proofs.prove", "the barrier and ring protocol read out of the traced kernels, proved"),
+      "golden": ("harness.tools.golden", "golden-file regression: check | update"),
+      "bench": ("harness.tools.bench", "TFLOP/s beside cuDNN; --grid: the whole performance grid"),
+      "autotune": ("harness.tools.autotune", "time the candidate configs on the GPU, write the cache"),
+      "mutants": ("harness.tools.mutants", "kernel mutants against the tests that must kill them"),
+      "ptxas": ("harness.tools.ptxas_report", "registers, spills and wgmma serialisation per kernel (GPU)"),
   }
   if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
     print("usage: python -m harness {" + ",".join(commands) + "} [args]")

@@ -77,7 +77,7 @@ def _check_device():
     kinds = sorted({f"{d.platform}:{getattr(d, 'device_kind', '?')}" for d in jax.devices()})
     raise UnsupportedDeviceError(
         "dot_product_attention runs on an sm90 GPU (H100/H200) only; this "
-        f"process sees {kinds}. Use harness.reference.attention_reference on "
+        f"process sees {kinds}. Use harness.numerics.reference.attention_reference on "
         "other machines, or kernel.api.lowering_only() to lower for CUDA.")
 
 
@@ -205,7 +205,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   never summed across thread blocks by float32 reduce-adds); False (the
   default) lets the backward take the fused dQ where it applies (head dims
   up to 128, no bias, not causal), whose dq may differ by one ulp between
-  runs (``harness.tolerance.run_to_run_bound``).  The forward is bitwise
+  runs (``harness.numerics.tolerance.run_to_run_bound``).  The forward is bitwise
   reproducible either way.
   """
   return _attention(**locals(), backward=SHIPPED_BACKWARD,

@@ -6,7 +6,7 @@ file) holds common H200 shapes, and ``config=None`` uses it when it has the
 call's signature, else the heuristic (``kernel/api.py``).
 
 Timing the candidates and writing the cache is the harness's job
-(``python -m harness autotune``, ``harness/autotune.py``): the kernel package
+(``python -m harness autotune``, ``harness/tools/autotune.py``): the kernel package
 only reads what was measured.
 """
 

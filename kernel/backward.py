@@ -73,7 +73,7 @@ from kernel.common import (COL, LOG2E, ROW, WGMMA, Logits, batch_head, kv_block_
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
 # fused dQ's reduce-adds): their bits may differ from run to run, within
-# harness.tolerance.run_to_run_bound.  Every other output is bitwise
+# harness.numerics.tolerance.run_to_run_bound.  Every other output is bitwise
 # reproducible.
 ORDER_DEPENDENT_GRADIENTS = ("dq",)
 CW = barriers.COMPUTE_WARPGROUPS
@@ -184,7 +184,7 @@ def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring)
   the stationary tiles' copies, then fills ring step t in [start, stop) at
   position ``stream.position(t)`` with ``fill(t, st)``.  Steps 0..S-1 find
   fresh slots; every later one first waits for both compute warpgroups to
-  release the slot (the forward's rule; harness/extracted_proof.py checks it
+  release the slot (the forward's rule; harness/proofs/extracted_proof.py checks it
   on the traced kernels)."""
   plgpu.set_max_registers(40, action="decrease")
 

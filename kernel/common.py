@@ -106,7 +106,7 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
   """Key blocks [lb, ub) that query super-tile ``qi`` must visit.
 
   Shared by the memory and both compute warpgroups (they must agree), and by
-  the proof's environments (harness/prove_extracted.py).  Works on Python ints and traced int32 scalars.
+  the proof's environments (harness/proofs/prove_extracted.py).  Works on Python ints and traced int32 scalars.
   """
   num_blocks = -(-seq_kv // block_kv)
   lb, ub = 0, num_blocks

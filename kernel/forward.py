@@ -6,8 +6,8 @@ turns on the tensor cores through the pingpong schedule barriers of
 ``kernel/barriers.py``; warpgroup 2 (40 registers) only issues TMA copies of
 keys and values into the ``num_stages``-deep ring described by
 ``kernel/plan.py``.  Automatic barriers are off: every handshake below is
-placed by hand and is the protocol that ``harness/extract.py`` reads out of
-the traced kernel and ``harness/extracted_proof.py`` proves.
+placed by hand and is the protocol that ``harness/proofs/extract.py`` reads out of
+the traced kernel and ``harness/proofs/extracted_proof.py`` proves.
 
 The roles are functions over one :class:`Kernel` context: the launch
 (:func:`flash_attention_forward`) sizes it, :func:`_kernel` allocates the
@@ -30,7 +30,7 @@ Measured on the H200 (2026-11-30), headline shape: 608.4
 TFLOP/s, cuDNN 587.5 in the same process; in an A/B in one process the loop
 without the overlap ran at 574.3 where the overlap ran at 596.1.
 
-Arithmetic (the executable model is ``harness/online_softmax_model.py``):
+Arithmetic (the executable model is ``harness/numerics/online_softmax_model.py``):
 logits are scaled with log2(e) folded into the scale once, exp2 everywhere,
 running max ``m_i`` in base 2, rescale guarded by ``rescale_threshold`` with the
 pending scale ``m_scale``; masked logits are -inf and a "safe base" keeps fully

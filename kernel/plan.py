@@ -8,7 +8,7 @@ One source of truth for three consumers:
   validation, the heuristics and the autotuner consult is computed from the
   very description the kernel allocates, and
 * the proof, which reads the protocol out of the traced kernel
-  (``harness/extract.py``), sees the stages, the staged buffers and the
+  (``harness/proofs/extract.py``), sees the stages, the staged buffers and the
   barrier arrival counts this plan declares, as the kernel allocates them.
 """
 

@@ -10,7 +10,7 @@ warpgroup arrives once it is done with the slot (its arrival count is the
 number of consumers: kernel/plan.py declares both).  Like CUTLASS's
 ``PipelineTmaAsync``, a kernel sees role verbs only, never a barrier array,
 so each protocol step has a name that a reader and the extractor
-(harness/extract.py, which names barrier arrays after the ring and buffer a
+(harness/proofs/extract.py, which names barrier arrays after the ring and buffer a
 verb's call names) can find:
 
 producer (the memory warpgroup's copy warp), at position ``st``:

@@ -1,11 +1,11 @@
 """Argument checking shared by the float64 reference and the public kernel API.
 
 One function, :func:`validate_attention_args`, decides whether a call is
-well formed. The reference (``harness/reference.py``), the executable model of
-the kernel (``harness/online_softmax_model.py``) and the kernel's public entry
+well formed. The reference (``harness/numerics/reference.py``), the executable model of
+the kernel (``harness/numerics/online_softmax_model.py``) and the kernel's public entry
 point all call it, so a malformed call is rejected with the same message by all
 three, and a conformance test can hold each of them to the same list of bad
-inputs (``harness/bad_inputs.py``).
+inputs (``harness/numerics/bad_inputs.py``).
 
 Layout, with the letters of ``jax.nn.dot_product_attention``::
 

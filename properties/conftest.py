@@ -97,8 +97,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  """Each test under harness.watchdog's time limit (FLASH_TEST_TIMEOUT)."""
-  from harness import watchdog
+  """Each test under harness.tools.watchdog's time limit (FLASH_TEST_TIMEOUT)."""
+  from harness.tools import watchdog
   try:
     limit = watchdog.test_timeout()
   except ValueError as err:

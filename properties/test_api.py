@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness.bad_inputs import BAD_INPUT_CASES, base_call
+from harness.numerics.bad_inputs import BAD_INPUT_CASES, base_call
 from kernel import api
 from kernel.config import Config
 

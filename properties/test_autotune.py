@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from harness import autotune as tuner
+from harness.tools import autotune as tuner
 from kernel import autotune, heuristics, plan
 from kernel.config import Config
 

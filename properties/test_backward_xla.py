@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, note, settings, strategies as st
 
-from harness import strategies as hs
-from harness.conformance import compute_dtype, gradient_reports
-from harness.reference import attention_reference
+from harness.numerics import strategies as hs
+from harness.numerics.conformance import compute_dtype, gradient_reports
+from harness.numerics.reference import attention_reference
 from kernel.backward_xla import attention_backward
 
 
@@ -53,7 +53,7 @@ def test_backward_from_natural_log_residuals_matches_float64(case, chunk):
 
 def test_base2_m_gives_wrong_gradients():
   """m left in base 2 (the forward bug the output check misses) fails here."""
-  from harness.strategies import AttentionShapes, CaseSpec, build_case
+  from harness.numerics.strategies import AttentionShapes, CaseSpec, build_case
   spec = CaseSpec(shapes=AttentionShapes(B=1, T=64, N=2, H=64, S=96, K=1, Hv=64),
                   dtype="bfloat16", seed=4, input_std=2.0)
   case = build_case(spec)

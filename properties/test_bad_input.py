@@ -1,6 +1,6 @@
 """Malformed calls are rejected with a ValueError naming the argument.
 
-The cases live in harness/bad_inputs.py so that the kernel's API test runs the
+The cases live in harness/numerics/bad_inputs.py so that the kernel's API test runs the
 very same list.
 """
 
@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness.bad_inputs import BAD_INPUT_CASES, BadInputCase, base_call
-from harness.online_softmax_model import online_softmax_attention
-from harness.reference import (
+from harness.numerics.bad_inputs import BAD_INPUT_CASES, BadInputCase, base_call
+from harness.numerics.online_softmax_model import online_softmax_attention
+from harness.numerics.reference import (
   attention_reference,
   attention_reference_vjp,
   backward_from_residuals,

@@ -1,4 +1,4 @@
-"""bench --grid's variant syntax (harness/bench_grid.py), checked on the CPU:
+"""bench --grid's variant syntax (harness/tools/bench_grid.py), checked on the CPU:
 each variant names the call it times, and the deterministic one lowers to
 the two-kernel backward."""
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from harness import bench_grid as bg
+from harness.tools import bench_grid as bg
 from kernel import api
 from kernel.config import Config
 

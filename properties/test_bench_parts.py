@@ -1,4 +1,4 @@
-"""The backward-parts benchmark (``python -m harness.bench --backward-parts``)
+"""The backward-parts benchmark (``python -m harness.tools.bench --backward-parts``)
 traces and lowers for CUDA on every path it times, without a GPU: a tool
 that breaks only on the device wastes a lease."""
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from harness import bench
+from harness.tools import bench
 from kernel import api
 
 # One shape per backward path: fused dQ (d128), causal d64 (the dQ kernel

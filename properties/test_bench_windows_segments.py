@@ -1,5 +1,5 @@
 """The windows-and-segments section of ``bench --grid``
-(harness/bench_windows_segments.py), on the CPU, without timing anything on
+(harness/tools/bench_windows_segments.py), on the CPU, without timing anything on
 a GPU: its problems are issue 20's, its FLOP count is the reference's count
 of the pairs that take part, its masks are the variants', every route it
 times lowers for CUDA forward and backward (cuDNN's with the version check
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import bench_grid as bg
-from harness import bench_windows_segments as ws
-from harness import reference as ref_lib
+from harness.tools import bench_grid as bg
+from harness.tools import bench_windows_segments as ws
+from harness.numerics import reference as ref_lib
 from kernel import api
 from kernel.validation import AttentionShapes
 
@@ -298,7 +298,7 @@ def test_the_section_panels_plot_ms_per_route():
 
 
 def test_an_unknown_section_is_refused_before_anything_runs(capsys):
-  from harness import bench
+  from harness.tools import bench
   with pytest.raises(SystemExit) as stop:
     bench.main(["--grid", "--sections", "dense,window"])
   assert stop.value.code == 2 and "--sections: unknown ['window']" in capsys.readouterr().err

@@ -6,7 +6,7 @@ it does not) and is refused unless a bool.  GPU (marker ``gpu``): 100 reruns
 of forward and backward are bitwise identical (out, m, l, dq, dk, dv, dbias)
 over causal, GQA, bias, ragged and head-dim-256 cases, while other
 allocations move every rerun's buffers; with the default, dq stays within
-``harness.tolerance.run_to_run_bound`` and everything else is bitwise.
+``harness.numerics.tolerance.run_to_run_bound`` and everything else is bitwise.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import strategies as hs
-from harness.tolerance import run_to_run_bound
+from harness.numerics import strategies as hs
+from harness.numerics.tolerance import run_to_run_bound
 from kernel import api
 
 RERUNS = 100

@@ -1,6 +1,6 @@
-"""The protocol read out of the traced kernels (harness/extract.py), learned
-as role programs (harness/role_programs.py) and proved for every environment
-(harness/extracted_proof.py): the shipped kernels prove, each protocol defect
+"""The protocol read out of the traced kernels (harness/proofs/extract.py), learned
+as role programs (harness/proofs/role_programs.py) and proved for every environment
+(harness/proofs/extracted_proof.py): the shipped kernels prove, each protocol defect
 written into a copy of the kernel's source makes ``python -m harness prove``
 fail with a trace naming the mutated file's lines, safe reorderings still
 prove, an unknown primitive is refused, a kernel whose events depend on more
@@ -13,12 +13,12 @@ import io
 
 import pytest
 
-from harness import extract
-from harness import extracted_proof as xp
-from harness import prove as prove_cli
-from harness import prove_extracted as pe
-from harness import protocol_mutants as pmut
-from harness import role_programs as rp
+from harness.proofs import extract
+from harness.proofs import extracted_proof as xp
+from harness.proofs import prove as prove_cli
+from harness.proofs import prove_extracted as pe
+from harness.proofs import protocol_mutants as pmut
+from harness.proofs import role_programs as rp
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
@@ -245,7 +245,7 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   """A second run takes the learned programs and the passed checks from the
   cache and reports the same; a violation is not kept (every run finds it
   anew, from the current sources)."""
-  from harness import prove_cache
+  from harness.proofs import prove_cache
   cache = prove_cache.Cache(tmp_path)
   items = [("forward", ONE_TILE, 1)]
   first = pe.prove(items, jobs=1, cache=cache)
@@ -268,7 +268,7 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
 def test_the_pool_reports_what_one_process_does(tmp_path):
   """On a pool, with cases handed out before the rest are listed and a
   cache, the results are those of one process, in the listing's order."""
-  from harness import prove_cache
+  from harness.proofs import prove_cache
   items = [("forward", ONE_TILE, 1), ("backward", FUSED, 0)]
   alone = pe.prove(items, jobs=1)
   pooled = pe.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),

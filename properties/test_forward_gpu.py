@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
-from harness import strategies as hs
-from harness.conformance import (ForwardCase, check_forward, compute_dtype,
+from harness.numerics import strategies as hs
+from harness.numerics.conformance import (ForwardCase, check_forward, compute_dtype,
                                  poison_device_memory, run_kernel)
-from harness.device_check import extra_cases, fixed_cases, problem_of
+from harness.tools.device_check import extra_cases, fixed_cases, problem_of
 from kernel import heuristics, plan
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +76,7 @@ def test_forward_is_bitwise_deterministic(case, data):
 def test_fully_masked_rows_follow_the_contract(persistent):
   """A row that sees no key: output 0, m = -inf, l = 0, and no NaN anywhere."""
   rng = np.random.default_rng(7)
-  from harness.conformance import random_case
+  from harness.numerics.conformance import random_case
   fc = random_case(rng, batch=2, seq_q=200, seq_kv=300, heads=2, kv_heads=1, head_dim=64)
   fc.mask = rng.random((2, 1, 200, 300)) < 0.6
   fc.mask[:, :, ::7, :] = False
@@ -99,7 +99,7 @@ def test_fully_masked_rows_follow_the_contract(persistent):
 def test_nan_in_one_query_row_stays_in_that_row():
   """NaN in query row t poisons exactly output row t (the reference's rule)."""
   rng = np.random.default_rng(11)
-  from harness.conformance import random_case
+  from harness.numerics.conformance import random_case
   fc = random_case(rng, seq_q=256, seq_kv=256, heads=1, kv_heads=1, head_dim=64)
   fc.query[0, 17, 0, 5] = np.nan
   out, m, l = run_kernel(fc)
@@ -116,11 +116,11 @@ _CARRY = ("3-blocks-per-tile", "causal-1-to-16", "causal-3-stages",
 @pytest.mark.parametrize("name", _CARRY)
 def test_persistent_ring_carry_cases(name):
   """Persistent blocks walking several tiles whose key-block counts vary, are
-  not multiples of the stage count, and include zero (harness.mutant_run's
+  not multiples of the stage count, and include zero (harness.tools.mutant_run's
   carry cases): the ring position and the handoffs must survive every tile
   boundary (the prev_iters carry, the empty tile's token pass and query
   release)."""
-  from harness.mutant_run import carry_cases
+  from harness.tools.mutant_run import carry_cases
   ((_, fc, cfg),) = [c for c in carry_cases() if c[0] == name]
   poison_device_memory(4 * fc.query.nbytes)
   out, m, l = run_kernel(fc, config=cfg)
@@ -134,7 +134,7 @@ def test_float16_deferred_rescale_does_not_overflow():
   probabilities exceed float16's range and the output turns inf/NaN; with
   it the output is within the rule."""
   rng = np.random.default_rng(14)
-  from harness.conformance import random_case
+  from harness.numerics.conformance import random_case
   fc = random_case(rng, seq_q=128, seq_kv=1024, heads=1, kv_heads=1, head_dim=64,
                    dtype="float16", rescale_threshold=0.0)
   fc.query[...] = np.float16(1.0)
@@ -154,8 +154,8 @@ _NAMED = [(n, kw, c) for n, kw, c in fixed_cases()]
                                                  (True, "round-robin"), (True, "longest-first")],
                          ids=["heuristic", "nonpersistent", "persistent", "persistent-lf"])
 def test_named_cases(name, kwargs, cfg, persistent, schedule):
-  """The named ragged/feature cases of harness.device_check, every schedule."""
-  from harness.conformance import random_case
+  """The named ragged/feature cases of harness.tools.device_check, every schedule."""
+  from harness.numerics.conformance import random_case
   fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
   if persistent is not None:
     base = cfg or heuristics.get_heuristics_config(problem_of(fc))
@@ -172,7 +172,7 @@ _EXTRA = extra_cases(np.random.default_rng(2026))
 
 @pytest.mark.parametrize("name,fc,cfg", _EXTRA, ids=[n for n, _, _ in _EXTRA])
 def test_named_feature_cases(name, fc, cfg):
-  """Bias, mask and key-range cases of harness.device_check."""
+  """Bias, mask and key-range cases of harness.tools.device_check."""
   out, m, l = run_kernel(fc, config=cfg)
   report = check_forward(fc, out, m, l)
   assert report.passed, report.summary()

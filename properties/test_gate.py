@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness import gate
+from harness.tools import gate
 
 
 def test_junit_counts_are_read(tmp_path):
@@ -22,10 +22,10 @@ def test_summary_fails_when_any_step_fails_and_names_skips():
 
 
 def test_error_ratios_are_tabulated_per_property(tmp_path, monkeypatch):
-  """What harness.conformance logs under the gate becomes one row per test
+  """What harness.numerics.conformance logs under the gate becomes one row per test
   function (parameters folded), the worst ratio per array."""
-  from harness import conformance
-  from harness.tolerance import check_tolerance
+  from harness.numerics import conformance
+  from harness.numerics.tolerance import check_tolerance
   import numpy as np
 
   monkeypatch.setenv(conformance.RATIO_LOG_ENV, str(tmp_path))
@@ -60,8 +60,8 @@ def test_error_ratios_are_tabulated_per_property(tmp_path, monkeypatch):
 
 
 def test_nothing_is_logged_unless_the_gate_asks(tmp_path, monkeypatch):
-  from harness import conformance
-  from harness.tolerance import check_tolerance
+  from harness.numerics import conformance
+  from harness.numerics.tolerance import check_tolerance
   import numpy as np
   monkeypatch.delenv(conformance.RATIO_LOG_ENV, raising=False)
   monkeypatch.chdir(tmp_path)
@@ -113,12 +113,12 @@ def test_an_unknown_step_is_refused_by_name(tmp_path, monkeypatch, capsys):
 def test_the_golden_steps_counts_come_from_the_golden_tools_own_summary(tmp_path, monkeypatch):
   """The step reads golden.render's closing line (in golden.STATUSES order):
   passing verdicts count as passed, the others as failed."""
-  from harness import golden
+  from harness.tools import golden
   verdicts = [golden.Verdict("a", "identical"), golden.Verdict("b", "reordered"),
               golden.Verdict("c", "drift"), golden.Verdict("d", "regression")]
   monkeypatch.setattr(gate, "run_limited",
                       lambda *a, **kw: (1, golden.render(verdicts) + "\n"))
-  step = gate.run_module_step("golden", "harness.golden", ["check"], tmp_path)
+  step = gate.run_module_step("golden", "harness.tools.golden", ["check"], tmp_path)
   assert (step.status, step.passed, step.failed) == ("FAIL", 3, 1)
   assert "1 reordered, 1 drift" in step.detail
 
@@ -139,7 +139,7 @@ def test_the_suite_and_the_proofs_need_no_z3(tmp_path):
                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
   assert "test_gradients_gpu.py" in run.stdout and "test_extracted_proof.py" in run.stdout
-  imp = subprocess.run([sys.executable, "-c", "import harness.prove, harness.extracted_proof"],
+  imp = subprocess.run([sys.executable, "-c", "import harness.proofs.prove, harness.proofs.extracted_proof"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=120)
   assert imp.returncode == 0, imp.stderr[-2000:]
 
@@ -148,7 +148,7 @@ def test_a_step_past_its_limit_fails_and_a_hung_test_is_named(tmp_path, monkeypa
   """The step's limit stops a pytest step (FAIL, said so); a test the
   per-test watchdog stopped is named in the step's detail."""
   from pathlib import Path
-  from harness import watchdog
+  from harness.tools import watchdog
 
   def hung_run(cmd, *, timeout, env=None, capture=False):
     folder = Path((env or {}).get(watchdog.HANG_DIR_ENV, tmp_path / "elsewhere"))
@@ -160,7 +160,7 @@ def test_a_step_past_its_limit_fails_and_a_hung_test_is_named(tmp_path, monkeypa
   step = gate.run_pytest("gpu-properties", "gpu", tmp_path, [], step_timeout=5, test_timeout=2)
   assert step.status == "FAIL" and "limit of 5 s" in step.detail
   assert "hung (over 2 s): properties/t.py::test_k" in step.detail
-  step = gate.run_module_step("golden", "harness.golden", ["check"], tmp_path, step_timeout=5)
+  step = gate.run_module_step("golden", "harness.tools.golden", ["check"], tmp_path, step_timeout=5)
   assert step.status == "FAIL" and "limit of 5 s" in step.detail
 
 

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from harness import golden
-from harness.conformance import compute_dtype
-from harness.reference import VARIANT_ARGS, attention_reference, attention_reference_vjp
+from harness.tools import golden
+from harness.numerics.conformance import compute_dtype
+from harness.numerics.reference import VARIANT_ARGS, attention_reference, attention_reference_vjp
 from kernel import api
 
 CORPUS = tuple(s for s in golden.CORPUS if s.name in (

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings
 
-from harness import strategies as hs
-from harness.conformance import gradient_reports
-from harness.tolerance import run_to_run_bound
+from harness.numerics import strategies as hs
+from harness.numerics.conformance import gradient_reports
+from harness.numerics.tolerance import run_to_run_bound
 from kernel import api, experiments
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ def test_gradients_match_float64(shard, case):
 def test_gradients_are_reproducible():
   """dk and dv are bitwise identical from run to run.  dq, summed over key
   tiles in float32 by reduce-adds in no fixed order (the fused dQ,
-  kernel/backward.py), stays within harness.tolerance.run_to_run_bound of
+  kernel/backward.py), stays within harness.numerics.tolerance.run_to_run_bound of
   the first run; the two-kernel backward's dq is bitwise identical."""
   spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=2, T=300, N=4, H=128, S=700, K=2, Hv=128),
                      dtype="bfloat16", seed=12, is_causal=True)
@@ -155,7 +155,7 @@ def test_nan_in_the_cotangent_propagates_as_the_reference_says():
   case = hs.build_case(spec)
   t = 40
   case.d_out[0, t, 1, 3] = np.nan
-  from harness import reference as ref_lib
+  from harness.numerics import reference as ref_lib
   want = ref_lib.attention_reference_vjp(*case.args, case.d_out, **case.kwargs)
   dq, dk, dv, _ = kernel_grads(case)
   for name, got in (("dq", dq), ("dk", dk)):

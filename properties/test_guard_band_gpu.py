@@ -12,7 +12,7 @@ tests surround outputs with NaN guards the same way.
 
 The catalogued mutants ``extra-query-tile`` (the tile count rounded up past
 the end: its results through the API are right) and ``l-store-one-row-late``
-(harness/mutants.py) write past the end; this property sees those writes.
+(harness/tools/mutants.py) write past the end; this property sees those writes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.conformance import ForwardCase, random_case, run_kernel
+from harness.numerics.conformance import ForwardCase, random_case, run_kernel
 from kernel.config import Config
 
 GUARD_ROWS = 40   # any positive count catches a write one row past the end

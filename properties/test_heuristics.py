@@ -163,7 +163,7 @@ def test_no_forward_plan_lands_on_the_limit(problem, blocks):
 def test_heuristics_cache_and_validation_share_the_limit(monkeypatch, tmp_path):
   """Lowering the one limit moves the heuristic, the cache check and the
   validation together (none of them keeps its own comparison)."""
-  from harness import autotune as tuner
+  from harness.tools import autotune as tuner
   from kernel import autotune
   problem = _problem(128)
   default = heuristics.get_heuristics_config(problem)

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from harness.lowering import lower_attention
+from harness.tools.lowering import lower_attention
 from kernel import heuristics, plan
 
 SMEM_MARGIN_BYTES = 2048

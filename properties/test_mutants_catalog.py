@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import mutants, watchdog
+from harness.tools import mutants, watchdog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,7 +130,7 @@ def test_every_mutant_lowers_for_cuda_and_changes_its_probe():
 
 _LOWERING_DEFECTS = """
 import dataclasses
-from harness import mutants, mutant_lowering
+from harness.tools import mutants, mutant_lowering
 dead = mutants.Mutant("dead", "test", "kernel/forward.py", ((
     "consumers alike: the global block count, carried across tiles.",
     "consumers alike (edited)."),), ("t",))
@@ -187,7 +187,7 @@ def test_the_empty_tile_carry_case_has_empty_tiles_before_others_on_one_sm():
   that visit no key block (lb == ub) and that are followed by another tile
   of the same block on the H200's 132 SMs: otherwise the empty tile's query
   release and token pass run nowhere and their mutants cannot be killed."""
-  from harness.mutant_run import carry_cases
+  from harness.tools.mutant_run import carry_cases
   from kernel.common import kv_block_range
   ((_, fc, cfg),) = [c for c in carry_cases() if c[0] == "key-ranges-with-empty-tiles"]
   assert cfg.persistent

@@ -1,5 +1,5 @@
 """The harness catches the catalogued kernel defects with the intent each was
-added for (harness/mutants.py), on the GPU.
+added for (harness/tools/mutants.py), on the GPU.
 
 Each mutant is a source patch applied to a temporary copy of the package; the
 cases run in a child process there (a mutant may hang), and the same cases
@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from harness import mutants
+from harness.tools import mutants
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +31,9 @@ def test_carry_removed_variant_fails_the_persistent_properties():
   """With prev_iters dropped (ring position from the tile-local step), the
   persistent kernel returns wrong results, crashes or hangs on tiles whose
   trip counts vary; the kernel as shipped passes the same cases."""
-  rc, good, out = _lines(["harness.mutant_run", "carry"])
+  rc, good, out = _lines(["harness.tools.mutant_run", "carry"])
   assert rc == 0 and good and all(d["passed"] for d in good.values()), out[-3000:]
-  rc, bad, out = _lines(["harness.mutant_run", "carry"], mutants.by_name("no-prev-iters-carry"),
+  rc, bad, out = _lines(["harness.tools.mutant_run", "carry"], mutants.by_name("no-prev-iters-carry"),
                         timeout=150)
   if rc is None:
     return  # hung on a fill that never came: caught
@@ -44,9 +44,9 @@ def test_carry_removed_variant_fails_the_persistent_properties():
 def test_base2_residual_passes_the_output_and_fails_the_residual():
   """m stored in base 2: out and l stay within the rule, m does not (the bug
   a forward-only check misses); the shipped kernel passes all three."""
-  rc, good, out = _lines(["harness.mutant_run", "residuals"])
+  rc, good, out = _lines(["harness.tools.mutant_run", "residuals"])
   assert rc == 0 and all(d["passed"] for d in good.values()), out[-3000:]
-  rc, bad, out = _lines(["harness.mutant_run", "residuals"], mutants.by_name("residual-m-base2"))
+  rc, bad, out = _lines(["harness.tools.mutant_run", "residuals"], mutants.by_name("residual-m-base2"))
   (line,) = bad.values()
   assert line["arrays"] == {"out": True, "m": False, "l": True}, out[-3000:]
 
@@ -54,9 +54,9 @@ def test_base2_residual_passes_the_output_and_fails_the_residual():
 def test_base2_residual_gets_the_gradients_wrong():
   """The same defect reaches the backward through the residuals: the
   gradients break the rule where the shipped kernel's keep it."""
-  rc, good, out = _lines(["harness.mutant_run", "gradients"])
+  rc, good, out = _lines(["harness.tools.mutant_run", "gradients"])
   assert rc == 0 and all(d["passed"] for d in good.values()), out[-3000:]
-  rc, bad, out = _lines(["harness.mutant_run", "gradients"], mutants.by_name("residual-m-base2"))
+  rc, bad, out = _lines(["harness.tools.mutant_run", "gradients"], mutants.by_name("residual-m-base2"))
   assert bad and not any(d["passed"] for d in bad.values()), out[-3000:]
 
 

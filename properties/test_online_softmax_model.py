@@ -1,6 +1,6 @@
 """Properties of the executable model of the kernel's online softmax.
 
-The model (harness/online_softmax_model.py) does the kernel's blocked
+The model (harness/numerics/online_softmax_model.py) does the kernel's blocked
 arithmetic -- exp2, a base-2 running max, the pending scale m_scale and
 rescale_threshold -- in the kernel's precisions. These tests hold it to the
 float64 reference under the tolerance rule, for outputs, residuals and the
@@ -26,9 +26,9 @@ from hypothesis import assume, event, given
 from hypothesis import note as _note
 from hypothesis.control import currently_in_test_context
 
-from harness.conformance import compute_dtype
-from harness.online_softmax_model import online_softmax_attention
-from harness.reference import (
+from harness.numerics.conformance import compute_dtype
+from harness.numerics.online_softmax_model import online_softmax_attention
+from harness.numerics.reference import (
   attention_reference,
   attention_reference_vjp,
   backward_from_residuals,
@@ -37,7 +37,7 @@ from harness.reference import (
   naive_gradient_yardstick,
   dbias_is_noise,
 )
-from harness.strategies import (
+from harness.numerics.strategies import (
   THRESHOLDS,
   AttentionCase,
   BiasSpec,
@@ -47,7 +47,7 @@ from harness.strategies import (
   build_case,
   thresholds,
 )
-from harness.tolerance import ToleranceReport, check_tolerance
+from harness.numerics.tolerance import ToleranceReport, check_tolerance
 from kernel.validation import AttentionShapes, bfloat16, float16, float32
 
 MODEL_CASES = attention_cases(max_seq=300, max_head_dim=128, max_logits=1_000_000)
@@ -86,7 +86,7 @@ class Expected:
 
   @functools.cached_property
   def naive_grads(self) -> dict:
-    """harness.reference.naive_gradient_yardstick, in the compute dtype."""
+    """harness.numerics.reference.naive_gradient_yardstick, in the compute dtype."""
     c = self.case
     return naive_gradient_yardstick(*c.args, c.d_out, dtype=self.dtype, **c.kwargs)
 

@@ -1,4 +1,4 @@
-"""ptxas's view of the shipped kernels (harness/ptxas_report.py).
+"""ptxas's view of the shipped kernels (harness/tools/ptxas_report.py).
 
 CPU: the report reads ptxas's own logs right (two logs as Mosaic GPU wrote
 them on the H200, 2026-12-01: a forward whose wgmmas ptxas serialised, and a
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import ptxas_report as pr
+from harness.tools import ptxas_report as pr
 
 SERIALISED_LOG = """\
 ptxas info    : (C7519) warpgroup.arrive is injected in around line 1550 by compiler to allow use of registers in GMMA in function 'kernel_body_mosaic_gpu_kernel'

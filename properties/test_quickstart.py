@@ -91,8 +91,9 @@ def test_the_readme_names_only_paths_and_commands_that_exist():
   missing = sorted(p for p in paths
                    if not (any(root.glob(p)) if "*" in p else (root / p).exists()))
   assert paths and not missing, missing
-  modules = set(re.findall(r"python -m harness\.(\w+)", readme))
-  assert not [m for m in modules if not (root / "harness" / f"{m}.py").exists()], modules
+  modules = set(re.findall(r"python -m (harness(?:\.\w+)+)", readme))
+  assert not [m for m in modules
+              if not (root / (m.replace(".", "/") + ".py")).exists()], modules
   commands = set(re.findall(r"python -m harness (\w+)", readme))
   usage = io.StringIO()
   with contextlib.redirect_stdout(usage):

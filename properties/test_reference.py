@@ -1,4 +1,4 @@
-"""Properties of the float64 reference (harness/reference.py).
+"""Properties of the float64 reference (harness/numerics/reference.py).
 
 The reference is what every other implementation is held to, so it is checked
 against three independent things: jax.nn.dot_product_attention (x64), a plain
@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from harness.reference import (
+from harness.numerics.reference import (
   attention_reference,
   attention_reference_vjp,
   backward_from_residuals,
@@ -24,7 +24,7 @@ from harness.reference import (
   naive_attention,
   naive_attention_vjp,
 )
-from harness.strategies import AttentionCase, attention_cases
+from harness.numerics.strategies import AttentionCase, attention_cases
 from kernel.validation import AttentionShapes, bfloat16, float16, float32
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Attention on a mesh, without a GPU: the program XLA partitions for CUDA
 runs each device's kernels at its local shape and moves no attention operand.
 
-``harness.mesh_lowering`` runs in a subprocess (four host devices must be
+``harness.tools.mesh_lowering`` runs in a subprocess (four host devices must be
 set before jax initialises, and pytest's process already has it
 initialised): for batch, head and batch x head meshes it lowers the forward
 and ``jax.grad`` for CUDA, lets XLA's pipeline partition them through
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import mesh_lowering
+from harness.tools import mesh_lowering
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {c.name: c for c in mesh_lowering.CASES}
@@ -38,7 +38,7 @@ def report(request):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              JAX_USE_SHARDY_PARTITIONER=str(request.param == "shardy").lower(),
              XLA_FLAGS=f"--xla_force_host_platform_device_count={mesh_lowering.HOST_DEVICES}")
-  proc = subprocess.run([sys.executable, "-m", "harness.mesh_lowering"], cwd=ROOT, env=env,
+  proc = subprocess.run([sys.executable, "-m", "harness.tools.mesh_lowering"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return dict(json.loads(proc.stdout), partitioner=request.param)
@@ -115,12 +115,12 @@ def test_the_rule_reads_only_named_shardings():
 
 
 def test_the_sharded_benchmark_programs_lower_for_cuda_and_render():
-  """``python -m harness.bench_sharded`` times these programs (forward, and
+  """``python -m harness.tools.bench_sharded`` times these programs (forward, and
   forward + backward with no bias); they lower for CUDA without a GPU, and
   the table reports per-device TFLOP/s and their ratio."""
   import jax
   import jax.numpy as jnp
-  from harness import bench, bench_sharded
+  from harness.tools import bench, bench_sharded
   from kernel import api
   shape = bench.BenchShape(1, 256, 2, 64, True)
   big = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
@@ -140,7 +140,7 @@ def test_the_sharded_benchmark_programs_lower_for_cuda_and_render():
 @pytest.mark.parametrize("name", [c.name for c in mesh_lowering.CASES if c.gradients])
 def test_the_partitioned_program_computes_what_one_device_does(report, name):
   """Executed, not only lowered: with the kernels replaced by a float32 jnp
-  stand-in of the same operands and results (``harness.mesh_lowering``, only
+  stand-in of the same operands and results (``harness.tools.mesh_lowering``, only
   there), the program partitioned by the rule over 4 host devices gives the
   one-device out, m, l and gradients (dbias summed over the batch where it
   broadcasts) to float32 rounding, and its output stays spread over the

@@ -4,7 +4,7 @@
 (``kernel/sharding.py``'s rule runs each device's kernels on its shard) gives
 the single-device program's results: out, m, l, dK, dV bitwise; dQ bitwise
 with the two-kernel backward (``backward="pallas-two-kernel"``) and within
-``harness.tolerance.run_to_run_bound`` with the shipped fused dQ (its float32
+``harness.numerics.tolerance.run_to_run_bound`` with the shipped fused dQ (its float32
 reduce-adds run in no fixed order, single device or not); dbias bitwise
 where the bias is sharded like the query, and within a few bf16 roundings
 where it broadcasts over a sharded axis (2^-5 of its largest entry: the
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from harness.tolerance import run_to_run_bound
+from harness.numerics.tolerance import run_to_run_bound
 from kernel import api, experiments
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The tolerance rule (harness/tolerance.py) does what its docstring says."""
+"""The tolerance rule (harness/numerics/tolerance.py) does what its docstring says."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from harness.tolerance import (
+from harness.numerics.tolerance import (
   RTOL,
   RTOL_SOFT_CAP,
   assert_within_tolerance,

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
-from harness import reference as ref_lib
-from harness import strategies as hs
+from harness.numerics import reference as ref_lib
+from harness.numerics import strategies as hs
 from kernel import api, variants
 from kernel.validation import AttentionShapes, validate_attention_args
 

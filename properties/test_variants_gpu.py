@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
-from harness import reference as ref_lib
-from harness import strategies as hs
-from harness import tolerance
-from harness.conformance import check_gradients, compute_dtype
+from harness.numerics import reference as ref_lib
+from harness.numerics import strategies as hs
+from harness.numerics import tolerance
+from harness.numerics.conformance import check_gradients, compute_dtype
 from kernel import api
 from kernel.config import Config
 from kernel.validation import AttentionShapes

@@ -27,7 +27,7 @@ if GRADIENT_BACKWARD="$variant" step gradients-named 150 "$py" -m pytest -m gpu 
      properties/test_gradients_gpu.py -k "named or reproducible" --junitxml "$out/named.xml"; then
   GRADIENT_BACKWARD="$variant" step gradients-drawn 240 "$py" -m pytest -n 4 -m gpu -rs \
     properties/test_gradients_gpu.py -k "float64" --junitxml "$out/drawn.xml"
-  step bench 150 "$py" -m harness.bench --shapes headline-both --backward --configs auto \
+  step bench 150 "$py" -m harness.tools.bench --shapes headline-both --backward --configs auto \
     --backward-impl "pallas,$variant" --out "$out/bench-backward.json"
 fi
 # ptxas's report for the variant's kernels, compiled once on the headline shape.

@@ -19,5 +19,5 @@ step autotune 270 "$py" -m harness autotune --shapes "$shapes" --report "$out/au
 cp kernel/autotune_cache.json "$out/" 2>/dev/null
 step golden-update 160 "$py" -m harness golden update
 tar -cf "$out/golden.tar" golden
-step device-check 130 "$py" -m harness.device_check --variants persistent,non-persistent --out "$out/check.json"
-step bench 80 "$py" -m harness.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" --out "$out/bench.json"
+step device-check 130 "$py" -m harness.tools.device_check --variants persistent,non-persistent --out "$out/check.json"
+step bench 80 "$py" -m harness.tools.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" --out "$out/bench.json"

@@ -45,15 +45,15 @@ if [ "$part" = gpu-gate ]; then
   step gate 400 "$py" -m harness gate --results "$out/gate" --steps gpu-properties,golden -- -rs
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
-  step bench-forward 50 "$py" -m harness.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" \
+  step bench-forward 50 "$py" -m harness.tools.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" \
     --out "$out/bench-forward.json"
   # The shipped backward (fused dQ) against the two-kernel one, in one process,
   # non-causal and causal.
-  step bench-backward 150 "$py" -m harness.bench --shapes headline-both --backward --configs auto \
+  step bench-backward 150 "$py" -m harness.tools.bench --shapes headline-both --backward --configs auto \
     --backward-impl pallas,pallas-two-kernel --out "$out/bench-backward.json"
   # A 2-D bias staged through the ring (the default) against read from
   # global memory (kernel.experiments' stage_2d=False), in one process.
-  step bench-bias-staging 70 "$py" -m harness.bench --shapes headline --bias-2d \
+  step bench-bias-staging 70 "$py" -m harness.tools.bench --shapes headline --bias-2d \
     --configs "auto;auto,u" --out "$out/bench-bias-staging.json"
 fi
 cp "$out/steps.txt" "$dest/" 2>/dev/null

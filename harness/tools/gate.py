@@ -8,15 +8,15 @@ Steps, in order:
    reference, the executable model of the kernel's arithmetic, bad input,
    heuristics, CUDA lowering of every config (no GPU needed).
 2. **proofs** — the barrier and stage-ring protocol of every launch, read out of
-   the traced kernels and proved for every environment (``harness.prove``).
+   the traced kernels and proved for every environment (``harness.proofs.prove``).
 3. **gpu-properties** — ``pytest -n auto properties/ -m gpu`` on an sm90 GPU.
-4. **golden** — the golden-file check on an sm90 GPU (``harness.golden``).
+4. **golden** — the golden-file check on an sm90 GPU (``harness.tools.golden``).
 
 Optional steps, run only when named in ``--steps``:
 
 5. **mutants** — ``python -m harness mutants``: every catalogued kernel defect
    against the tests that must kill it; its table and mutation score go into
-   the summary (harness/mutants.py).
+   the summary (harness/tools/mutants.py).
 6. **memcheck** — ``compute-sanitizer --tool memcheck`` on one small forward
    and backward, restricted to the kernels; SKIPPED with the tool's own
    message where it is missing or the runtime refuses it.
@@ -24,7 +24,7 @@ Optional steps, run only when named in ``--steps``:
 Steps 3 to 6 are reported as SKIPPED, with the reason, on a machine without
 an sm90 GPU.  Every step runs under a time limit (``--step-timeout``), and
 every pytest test under a per-test one (``--test-timeout``, the watchdog of
-harness/watchdog.py): a hang fails the step and the summary names the test
+harness/tools/watchdog.py): a hang fails the step and the summary names the test
 that hung.  ``--steps`` runs a subset (the others are reported as SKIPPED,
 "not selected", and the overall line says the run was partial): where GPU time
 is short, ``--steps gpu-properties,golden`` after the CPU steps
@@ -49,10 +49,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness import golden, watchdog
-from harness.conformance import RATIO_LOG_ENV
+from harness.tools import golden, watchdog
+from harness.numerics.conformance import RATIO_LOG_ENV
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass
@@ -101,7 +101,7 @@ def error_ratio_table(folder: Path) -> str | None:
   once, so: the most comparisons of any one array), how many comparisons it
   made and how many of them broke the rule, and the worst error ratio
   (error / the tolerance rule's bound; <= 1 passes) per array, from the JSON
-  lines of harness.conformance.log_ratios.  None when nothing was recorded.
+  lines of harness.numerics.conformance.log_ratios.  None when nothing was recorded.
   A property that feeds a deliberate defect (and passes by catching it)
   shows broken comparisons and ratios > 1."""
   worst: dict[str, dict[str, float]] = {}
@@ -345,13 +345,13 @@ def main(argv: list[str] | None = None) -> int:
   runners = {
       "cpu-properties": lambda: run_pytest("cpu-properties", "not gpu", results,
                                            args.pytest_args, **tests),
-      "proofs": lambda: run_module_step("proofs", "harness.prove", [], results, **limits),
+      "proofs": lambda: run_module_step("proofs", "harness.proofs.prove", [], results, **limits),
       "gpu-properties": lambda: run_pytest("gpu-properties", "gpu", results, args.pytest_args,
                                            **tests),
-      "golden": lambda: run_module_step("golden", "harness.golden", ["check"], results,
+      "golden": lambda: run_module_step("golden", "harness.tools.golden", ["check"], results,
                                         **limits),
       "mutants": lambda: run_module_step(
-          "mutants", "harness.mutants",
+          "mutants", "harness.tools.mutants",
           ["--out", str(results / "mutants"), "--test-timeout", str(min(args.test_timeout, 60))],
           results, **limits),
       "memcheck": lambda: run_memcheck(results, step_timeout=min(args.step_timeout, 300)),

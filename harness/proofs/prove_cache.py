@@ -3,13 +3,13 @@
 Two kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
 ``HARNESS_PROVE_CACHE`` names another folder, ``--no-cache`` skips it):
 
-* **learned**: a case's role programs (:func:`harness.prove_extracted._programs_of`)
+* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`)
   and the list of cases, under a digest of everything that decides them:
   every file of ``kernel/`` (the autotuner's cache included), the extraction and learning modules of
   ``harness/`` (and the protocol mutants), the versions of Python, JAX,
   jaxlib, NumPy and ml_dtypes, and the ``JAX_*`` / ``XLA_*`` environment.
-* **checked**: a proof (:func:`harness.extracted_proof.check`) of one program
-  shape (:meth:`harness.role_programs.LaunchProgram.shape`), under a digest of
+* **checked**: a proof (:func:`harness.proofs.extracted_proof.check`) of one program
+  shape (:meth:`harness.proofs.role_programs.LaunchProgram.shape`), under a digest of
   the checker's sources only, so that a kernel edit that leaves a launch's
   program as it was (lines moved, say) does not search it again.
 
@@ -28,16 +28,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = REPO / ".cache" / "prove"
 ENV = "HARNESS_PROVE_CACHE"
 # What the learned programs are made from (paths relative to the repository).
-LEARN_SOURCES = ("kernel", "harness/extract.py", "harness/role_programs.py",
-                 "harness/prove_extracted.py", "harness/prove.py", "harness/protocol_mutants.py",
-                 "harness/prove_cache.py")
+LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
+                 "harness/proofs/prove_extracted.py", "harness/proofs/prove.py",
+                 "harness/proofs/protocol_mutants.py", "harness/proofs/prove_cache.py")
 # What a check's verdict is made from.
-CHECK_SOURCES = ("harness/extracted_proof.py", "harness/role_programs.py", "harness/extract.py",
-                 "kernel/barriers.py", "harness/prove_cache.py")
+CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",
+                 "harness/proofs/extract.py", "kernel/barriers.py", "harness/proofs/prove_cache.py")
 
 
 def _files(paths):

@@ -1,6 +1,6 @@
 """The kernel on a mesh of host devices, lowered for CUDA and partitioned by XLA.
 
-``python -m harness.mesh_lowering`` prints, as JSON, for each case of
+``python -m harness.tools.mesh_lowering`` prints, as JSON, for each case of
 :data:`CASES`: every kernel launch of the partitioned program (operand and
 result shapes), every collective in it, and the same launches of the
 single-device program at one device's local shapes; and for each case of
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     # jax must not be initialised yet in this process: re-run with the flag.
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip(),
                JAX_PLATFORMS="cpu")
-    os.execve(sys.executable, [sys.executable, "-m", "harness.mesh_lowering", *(argv or [])], env)
+    os.execve(sys.executable, [sys.executable, "-m", "harness.tools.mesh_lowering", *(argv or [])], env)
   json.dump(report(), sys.stdout, indent=1)
   print()
   return 0

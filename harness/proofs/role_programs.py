@@ -14,9 +14,9 @@ producer must wait for a release there (x >= S), and x mod 2 (the fused
 dQ's buffer and owner).  It does not decide a barrier's phase: the search
 counts each role's waits and each barrier's completed phases.
 
-**Units.**  :func:`segment` cuts the events :mod:`harness.extract` reads for
+**Units.**  :func:`segment` cuts the events :mod:`harness.proofs.extract` reads for
 one role under one environment by the while-loop iterations around them
-(:attr:`harness.extract.Extracted.loops`): *pre* (before the tile loop),
+(:attr:`harness.proofs.extract.Extracted.loops`): *pre* (before the tile loop),
 per tile a *head*, the tile's key-loop iterations (*iter* j, numbered across
 the loops of one tile, e.g. the forward's plain and masked loops) and a
 *tail*, and *post* (after the tile loop).  A role iterates
@@ -38,7 +38,7 @@ for a trace of what the kernel does there.
 **Consequence.**  Under (P) a role's events under *any* environment are what
 a finite automaton emits while it reads the environment as the word
 ``B^{n_0} | B^{n_1} | ... $`` (:class:`LaunchProgram`): each unit chosen by
-symbols it has read.  :mod:`harness.extracted_proof` explores that automaton
+symbols it has read.  :mod:`harness.proofs.extracted_proof` explores that automaton
 with the hardware's semantics for every word at once, the environment being
 chosen only as the roles read it, and every counter kept relative to the
 others (mbarrier phases against the waits that count them, copies against
@@ -48,7 +48,7 @@ included: the ring position and the mbarrier parities carried across tiles
 of any trip count (``prev_iters``) are part of every state it explores.
 
 **What is tested, not proved.**  (P) itself: the probes
-(:mod:`harness.prove_extracted`) show every context the search can ask for
+(:mod:`harness.proofs.prove_extracted`) show every context the search can ask for
 under the learned features, most of them several times, at positions that
 differ by M and with other key ranges, and every instance must agree with
 its table; a context the search needs and no probe showed is a
@@ -71,7 +71,7 @@ import dataclasses
 import itertools
 import math
 
-from harness.extract import Extracted
+from harness.proofs.extract import Extracted
 
 # The features a unit kind may depend on, besides the ring position's.
 OTHER_FEATURES = {
@@ -240,7 +240,7 @@ class RoleProgram:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchProgram:
-  """Everything :mod:`harness.extracted_proof` explores for one launch."""
+  """Everything :mod:`harness.proofs.extracted_proof` explores for one launch."""
 
   name: str
   ring: Ring
@@ -262,7 +262,7 @@ class LaunchProgram:
     lines: every buffer and barrier renamed by where it first appears (roles
     by name, each role's units in the order pre, head, iter, tail, post and
     by context, events in order), events without their lines.  The search
-    of :mod:`harness.extracted_proof` compares names only for equality and
+    of :mod:`harness.proofs.extracted_proof` compares names only for equality and
     reads lines only to print a trace, so two launches of one shape have
     isomorphic state spaces, explored in the same order: one check decides
     both, and its trace (in one launch's names) is the other's renamed."""

@@ -6,7 +6,7 @@
 The corpus (:data:`CORPUS`) names small cases — shapes, dtypes, masks,
 biases, key ranges, thresholds, heuristic and explicit configs, persistent and
 not, and jax.nn's lengths and windows and packed segment ids
-(``harness.strategies.VariantSpec``, mapped onto key ranges by
+(``harness.numerics.strategies.VariantSpec``, mapped onto key ranges by
 kernel/variants.py).  Inputs are regenerated from each case's spec and seed,
 never stored.
 For each case ``golden/<name>.npz`` holds the kernel's outputs (out in its own
@@ -21,10 +21,10 @@ Per case, ``check`` reports one of
 * **identical** — every array bit for bit equal to the golden;
 * **reordered** — identical except for gradients the kernel sums across
   blocks in no fixed order (``kernel.backward.ORDER_DEPENDENT_GRADIENTS``:
-  the fused dQ), and those within ``harness.tolerance.run_to_run_bound`` of
+  the fused dQ), and those within ``harness.numerics.tolerance.run_to_run_bound`` of
   the golden (one ulp): what two runs of the same kernel may differ by;
 * **drift** — not identical, but within the tolerance rule against float64
-  (``harness/tolerance.py``); the max ulp distance and relative error to the
+  (``harness/numerics/tolerance.py``); the max ulp distance and relative error to the
   golden, and the ratio to the float64 bound, are reported;
 * **regression** — beyond the tolerance rule against float64: the check fails;
 * **missing** — no golden for the case, or one stored before the case kept
@@ -48,11 +48,11 @@ from typing import Callable
 
 import numpy as np
 
-from harness.conformance import ForwardCase, check_forward, check_gradients, compute_dtype
-from harness.strategies import SegmentSpec, VariantSpec
-from harness.tolerance import rtol_for, run_to_run_bound
+from harness.numerics.conformance import ForwardCase, check_forward, check_gradients, compute_dtype
+from harness.numerics.strategies import SegmentSpec, VariantSpec
+from harness.numerics.tolerance import rtol_for, run_to_run_bound
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO / "golden"
 FORWARD_ARRAYS = ("out", "m", "l")
 GRADIENT_ARRAYS = ("dq", "dk", "dv", "dbias")
@@ -90,7 +90,7 @@ class GoldenSpec:
     """The arrays stored for this case."""
     if not self.has_gradients:
       return FORWARD_ARRAYS
-    from harness.reference import dbias_is_noise
+    from harness.numerics.reference import dbias_is_noise
     bias_shape = self.build().bias.shape if self.bias else None
     with_bias = self.bias is not None and not dbias_is_noise(bias_shape)
     return FORWARD_ARRAYS + GRADIENT_ARRAYS[:4 if with_bias else 3]

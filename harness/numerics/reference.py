@@ -61,7 +61,7 @@ Public functions:
 * :func:`naive_attention` / :func:`naive_attention_vjp` -- the same maths done
   naively in a low-precision dtype, every op's result rounded to it; used only
   as the "naive same-dtype implementation" of the tolerance rule
-  (``harness/tolerance.py``).
+  (``harness/numerics/tolerance.py``).
 * :func:`key_visibility` -- which keys take part in which row.
 
 Nothing here touches global JAX configuration.

@@ -1,7 +1,7 @@
 """Local windows and packed segments, timed beside the routes a user could
 take instead: ``python -m harness bench --grid --sections windows-segments``
 (the section ``windows_and_segments`` of ``performance.json`` / ``.md`` /
-``.png``; harness/bench_grid.py writes it).
+``.png``; harness/tools/bench_grid.py writes it).
 
 Problems (bf16, 16k tokens per batch as in the grid, 16 / 32 heads at head
 dim 128 / 64; ``--section-head-dims``):
@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from harness import bench_grid as bg
+from harness.tools import bench_grid as bg
 
 KEY = "windows_and_segments"          # performance.json: record["sections"][KEY]
 NAME = "windows-segments"             # --sections

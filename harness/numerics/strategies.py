@@ -358,7 +358,7 @@ class AttentionCase:
 
   @property
   def rtol(self) -> float:
-    from harness.tolerance import rtol_for
+    from harness.numerics.tolerance import rtol_for
     return rtol_for(self.spec.logits_soft_cap)
 
   def describe(self) -> str:

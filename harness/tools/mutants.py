@@ -18,7 +18,7 @@ room to spare): every child's limit is cut to what is left, and mutants not
 started in time are listed as "not run" and fail the run.
 
 Without an sm90 GPU it says so and runs only the CPU part, ``--lower``
-(harness/mutant_lowering.py): each patch applies, lowers for CUDA and
+(harness/tools/mutant_lowering.py): each patch applies, lowers for CUDA and
 changes the traced program of its probe.  ``--check`` only applies every
 patch and compiles the result.  properties/test_mutants_catalog.py runs both.
 
@@ -46,9 +46,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness import watchdog
+from harness.tools import watchdog
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # What a child needs: the package, the harness, the properties and the
 # goldens (the golden check is one of the killers), and pytest's settings.
 COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
@@ -86,7 +86,7 @@ class Mutant:
   exactly once; ``tests`` the pytest node ids expected to kill it, run in
   order with ``-x``; ``equivalent``, where set, the one-line argument that no
   test can kill it (it is then listed, not run); ``probe``, the lowering
-  (harness/mutant_lowering.py) whose program the patch must change on the
+  (harness/tools/mutant_lowering.py) whose program the patch must change on the
   CPU: "grad" for the backward, "fwd" for the forward, unless named."""
 
   name: str
@@ -349,7 +349,7 @@ def child_env(root: Path, test_timeout: float | None) -> dict:
   # One failing example kills a mutant: no shrinking (properties/conftest.py).
   env["HYPOTHESIS_PROFILE"] = "mutants"
   # A mutant's broken comparisons must not reach the gate's error-ratio table.
-  from harness.conformance import RATIO_LOG_ENV
+  from harness.numerics.conformance import RATIO_LOG_ENV
   env.pop(RATIO_LOG_ENV, None)
   if test_timeout:
     env[watchdog.TEST_TIMEOUT_ENV] = str(test_timeout)
@@ -599,7 +599,7 @@ def main(argv=None) -> int:
                       help="only apply and compile every patch (no tests)")
   parser.add_argument("--lower", action="store_true",
                       help="CPU: every patch applies, lowers for CUDA and changes its probe's "
-                           "traced program (harness/mutant_lowering.py)")
+                           "traced program (harness/tools/mutant_lowering.py)")
   args = parser.parse_args(argv)
   try:
     chosen = select(args.select, args.shard)
@@ -614,7 +614,7 @@ def main(argv=None) -> int:
     print("\n".join(problems) or f"{len(chosen)} patches apply exactly once and compile")
     return 1 if problems else 0
   if not args.lower:
-    from harness.gate import gpu_summary
+    from harness.tools.gate import gpu_summary
     has_gpu, device = gpu_summary()
     if not has_gpu:
       print(f"python -m harness mutants: the kills need an sm90 GPU (this machine: {device}); "
@@ -624,7 +624,7 @@ def main(argv=None) -> int:
   if args.lower:
     # Its own process: it swaps patched packages in and out of sys.modules.
     names = ",".join(m.name for m in chosen)
-    return subprocess.run([sys.executable, "-m", "harness.mutant_lowering", names],
+    return subprocess.run([sys.executable, "-m", "harness.tools.mutant_lowering", names],
                           cwd=REPO).returncode
 
   out_dir = (REPO / args.out).resolve()

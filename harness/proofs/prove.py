@@ -6,22 +6,22 @@ The configs are those :func:`kernel.heuristics.get_heuristics_config` and
 :func:`kernel.heuristics.get_autotuning_configs` emit over
 :func:`problem_grid` (head dims, dtypes, staged bias/mask, causal, residuals,
 sequence lengths), reduced to the forward protocols they differ in
-(:func:`harness.prove_extracted.forward_cases`); the backward's are every
+(:func:`harness.proofs.prove_extracted.forward_cases`); the backward's are every
 launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
 programs are learned from probe environments and proved for every number
-of tiles and key blocks (:mod:`harness.prove_extracted`,
-:mod:`harness.role_programs`, :mod:`harness.extracted_proof`); launches
+of tiles and key blocks (:mod:`harness.proofs.prove_extracted`,
+:mod:`harness.proofs.role_programs`, :mod:`harness.proofs.extracted_proof`); launches
 whose programs are equal up to the names of their buffers and barriers
 share one check.  A failure prints its trace in
 kernel source lines and the environment that shows it.
 
-The run keeps what passed in ``.cache/prove/`` (:mod:`harness.prove_cache`:
+The run keeps what passed in ``.cache/prove/`` (:mod:`harness.proofs.prove_cache`:
 the learned programs under a digest of the kernel and extraction sources,
 each passed check under its program's shape and the checker's sources), and
 a later run of the same sources takes it from there; ``--no-cache`` learns
 and checks everything anew, as a fresh clone does.
 
-``--mutant NAME`` proves a protocol defect of ``harness/protocol_mutants.py``
+``--mutant NAME`` proves a protocol defect of ``harness/proofs/protocol_mutants.py``
 written into a copy of the kernel's source instead (the command must fail;
 it never uses the cache, nor does ``--fail-fast``).
 """
@@ -35,7 +35,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from harness import prove_extracted as pe
+from harness.proofs import prove_extracted as pe
 from kernel import plan as plan_lib
 
 HEAD_DIMS = (64, 128, 256)
@@ -98,19 +98,19 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness prove", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
-  parser.add_argument("--mutant", help="a protocol mutant of harness/protocol_mutants.py to "
+  parser.add_argument("--mutant", help="a protocol mutant of harness/proofs/protocol_mutants.py to "
                       "prove instead of the shipped kernel")
   parser.add_argument("--fail-fast", action="store_true",
                       help="one process, smallest cases first, stop at the first failure")
   parser.add_argument("--no-cache", action="store_true",
-                      help="learn and check everything anew (harness/prove_cache.py: the "
+                      help="learn and check everything anew (harness/proofs/prove_cache.py: the "
                       "cache keeps what passed, keyed by the sources; --mutant and --fail-fast never "
                       "use it)")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   first = None
   if args.mutant is not None:
-    from harness import protocol_mutants
+    from harness.proofs import protocol_mutants
     if args.mutant not in protocol_mutants.BY_NAME:
       parser.error(f"--mutant: {args.mutant!r} is none of {sorted(protocol_mutants.BY_NAME)}")
     first = "forward" if protocol_mutants.BY_NAME[args.mutant].kernel == "forward.py" else "backward"
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     first = "forward"
   cache = None
   if args.mutant is None and not args.fail_fast and not args.no_cache:
-    from harness import prove_cache
+    from harness.proofs import prove_cache
     cache = prove_cache.Cache()
   listed: list = []
 

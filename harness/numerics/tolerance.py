@@ -8,7 +8,7 @@ output we compare (out, the residuals m and l, dq, dk, dv, dbias)::
           but at least one dtype ulp and 4 float32 ulps at max|ref|
           (so that it cannot vanish on small arrays; see noise_floor)
 
-``ref`` is the float64 reference (``harness/reference.py``); ``naive`` is the
+``ref`` is the float64 reference (``harness/numerics/reference.py``); ``naive`` is the
 same maths done naively in the low dtype, every op rounded to it
 (``naive_attention`` / ``naive_attention_vjp``). So a kernel may be at most
 ``rtol`` times as wrong as the textbook computation in its own dtype, plus a

@@ -1,8 +1,8 @@
 """The jaxprs of the shipped kernels for a fixed set of configs, as text.
 
-``python -m harness.jaxpr_texts OUT.json`` writes {config name: jaxpr text}
+``python -m harness.tools.jaxpr_texts OUT.json`` writes {config name: jaxpr text}
 (made under ``kernel.api.lowering_only()``, no GPU needed);
-``python -m harness.jaxpr_texts --compare A.json B.json`` says which differ.
+``python -m harness.tools.jaxpr_texts --compare A.json B.json`` says which differ.
 Used to show that a refactor of the kernel's Python leaves the traced
 kernels unchanged: dump at the commit before, dump after, compare.
 """
@@ -146,7 +146,7 @@ def _guarded(args, kwargs):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.jaxpr_texts")
+  parser = argparse.ArgumentParser(prog="python -m harness.tools.jaxpr_texts")
   parser.add_argument("paths", nargs="+", help="OUT.json, or with --compare: A.json B.json")
   parser.add_argument("--compare", action="store_true")
   args = parser.parse_args(argv)

@@ -1,18 +1,18 @@
 """Check a launch's barrier and stage-ring protocol, for every environment.
 
-The subject is a :class:`harness.role_programs.LaunchProgram`: every role of
+The subject is a :class:`harness.proofs.role_programs.LaunchProgram`: every role of
 one thread block as the units its traced events are made of (read out of
-the kernel's jaxpr by :mod:`harness.extract`, cut and tabulated by
-:mod:`harness.role_programs`).  :func:`check` explores **every
+the kernel's jaxpr by :mod:`harness.proofs.extract`, cut and tabulated by
+:mod:`harness.proofs.role_programs`).  :func:`check` explores **every
 interleaving** of the roles and of the TMA completions **under every
 environment** -- every number of tiles and every trip count per tile, zero
 included -- by an explicit-state search in which the environment is chosen
 only as the roles read it (the word ``B^{n_0} | B^{n_1} | ... $`` of
-:mod:`harness.role_programs`, generated one symbol at a time, every choice a
+:mod:`harness.proofs.role_programs`, generated one symbol at a time, every choice a
 branch) and every counter is kept relative to the ones it is compared with,
 so that the reachable states are finitely many.  That is what makes the
 check a proof for all trip counts and tiles, under the premise of
-:mod:`harness.role_programs`.
+:mod:`harness.proofs.role_programs`.
 
 Hardware semantics, encoded here once:
 
@@ -104,8 +104,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from harness.extract import Event
-from harness.role_programs import (AHEAD_CAP, N_CAP, CoverageError, LaunchProgram,
+from harness.proofs.extract import Event
+from harness.proofs.role_programs import (AHEAD_CAP, N_CAP, CoverageError, LaunchProgram,
                                    RoleProgram)
 from kernel import barriers as kbarriers
 

@@ -6,14 +6,14 @@ causal, the output staged in the query slot; block sizes and head dims do
 not change the sequence of synchronisation events) and for every launch
 kind of ``kernel/backward.py`` (:func:`backward_cases`), this traces the
 kernel on the CPU, reads every role's events out of the jaxpr
-(:mod:`harness.extract`) under *probe* environments, learns each role's
-program from them (:mod:`harness.role_programs`, which states the premise
+(:mod:`harness.proofs.extract`) under *probe* environments, learns each role's
+program from them (:mod:`harness.proofs.role_programs`, which states the premise
 that makes the proof unbounded and tests it on every probe) and checks it
-for every environment (:func:`harness.extracted_proof.check`: every number
+for every environment (:func:`harness.proofs.extracted_proof.check`: every number
 of tiles, every trip count per tile, zero included, every interleaving).
 Launches whose programs are equal up to the names of their buffers and
 barriers and their source lines (the staged bias's ring and the staged
-mask's: :meth:`harness.role_programs.LaunchProgram.shape`) share one check.
+mask's: :meth:`harness.proofs.role_programs.LaunchProgram.shape`) share one check.
 
 Probes.  A forward block reads each tile's key range ``[lb, lb + n)`` from
 its ``k_range_tiles`` entry, so the probe chooses it (``lb`` alternating,
@@ -40,9 +40,9 @@ import time
 
 import numpy as np
 
-from harness import extract as ex
-from harness import extracted_proof as xp
-from harness import role_programs as rp
+from harness.proofs import extract as ex
+from harness.proofs import extracted_proof as xp
+from harness.proofs import role_programs as rp
 
 PROBE_SMS = 16        # blocks of the traced persistent grid
 PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
@@ -92,7 +92,7 @@ class ForwardCase:
 
 def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
   """Every distinct forward protocol of the configs the heuristics and the
-  autotuner emit for ``problems`` (:func:`harness.prove.problem_grid`), with
+  autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
   how many (problem, config) pairs it covers."""
   from kernel import heuristics, plan as plan_lib
   found: dict = {}
@@ -325,7 +325,7 @@ def probe_tiles(ring: rp.Ring) -> int:
 def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.LaunchProgram:
   """The role programs of ``case``'s blocks, learned from probes: a first
   round that walks many contexts (and several again), then one probe per
-  context the learned tables still lack (:meth:`harness.role_programs.Learner.missing`)."""
+  context the learned tables still lack (:meth:`harness.proofs.role_programs.Learner.missing`)."""
   from kernel import forward
   module = module or forward
   closed, kernel, features = traced or trace_case(case, module=module)
@@ -623,12 +623,12 @@ _MUTANTS: dict = {}   # mutant name -> (forward module, backward module), per pr
 
 def _modules(mutant):
   """The kernel modules to trace: the shipped ones, or ``mutant``'s edit of
-  one of them (harness/protocol_mutants.py)."""
+  one of them (harness/proofs/protocol_mutants.py)."""
   from kernel import backward, forward
   if mutant is None:
     return forward, backward
   if mutant not in _MUTANTS:
-    from harness import protocol_mutants
+    from harness.proofs import protocol_mutants
     m = protocol_mutants.BY_NAME[mutant]
     mod = protocol_mutants.load(m)
     _MUTANTS[mutant] = (mod, backward) if m.kernel == "forward.py" else (forward, mod)
@@ -670,7 +670,7 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   lists the rest.  ``mutant``: trace a protocol mutant's kernel source
   instead of the shipped one.  ``fail_fast``: one worker, in order,
   stopping at the first failure.  ``cache``: a
-  :class:`harness.prove_cache.Cache` to take learned programs and passed
+  :class:`harness.proofs.prove_cache.Cache` to take learned programs and passed
   checks from, and to keep new ones in."""
   if fail_fast or (pool is None and jobs <= 1):
     items = items() if callable(items) else items
@@ -848,7 +848,7 @@ def _record(result, res):
 
 def _collect(work, learned, configs, distinct) -> list[Result]:
   """Group the learned programs by shape (equal up to the names of buffers
-  and barriers: :meth:`harness.role_programs.LaunchProgram.shape`); a case
+  and barriers: :meth:`harness.proofs.role_programs.LaunchProgram.shape`); a case
   whose premise failed gets its own results (its probes' programs), marked
   with the failure."""
   results = []

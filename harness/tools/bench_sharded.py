@@ -1,7 +1,7 @@
 """Per-device TFLOP/s of a batch-sharded run against one GPU at the same
 per-device shape.
 
-``python -m harness.bench_sharded [--batch-per-device 4] [--seq 4096] [--heads 16]
+``python -m harness.tools.bench_sharded [--batch-per-device 4] [--seq 4096] [--heads 16]
 [--head-dim 128] [--causal] [--backward] [--out results.json]``
 
 Every visible GPU holds ``--batch-per-device`` sequences of a batch sharded
@@ -9,7 +9,7 @@ over a one-axis mesh (``kernel/sharding.py`` runs each device's kernels on its
 shard); the single-device row runs that per-device shape on the first GPU
 alone.  Per-device TFLOP/s of the sharded run is its FLOPs over its time,
 divided by the device count; the ratio of the two is what the mesh costs
-(issue 21 asks >= 0.95).  Method and FLOP count as ``harness.bench``
+(issue 21 asks >= 0.95).  Method and FLOP count as ``harness.tools.bench``
 (interleaved trials, rotated input sets, medians; forward + backward counted
 as 3.5x the forward).
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from harness.bench import BACKWARD_FLOP_FACTOR, BenchShape, _inputs, _with_backward, time_fns
+from harness.tools.bench import BACKWARD_FLOP_FACTOR, BenchShape, _inputs, _with_backward, time_fns
 
 SETS = 3
 
@@ -83,7 +83,7 @@ def render(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.bench_sharded")
+  parser = argparse.ArgumentParser(prog="python -m harness.tools.bench_sharded")
   parser.add_argument("--batch-per-device", type=int, default=4)
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--heads", type=int, default=16)

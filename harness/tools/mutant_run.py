@@ -1,10 +1,10 @@
 """Run the kernel of this tree on case sets built to expose known defects.
 
-``python -m harness.mutant_run SET`` prints one JSON line per case:
+``python -m harness.tools.mutant_run SET`` prints one JSON line per case:
 ``{"case": ..., "passed": bool, "detail": ..., "arrays": {name: passed}}``
 and exits 0 once every case has run, whatever the verdicts.  The tests of
 properties/test_mutants_gpu.py run it in a patched copy of the package
-(harness/mutants.py) and in the shipped one, in child processes under a time
+(harness/tools/mutants.py) and in the shipped one, in child processes under a time
 limit: a mutant may hang the GPU (a producer that no longer waits can leave a
 consumer waiting on a fill that never comes), and a timeout or a crash counts
 as the mutant being caught.
@@ -23,7 +23,7 @@ def carry_cases():
   """Persistent cases with several tiles per SM and trip counts that vary
   from tile to tile, are not multiples of num_stages, and include zero:
   the cases a missing prev_iters carry breaks (GUIDE, first bug class)."""
-  from harness.conformance import random_case
+  from harness.numerics.conformance import random_case
   from kernel.config import Config
   rng = np.random.default_rng(2674)
   big = dict(batch=4, heads=8, kv_heads=2, head_dim=64)
@@ -52,7 +52,7 @@ def carry_cases():
 
 def residual_cases():
   """A plain case where only the base of the m residual can go wrong."""
-  from harness.conformance import random_case
+  from harness.numerics.conformance import random_case
   c = random_case(np.random.default_rng(3), seq_q=256, seq_kv=512, heads=2, kv_heads=1,
                   head_dim=128)
   return [("plain-d128", c, None)]
@@ -60,7 +60,7 @@ def residual_cases():
 
 def gradient_cases():
   """A plain case for the gradients through the kernel's custom_vjp."""
-  from harness import strategies as hs
+  from harness.numerics import strategies as hs
   spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=1, T=256, N=2, H=64, S=384, K=1, Hv=64),
                      dtype="bfloat16", seed=9, input_std=2.0)
   return [("plain-d64-gradients", hs.build_case(spec), None)]
@@ -70,7 +70,7 @@ CASE_SETS = {"carry": carry_cases, "residuals": residual_cases, "gradients": gra
 
 
 def _forward_line(name, case, config):
-  from harness.conformance import check_forward, poison_device_memory, run_kernel
+  from harness.numerics.conformance import check_forward, poison_device_memory, run_kernel
   poison_device_memory(4 * case.query.nbytes)
   out, m, l = run_kernel(case, config=config)
   report = check_forward(case, out, m, l)
@@ -81,7 +81,7 @@ def _forward_line(name, case, config):
 def _gradient_line(name, case, config):
   import jax
   import jax.numpy as jnp
-  from harness.conformance import gradient_reports
+  from harness.numerics.conformance import gradient_reports
   from kernel import api
   kw = case.kwargs
   d_out = jnp.asarray(case.d_out, jnp.float32)
@@ -101,7 +101,7 @@ def _gradient_line(name, case, config):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.mutant_run")
+  parser = argparse.ArgumentParser(prog="python -m harness.tools.mutant_run")
   parser.add_argument("cases", choices=sorted(CASE_SETS))
   args = parser.parse_args(argv)
   run = _gradient_line if args.cases == "gradients" else _forward_line

@@ -5,7 +5,7 @@ filtered by ``kernel.plan.config_fits``).  The winner is written to the cache
 that ``kernel/autotune.py`` reads for ``config=None``, under the signature of
 ``kernel.autotune.selection_problem``, so what is tuned is what is found.
 
-``python -m harness autotune`` (or ``python -m harness.autotune``) tunes
+``python -m harness autotune`` (or ``python -m harness.tools.autotune``) tunes
 :data:`COMMON_SHAPES` and writes ``kernel/autotune_cache.json``.
 """
 
@@ -59,7 +59,7 @@ COMMON_SHAPES = (  # (batch, seq, heads, head_dim, causal)
 
 def _shapes(args) -> list[tuple]:
   if args.causal_grid:
-    from harness.bench_grid import grid_points
+    from harness.tools.bench_grid import grid_points
     return [(p.batch, p.seq, p.heads, p.head_dim, True)
             for p in grid_points(backward=False, ragged=False) if p.causal]
   if args.shapes == "all":
@@ -70,7 +70,7 @@ def _shapes(args) -> list[tuple]:
 def main(argv=None) -> int:
   import jax
   import jax.numpy as jnp
-  from harness.bench import BenchShape, _inputs, time_fns
+  from harness.tools.bench import BenchShape, _inputs, time_fns
   from kernel import api
   parser = argparse.ArgumentParser(prog="python -m harness autotune")
   parser.add_argument("--cache", default=str(autotune.CACHE_PATH))
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
   shapes = _shapes(args)
   restricted = None
   if args.candidates:
-    from harness.bench_grid import parse_variant
+    from harness.tools.bench_grid import parse_variant
     restricted = [parse_variant(t.strip()) for t in args.candidates.split(";") if t.strip()]
     if any(c is None for c in restricted):
       raise SystemExit("autotune: --candidates takes configs, not 'auto'")

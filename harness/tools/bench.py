@@ -1,10 +1,10 @@
 """TFLOP/s of the kernel (forward, or forward + backward) side by side with
 cuDNN, in one process; with --backward-parts, where the backward's time goes.
 
-``python -m harness.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``;
+``python -m harness.tools.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``;
 ``python -m harness bench --grid [--backward] [--sections dense,windows-segments] --out-dir docs``
-times the whole grid (harness/bench_grid.py) and local windows / packed
-segments (harness/bench_windows_segments.py).
+times the whole grid (harness/tools/bench_grid.py) and local windows / packed
+segments (harness/tools/bench_windows_segments.py).
 
 Method (METHOD.md of the device notes): random normal inputs (never zeros),
 several input sets rotated so repeated calls do not measure the L2 cache,
@@ -299,7 +299,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.bench")
+  parser = argparse.ArgumentParser(prog="python -m harness.tools.bench")
   parser.add_argument("--shapes", choices=tuple(SHAPE_SETS), default="default",
                       help="default: every benchmark shape; headline: the issues' shape; "
                            "headline-both: it non-causal and causal")
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
   parser.add_argument("--backward-parts", action="store_true",
                       help="per shape: the forward, the backward's glue and kernels alone, "
                            "and the whole forward + backward (ms; where the time goes)")
-  grid = parser.add_argument_group("--grid: the whole performance grid (harness/bench_grid.py)")
+  grid = parser.add_argument_group("--grid: the whole performance grid (harness/tools/bench_grid.py)")
   grid.add_argument("--grid", action="store_true",
                     help="time the grid: head dims x seq x causal, ours beside cuDNN and JAX's "
                          "example kernel; with --backward also forward + backward")
@@ -346,14 +346,14 @@ def main(argv=None) -> int:
   grid.add_argument("--sections", default="dense",
                     help="comma-separated: dense (the grid) and/or windows-segments (local "
                          "windows and packed segments beside the dense-mask route and cuDNN, "
-                         "harness/bench_windows_segments.py); --out-dir keeps the parts of an "
+                         "harness/tools/bench_windows_segments.py); --out-dir keeps the parts of an "
                          "existing performance.json this run does not time")
   grid.add_argument("--section-head-dims", default=None,
                     help="comma-separated head dims of the windows-segments section "
                          "(default: bench_windows_segments.HEAD_DIMS, 128)")
   args = parser.parse_args(argv)
   if args.grid:
-    from harness import bench_grid, bench_windows_segments
+    from harness.tools import bench_grid, bench_windows_segments
     sections = {bench_windows_segments.NAME: bench_windows_segments}
     try:
       bench_grid.chosen_sections(args.sections, sections)

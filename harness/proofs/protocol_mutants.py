@@ -1,5 +1,5 @@
 """Protocol defects written into a copy of the kernel's source, for the
-extracted proof (:mod:`harness.prove_extracted`) to refute.
+extracted proof (:mod:`harness.proofs.prove_extracted`) to refute.
 
 Each mutant is a list of textual edits of ``kernel/forward.py``,
 ``kernel/backward.py`` or a module their rings run through
@@ -25,7 +25,7 @@ import linecache
 import os
 import types
 
-from harness import extract
+from harness.proofs import extract
 
 KERNEL_DIR = extract.KERNEL_DIR
 

@@ -1,7 +1,7 @@
 """The CPU half of the mutant catalogue: every patched kernel lowers for CUDA,
 and the patch changes the lowered program.
 
-``python -m harness.mutant_lowering [NAMES]`` (also ``python -m harness
+``python -m harness.tools.mutant_lowering [NAMES]`` (also ``python -m harness
 mutants --lower``) prints one line per mutant and exits non-zero when any
 patch fails to apply, fails to lower, or leaves the lowered program of its
 probe unchanged.  The last is what makes a GPU kill meaningful: a patch the
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import mutants as catalogue
+from harness.tools import mutants as catalogue
 
 def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
   """name: (shapes, API kwargs, operand shapes, with gradients).  Each one
@@ -165,7 +165,7 @@ def check_lowering(chosen, *, out=print) -> list[str]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.mutant_lowering")
+  parser = argparse.ArgumentParser(prog="python -m harness.tools.mutant_lowering")
   parser.add_argument("select", nargs="?", help="comma-separated mutant names (default: all)")
   args = parser.parse_args(argv)
   chosen = catalogue.select(args.select, None)

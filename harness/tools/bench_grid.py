@@ -4,7 +4,7 @@ Forward (and with ``--backward``, forward + backward) TFLOP/s of this kernel
 beside cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``) and
 JAX's example Mosaic GPU kernel (``jax.experimental.pallas.ops.gpu.
 attention_mgpu``), interleaved per grid point in one process (the method of
-``harness/bench.py``: random normal inputs rotated over several sets,
+``harness/tools/bench.py``: random normal inputs rotated over several sets,
 warm-up excluded, medians of interleaved trials).
 
 The grid: head dims 64 / 128 / 256 with 32 / 16 / 8 query heads, 16k tokens
@@ -19,7 +19,7 @@ commit; the committed ``docs/performance.*`` are written by this command.
 ``--sections`` picks what is timed: ``dense`` (this grid, the default) and
 further sections with their own problems and routes, each written as its own
 part of the same three files (``windows-segments``: local windows and packed
-segments, harness/bench_windows_segments.py).  A part an existing
+segments, harness/tools/bench_windows_segments.py).  A part an existing
 ``OUT/performance.json`` holds and this run did not time is kept, with the
 command, commit and date that made it.
 """
@@ -401,9 +401,9 @@ def chosen_sections(text: str, sections: dict) -> list[str]:
 
 
 def main(args, sections: dict | None = None) -> int:
-  """Called by ``harness.bench`` for ``--grid``.  ``sections``: name ->
+  """Called by ``harness.tools.bench`` for ``--grid``.  ``sections``: name ->
   module with KEY, TITLE, run(args, passes=, log=), render, panels (today
-  harness/bench_windows_segments.py).  The sections named by
+  harness/tools/bench_windows_segments.py).  The sections named by
   ``--sections`` are timed; with ``--out-dir``, the parts of an existing
   performance.json there that this run did not time are kept (each names
   the command, commit and date that made it), the rest replaced."""

@@ -1,6 +1,6 @@
 """A fixed list of forward cases run on the GPU: the quick self-check.
 
-``python -m harness.device_check [--out FILE.json]``
+``python -m harness.tools.device_check [--out FILE.json]``
 
 Each case: poison, run the kernel, compare out/m/l with float64 under the
 tolerance rule, run again and require bitwise-identical output.  Prints one
@@ -55,7 +55,7 @@ def fixed_cases():
 
 def extra_cases(rng):
   """Cases with bias, masks and key ranges (arrays drawn here)."""
-  from harness.conformance import random_case
+  from harness.numerics.conformance import random_case
   out = []
   b, t, s, n = 2, 256, 384, 2
   base = dict(batch=b, seq_q=t, seq_kv=s, heads=n, kv_heads=1, head_dim=64)
@@ -107,7 +107,7 @@ def problem_of(case):
 
 def run(out_path: str | None = None, variants=("as-is",)) -> int:
   import jax
-  from harness.conformance import check_forward, poison_device_memory, random_case, run_kernel
+  from harness.numerics.conformance import check_forward, poison_device_memory, random_case, run_kernel
   rng = np.random.default_rng(2026)
   cases = [(n, random_case(rng, **kw), cfg) for n, kw, cfg in fixed_cases()]
   cases += extra_cases(rng)
@@ -151,7 +151,7 @@ def run(out_path: str | None = None, variants=("as-is",)) -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m harness.device_check")
+  p = argparse.ArgumentParser(prog="python -m harness.tools.device_check")
   p.add_argument("--out", default=None)
   p.add_argument("--variants", default="as-is",
                  help="comma list of as-is, persistent, non-persistent")

@@ -30,7 +30,7 @@ choices can be tested on a CPU before (and independently of) the kernel:
   private flag ``_residual_m_base2`` leaves it in base 2, the bug that a
   forward-only test cannot see (seed 000); ``_residual_l_pending`` is the
   sibling bug of forgetting alpha on l;
-* fully masked rows (see ``harness/reference.py``): out 0, l 0, m -inf.
+* fully masked rows (see ``harness/numerics/reference.py``): out 0, l 0, m -inf.
 
 The output is rounded to ``dtype``; m and l are float32 (as the kernel stores
 them). Everything is returned as float64 arrays: out (B, T, N, Hv), m and l
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.reference import REFERENCE_DTYPES, key_visibility
+from harness.numerics.reference import REFERENCE_DTYPES, key_visibility
 from kernel.validation import bfloat16, float16, float32, validate_attention_args
 
 __all__ = ["LOG2E", "online_softmax_attention"]

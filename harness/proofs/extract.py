@@ -1,6 +1,6 @@
 """Read the barrier and stage-ring protocol out of a traced kernel (its jaxpr).
 
-The proof in :mod:`harness.extracted_proof` is about the code, not about a
+The proof in :mod:`harness.proofs.extracted_proof` is about the code, not about a
 model written beside it: this module traces a kernel of ``kernel/`` on the
 CPU (``jax.make_jaxpr`` under ``kernel.api.lowering_only()``), finds the
 Mosaic GPU kernel (the ``mpmd_map`` whose mesh has the thread axis ``wg``)
@@ -17,7 +17,7 @@ and loads, ``commit_smem`` fences, TMA stores and their waits, named-barrier
 ``bar.sync``/``bar.arrive`` with id and thread count.  Each event carries the
 kernel source line it was traced from, for the traces, and the iterations of
 the while loops around it (:attr:`Extracted.loops`), which cut a role's
-events into tiles and key-loop iterations (:mod:`harness.role_programs`).
+events into tiles and key-loop iterations (:mod:`harness.proofs.role_programs`).
 
 The interpreter runs only the eqns the protocol can see (:class:`_Program`:
 register arithmetic without an integer scalar result is skipped, its value
@@ -48,7 +48,7 @@ import jax
 from jax import tree_util
 from jax.extend import core as jex_core
 
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernel")
+KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "kernel")
 
 # Primitives with no synchronisation or shared-memory effect: arithmetic on
 # registers.  Anything else must be understood below or is refused.
@@ -504,7 +504,7 @@ class _Interp:
       src = _kernel_frame(eqn.source_info, self.site)
     if name not in HANDLED:
       raise UnknownPrimitive(
-          f"{src}: primitive {name!r} is not understood by harness/extract.py; "
+          f"{src}: primitive {name!r} is not understood by harness/proofs/extract.py; "
           f"a synchronisation primitive must be modelled before the proof can "
           f"cover the kernel")
     return getattr(self, "p_" + name)(eqn, ins, src)

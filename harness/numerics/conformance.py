@@ -2,7 +2,7 @@
 
 Shared by the GPU properties, the golden check and the device scripts, so
 every comparison of kernel output goes through the same code and the same
-tolerance rule (``harness/tolerance.py``).
+tolerance rule (``harness/numerics/tolerance.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from harness import reference as ref_lib
-from harness import tolerance
+from harness.numerics import reference as ref_lib
+from harness.numerics import tolerance
 
 
 @dataclasses.dataclass
@@ -35,7 +35,7 @@ class ForwardCase:
   logits_soft_cap: float | None = None
   rescale_threshold: float = 1.0
   normalize_output: bool = True
-  # jax.nn's lengths and window, segment ids (harness.reference.VARIANT_ARGS),
+  # jax.nn's lengths and window, segment ids (harness.numerics.reference.VARIANT_ARGS),
   # given to the reference and the kernel alike; the segment layout is the
   # kernel's alone.
   variants: dict = dataclasses.field(default_factory=dict)
@@ -121,7 +121,7 @@ def poison_device_memory(nbytes: int) -> None:
 
 # Where the gate collects every float64 comparison's error ratio (a folder;
 # unset: nothing is recorded).  One JSON line per array compared, tagged with
-# the pytest test that made it; harness/gate.py tabulates the worst ratio per
+# the pytest test that made it; harness/tools/gate.py tabulates the worst ratio per
 # property.
 RATIO_LOG_ENV = "FLASH_ERROR_RATIO_LOG"
 

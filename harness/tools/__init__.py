@@ -1,0 +1,2 @@
+"""The harness's tools: the gate, goldens, benchmarks, autotuner, mutants,
+the ptxas report and the CPU lowering checks (``python -m harness``)."""

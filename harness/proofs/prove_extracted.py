@@ -138,14 +138,21 @@ def _const_values(closed, kernel_eqn) -> dict:
   return walk(closed.jaxpr, known) or {}
 
 
-def _range_tables(kernel_eqn, consts, num_tiles) -> dict:
+def _int_tables(kernel_eqn, consts, length: int, count: int, what: str) -> dict:
+  """{buffer: k} of the ``count`` int (1, 1, ``length``) operands the kernel
+  reads (not traced constants), k their order among the operands."""
   tables = [i for i, v in enumerate(kernel_eqn.invars)
-            if tuple(v.aval.shape) == (1, 1, num_tiles) and "int" in str(v.aval.dtype)
+            if tuple(v.aval.shape) == (1, 1, length) and "int" in str(v.aval.dtype)
             and i not in consts]
-  if len(tables) != 4:
-    raise ex.ExtractionError(f"expected the 4 k_range_tiles tables among the kernel's "
-                             f"operands, found {len(tables)}")
+  if len(tables) != count:
+    raise ex.ExtractionError(f"expected the {count} {what} among the kernel's operands, "
+                             f"found {len(tables)}")
   return {f"gmem_in{i}": k for k, i in enumerate(tables)}
+
+
+def _range_tables(kernel_eqn, consts, num_tiles) -> dict:
+  """The forward's or the dQ kernel's four k_range_tiles tables."""
+  return _int_tables(kernel_eqn, consts, num_tiles, 4, "k_range_tiles tables")
 
 
 class _Env:
@@ -194,15 +201,8 @@ class _BandEnv:
 
 
 def _band_tables(kernel, consts, num_key_tiles) -> dict:
-  """{buffer: 0 (lo) / 1 (hi)} of a dK/dV kernel's two query-block tables,
-  the int (1, 1, key tiles) operands in operand order."""
-  tables = [i for i, v in enumerate(kernel.invars)
-            if tuple(v.aval.shape) == (1, 1, num_key_tiles) and "int" in str(v.aval.dtype)
-            and i not in consts]
-  if len(tables) != 2:
-    raise ex.ExtractionError(f"expected the 2 query-block tables (lo, hi) among the dK/dV "
-                             f"kernel's operands, found {len(tables)}")
-  return {f"gmem_in{i}": k for k, i in enumerate(tables)}
+  """{buffer: 0 (lo) / 1 (hi)} of a dK/dV kernel's two query-block tables."""
+  return _int_tables(kernel, consts, num_key_tiles, 2, "query-block tables (lo, hi)")
 
 
 def _no_reads(buf, idx):

@@ -48,7 +48,9 @@ import jax
 from jax import tree_util
 from jax.extend import core as jex_core
 
-KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "kernel")
+# harness/proofs/extract.py -> the repository's kernel/
+KERNEL_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernel")
 
 # Primitives with no synchronisation or shared-memory effect: arithmetic on
 # registers.  Anything else must be understood below or is refused.

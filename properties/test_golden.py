@@ -126,8 +126,10 @@ def test_update_reports_changes_and_never_stores_a_wrong_output(stored):
   verdicts = golden.update(perturbed(reference_runner, absolute=0.5), CORPUS, stored)
   assert {v.status for v in verdicts} == {"regression"}
   assert (stored / "plain-d64.npz").read_bytes() == before
+  assert golden.update_exit_code(verdicts) == 1   # the command fails on a refused case
   verdicts = golden.update(perturbed(reference_runner, ulps=1), CORPUS, stored)
   assert {v.status for v in verdicts} == {"drift"}
+  assert golden.update_exit_code(verdicts) == 0
   verdicts, ok = golden.check(perturbed(reference_runner, ulps=1), CORPUS, stored)
   assert ok and {v.status for v in verdicts} == {"identical"}
 

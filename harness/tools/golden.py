@@ -558,4 +558,14 @@ def main(argv=None) -> int:
                     jax_version=jax.__version__)
   print("golden update: new outputs against the previous goldens (written unless a regression):")
   print(render(verdicts))
-  return 0
+  return update_exit_code(verdicts)
+
+
+def update_exit_code(verdicts) -> int:
+  """0 when every case was written; 1 when a regression was refused (its
+  old golden, if any, is kept), so a script that regenerates the goldens
+  cannot take a refused case for a written one."""
+  refused = [v.name for v in verdicts if v.status == "regression"]
+  if refused:
+    print(f"golden update: NOT written (regression): {', '.join(refused)}", file=sys.stderr)
+  return 1 if refused else 0

@@ -158,8 +158,8 @@ def test_a_run_past_its_budget_reports_mutants_not_run(tmp_path):
   results, control = mutants.run_all(mutants.CATALOG[:3], budget=0.0, timeout=60,
                                      test_timeout=None, jobs=2, control_workers=0,
                                      with_control=False)
-  assert [r.verdict for r in results] == [mutants.NOT_RUN] * 3 and control is None
-  assert "not run 3" in mutants.score_line(results)
+  assert [r.verdict for r in results] == [mutants.NOT_STARTED] * 3 and control is None
+  assert "not started 3" in mutants.score_line(results)
   assert "mutation score: 0/0" in mutants.score_line(results)
 
 
@@ -176,7 +176,7 @@ def test_a_child_stopped_by_the_budget_is_not_counted_as_a_hang(monkeypatch):
   monkeypatch.setattr(mutants, "MIN_START", 0.0)
   (r,), _ = mutants.run_all(mutants.CATALOG[:1], budget=30.0, timeout=120, test_timeout=None,
                             jobs=1, control_workers=0, with_control=False)
-  assert seen and seen[0] <= 30.0 and r.verdict == mutants.NOT_RUN, r
+  assert seen and seen[0] <= 30.0 and r.verdict == mutants.NOT_STARTED, r
   (r,), _ = mutants.run_all(mutants.CATALOG[:1], budget=300.0, timeout=120, test_timeout=None,
                             jobs=1, control_workers=0, with_control=False)
   assert r.verdict == "hang", r

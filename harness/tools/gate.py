@@ -130,7 +130,7 @@ def error_ratio_table(folder: Path) -> str | None:
 
 
 # Seconds: a whole step, and one pytest test (the watchdog).  The GPU
-# properties took ~4 minutes in all on the H200 (session 6); no single test
+# properties took ~4 minutes in all on the H200 (2026-11-30); no single test
 # took more than ~1 minute.
 STEP_TIMEOUT = 1200.0
 TEST_TIMEOUT = 300.0

@@ -10,12 +10,12 @@ as such and the child is killed.
 ``python -m harness mutants [--select NAMES | --shard I/N] [--budget S]
 [--jobs J] [--out DIR] [--list] [--check] [--lower]`` prints and writes
 (Markdown and JSON) one row per mutant: its bug class, the verdict (killed,
-hang, survived, error, skipped, not run), the tests that failed, seconds;
+hang, survived, error, skipped, not started), the tests that failed, seconds;
 and the mutation score.  A control row runs the same tests on the unpatched
 copy: they must pass there, or a "kill" would mean nothing.  The whole run
 stays within ``--budget`` seconds (220 by default, one device call with
 room to spare): every child's limit is cut to what is left, and mutants not
-started in time are listed as "not run" and fail the run.
+started in time are listed as "not started" and fail the run.
 
 Without an sm90 GPU it says so and runs only the CPU part, ``--lower``
 (harness/tools/mutant_lowering.py): each patch applies, lowers for CUDA and
@@ -468,18 +468,18 @@ def run_control(mutants, *, timeout, test_timeout, workdir: Path, workers: int =
   return Result("(control: unpatched)", "-", status, failed, time.time() - start, detail)
 
 
-NOT_RUN = "not run"
+NOT_STARTED = "not started"
 
 
 def score_line(results: list[Result]) -> str:
   n = {v: sum(r.verdict == v for r in results)
-       for v in ("killed", "hang", "survived", "error", "skipped", "equivalent", NOT_RUN)}
+       for v in ("killed", "hang", "survived", "error", "skipped", "equivalent", NOT_STARTED)}
   scored = n["killed"] + n["hang"] + n["survived"] + n["error"]
   caught = n["killed"] + n["hang"]
   pct = f"{100.0 * caught / scored:.1f} %" if scored else "n/a"
   return (f"mutation score: {caught}/{scored} = {pct} (killed {n['killed']}, hang {n['hang']}, "
           f"survived {n['survived']}, error {n['error']}; skipped {n['skipped']}, "
-          f"equivalent {n['equivalent']}, not run {n[NOT_RUN]})")
+          f"equivalent {n['equivalent']}, not started {n[NOT_STARTED]})")
 
 
 def render(results: list[Result], control: Result | None) -> str:
@@ -487,7 +487,7 @@ def render(results: list[Result], control: Result | None) -> str:
   rows = ([control] if control else []) + results
   for r in rows:
     by = ", ".join(t.replace(" ", "") for t in r.killed_by) or (r.detail if r.verdict in (
-        "error", "equivalent", "hang", "skipped", NOT_RUN) else "")
+        "error", "equivalent", "hang", "skipped", NOT_STARTED) else "")
     lines.append(f"| {r.name} | {r.bug_class} | {r.verdict} | {by.replace('|', '/')} "
                  f"| {r.seconds:.0f} |")
   text = "\n".join(lines) + "\n\n" + score_line(results) + "\n"
@@ -532,20 +532,20 @@ def run_all(chosen, *, budget: float, timeout: float, test_timeout: float, jobs:
   past ``budget`` seconds from now: each child's limit is cut to what is
   left, and a mutant not started while at least MIN_START seconds remain,
   or stopped by the budget's end rather than its own limit, is reported
-  "not run" (a later ``--shard`` or ``--select`` covers it)."""
+  "not started" (a later ``--shard`` or ``--select`` covers it)."""
   deadline = time.time() + budget
   workdir = Path(tempfile.mkdtemp(prefix="harness-mutants-"))
 
   def one(m):
     left = deadline - time.time()
     if not m.equivalent and left < MIN_START:
-      return Result(m.name, m.bug_class, NOT_RUN, [], 0.0,
+      return Result(m.name, m.bug_class, NOT_STARTED, [], 0.0,
                     f"the budget of {budget:.0f} s was spent first")
     limit = min(timeout, left)
     r = run_mutant(m, timeout=limit, test_timeout=test_timeout, workdir=workdir)
     if r.verdict == "hang" and not r.killed_by and limit < timeout:
       # Stopped by the budget's end, not by its own limit: no evidence of a hang.
-      return dataclasses.replace(r, verdict=NOT_RUN,
+      return dataclasses.replace(r, verdict=NOT_STARTED,
                                  detail=f"stopped at the end of the {budget:.0f} s budget")
     return r
 
@@ -582,7 +582,7 @@ def main(argv=None) -> int:
   parser.add_argument("--shard", help="I/N: every N-th mutant from the I-th")
   parser.add_argument("--budget", type=float, default=220.0,
                       help="seconds for the whole run: no child outlives it; mutants not "
-                           "started in time are reported 'not run'")
+                           "started in time are reported 'not started'")
   parser.add_argument("--timeout", type=float, default=120.0,
                       help="seconds per mutant's child before it is killed as a hang")
   parser.add_argument("--test-timeout", type=float, default=60.0,

@@ -65,6 +65,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
 from kernel import barriers
+from kernel import common
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
@@ -385,7 +386,7 @@ def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Launch:
+class _Launch(common.OperandRefs):
   """What the roles of both kernels read (keywords; a kernel's own fields
   come first): the launch's sizes, and inside the kernel the operands as
   refs, the grid point, the rings."""
@@ -397,23 +398,16 @@ class _Launch:
   num_kv_heads: int
   group: int                # query heads per key/value head
   s_pad: int
-  # Inside the kernel:
-  wg: Any = None
+  # Inside the kernel (beside common.OperandRefs): the grid point, the
+  # backward's own operands, and the dS staging.
   b: Any = None
   hk: Any = None
-  ds_st: Any = None
-  q_ref: Any = None
-  k_ref: Any = None
-  v_ref: Any = None
   do_ref: Any = None
-  rows_ref: Any = None
-  bias_ref: Any = None
-  mask_ref: Any = None
-  ks_ref: Any = None
-  ke_ref: Any = None
+  rows_ref: Any = None      # per query row: the base-2 log-sum-exp and delta
   dq_ref: Any = None
   qlo_ref: Any = None       # dK/dV: per key tile, the query blocks that see it
   qhi_ref: Any = None
+  ds_st: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from jax import lax
 import jax.numpy as jnp
@@ -28,6 +29,23 @@ class Logits:
   logits_soft_cap: float | None
   seq_q: int          # unpadded
   seq_kv: int         # unpadded
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OperandRefs:
+  """The inputs both passes' kernels read, as the kernel's refs, and the
+  warpgroup running the role: None outside the kernel and for an operand
+  the call lacks (no bias, no mask, no key ranges).  Keywords only, so that
+  each kernel's context declares its own sizes first."""
+
+  wg: Any = None
+  q_ref: Any = None
+  k_ref: Any = None
+  v_ref: Any = None
+  bias_ref: Any = None
+  mask_ref: Any = None
+  ks_ref: Any = None        # per-row key-range start and end (k_start, k_end)
+  ke_ref: Any = None
 
 
 LOG2E = math.log2(math.e)

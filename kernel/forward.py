@@ -55,6 +55,7 @@ from kernel import barriers
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
+from kernel import common
 from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, Logits, batch_head, is_2d,
                            kv_block_range, load_broadcast, smem, tile_key_bounds)
 from kernel.config import Config
@@ -106,7 +107,7 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
 
 
 @dataclasses.dataclass(frozen=True)
-class Kernel:
+class Kernel(common.OperandRefs):
   """What every role of one launch reads: its sizes and switches (set by
   :func:`flash_attention_forward`) and, inside the kernel, its refs, rings
   and warpgroup index (set by :func:`_dispatch`)."""
@@ -127,27 +128,19 @@ class Kernel:
   # which the key loop runs apart (``edge``) so the others keep the unmasked
   # path (the scale folded into exp2, no select, no per-block branch).
   masks_any_block: bool
-  # Inside the kernel:
-  wg: Any = None
-  q_ref: Any = None
-  k_ref: Any = None
-  v_ref: Any = None
-  bias_ref: Any = None
-  mask_ref: Any = None
-  ks_ref: Any = None
-  ke_ref: Any = None
+  # Inside the kernel (beside common.OperandRefs): the schedule's tables,
+  # the rings, and where the outputs go.
   tiles_ref: Any = None      # per-tile key-range bounds (kernel.padding.key_ranges)
   sched_ref: Any = None      # longest-first: the tile order (or each SM's tiles)
   counts_ref: Any = None     # longest-first, persistent: tiles per SM
-  out_ref: Any = None
-  m_ref: Any = None
-  l_ref: Any = None
   queries: ring_lib.WarpgroupSlots | None = None
   keys: ring_lib.Ring | None = None      # k, and the staged bias/mask tiles
   values: ring_lib.Ring | None = None
-  o_smems: Any = None
-  m_smems: Any = None
-  l_smems: Any = None
+  out_ref: Any = None
+  m_ref: Any = None
+  l_ref: Any = None
+  # Each compute warpgroup's staging of its output rows: o, m, l.
+  out_smems: tuple[Any, Any, Any] | None = None
 
   @property
   def block_q(self) -> int:
@@ -374,7 +367,7 @@ def _dispatch(c: Kernel, refs: dict, smems, mbars):
       queries=ring_lib.WarpgroupSlots({"q": (q_smems, q_produced)}, q_consumed),
       keys=ring_lib.Ring(c.stages, key_buffers, k_consumed),
       values=ring_lib.Ring(c.stages, {"v": (v_smems, v_produced)}, v_consumed),
-      o_smems=o_smems, m_smems=m_smems, l_smems=l_smems)
+      out_smems=(o_smems, m_smems, l_smems))
   pl.when(wg < CW)(functools.partial(compute_warpgroup, c))
   pl.when(wg == CW)(functools.partial(memory_warpgroup, c))
 
@@ -854,16 +847,17 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   if layout.overlay_qk_with_output:
     barriers.epilogue_sync()  # both warpgroups are done with q and k
-  o_smem = c.o_smems.at[wg]
+  o_smems, m_smems, l_smems = c.out_smems
+  o_smem = o_smems.at[wg]
   o_smem[...] = out.astype(c.dtype)
   if f.return_residuals:
-    c.m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
-    c.l_smems.at[wg][...] = l_res
+    m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
+    l_smems.at[wg][...] = l_res
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, c.out_ref.at[t.b, t.rows, t.h])
   if f.return_residuals:
-    plgpu.copy_smem_to_gmem(c.m_smems.at[wg], c.m_ref.at[t.b, t.h, t.rows])
-    plgpu.copy_smem_to_gmem(c.l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])
+    plgpu.copy_smem_to_gmem(m_smems.at[wg], c.m_ref.at[t.b, t.h, t.rows])
+    plgpu.copy_smem_to_gmem(l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])
   if not c.config.persistent:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   elif layout.overlay_q_with_output:

@@ -298,7 +298,7 @@ def validate_variant_args(
   *,
   query_seq_lengths: Any = None,
   key_value_seq_lengths: Any = None,
-  local_window_size: Any = None,
+  local_window_size: int | tuple[int, int] | None = None,
   q_segment_ids: Any = None,
   kv_segment_ids: Any = None,
 ) -> tuple[int, int] | None:

@@ -123,11 +123,13 @@ class Kernel(common.OperandRefs):
   stages: int                # the ring's depth (kernel.plan.effective_stages)
   layout: plan_lib.ScratchLayout
   order: Any                 # the longest-first schedule, or None (round-robin)
-  # A mask or key range may remove keys from any block; causal and a ragged
-  # key length only from the blocks that reach the diagonal or the last key,
-  # which the key loop runs apart (``edge``) so the others keep the unmasked
-  # path (the scale folded into exp2, no select, no per-block branch).
+  # A mask may remove keys from any block.  Causal, a ragged key length and
+  # key ranges only from the blocks that reach the diagonal, the last key or
+  # a row's range bound (the tile's first and last blocks), which the key
+  # loop runs apart (``edge``) so the others keep the unmasked path (the
+  # scale folded into exp2, no select, no per-block branch).
   masks_any_block: bool
+  key_ranges: bool           # k_start or k_end given (windows, documents, lengths)
   # Inside the kernel (beside common.OperandRefs): the schedule's tables,
   # the rings, and where the outputs go.
   tiles_ref: Any = None      # per-tile key-range bounds (kernel.padding.key_ranges)
@@ -168,7 +170,7 @@ class Kernel(common.OperandRefs):
 
   @property
   def has_edge(self) -> bool:
-    return self.f.is_causal or self.ragged_kv
+    return self.f.is_causal or self.ragged_kv or self.key_ranges
 
   @property
   def stage_bias(self) -> bool:
@@ -261,7 +263,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       f=f, config=config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
       group=num_heads // num_kv_heads, head_dim_out=head_dim_out, dtype=dtype,
       stages=pipe.num_stages, layout=plan_lib.scratch_layout(problem, config), order=order,
-      masks_any_block=mask is not None or k_start is not None or k_end is not None)
+      masks_any_block=mask is not None, key_ranges=k_start is not None or k_end is not None)
 
   def kernel_body(*refs):
     _kernel(kernel, pipe.mbarriers, *refs)
@@ -520,8 +522,8 @@ def compute_tile(c: Kernel, b, h, qi, prev_iters):
   """One query tile on this warpgroup: the prologue (its queries and first
   keys waited for, the first QK), the key loop, the epilogue."""
   t, acc, m_i, l_i = tile_start(c, b, h, qi, prev_iters)
-  s0, pending, ub_plain = tile_prologue(c, t, m_i)
-  acc, m_i, l_i, pending = key_loop(c, t, s0, acc, m_i, l_i, pending, ub_plain)
+  s0, pending, plain = tile_prologue(c, t, m_i)
+  acc, m_i, l_i, pending = key_loop(c, t, s0, acc, m_i, l_i, pending, plain)
   epilogue(c, t, acc, m_i, l_i, pending)
   return prev_iters + (t.ub - t.lb)
 
@@ -576,16 +578,27 @@ def tile_prologue(c: Kernel, t: Tile, m_i):
   # m_scale, the pending scale acc and l_i are relative to, is carried only
   # when the threshold can leave it behind m_i.
   pending = [] if c.always_rescale else [m_i]
-  # Blocks entirely below the diagonal for this warpgroup, and holding
-  # no padded key, need no mask.
-  ub_plain = t.ub
+  return s0, pending, plain_blocks(c, t)
+
+
+def plain_blocks(c: Kernel, t: Tile):
+  """(lo, hi): the tile's blocks [lo, hi) need no mask: entirely below
+  the diagonal for this warpgroup, holding no padded key, and inside
+  every row's key range of the super-tile (from its largest start to its
+  smallest end).  Empty (lo >= hi) where every block needs one."""
+  block_kv = jnp.int32(c.block_kv)
+  lo, hi = t.lb, t.ub
   if c.f.is_causal:
-    ub_plain = lax.min(ub_plain, lax.div(t.q_base + 1, jnp.int32(c.block_kv)))
+    hi = lax.min(hi, lax.div(t.q_base + 1, block_kv))
   if c.ragged_kv:
-    ub_plain = lax.min(ub_plain, jnp.int32(c.f.seq_kv // c.block_kv))
+    hi = lax.min(hi, jnp.int32(c.f.seq_kv // c.block_kv))
+  if t.k_end is not None:
+    hi = lax.min(hi, lax.div(lax.max(t.k_end_min, 0), block_kv))
   if c.has_edge:
-    ub_plain = lax.max(t.lb, ub_plain)
-  return s0, pending, ub_plain
+    hi = lax.max(t.lb, hi)
+  if t.k_start is not None:  # the first block whose keys all start at or after it
+    lo = lax.max(lo, lax.div(lax.max(t.k_start_max, 0) + block_kv - 1, block_kv))
+  return lo, hi
 
 
 def iota(c: Kernel, dim):
@@ -710,11 +723,14 @@ def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
   return factor, p, m_ij, l_i, pending
 
 
-def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, ub_plain):
+def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, plain):
   """The tile's key blocks lb .. ub - 1 given the first one's logits s0:
   its softmax, the loop over blocks lb .. ub - 2 (PV of ki, QK and
-  softmax of ki + 1), then the last block's PV alone."""
+  softmax of ki + 1), then the last block's PV alone.  The blocks
+  ``plain`` = [lo, hi) take the unmasked path, the others the masked one
+  (``edge``)."""
   lb, ub = t.lb, t.ub
+  lo_plain, ub_plain = plain
 
   def first_softmax(edge):
     _, p, m, l, pend = softmax(c, t, s0, lb, m_i, l_i, pending, edge=edge)
@@ -723,7 +739,9 @@ def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, ub_plain):
     return p.astype(c.dtype), m, l + p.sum(axis=1), pend
 
   if c.has_edge:
-    first = lambda: lax.cond(lb < ub_plain, functools.partial(first_softmax, False),
+    is_plain = lambda: lb < ub_plain if t.k_start is None else (lo_plain <= lb) & (lb < ub_plain)
+    first = lambda: lax.cond(is_plain(),
+                             functools.partial(first_softmax, False),
                              functools.partial(first_softmax, True))
   else:
     first = functools.partial(first_softmax, False)
@@ -734,9 +752,14 @@ def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, ub_plain):
   last = lax.max(lb, ub - 1)
   body = functools.partial(loop_body, c, t)
   if c.has_edge:
-    # Iteration ki masks block ki + 1: plain while ki + 1 < ub_plain.
+    # Iteration ki masks block ki + 1: plain while lo_plain <= ki + 1 < ub_plain.
     split = lax.min(last, lax.max(lb, ub_plain - 1))
-    carry = lax.fori_loop(lb, split, functools.partial(body, edge=False), carry)
+    if t.k_start is not None:
+      start = lax.min(split, lax.max(lb, lo_plain - 1))
+      carry = lax.fori_loop(lb, start, functools.partial(body, edge=True), carry)
+    else:
+      start = lb
+    carry = lax.fori_loop(start, split, functools.partial(body, edge=False), carry)
     carry = lax.fori_loop(split, last, functools.partial(body, edge=True), carry)
   else:
     carry = lax.fori_loop(lb, last, functools.partial(body, edge=False), carry)

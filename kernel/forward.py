@@ -585,7 +585,14 @@ def plain_blocks(c: Kernel, t: Tile):
   """(lo, hi): the tile's blocks [lo, hi) need no mask: entirely below
   the diagonal for this warpgroup, holding no padded key, and inside
   every row's key range of the super-tile (from its largest start to its
-  smallest end).  Empty (lo >= hi) where every block needs one."""
+  smallest end).  Empty (lo >= hi) where every block needs one.
+
+  With key ranges every block once took the masked path.  Measured on the
+  H200, `python -m harness bench --grid --sections windows-segments`,
+  window 1024 at 16k (d128, 16 heads): 0.518 against 0.557 ms non-causal,
+  0.354 against 0.361 ms causal; 7 packed documents unchanged within the
+  run's noise, 0.572 against 0.550 ms with cuDNN 0.411 against 0.399
+  (2026-12-02, 9f26468 against 3944b85, two processes)."""
   block_kv = jnp.int32(c.block_kv)
   lo, hi = t.lb, t.ub
   if c.f.is_causal:

@@ -2,8 +2,16 @@
 
 Results are kept per (device, shape signature, dtype, features) in a JSON
 cache; the cache shipped with the package (``autotune_cache.json`` beside this
-file) holds common H200 shapes, and ``config=None`` uses it when it has the
-call's signature, else the heuristic (``kernel/api.py``).
+file) holds H200 entries, and ``config=None`` uses it when it has the call's
+signature, else the heuristic (``kernel/api.py``).
+
+The cache is ``{device_kind: {signature: entry}}``: the top level is keyed by
+``jax.Device.device_kind`` ("NVIDIA H200"), so entries for another GPU (an
+H100) sit beside the H200's without touching them.  An entry holds the
+chosen ``config`` (``Config``'s fields) and every candidate's ``median_ms``;
+newer entries add the ``date``, the ``jax`` version and the ``shape`` they
+were tuned at.  Only ``config`` is read here, so entries with or without
+those fields are read alike.
 
 Timing the candidates and writing the cache is the harness's job
 (``python -m harness autotune``, ``harness/tools/autotune.py``): the kernel package

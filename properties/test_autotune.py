@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import re
+import datetime
+import itertools
+import json
+import types
 
 import numpy as np
 import pytest
@@ -77,11 +79,7 @@ def test_the_shipped_cache_is_well_formed():
 
 
 def _config_of(text: str) -> Config:
-  """The Config a timing key names.  Keys are ``str(config)`` when it was
-  tuned; a field added to Config since then takes its default."""
-  fields = re.fullmatch(r"Config\((.*)\)", text).group(1)
-  return Config(**{k: ast.literal_eval(v) for k, v in
-                   (item.split("=", 1) for item in fields.split(", "))})
+  return tuner.config_of_key(text)
 
 
 def test_a_timing_key_reads_back_as_its_config():
@@ -110,3 +108,269 @@ def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch)
       heuristics.get_heuristics_config(problem)
   # Another feature set is another signature: not tuned, so the heuristic.
   assert api.chosen_config(q, kv, kv, mask=q, device_kind="NVIDIA H200") != tuned
+
+
+# --- coverage tuning: the set, the order, resume, the budget, the dry run ----
+
+DEVICE = "NVIDIA H200"
+
+
+def test_the_coverage_set_is_the_issues_list():
+  """Issue #15's set: head dims 64/96/128/192/256 (head_dim_out = head_dim),
+  seq 512..32k with seq_q = seq_kv, causal and not, bf16 and f16, each at 16k
+  tokens per batch (at least one sequence) and heads * head_dim = 2048."""
+  from harness.tools.bench_grid import HEADS_FOR_DIM
+  jobs = tuner.coverage_jobs()
+  assert len(jobs) == 5 * 7 * 2 * 2 == 140
+  wanted = set(itertools.product((64, 96, 128, 192, 256),
+                                 (512, 1024, 2048, 4096, 8192, 16384, 32768),
+                                 (False, True), ("bfloat16", "float16")))
+  assert {(j.head_dim, j.seq, j.causal, j.dtype) for j in jobs} == wanted
+  for job in jobs:
+    assert job.batch == max(1, 16384 // job.seq)
+    assert job.heads == 2048 // job.head_dim
+    assert job.head_dim not in HEADS_FOR_DIM or job.heads == HEADS_FOR_DIM[job.head_dim]
+    problem = job.problem()
+    assert problem.seq_q == problem.seq_kv == job.seq
+    assert problem.head_dim == problem.head_dim_out == plan.padded_head_dim(job.head_dim)
+    assert problem.return_residuals  # tuned as config=None looks up
+    assert str(problem.dtype) == job.dtype
+  # A head dim the kernel pads (96 -> 128) shares the padded dim's signature.
+  sigs = {j.signature() for j in jobs}
+  padded = {(j.dtype, plan.padded_head_dim(j.head_dim), j.seq, j.causal) for j in jobs}
+  assert len(sigs) == len(padded) == 112
+
+
+def test_the_likely_order_puts_the_common_calls_first():
+  jobs = tuner.coverage_jobs()
+  ordered = tuner.likely_order(jobs)
+  assert sorted(map(str, ordered)) == sorted(map(str, jobs))
+  dtypes = [j.dtype for j in ordered]
+  assert dtypes == sorted(dtypes, key=("bfloat16", "float16").index)
+  bf16 = [j.head_dim for j in ordered if j.dtype == "bfloat16"]
+  last_common = max(i for i, d in enumerate(bf16) if d in (64, 128))
+  first_rare = min(i for i, d in enumerate(bf16) if d in (96, 192))
+  assert last_common < first_rare
+  assert (ordered[0].head_dim, ordered[0].dtype) == (128, "bfloat16")
+  # The d96 jobs come after the d128 ones, so the shared signature is tuned
+  # at the d128 shape and the d96 jobs find it.
+  planned = tuner.plan_jobs(ordered, {}, DEVICE, resume=True)
+  assert all(p.status == "same" and p.same_as.head_dim == 128
+             for p in planned if p.job.head_dim == 96)
+
+
+def _small_jobs():
+  """Coverage jobs with few candidates (head dim 256), to keep fakes quick."""
+  return [j for j in tuner.coverage_jobs() if j.head_dim == 256 and j.dtype == "bfloat16"]
+
+
+def _fake_run_maker(clock, calls, seconds_per_candidate=1.0):
+  """``make_run`` without a GPU: each config 'takes' seconds on ``clock``,
+  and the last candidate of each job is the fastest."""
+  def make_run(job):
+    candidates = heuristics.get_autotuning_configs(job.problem())
+    calls.append(job)
+
+    def run(config):
+      clock.now += seconds_per_candidate(job) if callable(seconds_per_candidate) \
+          else seconds_per_candidate
+      return 1e-3 * (len(candidates) - candidates.index(config))
+    return run
+  return make_run
+
+
+class _Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def test_resume_skips_signatures_cached_with_the_same_candidates(tmp_path):
+  cache = tmp_path / "cache.json"
+  jobs = _small_jobs()
+  done, partial = jobs[0], jobs[1]
+  full = heuristics.get_autotuning_configs(done.problem())
+  tuner.record(done.problem(), DEVICE, full[0], {str(c): 1.0 for c in full}, path=cache)
+  some = heuristics.get_autotuning_configs(partial.problem())[:1]
+  tuner.record(partial.problem(), DEVICE, some[0], {str(c): 1.0 for c in some}, path=cache)
+  status = {p.job: p.status for p in
+            tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=True)}
+  assert status[done] == "cached"
+  assert status[partial] == "retune"  # tuned over fewer candidates than now
+  assert all(status[j] == "tune" for j in jobs[2:])
+  off = tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=False)
+  assert all(p.tunes for p in off)
+  other = tuner.plan_jobs(jobs, autotune.load_cache(cache), "NVIDIA H100", resume=True)
+  assert all(p.status == "tune" for p in other)
+
+  clock, calls = _Clock(), []
+  planned = tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=True)
+  result = tuner.run_plan(planned, DEVICE, _fake_run_maker(clock, calls), cache_path=cache,
+                          clock=clock, out=lambda line: None)
+  assert done not in calls and partial in calls and len(calls) == len(jobs) - 1
+  assert not result["left"] and not result["failed"]
+  data = autotune.load_cache(cache)[DEVICE]
+  for job in jobs:
+    entry = data[job.signature()]
+    if job != done:
+      candidates = heuristics.get_autotuning_configs(job.problem())
+      assert Config(**entry["config"]) == candidates[-1]  # the fake's fastest
+      assert entry["shape"] == [job.batch, job.seq, job.heads, job.head_dim]
+  again = tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=True)
+  assert all(p.status == "cached" for p in again)
+
+
+def test_the_budget_stops_starting_signatures_it_would_overrun(tmp_path):
+  cache = tmp_path / "cache.json"
+  jobs = _small_jobs()
+  planned = tuner.plan_jobs(jobs, {}, DEVICE, resume=True)
+  clock, calls, lines = _Clock(), [], []
+  budget = 17.0
+  result = tuner.run_plan(planned, DEVICE, _fake_run_maker(clock, calls), cache_path=cache,
+                          budget_s=budget, clock=clock, out=lines.append)
+  tuned, left = result["tuned"], result["left"]
+  assert tuned and left, "a budget this small must stop part way"
+  assert [p.job for p in tuned] == calls == jobs[:len(tuned)]
+  assert [p.job for p in left] == jobs[len(tuned):]
+  assert clock.now <= budget
+  # It stopped because the next one would overrun (1 s per candidate here),
+  # not earlier.
+  assert clock.now + len(left[0].candidates) * 1.0 > budget
+  assert set(autotune.load_cache(cache)[DEVICE]) == {p.signature for p in tuned}
+  text = "\n".join(lines)
+  assert f"{len(left)} left" in text
+  assert all(p.signature in text for p in left)
+
+
+def test_the_budget_estimate_takes_the_slowest_candidate_time_so_far(tmp_path):
+  """Candidates that take 5 s, then 1 s: the next job is still estimated at
+  5 s a candidate (the slowest so far, not the last)."""
+  full = [j for j in _small_jobs() if not j.causal]
+  causal = [j for j in _small_jobs() if j.causal]
+  jobs = [full[0], full[1], causal[0], causal[1]]
+  planned = tuner.plan_jobs(jobs, {}, DEVICE, resume=True)
+  n = [len(p.candidates) for p in planned]
+  cost = {jobs[0]: 5.0, jobs[1]: 1.0, jobs[2]: 1.0, jobs[3]: 1.0}
+  # The second fits when estimated at 5 s a candidate; the third would fit
+  # at its true 1 s a candidate, not at 5 s.
+  budget = 5.0 * n[0] + 5.0 * n[1]
+  spent = 5.0 * n[0] + 1.0 * n[1]
+  assert spent + 1.0 * n[2] <= budget < spent + 5.0 * n[2]
+  clock, calls = _Clock(), []
+  result = tuner.run_plan(planned, DEVICE, _fake_run_maker(clock, calls, cost.get),
+                          cache_path=tmp_path / "c.json", budget_s=budget, clock=clock,
+                          out=lambda line: None)
+  assert calls == jobs[:2]
+  assert clock.now == spent
+  assert [p.job for p in result["left"]] == jobs[2:]
+
+
+def test_the_first_signature_starts_whatever_the_budget(tmp_path):
+  planned = tuner.plan_jobs(_small_jobs()[:3], {}, DEVICE, resume=True)
+  clock, calls = _Clock(), []
+  result = tuner.run_plan(planned, DEVICE, _fake_run_maker(clock, calls),
+                          cache_path=tmp_path / "c.json", budget_s=0.0, clock=clock,
+                          out=lambda line: None)
+  assert len(result["tuned"]) == 1 and len(result["left"]) == 2
+
+
+def test_the_command_fills_the_cache_over_repeated_budgeted_runs(tmp_path, monkeypatch, capsys):
+  """``--coverage --budget-s`` end to end with a fake GPU and a fake clock:
+  each run tunes what fits, and the next picks up where it stopped."""
+  from kernel import api
+  clock, calls = _Clock(), []
+  monkeypatch.setattr(api, "sm90_device", lambda: types.SimpleNamespace(device_kind=DEVICE))
+  monkeypatch.setattr(tuner, "_gpu_run_maker", lambda: _fake_run_maker(clock, calls, 0.1))
+  monkeypatch.setattr(tuner, "time", types.SimpleNamespace(monotonic=clock))
+  cache = tmp_path / "cache.json"
+  argv = ["--coverage", "--budget-s", "30", "--cache", str(cache)]
+  signatures = len({j.signature() for j in tuner.coverage_jobs()})
+  seen = []
+  for _ in range(100):
+    assert tuner.main(argv) == 0
+    seen.append(len(autotune.load_cache(cache).get(DEVICE, {})))
+    if seen[-1] == signatures:
+      break
+  assert len(seen) > 2, "a 30 s budget must take several runs"
+  assert seen == sorted(seen) and len(set(seen)) == len(seen)  # every run adds
+  assert len(calls) == signatures  # nothing tuned twice
+  out = capsys.readouterr().out
+  assert "run the command again to continue" in out
+  assert out.rstrip().endswith("0 left (0 candidates)")
+  entry = next(iter(autotune.load_cache(cache)[DEVICE].values()))
+  import jax
+  assert entry["jax"] == jax.__version__
+  datetime.date.fromisoformat(entry["date"])
+  assert tuner.main(["--coverage", "--dry-run", "--cache", str(cache)]) == 0
+  assert f"{signatures} cached, 0 to tune" in capsys.readouterr().out
+
+
+def test_dry_run_lists_what_would_be_tuned_and_what_is_cached(tmp_path, capsys):
+  cache = tmp_path / "cache.json"
+  job = tuner.likely_order(tuner.coverage_jobs())[3]
+  full = heuristics.get_autotuning_configs(job.problem())
+  tuner.record(job.problem(), DEVICE, full[0], {str(c): 1.0 for c in full}, path=cache)
+  before = cache.read_text()
+  assert tuner.main(["--coverage", "--dry-run", "--cache", str(cache),
+                     "--device-kind", DEVICE]) == 0
+  out = capsys.readouterr().out.splitlines()
+  rows = [line.split() for line in out if line.startswith("  ")]
+  assert len(rows) == 140
+  assert [r[1] for r in rows] == [j.signature() for j in tuner.likely_order(tuner.coverage_jobs())]
+  status = {}
+  for r in rows:
+    status.setdefault(r[1], r[0])
+  assert status[job.signature()] == "cached"
+  assert sum(s == "tune" for s in status.values()) == 111
+  assert sum(r[0] == "same" for r in rows) == 28
+  assert "140 jobs, 112 signatures, 1 cached, 111 to tune" in "\n".join(out)
+  assert cache.read_text() == before  # a dry run writes nothing
+  assert tuner.main(["--coverage", "--dry-run", "--order", "listed", "--cache", str(cache),
+                     "--device-kind", DEVICE]) == 0
+  listed = [line.split()[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ")]
+  assert listed == [j.signature() for j in tuner.coverage_jobs()]
+
+
+def test_without_a_gpu_only_the_dry_run_runs(tmp_path):
+  from kernel import api
+  if api.sm90_device() is not None:
+    pytest.skip("this machine has an sm90 GPU: the command would tune")
+  with pytest.raises(SystemExit, match="needs an sm90 GPU"):
+    tuner.main(["--coverage", "--cache", str(tmp_path / "c.json")])
+  assert not (tmp_path / "c.json").exists()
+
+
+def test_entries_written_before_the_date_and_jax_fields_are_still_read(tmp_path):
+  """An entry as the cache held them before coverage tuning: no date, jax or
+  shape, timing keys without the schedule field.  config=None still finds
+  it; the tuner reads its candidate set and, since that is not today's,
+  tunes it again under --resume."""
+  cache = tmp_path / "cache.json"
+  old_best = Config(64, 128, 2, persistent=True)
+  cache.write_text(json.dumps({DEVICE: {autotune.signature(PROBLEM): {
+      "config": {"block_q": 64, "block_kv": 128, "num_stages": 2, "persistent": True},
+      "median_ms": {
+          "Config(block_q=64, block_kv=128, num_stages=2, persistent=True)": 0.2,
+          "Config(block_q=64, block_kv=64, num_stages=2, persistent=False)": 0.3}}}}))
+  assert autotune.lookup(PROBLEM, DEVICE, path=cache) == old_best
+  entry = autotune.load_cache(cache)[DEVICE][autotune.signature(PROBLEM)]
+  assert tuner.timed_candidates(entry) == {old_best, Config(64, 64, 2, persistent=False)}
+  job = tuner.Job(4, 4096, 16, 128, False)
+  assert job.signature() == autotune.signature(PROBLEM)
+  [planned] = tuner.plan_jobs([job], autotune.load_cache(cache), DEVICE, resume=True)
+  assert planned.status == "retune"
+  # Rewritten, the entry gains the fields and is read the same way.
+  tuner.record(PROBLEM, DEVICE, old_best, {str(old_best): 0.2}, path=cache)
+  entry = autotune.load_cache(cache)[DEVICE][autotune.signature(PROBLEM)]
+  assert {"date", "jax", "config", "median_ms"} <= set(entry)
+  assert autotune.lookup(PROBLEM, DEVICE, path=cache) == old_best
+
+
+def test_every_shipped_entry_is_read_by_config_none():
+  for device, entries in autotune.load_cache().items():
+    for sig, entry in entries.items():
+      assert tuner.timed_candidates(entry), (device, sig)
+      Config(**entry["config"])

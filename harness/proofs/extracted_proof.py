@@ -101,7 +101,9 @@ Reductions, each losing no violation:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 
 from harness.proofs.extract import Event
@@ -1351,12 +1353,35 @@ def _nth(word: str, ch: str, n: int) -> int:
   return i
 
 
+@contextlib.contextmanager
+def collector_paused():
+  """Python's cyclic garbage collector off for the block (as it was after).
+  The search allocates millions of tuples and keeps every state it reached;
+  none of them is in a reference cycle, so reference counting frees all of
+  it, while each pass of the collector walks every live container -- the
+  states kept and the JAX modules imported -- which cost about a third of
+  a check.  Tracing and learning (:mod:`harness.proofs.prove_extracted`)
+  leave next to no cyclic garbage either and run under it as well."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
+
+
 def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = True,
           record: bool = False) -> CheckResult:
   """Every property of the module docstring for one launch, every environment.
   ``reduce=False``: every interleaving, no reduction (to test them);
   ``record``: also list the units' events no explored step took (with the
   ring's rotation off, which would fold some of them into others)."""
+  with collector_paused():
+    return _check(prog, max_states=max_states, reduce=reduce, record=record)
+
+
+def _check(prog: LaunchProgram, *, max_states: int, reduce: bool, record: bool) -> CheckResult:
   start = time.perf_counter()
   st = _Static(prog)
   if st.violations:

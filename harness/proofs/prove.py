@@ -134,8 +134,9 @@ def main(argv=None) -> int:
                        cache=cache)
   else:
     # The backward's cases need no heuristics: the workers start on them
-    # while the forward's are listed.
-    early = [("backward", c) for c in pe.backward_cases()][:3 * args.jobs]
+    # while the forward's are listed (all of them: the listing takes about
+    # as long as the workers take for the first six).
+    early = [("backward", c) for c in pe.backward_cases()]
     with pe.workers(args.jobs, fork=True) as pool:
       results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool, cache=cache,
                          early=early)

@@ -36,6 +36,7 @@ violation, is the failure shown).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 import numpy as np
@@ -638,6 +639,11 @@ def _modules(mutant):
 def _programs_of(item):
   """((kind, case), mutant) -> ([(name, LaunchProgram)], premise failure or None, seconds)."""
   (kind, case), mutant = item
+  with xp.collector_paused():
+    return _learn(kind, case, mutant)
+
+
+def _learn(kind, case, mutant):
   forward, backward = _modules(mutant)
   start = time.perf_counter()
   try:
@@ -754,6 +760,9 @@ def workers(jobs: int, *, fork: bool = False):
             and threading.active_count() == 1 and not started)
   sys.stdout.flush()
   sys.stderr.flush()
+  # What a forked worker inherits (JAX and the kernels) stays put: frozen,
+  # the collector's passes skip it (and leave its pages shared).
+  gc.freeze()
   pool = concurrent.futures.ProcessPoolExecutor(
       max_workers=jobs, mp_context=multiprocessing.get_context("fork" if fork else "spawn"))
   for _ in range(jobs):
@@ -763,6 +772,7 @@ def workers(jobs: int, *, fork: bool = False):
 
 def _warm_up():
   from kernel import backward, forward  # noqa: F401  (jax and the kernels)
+  gc.freeze()
   return 0
 
 

@@ -226,12 +226,27 @@ def _kernel_frame(source_info, site: str | None = None) -> str:
   return source_info_util.summarize(source_info)
 
 
+_KERNEL_FILES: dict = {}  # a frame's file name -> its path from the repository, or None
+
+
+def _kernel_file(file_name: str) -> str | None:
+  """kernel/x.py for a kernel file other than the helpers, else None."""
+  hit = _KERNEL_FILES.get(file_name, _KERNEL_FILES)
+  if hit is _KERNEL_FILES:
+    fn = os.path.abspath(file_name)
+    hit = None
+    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
+      hit = os.path.relpath(fn, os.path.dirname(KERNEL_DIR))
+    _KERNEL_FILES[file_name] = hit
+  return hit
+
+
 def _kernel_frame_uncached(source_info) -> str | None:
   frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
   for f in frames:
-    fn = os.path.abspath(f.file_name)
-    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
-      return f"{os.path.relpath(fn, os.path.dirname(KERNEL_DIR))}:{f.line_num}"
+    path = _kernel_file(f.file_name)
+    if path is not None:
+      return f"{path}:{f.line_num}"
   return None
 
 
@@ -311,15 +326,28 @@ _CALLS = ("pjit", "jit", "closed_call")
 _INT = (int, bool)
 
 
+_INT_DTYPES: dict = {}  # dtype -> integer or bool
+
+
 def _int_scalar(aval) -> bool:
-  import numpy as np
   dtype = getattr(aval, "dtype", None)
   if getattr(aval, "shape", None) != () or dtype is None:
     return False
   try:
-    return bool(np.issubdtype(dtype, np.integer) or dtype == np.bool_)
-  except TypeError:
-    return False
+    hit = _INT_DTYPES.get(dtype)
+  except TypeError:  # an unhashable dtype: not cached
+    hit = None
+  if hit is None:
+    import numpy as np
+    try:
+      hit = bool(np.issubdtype(dtype, np.integer) or dtype == np.bool_)
+    except TypeError:
+      hit = False
+    try:
+      _INT_DTYPES[dtype] = hit
+    except TypeError:
+      pass
+  return hit
 
 
 def _literal_value(val):

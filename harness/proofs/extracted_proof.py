@@ -101,7 +101,9 @@ Reductions, each losing no violation:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 
 from harness.proofs.extract import Event
@@ -281,6 +283,7 @@ class _Static:
                                       if self.slot_rbuf[ci] == bi))
                        for bi in range(len(self.ring_buffers))]
     self.reads = [r.reads for r in self.roles]
+    self.threads = [r.threads for r in self.roles]
     self.all_readers = [ri for ri, r in enumerate(self.reads) if r == "all"]
     self.has_generic = any(e.kind == "smem_store" for us in units_of for _, evs in us
                            for e in evs)
@@ -706,6 +709,8 @@ class _Search:
     what the step changed is shifted); ``moved=False``: the step left the
     word and every role's place in it as they were (a next event of the
     same unit, a copy landing), so the word's cut is the parent's, none."""
+    if not moved and family == -1 and parent is not None:
+      return state   # nothing it changed is normalised: as it was
     env, roles, mb, tma, issued, gidx, wcount, content, named = state
     st = self.st
     word = env[0]
@@ -877,6 +882,7 @@ class _Search:
             chosen = ri
             break
     succ_local, succ = None, []
+    waited = set()   # the barriers roles wait on (for the copies' completions)
     for ri, r in enumerate(roles):
       phase, uid, k = r[0], r[1], r[2]
       syncw = r[11]
@@ -892,17 +898,25 @@ class _Search:
       e = units[uid][k]
       build = chosen < 0 or chosen == ri
       kind = e.kind
-      if not build:
-        # Only checked: a wait that stays blocked, and a retiring wait or a
-        # fence, which have nothing to check, need no step.
-        if kind == "wait":
-          done, kk = mb[ubar[uid][k]][0], r[5][uwi[uid][k]]
-          if done < kk + 2 and done % 2 == kk % 2:
-            continue
-        elif kind in ("wgmma_wait", "store_wait", "fence"):
+      if kind == "wait":
+        bi = ubar[uid][k]
+        waited.add(bi)
+        # A wait that stays blocked: no step (step would say None), nothing
+        # to check.
+        done, kk = mb[bi][0], r[5][uwi[uid][k]]
+        if done < kk + 2 and done % 2 == kk % 2:
           continue
+      elif not build:
+        # Only checked: a retiring wait or a fence has nothing to check; a
+        # named-barrier arrival with nothing to publish, only a generation
+        # it would complete.
+        if kind in ("wgmma_wait", "store_wait", "fence"):
+          continue
+        if kind in ("bar_sync", "bar_arrive") and not r[9]:
+          if named[st.nid[e.bar_id]][1] + st.threads[ri] < st.named_threads[e.bar_id]:
+            continue
       try:
-        out = self.step(state, ri, e, build=build)
+        out = self.step(state, ri, e, build)
         if out is not None and kind == "wait" and reduce:
           self.check_lag(state, ri, e)
       except _Fail as f:
@@ -921,11 +935,6 @@ class _Search:
     if not tma:
       deferred = []
     else:
-      waited = set()
-      for ri, r in enumerate(roles):
-        if r[0] != DONE and r[11] is None:
-          if units[r[1]][r[2]].kind == "wait":
-            waited.add(ubar[r[1]][r[2]])
       heads, deferred = {}, []
       writer, copy_family = st.tma_writer, st.copy_family
       for idx, (ci, n) in enumerate(tma):
@@ -1142,8 +1151,9 @@ class _Search:
     key = (e.buf, e.slot)
     bi = st.bar_index[key]
     done, arr = mb[bi]
+    copy_family = st.copy_family   # a copy's barrier, by its index
     for ci, n in tma:
-      if st.copy_bar[st.tma_slots[ci]] == key:
+      if copy_family[ci] == bi:
         raise _Fail("parity alias",
                     f"{st.names[ri]} may pass its wait on {e.buf}[{e.slot}] (a phase completed) "
                     f"while a copy that completes the next phase is in flight: one parity "
@@ -1351,12 +1361,35 @@ def _nth(word: str, ch: str, n: int) -> int:
   return i
 
 
+@contextlib.contextmanager
+def collector_paused():
+  """Python's cyclic garbage collector off for the block (as it was after).
+  The search allocates millions of tuples and keeps every state it reached;
+  none of them is in a reference cycle, so reference counting frees all of
+  it, while each pass of the collector walks every live container -- the
+  states kept and the JAX modules imported -- which cost about a third of
+  a check.  Tracing and learning (:mod:`harness.proofs.prove_extracted`)
+  leave next to no cyclic garbage either and run under it as well."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was:
+      gc.enable()
+
+
 def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = True,
           record: bool = False) -> CheckResult:
   """Every property of the module docstring for one launch, every environment.
   ``reduce=False``: every interleaving, no reduction (to test them);
   ``record``: also list the units' events no explored step took (with the
   ring's rotation off, which would fold some of them into others)."""
+  with collector_paused():
+    return _check(prog, max_states=max_states, reduce=reduce, record=record)
+
+
+def _check(prog: LaunchProgram, *, max_states: int, reduce: bool, record: bool) -> CheckResult:
   start = time.perf_counter()
   st = _Static(prog)
   if st.violations:
@@ -1402,10 +1435,12 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = T
     parent[init] = None
     roots[init] = raw[0][0]
   stack = list(inits)
+  successors, normalise, keep, push = (search.successors, search.normalise,
+                                       parent.setdefault, stack.append)
   while stack:
     state = stack.pop()
     try:
-      violation, succ = search.successors(state)
+      violation, succ = successors(state)
     except CoverageError as f:
       return fail(Violation("coverage", str(f)), state)
     if violation is not None:
@@ -1413,18 +1448,18 @@ def check(prog: LaunchProgram, *, max_states: int = MAX_STATES, reduce: bool = T
     before = state[0][0]
     for nxt, step, family, moved in succ:
       try:
-        norm = search.normalise(nxt, state, family, moved)
+        norm = normalise(nxt, state, family, moved)
       except _Fail as f:
         return fail(Violation(f.kind, f.message), state)
       if record and step[0] >= 0 and step[1] is not None:
         taken.add((step[0], step[1]))
       word = nxt[0][0]
       size = len(parent)
-      parent.setdefault(norm, (state, step, "" if word is before else word[len(before):]))
+      keep(norm, (state, step, "" if word is before else word[len(before):]))
       if len(parent) != size:
         if size >= max_states:
           raise RuntimeError(f"{prog.name}: state budget {max_states} exceeded")
-        stack.append(norm)
+        push(norm)
   result = CheckResult(True, len(parent), time.perf_counter() - start)
   if record:
     result.unexecuted = sorted({(st.names[ri], e) for ri, us in enumerate(st.units_of)

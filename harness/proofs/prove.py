@@ -6,7 +6,7 @@ The configs are those :func:`kernel.heuristics.get_heuristics_config` and
 :func:`kernel.heuristics.get_autotuning_configs` emit over
 :func:`problem_grid` (head dims, dtypes, staged bias/mask, causal, residuals,
 sequence lengths), reduced to the forward protocols they differ in
-(:func:`harness.proofs.prove_extracted.forward_cases`); the backward's are every
+(:func:`harness.proofs.cases.forward_cases`); the backward's are every
 launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
 programs are learned from probe environments and proved for every number
 of tiles and key blocks (:mod:`harness.proofs.prove_extracted`,
@@ -35,7 +35,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from harness.proofs import prove_extracted as pe
+from harness.proofs import cases
 from kernel import plan as plan_lib
 
 HEAD_DIMS = (64, 128, 256)
@@ -60,8 +60,8 @@ def work_items(*, first: str | None = None) -> list:
   costliest first (the workers finish together), or with ``first``
   ("forward" / "backward") the smallest cases of that kind first (a
   mutant's failure shows early)."""
-  forward = [("forward", c, n) for c, n in pe.forward_cases(problem_grid())]
-  backward = [("backward", c, 0) for c in pe.backward_cases()]
+  forward = [("forward", c, n) for c, n in cases.forward_cases(problem_grid())]
+  backward = [("backward", c, 0) for c in cases.backward_cases()]
   if first is None:
     cost = lambda item: (-(item[1].persistent * 10 + item[1].num_stages) if item[0] == "forward"
                          else -5)
@@ -73,6 +73,44 @@ def work_items(*, first: str | None = None) -> list:
                                                       item[1].bias, not item[1].fuse_dq))
   ordered = {"forward": sorted(forward, key=small), "backward": sorted(backward, key=small)}
   return ordered[first] + ordered["backward" if first == "forward" else "forward"]
+
+
+def _listed_aside(first):
+  """``work_items(first=first)`` computed in a process forked before JAX is
+  imported, so that the listing (the heuristics over the whole grid, about
+  a second) runs beside this process's import of JAX and the kernels: a
+  callable that waits for it.  Where a fork is not known to be safe (JAX
+  already imported, another thread, no fork), the callable lists here."""
+  import os
+  import pickle
+  import sys
+  import threading
+  if "jax" in sys.modules or threading.active_count() != 1 or not hasattr(os, "fork"):
+    return lambda: work_items(first=first)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:  # the lister: list, hand it over, leave without cleaning up
+    status = 1
+    try:
+      os.close(read)
+      with os.fdopen(write, "wb") as f:
+        f.write(pickle.dumps(work_items(first=first), protocol=pickle.HIGHEST_PROTOCOL))
+      status = 0
+    finally:
+      os._exit(status)
+  os.close(write)
+
+  def wait():
+    with os.fdopen(read, "rb") as f:
+      data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+      return work_items(first=first)  # the lister failed: list here (its error shows)
+    return pickle.loads(data)
+
+  return wait
 
 
 def format_results(results) -> str:
@@ -121,10 +159,12 @@ def main(argv=None) -> int:
     from harness.proofs import prove_cache
     cache = prove_cache.Cache()
   listed: list = []
+  hit = cache.get("listed", repr(first)) if cache is not None else None
+  pending = _listed_aside(first) if hit is None else None
+  from harness.proofs import prove_extracted as pe  # JAX and the kernels, meanwhile
 
   def listing():
-    hit = cache.get("listed", repr(first)) if cache is not None else None
-    listed[:] = hit if hit is not None else work_items(first=first)
+    listed[:] = hit if hit is not None else pending()
     if cache is not None and hit is None:
       cache.put("listed", repr(first), listed)
     return listed
@@ -134,8 +174,9 @@ def main(argv=None) -> int:
                        cache=cache)
   else:
     # The backward's cases need no heuristics: the workers start on them
-    # while the forward's are listed.
-    early = [("backward", c) for c in pe.backward_cases()][:3 * args.jobs]
+    # while the forward's are listed (all of them: the listing takes about
+    # as long as the workers take for the first six).
+    early = [("backward", c) for c in cases.backward_cases()]
     with pe.workers(args.jobs, fork=True) as pool:
       results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool, cache=cache,
                          early=early)

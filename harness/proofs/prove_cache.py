@@ -33,7 +33,8 @@ DEFAULT_DIR = REPO / ".cache" / "prove"
 ENV = "HARNESS_PROVE_CACHE"
 # What the learned programs are made from (paths relative to the repository).
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
-                 "harness/proofs/prove_extracted.py", "harness/proofs/prove.py",
+                 "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
+                 "harness/proofs/prove.py",
                  "harness/proofs/protocol_mutants.py", "harness/proofs/prove_cache.py")
 # What a check's verdict is made from.
 CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",

@@ -1,10 +1,11 @@
 """The barrier and ring protocol read out of the traced kernels, proved.
 
 For each distinct forward protocol the heuristics and the autotuner emit
-(:func:`forward_cases`: stages, persistent, schedule, staged bias/mask,
-causal, the output staged in the query slot; block sizes and head dims do
-not change the sequence of synchronisation events) and for every launch
-kind of ``kernel/backward.py`` (:func:`backward_cases`), this traces the
+(:func:`harness.proofs.cases.forward_cases`: stages, persistent, schedule,
+staged bias/mask, causal, the output staged in the query slot; block sizes
+and head dims do not change the sequence of synchronisation events) and for
+every launch kind of ``kernel/backward.py``
+(:func:`harness.proofs.cases.backward_cases`), this traces the
 kernel on the CPU, reads every role's events out of the jaxpr
 (:mod:`harness.proofs.extract`) under *probe* environments, learns each role's
 program from them (:mod:`harness.proofs.role_programs`, which states the premise
@@ -36,6 +37,7 @@ violation, is the failure shown).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 import numpy as np
@@ -43,75 +45,11 @@ import numpy as np
 from harness.proofs import extract as ex
 from harness.proofs import extracted_proof as xp
 from harness.proofs import role_programs as rp
+from harness.proofs.cases import (BACKWARD_HEAD_DIMS, BackwardCase, ForwardCase,  # noqa: F401
+                                  backward_cases, forward_cases)
 
 PROBE_SMS = 16        # blocks of the traced persistent grid
 PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardCase:
-  """What the forward's synchronisation depends on, and one emitted config."""
-
-  num_stages: int
-  persistent: bool
-  schedule: str
-  bias: bool      # staged 2-D bias (through the ring)
-  mask: bool      # staged 2-D mask
-  causal: bool
-  block_q: int = 64
-  block_kv: int = 128
-  config_stages: int = 0   # Config.num_stages; more than num_stages when the keys are fewer
-  # Persistent blocks that stage each warpgroup's output in its query slot
-  # (plan.overlays_query_with_output: separate buffers would not fit), traced
-  # at the problem's head dim and residuals, which decide that layout.
-  overlay_q: bool = False
-  overlay_head_dim: int = 64
-  overlay_residuals: bool = False
-
-  def key(self):
-    return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
-            self.overlay_q, self.residuals)
-
-  @property
-  def head_dim(self) -> int:
-    return self.overlay_head_dim if self.overlay_q else 64
-
-  @property
-  def residuals(self) -> bool:
-    return self.overlay_q and self.overlay_residuals
-
-  def describe(self) -> str:
-    parts = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
-             self.schedule]
-    parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
-                              ("causal", self.causal),
-                              ("output in the query slot", self.overlay_q),
-                              ("with residuals", self.residuals)) if on]
-    return " ".join(parts)
-
-
-def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
-  """Every distinct forward protocol of the configs the heuristics and the
-  autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
-  how many (problem, config) pairs it covers."""
-  from kernel import heuristics, plan as plan_lib
-  found: dict = {}
-  for p in problems:
-    configs = []
-    try:
-      configs.append(heuristics.get_heuristics_config(p))
-    except ValueError:
-      pass
-    configs += list(heuristics.get_autotuning_configs(p))
-    for c in configs:
-      stages = plan_lib.pipeline_plan(p, c).num_stages
-      overlay = plan_lib.scratch_layout(p, c).overlay_q_with_output
-      case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
-                         c.block_q, c.block_kv, c.num_stages, overlay,
-                         p.head_dim if overlay else 64, overlay and p.return_residuals)
-      prev = found.get(case.key())
-      found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
-  return [found[k] for k in sorted(found)]
 
 
 def _const_values(closed, kernel_eqn) -> dict:
@@ -431,27 +369,6 @@ def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
 
 # -- backward -------------------------------------------------------------------
 
-BACKWARD_HEAD_DIMS = (64, 128, 256)  # two stages, one dK/dV launch (fused dQ where it fits); one stage, dK and dV apart
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardCase:
-  head_dim: int
-  causal: bool
-  bias: bool
-  fuse_dq: bool
-
-  def describe(self) -> str:
-    return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
-            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}")
-
-
-def backward_cases() -> list[BackwardCase]:
-  """Every launch kind kernel/backward.py makes."""
-  return [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
-          for b in (False, True) for f in (True, False)]
-
-
 def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
                    module=None):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
@@ -638,6 +555,11 @@ def _modules(mutant):
 def _programs_of(item):
   """((kind, case), mutant) -> ([(name, LaunchProgram)], premise failure or None, seconds)."""
   (kind, case), mutant = item
+  with xp.collector_paused():
+    return _learn(kind, case, mutant)
+
+
+def _learn(kind, case, mutant):
   forward, backward = _modules(mutant)
   start = time.perf_counter()
   try:
@@ -754,6 +676,10 @@ def workers(jobs: int, *, fork: bool = False):
             and threading.active_count() == 1 and not started)
   sys.stdout.flush()
   sys.stderr.flush()
+  if fork:
+    # What a forked worker inherits (JAX and the kernels) stays put: frozen,
+    # the collector's passes skip it (and leave its pages shared).
+    gc.freeze()
   pool = concurrent.futures.ProcessPoolExecutor(
       max_workers=jobs, mp_context=multiprocessing.get_context("fork" if fork else "spawn"))
   for _ in range(jobs):
@@ -763,6 +689,7 @@ def workers(jobs: int, *, fork: bool = False):
 
 def _warm_up():
   from kernel import backward, forward  # noqa: F401  (jax and the kernels)
+  gc.freeze()
   return 0
 
 

@@ -400,24 +400,29 @@ class Learner:
       return Table(features, tuple(sorted(((tuple(c[f] for f in features), evs)
                                            for c, evs in seen), key=repr)))
     others = OTHER_FEATURES[kind]
+    # Events compared by a number per distinct sequence (equal numbers,
+    # equal events), not event by event for every candidate feature set.
+    ids: dict = {}
+    seen = [(ctx, events, ids.setdefault(events, len(ids))) for ctx, events in seen]
     best = None
     for pos in POSITION:
       for size in range(len(others) + 1):
         for sub in itertools.combinations(others, size):
           features = pos + sub
           units, ok = {}, True
-          for ctx, events in seen:
+          for ctx, events, eid in seen:
             k = tuple(ctx[f] for f in features)
-            if units.setdefault(k, events) != events:
+            if units.setdefault(k, (eid, events))[0] != eid:
               ok = False
               break
           if ok:
             rank = (len(units), len(features))
             if best is None or rank < best[0]:
-              best = (rank, Table(features, tuple(sorted(units.items(), key=repr))))
+              best = (rank, features, units)
     if best is None:
       raise AssertionError("the full feature set was checked in _one")
-    return best[1]
+    _, features, units = best
+    return Table(features, tuple(sorted(((k, evs) for k, (_, evs) in units.items()), key=repr)))
 
   def reachable(self, kind: str, delta):
     """Every context (cls and the other features) a unit of this kind can

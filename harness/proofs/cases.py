@@ -1,0 +1,102 @@
+"""The cases ``python -m harness prove`` proves: every distinct forward
+protocol the heuristics and the autotuner emit (:func:`forward_cases`) and
+every launch kind of ``kernel/backward.py`` (:func:`backward_cases`).
+
+Listing them needs the kernel's heuristics and plans only, not JAX: the
+command lists them while it imports JAX for the tracing
+(:mod:`harness.proofs.prove`); :mod:`harness.proofs.prove_extracted` traces
+and learns each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCase:
+  """What the forward's synchronisation depends on, and one emitted config."""
+
+  num_stages: int
+  persistent: bool
+  schedule: str
+  bias: bool      # staged 2-D bias (through the ring)
+  mask: bool      # staged 2-D mask
+  causal: bool
+  block_q: int = 64
+  block_kv: int = 128
+  config_stages: int = 0   # Config.num_stages; more than num_stages when the keys are fewer
+  # Persistent blocks that stage each warpgroup's output in its query slot
+  # (plan.overlays_query_with_output: separate buffers would not fit), traced
+  # at the problem's head dim and residuals, which decide that layout.
+  overlay_q: bool = False
+  overlay_head_dim: int = 64
+  overlay_residuals: bool = False
+
+  def key(self):
+    return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
+            self.overlay_q, self.residuals)
+
+  @property
+  def head_dim(self) -> int:
+    return self.overlay_head_dim if self.overlay_q else 64
+
+  @property
+  def residuals(self) -> bool:
+    return self.overlay_q and self.overlay_residuals
+
+  def describe(self) -> str:
+    parts = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
+             self.schedule]
+    parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
+                              ("causal", self.causal),
+                              ("output in the query slot", self.overlay_q),
+                              ("with residuals", self.residuals)) if on]
+    return " ".join(parts)
+
+
+def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
+  """Every distinct forward protocol of the configs the heuristics and the
+  autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
+  how many (problem, config) pairs it covers."""
+  from kernel import heuristics, plan as plan_lib
+  found: dict = {}
+  for p in problems:
+    configs = []
+    try:
+      configs.append(heuristics.get_heuristics_config(p))
+    except ValueError:
+      pass
+    configs += list(heuristics.get_autotuning_configs(p))
+    for c in configs:
+      stages = plan_lib.pipeline_plan(p, c).num_stages
+      overlay = plan_lib.scratch_layout(p, c).overlay_q_with_output
+      case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
+                         c.block_q, c.block_kv, c.num_stages, overlay,
+                         p.head_dim if overlay else 64, overlay and p.return_residuals)
+      prev = found.get(case.key())
+      found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
+  return [found[k] for k in sorted(found)]
+
+
+# -- backward -------------------------------------------------------------------
+
+BACKWARD_HEAD_DIMS = (64, 128, 256)  # two stages, one dK/dV launch (fused dQ where it fits); one stage, dK and dV apart
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+  head_dim: int
+  causal: bool
+  bias: bool
+  fuse_dq: bool
+
+  def describe(self) -> str:
+    return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
+            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}")
+
+
+def backward_cases() -> list[BackwardCase]:
+  """Every launch kind kernel/backward.py makes."""
+  return [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
+          for b in (False, True) for f in (True, False)]

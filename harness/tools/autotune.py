@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.tools.bench import BenchShape
 from kernel import autotune, heuristics, plan
 from kernel.config import Config
 
@@ -104,15 +105,10 @@ def timed_candidates(entry: dict) -> frozenset[Config] | None:
 # --- what is tuned -----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-  """One representative shape to tune: (B, T, N, H) with T = S, head_dim_out =
-  head_dim, self-attention with no bias, mask or key ranges."""
-  batch: int
-  seq: int
-  heads: int
-  head_dim: int
-  causal: bool
-  dtype: str = "bfloat16"
+class Job(BenchShape):
+  """One representative shape to tune (a benchmark shape: (B, T, N, H) with
+  T = S, head_dim_out = head_dim, self-attention with no bias, mask or key
+  ranges)."""
 
   def problem(self) -> plan.Problem:
     shape = (self.batch, self.seq, self.heads, self.head_dim)

@@ -317,16 +317,32 @@ def meets_diagonal(key_base, num_keys, query_base):
   return key_base + num_keys - 1 > query_base
 
 
-def _masked_terms(terms, keep_of, *, causal, on_diagonal):
-  """``terms(keep_of(causal))``, with the causal mask only where
-  ``on_diagonal()`` (a traced bool: some key of the tile lies above its first
-  query), by a branch: every other step of a causal backward is wholly below
-  the diagonal and skips the mask's index arithmetic and selects.  Forward +
-  backward at the headline shape, causal: 396.2 against 318.1 TFLOP/s with
-  the mask on every step, in one process on the H200 (2026-11-30)."""
+def _masked_terms(terms, keep_of, *, causal, on_diagonal, interior=None):
+  """``terms(keep)`` for the step's kept pairs, by a branch on what the step
+  can drop.  ``keep_of(causal, edges)``: the keep array with the causal mask
+  where ``causal`` and the edge terms (key ranges, padded keys) where
+  ``edges``.  ``on_diagonal()`` (a traced bool): some key of the tile lies
+  above its first query; ``interior()`` (None without edge terms): every
+  pair of the step is kept by the edge terms.
+
+  Without edge terms, only the steps on the diagonal pay for the causal
+  mask: every other step of a causal backward is wholly below it and skips
+  the mask's index arithmetic and selects.  Forward + backward at the
+  headline shape, causal: 396.2 against 318.1 TFLOP/s with the mask on every
+  step, in one process on the H200 (2026-11-30).  With edge terms, the steps
+  that are interior and off the diagonal skip both, every other step pays
+  for both (a key range's edge usually meets the diagonal anyway).
+  """
+  if interior is None:
+    if causal:
+      return lax.cond(on_diagonal(), lambda: terms(keep_of(True, False)),
+                      lambda: terms(keep_of(False, False)))
+    return terms(keep_of(False, False))
+  edge = ~interior()
   if causal:
-    return lax.cond(on_diagonal(), lambda: terms(keep_of(True)), lambda: terms(keep_of(False)))
-  return terms(keep_of(False))
+    edge = edge | on_diagonal()
+  return lax.cond(edge, lambda: terms(keep_of(causal, True)),
+                  lambda: terms(keep_of(False, False)))
 
 
 def _product(shape, a, b):
@@ -338,7 +354,8 @@ def _product(shape, a, b):
 
 
 def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
-                 terms, key_dim, key_base, num_keys, query_base, lse2_of, delta_of):
+                 terms, key_dim, key_base, num_keys, query_base, lse2_of, delta_of,
+                 edge_terms=(), interior=None):
   """The step both kernels share, on tiles transposed to each other: S (and,
   for dS, dP) from shared memory, the logits, the kept (key, query) pairs,
   P = exp2(S log2 e - lse) and dS = P (dP - delta), zero where not kept.
@@ -349,7 +366,9 @@ def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, 
   keep conditions besides causal (:func:`_pair_keep`); ``key_dim``: the
   tile's dimension along keys, the per-query rows ``lse2_of()`` and
   ``delta_of()`` broadcast along the other (read where the arithmetic first
-  needs them).  Returns (P, dS), dS None without ``want_ds``.
+  needs them); ``edge_terms``: keep conditions that only the steps not
+  ``interior()`` (a traced bool; None: every step) apply
+  (:func:`_masked_terms`).  Returns (P, dS), dS None without ``want_ds``.
   """
   query_dim = 1 - key_dim
   zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
@@ -363,8 +382,11 @@ def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, 
   else:
     s, dp = _product(shape, *s_ops), None
   s, dsdu = _scaled_logits(s, f, bias_of())
-  keep_of = lambda causal: _pair_keep(shape, key_base, query_base, key_dim, causal=causal,
-                                      terms=terms)
+  if not edge_terms:
+    interior = None
+  keep_of = lambda causal, edges: _pair_keep(
+      shape, key_base, query_base, key_dim, causal=causal,
+      terms=[*terms, *edge_terms] if edges else terms)
 
   def step_terms(keep, dp):
     """P and (for dS) dS of the step, zero where not kept."""
@@ -379,10 +401,11 @@ def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, 
       ds = _masked_to_zero(ds, keep)
     return p, ds
 
-  if f.is_causal and want_ds and dp is None:
+  if (f.is_causal or interior is not None) and want_ds and dp is None:
     dp = _product(shape, *dp_ops)  # outside the branch: both sides read it
   return _masked_terms(lambda keep: step_terms(keep, dp), keep_of, causal=f.is_causal,
-                       on_diagonal=lambda: meets_diagonal(key_base, num_keys, query_base))
+                       on_diagonal=lambda: meets_diagonal(key_base, num_keys, query_base),
+                       interior=interior)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -407,6 +430,8 @@ class _Launch(common.OperandRefs):
   dq_ref: Any = None
   qlo_ref: Any = None       # dK/dV: per key tile, the query blocks that see it
   qhi_ref: Any = None
+  inner_lo: Any = None      # dK/dV: the tile's query blocks [inner_lo, inner_hi) wholly
+  inner_hi: Any = None      # inside every row's key range (None: no table)
   ds_st: Any = None
 
 
@@ -442,14 +467,16 @@ class DkvKernel(_Launch):
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
              blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
-             query_blocks=None):
+             query_blocks=None, inner_blocks=None):
   """dK and/or dV (``outputs``) on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
   (B, N, 2, Tp) f32 = [lse2, delta]; bias_t / mask_t: bias and mask with T and
   S swapped (dims 1 or full); k_start / k_end (B|1, N|1, Tp|1) int32;
   ``query_blocks``: None or (lo, hi), each (B|1, K|1, key tiles) int32, the
-  query blocks each key tile streams (kernel.padding.query_block_ranges).
+  query blocks each key tile streams (kernel.padding.query_block_ranges);
+  ``inner_blocks``: None or (B|1, K|1, 2, key tiles) int32, the run of them
+  wholly inside every row's range (kernel.padding.query_block_inner_bounds).
 
   ``dq_accum``: a zeroed (B, Tp, N, D) f32 ``jax.new_ref``; when given
   (outputs dK and dV together), the kernel also adds each key tile's part of
@@ -488,12 +515,12 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
-    *(query_blocks if query_blocks is not None else (None, None)), dq_accum)
+    *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_accum)
   return dict(zip(outputs, results))
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
-                ks_ref, ke_ref, qlo_ref, qhi_ref, dq_ref, *out_refs_and_scratch):
+                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, *out_refs_and_scratch):
   """The dK/dV kernel's entry: its rings over the scratch, the key tile of
   this grid point and the query blocks it visits, each warpgroup's role."""
   n_out = len(c.outputs)
@@ -521,12 +548,17 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
     lo = lax.max(lo, qlo_ref[(*batch_head(qlo_ref, b, hk), j)])
     hi = lax.min(hi, qhi_ref[(*batch_head(qhi_ref, b, hk), j)])
   lo = lax.min(lo, jnp.int32(c.nq))
+  inner_lo = inner_hi = None
+  if inner_ref is not None:
+    bh = batch_head(inner_ref, b, hk)
+    inner_lo, inner_hi = inner_ref[(*bh, 0, j)], inner_ref[(*bh, 1, j)]
   per_head = lax.max(hi - lo, jnp.int32(0))
   c = dataclasses.replace(
       c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head, steps=per_head * c.group,
       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      qlo_ref=qlo_ref, qhi_ref=qhi_ref, out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
+      qlo_ref=qlo_ref, qhi_ref=qhi_ref, inner_lo=inner_lo, inner_hi=inner_hi,
+      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
       stream=stream)
   pl.when(wg < CW)(functools.partial(_dkv_compute, c))
   pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
@@ -607,15 +639,26 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     v = load_broadcast(ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), COL)
     return lax.broadcast_in_dim(v, c.shape_t, [1])
 
-  terms = []
+  # With key ranges, only the steps outside the tile's run of query blocks
+  # wholly inside every row's range (c.inner_lo, c.inner_hi; the table
+  # leaves out tiles with padded keys) apply the range and padded-key terms
+  # (_masked_terms).  Without ranges the padded-key term stays on every
+  # step: a branch on the tile holding padded keys instead ran slower, 3.05
+  # against 2.95 ms forward + backward at B5 T=S=3000 N16 D128 on the H200
+  # (2026-12-02).
+  edge_terms, terms = [], []
   if c.ks_ref is not None:
-    terms.append(lambda key: key >= per_query(c.ks_ref))
+    edge_terms.append(lambda key: key >= per_query(c.ks_ref))
   if c.ke_ref is not None:
-    terms.append(lambda key: key < per_query(c.ke_ref))
+    edge_terms.append(lambda key: key < per_query(c.ke_ref))
   if c.mask_ref is not None:
     terms.append(lambda key: load_broadcast(c.mask_ref, tile, c.shape_t, WGMMA) != 0)
   if c.fused and (c.f.seq_kv % c.bkv or c.s_pad != c.f.seq_kv):
-    terms.append(lambda key: key < c.f.seq_kv)  # padded keys add nothing to dQ
+    # padded keys add nothing to dQ
+    (edge_terms if edge_terms else terms).append(lambda key: key < c.f.seq_kv)
+  inside = None
+  if edge_terms:
+    inside = lambda: (c.inner_lo <= i) & (i < c.inner_hi)
   p, ds = _step_scores(
       c.f, c.shape_t, s_ops=(c.stationary.slot(wg, "k"), q_slot),
       dp_ops=(c.stationary.slot(wg, "v"), do_slot) if c.want_dk else None,
@@ -623,6 +666,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(
           c.bias_ref, tile, c.shape_t, WGMMA),
       terms=terms, key_dim=0, key_base=kv_base, num_keys=c.bkv, query_base=q_base,
+      edge_terms=edge_terms, interior=inside,
       lse2_of=lambda: plgpu.load(stream.slot(st, "rows", 0), layout=COL, optimized=False),
       delta_of=lambda: plgpu.load(stream.slot(st, "rows", 1), layout=COL, optimized=False))
   if c.fused:
@@ -736,6 +780,8 @@ class DqKernel(_Launch):
   h: Any = None
   lb: Any = None            # the tile's key blocks [lb, ub)
   ub: Any = None
+  k_start_max: Any = None   # the tile's key-range bounds (None: no ranges)
+  k_end_min: Any = None
   ds_ref: Any = None
   stationary: ring_lib.WarpgroupSlots | None = None   # q, dO, rows per compute warpgroup
   stream: ring_lib.Ring | None = None                  # k, v per key block
@@ -795,15 +841,17 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
   qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
   hk = lax.div(h, jnp.int32(c.group))
   f = c.f
+  start_max = end_min = None
   if tiles_ref is None:
     lb, ub = kv_block_range(qi, block_q=c.bq, block_kv=c.bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
                             is_causal=f.is_causal)
   else:
-    start_min, _, _, end_max = tile_key_bounds(tiles_ref, b, h, qi)
+    start_min, start_max, end_min, end_max = tile_key_bounds(tiles_ref, b, h, qi)
     lb, ub = kv_block_range(qi, block_q=c.bq, block_kv=c.bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
                             is_causal=f.is_causal, k_start_min=start_min, k_end_max=end_max)
   c = dataclasses.replace(
-      c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
+      c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, k_start_max=start_max,
+      k_end_min=end_min, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
       do_ref=do_ref, rows_ref=rows_ref, bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref,
       ke_ref=ke_ref, dq_ref=dq_ref, ds_ref=ds_ref, ds_st=ds_st, stationary=stationary,
       stream=stream)
@@ -863,13 +911,23 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   stream.consumer_wait(st, "v")
   k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
   tile = (b, h, rows, pl.ds(k_base, c.bkv))
-  terms = []
-  if f.seq_kv % c.bkv or c.s_pad != f.seq_kv:
-    terms.append(lambda key: key < f.seq_kv)  # padded keys
+  # With key ranges, only the key blocks that hold a padded key or cross a
+  # row's range bound (from the tile's largest start to its smallest end)
+  # apply the range and padded-key terms (_masked_terms); without ranges the
+  # padded-key term stays on every step, as in the dK/dV kernel.
+  edge_terms, terms = [], []
   if ks is not None:
-    terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
+    edge_terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
   if ke is not None:
-    terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
+    edge_terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
+  padded_keys = bool(f.seq_kv % c.bkv or c.s_pad != f.seq_kv)
+  if padded_keys:
+    (edge_terms if edge_terms else terms).append(lambda key: key < f.seq_kv)
+
+  def interior():
+    inside = (c.k_start_max <= k_base) & (k_base + c.bkv <= c.k_end_min)
+    return inside & (k_base + c.bkv <= f.seq_kv) if padded_keys else inside
+
   if c.mask_ref is not None:
     terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
   _, ds = _step_scores(
@@ -879,7 +937,8 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
                                                                      WGMMA),
       terms=terms, key_dim=1, key_base=k_base, num_keys=c.bkv, query_base=q_base,
-      lse2_of=lambda: lse2, delta_of=lambda: delta)
+      lse2_of=lambda: lse2, delta_of=lambda: delta, edge_terms=edge_terms,
+      interior=interior)
 
   def dsk(acc):
     plgpu.wgmma(acc, ds.astype(c.dtype), k_slot)
@@ -955,9 +1014,11 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
                                      num_tiles=t_pad // tile)
 
-  query_blocks = padding.query_block_ranges(
-      ks, ke, seq_kv=s, num_rows=t_pad, block_q=blocks.dkv_stream_q, key_tile=blocks.dkv_tile,
-      num_key_tiles=s_pad // blocks.dkv_tile, group=heads // key.shape[2])
+  block_args = dict(seq_kv=s, num_rows=t_pad, block_q=blocks.dkv_stream_q,
+                    key_tile=blocks.dkv_tile, num_key_tiles=s_pad // blocks.dkv_tile,
+                    group=heads // key.shape[2])
+  query_blocks = padding.query_block_ranges(ks, ke, **block_args)
+  inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
   dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
@@ -965,7 +1026,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
     dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
                         blocks=blocks, outputs=outputs, dq_accum=dq_accum,
-                        query_blocks=query_blocks))
+                        query_blocks=query_blocks, inner_blocks=inner_blocks))
   if fused:
     dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
   else:

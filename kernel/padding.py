@@ -100,3 +100,48 @@ def query_block_ranges(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: i
   lo = jnp.min(jnp.where(seen, block, nq), axis=-2)
   hi = jnp.max(jnp.where(seen, block + 1, 0), axis=-2)
   return jnp.where(hi > 0, lo, 0).astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def query_block_inner_bounds(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int,
+                             key_tile: int, num_key_tiles: int, group: int):
+  """Per key tile of ``key_tile`` keys, a run ``[lo, hi)`` of query blocks
+  (``block_q`` rows) wholly inside: every row of each block, for every query
+  head of the kv head's ``group``, has every key of the tile in its range,
+  and the tile holds no key at or past ``seq_kv``.  (B|1, K|1, 2,
+  num_key_tiles) int32, [lo, hi) along axis 2 ((0, 0) where no block is
+  inside).
+
+  The dK/dV kernel's steps over those blocks skip the range terms (their
+  index arithmetic and selects): every pair of such a step is kept by them.
+  The run is the first one from the lowest inside block, so any layout of
+  ranges is served (a block inside but outside the run only takes the
+  masked path); a local window or packed documents give one run per tile.
+  Arguments as :func:`query_block_ranges`.
+  """
+  if k_start is None and k_end is None:
+    return None
+  rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
+  ks, ke = rows(0 if k_start is None else k_start), rows(seq_kv if k_end is None else k_end)
+  if num_rows % block_q or any(x.shape[2] not in (1, num_rows) for x in (ks, ke)):
+    raise ValueError(f"query_block_inner_bounds: ranges over {ks.shape[2]} and "
+                     f"{ke.shape[2]} rows for {num_rows} rows in whole {block_q}-row blocks")
+  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (num_rows,)
+  nq = num_rows // block_q
+
+  def per_block(x, reduce):
+    x = jnp.broadcast_to(x, shape)
+    return reduce(x.reshape(*shape[:2], nq, block_q), axis=-1)
+
+  start_max, end_min = per_block(ks, jnp.max), per_block(ke, jnp.min)   # (B|1, N|1, nq)
+  tile_lo = jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile        # (tiles,)
+  tile_hi = tile_lo + key_tile
+  inside = ((start_max[..., None] <= tile_lo) & (end_min[..., None] >= tile_hi)
+            & (tile_hi <= seq_kv))                                       # (.., nq, tiles)
+  if shape[1] != 1:   # inside for every query head of each kv head's group
+    inside = inside.reshape(shape[0], shape[1] // group, group, nq, num_key_tiles).all(axis=2)
+  block = jnp.arange(nq, dtype=jnp.int32)[:, None]
+  lo = jnp.min(jnp.where(inside, block, nq), axis=-2)                   # (.., tiles)
+  hi = jnp.min(jnp.where(~inside & (block >= lo[..., None, :]), block, nq), axis=-2)
+  found = lo < nq
+  lo, hi = jnp.where(found, lo, 0), jnp.where(found, hi, 0)
+  return jnp.stack([lo, hi], axis=-2).astype(jnp.int32)

@@ -64,6 +64,22 @@ def test_choose_falls_back_to_the_heuristic():
   assert autotune.choose(PROBLEM, "a GPU nobody tuned") == heuristics.get_heuristics_config(PROBLEM)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_ranges_without_a_cache_entry_run_the_heuristic_longest_first_on_one_tile(causal):
+  """Uncached calls with key ranges: the heuristic's config, its schedule
+  longest-first where the heuristic runs one tile per block (causal); a
+  persistent heuristic config is kept as it is."""
+  problem = dataclasses.replace(PROBLEM, is_causal=causal)
+  heuristic = heuristics.get_heuristics_config(problem)
+  got = autotune.choose(problem, "a GPU nobody tuned", has_key_ranges=True)
+  assert heuristic.persistent != causal
+  if causal:
+    assert got == dataclasses.replace(heuristic, schedule="longest-first")
+  else:
+    assert got == heuristic
+  assert autotune.choose(problem, None, has_key_ranges=False) == heuristic
+
+
 def test_the_shipped_cache_is_well_formed():
   """The cache produced on the H200 ships with the package; every entry is a
   legal config and the fastest of the timings recorded with it (python -m

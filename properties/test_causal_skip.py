@@ -97,3 +97,60 @@ def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group
         assert lo[0, hk, tile] <= blocks.min() and blocks.max() < hi[0, hk, tile]
         if layout != "random":  # a block's rows then see one interval: the band is tight
           assert (lo[0, hk, tile], hi[0, hk, tile]) == (blocks.min(), blocks.max() + 1)
+
+
+@given(data=st.data(), layout=st.sampled_from(["random", "window", "documents", "one range"]),
+       group=st.sampled_from([1, 2]), per_head=st.booleans())
+def test_a_step_judged_inside_every_range_drops_nothing(data, layout, group, per_head):
+  """kernel.padding.query_block_inner_bounds: the dK/dV kernel's steps over
+  a key tile's inner run of query blocks skip the range and padded-key
+  terms, so every (row, key) pair of such a step, for every query head of
+  the group, must be admitted by its row's range and be a real key.  For a
+  window or packed documents the run is every block that is inside (the
+  saving is not left on the table)."""
+  from kernel import padding
+  block_q, key_tile = 64, 128
+  nq = data.draw(st.integers(1, 6), label="query blocks")
+  tiles = data.draw(st.integers(1, 4), label="key tiles")
+  t, s = nq * block_q, tiles * key_tile - data.draw(st.integers(0, key_tile - 1), label="cut")
+  heads = 2 * group if per_head else 1
+  rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16), label="seed"))
+  i = np.arange(t)
+  if layout == "random":
+    ks = rng.integers(-5, s + 5, (1, heads, t))
+    ke = ks + rng.integers(-3, s + 200, (1, heads, t))
+  elif layout == "one range":
+    ks = rng.integers(-5, 2 * key_tile, (1, heads, 1))
+    ke = ks + rng.integers(-3, s + 200, (1, heads, 1))
+  elif layout == "window":
+    left = int(rng.integers(0, s + 200))
+    ks, ke = np.broadcast_to(i - left, (1, heads, t)), np.broadcast_to(i + 1, (1, heads, t))
+  else:
+    cuts = np.sort(rng.choice(np.arange(1, t), size=min(2, t - 1), replace=False)) * 4
+    cuts = cuts[cuts < t] if t > 1 else cuts
+    doc = np.searchsorted(cuts, i, side="right")
+    starts = np.concatenate([[0], cuts])[doc]
+    ends = np.concatenate([cuts, [t]])[doc]
+    ks, ke = (np.broadcast_to(x, (1, heads, t)) for x in (starts, ends))
+  inner = np.asarray(padding.query_block_inner_bounds(
+      jnp.asarray(ks, jnp.int32), jnp.asarray(ke, jnp.int32), seq_kv=s, num_rows=t,
+      block_q=block_q, key_tile=key_tile, num_key_tiles=tiles, group=group))
+  kv_heads = heads // group if per_head else 1
+  assert inner.shape == (1, kv_heads, 2, tiles)
+  # inside[hk, tile, block]: every pair of the step is admitted, for every head.
+  inside = np.ones((kv_heads, tiles, nq), bool)
+  for h in range(heads):
+    row = i if ks.shape[2] > 1 else np.zeros_like(i)
+    start, end = ks[0, h, row], ke[0, h, row]
+    for tile in range(tiles):
+      keys = tile * key_tile + np.arange(key_tile)
+      ok = (keys[None] >= start[:, None]) & (keys[None] < end[:, None]) & (keys[None] < s)
+      per_block = ok.reshape(nq, block_q * key_tile).all(axis=1)
+      inside[h // group if per_head else 0, tile] &= per_block
+  for hk in range(kv_heads):
+    for tile in range(tiles):
+      lo, hi = inner[0, hk, :, tile]
+      assert 0 <= lo <= hi <= nq
+      assert inside[hk, tile, lo:hi].all(), (hk, tile, lo, hi)   # sound
+      if layout != "random":   # one run of inside blocks: all of it
+        assert hi - lo == inside[hk, tile].sum(), (hk, tile, lo, hi, inside[hk, tile])

@@ -58,13 +58,16 @@ class ForwardCase:
 def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
   """Every distinct forward protocol of the configs the heuristics and the
   autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
-  how many (problem, config) pairs it covers."""
-  from kernel import heuristics, plan as plan_lib
+  how many (problem, config) pairs it covers: the heuristic's, the one
+  ``config=None`` takes with key ranges (kernel.autotune.choose), and every
+  autotuning candidate."""
+  from kernel import autotune, heuristics, plan as plan_lib
   found: dict = {}
   for p in problems:
     configs = []
     try:
       configs.append(heuristics.get_heuristics_config(p))
+      configs.append(autotune.choose(p, None, has_key_ranges=True))
     except ValueError:
       pass
     configs += list(heuristics.get_autotuning_configs(p))

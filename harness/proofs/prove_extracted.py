@@ -125,12 +125,17 @@ class _BandEnv:
   """The integers a dK/dV kernel reads: per key tile ``j`` the band of query
   blocks ``[lo, hi)`` it streams (kernel.padding.query_block_ranges), which
   ``choose(j)`` decides; ``tables`` maps each table's buffer to 0 (lo) or
-  1 (hi)."""
+  1 (hi).  Reads of the ``opaque`` buffers (the run of blocks inside every
+  row's range, kernel.padding.query_block_inner_bounds) give data the
+  protocol must not depend on: the extractor refuses a branch on it that
+  holds synchronisation."""
 
-  def __init__(self, tables: dict, choose):
-    self.tables, self.choose = tables, choose
+  def __init__(self, tables: dict, choose, opaque=frozenset()):
+    self.tables, self.choose, self.opaque = tables, choose, opaque
 
   def __call__(self, buf, idx):
+    if buf in self.opaque:
+      return ex.OPAQUE
     which = self.tables.get(buf)
     if which is None:
       raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
@@ -141,6 +146,13 @@ class _BandEnv:
 def _band_tables(kernel, consts, num_key_tiles) -> dict:
   """{buffer: 0 (lo) / 1 (hi)} of a dK/dV kernel's two query-block tables."""
   return _int_tables(kernel, consts, num_key_tiles, 2, "query-block tables (lo, hi)")
+
+
+def _inner_tables(kernel, consts, num_key_tiles) -> frozenset:
+  """The buffers of a dK/dV kernel's inner-run table ((1, 1, 2, key tiles) int)."""
+  return frozenset(f"gmem_in{i}" for i, v in enumerate(kernel.invars)
+                   if tuple(v.aval.shape) == (1, 1, 2, num_key_tiles)
+                   and "int" in str(v.aval.dtype) and i not in consts)
 
 
 def _no_reads(buf, idx):
@@ -474,17 +486,18 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
         kv_tiles = -(-seq_kv // blocks.dkv_tile)
         nq = seq_q // blocks.dkv_stream_q
         bands = _band_tables(kernel, consts, kv_tiles)
+        inner = _inner_tables(kernel, consts, kv_tiles)
         for j in range(kv_tiles) if case.causal else (0,):
-          launch = ex.extract_kernel(kernel, env=_BandEnv(bands, lambda j: (0, nq)),
+          launch = ex.extract_kernel(kernel, env=_BandEnv(bands, lambda j: (0, nq), inner),
                                      grid={**grid, "kv_tiles": j}, name="dkv")
           n = _stream_length(launch)
           learner.observe(launch, [n], where=f"key tile {j} of {seq_q} queries ({n} blocks)")
         if seq_q != seq_long:
           continue
 
-        def band_probe(n, learner=learner, kernel=kernel, bands=bands, nq=nq):
+        def band_probe(n, learner=learner, kernel=kernel, bands=bands, nq=nq, inner=inner):
           lb = n % 2 if n + 1 <= nq else 0
-          launch = ex.extract_kernel(kernel, env=_BandEnv(bands, lambda j: (lb, lb + n)),
+          launch = ex.extract_kernel(kernel, env=_BandEnv(bands, lambda j: (lb, lb + n), inner),
                                      grid={**grid, "kv_tiles": 0}, name="dkv")
           got = _stream_length(launch)
           if got != n:

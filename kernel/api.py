@@ -303,13 +303,17 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     # Differentiate the function the kernel computed: of the inputs rounded
     # to the compute dtype (f32 inputs run in bf16), as the forward saw them;
     # mixing unrounded values with the rounded forward's output would leave
-    # rounding noise in dP - delta.
+    # rounding noise in dP - delta.  The cotangent too: dP = dO V^T is
+    # formed from dO in the compute dtype, so delta = rowsum(dO * O) must be,
+    # else a row that sees one key (dP - delta exactly 0) keeps dO's
+    # rounding, seen as dq, dk and dbias at 2.2-4.3x the float64 bound for
+    # float32 inputs on the H200 (2026-12-02).
     low = lambda x: None if x is None else x.astype(dtype)
     local = functools.partial(attention_backward, scale=features.scale,
                               is_causal=features.is_causal,
                               logits_soft_cap=features.logits_soft_cap)
     dq, dk, dv, dbias = sharding.backward(
-        local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, d_out)
+        local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
     back = lambda g, like: None if g is None else g.astype(like.dtype)
     return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None
 

@@ -267,8 +267,8 @@ CATALOG: tuple[Mutant, ...] = (
        "return c.hk + c.num_kv_heads * lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        grads("gqa-d128")),
     _m("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", BWD,
-       "  hk = lax.div(h, jnp.int32(c.group))\n  f = c.f\n  if tiles_ref is None:",
-       "  hk = lax.rem(h, jnp.int32(c.num_kv_heads))\n  f = c.f\n  if tiles_ref is None:",
+       "  hk = lax.div(h, jnp.int32(c.group))\n  f = c.f\n  start_max = end_min = None",
+       "  hk = lax.rem(h, jnp.int32(c.num_kv_heads))\n  f = c.f\n  start_max = end_min = None",
        grads("gqa-causal-dq-kernel"), probe="grad-causal"),
     Mutant("bias-after-softcap", "bias added after the soft cap", BWD, ((
         "  if bias is not None:\n    u = u + bias.astype(jnp.float32)\n"

@@ -59,6 +59,30 @@ def key_ranges(k_start, k_end, *, seq_kv: int, tile: int, num_tiles: int):
   return (ks if k_start is not None else None, ke if k_end is not None else None, tiles)
 
 
+def _per_query_block(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int,
+                     caller: str):
+  """(shape, nq, per_block) for the per-key-tile tables below: the ranges'
+  broadcast (B|1, N|1, num_rows), the query blocks, and ``per_block(which,
+  reduce)``, the starts ("start") or ends ("end") reduced over each block's
+  rows, (B|1, N|1, nq).  Ranges are clipped to the keys there are: a range
+  reaching past them sees none there."""
+  rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
+  ranges = {"start": jnp.clip(rows(0 if k_start is None else k_start), 0, seq_kv),
+            "end": jnp.clip(rows(seq_kv if k_end is None else k_end), 0, seq_kv)}
+  ks, ke = ranges["start"], ranges["end"]
+  if num_rows % block_q or any(x.shape[2] not in (1, num_rows) for x in (ks, ke)):
+    raise ValueError(f"{caller}: ranges over {ks.shape[2]} and {ke.shape[2]} rows "
+                     f"for {num_rows} rows in whole {block_q}-row blocks")
+  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (num_rows,)
+  nq = num_rows // block_q
+
+  def per_block(which, reduce):
+    x = jnp.broadcast_to(ranges[which], shape)
+    return reduce(x.reshape(*shape[:2], nq, block_q), axis=-1)
+
+  return shape, nq, per_block
+
+
 def query_block_ranges(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int,
                        key_tile: int, num_key_tiles: int, group: int):
   """Per key tile of ``key_tile`` keys, the query blocks (``block_q`` rows)
@@ -76,21 +100,9 @@ def query_block_ranges(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: i
   """
   if k_start is None and k_end is None:
     return None
-  rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
-  # Clipped to the keys there are: a range reaching past them sees none there.
-  ks = jnp.clip(rows(0 if k_start is None else k_start), 0, seq_kv)
-  ke = jnp.clip(rows(seq_kv if k_end is None else k_end), 0, seq_kv)
-  if num_rows % block_q or any(x.shape[2] not in (1, num_rows) for x in (ks, ke)):
-    raise ValueError(f"query_block_ranges: ranges over {ks.shape[2]} and {ke.shape[2]} rows "
-                     f"for {num_rows} rows in whole {block_q}-row blocks")
-  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (num_rows,)
-  nq = num_rows // block_q
-
-  def per_block(x, reduce):
-    x = jnp.broadcast_to(x, shape)
-    return reduce(x.reshape(*shape[:2], nq, block_q), axis=-1)
-
-  first, end = per_block(ks, jnp.min), per_block(ke, jnp.max)         # (B|1, N|1, nq)
+  shape, nq, per_block = _per_query_block(k_start, k_end, seq_kv=seq_kv, num_rows=num_rows,
+                                          block_q=block_q, caller="query_block_ranges")
+  first, end = per_block("start", jnp.min), per_block("end", jnp.max)  # (B|1, N|1, nq)
   tile_lo = jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile       # (tiles,)
   seen = ((first[..., None] < tile_lo + key_tile) & (end[..., None] > tile_lo)
           & (end > first)[..., None])                                 # (.., nq, tiles)
@@ -120,23 +132,13 @@ def query_block_inner_bounds(k_start, k_end, *, seq_kv: int, num_rows: int, bloc
   """
   if k_start is None and k_end is None:
     return None
-  rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
-  ks, ke = rows(0 if k_start is None else k_start), rows(seq_kv if k_end is None else k_end)
-  if num_rows % block_q or any(x.shape[2] not in (1, num_rows) for x in (ks, ke)):
-    raise ValueError(f"query_block_inner_bounds: ranges over {ks.shape[2]} and "
-                     f"{ke.shape[2]} rows for {num_rows} rows in whole {block_q}-row blocks")
-  shape = jnp.broadcast_shapes(ks.shape[:2], ke.shape[:2]) + (num_rows,)
-  nq = num_rows // block_q
-
-  def per_block(x, reduce):
-    x = jnp.broadcast_to(x, shape)
-    return reduce(x.reshape(*shape[:2], nq, block_q), axis=-1)
-
-  start_max, end_min = per_block(ks, jnp.max), per_block(ke, jnp.min)   # (B|1, N|1, nq)
+  shape, nq, per_block = _per_query_block(k_start, k_end, seq_kv=seq_kv, num_rows=num_rows,
+                                          block_q=block_q, caller="query_block_inner_bounds")
+  start_max, end_min = per_block("start", jnp.max), per_block("end", jnp.min)  # (B|1, N|1, nq)
   tile_lo = jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile        # (tiles,)
   tile_hi = tile_lo + key_tile
-  inside = ((start_max[..., None] <= tile_lo) & (end_min[..., None] >= tile_hi)
-            & (tile_hi <= seq_kv))                                       # (.., nq, tiles)
+  # Ends are clipped to seq_kv: a tile holding padded keys is inside no range.
+  inside = (start_max[..., None] <= tile_lo) & (end_min[..., None] >= tile_hi)  # (.., nq, tiles)
   if shape[1] != 1:   # inside for every query head of each kv head's group
     inside = inside.reshape(shape[0], shape[1] // group, group, nq, num_key_tiles).all(axis=2)
   block = jnp.arange(nq, dtype=jnp.int32)[:, None]

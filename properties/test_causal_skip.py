@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, strategies as st
 
 from kernel import backward as bwd
@@ -45,6 +46,44 @@ def test_the_predicate_sees_the_corners():
   assert not bwd.meets_diagonal(0, 128, 127)
 
 
+BLOCK_Q, KEY_TILE = 64, 128   # the dK/dV kernel's streamed query block and key tile
+
+
+def _drawn_ranges(data, layout, group, per_head, *, reach=0, long_documents=False):
+  """(nq, tiles, t, s, heads, k_start, k_end): per-row key ranges (1, heads,
+  t or 1) of a drawn ``layout`` over t = nq whole query blocks and s keys
+  (no multiple of the key tile, often).  ``reach``: how far past s ends and
+  windows may go; ``long_documents``: document cuts four times as far apart
+  (documents that hold whole key tiles)."""
+  nq = data.draw(st.integers(1, 6), label="query blocks")
+  tiles = data.draw(st.integers(1, 4), label="key tiles")
+  t, s = nq * BLOCK_Q, tiles * KEY_TILE - data.draw(st.integers(0, KEY_TILE - 1), label="cut")
+  heads = 2 * group if per_head else 1
+  rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16), label="seed"))
+  i = np.arange(t)
+  if layout == "random":
+    ks = rng.integers(-5, s + 5, (1, heads, t))
+    ke = ks + rng.integers(-3, s + reach, (1, heads, t))
+  elif layout == "one range":   # one range for every row: a query axis of 1
+    ks = rng.integers(-5, s + 5, (1, heads, 1))
+    ke = ks + rng.integers(-3, s + reach, (1, heads, 1))
+  elif layout == "window":
+    left = int(rng.integers(0, s + reach))
+    right = int(rng.integers(0, 2))
+    ks = np.broadcast_to(i - left, (1, heads, t))
+    ke = np.broadcast_to(i + right + 1, (1, heads, t))
+  else:
+    cuts = np.sort(rng.choice(np.arange(1, t), size=min(2 if long_documents else 3, t - 1),
+                              replace=False))
+    if long_documents:
+      cuts = cuts[cuts * 4 < t] * 4
+    doc = np.searchsorted(cuts, i, side="right")
+    starts = np.concatenate([[0], cuts])[doc]
+    ends = np.concatenate([cuts, [t]])[doc]
+    ks, ke = (np.broadcast_to(np.minimum(x, s), (1, heads, t)) for x in (starts, ends))
+  return nq, tiles, t, s, heads, ks, ke
+
+
 @given(data=st.data(), layout=st.sampled_from(["random", "window", "documents", "one range"]),
        group=st.sampled_from([1, 2]), per_head=st.booleans())
 def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group, per_head):
@@ -54,31 +93,10 @@ def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group
   query heads; a tile no row sees has the empty band (0, 0); for a window
   or packed documents the band is exactly the blocks that see the tile."""
   from kernel import padding
-  block_q, key_tile = 64, 128
-  nq = data.draw(st.integers(1, 6), label="query blocks")
-  tiles = data.draw(st.integers(1, 4), label="key tiles")
-  t, s = nq * block_q, tiles * key_tile - data.draw(st.integers(0, key_tile - 1), label="cut")
-  heads = 2 * group if per_head else 1
-  rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16), label="seed"))
-  i = np.arange(t)
-  if layout == "random":
-    ks = rng.integers(-5, s + 5, (1, heads, t))
-    ke = ks + rng.integers(-3, s, (1, heads, t))
-  elif layout == "one range":   # one range for every row: a query axis of 1
-    ks = rng.integers(-5, s + 5, (1, heads, 1))
-    ke = ks + rng.integers(-3, s, (1, heads, 1))
-  elif layout == "window":
-    left = int(rng.integers(0, s))
-    ks, ke = np.broadcast_to(i - left, (1, heads, t)), np.broadcast_to(i + 1, (1, heads, t))
-  else:
-    cuts = np.sort(rng.choice(np.arange(1, t), size=min(3, t - 1), replace=False))
-    doc = np.searchsorted(cuts, i, side="right")
-    starts = np.concatenate([[0], cuts])[doc]
-    ends = np.concatenate([cuts, [t]])[doc]
-    ks, ke = (np.broadcast_to(np.minimum(x, s), (1, heads, t)) for x in (starts, ends))
+  nq, tiles, t, s, heads, ks, ke = _drawn_ranges(data, layout, group, per_head)
   lo, hi = (np.asarray(x) for x in padding.query_block_ranges(
       jnp.asarray(ks, jnp.int32), jnp.asarray(ke, jnp.int32), seq_kv=s, num_rows=t,
-      block_q=block_q, key_tile=key_tile, num_key_tiles=tiles, group=group))
+      block_q=BLOCK_Q, key_tile=KEY_TILE, num_key_tiles=tiles, group=group))
   kv_heads = heads // group if per_head else 1
   assert lo.shape == (1, kv_heads, tiles) and hi.shape == lo.shape
   seen = np.zeros((kv_heads, tiles, nq), bool)
@@ -86,8 +104,8 @@ def test_a_key_tiles_query_band_holds_every_row_that_sees_it(data, layout, group
     for r in range(t):
       row = r if ks.shape[2] > 1 else 0
       keys = np.arange(max(ks[0, h, row], 0), min(ke[0, h, row], s))
-      for tile in np.unique(keys // key_tile):
-        seen[h // group if per_head else 0, tile, r // block_q] = True
+      for tile in np.unique(keys // KEY_TILE):
+        seen[h // group if per_head else 0, tile, r // BLOCK_Q] = True
   for hk in range(kv_heads):
     for tile in range(tiles):
       blocks = np.flatnonzero(seen[hk, tile])
@@ -108,33 +126,38 @@ def test_a_step_judged_inside_every_range_drops_nothing(data, layout, group, per
   the group, must be admitted by its row's range and be a real key.  For a
   window or packed documents the run is every block that is inside (the
   saving is not left on the table)."""
-  from kernel import padding
-  block_q, key_tile = 64, 128
-  nq = data.draw(st.integers(1, 6), label="query blocks")
-  tiles = data.draw(st.integers(1, 4), label="key tiles")
-  t, s = nq * block_q, tiles * key_tile - data.draw(st.integers(0, key_tile - 1), label="cut")
-  heads = 2 * group if per_head else 1
-  rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16), label="seed"))
+  nq, tiles, t, s, heads, ks, ke = _drawn_ranges(data, layout, group, per_head, reach=200,
+                                                 long_documents=True)
+  _check_inner_run(ks, ke, nq=nq, tiles=tiles, s=s, heads=heads, group=group,
+                   per_head=per_head, tight=layout != "random")
+
+
+# A window whose edges fall one key before, on and after a tile's bounds, so
+# that an off-by-one in the table is met (random draws rarely land there).
+EDGE_WINDOWS = [(left, 10 ** 4) for left in (62, 63, 64, 126, 127, 128, 190, 191, 192)] + [
+    (10 ** 4, right) for right in (126, 127, 128, 190, 191, 192, 254, 255, 256)]
+
+
+@pytest.mark.parametrize("left,right", EDGE_WINDOWS)
+def test_the_inner_run_at_a_windows_edges(left, right):
+  """query_block_inner_bounds for windows whose edges meet the block and tile
+  grid: sound and all of the inside blocks, as in the property above."""
+  t, s = 6 * BLOCK_Q, 3 * KEY_TILE
   i = np.arange(t)
-  if layout == "random":
-    ks = rng.integers(-5, s + 5, (1, heads, t))
-    ke = ks + rng.integers(-3, s + 200, (1, heads, t))
-  elif layout == "one range":
-    ks = rng.integers(-5, 2 * key_tile, (1, heads, 1))
-    ke = ks + rng.integers(-3, s + 200, (1, heads, 1))
-  elif layout == "window":
-    left = int(rng.integers(0, s + 200))
-    ks, ke = np.broadcast_to(i - left, (1, heads, t)), np.broadcast_to(i + 1, (1, heads, t))
-  else:
-    cuts = np.sort(rng.choice(np.arange(1, t), size=min(2, t - 1), replace=False)) * 4
-    cuts = cuts[cuts < t] if t > 1 else cuts
-    doc = np.searchsorted(cuts, i, side="right")
-    starts = np.concatenate([[0], cuts])[doc]
-    ends = np.concatenate([cuts, [t]])[doc]
-    ks, ke = (np.broadcast_to(x, (1, heads, t)) for x in (starts, ends))
+  ks, ke = np.broadcast_to(i - left, (1, 1, t)), np.broadcast_to(i + right + 1, (1, 1, t))
+  _check_inner_run(ks, ke, nq=6, tiles=3, s=s, heads=1, group=1, per_head=False, tight=True)
+
+
+def _check_inner_run(ks, ke, *, nq, tiles, s, heads, group, per_head, tight):
+  """Every block of each key tile's inner run has every pair admitted (for
+  every head of the group) and no padded key; with ``tight``, the run is
+  every such block."""
+  from kernel import padding
+  t = nq * BLOCK_Q
+  i = np.arange(t)
   inner = np.asarray(padding.query_block_inner_bounds(
       jnp.asarray(ks, jnp.int32), jnp.asarray(ke, jnp.int32), seq_kv=s, num_rows=t,
-      block_q=block_q, key_tile=key_tile, num_key_tiles=tiles, group=group))
+      block_q=BLOCK_Q, key_tile=KEY_TILE, num_key_tiles=tiles, group=group))
   kv_heads = heads // group if per_head else 1
   assert inner.shape == (1, kv_heads, 2, tiles)
   # inside[hk, tile, block]: every pair of the step is admitted, for every head.
@@ -143,14 +166,14 @@ def test_a_step_judged_inside_every_range_drops_nothing(data, layout, group, per
     row = i if ks.shape[2] > 1 else np.zeros_like(i)
     start, end = ks[0, h, row], ke[0, h, row]
     for tile in range(tiles):
-      keys = tile * key_tile + np.arange(key_tile)
+      keys = tile * KEY_TILE + np.arange(KEY_TILE)
       ok = (keys[None] >= start[:, None]) & (keys[None] < end[:, None]) & (keys[None] < s)
-      per_block = ok.reshape(nq, block_q * key_tile).all(axis=1)
+      per_block = ok.reshape(nq, BLOCK_Q * KEY_TILE).all(axis=1)
       inside[h // group if per_head else 0, tile] &= per_block
   for hk in range(kv_heads):
     for tile in range(tiles):
       lo, hi = inner[0, hk, :, tile]
       assert 0 <= lo <= hi <= nq
       assert inside[hk, tile, lo:hi].all(), (hk, tile, lo, hi)   # sound
-      if layout != "random":   # one run of inside blocks: all of it
+      if tight:   # one run of inside blocks: all of it
         assert hi - lo == inside[hk, tile].sum(), (hk, tile, lo, hi, inside[hk, tile])

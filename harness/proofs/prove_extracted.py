@@ -76,12 +76,16 @@ def _const_values(closed, kernel_eqn) -> dict:
   return walk(closed.jaxpr, known) or {}
 
 
+def _int_operands(kernel_eqn, consts, shape: tuple) -> list[int]:
+  """The kernel's int operands of ``shape`` that are not traced constants."""
+  return [i for i, v in enumerate(kernel_eqn.invars)
+          if tuple(v.aval.shape) == shape and "int" in str(v.aval.dtype) and i not in consts]
+
+
 def _int_tables(kernel_eqn, consts, length: int, count: int, what: str) -> dict:
   """{buffer: k} of the ``count`` int (1, 1, ``length``) operands the kernel
   reads (not traced constants), k their order among the operands."""
-  tables = [i for i, v in enumerate(kernel_eqn.invars)
-            if tuple(v.aval.shape) == (1, 1, length) and "int" in str(v.aval.dtype)
-            and i not in consts]
+  tables = _int_operands(kernel_eqn, consts, (1, 1, length))
   if len(tables) != count:
     raise ex.ExtractionError(f"expected the {count} {what} among the kernel's operands, "
                              f"found {len(tables)}")
@@ -150,9 +154,7 @@ def _band_tables(kernel, consts, num_key_tiles) -> dict:
 
 def _inner_tables(kernel, consts, num_key_tiles) -> frozenset:
   """The buffers of a dK/dV kernel's inner-run table ((1, 1, 2, key tiles) int)."""
-  return frozenset(f"gmem_in{i}" for i, v in enumerate(kernel.invars)
-                   if tuple(v.aval.shape) == (1, 1, 2, num_key_tiles)
-                   and "int" in str(v.aval.dtype) and i not in consts)
+  return frozenset(f"gmem_in{i}" for i in _int_operands(kernel, consts, (1, 1, 2, num_key_tiles)))
 
 
 def _no_reads(buf, idx):

@@ -204,7 +204,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   to run on every path (dq included: it is then formed by the dQ kernel,
   never summed across thread blocks by float32 reduce-adds); False (the
   default) lets the backward take the fused dQ where it applies (head dims
-  up to 128, no bias, not causal), whose dq may differ by one ulp between
+  up to 128 without causal, up to 64 with it; no bias), whose dq may differ by one ulp between
   runs (``harness.numerics.tolerance.run_to_run_bound``).  The forward is bitwise
   reproducible either way.
   """

@@ -26,7 +26,7 @@ products and releases.
   S^T = K Q^T, P^T = exp2(S^T - lse) from the forward's residuals, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.  GQA sums over the
   group inside the kernel.  With the fused dQ (head dims up to 128, no bias,
-  not causal: :func:`fuses_dq`) it also forms dQ_i's part over its keys, dS_i,tile K_tile,
+  under causal head dims up to 64: :func:`fuses_dq`) it also forms dQ_i's part over its keys, dS_i,tile K_tile,
   and reduce-adds it in float32 into global memory (notes above
   :func:`_fused_dq_buffers`).
 * ``dq`` (where the fused dQ does not apply): a block owns ``2 * block_q`` query rows of one head (Q, dO, lse,
@@ -101,6 +101,11 @@ class BackwardBlocks:
   # accumulators; "serial": each product waited on its own (the first version,
   # kept to measure the difference in one process).
   schedule: str = "paired"
+  # Under causal: whether dK/dV's kernel also accumulates dQ (where it fits:
+  # fused_dq_fits), and whether the dQ kernel walks each head's query tiles
+  # heaviest first.  blocks_for says where each is measured faster.
+  fuse_dq_causal: bool = False
+  dq_heaviest_first: bool = False
 
   @property
   def dq_tile(self) -> int:
@@ -117,10 +122,25 @@ class BackwardBlocks:
 def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
   """Streamed blocks stay 64 rows: they are the contraction of dV += P^T dO
   and dQ += dS K, which wgmma takes in whole 128-byte swizzle rows.  Head dims
-  over 128 split dK from dV and keep one stage, to fit 227 KiB."""
-  wide = max(head_dim, head_dim_out) > 128
+  over 128 split dK from dV and keep one stage, to fit 227 KiB.
+
+  Under causal, head dims up to 64 fuse dQ into the dK/dV kernel: forward +
+  backward, bf16, measured on the H200 with the dQ kernel vs fused: 16k B1
+  10.850 vs 9.132 ms, 4k B4 3.022 vs 2.721, 1k B16 1.022 vs 0.945, GQA 32/8
+  at 12017 tokens 6.539 vs 6.384 (2026-12-02).  At head dim 128 the fused dQ
+  loses under causal (16k B1 8.367 vs 8.547 ms, 4k B4 2.259 vs 2.588): its
+  per-step reduce-adds weigh more there against the dQ kernel's recomputed S
+  and dP.
+
+  Head dims over 128 walk the dQ kernel's query tiles heaviest first under
+  causal, so that the last wave holds the short tiles: 16k B1 13.659 vs
+  12.411 ms, 4k B4 4.032 vs 3.726 (2026-12-02).  At head dim 128 the same
+  order gained 3 % at 16k B1 but lost 3 % with GQA 16/4 at 8k B2 (4.180 vs
+  4.322 ms), so it stays lightest first there."""
+  width = max(head_dim, head_dim_out)
+  wide = width > 128
   return BackwardBlocks(dkv_stream_q=64, dq_stream_kv=64, num_stages=1 if wide else 2,
-                        split_dkv=wide)
+                        split_dkv=wide, fuse_dq_causal=width <= 64, dq_heaviest_first=wide)
 
 
 def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
@@ -171,13 +191,11 @@ def fused_dq_fits(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
 
 def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> bool:
   """Whether the backward accumulates dQ in the dK/dV kernel: where it fits
-  (:func:`fused_dq_fits`) and not under causal: forward + backward at the headline shape, causal, ran at
-  405.2 TFLOP/s with the dQ kernel against 378.9 fused (non-causal 458.5
-  against 518.2), in one process on the H200 (2026-11-30).  Under
-  causal each key tile's blocks walk fewer query blocks, so the fused dQ's
-  per-step rendezvous and reduce-adds weigh more against the dQ kernel's
-  recomputed S and dP (a reason not separated by measurement)."""
-  return fused_dq_fits(blocks, with_bias=with_bias) and not is_causal
+  (:func:`fused_dq_fits`), and under causal only where ``blocks`` says so
+  (:func:`blocks_for` has the measurements).  Non-causal at the headline
+  shape, forward + backward ran at 518.2 TFLOP/s fused against 458.5 with
+  the dQ kernel, in one process on the H200 (2026-11-30)."""
+  return fused_dq_fits(blocks, with_bias=with_bias) and (not is_causal or blocks.fuse_dq_causal)
 
 
 def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring):
@@ -775,6 +793,7 @@ class DqKernel(_Launch):
   kernel, its grid point (set by :func:`_dq_kernel`)."""
 
   want_ds: bool             # also write dS (the logits gradient)
+  num_tiles: int = 0        # query tiles of the grid
   # Inside the kernel:
   qi: Any = None            # the query tile
   h: Any = None
@@ -806,7 +825,8 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   _, s_pad, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   kernel = DqKernel(f=f, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
-                    num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, s_pad=s_pad)
+                    num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads, s_pad=s_pad,
+                    num_tiles=t_pad // blocks.dq_tile)
 
   def body(*refs):
     _dq_kernel(kernel, *refs)
@@ -839,6 +859,9 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
                          consumed)
   wg = lax.axis_index("wg")
   qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
+  if c.f.is_causal and c.blocks.dq_heaviest_first:
+    # Query tiles launch fastest (blockIdx.x); the last ones see the most keys.
+    qi = jnp.int32(c.num_tiles - 1) - qi
   hk = lax.div(h, jnp.int32(c.group))
   f = c.f
   start_max = end_min = None

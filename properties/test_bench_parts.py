@@ -11,10 +11,10 @@ import pytest
 from harness.tools import bench
 from kernel import api
 
-# One shape per backward path: fused dQ (d128), causal d64 (the dQ kernel
+# One shape per backward path: fused dQ (d128), causal d128 (the dQ kernel
 # shipped, the fused one timed too), two launches of dK/dV plus the dQ kernel
 # (d256).
-SHAPES = [bench.BenchShape(1, 256, 2, 128, False), bench.BenchShape(1, 256, 2, 64, True),
+SHAPES = [bench.BenchShape(1, 256, 2, 128, False), bench.BenchShape(1, 256, 2, 128, True),
           bench.BenchShape(1, 256, 2, 256, False)]
 
 
@@ -34,11 +34,12 @@ def _abstract_inputs(shape: bench.BenchShape):
 def test_every_part_lowers_for_cuda(shape):
   fns = bench.backward_part_fns(shape)
   # The fused kernel is timed wherever it can run; the shipped backward
-  # takes it only without causal.
+  # takes it under causal only up to head dim 64 (kernel.backward.blocks_for).
   assert ("dkv+fused dQ" in fns) == (shape.head_dim <= 128)
   shipped = bench.shipped_parts(shape)
   assert set(shipped) <= set(fns)
-  assert ("dkv+fused dQ" in shipped) == (shape.head_dim <= 128 and not shape.causal)
+  assert ("dkv+fused dQ" in shipped) == (shape.head_dim <= 64 if shape.causal
+                                         else shape.head_dim <= 128)
   args = _abstract_inputs(shape)
   with api.lowering_only():
     for name, fn in fns.items():

@@ -47,8 +47,14 @@ def test_deterministic_takes_the_dq_kernel_where_the_fused_dq_applies():
   assert _lowered_vjp_kernels(True) == 3
 
 
+def test_deterministic_takes_the_dq_kernel_under_causal_at_head_dim_64():
+  assert _lowered_vjp_kernels(False, is_causal=True) == 2
+  assert _lowered_vjp_kernels(True, is_causal=True) == 3
+
+
 def test_deterministic_changes_nothing_where_there_is_no_fused_dq():
-  assert _lowered_vjp_kernels(False, is_causal=True) == _lowered_vjp_kernels(True, is_causal=True)
+  for kw in (dict(is_causal=True, head_dim=128), dict(head_dim=256)):
+    assert _lowered_vjp_kernels(False, **kw) == _lowered_vjp_kernels(True, **kw), kw
 
 
 def test_deterministic_must_be_a_bool():

@@ -424,6 +424,19 @@ def _tables_of(kernel, consts):
   return None
 
 
+def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
+  """The dQ kernel's grid point whose block reads the last query tile's
+  range (the one whose causal bound leaves room for the longest stream): the
+  grid's last point, or its first where the kernel walks its tiles heaviest
+  first (kernel.backward.BackwardBlocks.dq_heaviest_first)."""
+  for at in (num_tiles - 1, 0):
+    env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi: (0, 0))
+    ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at}, name="dq")
+    if env.order == [num_tiles - 1]:
+      return at
+  raise ex.ExtractionError(f"no dQ grid point of {num_tiles} reads the last tile's key range")
+
+
 def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
@@ -467,12 +480,13 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
           continue  # the dQ kernel's stream is its table's: probed at one length
         tables, num_tiles = found
         learner.name = learner.name.replace("launch", "dQ kernel, launch")
+        at = _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles)
 
         def probe(n, learner=learner, kernel=kernel, tables=tables, consts=consts,
-                  num_tiles=num_tiles, seq_q=seq_q):
+                  num_tiles=num_tiles, seq_q=seq_q, at=at):
           lb = n % 2
           env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi: (lb, n))
-          launch = ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": num_tiles - 1},
+          launch = ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at},
                                      name="dq")
           (qi,) = env.order
           lo, hi = module.kv_block_range(

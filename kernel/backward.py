@@ -496,7 +496,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   ``inner_blocks``: None or (B|1, K|1, 2, key tiles) int32, the run of them
   wholly inside every row's range (kernel.padding.query_block_inner_bounds).
 
-  ``dq_accum``: a zeroed (B, Tp, N, D) f32 ``jax.new_ref``; when given
+  ``dq_accum``: a zeroed (B, Tp, N, D) f32 ref; when given
   (outputs dK and dV together), the kernel also adds each key tile's part of
   dQ / scale into it (see the fused dQ notes below).
   """
@@ -1044,15 +1044,27 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
-  dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if fused else None
-  dkv = {}
-  for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
-    dkv.update(dkv_call(q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke, f=f,
-                        blocks=blocks, outputs=outputs, dq_accum=dq_accum,
-                        query_blocks=query_blocks, inner_blocks=inner_blocks))
+  launch = functools.partial(dkv_call, q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke,
+                             f=f, blocks=blocks, query_blocks=query_blocks,
+                             inner_blocks=inner_blocks)
   if fused:
-    dq, ds = (dq_accum[...] * f.scale).astype(dtype), None
+    # The float32 dQ accumulator is a ref of a state scope of its own
+    # (run_state, which hands back its final value), not a jax.new_ref of
+    # the traced program: custom_partitioning (kernel/sharding.py) cannot
+    # lower a program that holds a mutable array's effect.
+    def fused_launch(refs):
+      acc, dk, dv = refs
+      got = launch(outputs=("dk", "dv"), dq_accum=acc)
+      dk[...], dv[...] = got["dk"], got["dv"]
+
+    dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
+        (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v)))
+    dkv = {"dk": dk_pad, "dv": dv_pad}
+    dq, ds = (dq_acc * f.scale).astype(dtype), None
   else:
+    dkv = {}
+    for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
+      dkv.update(launch(outputs=outputs))
     dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
                      want_ds=bias is not None)
 

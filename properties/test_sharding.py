@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from harness.tools import mesh_lowering
+from kernel import backward
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {c.name: c for c in mesh_lowering.CASES}
@@ -44,18 +45,34 @@ def report(request):
   return dict(json.loads(proc.stdout), partitioner=request.param)
 
 
+def _expected_launches(case) -> int:
+  if not case.gradients:
+    return 1
+  _, _, _, H, _, _ = case.dims
+  return 1 + len(backward.launches(H, H, with_bias=case.bias is not None,
+                                   is_causal=dict(case.kwargs).get("is_causal", False)))
+
+
+def test_the_cases_take_both_dq_paths():
+  """The fused dQ (its float32 accumulator inside the partitioned program)
+  and the dQ kernel are both partitioned by some case."""
+  counts = {_expected_launches(c) for c in mesh_lowering.CASES if c.gradients}
+  assert counts == {2, 3}, counts
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_device_launches_the_kernels_of_its_local_shape(report, name):
   """Every kernel launch of the partitioned program has exactly the operand
   and result shapes of the single-device program run on one device's shard
   (batch and heads divided by their shard counts, broadcast axes whole), and
-  there are as many launches: forward, and the backward's dK/dV and dQ."""
+  there are as many launches: forward, and the backward's (dK/dV, and the
+  dQ kernel where the fused dQ does not apply: kernel.backward.launches)."""
   case = report["cases"][name]
   launches = sorted(case["launches"], key=json.dumps)
   local = sorted(case["local_launches"], key=json.dumps)
   assert launches, "no kernel launch in the partitioned program"
   assert all(launch["operands"] for launch in launches), launches
-  assert len(launches) == (3 if CASES[name].gradients else 1), launches
+  assert len(launches) == _expected_launches(CASES[name]), launches
   assert launches == local, (case["local_shapes"], launches, local)
   B, T, N, H, S, K = CASES[name].dims
   query = case["local_shapes"]["query"]

@@ -63,6 +63,9 @@ CASES = (
     # GQA (4 query heads on 2 kv heads), a broadcast mask; batch over 4 devices.
     Case("batch", ((B_, 4),), (4, 256, 4, 64, 256, 2), (B_, None, None, None),
          mask=((1, 1, 256, 256), ()), kwargs=(("is_causal", True),)),
+    # Non-causal, no bias or mask (the fused dQ: its float32 accumulator is
+    # partitioned with the kernels); heads over 4 devices.
+    Case("heads-fused", ((H_, 4),), (2, 256, 8, 64, 256, 4), (None, None, H_, None)),
     # Heads over 4 devices: 8 query heads, 4 kv heads (groups of 2 stay
     # local); a per-head bias (its gradient sharded like it), per-head key
     # ranges broadcast over the batch.

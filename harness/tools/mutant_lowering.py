@@ -59,8 +59,8 @@ def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
       "grad": (base, dict(logits_soft_cap=10.0), dict(bias_shape=(1, 4, 300, 500)), True),
       # Non-causal without a bias: dQ accumulated in the dK/dV kernel.
       "grad-fused": (base, {}, {}, True),
-      # Causal (the dQ kernel), GQA.
-      "grad-causal": (base, dict(is_causal=True), {}, True),
+      # Causal at head dim 128 (the dQ kernel: kernel.backward.blocks_for), GQA.
+      "grad-causal": (dict(base, H=128, Hv=128), dict(is_causal=True), {}, True),
   }
 
 

@@ -663,7 +663,8 @@ def release_query_after(c: Kernel, t: Tile, ki):
 
 def logits(c: Kernel, t: Tile, s, ki, *, edge):
   """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
-  with the true logits being s * sc (sc > 0, deferred so exp2 fuses).
+  with the true logits being s * sc (deferred so exp2 fuses, where sc > 0:
+  the row max of s * sc is then the row max of s times sc).
   ``edge``: the block may reach the diagonal or the last (ragged) key."""
   f, block_kv, bq_kv = c.f, c.block_kv, c.bq_kv
   k_base = ki * block_kv
@@ -678,7 +679,7 @@ def logits(c: Kernel, t: Tile, s, ki, *, edge):
   if f.logits_soft_cap is not None:
     s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
   sc *= LOG2E
-  if not (c.masks_any_block or edge):
+  if sc > 0 and not (c.masks_any_block or edge):
     return s, sc
   s = s * sc
   key = k_base + iota(c, 1)

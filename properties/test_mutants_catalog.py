@@ -115,15 +115,33 @@ def test_the_watchdog_names_the_hung_test_under_xdist(tmp_path):
       "properties/test_sleeps.py::test_sleeps"]
 
 
-def test_every_mutant_lowers_for_cuda_and_changes_its_probe():
+def _lowering_chunks(size: int = 8) -> list[tuple[str, ...]]:
+  """The catalogue cut into chunks of one probe each (a chunk lowers its
+  probe's shipped program once), at most ``size`` mutants a chunk, so that
+  xdist spreads the check over its workers."""
+  by_probe: dict[str, list[str]] = {}
+  for m in mutants.CATALOG:
+    by_probe.setdefault(m.probe, []).append(m.name)
+  return [tuple(names[i:i + size]) for names in by_probe.values()
+          for i in range(0, len(names), size)]
+
+
+def test_the_lowering_chunks_cover_the_catalogue_once():
+  flat = [name for chunk in _lowering_chunks() for name in chunk]
+  assert sorted(flat) == sorted(m.name for m in mutants.CATALOG)
+
+
+@pytest.mark.parametrize("chunk", _lowering_chunks(), ids=lambda c: f"{c[0]}+{len(c) - 1}")
+def test_every_mutant_lowers_for_cuda_and_changes_its_probe(chunk):
   """The CPU half of the kill score: each patched kernel traces and lowers
   for CUDA (a mutant that no longer builds would be 'killed' on the GPU for
   the wrong reason) and its probe's traced program differs from the shipped
   one (a patch the probe never reaches would survive for no reason).  One
-  child process: the patched packages replace each other in sys.modules."""
-  proc = subprocess.run([sys.executable, "-m", "harness", "mutants", "--lower"], cwd=REPO,
-                        capture_output=True, text=True, timeout=900)
-  n = len(mutants.CATALOG)
+  child process a chunk: the patched packages replace each other in
+  sys.modules.  ``python -m harness mutants --lower`` checks them all."""
+  proc = subprocess.run([sys.executable, "-m", "harness.tools.mutant_lowering", ",".join(chunk)],
+                        cwd=REPO, capture_output=True, text=True, timeout=900)
+  n = len(chunk)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
   assert f"{n}/{n} mutants apply, lower for CUDA and change their probe's program" in proc.stdout
 

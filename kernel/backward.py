@@ -34,6 +34,13 @@ products and releases.
   S, P, dP, dS as above and dQ += dS K; with a bias it also writes dS (the
   logits gradient, which is dbias before the sum over broadcast dimensions).
 
+Head dims over 128 take the head split in both kernels
+(:attr:`BackwardBlocks.head_split`): a block owns one tile of 64 rows, both
+compute warpgroups work on it, each with half of the head dim of its
+accumulators, and they exchange the halves of P^T and dS^T (dS in the dQ
+kernel) through shared memory at a named barrier every step (notes above
+:func:`_wide_step` and :func:`_wide_dq_step`).
+
 The fused dQ does 5 matrix products where the second kernel makes it 7 (it
 recomputes S and dP): forward + backward at the headline shape ran at
 479.1 TFLOP/s fused against 434.3 with the dQ kernel, in one process
@@ -93,8 +100,6 @@ class BackwardBlocks:
   dkv_stream_q: int     # query rows per streamed block in dkv
   dq_stream_kv: int     # key rows per streamed block in dq
   num_stages: int
-  split_dkv: bool       # dK and dV in separate launches (both accumulators
-                        # would not fit in 232 registers for head dims > 128)
   rows: int = 64        # stationary rows per compute warpgroup
   # "paired": the two products that need no register operand (S and dP) are
   # issued together and waited once, and so are the two that update the
@@ -106,23 +111,39 @@ class BackwardBlocks:
   # heaviest first.  blocks_for says where each is measured faster.
   fuse_dq_causal: bool = False
   dq_heaviest_first: bool = False
+  # Both kernels' compute warpgroups share ONE stationary tile of 64 rows
+  # and split the head dim of its accumulators (the notes above _wide_step
+  # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
+  # fit in 232 registers.
+  head_split: bool = False
 
   @property
   def dq_tile(self) -> int:
-    """Query rows per dQ block (both compute warpgroups), the tile of the
-    key-range bounds and of the dS blocks the dQ kernel writes."""
-    return CW * self.rows
+    """Query rows per dQ block (both compute warpgroups; one shared tile
+    under ``head_split``), the tile of the key-range bounds and of the dS
+    blocks the dQ kernel writes."""
+    return self.rows if self.head_split else CW * self.rows
 
   @property
   def dkv_tile(self) -> int:
-    """Keys per dK/dV block (both compute warpgroups)."""
-    return CW * self.rows
+    """Keys per dK/dV block (both compute warpgroups; one shared tile
+    under ``head_split``)."""
+    return self.rows if self.head_split else CW * self.rows
 
 
 def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
   """Streamed blocks stay 64 rows: they are the contraction of dV += P^T dO
-  and dQ += dS K, which wgmma takes in whole 128-byte swizzle rows.  Head dims
-  over 128 split dK from dV and keep one stage, to fit 227 KiB.
+  and dQ += dS K, which wgmma takes in whole 128-byte swizzle rows.  Head
+  dims over 128 take the head split, with two stages in both kernels.
+  Forward + backward, bf16, d256, measured on the H200 against dK and dV in
+  separate launches and a one-stage dQ kernel, in one process: 4k B4 N8
+  4.992 vs 6.701 ms (cuDNN 4.579), causal 2.643 vs 3.910 (2.601), causal
+  16k B1 9.123 vs 13.130 (9.112), causal GQA 8/2 4k B4 2.773 vs 4.447
+  (2.607) (2026-12-03).  The kernels alone at 4k B4 causal: dK/dV 1.264 ms
+  with two stages, 1.731 with one, 1.999 as two launches; dQ 0.891 against
+  1.322.  Accumulating dQ in the dK/dV launch as well (whose f32 staging
+  leaves room for one stage only) took 2.971 ms, more than the head-split
+  dK/dV and dQ kernels together: it is not offered there.
 
   Under causal, head dims up to 64 fuse dQ into the dK/dV kernel: forward +
   backward, bf16, measured on the H200 with the dQ kernel vs fused: 16k B1
@@ -134,20 +155,22 @@ def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
 
   Head dims over 128 walk the dQ kernel's query tiles heaviest first under
   causal, so that the last wave holds the short tiles: 16k B1 13.659 vs
-  12.411 ms, 4k B4 4.032 vs 3.726 (2026-12-02).  At head dim 128 the same
-  order gained 3 % at 16k B1 but lost 3 % with GQA 16/4 at 8k B2 (4.180 vs
-  4.322 ms), so it stays lightest first there."""
+  12.411 ms, 4k B4 4.032 vs 3.726 with the tiling before the head split
+  (2026-12-02).  At head dim 128 the same order gained 3 % at 16k B1 but
+  lost 3 % with GQA 16/4 at 8k B2 (4.180 vs 4.322 ms), so it stays lightest
+  first there."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
-  return BackwardBlocks(dkv_stream_q=64, dq_stream_kv=64, num_stages=1 if wide else 2,
-                        split_dkv=wide, fuse_dq_causal=width <= 64, dq_heaviest_first=wide)
+  return BackwardBlocks(dkv_stream_q=64, dq_stream_kv=64, num_stages=2,
+                        fuse_dq_causal=width <= 64, dq_heaviest_first=wide, head_split=wide)
 
 
 def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
-               stationary: tuple[str, ...]) -> tuple[plan_lib.MBarrier, ...]:
+               stationary: tuple[str, ...], *,
+               stationary_tiles: int = CW) -> tuple[plan_lib.MBarrier, ...]:
   """The backward's mbarrier plan, in the forward's vocabulary (plan.MBarrier)."""
-  mb = [plan_lib.MBarrier(f"{n}_stationary", CW, 1,
-                          f"{kind}: TMA of a compute warpgroup's {n} tile landed")
+  mb = [plan_lib.MBarrier(f"{n}_stationary", stationary_tiles, 1,
+                          f"{kind}: TMA of a stationary {n} tile landed")
         for n in stationary]
   mb += [plan_lib.MBarrier(f"{n}_produced", stages, 1, f"{kind}: TMA of {n} into a slot landed")
          for n in streamed]
@@ -156,37 +179,39 @@ def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
   return tuple(mb)
 
 
-def dkv_mbarriers(blocks: BackwardBlocks, outputs: tuple[str, ...]) -> tuple[plan_lib.MBarrier, ...]:
+def dkv_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
   """The dK/dV kernel's mbarriers, allocated by :func:`dkv_call` (and
-  counted by :func:`launch_smem_bytes`).  V's tile is read only by
-  dP^T = V dO^T, which only dK needs."""
-  stationary = ("k", "v") if "dk" in outputs else ("k",)
-  return _mbarriers("dkv", blocks.num_stages, ("q", "do", "rows"), stationary)
+  counted by :func:`launch_smem_bytes`)."""
+  return _mbarriers("dkv", blocks.num_stages, ("q", "do", "rows"), ("k", "v"),
+                    stationary_tiles=1 if blocks.head_split else CW)
 
 
 def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
   """The dQ kernel's mbarriers (see :func:`dkv_mbarriers`)."""
-  return _mbarriers("dq", blocks.num_stages, ("k", "v"), ("q", "do", "rows"))
+  return _mbarriers("dq", blocks.num_stages, ("k", "v"), ("q", "do", "rows"),
+                    stationary_tiles=1 if blocks.head_split else CW)
 
 
 def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
-             is_causal: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+             is_causal: bool = True, fuse_dq: bool = True,
+             blocks=None) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
-  (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`).
-  The defaults give every launch kind there is."""
-  blocks = blocks_for(head_dim, head_dim_out)
-  groups = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
-  out = [(f"dkv[{'+'.join(g)}]", dkv_mbarriers(blocks, g)) for g in groups]
-  if fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
+  (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`,
+  or ``fuse_dq`` is False: deterministic=True).  The defaults give every
+  launch kind there is; ``blocks``: the tiling (None: :func:`blocks_for`'s)."""
+  blocks = blocks or blocks_for(head_dim, head_dim_out)
+  out = [("dkv", dkv_mbarriers(blocks))]
+  if fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
     return out
   return out + [("dq", dq_mbarriers(blocks))]
 
 
 def fused_dq_fits(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
-  """Whether the dK/dV kernel can accumulate dQ at all: not for head dims
-  over 128 (dK and dV split, and the f32 staging would not fit 227 KiB), nor
-  with a bias, whose gradient needs the f32 dS that the dQ kernel writes."""
-  return not blocks.split_dkv and not with_bias
+  """Whether the dK/dV kernel can accumulate dQ at all: not under the head
+  split (its f32 staging would leave room for one stage only, and that ran
+  slower than the dQ kernel: :func:`blocks_for`), nor with a bias, whose
+  gradient needs the f32 dS that the dQ kernel writes."""
+  return not blocks.head_split and not with_bias
 
 
 def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> bool:
@@ -236,8 +261,9 @@ def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype,
   (and :func:`launch_smem_bytes` counts it)."""
   bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
   B, dt = plan_lib.Buffer, np.dtype(dtype)
+  if blocks.head_split:
+    return _wide_buffers(blocks, head_dim, head_dim_out, dtype)
   return (B("k", (CW, bkv, head_dim), dt),
-          # V's tile, loaded only for dK; a dV-only launch uses it to stage dV.
           B("v", (CW, bkv, head_dim_out), dt),
           B("q", (stages, bq, head_dim), dt),
           B("do", (stages, bq, head_dim_out), dt),
@@ -247,13 +273,22 @@ def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype,
 
 def dq_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
                want_ds: bool) -> tuple:
-  """The dQ kernel's shared memory, as :func:`dq_call` allocates it."""
+  """The dQ kernel's shared memory, as :func:`dq_call` allocates it: the
+  stationary tiles, the ring, the head split's exchange buffers (None
+  without it) and the f32 staging of dS."""
   bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
   B, dt, f32 = plan_lib.Buffer, np.dtype(dtype), np.dtype(np.float32)
+  if blocks.head_split:
+    W = functools.partial(B, swizzle=WIDE_SWIZZLE)
+    return (W("q", (1, bq, head_dim), dt), W("do", (1, bq, head_dim_out), dt),
+            B("rows", (1, 2, bq), f32, swizzled=False),
+            W("k", (stages, bkv, head_dim), dt), W("v", (stages, bkv, head_dim_out), dt),
+            W("ds_exchange", (EXCHANGE_BUFFERS, bq, bkv), dt),
+            B("ds", (CW, bq, bkv // CW), f32) if want_ds else None)
   return (B("q", (CW, bq, head_dim), dt), B("do", (CW, bq, head_dim_out), dt),
           B("rows", (CW, 2, bq), f32, swizzled=False),
           B("k", (stages, bkv, head_dim), dt),
-          B("v", (stages, bkv, head_dim_out), dt),
+          B("v", (stages, bkv, head_dim_out), dt), None,
           B("ds", (CW, bq, bkv), f32) if want_ds else None)
 
 
@@ -268,19 +303,20 @@ def launch_smem_bytes(buffers, mbarriers) -> int:
 
 
 def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
-                   with_bias: bool, is_causal: bool) -> dict[str, int]:
+                   with_bias: bool, is_causal: bool, fuse_dq: bool = True,
+                   blocks=None) -> dict[str, int]:
   """Bytes of shared memory of every launch of one backward (padded head
-  dims), keyed as :func:`launches` names them."""
-  blocks = blocks_for(head_dim, head_dim_out)
-  fused = fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
+  dims), keyed as :func:`launches` names them; ``blocks``: the tiling
+  (None: :func:`blocks_for`'s)."""
+  blocks = blocks or blocks_for(head_dim, head_dim_out)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
   out = {}
   for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias,
-                                  is_causal=is_causal):
+                                  is_causal=is_causal, fuse_dq=fuse_dq, blocks=blocks):
     if name == "dq":
       bufs = dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=with_bias)
     else:
-      bufs = dkv_buffers(blocks, head_dim, head_dim_out, dtype,
-                         fused=fused and name == "dkv[dk+dv]")
+      bufs = dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)
     out[name] = launch_smem_bytes(bufs, mbarriers)
   return out
 
@@ -458,7 +494,6 @@ class DkvKernel(_Launch):
   """One dK/dV launch: its own sizes and switches (set by :func:`dkv_call`)
   and, inside the kernel, its grid point (set by :func:`_dkv_kernel`)."""
 
-  outputs: tuple[str, ...]
   head_dim_out: int
   nq: int                   # streamed query blocks of the padded length
   fused: bool               # dQ accumulated here (into dq_ref)
@@ -471,22 +506,19 @@ class DkvKernel(_Launch):
   k_st: Any = None          # the stationary tiles, which stage dK and dV at the end
   v_st: Any = None
   dq_st: Any = None
-  stationary: ring_lib.WarpgroupSlots | None = None   # k (and v) per compute warpgroup
+  stationary: ring_lib.WarpgroupSlots | None = None   # k and v per compute warpgroup
   stream: ring_lib.Ring | None = None                  # q, rows, dO per query block
 
-  # Keys per warpgroup (stationary), queries per streamed block, the
-  # outputs this launch forms, and S^T's shape (keys x queries).
+  # Keys per warpgroup (stationary), queries per streamed block, and S^T's
+  # shape (keys x queries).
   bkv = property(lambda self: self.blocks.rows)
   bq = property(lambda self: self.blocks.dkv_stream_q)
-  want_dk = property(lambda self: "dk" in self.outputs)
-  want_dv = property(lambda self: "dv" in self.outputs)
   shape_t = property(lambda self: (self.bkv, self.bq))
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, outputs: tuple[str, ...], dq_accum=None,
-             query_blocks=None, inner_blocks=None):
-  """dK and/or dV (``outputs``) on padded inputs.
+             blocks: BackwardBlocks, dq_accum=None, query_blocks=None, inner_blocks=None):
+  """{"dk": dK, "dv": dV} on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
   (B, N, 2, Tp) f32 = [lse2, delta]; bias_t / mask_t: bias and mask with T and
@@ -496,29 +528,32 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   ``inner_blocks``: None or (B|1, K|1, 2, key tiles) int32, the run of them
   wholly inside every row's range (kernel.padding.query_block_inner_bounds).
 
-  ``dq_accum``: a zeroed (B, Tp, N, D) f32 ref; when given
-  (outputs dK and dV together), the kernel also adds each key tile's part of
+  ``dq_accum``: a zeroed (B, Tp, N, D) f32 ref; when given (where
+  :func:`fused_dq_fits`), the kernel also adds each key tile's part of
   dQ / scale into it (see the fused dQ notes below).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   fused = dq_accum is not None
-  if fused and not ("dk" in outputs and "dv" in outputs):
-    raise ValueError("the fused dQ needs dK and dV in the same launch")
-  kernel = DkvKernel(f=f, blocks=blocks, outputs=outputs, head_dim=head_dim,
+  if fused and blocks.head_split:
+    raise ValueError("the head-split dK/dV launch does not accumulate dQ (fused_dq_fits)")
+  kernel = DkvKernel(f=f, blocks=blocks, head_dim=head_dim,
                      head_dim_out=head_dim_out, dtype=dtype, num_kv_heads=num_kv_heads,
                      group=num_heads // num_kv_heads,
                      nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused)
 
   def body(*refs):
-    _dkv_kernel(kernel, *refs)
+    if blocks.head_split:
+      *operands, scratch, bars = refs
+      _wide_kernel(kernel, *operands, scratch, bars)
+    else:
+      _dkv_kernel(kernel, *refs)
 
   scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)),
-             _barrier_refs(dkv_mbarriers(blocks, outputs))]
-  out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads,
-                                    head_dim if name == "dk" else head_dim_out), dtype)
-              for name in outputs]
+             _barrier_refs(dkv_mbarriers(blocks))]
+  out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads, d), dtype)
+              for d in (head_dim, head_dim_out)]
   results = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
       # Key tiles the slowest grid dimension (blocks launch with the first
@@ -534,32 +569,42 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
     *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_accum)
-  return dict(zip(outputs, results))
+  return dict(zip(("dk", "dv"), results))
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
                 ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, *out_refs_and_scratch):
   """The dK/dV kernel's entry: its rings over the scratch, the key tile of
   this grid point and the query blocks it visits, each warpgroup's role."""
-  n_out = len(c.outputs)
-  out_refs = out_refs_and_scratch[:n_out]
-  (k_st, v_st, q_ring, do_ring, rows_ring, ds_st, dq_st), bars = out_refs_and_scratch[n_out:]
-  k_stat, *bars = bars
-  v_stat = bars.pop(0) if c.want_dk else None
-  q_prod, do_prod, rows_prod, consumed = bars
-  # K (and, for dK, V) stationary: one tile per compute warpgroup, filled
-  # once; each step streams a query block's q, residual rows and dO.
-  stationary = ring_lib.WarpgroupSlots(
-      {"k": (k_st, k_stat), **({"v": (v_st, v_stat)} if c.want_dk else {})})
+  out_refs = out_refs_and_scratch[:2]
+  (k_st, v_st, q_ring, do_ring, rows_ring, ds_st, dq_st), bars = out_refs_and_scratch[2:]
+  k_stat, v_stat, q_prod, do_prod, rows_prod, consumed = bars
+  # K and V stationary: one tile per compute warpgroup, filled once; each
+  # step streams a query block's q, residual rows and dO.
+  stationary = ring_lib.WarpgroupSlots({"k": (k_st, k_stat), "v": (v_st, v_stat)})
   stream = ring_lib.Ring(c.blocks.num_stages, {"q": (q_ring, q_prod),
                                                "rows": (rows_ring, rows_prod),
                                                "do": (do_ring, do_prod)}, consumed)
+  c = dataclasses.replace(
+      _at_key_tile(c, qlo_ref, qhi_ref, inner_ref),
+      q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
+      bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
+      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
+      stream=stream)
+  pl.when(c.wg < CW)(functools.partial(_dkv_compute, c))
+  pl.when(c.wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
+                                                functools.partial(_dkv_fill, c), 0, c.steps,
+                                                stream))
+
+
+def _at_key_tile(c: DkvKernel, qlo_ref, qhi_ref, inner_ref) -> DkvKernel:
+  """``c`` at this grid point: the warpgroup, the key tile, and the query
+  blocks that can see any of the tile's keys (causal: from the tile's first
+  key on; key ranges: the band the table gives, which a local window or
+  packed documents narrow to the blocks that reach the tile), for every
+  query head of the group in turn."""
   wg = lax.axis_index("wg")
   j, hk, b = (lax.axis_index(n) for n in ("kv_tiles", "kv_heads", "batch"))
-  # Query blocks that can see any of this tile's keys (causal: from the
-  # tile's first key on; key ranges: the band the table gives, which a
-  # local window or packed documents narrow to the blocks that reach the
-  # tile); every query head of the group, in turn.
   lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)
   hi = jnp.int32(c.nq)
   if qlo_ref is not None:
@@ -571,17 +616,9 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
     bh = batch_head(inner_ref, b, hk)
     inner_lo, inner_hi = inner_ref[(*bh, 0, j)], inner_ref[(*bh, 1, j)]
   per_head = lax.max(hi - lo, jnp.int32(0))
-  c = dataclasses.replace(
-      c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head, steps=per_head * c.group,
-      q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
-      bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      qlo_ref=qlo_ref, qhi_ref=qhi_ref, inner_lo=inner_lo, inner_hi=inner_hi,
-      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
-      stream=stream)
-  pl.when(wg < CW)(functools.partial(_dkv_compute, c))
-  pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
-                                              functools.partial(_dkv_fill, c), 0, c.steps,
-                                              stream))
+  return dataclasses.replace(c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head,
+                             steps=per_head * c.group, qlo_ref=qlo_ref, qhi_ref=qhi_ref,
+                             inner_lo=inner_lo, inner_hi=inner_hi)
 
 
 def _dkv_coords(c: DkvKernel, t):
@@ -593,8 +630,7 @@ def _dkv_load_stationary(c: DkvKernel):
   for w in range(CW):
     rows_w = pl.ds((CW * c.j + w) * c.bkv, c.bkv)
     c.stationary.producer_copy(c.k_ref.at[c.b, rows_w, c.hk], w, "k")
-    if c.want_dk:
-      c.stationary.producer_copy(c.v_ref.at[c.b, rows_w, c.hk], w, "v")
+    c.stationary.producer_copy(c.v_ref.at[c.b, rows_w, c.hk], w, "v")
 
 
 def _dkv_fill(c: DkvKernel, t, st):
@@ -613,11 +649,9 @@ def _dkv_compute(c: DkvKernel):
   wg = c.wg
   kv_base = (CW * c.j + wg) * c.bkv
   c.stationary.consumer_wait(wg, "k")
-  if c.want_dk:
-    c.stationary.consumer_wait(wg, "v")
+  c.stationary.consumer_wait(wg, "v")
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
-  dk_acc = zeros(c.head_dim) if c.want_dk else None
-  dv_acc = zeros(c.head_dim_out) if c.want_dv else None
+  dk_acc, dv_acc = zeros(c.head_dim), zeros(c.head_dim_out)
   dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_dkv_step, c, kv_base),
                                  (dk_acc, dv_acc))
   if c.fused:  # the last dQ product has read both K tiles before they stage dK
@@ -625,13 +659,13 @@ def _dkv_compute(c: DkvKernel):
   # The stationary tiles are no longer read: they stage the results.
   rows_out = pl.ds(kv_base, c.bkv)
   results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}
-  for name, ref in zip(c.outputs, c.out_refs):
+  for name, ref in zip(("dk", "dv"), c.out_refs):
     acc, buf = results[name]
     if name == "dk":
       acc = acc * c.f.scale
     buf.at[wg][...] = acc.astype(c.dtype)
   plgpu.commit_smem()
-  for name, ref in zip(c.outputs, c.out_refs):
+  for name, ref in zip(("dk", "dv"), c.out_refs):
     plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[c.b, rows_out, c.hk])
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   if c.fused:  # the last dQ reduce-add has landed before the kernel ends
@@ -651,42 +685,10 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   stream.consumer_wait(st, "rows")
   stream.consumer_wait(st, "do")
   q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
-  tile = (b, h, pl.ds(kv_base, c.bkv), pl.ds(q_base, c.bq))
-
-  def per_query(ref):  # k_start / k_end of the block's queries, along the tile
-    v = load_broadcast(ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), COL)
-    return lax.broadcast_in_dim(v, c.shape_t, [1])
-
-  # With key ranges, only the steps outside the tile's run of query blocks
-  # wholly inside every row's range (c.inner_lo, c.inner_hi; the table
-  # leaves out tiles with padded keys) apply the range and padded-key terms
-  # (_masked_terms).  Without ranges the padded-key term stays on every
-  # step: a branch on the tile holding padded keys instead ran slower, 3.05
-  # against 2.95 ms forward + backward at B5 T=S=3000 N16 D128 on the H200
-  # (2026-12-02).
-  edge_terms, terms = [], []
-  if c.ks_ref is not None:
-    edge_terms.append(lambda key: key >= per_query(c.ks_ref))
-  if c.ke_ref is not None:
-    edge_terms.append(lambda key: key < per_query(c.ke_ref))
-  if c.mask_ref is not None:
-    terms.append(lambda key: load_broadcast(c.mask_ref, tile, c.shape_t, WGMMA) != 0)
-  if c.fused and (c.f.seq_kv % c.bkv or c.s_pad != c.f.seq_kv):
-    # padded keys add nothing to dQ
-    (edge_terms if edge_terms else terms).append(lambda key: key < c.f.seq_kv)
-  inside = None
-  if edge_terms:
-    inside = lambda: (c.inner_lo <= i) & (i < c.inner_hi)
-  p, ds = _step_scores(
-      c.f, c.shape_t, s_ops=(c.stationary.slot(wg, "k"), q_slot),
-      dp_ops=(c.stationary.slot(wg, "v"), do_slot) if c.want_dk else None,
-      paired=c.blocks.schedule == "paired", want_ds=c.want_dk,
-      bias_of=lambda: None if c.bias_ref is None else load_broadcast(
-          c.bias_ref, tile, c.shape_t, WGMMA),
-      terms=terms, key_dim=0, key_base=kv_base, num_keys=c.bkv, query_base=q_base,
-      edge_terms=edge_terms, interior=inside,
-      lse2_of=lambda: plgpu.load(stream.slot(st, "rows", 0), layout=COL, optimized=False),
-      delta_of=lambda: plgpu.load(stream.slot(st, "rows", 1), layout=COL, optimized=False))
+  p, ds = _dkv_scores(c, st, i, h, kv_base, q_base, c.bq,
+                      s_ops=(c.stationary.slot(wg, "k"), q_slot),
+                      dp_ops=(c.stationary.slot(wg, "v"), do_slot),
+                      rows=lambda r: stream.slot(st, "rows", r))
   if c.fused:
     # This warpgroup's dS^T into the step's staging buffer, visible to
     # the tensor cores (fence), then the step's rendezvous: right after
@@ -697,7 +699,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     plgpu.commit_smem()
     barriers.ds_ready(dq_owner(t), wg)
   # dV += P^T dO and dK += dS^T Q: issued together, waited once.
-  accs = {n: a for n, a in (("dv", dv_acc), ("dk", dk_acc)) if a is not None}
+  accs = {"dv": dv_acc, "dk": dk_acc}
 
   def grads(refs):
     if "dv" in refs:
@@ -721,6 +723,50 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
       part = _dq_product(c.ds_st, ds_buffer(t), c.k_st)
       _dq_reduce_add(part, c.dq_st.at[wg], c.dq_ref.at[b, pl.ds(q_base, c.bq), h])
   return dk_acc, dv_acc
+
+
+def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, dp_ops, rows):
+  """P^T and dS^T (None without dK) of one step's (keys x queries) tile:
+  the tile's keep terms, then :func:`_step_scores`.  ``q_base``,
+  ``num_queries``: the tile's queries (a part of query block ``i``);
+  ``rows(r)``: their lse2 (r = 0) and delta (r = 1) in shared memory."""
+  b = c.b
+  shape = (c.bkv, num_queries)
+  tile = (b, h, pl.ds(kv_base, c.bkv), pl.ds(q_base, num_queries))
+
+  def per_query(ref):  # k_start / k_end of the tile's queries, along the tile
+    v = load_broadcast(ref, (b, h, pl.ds(q_base, num_queries)), (num_queries,), COL)
+    return lax.broadcast_in_dim(v, shape, [1])
+
+  # With key ranges, only the steps outside the tile's run of query blocks
+  # wholly inside every row's range (c.inner_lo, c.inner_hi; the table
+  # leaves out tiles with padded keys) apply the range and padded-key terms
+  # (_masked_terms).  Without ranges the padded-key term stays on every
+  # step: a branch on the tile holding padded keys instead ran slower, 3.05
+  # against 2.95 ms forward + backward at B5 T=S=3000 N16 D128 on the H200
+  # (2026-12-02).
+  edge_terms, terms = [], []
+  if c.ks_ref is not None:
+    edge_terms.append(lambda key: key >= per_query(c.ks_ref))
+  if c.ke_ref is not None:
+    edge_terms.append(lambda key: key < per_query(c.ke_ref))
+  if c.mask_ref is not None:
+    terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
+  if c.fused and (c.f.seq_kv % c.bkv or c.s_pad != c.f.seq_kv):
+    # padded keys add nothing to dQ
+    (edge_terms if edge_terms else terms).append(lambda key: key < c.f.seq_kv)
+  inside = None
+  if edge_terms:
+    inside = lambda: (c.inner_lo <= i) & (i < c.inner_hi)
+  return _step_scores(
+      c.f, shape, s_ops=s_ops, dp_ops=dp_ops, paired=c.blocks.schedule == "paired",
+      want_ds=True,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(
+          c.bias_ref, tile, shape, WGMMA),
+      terms=terms, key_dim=0, key_base=kv_base, num_keys=c.bkv, query_base=q_base,
+      edge_terms=edge_terms, interior=inside,
+      lse2_of=lambda: plgpu.load(rows(0), layout=COL, optimized=False),
+      delta_of=lambda: plgpu.load(rows(1), layout=COL, optimized=False))
 
 
 # The fused dQ.  dQ_i = scale * sum_j dS_ij K_j sums over every key tile, and
@@ -787,6 +833,157 @@ def _dq_reduce_add(part, staging, dq_dst):
   plgpu.copy_smem_to_gmem(staging, dq_dst, reduction_op="add")
 
 
+# The head-split dK/dV launch (head dims over 128).  One block owns ONE tile
+# of 64 keys; both compute warpgroups work on it, so that each holds half of
+# the head dim of dK and of dV (64 keys x D/2 each, f32: 64 registers per
+# thread each at D = 256, where a whole dK and dV would take 256).  The work
+# of a step is split too, with nothing computed twice:
+#
+# * warpgroup w forms S^T and dP^T of the tile against its own 32 queries of
+#   the step's block (64 keys x 32 queries: wgmma's N = 32), then P^T and
+#   dS^T, and stages them, in the compute dtype, into columns [32 w, 32 w +
+#   32) of the step's exchange buffers ``pt`` and ``ds`` (64 keys x 64
+#   queries);
+# * the rendezvous (barriers.halves_ready: both warpgroups sync) makes both
+#   halves visible;
+# * warpgroup w forms its columns of dV += P^T dO and dK += dS^T Q over all
+#   64 queries.
+#
+# Four products per step, against five with dK and dV in separate launches
+# (each recomputed S^T); dQ is the head-split dQ kernel's (notes above
+# _wide_dq_step), and the ring has two stages, which a one-stage ring with
+# the fused dQ's f32 staging beside it did not reach (blocks_for).  wgmma
+# takes both shared-memory operands of a product in one swizzle, and the
+# exchange buffers' halves are 32 columns (64 bytes) wide: every tile of
+# this launch is 64-byte swizzled.
+# Two exchange buffers, step t uses t % 2: warpgroup w writes buffer t % 2
+# again at step t + 2 only after the rendezvous of step t + 1, which the
+# other warpgroup reaches only after its products of step t (which read the
+# buffer) completed.
+EXCHANGE_BUFFERS = 2
+WIDE_SWIZZLE = 64
+
+
+def exchange_buffer(t):
+  return t % EXCHANGE_BUFFERS
+
+
+def _wide_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype) -> tuple:
+  """The head-split launch's shared memory (same order as dkv_buffers)."""
+  bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
+  dt, f32 = np.dtype(dtype), np.dtype(np.float32)
+  B = functools.partial(plan_lib.Buffer, swizzle=WIDE_SWIZZLE)
+  return (B("k", (1, bkv, head_dim), dt), B("v", (1, bkv, head_dim_out), dt),
+          B("q", (stages, bq, head_dim), dt), B("do", (stages, bq, head_dim_out), dt),
+          plan_lib.Buffer("rows", (stages, 2, bq), f32, swizzled=False),
+          B("pt", (EXCHANGE_BUFFERS, bkv, bq), dt), B("ds", (EXCHANGE_BUFFERS, bkv, bq), dt))
+
+
+def _wide_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
+                 ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, dk_ref, dv_ref,
+                 scratch, bars):
+  """The head-split launch's entry: one stationary K and V tile for both
+  warpgroups, the ring of query blocks, the exchange buffers."""
+  k_st, v_st, q_ring, do_ring, rows_ring, pt_st, ds_st = scratch
+  k_stat, v_stat, q_prod, do_prod, rows_prod, consumed = bars
+  stationary = ring_lib.WarpgroupSlots({"k": (k_st, k_stat), "v": (v_st, v_stat)})
+  stream = ring_lib.Ring(c.blocks.num_stages, {"q": (q_ring, q_prod),
+                                               "rows": (rows_ring, rows_prod),
+                                               "do": (do_ring, do_prod)}, consumed)
+  c = dataclasses.replace(
+      _at_key_tile(c, qlo_ref, qhi_ref, inner_ref),
+      q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
+      bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
+      out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=(pt_st, ds_st),
+      stationary=stationary, stream=stream)
+  pl.when(c.wg < CW)(functools.partial(_wide_compute, c))
+  pl.when(c.wg == CW)(lambda: _memory_warpgroup(functools.partial(_wide_load_stationary, c),
+                                                functools.partial(_dkv_fill, c), 0, c.steps,
+                                                stream))
+
+
+def _shared_slot(c: DkvKernel):
+  """Slot 0 of the stationary tiles, which both compute warpgroups read, as
+  a traced index (wg // 2 = 0 for both): the products' run_state cannot
+  lower a ref indexed by a Python constant."""
+  return lax.div(c.wg, jnp.int32(CW))
+
+
+def _wide_load_stationary(c: DkvKernel):
+  keys = pl.ds(c.j * c.bkv, c.bkv)
+  c.stationary.producer_copy(c.k_ref.at[c.b, keys, c.hk], 0, "k")
+  c.stationary.producer_copy(c.v_ref.at[c.b, keys, c.hk], 0, "v")
+
+
+def _wide_compute(c: DkvKernel):
+  """A compute warpgroup of the head-split launch: its half of the head dim
+  of dK and dV over every step, then staged in the stationary tiles and
+  stored, one output by each warpgroup."""
+  plgpu.set_max_registers(232, action="increase")
+  wg = c.wg
+  c.stationary.consumer_wait(_shared_slot(c), "k")
+  c.stationary.consumer_wait(_shared_slot(c), "v")
+  dk_cols, dv_cols = c.head_dim // CW, c.head_dim_out // CW
+  zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
+  dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_wide_step, c),
+                                 (zeros(dk_cols), zeros(dv_cols)))
+  # K and V are free to stage dK and dV: each step's last reads of them (S^T
+  # and dP^T) precede its rendezvous, which both warpgroups passed.
+  c.k_st.at[0, :, pl.ds(wg * dk_cols, dk_cols)][...] = (dk_acc * c.f.scale).astype(c.dtype)
+  c.v_st.at[0, :, pl.ds(wg * dv_cols, dv_cols)][...] = dv_acc.astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.epilogue_sync()  # both halves staged before the copy reads them
+  keys = pl.ds(c.j * c.bkv, c.bkv)
+  dk_ref, dv_ref = c.out_refs
+
+  @pl.when(wg == 0)
+  def _():
+    plgpu.copy_smem_to_gmem(c.k_st.at[0], dk_ref.at[c.b, keys, c.hk])
+
+  @pl.when(wg == 1)
+  def _():
+    plgpu.copy_smem_to_gmem(c.v_st.at[0], dv_ref.at[c.b, keys, c.hk])
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _wide_step(c: DkvKernel, t, carry):
+  """Step t of the head-split launch (the notes above)."""
+  dk_acc, dv_acc = carry
+  wg, b, stream = c.wg, c.b, c.stream
+  pt_st, ds_st = c.ds_st
+  st = stream.position(t)
+  h, i = _dkv_coords(c, t)
+  q_base = i * c.bq
+  stream.consumer_wait(st, "q")
+  stream.consumer_wait(st, "rows")
+  stream.consumer_wait(st, "do")
+  q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
+  half = c.bq // CW
+  mine = pl.ds(wg * half, half)
+  kv_base = c.j * c.bkv
+  p, ds = _dkv_scores(c, st, i, h, kv_base, q_base + wg * half, half,
+                      s_ops=(c.stationary.slot(_shared_slot(c), "k"), q_slot.at[mine]),
+                      dp_ops=(c.stationary.slot(_shared_slot(c), "v"), do_slot.at[mine]),
+                      rows=lambda r: stream.slot(st, "rows", r).at[mine])
+  x = exchange_buffer(t)
+  pt_st.at[x, :, mine][...] = p.astype(c.dtype)
+  ds_st.at[x, :, mine][...] = ds.astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.halves_ready()
+  dk_cols = pl.ds(wg * dk_acc.shape[1], dk_acc.shape[1])
+  dv_cols = pl.ds(wg * dv_acc.shape[1], dv_acc.shape[1])
+
+  def grads(refs):
+    plgpu.wgmma(refs["dv"], pt_st.at[x], do_slot.at[:, dv_cols])
+    plgpu.wgmma(refs["dk"], ds_st.at[x], q_slot.at[:, dk_cols])
+
+  accs = pl.run_state(grads)({"dv": plgpu.ACC.init(dv_acc), "dk": plgpu.ACC.init(dk_acc)})
+  # Both products that read the slot have completed (run_state waits).
+  stream.consumer_release(st)
+  return accs["dk"], accs["dv"]
+
+
 @dataclasses.dataclass(frozen=True)
 class DqKernel(_Launch):
   """One dQ launch: its own switch (set by :func:`dq_call`) and, inside the
@@ -802,6 +999,7 @@ class DqKernel(_Launch):
   k_start_max: Any = None   # the tile's key-range bounds (None: no ranges)
   k_end_min: Any = None
   ds_ref: Any = None
+  exchange: Any = None      # the head split's dS exchange buffers
   stationary: ring_lib.WarpgroupSlots | None = None   # q, dO, rows per compute warpgroup
   stream: ring_lib.Ring | None = None                  # k, v per key block
 
@@ -849,7 +1047,8 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
   """The dQ kernel's entry: its rings over the scratch, the query tile of
   this grid point and its key blocks, each warpgroup's role."""
   ds_ref = rest[0] if c.want_ds else None
-  (q_st, do_st, rows_st, k_ring, v_ring, ds_st), bars = rest[1:] if c.want_ds else rest
+  (q_st, do_st, rows_st, k_ring, v_ring, exchange, ds_st), bars = (
+      rest[1:] if c.want_ds else rest)
   q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
   # Q, dO and the residual rows stationary, one tile per compute warpgroup;
   # each step streams a key block's k and v.
@@ -865,23 +1064,27 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
   hk = lax.div(h, jnp.int32(c.group))
   f = c.f
   start_max = end_min = None
+  # kv_block_range counts in tiles of 2 * block_q rows.
+  half_tile = c.blocks.dq_tile // 2
   if tiles_ref is None:
-    lb, ub = kv_block_range(qi, block_q=c.bq, block_kv=c.bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
-                            is_causal=f.is_causal)
+    lb, ub = kv_block_range(qi, block_q=half_tile, block_kv=c.bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal)
   else:
     start_min, start_max, end_min, end_max = tile_key_bounds(tiles_ref, b, h, qi)
-    lb, ub = kv_block_range(qi, block_q=c.bq, block_kv=c.bkv, seq_q=f.seq_q, seq_kv=f.seq_kv,
-                            is_causal=f.is_causal, k_start_min=start_min, k_end_max=end_max)
+    lb, ub = kv_block_range(qi, block_q=half_tile, block_kv=c.bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal, k_start_min=start_min,
+                            k_end_max=end_max)
   c = dataclasses.replace(
       c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, k_start_max=start_max,
       k_end_min=end_min, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
       do_ref=do_ref, rows_ref=rows_ref, bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref,
-      ke_ref=ke_ref, dq_ref=dq_ref, ds_ref=ds_ref, ds_st=ds_st, stationary=stationary,
-      stream=stream)
-  pl.when(wg < CW)(functools.partial(_dq_compute, c))
-  pl.when(wg == CW)(lambda: _memory_warpgroup(functools.partial(_dq_load_stationary, c),
-                                              functools.partial(_dq_fill, c), 0, ub - lb,
-                                              stream))
+      ke_ref=ke_ref, dq_ref=dq_ref, ds_ref=ds_ref, ds_st=ds_st, exchange=exchange,
+      stationary=stationary, stream=stream)
+  split = c.blocks.head_split
+  pl.when(wg < CW)(functools.partial(_wide_dq_compute if split else _dq_compute, c))
+  pl.when(wg == CW)(lambda: _memory_warpgroup(
+      functools.partial(_wide_dq_load_stationary if split else _dq_load_stationary, c),
+      functools.partial(_dq_fill, c), 0, ub - lb, stream))
 
 
 def _dq_load_stationary(c: DqKernel):
@@ -977,6 +1180,115 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   return dq_acc
 
 
+# The head-split dQ kernel (head dims over 128), the dK/dV launch's split
+# turned around: one block owns ONE tile of 64 query rows (Q, dO, lse,
+# delta stationary, 64-byte swizzled) for both compute warpgroups and
+# streams key blocks of 64 through a two-stage ring.  Warpgroup w forms S
+# and dP of the tile against its 32 keys of the block (64 queries x 32 keys),
+# dS, and stages dS in the compute dtype into columns [32 w, 32 w + 32) of
+# the step's exchange buffer; after the rendezvous (barriers.halves_ready)
+# it forms its half of dQ's head dim, dQ[:, cols] += dS K[:, cols], over all
+# 64 keys.  Exchange buffers as in the dK/dV launch (step t uses t % 2).
+
+
+def _wide_dq_load_stationary(c: DqKernel):
+  rows = pl.ds(c.qi * c.bq, c.bq)
+  c.stationary.producer_copy(c.q_ref.at[c.b, rows, c.h], 0, "q")
+  c.stationary.producer_copy(c.do_ref.at[c.b, rows, c.h], 0, "do")
+  c.stationary.producer_copy(c.rows_ref.at[c.b, c.h, :, rows], 0, "rows")
+
+
+def _wide_dq_compute(c: DqKernel):
+  """A compute warpgroup of the head-split dQ kernel: its half of dQ's head
+  dim over the tile's key blocks, staged in the Q tile, stored by
+  warpgroup 0."""
+  plgpu.set_max_registers(232, action="increase")
+  wg = c.wg
+  shared = lax.div(wg, jnp.int32(CW))  # slot 0, traced (see _shared_slot)
+  q_base = c.qi * c.bq
+  rows = pl.ds(q_base, c.bq)
+  for name in ("q", "do", "rows"):
+    c.stationary.consumer_wait(shared, name)
+  lse2 = plgpu.load(c.stationary.slot(shared, "rows", 0), layout=ROW, optimized=False)
+  delta = plgpu.load(c.stationary.slot(shared, "rows", 1), layout=ROW, optimized=False)
+  per_row = lambda ref: None if ref is None else load_broadcast(ref, (c.b, c.h, rows), (c.bq,),
+                                                                 ROW)
+  ks, ke = per_row(c.ks_ref), per_row(c.ke_ref)
+  cols = c.head_dim // CW
+  step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
+  dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, cols), jnp.float32), WGMMA)
+  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
+  q_st = c.stationary.slot(shared, "q")
+  # Q is free to stage dQ: each step's last read of it (S) precedes its
+  # rendezvous, which both warpgroups passed.
+  q_st.at[:, pl.ds(wg * cols, cols)][...] = (dq_acc * c.f.scale).astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.epilogue_sync()  # both halves staged before the copy reads them
+
+  @pl.when(wg == 0)
+  def _():
+    plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
+  """Key block ki of the head-split dQ kernel (the notes above)."""
+  f, wg, b, h, stream = c.f, c.wg, c.b, c.h, c.stream
+  t = ki - c.lb
+  st = stream.position(t)
+  k_base = ki * c.bkv
+  stream.consumer_wait(st, "k")
+  stream.consumer_wait(st, "v")
+  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  half = c.bkv // CW
+  mine = pl.ds(wg * half, half)
+  my_base = k_base + wg * half
+  shape = (c.bq, half)
+  tile = (b, h, rows, pl.ds(my_base, half))
+  edge_terms, terms = [], []
+  if ks is not None:
+    edge_terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
+  if ke is not None:
+    edge_terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
+  padded_keys = bool(f.seq_kv % c.bkv or c.s_pad != f.seq_kv)
+  if padded_keys:
+    (edge_terms if edge_terms else terms).append(lambda key: key < f.seq_kv)
+
+  def interior():  # of the whole key block (both halves)
+    inside = (c.k_start_max <= k_base) & (k_base + c.bkv <= c.k_end_min)
+    return inside & (k_base + c.bkv <= f.seq_kv) if padded_keys else inside
+
+  if c.mask_ref is not None:
+    terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
+  _, ds = _step_scores(
+      f, shape, s_ops=(c.stationary.slot(shared, "q"), k_slot.at[mine]),
+      dp_ops=(c.stationary.slot(shared, "do"), v_slot.at[mine]),
+      paired=c.blocks.schedule == "paired", want_ds=True,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
+                                                                     WGMMA),
+      terms=terms, key_dim=1, key_base=my_base, num_keys=half, query_base=q_base,
+      lse2_of=lambda: lse2, delta_of=lambda: delta, edge_terms=edge_terms,
+      interior=interior)
+  x = exchange_buffer(t)
+  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.halves_ready()
+  cols = pl.ds(wg * dq_acc.shape[1], dq_acc.shape[1])
+
+  def dsk(acc):
+    plgpu.wgmma(acc, c.exchange.at[x], k_slot.at[:, cols])
+
+  dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+  stream.consumer_release(st)
+  if c.want_ds:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    c.ds_st.at[wg][...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(my_base, half)])
+  return dq_acc
+
+
 def residual_rows(m, l, out, d_out, t_pad: int):
   """(B, N, 2, Tp) f32, the per-row inputs the kernels stream: lse in base 2
   from the forward's natural-log residuals (+inf where l = 0, a fully masked
@@ -996,7 +1308,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True):
+                       fuse_dq=True, blocks_override=None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -1013,8 +1325,10 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
+  if blocks_override is not None:  # a variant kept for measurement (kernel/experiments.py)
+    blocks = blocks_override(blocks)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
-                                  is_causal=f.is_causal).items():
+                                  is_causal=f.is_causal, fuse_dq=fuse_dq, blocks=blocks).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
@@ -1054,7 +1368,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
     # lower a program that holds a mutable array's effect.
     def fused_launch(refs):
       acc, dk, dv = refs
-      got = launch(outputs=("dk", "dv"), dq_accum=acc)
+      got = launch(dq_accum=acc)
       dk[...], dv[...] = got["dk"], got["dv"]
 
     dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
@@ -1062,9 +1376,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
     dkv = {"dk": dk_pad, "dv": dv_pad}
     dq, ds = (dq_acc * f.scale).astype(dtype), None
   else:
-    dkv = {}
-    for outputs in ((("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)):
-      dkv.update(launch(outputs=outputs))
+    dkv = launch()
     dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
                      want_ds=bias is not None)
 
@@ -1087,14 +1399,14 @@ def _visited_blocks(ds_shape, tiles, f: BackwardFeatures, blocks: BackwardBlocks
   tile, bkv = blocks.dq_tile, blocks.dq_stream_kv
   qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
   if tiles is None:
-    lb, ub = kv_block_range(qi, block_q=blocks.rows, block_kv=bkv, seq_q=f.seq_q,
+    lb, ub = kv_block_range(qi, block_q=tile // 2, block_kv=bkv, seq_q=f.seq_q,
                             seq_kv=f.seq_kv, is_causal=f.is_causal)
     lb, ub = (jnp.broadcast_to(x, qi.shape)[None, None] for x in (lb, ub))
   else:
     start_min, _, _, end_max = tiles
     shape = jnp.broadcast_shapes(start_min.shape, end_max.shape)
     qi3 = jnp.broadcast_to(qi, shape)
-    lb, ub = kv_block_range(qi3, block_q=blocks.rows, block_kv=bkv, seq_q=f.seq_q,
+    lb, ub = kv_block_range(qi3, block_q=tile // 2, block_kv=bkv, seq_q=f.seq_q,
                             seq_kv=f.seq_kv, is_causal=f.is_causal,
                             k_start_min=jnp.broadcast_to(start_min, shape),
                             k_end_max=jnp.broadcast_to(end_max, shape))

@@ -65,6 +65,11 @@ def _declare() -> tuple[NamedBarrier, ...]:
                    "the dS^T tiles of an even step are staged (fused dQ)"),
       NamedBarrier("ds_ready_wg1", first + 4, both_compute,
                    "the dS^T tiles of an odd step are staged (fused dQ)"),
+      # Backward, head-split dK/dV (kernel/backward.py, head dims over 128):
+      # both warpgroups have staged their halves of a step's P^T and dS^T,
+      # which each reads whole.  Both sync: one generation per step.
+      NamedBarrier("halves_ready", first + 5, both_compute,
+                   "both halves of a step's P^T and dS^T are staged (head split)"),
   )
 
 
@@ -144,6 +149,13 @@ def ds_ready(owner, wg) -> None:
   bid = ds_ready_id(owner)
   lax.cond(wg == owner, lambda: _bar("sync", bid, b.num_threads),
            lambda: _bar("arrive", bid, b.num_threads))
+
+
+def halves_ready() -> None:
+  """Step rendezvous of the head-split dK/dV launch: both warpgroups have
+  staged their query halves of P^T and dS^T."""
+  b = BY_NAME["halves_ready"]
+  _bar("sync", b.id, b.num_threads)
 
 
 def ds_ready_id(owner):

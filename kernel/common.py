@@ -62,7 +62,7 @@ def smem(buf: plan_lib.Buffer):
   if not buf.swizzled:
     return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype))
   bits = np.dtype(buf.dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(buf.shape[-1] * bits, buf.name)
+  swizzle = buf.swizzle or plgpu.find_swizzle(buf.shape[-1] * bits, buf.name)
   transforms = (plgpu.TilingTransform((8, 8 * swizzle // bits)),
                 plgpu.SwizzleTransform(swizzle))
   return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)

@@ -76,6 +76,10 @@ class Buffer:
   shape: tuple[int, ...]
   dtype: np.dtype
   swizzled: bool = True    # tiled + swizzled for wgmma/TMA
+  # The swizzle in bytes; None: the widest one a row holds.  wgmma takes
+  # both smem operands of one product in one swizzle, so buffers that meet
+  # in a product narrower than a 128-byte row (64 bf16 columns) all say 64.
+  swizzle: int | None = None
 
   @property
   def nbytes(self) -> int:

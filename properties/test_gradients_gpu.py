@@ -94,10 +94,24 @@ def _named_gradient_specs():
                                             dtype="bfloat16", seed=33, is_causal=True)
   yield "causal-kv-longer", hs.CaseSpec(shapes=S(B=1, T=100, N=2, H=64, S=300, K=2, Hv=64),
                                         dtype="float16", seed=23, is_causal=True)
-  yield "d256-split-dkv", hs.CaseSpec(shapes=S(B=1, T=200, N=2, H=256, S=150, K=1, Hv=256),
+  yield "d256-head-split", hs.CaseSpec(shapes=S(B=1, T=200, N=2, H=256, S=150, K=1, Hv=256),
                                       dtype="bfloat16", seed=24)
   yield "d256-dv128-causal", hs.CaseSpec(shapes=S(B=1, T=130, N=1, H=256, S=260, K=1, Hv=128),
                                          dtype="bfloat16", seed=25, is_causal=True)
+  # The head-split dK/dV launch (head dims over 128) on each of its paths:
+  # GQA with the fused dQ under causal, a head dim of 192 (96 columns per
+  # warpgroup), a bias (the dQ kernel beside it), key ranges with a soft cap.
+  yield "d256-gqa-causal-fused-dq", hs.CaseSpec(
+      shapes=S(B=2, T=333, N=4, H=256, S=333, K=2, Hv=256), dtype="bfloat16", seed=34,
+      is_causal=True)
+  yield "d192-ragged", hs.CaseSpec(shapes=S(B=1, T=257, N=2, H=192, S=129, K=1, Hv=192),
+                                   dtype="float16", seed=35)
+  yield "d256-bias", hs.CaseSpec(
+      shapes=S(B=1, T=200, N=2, H=256, S=300, K=1, Hv=256), dtype="bfloat16", seed=36,
+      bias=hs.BiasSpec((1, 2, 200, 300), 1.0, 12))
+  yield "d256-key-ranges-softcap", hs.CaseSpec(
+      shapes=S(B=1, T=256, N=2, H=256, S=384, K=2, Hv=256), dtype="bfloat16", seed=37,
+      logits_soft_cap=10.0, key_range=hs.KeyRangeSpec((1, 2, 256), 384, 13))
   yield "bias-full-softcap", hs.CaseSpec(
       shapes=S(B=2, T=256, N=2, H=64, S=256, K=1, Hv=64), dtype="bfloat16", seed=26,
       logits_soft_cap=5.0, bias=hs.BiasSpec((2, 2, 256, 256), 1.0, 7))
@@ -127,7 +141,7 @@ _NAMED_GRADIENTS = list(_named_gradient_specs())
 
 @pytest.mark.parametrize("name,spec", _NAMED_GRADIENTS, ids=[n for n, _ in _NAMED_GRADIENTS])
 def test_named_gradient_cases(name, spec):
-  """Each path of the backward kernels (split dK/dV for wide heads, GQA sums,
+  """Each path of the backward kernels (the head split for wide heads, GQA sums,
   dbias with broadcast and -inf entries, soft cap, key ranges, fully masked
   rows, ragged lengths) against float64."""
   case = hs.build_case(spec)

@@ -146,6 +146,26 @@ BACKWARD_MUTANTS = (
              "  if c.fused:  # the last dQ product has read both K tiles before they stage dK\n"
              "    pass\n"),),
            file="backward.py", backward=(64, False, False, True)),
+    # The head split (head dims over 128): the exchange of P^T and dS^T
+    # halves between the two compute warpgroups, and the epilogue that
+    # overwrites the shared K and V tiles.
+    Mutant("halves_read_before_rendezvous",
+           "the head split's dK/dV products read the other warpgroup's halves of P^T and "
+           "dS^T without the rendezvous",
+           (("  plgpu.commit_smem()\n  barriers.halves_ready()\n  dk_cols = ",
+             "  plgpu.commit_smem()\n  pass\n  dk_cols = "),),
+           file="backward.py", backward=(256, False, False, False)),
+    Mutant("halves_one_exchange_buffer",
+           "every step of the head split stages its halves in the same exchange buffer",
+           (("def exchange_buffer(t):\n  return t % EXCHANGE_BUFFERS\n",
+             "def exchange_buffer(t):\n  return 0 * t\n"),),
+           file="backward.py", backward=(256, False, False, False)),
+    Mutant("wide_dk_stored_before_both_halves",
+           "the head split's dK tile copied out before the other warpgroup staged its half",
+           (("  barriers.epilogue_sync()  # both halves staged before the copy reads them\n"
+             "  keys = pl.ds(c.j * c.bkv, c.bkv)\n",
+             "  pass\n  keys = pl.ds(c.j * c.bkv, c.bkv)\n"),),
+           file="backward.py", backward=(256, False, False, False)),
 )
 
 SAFE = (

@@ -437,6 +437,17 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
   raise ex.ExtractionError(f"no dQ grid point of {num_tiles} reads the last tile's key range")
 
 
+def backward_stages(case: BackwardCase, *, module=None) -> list[int]:
+  """The ring depth of each launch of one backward, in launch order, from
+  the mbarrier plans kernel.backward.launches gives (its "consumed"
+  barriers, one per slot): the launches of one backward may differ."""
+  from kernel import backward
+  module = module or backward
+  plans = module.launches(case.head_dim, case.head_dim, with_bias=case.bias,
+                          is_causal=case.causal, fuse_dq=case.fuse_dq)
+  return [next(b.num_barriers for b in plan if b.name == "consumed") for _, plan in plans]
+
+
 def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
@@ -452,8 +463,8 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   from kernel import backward
   module = module or backward
   blocks = module.blocks_for(case.head_dim, case.head_dim)
-  ring = _ring(blocks.num_stages)
-  long = _probe_trips(ring)
+  rings = [_ring(s) for s in backward_stages(case, module=module)]
+  long = max(_probe_trips(r) for r in rings)
   tile = blocks.dq_tile
   # the dQ kernel's last tile bounds its causal range at 2 * (tiles) blocks
   seq_long = tile * max(-(-long * blocks.dkv_stream_q // tile), -(-long // 2) + 1)
@@ -466,8 +477,11 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
                                      fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
                                      module=module)
     if not learners:
+      if len(rings) != len(kernels):
+        raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "
+                                 f"kernel.backward.launches names {len(rings)}")
       learners = [rp.Learner(f"{case.describe()}, launch {i + 1} of {len(kernels)}", ring,
-                             persistent=False) for i in range(len(kernels))]
+                             persistent=False) for i, ring in enumerate(rings)]
     elif len(learners) != len(kernels):
       raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches at one length, "
                                f"{len(learners)} at another")
@@ -490,7 +504,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
                                      name="dq")
           (qi,) = env.order
           lo, hi = module.kv_block_range(
-              qi, block_q=blocks.rows, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
+              qi, block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
               seq_kv=seq_kv, is_causal=case.causal, k_start_min=lb * blocks.dq_stream_kv,
               k_end_max=(lb + n) * blocks.dq_stream_kv)
           learner.observe(launch, [hi - lo], where=f"the dQ tile's key blocks [{lo}, {hi})")
@@ -534,7 +548,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
       missing = learner.missing(prog) if probe else []
       if not missing:
         break
-      for n in sorted({_realise(ring, kind, ctx, persistent=False)[0]
+      for n in sorted({_realise(learner.ring, kind, ctx, persistent=False)[0]
                        for _, kind, ctx in missing}):
         probe(n)
       prog = learner.program()
@@ -601,7 +615,8 @@ def _learn(kind, case, mutant):
     if kind == "forward":
       stages, persistent = case.num_stages, case.persistent
     else:
-      stages, persistent = backward.blocks_for(case.head_dim, case.head_dim).num_stages, False
+      # the deepest ring of the case's launches (the probes name no launch)
+      stages, persistent = max(backward_stages(case, module=backward)), False
     concrete = [rp.concrete(case.describe(), stages, p, persistent=persistent)
                 for p in err.probes]
     return [(c.name, c) for c in concrete], str(err), time.perf_counter() - start

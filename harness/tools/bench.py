@@ -208,9 +208,8 @@ def backward_part_fns(shape: BenchShape) -> dict:
                                                               **kw)
 
   def dkv(q, k, v, do, rows, acc=None):
-    launches = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
-    return [bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
-                         outputs=o, dq_accum=acc) for o in launches]
+    return bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+                        dq_accum=acc)
 
   def fused(q, k, v, do, rows):
     acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))

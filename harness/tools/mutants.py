@@ -246,8 +246,7 @@ CATALOG: tuple[Mutant, ...] = (
        "    if name == \"dk\":\n      acc = acc * c.f.scale\n", "", grads("gqa-d128")),
     _m("dk-dv-swapped", "dk and dv swapped (joint launch)", BWD,
        'results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}',
-       'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)} if len(c.outputs) == 2 else '
-       '{"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}', grads("gqa-d128")),
+       'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)}', grads("gqa-d128")),
     _m("backward-causal-diagonal-masked", "causal off by one in the backward", BWD,
        "keep = key <= query if causal else None", "keep = key < query if causal else None",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
@@ -290,14 +289,14 @@ CATALOG: tuple[Mutant, ...] = (
        (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",), probe="grad-causal"),
     _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", PIPE,
        "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
-       grads("gqa-d128", "d256-split-dkv"), probe="grad"),
+       grads("gqa-d128", "d256-head-split"), probe="grad"),
     Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
            "products reading it completed", BWD, (
                ("  stream.consumer_release(st)\n  if c.fused:\n",
                 "  if c.fused:\n"),
                ("  # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
                 "  stream.consumer_release(st)\n")),
-           grads("gqa-d128", "d256-split-dkv")),
+           grads("gqa-d128", "d256-head-split")),
 )
 
 

@@ -10,28 +10,30 @@ Mosaic GPU's that the estimate rounds up.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from harness.tools.lowering import lower_attention
 from kernel import heuristics, plan
 
 SMEM_MARGIN_BYTES = 2048
 
-# Each lowering costs about a second of CPU.  The ci profile lowers every
-# emitted config of the fullest feature set of each grid (staged bias and
-# mask, causal, residuals; the soft cap in the first) and, of its other
-# problems, the heuristic's config and every third other one;
-# ``HYPOTHESIS_PROFILE=thorough`` lowers them all.
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+# Each lowering costs one to three seconds of CPU.  The ci profile lowers
+# every emitted config of the fullest feature set of each grid (staged bias
+# and mask, causal, residuals; the soft cap in the first) and, of its other
+# problems, the heuristic's config and every fourth other one;
+# ``HYPOTHESIS_PROFILE=thorough`` lowers them all.  The profile is the one
+# properties/conftest.py loaded.
+THOROUGH = settings.get_current_profile_name() == "thorough"
+OTHERS_STRIDE = 4
 
 
 def _configs_to_lower(problem, *, fullest: bool, may_refuse: bool = False) -> list:
   """The heuristic's config and the autotuner's, sorted; outside ``fullest``
-  and the thorough profile, a third of the autotuner's.  ``may_refuse``: a
+  and the thorough profile, every OTHERS_STRIDE-th of the autotuner's.  ``may_refuse``: a
   problem the heuristic finds no config for (a staged bias that does not fit)
   keeps the autotuner's alone."""
   try:
@@ -42,7 +44,7 @@ def _configs_to_lower(problem, *, fullest: bool, may_refuse: bool = False) -> li
     chosen = set()
   others = sorted(set(heuristics.get_autotuning_configs(problem)) - chosen, key=str)
   if not (fullest or THOROUGH):
-    others = others[::3]
+    others = others[::OTHERS_STRIDE]
   return sorted(chosen | set(others), key=str)
 
 SHAPE_CLASSES = {  # name: (head_dim, head_dim_out)

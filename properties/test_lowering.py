@@ -24,11 +24,11 @@ SMEM_MARGIN_BYTES = 2048
 # Each lowering costs one to three seconds of CPU.  The ci profile lowers
 # every emitted config of the fullest feature set of each grid (staged bias
 # and mask, causal, residuals; the soft cap in the first) and, of its other
-# problems, the heuristic's config and every fourth other one;
+# problems, the heuristic's config and every eighth other one;
 # ``HYPOTHESIS_PROFILE=thorough`` lowers them all.  The profile is the one
 # properties/conftest.py loaded.
 THOROUGH = settings.get_current_profile_name() == "thorough"
-OTHERS_STRIDE = 4
+OTHERS_STRIDE = 8
 
 
 def _configs_to_lower(problem, *, fullest: bool, may_refuse: bool = False) -> list:

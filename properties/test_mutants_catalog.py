@@ -116,14 +116,24 @@ def test_the_watchdog_names_the_hung_test_under_xdist(tmp_path):
 
 
 def _lowering_chunks(size: int = 8) -> list[tuple[str, ...]]:
-  """The catalogue cut into chunks of one probe each (a chunk lowers its
-  probe's shipped program once), at most ``size`` mutants a chunk, so that
-  xdist spreads the check over its workers."""
+  """The catalogue cut into chunks of at most ``size`` mutants, so that
+  xdist spreads the check over its workers: each probe's mutants in pieces
+  of at most ``size`` (a chunk lowers each of its probes' shipped programs
+  once), the pieces packed largest first into as few chunks as fit (each
+  chunk is one child process, about 3 s before its first lowering)."""
   by_probe: dict[str, list[str]] = {}
   for m in mutants.CATALOG:
     by_probe.setdefault(m.probe, []).append(m.name)
-  return [tuple(names[i:i + size]) for names in by_probe.values()
-          for i in range(0, len(names), size)]
+  pieces = sorted((names[i:i + size] for names in by_probe.values()
+                   for i in range(0, len(names), size)), key=len, reverse=True)
+  chunks: list[list[str]] = []
+  for piece in pieces:
+    home = next((c for c in chunks if len(c) + len(piece) <= size), None)
+    if home is None:
+      chunks.append(list(piece))
+    else:
+      home.extend(piece)
+  return [tuple(c) for c in chunks]
 
 
 def test_the_lowering_chunks_cover_the_catalogue_once():

@@ -167,6 +167,13 @@ def main(argv=None) -> int:
     listed[:] = hit if hit is not None else pending()
     if cache is not None and hit is None:
       cache.put("listed", repr(first), listed)
+    if args.mutant is not None:
+      # The backward case the mutant names, where it names one, first: its
+      # failure shows there without proving the smaller cases before it.
+      shows = protocol_mutants.BY_NAME[args.mutant].backward
+      own = [it for it in listed if it[0] == "backward" and shows
+             and it[1] == cases.BackwardCase(*shows)]
+      listed[:] = own + [it for it in listed if it not in own]
     return listed
 
   if args.fail_fast or args.jobs <= 1:

@@ -297,6 +297,16 @@ CATALOG: tuple[Mutant, ...] = (
                ("  # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
                 "  stream.consumer_release(st)\n")),
            grads("gqa-d128", "d256-head-split")),
+    # -- backward: the head split (head dims over 128) -------------------------
+    _m("head-split-dv-other-half", "a warpgroup's dV half formed from the other half of dO",
+       BWD, "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
+       "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, pl.ds((1 - wg) * "
+       "dv_acc.shape[1], dv_acc.shape[1])])",
+       grads("d256-head-split", "d256-gqa-causal-fused-dq"), probe="grad-d256"),
+    _m("head-split-ds-halves-swapped", "the dQ kernel's dS halves staged in each other's "
+       "columns", BWD, "  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
+       "  c.exchange.at[x, :, pl.ds((1 - wg) * half, half)][...] = ds.astype(c.dtype)",
+       grads("d256-head-split", "d256-gqa-causal-fused-dq"), probe="grad-d256"),
 )
 
 

@@ -98,10 +98,10 @@ def _named_gradient_specs():
                                       dtype="bfloat16", seed=24)
   yield "d256-dv128-causal", hs.CaseSpec(shapes=S(B=1, T=130, N=1, H=256, S=260, K=1, Hv=128),
                                          dtype="bfloat16", seed=25, is_causal=True)
-  # The head-split dK/dV launch (head dims over 128) on each of its paths:
-  # GQA with the fused dQ under causal, a head dim of 192 (96 columns per
-  # warpgroup), a bias (the dQ kernel beside it), key ranges with a soft cap.
-  yield "d256-gqa-causal-fused-dq", hs.CaseSpec(
+  # The head split of both backward kernels (head dims over 128) on each of
+  # its paths: GQA under causal, a head dim of 192 (96 columns per
+  # warpgroup), a bias (the dQ kernel writing dS), key ranges with a soft cap.
+  yield "d256-gqa-causal", hs.CaseSpec(
       shapes=S(B=2, T=333, N=4, H=256, S=333, K=2, Hv=256), dtype="bfloat16", seed=34,
       is_causal=True)
   yield "d192-ragged", hs.CaseSpec(shapes=S(B=1, T=257, N=2, H=192, S=129, K=1, Hv=192),

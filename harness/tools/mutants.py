@@ -302,11 +302,11 @@ CATALOG: tuple[Mutant, ...] = (
        BWD, "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
        "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, pl.ds((1 - wg) * "
        "dv_acc.shape[1], dv_acc.shape[1])])",
-       grads("d256-head-split", "d256-gqa-causal-fused-dq"), probe="grad-d256"),
+       grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
     _m("head-split-ds-halves-swapped", "the dQ kernel's dS halves staged in each other's "
        "columns", BWD, "  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
        "  c.exchange.at[x, :, pl.ds((1 - wg) * half, half)][...] = ds.astype(c.dtype)",
-       grads("d256-head-split", "d256-gqa-causal-fused-dq"), probe="grad-d256"),
+       grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
 )
 
 

@@ -193,13 +193,13 @@ def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
 
 
 def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
-             is_causal: bool = True, fuse_dq: bool = True,
-             blocks=None) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+             is_causal: bool = True,
+             fuse_dq: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
   (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`,
   or ``fuse_dq`` is False: deterministic=True).  The defaults give every
-  launch kind there is; ``blocks``: the tiling (None: :func:`blocks_for`'s)."""
-  blocks = blocks or blocks_for(head_dim, head_dim_out)
+  launch kind there is."""
+  blocks = blocks_for(head_dim, head_dim_out)
   out = [("dkv", dkv_mbarriers(blocks))]
   if fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
     return out
@@ -303,16 +303,14 @@ def launch_smem_bytes(buffers, mbarriers) -> int:
 
 
 def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
-                   with_bias: bool, is_causal: bool, fuse_dq: bool = True,
-                   blocks=None) -> dict[str, int]:
+                   with_bias: bool, is_causal: bool, fuse_dq: bool = True) -> dict[str, int]:
   """Bytes of shared memory of every launch of one backward (padded head
-  dims), keyed as :func:`launches` names them; ``blocks``: the tiling
-  (None: :func:`blocks_for`'s)."""
-  blocks = blocks or blocks_for(head_dim, head_dim_out)
+  dims), keyed as :func:`launches` names them."""
+  blocks = blocks_for(head_dim, head_dim_out)
   fused = fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
   out = {}
   for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias,
-                                  is_causal=is_causal, fuse_dq=fuse_dq, blocks=blocks):
+                                  is_causal=is_causal, fuse_dq=fuse_dq):
     if name == "dq":
       bufs = dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=with_bias)
     else:
@@ -487,6 +485,7 @@ class _Launch(common.OperandRefs):
   inner_lo: Any = None      # dK/dV: the tile's query blocks [inner_lo, inner_hi) wholly
   inner_hi: Any = None      # inside every row's key range (None: no table)
   ds_st: Any = None
+  exchange: Any = None      # the head split's exchange buffers (dK/dV: P^T and dS^T)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,11 +543,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
                      nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused)
 
   def body(*refs):
-    if blocks.head_split:
-      *operands, scratch, bars = refs
-      _wide_kernel(kernel, *operands, scratch, bars)
-    else:
-      _dkv_kernel(kernel, *refs)
+    _dkv_kernel(kernel, *refs)
 
   scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)),
              _barrier_refs(dkv_mbarriers(blocks))]
@@ -573,28 +568,34 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
-                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, *out_refs_and_scratch):
+                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, dk_ref, dv_ref, scratch,
+                bars):
   """The dK/dV kernel's entry: its rings over the scratch, the key tile of
-  this grid point and the query blocks it visits, each warpgroup's role."""
-  out_refs = out_refs_and_scratch[:2]
-  (k_st, v_st, q_ring, do_ring, rows_ring, ds_st, dq_st), bars = out_refs_and_scratch[2:]
+  this grid point and the query blocks it visits, each warpgroup's role
+  (the head split's where ``c.blocks.head_split``)."""
+  k_st, v_st, q_ring, do_ring, rows_ring, *staging = scratch
   k_stat, v_stat, q_prod, do_prod, rows_prod, consumed = bars
-  # K and V stationary: one tile per compute warpgroup, filled once; each
-  # step streams a query block's q, residual rows and dO.
+  # K and V stationary, filled once: one tile per compute warpgroup, or one
+  # for both under the head split; each step streams a query block's q,
+  # residual rows and dO.
   stationary = ring_lib.WarpgroupSlots({"k": (k_st, k_stat), "v": (v_st, v_stat)})
   stream = ring_lib.Ring(c.blocks.num_stages, {"q": (q_ring, q_prod),
                                                "rows": (rows_ring, rows_prod),
                                                "do": (do_ring, do_prod)}, consumed)
+  split = c.blocks.head_split
+  # The rest of the scratch: the fused dQ's dS^T and f32 staging (None
+  # without it), or the head split's exchange buffers of P^T and dS^T.
+  ds_st, dq_st = (None, None) if split else staging
   c = dataclasses.replace(
       _at_key_tile(c, qlo_ref, qhi_ref, inner_ref),
       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      out_refs=out_refs, k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st, stationary=stationary,
-      stream=stream)
-  pl.when(c.wg < CW)(functools.partial(_dkv_compute, c))
-  pl.when(c.wg == CW)(lambda: _memory_warpgroup(functools.partial(_dkv_load_stationary, c),
-                                                functools.partial(_dkv_fill, c), 0, c.steps,
-                                                stream))
+      out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st,
+      exchange=tuple(staging) if split else None, stationary=stationary, stream=stream)
+  pl.when(c.wg < CW)(functools.partial(_wide_compute if split else _dkv_compute, c))
+  pl.when(c.wg == CW)(lambda: _memory_warpgroup(
+      functools.partial(_wide_load_stationary if split else _dkv_load_stationary, c),
+      functools.partial(_dkv_fill, c), 0, c.steps, stream))
 
 
 def _at_key_tile(c: DkvKernel, qlo_ref, qhi_ref, inner_ref) -> DkvKernel:
@@ -879,33 +880,10 @@ def _wide_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtyp
           B("pt", (EXCHANGE_BUFFERS, bkv, bq), dt), B("ds", (EXCHANGE_BUFFERS, bkv, bq), dt))
 
 
-def _wide_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
-                 ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, dk_ref, dv_ref,
-                 scratch, bars):
-  """The head-split launch's entry: one stationary K and V tile for both
-  warpgroups, the ring of query blocks, the exchange buffers."""
-  k_st, v_st, q_ring, do_ring, rows_ring, pt_st, ds_st = scratch
-  k_stat, v_stat, q_prod, do_prod, rows_prod, consumed = bars
-  stationary = ring_lib.WarpgroupSlots({"k": (k_st, k_stat), "v": (v_st, v_stat)})
-  stream = ring_lib.Ring(c.blocks.num_stages, {"q": (q_ring, q_prod),
-                                               "rows": (rows_ring, rows_prod),
-                                               "do": (do_ring, do_prod)}, consumed)
-  c = dataclasses.replace(
-      _at_key_tile(c, qlo_ref, qhi_ref, inner_ref),
-      q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
-      bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=(pt_st, ds_st),
-      stationary=stationary, stream=stream)
-  pl.when(c.wg < CW)(functools.partial(_wide_compute, c))
-  pl.when(c.wg == CW)(lambda: _memory_warpgroup(functools.partial(_wide_load_stationary, c),
-                                                functools.partial(_dkv_fill, c), 0, c.steps,
-                                                stream))
-
-
-def _shared_slot(c: DkvKernel):
-  """Slot 0 of the stationary tiles, which both compute warpgroups read, as
-  a traced index (wg // 2 = 0 for both): the products' run_state cannot
-  lower a ref indexed by a Python constant."""
+def _shared_slot(c):
+  """Slot 0 of the head split's stationary tiles (both kernels), which both
+  compute warpgroups read, as a traced index (wg // 2 = 0 for both): the
+  products' run_state cannot lower a ref indexed by a Python constant."""
   return lax.div(c.wg, jnp.int32(CW))
 
 
@@ -951,7 +929,7 @@ def _wide_step(c: DkvKernel, t, carry):
   """Step t of the head-split launch (the notes above)."""
   dk_acc, dv_acc = carry
   wg, b, stream = c.wg, c.b, c.stream
-  pt_st, ds_st = c.ds_st
+  pt_st, ds_st = c.exchange
   st = stream.position(t)
   h, i = _dkv_coords(c, t)
   q_base = i * c.bq
@@ -999,7 +977,6 @@ class DqKernel(_Launch):
   k_start_max: Any = None   # the tile's key-range bounds (None: no ranges)
   k_end_min: Any = None
   ds_ref: Any = None
-  exchange: Any = None      # the head split's dS exchange buffers
   stationary: ring_lib.WarpgroupSlots | None = None   # q, dO, rows per compute warpgroup
   stream: ring_lib.Ring | None = None                  # k, v per key block
 
@@ -1127,20 +1104,14 @@ def _dq_compute(c: DqKernel):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
-  """Key block ki against this warpgroup's query rows: P and dS
-  (:func:`_step_scores`), dQ += dS K, and dS stored where wanted."""
-  f, wg, b, h, stream, shape = c.f, c.wg, c.b, c.h, c.stream, c.shape
-  st = stream.position(ki - c.lb)
-  k_base = ki * c.bkv
-  stream.consumer_wait(st, "k")
-  stream.consumer_wait(st, "v")
-  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
-  tile = (b, h, rows, pl.ds(k_base, c.bkv))
-  # With key ranges, only the key blocks that hold a padded key or cross a
-  # row's range bound (from the tile's largest start to its smallest end)
-  # apply the range and padded-key terms (_masked_terms); without ranges the
-  # padded-key term stays on every step, as in the dK/dV kernel.
+def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
+  """(edge_terms, terms, interior) of a dQ step's (queries x keys) tile
+  (:func:`_step_scores`), for the streamed key block at ``k_base``.  With
+  key ranges, only the key blocks that hold a padded key or cross a row's
+  range bound (from the tile's largest start to its smallest end) apply the
+  range and padded-key terms (_masked_terms); without ranges the padded-key
+  term stays on every step, as in the dK/dV kernel."""
+  f = c.f
   edge_terms, terms = [], []
   if ks is not None:
     edge_terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
@@ -1156,6 +1127,20 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
 
   if c.mask_ref is not None:
     terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
+  return edge_terms, terms, interior
+
+
+def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
+  """Key block ki against this warpgroup's query rows: P and dS
+  (:func:`_step_scores`), dQ += dS K, and dS stored where wanted."""
+  f, wg, b, h, stream, shape = c.f, c.wg, c.b, c.h, c.stream, c.shape
+  st = stream.position(ki - c.lb)
+  k_base = ki * c.bkv
+  stream.consumer_wait(st, "k")
+  stream.consumer_wait(st, "v")
+  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  tile = (b, h, rows, pl.ds(k_base, c.bkv))
+  edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
   _, ds = _step_scores(
       f, shape, s_ops=(c.stationary.slot(wg, "q"), k_slot),
       dp_ops=(c.stationary.slot(wg, "do"), v_slot), paired=c.blocks.schedule == "paired",
@@ -1204,7 +1189,7 @@ def _wide_dq_compute(c: DqKernel):
   warpgroup 0."""
   plgpu.set_max_registers(232, action="increase")
   wg = c.wg
-  shared = lax.div(wg, jnp.int32(CW))  # slot 0, traced (see _shared_slot)
+  shared = _shared_slot(c)
   q_base = c.qi * c.bq
   rows = pl.ds(q_base, c.bq)
   for name in ("q", "do", "rows"):
@@ -1246,21 +1231,8 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
   my_base = k_base + wg * half
   shape = (c.bq, half)
   tile = (b, h, rows, pl.ds(my_base, half))
-  edge_terms, terms = [], []
-  if ks is not None:
-    edge_terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
-  if ke is not None:
-    edge_terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
-  padded_keys = bool(f.seq_kv % c.bkv or c.s_pad != f.seq_kv)
-  if padded_keys:
-    (edge_terms if edge_terms else terms).append(lambda key: key < f.seq_kv)
-
-  def interior():  # of the whole key block (both halves)
-    inside = (c.k_start_max <= k_base) & (k_base + c.bkv <= c.k_end_min)
-    return inside & (k_base + c.bkv <= f.seq_kv) if padded_keys else inside
-
-  if c.mask_ref is not None:
-    terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
+  # interior() judges the whole key block (both halves).
+  edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
   _, ds = _step_scores(
       f, shape, s_ops=(c.stationary.slot(shared, "q"), k_slot.at[mine]),
       dp_ops=(c.stationary.slot(shared, "do"), v_slot.at[mine]),
@@ -1308,7 +1280,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, blocks_override=None):
+                       fuse_dq=True):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -1325,10 +1297,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
-  if blocks_override is not None:  # a variant kept for measurement (kernel/experiments.py)
-    blocks = blocks_override(blocks)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
-                                  is_causal=f.is_causal, fuse_dq=fuse_dq, blocks=blocks).items():
+                                  is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "

@@ -131,10 +131,28 @@ class BackwardBlocks:
     return self.rows if self.head_split else CW * self.rows
 
 
-def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
-  """Streamed blocks stay 64 rows: they are the contraction of dV += P^T dO
-  and dQ += dS K, which wgmma takes in whole 128-byte swizzle rows.  Head
-  dims over 128 take the head split, with two stages in both kernels.
+def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> BackwardBlocks:
+  """Streamed blocks are 64 rows, but for the dK/dV kernel's at head dims
+  up to 64 without causal (below).  Head dims over 128 take the head split,
+  with two stages in both kernels.
+
+  The dK/dV kernel streams 128 query rows per block at head dims up to 64
+  when not causal: S^T = K Q^T and dP^T = V dO^T, both operands in shared
+  memory, are then wgmma's of N = 128, not N = 64, whose shared-memory
+  reads match the tensor cores' time per instruction and left them waiting
+  (S^T and dP^T take 64 registers each, dK and dV 32 each: it fits in 232).
+  Forward + backward, bf16, d64 N32, measured on the H200 in one process,
+  128 against 64 query rows (cuDNN): 4k B4 4.188 vs 4.726 ms (4.578), 16k B1
+  16.367 vs 17.876 (17.379), 1k B16 1.239 vs 1.373 (1.432), T=S=3000 B5
+  GQA 32/8 3.374 vs 3.834 (3.528), 12000 B1 GQA 32/8 9.947 vs 10.660
+  (10.170); deterministic at 4k B4 5.244 vs 5.732; a (512, 512) window at
+  8k B2 1.678 vs 1.661 and a (1, 1, T, S) bias at 2k B2 1.291 vs 1.280, both
+  within 1 % (2026-12-03).  Under causal it ran slower, 4k B4 2.999 vs 2.587
+  ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972: the
+  diagonal steps' mask arithmetic on a 64 x 128 tile does not fit beside
+  the rest.  At head dim 128, streaming 128 keys per dQ block instead of
+  64 changed nothing beyond noise (causal 16k B1 8.431 vs 8.323 ms, 4k B4
+  2.314 vs 2.281, deterministic 4k 4.098 vs 4.122).
   Forward + backward, bf16, d256, measured on the H200 against dK and dV in
   separate launches and a one-stage dQ kernel, in one process: 4k B4 N8
   4.992 vs 6.701 ms (cuDNN 4.579), causal 2.643 vs 3.910 (2.601), causal
@@ -161,7 +179,8 @@ def blocks_for(head_dim: int, head_dim_out: int) -> BackwardBlocks:
   first there."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
-  return BackwardBlocks(dkv_stream_q=64, dq_stream_kv=64, num_stages=2,
+  return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
+                        dq_stream_kv=64, num_stages=2,
                         fuse_dq_causal=width <= 64, dq_heaviest_first=wide, head_split=wide)
 
 
@@ -199,7 +218,7 @@ def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
   (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`,
   or ``fuse_dq`` is False: deterministic=True).  The defaults give every
   launch kind there is."""
-  blocks = blocks_for(head_dim, head_dim_out)
+  blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
   out = [("dkv", dkv_mbarriers(blocks))]
   if fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
     return out
@@ -306,7 +325,7 @@ def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
                    with_bias: bool, is_causal: bool, fuse_dq: bool = True) -> dict[str, int]:
   """Bytes of shared memory of every launch of one backward (padded head
   dims), keyed as :func:`launches` names them."""
-  blocks = blocks_for(head_dim, head_dim_out)
+  blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
   fused = fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
   out = {}
   for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias,
@@ -771,13 +790,13 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
 
 
 # The fused dQ.  dQ_i = scale * sum_j dS_ij K_j sums over every key tile, and
-# the key tiles live in different blocks: each block adds its part (one query
-# block of 64 rows x head_dim, f32) into a zeroed f32 array in global memory
-# with a TMA reduce-add, and one XLA cast finishes it.  Within a block, both
-# warpgroups' dS^T tiles (64 keys x 64 queries each) go through shared memory
-# so that ONE warpgroup forms the block's whole part, dS_i,tile K_tile, over
-# all 128 keys of the tile: half the reduce-add traffic of a part per
-# warpgroup.  The warpgroups take that turn alternately (step t: its owner,
+# the key tiles live in different blocks: each block adds its part (one
+# streamed query block x head_dim, f32) into a zeroed f32 array in global
+# memory with a TMA reduce-add, and one XLA cast finishes it.  Within a block,
+# both warpgroups' dS^T tiles (64 keys x the block's queries each) go through
+# shared memory so that ONE warpgroup forms the block's whole part, dS_i,tile
+# K_tile, over all 128 keys of the tile: half the reduce-add traffic of a part
+# per warpgroup.  The warpgroups take that turn alternately (step t: its owner,
 # warpgroup t % 2): right after storing its own dS^T, the owner waits on the
 # named barrier ds_ready_<owner> until the other warpgroup, which only
 # arrives there right after its store, has stored its dS^T too
@@ -1296,7 +1315,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
-  blocks = dataclasses.replace(blocks_for(d, dv_dim), schedule=schedule)
+  blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were

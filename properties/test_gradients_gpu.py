@@ -112,6 +112,14 @@ def _named_gradient_specs():
   yield "d256-key-ranges-softcap", hs.CaseSpec(
       shapes=S(B=1, T=256, N=2, H=256, S=384, K=2, Hv=256), dtype="bfloat16", seed=37,
       logits_soft_cap=10.0, key_range=hs.KeyRangeSpec((1, 2, 256), 384, 13))
+  # Head dims up to 64 without causal stream 128 query rows per dK/dV block
+  # (kernel.backward.blocks_for): the fused dQ with GQA at lengths no
+  # multiple of 128, and with key ranges (their edge terms) as well.
+  yield "d64-gqa-ragged-stream-128", hs.CaseSpec(
+      shapes=S(B=1, T=300, N=4, H=64, S=200, K=2, Hv=64), dtype="bfloat16", seed=38)
+  yield "d64-key-ranges-stream-128", hs.CaseSpec(
+      shapes=S(B=2, T=333, N=4, H=64, S=517, K=2, Hv=64), dtype="float16", seed=39,
+      key_range=hs.KeyRangeSpec((2, 4, 333), 517, 14))
   yield "bias-full-softcap", hs.CaseSpec(
       shapes=S(B=2, T=256, N=2, H=64, S=256, K=1, Hv=64), dtype="bfloat16", seed=26,
       logits_soft_cap=5.0, bias=hs.BiasSpec((2, 2, 256, 256), 1.0, 7))

@@ -451,18 +451,19 @@ def backward_stages(case: BackwardCase, *, module=None) -> list[int]:
 def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
-  The dK/dV kernels stream the query blocks (64 rows) of the band their
+  The dK/dV kernels stream the query blocks (``blocks.dkv_stream_q`` rows:
+  64, or 128 at head dims up to 64 without causal) of the band their
   key tile reads from its tables, under causal from key tile j's first key
   on: with the whole length as band, one causal trace shows streams of
   every even length from its longest down to 0 (non-causal: a long trace
-  and the shortest, one 64-row block of queries); then key tile 0 of the
+  and the shortest, one block of queries); then key tile 0 of the
   long trace is probed with bands of n = 0, 1, 2, 3 and S + M + 3 blocks,
   and each context the learned tables still lack.  The dQ kernel's tile
   reads its key range from the tables: probed at the long trace's last tile
   for the same n, then for each missing context likewise."""
   from kernel import backward
   module = module or backward
-  blocks = module.blocks_for(case.head_dim, case.head_dim)
+  blocks = module.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
   rings = [_ring(s) for s in backward_stages(case, module=module)]
   long = max(_probe_trips(r) for r in rings)
   tile = blocks.dq_tile

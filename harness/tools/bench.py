@@ -200,7 +200,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
   f = bwd.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
                            logits_soft_cap=None, seq_q=shape.seq, seq_kv=shape.seq)
   d = plan_lib.padded_head_dim(shape.head_dim)
-  blocks = bwd.blocks_for(d, d)
+  blocks = bwd.blocks_for(d, d, is_causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
                              num_tiles=shape.seq // blocks.dq_tile)[2]
   dtype = jnp.dtype(shape.dtype)
@@ -244,7 +244,8 @@ def shipped_parts(shape: BenchShape) -> tuple[str, ...]:
   against "forward+backward" shows what the parts leave out."""
   from kernel import backward as bwd, plan as plan_lib
   d = plan_lib.padded_head_dim(shape.head_dim)
-  fused = bwd.fuses_dq(bwd.blocks_for(d, d), with_bias=False, is_causal=shape.causal)
+  fused = bwd.fuses_dq(bwd.blocks_for(d, d, is_causal=shape.causal), with_bias=False,
+                       is_causal=shape.causal)
   kernels = ("zeros", "dkv+fused dQ", "scale+cast") if fused else ("dkv", "dq kernel")
   return ("forward+residuals", "rows") + kernels
 

@@ -342,7 +342,8 @@ def main(argv=None) -> int:
   grid.add_argument("--no-example", action="store_true",
                     help="leave JAX's example Mosaic GPU kernel out (one compile less per point)")
   grid.add_argument("--backward-only", dest="forward_only_backward", action="store_true",
-                    help="only the forward + backward grid")
+                    help="only the forward + backward grid (with --out-dir, the forward rows "
+                         "of an existing performance.json stay, with their own provenance)")
   grid.add_argument("--sections", default="dense",
                     help="comma-separated: dense (the grid) and/or windows-segments (local "
                          "windows and packed segments beside the dense-mask route and cuDNN, "

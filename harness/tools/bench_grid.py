@@ -344,9 +344,17 @@ def write(record: dict, out_dir: Path, sections: dict) -> None:
   rows = record.get("rows", [])
   lines, panels, titles = ["# Performance", ""], [], []
   if rows:
-    titles.append(f"{record['device']}, jax {record['jax']}, commit {record['commit']}, "
-                  f"{record['date']}")
-    lines += [_provenance(record), "",
+    metas = record.get("pass_meta") or {}
+    if len({json.dumps(m, sort_keys=True) for m in metas.values()}) > 1:
+      # passes timed by different runs: each names its own
+      lines += [f"- {p}: {_provenance(m)}" for p, m in metas.items()]
+      titles += [f"{p}: {m['device']}, jax {m['jax']}, commit {m['commit']}, {m['date']}"
+                 for p, m in metas.items()]
+    else:
+      lines.append(_provenance(next(iter(metas.values()), record)))
+      titles.append(f"{record['device']}, jax {record['jax']}, commit {record['commit']}, "
+                    f"{record['date']}")
+    lines += ["",
               "TFLOP/s; FLOPs = 4·B·N·T·S·D, half when causal, ×3.5 for forward + backward.", ""]
     for n in sorted({n for r in rows for n in r["results"] if n.startswith("ours")}):
       s = summary(rows, n)
@@ -405,8 +413,9 @@ def main(args, sections: dict | None = None) -> int:
   module with KEY, TITLE, run(args, passes=, log=), render, panels (today
   harness/tools/bench_windows_segments.py).  The sections named by
   ``--sections`` are timed; with ``--out-dir``, the parts of an existing
-  performance.json there that this run did not time are kept (each names
-  the command, commit and date that made it), the rest replaced."""
+  performance.json there that this run did not time (a pass of the grid,
+  a section) are kept, each naming the command, commit and date that made
+  it, the rest replaced (:func:`merged_record`)."""
   import datetime
   import jax
   sections = sections or {}
@@ -440,21 +449,46 @@ def main(args, sections: dict | None = None) -> int:
       rows += run_grid(points, variants, backward=backward, example=not args.no_example)
   timed = {sections[n].KEY: sections[n].run(args, passes=passes) for n in chosen if n != "dense"}
   if out_dir is not None:
-    write(merged_record(existing, meta, rows=rows, sections=timed), out_dir, sections)
+    timed_passes = None if rows is None else tuple(
+        "forward+backward" if b else "forward" for b in passes)
+    write(merged_record(existing, meta, rows=rows, sections=timed, passes=timed_passes),
+          out_dir, sections)
   print()
   for n in sorted({n for r in rows or () for n in r["results"] if n.startswith("ours")}):
     print(n, summary(rows, n))
   return 0
 
 
-def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: dict) -> dict:
+META_KEYS = ("device", "jax", "commit", "date", "dtype", "command")
+PASSES = ("forward", "forward+backward")
+
+
+def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: dict,
+                  passes: tuple[str, ...] | None = None) -> dict:
   """performance.json's content after a run: the grid's ``rows`` (None: not
-  timed) with ``meta`` at the top level, each timed section's rows with
-  ``meta`` under ``sections[KEY]``; what ``existing`` holds of the parts not
-  timed is kept as it was."""
+  timed) replace the existing rows of the passes this run timed
+  (``passes``; None: those its rows hold), each pass's provenance kept
+  under ``pass_meta[PASS]`` and the run's ``meta`` at the top level; each
+  timed section's rows with ``meta`` under ``sections[KEY]``; what
+  ``existing`` holds of the passes and sections not timed is kept as it
+  was (a record written before ``pass_meta`` credits its rows to its
+  top-level meta)."""
   record = json.loads(json.dumps(existing))  # a copy
   if rows is not None:
-    record.update(meta, rows=rows)
+    timed = set(passes if passes is not None else (r["pass_"] for r in rows))
+    old_rows = record.get("rows", [])
+    pass_meta = record.get("pass_meta")
+    if pass_meta is None:
+      top = {k: record[k] for k in META_KEYS if k in record}
+      pass_meta = {r["pass_"]: top for r in old_rows}
+    kept = [r for r in old_rows if r["pass_"] not in timed]
+    pass_meta = {p: m for p, m in pass_meta.items() if p not in timed}
+    pass_meta.update({p: dict(meta) for p in timed})
+    order = lambda r: PASSES.index(r["pass_"]) if r["pass_"] in PASSES else len(PASSES)
+    merged = sorted(kept + rows, key=order)  # stable: each pass keeps its own order
+    record.update(meta, rows=merged,
+                  pass_meta={p: pass_meta[p] for p in sorted(pass_meta, key=lambda p: order(
+                      {"pass_": p}))})
   for key, section_rows in sections.items():
     record.setdefault("sections", {})[key] = dict(meta, rows=section_rows)
   return record

@@ -1105,13 +1105,7 @@ def _dq_compute(c: DqKernel):
   wg = c.wg
   q_base = (CW * c.qi + wg) * c.bq
   rows = pl.ds(q_base, c.bq)
-  for name in ("q", "do", "rows"):
-    c.stationary.consumer_wait(wg, name)
-  lse2 = plgpu.load(c.stationary.slot(wg, "rows", 0), layout=ROW, optimized=False)
-  delta = plgpu.load(c.stationary.slot(wg, "rows", 1), layout=ROW, optimized=False)
-  per_row = lambda ref: None if ref is None else load_broadcast(ref, (c.b, c.h, rows), (c.bq,),
-                                                                 ROW)
-  ks, ke = per_row(c.ks_ref), per_row(c.ke_ref)
+  lse2, delta, ks, ke = _dq_row_inputs(c, wg, rows)
   step = functools.partial(_dq_step, c, q_base, rows, lse2, delta, ks, ke)
   dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, c.head_dim), jnp.float32), WGMMA)
   dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
@@ -1121,6 +1115,20 @@ def _dq_compute(c: DqKernel):
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dq_row_inputs(c: DqKernel, slot, rows):
+  """(lse2, delta, k_start, k_end) of the stationary query rows ``rows``,
+  per row (ROW layout; the key-range bounds None without ranges), once
+  stationary slot ``slot``'s q, dO and rows have landed: both dQ kernels'
+  compute warpgroups read them before their key loop."""
+  for name in ("q", "do", "rows"):
+    c.stationary.consumer_wait(slot, name)
+  lse2 = plgpu.load(c.stationary.slot(slot, "rows", 0), layout=ROW, optimized=False)
+  delta = plgpu.load(c.stationary.slot(slot, "rows", 1), layout=ROW, optimized=False)
+  per_row = lambda ref: None if ref is None else load_broadcast(ref, (c.b, c.h, rows), (c.bq,),
+                                                                 ROW)
+  return lse2, delta, per_row(c.ks_ref), per_row(c.ke_ref)
 
 
 def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
@@ -1211,13 +1219,7 @@ def _wide_dq_compute(c: DqKernel):
   shared = _shared_slot(c)
   q_base = c.qi * c.bq
   rows = pl.ds(q_base, c.bq)
-  for name in ("q", "do", "rows"):
-    c.stationary.consumer_wait(shared, name)
-  lse2 = plgpu.load(c.stationary.slot(shared, "rows", 0), layout=ROW, optimized=False)
-  delta = plgpu.load(c.stationary.slot(shared, "rows", 1), layout=ROW, optimized=False)
-  per_row = lambda ref: None if ref is None else load_broadcast(ref, (c.b, c.h, rows), (c.bq,),
-                                                                 ROW)
-  ks, ke = per_row(c.ks_ref), per_row(c.ke_ref)
+  lse2, delta, ks, ke = _dq_row_inputs(c, shared, rows)
   cols = c.head_dim // CW
   step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
   dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, cols), jnp.float32), WGMMA)

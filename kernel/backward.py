@@ -138,9 +138,11 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
 
   The dK/dV kernel streams 128 query rows per block at head dims up to 64
   when not causal: S^T = K Q^T and dP^T = V dO^T, both operands in shared
-  memory, are then wgmma's of N = 128, not N = 64, whose shared-memory
-  reads match the tensor cores' time per instruction and left them waiting
-  (S^T and dP^T take 64 registers each, dK and dV 32 each: it fits in 232).
+  memory, are then wgmma's of N = 128.  At N = 64 an instruction's
+  shared-memory reads take about as long as its tensor-core work, so any
+  other shared-memory traffic stalls the products; at N = 128 they are
+  compute-bound (S^T and dP^T take 64 registers each, dK and dV 32 each:
+  it fits in 232).
   Forward + backward, bf16, d64 N32, measured on the H200 in one process,
   128 against 64 query rows (cuDNN): 4k B4 4.188 vs 4.726 ms (4.578), 16k B1
   16.367 vs 17.876 (17.379), 1k B16 1.239 vs 1.373 (1.432), T=S=3000 B5
@@ -148,9 +150,9 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   (10.170); deterministic at 4k B4 5.244 vs 5.732; a (512, 512) window at
   8k B2 1.678 vs 1.661 and a (1, 1, T, S) bias at 2k B2 1.291 vs 1.280, both
   within 1 % (2026-12-03).  Under causal it ran slower, 4k B4 2.999 vs 2.587
-  ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972: the
-  diagonal steps' mask arithmetic on a 64 x 128 tile does not fit beside
-  the rest.  At head dim 128, streaming 128 keys per dQ block instead of
+  ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972; the
+  likely cause, the diagonal steps' mask arithmetic on a 64 x 128 tile
+  beside the rest, is not checked with a register report.  At head dim 128, streaming 128 keys per dQ block instead of
   64 changed nothing beyond noise (causal 16k B1 8.431 vs 8.323 ms, 4k B4
   2.314 vs 2.281, deterministic 4k 4.098 vs 4.122).
   Forward + backward, bf16, d256, measured on the H200 against dK and dV in

@@ -451,8 +451,8 @@ def backward_stages(case: BackwardCase, *, module=None) -> list[int]:
 def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
-  The dK/dV kernels stream the query blocks (``blocks.dkv_stream_q`` rows:
-  64, or 128 at head dims up to 64 without causal) of the band their
+  The dK/dV kernels stream the query blocks (``blocks.dkv_stream_q`` rows,
+  as kernel.backward.blocks_for chooses them) of the band their
   key tile reads from its tables, under causal from key tile j's first key
   on: with the whole length as band, one causal trace shows streams of
   every even length from its longest down to 0 (non-causal: a long trace

@@ -70,6 +70,20 @@ class Point:
             f"{f' gqa{self.kv_heads_ratio}' if self.kv_heads_ratio > 1 else ''}")
 
 
+# The grid's passes, in the order a page lists them, and the keys of a
+# run's provenance (performance.json's top level, and per pass).
+PASSES = ("forward", "forward+backward")
+META_KEYS = ("device", "jax", "commit", "date", "dtype", "command")
+
+
+def pass_name(backward: bool) -> str:
+  return PASSES[1] if backward else PASSES[0]
+
+
+def _pass_rank(name: str) -> int:
+  return PASSES.index(name) if name in PASSES else len(PASSES)
+
+
 def grid_points(*, backward: bool, ragged: bool = True, gqa: int = 1,
                 head_dims=(64, 128, 256)) -> list[Point]:
   seqs = BACKWARD_SEQS if backward else FORWARD_SEQS
@@ -204,7 +218,7 @@ def run_grid(points, variants, *, backward: bool, dtype="bfloat16", sets: int = 
     times, errors = time_interleaved(fns, inputs)
     row = dict(dataclasses.asdict(point), heads=point.heads, kv_heads=point.kv_heads,
                batch=point.batch, dtype=dtype,
-               pass_="forward+backward" if backward else "forward", results={})
+               pass_=pass_name(backward), results={})
     for name in fns:
       if name in times:
         row["results"][name] = dict(ms=times[name] * 1e3,
@@ -351,9 +365,9 @@ def write(record: dict, out_dir: Path, sections: dict) -> None:
       titles += [f"{p}: {m['device']}, jax {m['jax']}, commit {m['commit']}, {m['date']}"
                  for p, m in metas.items()]
     else:
-      lines.append(_provenance(next(iter(metas.values()), record)))
-      titles.append(f"{record['device']}, jax {record['jax']}, commit {record['commit']}, "
-                    f"{record['date']}")
+      m = next(iter(metas.values()), record)
+      lines.append(_provenance(m))
+      titles.append(f"{m['device']}, jax {m['jax']}, commit {m['commit']}, {m['date']}")
     lines += ["",
               "TFLOP/s; FLOPs = 4·B·N·T·S·D, half when causal, ×3.5 for forward + backward.", ""]
     for n in sorted({n for r in rows for n in r["results"] if n.startswith("ours")}):
@@ -449,8 +463,7 @@ def main(args, sections: dict | None = None) -> int:
       rows += run_grid(points, variants, backward=backward, example=not args.no_example)
   timed = {sections[n].KEY: sections[n].run(args, passes=passes) for n in chosen if n != "dense"}
   if out_dir is not None:
-    timed_passes = None if rows is None else tuple(
-        "forward+backward" if b else "forward" for b in passes)
+    timed_passes = None if rows is None else tuple(pass_name(b) for b in passes)
     write(merged_record(existing, meta, rows=rows, sections=timed, passes=timed_passes),
           out_dir, sections)
   print()
@@ -459,8 +472,6 @@ def main(args, sections: dict | None = None) -> int:
   return 0
 
 
-META_KEYS = ("device", "jax", "commit", "date", "dtype", "command")
-PASSES = ("forward", "forward+backward")
 
 
 def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: dict,
@@ -484,11 +495,10 @@ def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: di
     kept = [r for r in old_rows if r["pass_"] not in timed]
     pass_meta = {p: m for p, m in pass_meta.items() if p not in timed}
     pass_meta.update({p: dict(meta) for p in timed})
-    order = lambda r: PASSES.index(r["pass_"]) if r["pass_"] in PASSES else len(PASSES)
-    merged = sorted(kept + rows, key=order)  # stable: each pass keeps its own order
+    # sorted is stable: each pass keeps its rows' own order
+    merged = sorted(kept + rows, key=lambda r: _pass_rank(r["pass_"]))
     record.update(meta, rows=merged,
-                  pass_meta={p: pass_meta[p] for p in sorted(pass_meta, key=lambda p: order(
-                      {"pass_": p}))})
+                  pass_meta={p: pass_meta[p] for p in sorted(pass_meta, key=_pass_rank)})
   for key, section_rows in sections.items():
     record.setdefault("sections", {})[key] = dict(meta, rows=section_rows)
   return record

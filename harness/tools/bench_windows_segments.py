@@ -309,7 +309,7 @@ def time_problem(problem: Problem, *, backward: bool, dtype="bfloat16", sets: in
   return dict(problem=problem.kind, head_dim=problem.head_dim, seq=problem.seq,
               causal=problem.causal, window=problem.window, documents=problem.documents,
               batch=problem.batch, heads=problem.heads, dtype=dtype,
-              pass_="forward+backward" if backward else "forward",
+              pass_=bg.pass_name(backward),
               pairs=visible_pairs(problem), results=results,
               max_abs_diff_to_ours={} if backward else _agreement(fns, inputs[0], times))
 

@@ -73,6 +73,7 @@ import numpy as np
 
 from kernel import barriers
 from kernel import common
+from kernel import masks
 from kernel import padding
 from kernel import plan as plan_lib
 from kernel import ring as ring_lib
@@ -355,17 +356,39 @@ def _scaled_logits(s, f: BackwardFeatures, bias):
 def _probabilities(s, lse2, keep):
   """exp2(s * log2 e - lse2) where kept, 0 elsewhere (lse2 broadcast)."""
   p = jnp.exp2(s * LOG2E - lse2)
-  return p if keep is None else jnp.where(keep, p, 0.0)
+  return p if keep is None else keep.select(p)
 
 
 def _masked_to_zero(ds, keep):
   """dS is exactly 0 for a masked pair, as in the reference: p = 0 there, but
   p * (dP - delta) would be 0 * NaN = NaN when a NaN in dO reaches dP."""
-  return ds if keep is None else jnp.where(keep, ds, 0.0)
+  return ds if keep is None else keep.select(ds)
 
 
 def _and(a, b):
   return b if a is None else (a if b is None else a & b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keep:
+  """The (key, query) pairs of a step's tile that count: key <= query where
+  ``causal`` (by kernel.masks, without index arrays), and ``terms``, a bool
+  array of the other conditions (None: none)."""
+
+  causal: bool
+  key_base: Any
+  query_base: Any
+  key_dim: int
+  terms: Any
+
+  def select(self, x):
+    """x where the pair counts, 0 elsewhere."""
+    if self.terms is not None:
+      x = jnp.where(self.terms, x, 0.0)
+    if self.causal:
+      x = masks.causal_select(x, key_base=self.key_base, query_base=self.query_base,
+                              key_dim=self.key_dim, fill=0.0)
+    return x
 
 
 def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
@@ -374,12 +397,14 @@ def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
   indices giving bool arrays: key ranges, mask, padded keys), in order.
   ``key_dim``: the tile's dimension along keys (0 in the dK/dV kernel's
   transposed tiles, 1 in the dQ kernel's)."""
-  key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=WGMMA)
-  query = query_base + plgpu.broadcasted_iota(jnp.int32, shape, 1 - key_dim, layout=WGMMA)
-  keep = key <= query if causal else None
-  for term in terms:
-    keep = _and(keep, term(key))
-  return keep
+  keep = None
+  if terms:
+    key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=WGMMA)
+    for term in terms:
+      keep = _and(keep, term(key))
+  if keep is None and not causal:
+    return None
+  return _Keep(causal, key_base, query_base, key_dim, keep)
 
 
 def meets_diagonal(key_base, num_keys, query_base):

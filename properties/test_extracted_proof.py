@@ -275,3 +275,26 @@ def test_the_pool_reports_what_one_process_does(tmp_path):
                     early=[("backward", FUSED)])
   assert [(r.name, r.cases, r.ok, r.states) for r in pooled] == \
       [(r.name, r.cases, r.ok, r.states) for r in alone]
+
+
+def test_only_the_causal_select_counts_as_register_only():
+  """kernel/masks.py's select runs under a data-dependent cond (the
+  diagonal steps): the extractor lets it pass as register-only, while any
+  other inline_mgpu there still counts as synchronisation."""
+  import jax
+  import jax.numpy as jnp
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from kernel import masks
+
+  x = jnp.zeros((64, 128), jnp.float32)
+  select = jax.make_jaxpr(lambda x: masks.causal_select(
+      x, key_base=0, query_base=3, key_dim=1, fill=0.0))(x)
+  assert not extract._has_sync(select.jaxpr)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,
+                                                        layout=plgpu.Layout.WGMMA))
+  def select(_ctx, a):  # same name, another file's function
+    return a
+
+  assert extract._has_sync(jax.make_jaxpr(select)(x).jaxpr)

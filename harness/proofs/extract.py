@@ -313,8 +313,20 @@ copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_de
 run_state swap""".split())
 
 
+def _is_register_select(fn) -> bool:
+  """kernel/masks.py's causal select: an inline_mgpu on registers alone (its
+  asm is a setp and a selp per element, no ref operand, no barrier), so it
+  neither synchronises nor touches memory."""
+  code = getattr(fn, "__code__", None)
+  return (code is not None and code.co_filename.endswith(os.path.join("kernel", "masks.py"))
+          and fn.__qualname__ == "causal_select.<locals>.select")
+
+
 def _has_sync(jaxpr) -> bool:
   for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "inline_mgpu_p"
+        and _is_register_select(eqn.params["mgpu_fn"])):
+      continue
     if eqn.primitive.name in _SYNC_PRIMS:
       return True
     if any(_has_sync(s) for s in _subjaxprs(eqn.params)):
@@ -779,6 +791,8 @@ class _Interp:
 
   def p_inline_mgpu_p(self, eqn, ins, src):
     fn = eqn.params["mgpu_fn"]
+    if _is_register_select(fn):
+      return [OPAQUE] * len(eqn.outvars)
     code = getattr(fn, "__code__", None)
     if (code is None or not code.co_filename.endswith(os.path.join("kernel", "barriers.py"))
         or fn.__qualname__ != "_bar.<locals>._emit"):

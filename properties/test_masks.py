@@ -1,0 +1,74 @@
+"""kernel.masks without a GPU: the per-register offsets tile the array with
+the WGMMA layout's thread bases, and the split comparison (one int per
+thread against one immediate per element) is key <= query exactly.
+
+The GPU side (the asm select inside a kernel, bitwise against the index-array
+form) is covered by every causal gradient property in test_gradients_gpu.py.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+from kernel import masks
+
+SHAPES = [(64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+
+
+def _thread_bases():
+  """(row, col) of each warpgroup thread's first element in the WGMMA
+  layout: warp w holds rows 16w..16w+15, lane l starts at row l // 4 of
+  them and column 2 (l % 4)."""
+  t = np.arange(128)
+  warp, lane = t // 32, t % 32
+  return np.stack([16 * warp + lane // 4, 2 * (lane % 4)], axis=1)
+
+
+def _positions(shape):
+  """Every (thread, element) position as absolute (row, col)."""
+  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
+  return _thread_bases()[:, None, :] + offsets[None, :, :]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_offsets_cover_the_tile_exactly_once(shape):
+  pos = _positions(shape).reshape(-1, 2)
+  assert pos.shape[0] == shape[0] * shape[1]
+  counts = np.zeros(shape, np.int64)
+  np.add.at(counts, (pos[:, 0], pos[:, 1]), 1)
+  assert (counts == 1).all(), f"{(counts != 1).sum()} positions not covered once"
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("key_dim", [0, 1])
+@given(key_base=st.integers(-300, 300), query_base=st.integers(-300, 300))
+def test_split_comparison_is_key_le_query(shape, key_dim, key_base, query_base):
+  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
+  bounds = masks.causal_bounds(offsets, key_dim)
+  bases = _thread_bases()
+  key_t, query_t = (bases[:, 0], bases[:, 1]) if key_dim == 0 else (bases[:, 1], bases[:, 0])
+  z = key_t - query_t - (query_base - key_base)
+  kept = z[:, None] <= bounds[None, :]
+  pos = _positions(shape)
+  key_pos, query_pos = (pos[..., 0], pos[..., 1]) if key_dim == 0 else (pos[..., 1], pos[..., 0])
+  assert (kept == (key_base + key_pos <= query_base + query_pos)).all()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(fill=1.0, key_dim=1), "fill"),
+    (dict(fill=0.0, key_dim=2), "key_dim"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+  x = jnp.zeros((64, 128), jnp.float32)
+  with pytest.raises(ValueError, match=name):
+    masks.causal_select(x, key_base=0, query_base=0, **kwargs)
+
+
+def test_a_tile_that_is_not_float32_is_refused():
+  x = jnp.zeros((64, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="x must be a 2-d float32"):
+    masks.causal_select(x, key_base=0, query_base=0, key_dim=1, fill=0.0)

@@ -370,21 +370,34 @@ def _and(a, b):
 
 
 @dataclasses.dataclass(frozen=True)
+class KeysBelow:
+  """The keep term key < limit (the padded keys past the sequence), applied
+  by kernel.masks without index arrays."""
+
+  limit: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class _Keep:
   """The (key, query) pairs of a step's tile that count: key <= query where
-  ``causal`` (by kernel.masks, without index arrays), and ``terms``, a bool
-  array of the other conditions (None: none)."""
+  ``causal`` and key < ``key_limit`` where set (by kernel.masks, without
+  index arrays), and ``terms``, a bool array of the other conditions (None:
+  none)."""
 
   causal: bool
   key_base: Any
   query_base: Any
   key_dim: int
   terms: Any
+  key_limit: Any = None
 
   def select(self, x):
     """x where the pair counts, 0 elsewhere."""
     if self.terms is not None:
       x = jnp.where(self.terms, x, 0.0)
+    if self.key_limit is not None:
+      x = masks.key_limit_select(x, key_base=self.key_base, limit=self.key_limit,
+                                 key_dim=self.key_dim, fill=0.0)
     if self.causal:
       x = masks.causal_select(x, key_base=self.key_base, query_base=self.query_base,
                               key_dim=self.key_dim, fill=0.0)
@@ -394,17 +407,21 @@ class _Keep:
 def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
   """Which (key, query) pairs of a step's tile count (None: all): key <=
   query where ``causal``, and each of ``terms`` (callables of the key
-  indices giving bool arrays: key ranges, mask, padded keys), in order.
-  ``key_dim``: the tile's dimension along keys (0 in the dK/dV kernel's
-  transposed tiles, 1 in the dQ kernel's)."""
+  indices giving bool arrays: key ranges, mask; or a KeysBelow for padded
+  keys).  ``key_dim``: the tile's dimension along keys (0 in the dK/dV
+  kernel's transposed tiles, 1 in the dQ kernel's)."""
+  limits = [t.limit for t in terms if isinstance(t, KeysBelow)]
+  arrays = [t for t in terms if not isinstance(t, KeysBelow)]
+  if len(limits) > 1:
+    raise ValueError(f"at most one KeysBelow term, got {len(limits)}")
   keep = None
-  if terms:
+  if arrays:
     key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=WGMMA)
-    for term in terms:
+    for term in arrays:
       keep = _and(keep, term(key))
-  if keep is None and not causal:
+  if keep is None and not causal and not limits:
     return None
-  return _Keep(causal, key_base, query_base, key_dim, keep)
+  return _Keep(causal, key_base, query_base, key_dim, keep, limits[0] if limits else None)
 
 
 def meets_diagonal(key_base, num_keys, query_base):
@@ -801,7 +818,7 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
     terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
   if c.fused and (c.f.seq_kv % c.bkv or c.s_pad != c.f.seq_kv):
     # padded keys add nothing to dQ
-    (edge_terms if edge_terms else terms).append(lambda key: key < c.f.seq_kv)
+    (edge_terms if edge_terms else terms).append(KeysBelow(c.f.seq_kv))
   inside = None
   if edge_terms:
     inside = lambda: (c.inner_lo <= i) & (i < c.inner_hi)
@@ -1173,7 +1190,7 @@ def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
     edge_terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
   padded_keys = bool(f.seq_kv % c.bkv or c.s_pad != f.seq_kv)
   if padded_keys:
-    (edge_terms if edge_terms else terms).append(lambda key: key < f.seq_kv)
+    (edge_terms if edge_terms else terms).append(KeysBelow(f.seq_kv))
 
   def interior():
     inside = (c.k_start_max <= k_base) & (k_base + c.bkv <= c.k_end_min)

@@ -1,4 +1,5 @@
-"""The causal mask of a WGMMA-layout tile without index arrays.
+"""The causal mask and the padded-key mask of a WGMMA-layout tile without
+index arrays.
 
 ``jnp.where(key <= query, x, fill)`` with ``key`` and ``query`` built from
 ``broadcasted_iota`` materialises two int32 arrays and a bool array the size
@@ -50,8 +51,9 @@ def element_offsets(shape, layout) -> np.ndarray:
 
 
 def causal_bounds(offsets: np.ndarray, key_dim: int) -> np.ndarray:
-  """The immediate k_i of each element: with z = key_t - query_t - delta
-  per thread (delta = query_base - key_base), the pair counts iff z <= k_i.
+  """The immediate k_i of each element for the causal mask: with z = key_t -
+  query_t - delta per thread (delta = query_base - key_base), the pair counts
+  iff z <= k_i.
 
   key = key_base + key_t + key_i and query = query_base + query_t + query_i,
   so key <= query iff key_t - query_t - delta <= query_i - key_i."""
@@ -60,20 +62,49 @@ def causal_bounds(offsets: np.ndarray, key_dim: int) -> np.ndarray:
   return query_i - key_i
 
 
+def limit_bounds(offsets: np.ndarray, key_dim: int) -> np.ndarray:
+  """The immediate k_i of each element for a key limit: with z = key_t -
+  (limit - 1 - key_base) per thread, the key counts iff z <= k_i.
+
+  key = key_base + key_t + key_i < limit iff key_t - (limit - 1 - key_base)
+  <= -key_i."""
+  return -offsets[..., key_dim]
+
+
 def causal_select(x, *, key_base, query_base, key_dim: int, fill: float):
   """``where(key <= query, x, fill)`` for a float32 (rows, cols) WGMMA-layout
   tile whose dimension ``key_dim`` runs over keys key_base + i and the other
   over queries query_base + j (bases ints or traced int32)."""
+  _check(x, key_dim, fill)
+  delta = jnp.asarray(query_base, jnp.int32) - jnp.asarray(key_base, jnp.int32)
+  return _split_select(x, delta, key_dim=key_dim, fill=fill, causal=True)
+
+
+def key_limit_select(x, *, key_base, limit, key_dim: int, fill: float):
+  """``where(key < limit, x, fill)`` for a float32 WGMMA-layout tile whose
+  dimension ``key_dim`` runs over keys key_base + i (the padded keys past
+  the sequence: ``limit`` its length)."""
+  _check(x, key_dim, fill)
+  delta = jnp.asarray(limit, jnp.int32) - 1 - jnp.asarray(key_base, jnp.int32)
+  return _split_select(x, delta, key_dim=key_dim, fill=fill, causal=False)
+
+
+def _check(x, key_dim, fill):
   if fill not in _FILL_HEX:
     raise ValueError(f"fill must be one of {sorted(_FILL_HEX)}, got {fill!r}")
   if key_dim not in (0, 1):
     raise ValueError(f"key_dim must be 0 or 1, got {key_dim!r}")
   if x.ndim != 2 or x.dtype != jnp.float32:
     raise ValueError(f"x must be a 2-d float32 tile, got {x.dtype}{list(x.shape)}")
+
+
+def _split_select(x, delta, *, key_dim, fill, causal):
+  """x where z <= k_i, fill elsewhere: z = key_t - query_t - delta per thread
+  under ``causal``, key_t - delta otherwise; k_i from causal_bounds or
+  limit_bounds."""
   fill_hex = _FILL_HEX[fill]
   layout = plgpu.Layout.WGMMA
   shape = x.shape
-  delta = jnp.asarray(query_base, jnp.int32) - jnp.asarray(key_base, jnp.int32)
 
   @plgpu.inline_mgpu(arg_types=(layout, plgpu.Layout.WG_SPLAT),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
@@ -84,16 +115,20 @@ def causal_select(x, *, key_base, query_base, key_dim: int, fill: float):
 
     i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
     row0, col0 = (arith.index_cast(i32, v) for v in next(iter(xa.layout.thread_idxs(shape))))
-    bounds = causal_bounds(element_offsets(shape, xa.layout), key_dim)
+    offsets = element_offsets(shape, xa.layout)
     key_t, query_t = (row0, col0) if key_dim == 0 else (col0, row0)
-    z = arith.subi(arith.subi(key_t, query_t), d.registers[()])
+    if causal:
+      bounds = causal_bounds(offsets, key_dim)
+      z = arith.subi(arith.subi(key_t, query_t), d.registers[()])
+    else:
+      bounds = limit_bounds(offsets, key_dim)
+      z = arith.subi(key_t, d.registers[()])
     regs = xa.registers
     out = np.empty_like(regs)
     for idx in np.ndindex(*regs.shape):
       v = regs[idx]
-      vec_ty = v.type
-      [width] = ir.VectorType(vec_ty).shape
-      res = llvm.mlir_undef(vec_ty)
+      [width] = ir.VectorType(v.type).shape
+      res = llvm.mlir_undef(v.type)
       for e in range(width):
         bound = int(bounds[idx + (e,)])
         pos = arith.constant(i32, e)

@@ -1,9 +1,10 @@
 """kernel.masks without a GPU: the per-register offsets tile the array with
-the WGMMA layout's thread bases, and the split comparison (one int per
-thread against one immediate per element) is key <= query exactly.
+the WGMMA layout's thread bases, and the split comparisons (one int per
+thread against one immediate per element) are key <= query and key < limit
+exactly.
 
-The GPU side (the asm select inside a kernel, bitwise against the index-array
-form) is covered by every causal gradient property in test_gradients_gpu.py.
+The GPU side (the asm selects inside a kernel) is covered by the causal and
+ragged gradient properties of test_gradients_gpu.py against float64.
 """
 
 from __future__ import annotations
@@ -58,14 +59,30 @@ def test_split_comparison_is_key_le_query(shape, key_dim, key_base, query_base):
   assert (kept == (key_base + key_pos <= query_base + query_pos)).all()
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("key_dim", [0, 1])
+@given(key_base=st.integers(-300, 300), limit=st.integers(-300, 300))
+def test_split_limit_is_key_below_limit(shape, key_dim, key_base, limit):
+  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
+  bounds = masks.limit_bounds(offsets, key_dim)
+  key_t = _thread_bases()[:, key_dim]
+  z = key_t - (limit - 1 - key_base)
+  kept = z[:, None] <= bounds[None, :]
+  key_pos = _positions(shape)[..., key_dim]
+  assert (kept == (key_base + key_pos < limit)).all()
+
+
+@pytest.mark.parametrize("select", [masks.causal_select, masks.key_limit_select],
+                         ids=lambda f: f.__name__)
 @pytest.mark.parametrize("kwargs, name", [
     (dict(fill=1.0, key_dim=1), "fill"),
     (dict(fill=0.0, key_dim=2), "key_dim"),
 ])
-def test_bad_arguments_are_named(kwargs, name):
+def test_bad_arguments_are_named(select, kwargs, name):
   x = jnp.zeros((64, 128), jnp.float32)
+  other = dict(query_base=0) if select is masks.causal_select else dict(limit=7)
   with pytest.raises(ValueError, match=name):
-    masks.causal_select(x, key_base=0, query_base=0, **kwargs)
+    select(x, key_base=0, **other, **kwargs)
 
 
 def test_a_tile_that_is_not_float32_is_refused():

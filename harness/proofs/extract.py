@@ -314,12 +314,12 @@ run_state swap""".split())
 
 
 def _is_register_select(fn) -> bool:
-  """kernel/masks.py's causal select: an inline_mgpu on registers alone (its
+  """kernel/masks.py's selects (causal, key limit): an inline_mgpu on registers alone (its
   asm is a setp and a selp per element, no ref operand, no barrier), so it
   neither synchronises nor touches memory."""
   code = getattr(fn, "__code__", None)
   return (code is not None and code.co_filename.endswith(os.path.join("kernel", "masks.py"))
-          and fn.__qualname__ == "causal_select.<locals>.select")
+          and fn.__qualname__ == "_split_select.<locals>.select")
 
 
 def _has_sync(jaxpr) -> bool:

@@ -152,8 +152,13 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   8k B2 1.678 vs 1.661 and a (1, 1, T, S) bias at 2k B2 1.291 vs 1.280, both
   within 1 % (2026-12-03).  Under causal it ran slower, 4k B4 2.999 vs 2.587
   ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972; the
-  likely cause, the diagonal steps' mask arithmetic on a 64 x 128 tile
-  beside the rest, is not checked with a register report.  At head dim 128, streaming 128 keys per dQ block instead of
+  cause was register pressure: ptxas spilled 752 bytes there.  With the
+  causal and key-limit masks of kernel.masks (no index arrays) it spills 192
+  bytes, and 128 rows against 64 measured (2026-12-04): 4k B4 2.525 vs 2.571
+  ms, 16k B1 8.894 vs 9.183, 1k B16 0.882 vs 0.898, deterministic 4k 3.027 vs
+  3.055, but T=S=3000 B5 GQA 32/8 2.335 vs 2.143 and 7000 B2 GQA 32/8 4.386
+  vs 4.014; a 9 % loss at ragged GQA lengths outweighs 2-3 %, so causal stays
+  at 64 rows.  At head dim 128, streaming 128 keys per dQ block instead of
   64 changed nothing beyond noise (causal 16k B1 8.431 vs 8.323 ms, 4k B4
   2.314 vs 2.281, deterministic 4k 4.098 vs 4.122).
   Forward + backward, bf16, d256, measured on the H200 against dK and dV in

@@ -277,10 +277,11 @@ def test_the_pool_reports_what_one_process_does(tmp_path):
       [(r.name, r.cases, r.ok, r.states) for r in alone]
 
 
-def test_only_the_causal_select_counts_as_register_only():
-  """kernel/masks.py's select runs under a data-dependent cond (the
-  diagonal steps): the extractor lets it pass as register-only, while any
-  other inline_mgpu there still counts as synchronisation."""
+def test_only_the_mask_selects_count_as_register_only():
+  """kernel/masks.py's selects (causal, key limit) run under data-dependent
+  conds (the diagonal and edge steps): the extractor lets them pass as
+  register-only, while any other inline_mgpu there still counts as
+  synchronisation."""
   import jax
   import jax.numpy as jnp
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -290,6 +291,9 @@ def test_only_the_causal_select_counts_as_register_only():
   select = jax.make_jaxpr(lambda x: masks.causal_select(
       x, key_base=0, query_base=3, key_dim=1, fill=0.0))(x)
   assert not extract._has_sync(select.jaxpr)
+  limit = jax.make_jaxpr(lambda x: masks.key_limit_select(
+      x, key_base=0, limit=100, key_dim=1, fill=0.0))(x)
+  assert not extract._has_sync(limit.jaxpr)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,

@@ -44,18 +44,26 @@ def test_offsets_cover_the_tile_exactly_once(shape):
   assert (counts == 1).all(), f"{(counts != 1).sum()} positions not covered once"
 
 
+def _kept_by_split(shape, key_dim, delta, *, causal):
+  """What the select keeps, element by element (threads x elements): the
+  per-thread z of kernel.masks._split_select against its per-element bound."""
+  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
+  bases = _thread_bases()
+  key_t, query_t = bases[:, key_dim], bases[:, 1 - key_dim]
+  if causal:
+    z, bounds = key_t - query_t - delta, masks.causal_bounds(offsets, key_dim)
+  else:
+    z, bounds = key_t - delta, masks.limit_bounds(offsets, key_dim)
+  return z[:, None] <= bounds[None, :]
+
+
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64)], ids=str)
 @pytest.mark.parametrize("key_dim", [0, 1])
 @given(key_base=st.integers(-300, 300), query_base=st.integers(-300, 300))
 def test_split_comparison_is_key_le_query(shape, key_dim, key_base, query_base):
-  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
-  bounds = masks.causal_bounds(offsets, key_dim)
-  bases = _thread_bases()
-  key_t, query_t = (bases[:, 0], bases[:, 1]) if key_dim == 0 else (bases[:, 1], bases[:, 0])
-  z = key_t - query_t - (query_base - key_base)
-  kept = z[:, None] <= bounds[None, :]
+  kept = _kept_by_split(shape, key_dim, query_base - key_base, causal=True)
   pos = _positions(shape)
-  key_pos, query_pos = (pos[..., 0], pos[..., 1]) if key_dim == 0 else (pos[..., 1], pos[..., 0])
+  key_pos, query_pos = pos[..., key_dim], pos[..., 1 - key_dim]
   assert (kept == (key_base + key_pos <= query_base + query_pos)).all()
 
 
@@ -63,11 +71,7 @@ def test_split_comparison_is_key_le_query(shape, key_dim, key_base, query_base):
 @pytest.mark.parametrize("key_dim", [0, 1])
 @given(key_base=st.integers(-300, 300), limit=st.integers(-300, 300))
 def test_split_limit_is_key_below_limit(shape, key_dim, key_base, limit):
-  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
-  bounds = masks.limit_bounds(offsets, key_dim)
-  key_t = _thread_bases()[:, key_dim]
-  z = key_t - (limit - 1 - key_base)
-  kept = z[:, None] <= bounds[None, :]
+  kept = _kept_by_split(shape, key_dim, limit - 1 - key_base, causal=False)
   key_pos = _positions(shape)[..., key_dim]
   assert (kept == (key_base + key_pos < limit)).all()
 

@@ -108,10 +108,8 @@ class BackwardBlocks:
   # kept to measure the difference in one process).
   schedule: str = "paired"
   # Under causal: whether dK/dV's kernel also accumulates dQ (where it fits:
-  # fused_dq_fits), and whether the dQ kernel walks each head's query tiles
-  # heaviest first.  blocks_for says where each is measured faster.
+  # fused_dq_fits).  blocks_for says where it is measured faster.
   fuse_dq_causal: bool = False
-  dq_heaviest_first: bool = False
   # Both kernels' compute warpgroups share ONE stationary tile of 64 rows
   # and split the head dim of its accumulators (the notes above _wide_step
   # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
@@ -179,17 +177,13 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   per-step reduce-adds weigh more there against the dQ kernel's recomputed S
   and dP.
 
-  Head dims over 128 walk the dQ kernel's query tiles heaviest first under
-  causal, so that the last wave holds the short tiles: 16k B1 13.659 vs
-  12.411 ms, 4k B4 4.032 vs 3.726 with the tiling before the head split
-  (2026-12-02).  At head dim 128 the same order gained 3 % at 16k B1 but
-  lost 3 % with GQA 16/4 at 8k B2 (4.180 vs 4.322 ms), so it stays lightest
-  first there."""
+  The dQ kernel's grid (:func:`dq_call`) walks each head's query tiles
+  heaviest first under causal, at every head dim."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
   return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
                         dq_stream_kv=64, num_stages=2,
-                        fuse_dq_causal=width <= 64, dq_heaviest_first=wide, head_split=wide)
+                        fuse_dq_causal=width <= 64, head_split=wide)
 
 
 def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
@@ -619,10 +613,10 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
               for d in (head_dim, head_dim_out)]
   results = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
-      # Key tiles the slowest grid dimension (blocks launch with the first
-      # dimension varying fastest): the blocks in flight at once are those
-      # of many heads, whose fused-dQ reduce-adds land on different rows,
-      # and under causal the tiles with the most query blocks start first.
+      # Mosaic GPU launches the LAST grid dimension fastest (blockIdx.x):
+      # here the key tiles, so that the blocks in flight at once are the
+      # tiles of a few heads, which read the same Q and dO, and under causal
+      # each head's tiles with the most query blocks start first.
       # Measured against (kv_tiles, kv_heads, batch) in one process on the
       # H200 (2026-11-30), forward + backward at the
       # headline shape: 496.1 against 468.3 TFLOP/s; causal 323.7 / 313.3.
@@ -1080,7 +1074,19 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
     out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
   results = plgpu.kernel(
       body, out_type=out_type, scratch_types=[scratch, _barrier_refs(dq_mbarriers(blocks))],
-      grid=(t_pad // blocks.dq_tile, num_heads, batch), grid_names=("q_tiles", "heads", "batch"),
+      # Mosaic GPU launches the last grid dimension fastest: the query
+      # tiles, so that the blocks in flight at once are one head's tiles,
+      # which read the same K and V; under causal _dq_kernel walks them
+      # heaviest first, so that each head's last blocks are its short tiles.
+      # Forward + backward, bf16, ms, measured on the H200 in one process
+      # (2026-12-04) against the query tiles slowest and heaviest first
+      # only over head dim 128 (cuDNN): d128 causal 4k B4 N16 2.273 vs 2.402
+      # (2.215), 16k B1 8.060 vs 8.532 (7.420), GQA 16/4 8k B2 4.438 vs 4.478
+      # (4.065), T=S=3000 B5 GQA 16/4 1.857 vs 1.906 (1.624); d256 causal
+      # 16k B1 9.702 vs 9.865 (9.409), d256 4k B4 5.064 vs 5.181 (4.744);
+      # d64 4k B4 deterministic 5.071 vs 5.331.  Walked lightest first, the
+      # same grid took 2.332 and 8.161 ms at d128 causal 4k and 16k.
+      grid=(batch, num_heads, t_pad // blocks.dq_tile), grid_names=("batch", "heads", "q_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles)
@@ -1103,8 +1109,8 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
                          consumed)
   wg = lax.axis_index("wg")
   qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
-  if c.f.is_causal and c.blocks.dq_heaviest_first:
-    # Query tiles launch fastest (blockIdx.x); the last ones see the most keys.
+  if c.f.is_causal:
+    # The last query tiles see the most keys: they go first (dq_call).
     qi = jnp.int32(c.num_tiles - 1) - qi
   hk = lax.div(h, jnp.int32(c.group))
   f = c.f

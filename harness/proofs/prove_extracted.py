@@ -428,7 +428,7 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
   """The dQ kernel's grid point whose block reads the last query tile's
   range (the one whose causal bound leaves room for the longest stream): the
   grid's last point, or its first where the kernel walks its tiles heaviest
-  first (kernel.backward.BackwardBlocks.dq_heaviest_first)."""
+  first (under causal: kernel.backward._dq_kernel)."""
   for at in (num_tiles - 1, 0):
     env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi: (0, 0))
     ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at}, name="dq")

@@ -37,6 +37,22 @@ from kernel import backward as backward_pallas
 # The custom_vjp's backward: the sm90 kernels of kernel/backward.py.  Where
 # the dK/dV kernel would sum dq across thread blocks (the fused dQ, one ulp
 # from run to run), deterministic=True forms dq by the dQ kernel instead.
+# The other way to reproducible bits, the fused dQ's reduce-adds in a fixed
+# order (key tile by key tile, each block's owner warpgroup waiting on a
+# semaphore in global memory per (batch, head, query block) until the tiles
+# before it had added, with the key tiles as the slowest grid dimension),
+# was bitwise reproducible but slower than the dQ kernel at 6 of 8 shapes:
+# forward + backward, bf16, ms, measured on the H200 in one process
+# (2026-12-04; the dQ kernel's grid as before a16f552), ordered fused dQ
+# vs dQ kernel (default): d64 4k B4 6.208 vs 5.375 (4.364), 16k B1 19.482
+# vs 20.215 (16.533); d64 causal 1k B16 1.199 vs 1.017 (0.899), 4k B4 3.613
+# vs 3.049 (2.645), 16k B1 11.819 vs 11.157 (9.242); d128 4k B4 4.621 vs
+# 4.245 (3.754), 16k B1 15.590 vs 16.255 (14.359); d64 causal GQA 32/8
+# T=S=3000 B5 2.619 vs 2.279 (2.176).
+# Not profiled; the likely cost is the semaphore's wait and release on the
+# owner's path at every step.  With the key tiles the fastest grid
+# dimension, one head's tiles in flight together waited on each other's
+# turns (d64 causal 4k B4: 6.970 ms).
 SHIPPED_BACKWARD = backward_pallas.attention_backward
 REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward, fuse_dq=False)
 

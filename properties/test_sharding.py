@@ -26,10 +26,6 @@ from kernel import backward
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {c.name: c for c in mesh_lowering.CASES}
-# Every test of this module on one xdist worker (pyproject.toml's --dist
-# loadgroup), so that the module's report below is made once: spread over
-# two workers, each made its own (2 x 38 s on a 2-core machine, 2026-12-04).
-pytestmark = pytest.mark.xdist_group("mesh-report")
 
 
 # Shardy is jax 0.11.2's partitioner; GSPMD (deprecated, still selectable

@@ -35,26 +35,26 @@ from kernel.validation import validate_attention_args
 from kernel import backward as backward_pallas
 
 # The custom_vjp's backward: the sm90 kernels of kernel/backward.py.  Where
-# the dK/dV kernel would sum dq across thread blocks (the fused dQ, one ulp
-# from run to run), deterministic=True forms dq by the dQ kernel instead.
-# The other way to reproducible bits, the fused dQ's reduce-adds in a fixed
+# the dK/dV kernel sums dq across thread blocks (the fused dQ), the default
+# adds in float32 (one ulp from run to run) and deterministic=True adds the
+# same parts in int32 fixed point, whose sum does not depend on the order
+# (the notes above kernel.backward.FIXED_POINT_BITS).  Forward + backward,
+# bf16, ms, measured on the H200 in one process (2026-12-04), default /
+# fixed point / the dQ kernel, which deterministic=True took before: d64 1k
+# B16 1.279 / 1.407 / 1.412, 16k B1 16.461 / 17.826 / 19.726; d64 causal 4k
+# B4 2.594 / 2.762 / 2.965, 16k B1 9.217 / 9.524 / 10.473, GQA 32/8 T=S=3000
+# B5 2.158 / 2.360 / 2.261; d128 4k B4 3.726 / 4.004 / 4.036, GQA 16/4
+# T=S=3000 B5 2.846 / 3.117 / 3.118.
+# Also measured and not kept: the fused dQ's float32 reduce-adds in a fixed
 # order (key tile by key tile, each block's owner warpgroup waiting on a
 # semaphore in global memory per (batch, head, query block) until the tiles
-# before it had added, with the key tiles as the slowest grid dimension),
-# was bitwise reproducible but slower than the dQ kernel at 6 of 8 shapes:
-# forward + backward, bf16, ms, measured on the H200 in one process
-# (2026-12-04; the dQ kernel's grid as before a16f552), ordered fused dQ
-# vs dQ kernel (default): d64 4k B4 6.208 vs 5.375 (4.364), 16k B1 19.482
-# vs 20.215 (16.533); d64 causal 1k B16 1.199 vs 1.017 (0.899), 4k B4 3.613
-# vs 3.049 (2.645), 16k B1 11.819 vs 11.157 (9.242); d128 4k B4 4.621 vs
-# 4.245 (3.754), 16k B1 15.590 vs 16.255 (14.359); d64 causal GQA 32/8
-# T=S=3000 B5 2.619 vs 2.279 (2.176).
-# Not profiled; the likely cost is the semaphore's wait and release on the
-# owner's path at every step.  With the key tiles the fastest grid
-# dimension, one head's tiles in flight together waited on each other's
-# turns (d64 causal 4k B4: 6.970 ms).
+# before it had added), bitwise reproducible but slower than the dQ kernel
+# at 6 of 8 shapes (d64 4k B4 6.208 vs 5.375 ms, 16k B1 19.482 vs 20.215;
+# d64 causal 4k B4 3.613 vs 3.049; d128 4k B4 4.621 vs 4.245), likely the
+# semaphore's wait on the owner's path at every step.
 SHIPPED_BACKWARD = backward_pallas.attention_backward
-REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward, fuse_dq=False)
+REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward,
+                                          fixed_point_dq=True)
 
 _state = threading.local()
 
@@ -217,12 +217,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   are refused: add the batch axis.
 
   ``deterministic``: True makes the gradients bitwise reproducible from run
-  to run on every path (dq included: it is then formed by the dQ kernel,
-  never summed across thread blocks by float32 reduce-adds); False (the
-  default) lets the backward take the fused dQ where it applies (head dims
-  up to 128 without causal, up to 64 with it; no bias), whose dq may differ by one ulp between
-  runs (``harness.numerics.tolerance.run_to_run_bound``).  The forward is bitwise
-  reproducible either way.
+  to run on every path.  Where the backward sums dq across thread blocks
+  (the fused dQ: head dims up to 128 without causal, up to 64 with it; no
+  bias) it then adds in int32 fixed point, each row scaled by a power of
+  two from an a-priori bound of its sum (``kernel.backward.FIXED_POINT_BITS``):
+  within the same float64 tolerance as the default, at 0.87-0.97 of its
+  speed on the H200.  False (the default) adds in float32, and dq may differ
+  by one ulp between runs (``harness.numerics.tolerance.run_to_run_bound``).
+  With True, on the fused path, a NaN or infinity in any key or value of a
+  head (or a cotangent whose norm overflows float32) makes that head's
+  (that row's) dq NaN, not only where the logits touch it.  The
+  forward is bitwise reproducible either way.
   """
   return _attention(**locals(), backward=SHIPPED_BACKWARD,
                     reproducible_backward=REPRODUCIBLE_BACKWARD, stage_2d=True)

@@ -45,7 +45,9 @@ The fused dQ does 5 matrix products where the second kernel makes it 7 (it
 recomputes S and dP): forward + backward at the headline shape ran at
 479.1 TFLOP/s fused against 434.3 with the dQ kernel, in one process
 (H200, 2026-11-30), at the price of a dq that is
-reproducible to one ulp rather than bitwise (ORDER_DEPENDENT_GRADIENTS).
+reproducible to one ulp rather than bitwise (ORDER_DEPENDENT_GRADIENTS),
+or, with deterministic=True, of a sum in int32 fixed point (notes above
+:data:`FIXED_POINT_BITS`).
 Head dims over 128 (no room for the f32 staging), a bias (dbias needs the
 f32 dS the dQ kernel writes) and causal attention (where the second kernel
 was the faster, H200, 2026-11-30) keep the second kernel.
@@ -81,7 +83,8 @@ from kernel.common import (COL, LOG2E, ROW, WGMMA, Logits, batch_head, kv_block_
                            load_broadcast, smem, tile_key_bounds)
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
-# fused dQ's reduce-adds): their bits may differ from run to run, within
+# fused dQ's reduce-adds, unless deterministic=True sums them in fixed
+# point): their bits may differ from run to run, within
 # harness.numerics.tolerance.run_to_run_bound.  Every other output is bitwise
 # reproducible.
 ORDER_DEPENDENT_GRADIENTS = ("dq",)
@@ -218,7 +221,8 @@ def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
              fuse_dq: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
   (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`,
-  or ``fuse_dq`` is False: deterministic=True).  The defaults give every
+  or ``fuse_dq`` is False: kernel.experiments' "pallas-two-kernel").  The
+  defaults give every
   launch kind there is."""
   blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
   out = [("dkv", dkv_mbarriers(blocks))]
@@ -277,7 +281,7 @@ def _allocate(buffers):
 
 
 def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
-                fused: bool) -> tuple:
+                fused: bool, dq_dtype=np.float32) -> tuple:
   """The dK/dV kernel's shared memory, as :func:`dkv_call` allocates it
   (and :func:`launch_smem_bytes` counts it)."""
   bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
@@ -289,7 +293,7 @@ def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype,
           B("q", (stages, bq, head_dim), dt),
           B("do", (stages, bq, head_dim_out), dt),
           B("rows", (stages, 2, bq), np.dtype(np.float32), swizzled=False),
-          *(_fused_dq_buffers(bkv, bq, head_dim, dtype) if fused else (None, None)))
+          *(_fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype) if fused else (None, None)))
 
 
 def dq_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
@@ -542,6 +546,7 @@ class _Launch(common.OperandRefs):
   do_ref: Any = None
   rows_ref: Any = None      # per query row: the base-2 log-sum-exp and delta
   dq_ref: Any = None
+  dq_units_ref: Any = None  # fused dQ in fixed point: per query row, its unit (2^-e)
   qlo_ref: Any = None       # dK/dV: per key tile, the query blocks that see it
   qhi_ref: Any = None
   inner_lo: Any = None      # dK/dV: the tile's query blocks [inner_lo, inner_hi) wholly
@@ -578,7 +583,8 @@ class DkvKernel(_Launch):
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
-             blocks: BackwardBlocks, dq_accum=None, query_blocks=None, inner_blocks=None):
+             blocks: BackwardBlocks, dq_accum=None, dq_scales=None, query_blocks=None,
+             inner_blocks=None):
   """{"dk": dK, "dv": dV} on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -591,7 +597,10 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
   ``dq_accum``: a zeroed (B, Tp, N, D) f32 ref; when given (where
   :func:`fused_dq_fits`), the kernel also adds each key tile's part of
-  dQ / scale into it (see the fused dQ notes below).
+  dQ / scale into it (see the fused dQ notes below).  With ``dq_scales``
+  ((B, N, Tp) f32, powers of two: :func:`fixed_point_scales`) ``dq_accum``
+  is int32 and each part is added in fixed point, times its row's scale
+  (order-independent: the notes above :data:`FIXED_POINT_BITS`).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
@@ -607,7 +616,10 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   def body(*refs):
     _dkv_kernel(kernel, *refs)
 
-  scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)),
+  if (dq_scales is not None) != (fused and dq_accum.dtype == jnp.int32):
+    raise ValueError("the fixed-point dQ takes an int32 dq_accum and dq_scales together")
+  scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused,
+                                   dq_dtype=np.float32 if dq_accum is None else dq_accum.dtype)),
              _barrier_refs(dkv_mbarriers(blocks))]
   out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads, d), dtype)
               for d in (head_dim, head_dim_out)]
@@ -625,13 +637,14 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
-    *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_accum)
+    *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_scales,
+    dq_accum)
   return dict(zip(("dk", "dv"), results))
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
-                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_ref, dk_ref, dv_ref, scratch,
-                bars):
+                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_units_ref, dq_ref, dk_ref, dv_ref,
+                scratch, bars):
   """The dK/dV kernel's entry: its rings over the scratch, the key tile of
   this grid point and the query blocks it visits, each warpgroup's role
   (the head split's where ``c.blocks.head_split``)."""
@@ -652,7 +665,7 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
       _at_key_tile(c, qlo_ref, qhi_ref, inner_ref),
       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st,
+      dq_units_ref=dq_units_ref, out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st,
       exchange=tuple(staging) if split else None, stationary=stationary, stream=stream)
   pl.when(c.wg < CW)(functools.partial(_wide_compute if split else _dkv_compute, c))
   pl.when(c.wg == CW)(lambda: _memory_warpgroup(
@@ -748,6 +761,9 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   stream.consumer_wait(st, "rows")
   stream.consumer_wait(st, "do")
   q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
+  units = None
+  if c.fused and c.dq_units_ref is not None:  # loaded early: the owner needs it last
+    units = load_broadcast(c.dq_units_ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), ROW)
   p, ds = _dkv_scores(c, st, i, h, kv_base, q_base, c.bq,
                       s_ops=(c.stationary.slot(wg, "k"), q_slot),
                       dp_ops=(c.stationary.slot(wg, "v"), do_slot),
@@ -784,6 +800,8 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     @pl.when(wg == dq_owner(t))
     def _():
       part = _dq_product(c.ds_st, ds_buffer(t), c.k_st)
+      if units is not None:
+        part = to_fixed_point(part, units)
       _dq_reduce_add(part, c.dq_st.at[wg], c.dq_ref.at[b, pl.ds(q_base, c.bq), h])
   return dk_acc, dv_acc
 
@@ -850,8 +868,96 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
 # after it passed its own wait of step t + 1, which needs the owner of step t
 # to arrive there, which it does at step t + 1, after its product of step t
 # completed.
-# Order across blocks is not fixed, so dQ is not bitwise reproducible (dK, dV
-# are); properties/test_gradients_gpu.py bounds the difference.
+# Order across blocks is not fixed, so a float32 dQ is not bitwise
+# reproducible (dK, dV are); properties/test_gradients_gpu.py bounds the
+# difference.  deterministic=True sums the same parts in fixed point instead
+# (below), where the order does not matter.
+
+
+# The fused dQ in fixed point (deterministic=True).  Integer addition is
+# associative, so int32 reduce-adds give the same bits in any order.  Row i
+# of dQ / scale is sum_j dS_ij K_j over the keys, and
+#
+#   |sum_j dS_ij K_jd| <= sum_j P_ij |dP_ij - delta_i| |K_jd|
+#                      <= (|dO_i| max_j |V_j| + |delta_i|) max_jd |K_jd| = U_i
+#
+# (dP_ij = dO_i . V_j, Cauchy-Schwarz, and sum_j P_ij <= 1), for every subset
+# of the keys too, so every partial sum of row i's parts is bounded by U_i.
+# fixed_point_scales gives row i the power of two c_i <= 2^FIXED_POINT_BITS
+# / U_i (and > half of it); the step's owner adds c_i * part rounded to an
+# integer (to_fixed_point: to the nearest up to head dim 64, truncated over
+# it), exact but for at most one unit per part, and the sum never leaves
+# int32: |sum| <= 2^FIXED_POINT_BITS (times 1 + the float32 and bfloat16
+# roundings of P and dS^T) < 2^31.  dq = sum / c_i * scale.  A part is
+# resolved to 2^-FIXED_POINT_BITS of U_i, an a-priori bound that exceeds
+# max_d |dq_id| by the cancellation of the sum (about 300 at 1k keys and
+# 2000 at 16k with random normal inputs): in a float64 model of the sum over
+# 128-key tiles the error reached 2.9e-6 of max|dq| at 1k keys, 7.7e-5 at
+# 16k (d64) and 1.1e-4 (d128), under bfloat16's 2^-9 and float16's 2^-11
+# relative rounding of the result.  On the H200 at 16k keys (d64), dq
+# differed from the float32 sum's by at most one bfloat16 ulp of max|dq|, as
+# the dQ kernel's does (2026-12-04).  A
+# non-finite U_i (a NaN or infinity in dO_i, delta_i, or any key or value of
+# the head, or a norm beyond float32's range) makes c_i NaN, and the row's dq
+# NaN at the division.
+FIXED_POINT_BITS = 29
+
+
+def fixed_point_scales(k, v, do, rows, group: int):
+  """(B, N, Tp) f32: c_i, the power of two each query row's dQ parts are
+  multiplied by before their int32 reduce-adds (notes above), from the padded
+  k (B, Sp, K, D), v, do (B, Tp, N, Dv) and the residual rows' delta."""
+  f32 = jnp.float32
+  k_max = jnp.max(jnp.abs(k.astype(f32)), axis=(1, 3))                     # (B, K)
+  v_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(v.astype(f32)), axis=3), axis=1))
+  do_norm = jnp.swapaxes(jnp.sqrt(jnp.sum(jnp.square(do.astype(f32)), axis=3)), 1, 2)
+  per_head = lambda x: jnp.repeat(x, group, axis=1)[:, :, None]             # (B, N, 1)
+  bound = (do_norm * per_head(v_norm) + jnp.abs(rows[:, :, 1])) * per_head(k_max)
+  # bound = 0 (padded rows, dO_i = 0): no part is nonzero; the largest exponent.
+  exponent = jnp.clip(jnp.floor(FIXED_POINT_BITS - jnp.log2(bound)), -126.0, 126.0)
+  # A bound that is not finite leaves no scale to sum in: NaN, so that the
+  # row's dq comes out NaN, never a finite value from saturated parts.
+  return jnp.where(jnp.isfinite(bound), jnp.exp2(exponent), jnp.nan).astype(f32)
+
+
+def to_fixed_point(part, scales):
+  """c_i * part as int32: ``scales`` (the part's rows, ROW layout) are powers
+  of two, so y = c_i * part is exact and |y| <= 2^FIXED_POINT_BITS.
+
+  Up to head dim 64, y is rounded to the nearest integer by float adds
+  (:func:`_round_by_adds`); wider parts are converted (truncated) by cvt,
+  whose unit runs at a quarter of the float rate on sm90 and is the one the
+  exponentials use.  Forward + backward with deterministic=True over the
+  default, bf16, measured on the H200 in one process (2026-12-04), adds vs
+  cvt: d64 1k B16 0.909 vs 0.899, 16k B1 0.923 vs 0.915, causal 4k B4 0.939
+  vs 0.920, causal 16k B1 0.968 vs 0.939, causal GQA 32/8 T=S=3000 B5 0.914
+  vs 0.894; d128 4k B4 0.905 vs 0.931, GQA 16/4 T=S=3000 B5 0.874 vs 0.913
+  (the adds' temporaries beside a 128-column part)."""
+  y = part * lax.broadcast_in_dim(scales, part.shape, [0])
+  if part.shape[1] > 64:
+    return y.astype(jnp.int32)
+  return _round_by_adds(y)
+
+
+def _round_by_adds(y):
+  """round(y) as int32 for |y| < 2^30, without a conversion instruction.
+  Adding 1.5 * 2^31 rounds y to a multiple of 2^8, and the sum's bits less
+  the constant's count those multiples; the remainder r = y - h (exact,
+  |r| <= 128) is rounded likewise with 1.5 * 2^23.  It needs float adds
+  evaluated as written: Mosaic GPU allows contraction only (x * c + M is
+  one fma, exact here); XLA's CPU compiler reassociates them under jit."""
+  t = y + HI_MAGIC
+  r = y - (t - HI_MAGIC)
+  u = r + LO_MAGIC
+  bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+  return bits(t) * 256 + (bits(u) - MAGIC_BITS)
+
+
+HI_MAGIC = np.float32(1.5 * 2.0 ** 31)
+LO_MAGIC = np.float32(1.5 * 2.0 ** 23)
+# (bits(HI_MAGIC) << 8) + bits(LO_MAGIC), wrapped to int32 as the kernel's sum is
+MAGIC_BITS = np.array([((int(HI_MAGIC.view(np.int32)) << 8) + int(LO_MAGIC.view(np.int32)))
+                       % (1 << 32)], np.uint32).view(np.int32)[0]
 
 
 # The fused dQ's schedule: step t stages dS^T in buffer ds_buffer(t) and is
@@ -868,12 +974,12 @@ def dq_owner(t):
   return t % CW
 
 
-def _fused_dq_buffers(bkv, bq, head_dim, dtype):
+def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype):
   """The fused dQ's shared memory: DS_BUFFERS dS^T staging buffers of both
-  warpgroups' tiles, and per warpgroup an f32 staging tile for its
-  reduce-add."""
+  warpgroups' tiles, and per warpgroup a staging tile for its reduce-add
+  (f32, or int32 in fixed point: the same bytes)."""
   return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype)),
-          plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(np.float32)))
+          plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(dq_dtype)))
 
 
 def _dq_product(ds_st, buf, k_st):
@@ -1356,7 +1462,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True):
+                       fuse_dq=True, fixed_point_dq=False):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -1364,6 +1470,9 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
 
   dQ is accumulated inside the dK/dV kernel (see the fused dQ notes below) when
   ``fuse_dq`` and :func:`fuses_dq` allow it, else formed by the dQ kernel.
+  ``fixed_point_dq``: the fused dQ sums in int32 fixed point (bitwise
+  reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
+  float32.
   """
   dtype = query.dtype
   batch, t, heads, hd = query.shape
@@ -1412,15 +1521,22 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
     # (run_state, which hands back its final value), not a jax.new_ref of
     # the traced program: custom_partitioning (kernel/sharding.py) cannot
     # lower a program that holds a mutable array's effect.
+    scales = (fixed_point_scales(k, v, do, rows, heads // key.shape[2])
+              if fixed_point_dq else None)
+
     def fused_launch(refs):
       acc, dk, dv = refs
-      got = launch(dq_accum=acc)
+      got = launch(dq_accum=acc, dq_scales=scales)
       dk[...], dv[...] = got["dk"], got["dv"]
 
+    acc_dtype = jnp.int32 if fixed_point_dq else jnp.float32
     dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
-        (jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v)))
+        (jnp.zeros(q.shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
     dkv = {"dk": dk_pad, "dv": dv_pad}
-    dq, ds = (dq_acc * f.scale).astype(dtype), None
+    dq = dq_acc.astype(jnp.float32) * f.scale
+    if fixed_point_dq:
+      dq = dq / jnp.swapaxes(scales, 1, 2)[..., None]
+    dq, ds = dq.astype(dtype), None
   else:
     dkv = launch()
     dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,

@@ -6,7 +6,8 @@ The harness and the benchmark reach the others through this module:
 * ``backward``: the custom_vjp's backward by name (:data:`BACKWARDS`): the
   shipped sm90 kernels ("pallas"), the same with each product waited on its
   own ("pallas-serial"), dQ always by its own kernel ("pallas-two-kernel",
-  the A/B of the fused dQ), or the kernels' executable specification in
+  the A/B of the fused dQ), deterministic=True's ("pallas-fixed-point": the
+  fused dQ summed in int32), or the kernels' executable specification in
   plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
   All read the same residuals.
 * ``stage_2d``: False reads a 2-D bias or mask from global memory instead of
@@ -25,15 +26,18 @@ from kernel import api
 BACKWARDS = {
     "pallas": api.SHIPPED_BACKWARD,
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial"),
-    "pallas-two-kernel": api.REPRODUCIBLE_BACKWARD,
+    "pallas-two-kernel": functools.partial(backward_pallas.attention_backward, fuse_dq=False),
+    "pallas-fixed-point": api.REPRODUCIBLE_BACKWARD,
     "xla": backward_xla.attention_backward,
 }
 # deterministic=True: each backward that may sum dq across thread blocks in
-# no fixed order (the fused dQ) replaced by the same backward without it.
+# float32 in no fixed order (the fused dQ) replaced by the same backward
+# summing in fixed point.
 REPRODUCIBLE = {
     "pallas": api.REPRODUCIBLE_BACKWARD,
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial",
-                                       fuse_dq=False),
+                                       fixed_point_dq=True),
+    "pallas-two-kernel": functools.partial(backward_pallas.attention_backward, fuse_dq=False),
 }
 
 

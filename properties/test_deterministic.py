@@ -1,8 +1,10 @@
 """``deterministic=True``: bitwise reproducible gradients on every path.
 
-CPU: the flag routes the backward around the fused dQ (one more kernel
-launch in the lowered vjp where the fusion applies, the same launches where
-it does not) and is refused unless a bool.  GPU (marker ``gpu``): 100 reruns
+CPU: the flag keeps the fused dQ where it applies and sums it in int32
+fixed point (the same launches, an int32 accumulator), changes nothing where
+it does not apply, and is refused unless a bool; the fixed point's bound
+holds every partial sum of a row inside int32 (Hypothesis, float64), and
+its rounding by float adds is exact.  GPU (marker ``gpu``): 100 reruns
 of forward and backward are bitwise identical (out, m, l, dq, dk, dv, dbias)
 over causal, GQA, bias, ragged and head-dim-256 cases, while other
 allocations move every rerun's buffers; with the default, dq stays within
@@ -20,14 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hypothesis import given, settings, strategies as st
+
 from harness.numerics import strategies as hs
 from harness.numerics.tolerance import run_to_run_bound
 from kernel import api
+from kernel import backward
 
 RERUNS = 100
 
 
-def _lowered_vjp_kernels(deterministic, *, is_causal=False, head_dim=64):
+def _lowered_vjp(deterministic, *, is_causal=False, head_dim=64):
+  """(kernel launches of the vjp lowered for CUDA, the vjp's jaxpr)."""
   sds = jax.ShapeDtypeStruct
   q = sds((1, 256, 2, head_dim), jnp.bfloat16)
 
@@ -35,26 +41,100 @@ def _lowered_vjp_kernels(deterministic, *, is_causal=False, head_dim=64):
     out = api.dot_product_attention(q, k, v, is_causal=is_causal, deterministic=deterministic)
     return out.astype(jnp.float32).sum()
 
+  grad = jax.grad(loss, argnums=(0, 1, 2))
   with api.lowering_only():
-    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
-                             platforms=["cuda"])(q, q, q).mlir_module()
-  return len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text))
+    text = jax.export.export(jax.jit(grad), platforms=["cuda"])(q, q, q).mlir_module()
+    jaxpr = str(jax.make_jaxpr(grad)(q, q, q))
+  return len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)), jaxpr
 
 
-def test_deterministic_takes_the_dq_kernel_where_the_fused_dq_applies():
-  # forward + dK/dV with the fused dQ, against forward + dK/dV + dQ kernel
-  assert _lowered_vjp_kernels(False) == 2
-  assert _lowered_vjp_kernels(True) == 3
-
-
-def test_deterministic_takes_the_dq_kernel_under_causal_at_head_dim_64():
-  assert _lowered_vjp_kernels(False, is_causal=True) == 2
-  assert _lowered_vjp_kernels(True, is_causal=True) == 3
+@pytest.mark.parametrize("is_causal,head_dim", [(False, 64), (True, 64), (False, 128)])
+def test_deterministic_sums_the_fused_dq_in_fixed_point(is_causal, head_dim):
+  """Where the fused dQ applies, deterministic=True keeps its launches
+  (forward, then dK/dV with dQ) and accumulates dQ in int32, the default in
+  float32: the accumulator has q's shape."""
+  acc = f"[1,256,2,{head_dim}]"
+  launches, default = _lowered_vjp(False, is_causal=is_causal, head_dim=head_dim)
+  assert launches == 2 and "f32" + acc in default and "i32" + acc not in default
+  launches, fixed = _lowered_vjp(True, is_causal=is_causal, head_dim=head_dim)
+  assert launches == 2 and "i32" + acc in fixed
 
 
 def test_deterministic_changes_nothing_where_there_is_no_fused_dq():
   for kw in (dict(is_causal=True, head_dim=128), dict(head_dim=256)):
-    assert _lowered_vjp_kernels(False, **kw) == _lowered_vjp_kernels(True, **kw), kw
+    assert _lowered_vjp(False, **kw)[0] == _lowered_vjp(True, **kw)[0] == 3, kw
+
+
+def test_rounding_by_float_adds_is_exact():
+  """kernel.backward._round_by_adds is round-half-even to int32 for |y| <
+  2^30.  Evaluated op by op: XLA's CPU compiler reassociates the adds under
+  jit (the kernel's Mosaic GPU lowering does not)."""
+  rng = np.random.default_rng(0)
+  y = rng.standard_normal(20000) * 2.0 ** rng.integers(-8, 30, 20000)
+  y = np.concatenate([y, [0.5, 1.5, -2.5, 127.5, 128.0, -128.5, 255.5, 2.0 ** 29 + 0.5,
+                          -(2.0 ** 30) + 1, 2.0 ** 30 - 64]])
+  y = np.clip(y, -(2.0 ** 30) + 1, 2.0 ** 30 - 64).astype(np.float32)
+  with jax.disable_jit():
+    got = np.asarray(backward._round_by_adds(jnp.asarray(y)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.rint(y.astype(np.float64)).astype(np.int64))
+
+
+@st.composite
+def _fixed_point_problems(draw):
+  group, kv_heads = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+  t, s, d = draw(st.integers(1, 96)), draw(st.integers(1, 300)), draw(st.sampled_from([8, 64]))
+  scales = [10.0 ** draw(st.integers(-3, 3)) for _ in range(4)]
+  return dict(group=group, kv_heads=kv_heads, t=t, s=s, d=d, scales=scales,
+              causal=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
+              zero_rows=draw(st.booleans()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(_fixed_point_problems())
+def test_fixed_point_bound_holds_every_partial_sum_in_int32(p):
+  """c_i (kernel.backward.fixed_point_scales) times any partial sum of row
+  i's dQ parts over 128-key tiles stays within 2^FIXED_POINT_BITS, so the
+  int32 reduce-adds never overflow: float64 softmax, dP, delta and dS from
+  bfloat16 inputs of mixed magnitudes, GQA, causal, zero cotangent rows."""
+  rng = np.random.default_rng(p["seed"])
+  n, kh, t, s, d = p["group"] * p["kv_heads"], p["kv_heads"], p["t"], p["s"], p["d"]
+  bf = lambda shape, sc: np.asarray(
+      jnp.asarray(rng.standard_normal(shape) * sc, jnp.bfloat16), np.float64)
+  q, k, v, do = (bf((1, t, n, d), p["scales"][0]), bf((1, s, kh, d), p["scales"][1]),
+                 bf((1, s, kh, d), p["scales"][2]), bf((1, t, n, d), p["scales"][3]))
+  if p["zero_rows"]:
+    do[:, ::3] = 0.0
+  kv = lambda x: np.repeat(x, p["group"], axis=2)
+  logits = np.einsum("btnd,bsnd->bnts", q, kv(k)) / np.sqrt(d)
+  if p["causal"]:
+    logits = np.where(np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t), logits, -np.inf)
+  top = np.max(logits, axis=-1, keepdims=True)
+  prob = np.exp(logits - np.where(np.isfinite(top), top, 0.0))
+  prob = prob / np.maximum(np.sum(prob, axis=-1, keepdims=True), 1e-300)
+  dp = np.einsum("btnd,bsnd->bnts", do, kv(v))
+  out = np.einsum("bnts,bsnd->btnd", prob, kv(v))
+  delta = np.einsum("btnd,btnd->bnt", do, out)
+  ds = prob * (dp - delta[..., None])
+  rows = np.stack([np.zeros_like(delta), delta], axis=2).astype(np.float32)
+  c = np.asarray(backward.fixed_point_scales(
+      jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
+      jnp.asarray(do, jnp.bfloat16), jnp.asarray(rows), p["group"]), np.float64)
+  assert np.all(np.isfinite(c)) and np.all(c > 0)
+  parts = [np.einsum("bnts,bsnd->bntd", ds[..., j:j + 128], kv(k)[:, j:j + 128])
+           for j in range(0, s, 128)]
+  limit = 2.0 ** backward.FIXED_POINT_BITS
+  for sums in (np.cumsum(parts, axis=0), np.cumsum(parts[::-1], axis=0)):
+    worst = np.max(np.abs(sums) * c[None, ..., None])
+    assert worst <= limit, f"{worst / limit:.3f} of 2^{backward.FIXED_POINT_BITS}"
+  # and c_i is the largest power of two that keeps the a-priori bound U_i
+  # (the notes above FIXED_POINT_BITS) within the limit
+  bound = ((np.linalg.norm(do, axis=3).transpose(0, 2, 1)
+            * kv(np.max(np.linalg.norm(v, axis=3), axis=1)[:, None])[:, 0, :, None]
+            + np.abs(delta)) * kv(np.max(np.abs(k), axis=(1, 3))[:, None])[:, 0, :, None])
+  live = bound > 0
+  assert np.all(c[live] * bound[live] <= limit * (1 + 1e-5))
+  assert np.all(c[live] * bound[live] > limit / 2 * (1 - 1e-5))
 
 
 def test_deterministic_must_be_a_bool():

@@ -60,11 +60,26 @@ def test_gradients_match_float64(shard, case):
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
 
+@pytest.mark.parametrize("shard", range(hs.GPU_SHARDS))
+@given(case=hs.attention_cases(max_batch=2, max_seq=700, max_head_dim=128, big=True,
+                               max_logits=None))
+@settings(max_examples=hs.per_shard(12))
+def test_deterministic_gradients_match_float64(shard, case):
+  """deterministic=True's backward (the fused dQ summed in int32 fixed point
+  where it applies: kernel.backward.FIXED_POINT_BITS) within the tolerance
+  rule of float64 too."""
+  note(case.describe())
+  for r in gradient_reports(case, kernel_grads(case, backward="pallas-fixed-point")):
+    note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
+    assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
+
+
 def test_gradients_are_reproducible():
   """dk and dv are bitwise identical from run to run.  dq, summed over key
   tiles in float32 by reduce-adds in no fixed order (the fused dQ,
   kernel/backward.py), stays within harness.numerics.tolerance.run_to_run_bound of
-  the first run; the two-kernel backward's dq is bitwise identical."""
+  the first run; the two-kernel backward's dq and the fixed-point sum's
+  (deterministic=True) are bitwise identical."""
   spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=2, T=300, N=4, H=128, S=700, K=2, Hv=128),
                      dtype="bfloat16", seed=12, is_causal=True)
   case = hs.build_case(spec)
@@ -75,9 +90,10 @@ def test_gradients_are_reproducible():
         assert run_to_run_bound(x, y, case.dtype) <= 1.0
       else:
         assert (x is None and y is None) or np.array_equal(x, y), name
-  a, b = (kernel_grads(case, backward="pallas-two-kernel") for _ in range(2))
-  for x, y in zip(a, b):
-    assert (x is None and y is None) or np.array_equal(x, y)
+  for backward in ("pallas-two-kernel", "pallas-fixed-point"):
+    a, b = (kernel_grads(case, backward=backward) for _ in range(2))
+    for x, y in zip(a, b):
+      assert (x is None and y is None) or np.array_equal(x, y), backward
 
 
 def _named_gradient_specs():
@@ -173,8 +189,10 @@ def test_the_kernels_agree_with_their_executable_specification():
     assert p.max_error <= 4 * x.max_error + 1e-6, (p.name, p.max_error, x.max_error)
 
 
-def test_nan_in_the_cotangent_propagates_as_the_reference_says():
-  """NaN in one row t of dO (causal): dq and dk are NaN exactly where the
+@pytest.mark.parametrize("backward", ["pallas", "pallas-fixed-point"])
+def test_nan_in_the_cotangent_propagates_as_the_reference_says(backward):
+  """NaN in one row t of dO (causal), with the float32 and the fixed-point
+  sum of the fused dQ (whose row scale is NaN there): dq and dk are NaN exactly where the
   float64 reference's are (dq in row t; dk in the keys row t sees: dS is 0
   for masked pairs).  dv = P^T dO is NaN wherever the reference's is, and may
   also be NaN for keys row t cannot see that share a key tile with ones it
@@ -187,7 +205,7 @@ def test_nan_in_the_cotangent_propagates_as_the_reference_says():
   case.d_out[0, t, 1, 3] = np.nan
   from harness.numerics import reference as ref_lib
   want = ref_lib.attention_reference_vjp(*case.args, case.d_out, **case.kwargs)
-  dq, dk, dv, _ = kernel_grads(case)
+  dq, dk, dv, _ = kernel_grads(case, backward=backward)
   for name, got in (("dq", dq), ("dk", dk)):
     assert np.array_equal(np.isnan(got), np.isnan(getattr(want, name))), name
   ref_nan, nan = np.isnan(want.dv), np.isnan(dv)

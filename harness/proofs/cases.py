@@ -2,8 +2,9 @@
 protocol the heuristics and the autotuner emit (:func:`forward_cases`) and
 every launch kind of ``kernel/backward.py`` (:func:`backward_cases`).
 
-Listing them needs the kernel's heuristics and plans only, not JAX: the
-command lists them while it imports JAX for the tracing
+Listing the forward's needs the kernel's heuristics and plans only, not
+JAX (the backward's asks kernel/backward.py, which imports it, where the
+fused dQ applies): the command lists them while it imports JAX for the tracing
 (:mod:`harness.proofs.prove`); :mod:`harness.proofs.prove_extracted` traces
 and learns each.
 """
@@ -93,13 +94,23 @@ class BackwardCase:
   causal: bool
   bias: bool
   fuse_dq: bool
+  fixed_point: bool = False   # the fused dQ's sum in int32 (deterministic=True)
 
   def describe(self) -> str:
     return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
-            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}")
+            f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}"
+            f"{' in fixed point' if self.fixed_point else ''}")
 
 
 def backward_cases() -> list[BackwardCase]:
-  """Every launch kind kernel/backward.py makes."""
-  return [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
-          for b in (False, True) for f in (True, False)]
+  """Every launch kind kernel/backward.py makes: with and without the fused
+  dQ, and where it applies (kernel.backward.fuses_dq) its fixed-point sum
+  as well."""
+  from kernel import backward
+  plain = [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
+           for b in (False, True) for f in (True, False)]
+  fixed = [dataclasses.replace(case, fixed_point=True) for case in plain
+           if case.fuse_dq and backward.fuses_dq(
+               backward.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal),
+               with_bias=case.bias, is_causal=case.causal)]
+  return plain + fixed

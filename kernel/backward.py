@@ -149,7 +149,7 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   128 against 64 query rows (cuDNN): 4k B4 4.188 vs 4.726 ms (4.578), 16k B1
   16.367 vs 17.876 (17.379), 1k B16 1.239 vs 1.373 (1.432), T=S=3000 B5
   GQA 32/8 3.374 vs 3.834 (3.528), 12000 B1 GQA 32/8 9.947 vs 10.660
-  (10.170); deterministic at 4k B4 5.244 vs 5.732; a (512, 512) window at
+  (10.170); deterministic=True (then the dQ kernel) at 4k B4 5.244 vs 5.732; a (512, 512) window at
   8k B2 1.678 vs 1.661 and a (1, 1, T, S) bias at 2k B2 1.291 vs 1.280, both
   within 1 % (2026-12-03).  Under causal it ran slower, 4k B4 2.999 vs 2.587
   ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972; the
@@ -1190,8 +1190,9 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       # (2.215), 16k B1 8.060 vs 8.532 (7.420), GQA 16/4 8k B2 4.438 vs 4.478
       # (4.065), T=S=3000 B5 GQA 16/4 1.857 vs 1.906 (1.624); d256 causal
       # 16k B1 9.702 vs 9.865 (9.409), d256 4k B4 5.064 vs 5.181 (4.744);
-      # d64 4k B4 deterministic 5.071 vs 5.331.  Walked lightest first, the
-      # same grid took 2.332 and 8.161 ms at d128 causal 4k and 16k.
+      # d64 4k B4 deterministic=True (then this kernel) 5.071 vs 5.331.
+      # Walked lightest first, the same grid took 2.332 and 8.161 ms at
+      # d128 causal 4k and 16k.
       grid=(batch, num_heads, t_pad // blocks.dq_tile), grid_names=("batch", "heads", "q_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),

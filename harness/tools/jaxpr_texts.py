@@ -64,6 +64,11 @@ def cases() -> dict[str, dict]:
   c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, backward="pallas-serial"),
                                        dict(bias_shape=(1, 4, 300, 500)), True)
   c["d128-grad-two-kernel"] = (d128, dict(backward="pallas-two-kernel"), {}, True)
+  # deterministic=True's fused dQ in fixed point: rounded by float adds at
+  # head dim 64, converted over it.
+  c["d128-grad-deterministic"] = (d128, dict(deterministic=True), {}, True)
+  c["d64-grad-deterministic-causal"] = (dict(B=2, T=300, N=4, H=64, S=500, K=2, Hv=64),
+                                        dict(deterministic=True, is_causal=True), {}, True)
   c["d128-grad-fused-mask-ranges"] = (d128, {}, dict(mask_shape=(2, 1, 300, 500),
                                                      k_range_shape=(2, 4, 300)), True)
   c["d96-grad-split-causal"] = (dict(B=1, T=200, N=2, H=96, S=328, K=1, Hv=192),

@@ -80,17 +80,31 @@ def test_rounding_by_float_adds_is_exact():
   np.testing.assert_array_equal(got, np.rint(y.astype(np.float64)).astype(np.int64))
 
 
+def test_fixed_point_leaves_headroom():
+  """A row's sum, within 2^FIXED_POINT_BITS of the a-priori bound (the
+  property below), grown by bfloat16's rounding of dS (2^-8) and one unit
+  per part (up to 2^13 key tiles), stays inside the rounding's range (2^30),
+  and so inside int32."""
+  assert 2.0 ** backward.FIXED_POINT_BITS * (1 + 2.0 ** -7) + 2 ** 13 < 2 ** 30
+
+
+_scales = jax.jit(backward.fixed_point_scales, static_argnums=4)
+
+
 @st.composite
 def _fixed_point_problems(draw):
   group, kv_heads = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
-  t, s, d = draw(st.integers(1, 96)), draw(st.integers(1, 300)), draw(st.sampled_from([8, 64]))
+  # few shapes (each a compilation of the scales), lengths of 1, ragged, and
+  # over one 128-key tile
+  t, s = draw(st.sampled_from([1, 37, 96])), draw(st.sampled_from([1, 130, 300]))
+  d = draw(st.sampled_from([8, 64]))
   scales = [10.0 ** draw(st.integers(-3, 3)) for _ in range(4)]
   return dict(group=group, kv_heads=kv_heads, t=t, s=s, d=d, scales=scales,
               causal=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)),
               zero_rows=draw(st.booleans()))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(_fixed_point_problems())
 def test_fixed_point_bound_holds_every_partial_sum_in_int32(p):
   """c_i (kernel.backward.fixed_point_scales) times any partial sum of row
@@ -117,7 +131,7 @@ def test_fixed_point_bound_holds_every_partial_sum_in_int32(p):
   delta = np.einsum("btnd,btnd->bnt", do, out)
   ds = prob * (dp - delta[..., None])
   rows = np.stack([np.zeros_like(delta), delta], axis=2).astype(np.float32)
-  c = np.asarray(backward.fixed_point_scales(
+  c = np.asarray(_scales(
       jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
       jnp.asarray(do, jnp.bfloat16), jnp.asarray(rows), p["group"]), np.float64)
   assert np.all(np.isfinite(c)) and np.all(c > 0)

@@ -221,8 +221,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   (the fused dQ: head dims up to 128 without causal, up to 64 with it; no
   bias) it then adds in int32 fixed point, each row scaled by a power of
   two from an a-priori bound of its sum (``kernel.backward.FIXED_POINT_BITS``):
-  within the same float64 tolerance as the default, at 0.87-0.97 of its
-  speed on the H200.  False (the default) adds in float32, and dq may differ
+  within the same float64 tolerance as the default, at 0.91-0.97 of its
+  speed at the shapes measured on the H200 (the note above
+  SHIPPED_BACKWARD, 2026-12-04).  False (the default) adds in float32, and dq may differ
   by one ulp between runs (``harness.numerics.tolerance.run_to_run_bound``).
   With True, on the fused path, a NaN or infinity in any key or value of a
   head (or a cotangent whose norm overflows float32) makes that head's

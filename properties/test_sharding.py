@@ -12,6 +12,7 @@ program to the contract of ``kernel/sharding.py``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -40,14 +41,26 @@ CHECKED = (list(PARTITIONERS) if settings.get_current_profile_name() == "thoroug
 
 
 @pytest.fixture(scope="module", params=CHECKED)
-def report(request):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             JAX_USE_SHARDY_PARTITIONER=str(request.param == "shardy").lower(),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={mesh_lowering.HOST_DEVICES}")
-  proc = subprocess.run([sys.executable, "-m", "harness.tools.mesh_lowering"], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return dict(json.loads(proc.stdout), partitioner=request.param)
+def report(request, tmp_path_factory):
+  """The partitioner's report, made once per pytest run: under xdist every
+  worker that runs this module would make its own (a subprocess of about
+  40 s on 2 cores), so the first writes it beside the workers' temporary
+  directories, under a lock, and the others read it."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent      # the run's directory, above each worker's own
+  path = shared / f"mesh-report-{request.param}.json"
+  with open(shared / f"mesh-report-{request.param}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      env = dict(os.environ, JAX_PLATFORMS="cpu",
+                 JAX_USE_SHARDY_PARTITIONER=str(request.param == "shardy").lower(),
+                 XLA_FLAGS=f"--xla_force_host_platform_device_count={mesh_lowering.HOST_DEVICES}")
+      proc = subprocess.run([sys.executable, "-m", "harness.tools.mesh_lowering"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+      assert proc.returncode == 0, proc.stderr[-4000:]
+      path.write_text(proc.stdout)
+  return dict(json.loads(path.read_text()), partitioner=request.param)
 
 
 def _expected_launches(case) -> int:

@@ -546,7 +546,7 @@ class _Launch(common.OperandRefs):
   do_ref: Any = None
   rows_ref: Any = None      # per query row: the base-2 log-sum-exp and delta
   dq_ref: Any = None
-  dq_units_ref: Any = None  # fused dQ in fixed point: per query row, its unit (2^-e)
+  dq_scales_ref: Any = None  # fused dQ in fixed point: per query row, its c_i (2^e)
   qlo_ref: Any = None       # dK/dV: per key tile, the query blocks that see it
   qhi_ref: Any = None
   inner_lo: Any = None      # dK/dV: the tile's query blocks [inner_lo, inner_hi) wholly
@@ -643,7 +643,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,
-                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_units_ref, dq_ref, dk_ref, dv_ref,
+                ks_ref, ke_ref, qlo_ref, qhi_ref, inner_ref, dq_scales_ref, dq_ref, dk_ref, dv_ref,
                 scratch, bars):
   """The dK/dV kernel's entry: its rings over the scratch, the key tile of
   this grid point and the query blocks it visits, each warpgroup's role
@@ -665,7 +665,8 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
       _at_key_tile(c, qlo_ref, qhi_ref, inner_ref),
       q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, do_ref=do_ref, rows_ref=rows_ref,
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
-      dq_units_ref=dq_units_ref, out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=ds_st, dq_st=dq_st,
+      dq_scales_ref=dq_scales_ref, out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=ds_st,
+      dq_st=dq_st,
       exchange=tuple(staging) if split else None, stationary=stationary, stream=stream)
   pl.when(c.wg < CW)(functools.partial(_wide_compute if split else _dkv_compute, c))
   pl.when(c.wg == CW)(lambda: _memory_warpgroup(
@@ -761,9 +762,9 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   stream.consumer_wait(st, "rows")
   stream.consumer_wait(st, "do")
   q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
-  units = None
-  if c.fused and c.dq_units_ref is not None:  # loaded early: the owner needs it last
-    units = load_broadcast(c.dq_units_ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), ROW)
+  scales = None
+  if c.dq_scales_ref is not None:  # loaded early: the owner needs it last
+    scales = load_broadcast(c.dq_scales_ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), ROW)
   p, ds = _dkv_scores(c, st, i, h, kv_base, q_base, c.bq,
                       s_ops=(c.stationary.slot(wg, "k"), q_slot),
                       dp_ops=(c.stationary.slot(wg, "v"), do_slot),
@@ -800,8 +801,8 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     @pl.when(wg == dq_owner(t))
     def _():
       part = _dq_product(c.ds_st, ds_buffer(t), c.k_st)
-      if units is not None:
-        part = to_fixed_point(part, units)
+      if scales is not None:
+        part = to_fixed_point(part, scales)
       _dq_reduce_add(part, c.dq_st.at[wg], c.dq_ref.at[b, pl.ds(q_base, c.bq), h])
   return dk_acc, dv_acc
 
@@ -956,8 +957,8 @@ def _round_by_adds(y):
 HI_MAGIC = np.float32(1.5 * 2.0 ** 31)
 LO_MAGIC = np.float32(1.5 * 2.0 ** 23)
 # (bits(HI_MAGIC) << 8) + bits(LO_MAGIC), wrapped to int32 as the kernel's sum is
-MAGIC_BITS = np.array([((int(HI_MAGIC.view(np.int32)) << 8) + int(LO_MAGIC.view(np.int32)))
-                       % (1 << 32)], np.uint32).view(np.int32)[0]
+MAGIC_BITS = np.uint32(((int(HI_MAGIC.view(np.uint32)) << 8) + int(LO_MAGIC.view(np.uint32)))
+                       % (1 << 32)).view(np.int32)
 
 
 # The fused dQ's schedule: step t stages dS^T in buffer ds_buffer(t) and is

@@ -37,7 +37,6 @@ REPRODUCIBLE = {
     "pallas": api.REPRODUCIBLE_BACKWARD,
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial",
                                        fixed_point_dq=True),
-    "pallas-two-kernel": functools.partial(backward_pallas.attention_backward, fuse_dq=False),
 }
 
 

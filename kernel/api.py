@@ -333,7 +333,7 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     low = lambda x: None if x is None else x.astype(dtype)
     local = functools.partial(attention_backward, scale=features.scale,
                               is_causal=features.is_causal,
-                              logits_soft_cap=features.logits_soft_cap)
+                              logits_soft_cap=features.logits_soft_cap, num_sms=num_sms)
     dq, dk, dv, dbias = sharding.backward(
         local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
     back = lambda g, like: None if g is None else g.astype(like.dtype)

@@ -139,3 +139,124 @@ def test_bad_launch_shapes_are_refused_by_name(bad):
   args.update(bad)
   with pytest.raises(ValueError, match="batch|num_heads|num_tiles"):
     schedule.longest_first(**args)
+
+
+# The backward's launch order (schedule.LaunchOrder): a bijection from a
+# plain grid's launch indices onto (unit, rank), in sections.
+
+@st.composite
+def launch_orders(draw):
+  units = draw(st.integers(1, 300), label="units")
+  tiles = draw(st.integers(1, 300), label="tiles")
+  unit_bytes = draw(st.sampled_from([1, 1 << 20, 8 << 20, 64 << 20]), label="unit_bytes")
+  num_sms = draw(st.sampled_from([1, 114, 132]), label="num_sms")
+  return schedule.LaunchOrder.for_grid(units, tiles, unit_bytes=unit_bytes, num_sms=num_sms)
+
+
+def _check_launch_order(order: schedule.LaunchOrder) -> None:
+  """Every (unit, rank) exactly once; a section's units contiguous, its
+  blocks rank by rank (each rank over all the section's units before the
+  next), sections in unit order."""
+  flat = np.arange(order.units * order.tiles)
+  unit, rank = order.locate(flat)
+  pairs = collections.Counter(zip(unit.tolist(), rank.tolist()))
+  assert pairs == collections.Counter(
+      (u, r) for u in range(order.units) for r in range(order.tiles)), "exactly once"
+  start = 0
+  for size in order.sizes:
+    stop = start + size * order.tiles
+    u, r = unit[start:stop], rank[start:stop]
+    first = int(u.min())
+    assert set(u.tolist()) == set(range(first, first + size)), "section units"
+    assert np.array_equal(r, np.repeat(np.arange(order.tiles), size)), "heaviest first"
+    assert np.array_equal(u, np.tile(np.arange(first, first + size), order.tiles)), "unit order"
+    start = stop
+
+
+@settings(max_examples=200, deadline=None)
+@given(launch_orders())
+def test_launch_order_runs_every_block_once_heaviest_first(order):
+  note(f"units={order.units} tiles={order.tiles} sizes={order.sizes}")
+  _check_launch_order(order)
+
+
+@settings(max_examples=40, deadline=None)
+@given(launch_orders())
+def test_launch_order_traced_equals_numpy(order):
+  """The kernel's traced int32 arithmetic (lax.div / rem / where) maps
+  every launch index as the NumPy form the properties check."""
+  import jax
+  import jax.numpy as jnp
+  flat = np.arange(order.units * order.tiles)
+  traced = jax.jit(jax.vmap(lambda f: jnp.stack(order.locate(f))))(jnp.asarray(flat, jnp.int32))
+  assert np.array_equal(np.asarray(traced), np.stack(order.locate(flat), axis=1))
+
+
+def test_launch_order_sections_balance_and_fit_l2():
+  """Sizes differ by at most one; a section holds the fewest units whose
+  tiles cover BALANCE_WAVES blocks per SM, unless L2 caps it; the causal
+  benchmark shapes get more than one section where a head's tiles are many."""
+  o = schedule.LaunchOrder.for_grid(64, 32, unit_bytes=2 << 20, num_sms=132)
+  assert o.sizes == (10, 9, 9, 9, 9, 9, 9)           # ceil(264 / 32) = 9 units
+  o = schedule.LaunchOrder.for_grid(16, 128, unit_bytes=8 << 20, num_sms=132)
+  assert o.sizes == (4, 3, 3, 3, 3)                  # ceil(264 / 128) = 3, L2 allows 4
+  o = schedule.LaunchOrder.for_grid(16, 8, unit_bytes=16 << 20, num_sms=132)
+  assert o.sizes == (2,) * 8                         # L2 caps 33 units at 2
+  assert schedule.LaunchOrder.for_grid(5, 2, unit_bytes=1, num_sms=132).sizes == (5,)
+
+
+def test_a_launch_order_that_repeats_a_block_is_refuted():
+  """The exactly-once check fails when locate maps two launch indices to
+  one block (a mutant that drops the remainder of the big sections)."""
+  order = schedule.LaunchOrder.for_grid(10, 6, unit_bytes=1, num_sms=4)
+  _check_launch_order(order)
+
+  class Mutant(schedule.LaunchOrder):
+    def locate(self, flat):
+      unit, rank = super().locate(flat)
+      return np.minimum(unit, self.units - 2), rank
+
+  with pytest.raises(AssertionError, match="exactly once"):
+    _check_launch_order(Mutant(order.units, order.tiles, order.sizes))
+  with pytest.raises(ValueError, match="section sizes"):
+    schedule.LaunchOrder(10, 6, (4, 6))
+  with pytest.raises(ValueError, match="tiles"):
+    schedule.LaunchOrder.for_grid(10, 0, unit_bytes=1, num_sms=4)
+
+
+@pytest.mark.parametrize("head_dim,seq,batch,heads,kv_heads,dkv_sections", [
+    (64, 1024, 16, 32, 32, False),    # fused dQ, MHA: a 2-3 % model gain does not repay
+    (64, 16384, 1, 32, 32, False),
+    (64, 16384, 1, 32, 8, False),
+    (64, 3008, 5, 32, 8, True),       # fused dQ, GQA: the head-by-head tail is 15 %
+    (64, 7040, 2, 32, 8, True),
+    (128, 4096, 4, 16, 16, True),     # the dQ kernel's path: sections under causal
+    (128, 16384, 1, 16, 16, True),
+    (256, 4096, 4, 8, 8, True),
+])
+def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_heads,
+                                               dkv_sections):
+  """The backward's grids take the sectioned order under causal where it
+  was measured faster (kernel.backward.dkv_call's notes), never without
+  causal, and the orders cover their grids."""
+  from kernel import backward
+  for causal in (False, True):
+    f = backward.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
+                                  seq_q=seq, seq_kv=seq)
+    blocks = backward.blocks_for(head_dim, head_dim, is_causal=causal)
+    fused = backward.fuses_dq(blocks, with_bias=False, is_causal=causal)
+    common_args = dict(batch=batch, group=heads // kv_heads, t_pad=seq, s_pad=seq,
+                       head_dims=(head_dim, head_dim), dtype="bfloat16", num_sms=132)
+    dkv = backward.dkv_launch_order(f, blocks, num_kv_heads=kv_heads, fused=fused,
+                                    **common_args)
+    dq = backward.dq_launch_order(f, blocks, num_heads=heads, **common_args)
+    if not causal:
+      assert dkv is None and dq is None
+      continue
+    assert (dkv is not None) == dkv_sections
+    if dkv is not None:
+      assert (dkv.units, dkv.tiles) == (batch * kv_heads, seq // blocks.dkv_tile)
+      _check_launch_order(dkv)
+    if not fused:
+      assert dq is not None and (dq.units, dq.tiles) == (batch * heads, seq // blocks.dq_tile)
+      _check_launch_order(dq)

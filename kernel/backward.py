@@ -185,8 +185,9 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   per-step reduce-adds weigh more there against the dQ kernel's recomputed S
   and dP.
 
-  The dQ kernel's grid (:func:`dq_call`) walks each head's query tiles
-  heaviest first under causal, at every head dim."""
+  Under causal both kernels' grids launch in sections of heads, heaviest
+  tiles first across a section (``balanced_order``, :func:`dkv_call` has the
+  measurements; the fused dQ only where the dealing model predicts a gain)."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
   return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
@@ -1271,7 +1272,9 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       # 16k B1 9.702 vs 9.865 (9.409), d256 4k B4 5.064 vs 5.181 (4.744);
       # d64 4k B4 deterministic=True (then this kernel) 5.071 vs 5.331.
       # Walked lightest first, the same grid took 2.332 and 8.161 ms at
-      # d128 causal 4k and 16k.
+      # d128 causal 4k and 16k.  Under causal _dq_kernel remaps the launch
+      # index through kernel.order (sections of heads, heaviest first across
+      # them: dkv_call has the measurements).
       grid=(batch, num_heads, t_pad // blocks.dq_tile), grid_names=("batch", "heads", "q_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),

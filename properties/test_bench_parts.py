@@ -36,6 +36,9 @@ def test_every_part_lowers_for_cuda(shape):
   # The fused kernel is timed wherever it can run; the shipped backward
   # takes it under causal only up to head dim 64 (kernel.backward.blocks_for).
   assert ("dkv+fused dQ" in fns) == (shape.head_dim <= 128)
+  # and so is deterministic=True's fixed point, with the scales it needs
+  for part in ("rows+scales", "dkv+fixed-point dQ", "forward+backward deterministic"):
+    assert (part in fns) == (shape.head_dim <= 128), part
   shipped = bench.shipped_parts(shape)
   assert set(shipped) <= set(fns)
   assert ("dkv+fused dQ" in shipped) == (shape.head_dim <= 64 if shape.causal

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -231,9 +232,25 @@ def backward_part_fns(shape: BenchShape) -> dict:
           want_ds=False)[0],
   }
   # The fused kernel is timed wherever it can run (causal too), so that the
-  # path the backward does not take shows too.
+  # path the backward does not take shows too; so is deterministic=True's
+  # fixed point (the rows with its scales, its int32 sum).
   if bwd.fused_dq_fits(blocks, with_bias=False):
     fns["dkv+fused dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fused(q, k, v, do, rows)
+
+    def scales(k, v, do, out, m, l):
+      rows = bwd.residual_rows(m, l, out, do, shape.seq)
+      return rows, bwd.fixed_point_scales(k, v, do, rows, 1)
+
+    def fixed_point(q, k, v, do, rows, c):
+      acc = jax.new_ref(jnp.zeros(q.shape, jnp.int32))
+      return bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+                          dq_accum=acc, dq_scales=c), acc[...]
+
+    fns["rows+scales"] = lambda q, k, v, do, out, m, l, *_: scales(k, v, do, out, m, l)
+    fns["dkv+fixed-point dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fixed_point(
+        q, k, v, do, rows, jnp.ones(rows[:, :, 0].shape, jnp.float32))
+    fns["forward+backward deterministic"] = lambda q, k, v, do, *_: jax.vjp(
+        functools.partial(attention, deterministic=True), q, k, v)[1](do)
   fns["forward+backward"] = lambda q, k, v, do, *_: forward_backward(q, k, v, do)
   return {name: jax.jit(fn) for name, fn in fns.items()}
 

@@ -51,7 +51,14 @@ from kernel import backward as backward_pallas
 # before it had added), bitwise reproducible but slower than the dQ kernel
 # at 6 of 8 shapes (d64 4k B4 6.208 vs 5.375 ms, 16k B1 19.482 vs 20.215;
 # d64 causal 4k B4 3.613 vs 3.049; d128 4k B4 4.621 vs 4.245), likely the
-# semaphore's wait on the owner's path at every step.
+# semaphore's wait on the owner's path at every step.  Nor ‖dO_i‖ reduced in
+# residual_rows' pass over dO beside delta instead of in a pass of its own:
+# d64 1k B16 1.409 vs 1.390 ms, 4k B4 4.698 vs 4.670, 16k B1 17.747 vs
+# 17.791, d128 1k-16k within 0.1 % (2026-12-04).  Where the rest goes, from
+# `python -m harness.tools.bench --backward-parts` at d64 1k B16 N32: the
+# scales 0.046 ms (they read K and V whole), the fixed-point dK/dV launch
+# 0.917 ms against 0.819 for the float32 one (the scaling and rounding of
+# every part).
 SHIPPED_BACKWARD = backward_pallas.attention_backward
 REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward,
                                           fixed_point_dq=True)
@@ -221,9 +228,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   (the fused dQ: head dims up to 128 without causal, up to 64 with it; no
   bias) it then adds in int32 fixed point, each row scaled by a power of
   two from an a-priori bound of its sum (``kernel.backward.FIXED_POINT_BITS``):
-  within the same float64 tolerance as the default, at 0.91-0.97 of its
-  speed at the shapes measured on the H200 (the note above
-  SHIPPED_BACKWARD, 2026-12-04).  False (the default) adds in float32, and dq may differ
+  within the same float64 tolerance as the default, at 0.86-0.96 of its
+  forward + backward speed on that path in the backward grid on the H200
+  (docs/backward, commit 3c295eb, 2026-12-04; the note above
+  SHIPPED_BACKWARD has more shapes), as fast elsewhere.  False (the default) adds in float32, and dq may differ
   by one ulp between runs (``harness.numerics.tolerance.run_to_run_bound``).
   With True, on the fused path, a NaN or infinity in any key or value of a
   head (or a cotangent whose norm overflows float32) makes that head's

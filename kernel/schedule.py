@@ -137,7 +137,9 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
 # 1.03-1.07x the balanced one for causal 1k-4k MHA and 1.13-1.31x with
 # grouped kv heads (whose dK/dV tiles stream every head of the group),
 # 1.01x or less at 16k.  Interleaving the tiles of several heads, heaviest
-# first across them, brings it within 1.01-1.03x.
+# first across them, brings it within 1.01-1.03x at most shapes (1.07-1.12x
+# where a few grouped heads' tiles are heavy: GQA 16/4 at 7000-12000 tokens
+# B1-B2).  Measured: kernel.backward.dkv_call's notes.
 
 # SMs of the H100 SXM and H200, the count a launch order assumes when it is
 # not told (lowering without a GPU).

@@ -119,10 +119,6 @@ class BackwardBlocks:
   # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
   # fit in 232 registers.
   head_split: bool = False
-  # Under causal: both kernels' grids launched in sections of heads,
-  # heaviest tiles first across a section's heads (kernel.schedule.LaunchOrder),
-  # rather than head by head.
-  balanced_order: bool = False
 
   @property
   def dq_tile(self) -> int:
@@ -186,14 +182,14 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   and dP.
 
   Under causal both kernels' grids launch in sections of heads, heaviest
-  tiles first across a section (``balanced_order``, :func:`dkv_call` has the
-  measurements; the fused dQ only where the dealing model predicts a gain)."""
+  tiles first across a section (:func:`dkv_launch_order`,
+  :func:`dq_launch_order`; :func:`dkv_call` has the measurements; the fused
+  dQ only where the dealing model predicts a gain)."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
   return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
                         dq_stream_kv=64, num_stages=2,
-                        fuse_dq_causal=width <= 64, head_split=wide,
-                        balanced_order=is_causal)
+                        fuse_dq_causal=width <= 64, head_split=wide)
 
 
 def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
@@ -595,8 +591,9 @@ def dkv_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
                      num_kv_heads: int, group: int, t_pad: int, s_pad: int,
                      head_dims: tuple[int, int], dtype, fused: bool,
                      num_sms: int) -> schedule_lib.LaunchOrder | None:
-  """The dK/dV grid's launch order (None: head by head): see :func:`dkv_call`."""
-  if not (blocks.balanced_order and f.is_causal):
+  """The dK/dV grid's launch order under causal (None: head by head): see
+  :func:`dkv_call`."""
+  if not f.is_causal:
     return None
   tiles, nq = s_pad // blocks.dkv_tile, t_pad // blocks.dkv_stream_q
   order = schedule_lib.LaunchOrder.for_grid(
@@ -632,7 +629,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   is int32 and each part is added in fixed point, times its row's scale
   (order-independent: the notes above :data:`FIXED_POINT_BITS`).
 
-  Under causal with ``blocks.balanced_order`` the key tiles launch in
+  Under causal the key tiles launch in
   sections of (kv head, batch) units, heaviest first across a section
   (:class:`kernel.schedule.LaunchOrder` for ``num_sms`` SMs); a section's
   units re-read their query heads' Q and dO.  With the fused dQ only where
@@ -1216,10 +1213,10 @@ def dq_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
                     num_heads: int, group: int, t_pad: int, s_pad: int,
                     head_dims: tuple[int, int], dtype,
                     num_sms: int) -> schedule_lib.LaunchOrder | None:
-  """The dQ grid's launch order (None: head by head): see :func:`dq_call`.
-  A unit is one query head; the heads of a group, adjacent in a section,
-  read the same K and V."""
-  if not (blocks.balanced_order and f.is_causal):
+  """The dQ grid's launch order under causal (None: head by head): see
+  :func:`dq_call`.  A unit is one query head; the heads of a group,
+  adjacent in a section, read the same K and V."""
+  if not f.is_causal:
     return None
   return schedule_lib.LaunchOrder.for_grid(
       batch * num_heads, t_pad // blocks.dq_tile, num_sms=num_sms,
@@ -1236,7 +1233,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   kernel's tiles of 2 * 64 query rows (kernel.padding.key_ranges).
   Returns dq (B, Tp, N, D) and ds (B, N, Tp, Sp) f32 or None; ds blocks
   outside the tile's key range are not written (the caller zeroes them).
-  Under causal with ``blocks.balanced_order`` the query tiles launch in
+  Under causal the query tiles launch in
   sections of (batch, head) units, heaviest first across a section, as in
   :func:`dkv_call`; a section's units re-read their kv heads' K and V.
   """

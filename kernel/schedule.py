@@ -1,5 +1,6 @@
 """The order in which the forward kernel's query tiles run: one object for
-the memory and the compute warpgroups alike.
+the memory and the compute warpgroups alike; and, below, the order in which
+the backward's causal grids launch their blocks (:class:`LaunchOrder`).
 
 A tile is (batch b, query head h, query super-tile qi).  Under a causal mask
 (or key ranges) tiles do unequal work: tile qi visits about qi + 1 key blocks.

@@ -207,7 +207,8 @@ def test_launch_order_sections_balance_and_fit_l2():
 
 def test_a_launch_order_that_repeats_a_block_is_refuted():
   """The exactly-once check fails when locate maps two launch indices to
-  one block (a mutant that drops the remainder of the big sections)."""
+  one block (a mutant that folds the last unit's blocks onto the one before),
+  and bad section sizes or shapes are refused by name."""
   order = schedule.LaunchOrder.for_grid(10, 6, unit_bytes=1, num_sms=4)
   _check_launch_order(order)
 

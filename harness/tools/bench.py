@@ -247,6 +247,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
                           dq_accum=acc, dq_scales=c), acc[...]
 
     fns["rows+scales"] = lambda q, k, v, do, out, m, l, *_: scales(k, v, do, out, m, l)
+    # Scales of 1 take the launch's every instruction, as real scales do.
     fns["dkv+fixed-point dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fixed_point(
         q, k, v, do, rows, jnp.ones(rows[:, :, 0].shape, jnp.float32))
     fns["forward+backward deterministic"] = lambda q, k, v, do, *_: jax.vjp(

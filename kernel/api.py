@@ -292,16 +292,19 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
   if deterministic and reproducible_backward is not None:
     backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
-                              backward)
+                              backward, window=routed.window)
   out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
   return routed.finish(out, residuals)
 
 
 def _differentiable(features: Features, config: Config, dtype, num_sms: int,
-                    problem: plan_lib.Problem, attention_backward):
+                    problem: plan_lib.Problem, attention_backward, *,
+                    window: tuple[int, int] | None = None):
   """The forward kernel under a custom_vjp whose backward reads the kernel's
   own residuals (out, and m in natural log, l): ``attention_backward``, one
-  of kernel.experiments.BACKWARDS."""
+  of kernel.experiments.BACKWARDS.  ``window``: jax.nn's local window the key
+  ranges come from, for the backward's launch order (whatever the forward's
+  schedule)."""
 
   def run(f, q, k, v, bias, mask, ks, ke):
     def local(q, k, v, bias, mask, ks, ke):   # on one device's batch/head shard
@@ -341,7 +344,8 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     low = lambda x: None if x is None else x.astype(dtype)
     local = functools.partial(attention_backward, scale=features.scale,
                               is_causal=features.is_causal,
-                              logits_soft_cap=features.logits_soft_cap, num_sms=num_sms)
+                              logits_soft_cap=features.logits_soft_cap, num_sms=num_sms,
+                              window=window)
     dq, dk, dv, dbias = sharding.backward(
         local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
     back = lambda g, like: None if g is None else g.astype(like.dtype)

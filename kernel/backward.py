@@ -179,7 +179,11 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   at 12017 tokens 6.539 vs 6.384 (2026-12-02).  At head dim 128 the fused dQ
   loses under causal (16k B1 8.367 vs 8.547 ms, 4k B4 2.259 vs 2.588): its
   per-step reduce-adds weigh more there against the dQ kernel's recomputed S
-  and dP.
+  and dP.  Re-measured with the causal launch order (below), dQ kernel vs
+  fused, ms (2026-12-04): 1k B16 0.738 vs 0.855, 4k B4 2.234 vs 2.371, 8k B2
+  4.224 vs 4.287, 16k B1 8.241 vs 7.899, GQA 16/4 T=S=3000 B5 1.766 vs
+  1.788, 12017 B1 4.869 vs 5.086: the fused dQ wins at 16k B1 alone, so the
+  dQ kernel stays.
 
   Under causal both kernels' grids launch in sections of heads, heaviest
   tiles first across a section (:func:`dkv_launch_order`,
@@ -587,31 +591,70 @@ class DkvKernel(_Launch):
   shape_t = property(lambda self: (self.bkv, self.bq))
 
 
+def visible_blocks(first: int, last: int, block: int, count: int) -> int:
+  """How many of ``count`` blocks of ``block`` rows hold a row in [first,
+  last] (0 when the interval is empty or outside them)."""
+  first, last = max(first, 0), min(last, count * block - 1)
+  return max(0, last // block - first // block + 1) if last >= first else 0
+
+
+def key_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, group: int, t_pad: int,
+                     s_pad: int, window: tuple[int, int] | None = None) -> list[int]:
+  """Per key tile, the query blocks the dK/dV kernel streams for it (times
+  the group's query heads): key j is seen by the rows i >= j under causal,
+  and by i in [j - right, j + left] under jax.nn's local ``window`` (left,
+  right)."""
+  tile, bq, nq = blocks.dkv_tile, blocks.dkv_stream_q, t_pad // blocks.dkv_stream_q
+  weights = []
+  for r in range(s_pad // tile):
+    first, last = (r * tile if f.is_causal else 0), t_pad - 1
+    if window is not None:
+      left, right = window
+      first, last = max(first, r * tile - right), min(last, (r + 1) * tile - 1 + left)
+    weights.append(group * visible_blocks(first, last, bq, nq))
+  return weights
+
+
+def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: int, s_pad: int,
+                       window: tuple[int, int] | None = None) -> list[int]:
+  """Per rank of the dQ kernel's launch order (rank r: query tile
+  ``tiles - 1 - r``), the key blocks it streams: row i sees the keys j <= i
+  under causal, and j in [i - left, i + right] under a local ``window``."""
+  tile, bkv, tiles = blocks.dq_tile, blocks.dq_stream_kv, t_pad // blocks.dq_tile
+  weights = []
+  for qi in reversed(range(tiles)):
+    first, last = 0, (min(s_pad, (qi + 1) * tile) - 1 if f.is_causal else s_pad - 1)
+    if window is not None:
+      left, right = window
+      first, last = max(first, qi * tile - left), min(last, (qi + 1) * tile - 1 + right)
+    weights.append(visible_blocks(first, last, bkv, s_pad // bkv))
+  return weights
+
+
 def dkv_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
                      num_kv_heads: int, group: int, t_pad: int, s_pad: int,
-                     head_dims: tuple[int, int], dtype, fused: bool,
-                     num_sms: int) -> schedule_lib.LaunchOrder | None:
+                     head_dims: tuple[int, int], dtype, fused: bool, num_sms: int,
+                     window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
   """The dK/dV grid's launch order under causal (None: head by head): see
-  :func:`dkv_call`."""
+  :func:`dkv_call`.  ``window``: jax.nn's local window (left, right) that
+  the key ranges come from, if any (it evens the tiles' work out)."""
   if not f.is_causal:
     return None
-  tiles, nq = s_pad // blocks.dkv_tile, t_pad // blocks.dkv_stream_q
   order = schedule_lib.LaunchOrder.for_grid(
-      num_kv_heads * batch, tiles, num_sms=num_sms,
+      num_kv_heads * batch, s_pad // blocks.dkv_tile, num_sms=num_sms,
       unit_bytes=group * t_pad * sum(head_dims) * jnp.dtype(dtype).itemsize)
-  # Key tile r streams the query blocks from r's first key on, for each
-  # head of the group.  With the fused dQ, sections only where they repay
-  # their spread of reduce-adds (kernel.schedule.MIN_SECTION_GAIN).
-  weight = [group * max(0, nq - r * blocks.dkv_tile // blocks.dkv_stream_q)
-            for r in range(tiles)]
-  if fused and not schedule_lib.sections_repay(order, weight, num_sms):
+  # With the fused dQ, or under a window, sections only where they repay
+  # their spread of the blocks in flight (kernel.schedule.MIN_SECTION_GAIN).
+  weight = key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad, window=window)
+  if (fused or window is not None) and not schedule_lib.sections_repay(order, weight, num_sms):
     return None
   return order
 
 
 def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
              blocks: BackwardBlocks, dq_accum=None, dq_scales=None, query_blocks=None,
-             inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
+             inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
+             window: tuple[int, int] | None = None):
   """{"dk": dK, "dv": dV} on padded inputs.
 
   q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
@@ -642,6 +685,14 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   0.866 (0.990), 4k B4 2.709 vs 2.627 (2.622), 16k B1 9.695 vs 9.699 (9.416);
   deterministic=True d128 4k B4 2.275 vs 2.228, d64 GQA 32/8 T=S=3000 B5
   2.378 vs 2.175 (2026-12-04; the d64 fused dQ's in kernel.schedule).
+  Under a local ``window`` (jax.nn's (left, right), which the key ranges
+  come from) the tiles' work is even but at the ends, and the sections
+  lost: d128 causal, window 1024 at 16k B1 N16 1.389 sectioned vs 1.374 ms
+  head by head, (512, 512) at 4k B4 0.888 vs 0.869; so there they are taken
+  only where the dealing model, weighing each tile by the window
+  (:func:`key_tile_weights`), predicts a gain, as with the fused dQ.
+  Packed documents (ranges the launch cannot see) keep them: seven
+  documents causal at 16k, 1.802 sectioned vs 1.875 head by head (2026-12-04).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
@@ -652,7 +703,7 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFe
   group = num_heads // num_kv_heads
   order = dkv_launch_order(f, blocks, batch=batch, num_kv_heads=num_kv_heads, group=group,
                            t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
-                           dtype=dtype, fused=fused, num_sms=num_sms)
+                           dtype=dtype, fused=fused, num_sms=num_sms, window=window)
   kernel = DkvKernel(f=f, blocks=blocks, head_dim=head_dim,
                      head_dim_out=head_dim_out, dtype=dtype, num_kv_heads=num_kv_heads,
                      group=group, nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused,
@@ -1211,21 +1262,27 @@ class DqKernel(_Launch):
 
 def dq_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
                     num_heads: int, group: int, t_pad: int, s_pad: int,
-                    head_dims: tuple[int, int], dtype,
-                    num_sms: int) -> schedule_lib.LaunchOrder | None:
+                    head_dims: tuple[int, int], dtype, num_sms: int,
+                    window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
   """The dQ grid's launch order under causal (None: head by head): see
   :func:`dq_call`.  A unit is one query head; the heads of a group,
-  adjacent in a section, read the same K and V."""
+  adjacent in a section, read the same K and V.  Under a local ``window``
+  only where the sections repay (as in :func:`dkv_launch_order`)."""
   if not f.is_causal:
     return None
-  return schedule_lib.LaunchOrder.for_grid(
+  order = schedule_lib.LaunchOrder.for_grid(
       batch * num_heads, t_pad // blocks.dq_tile, num_sms=num_sms,
       unit_bytes=s_pad * sum(head_dims) * jnp.dtype(dtype).itemsize // group)
+  if window is not None and not schedule_lib.sections_repay(
+      order, query_tile_weights(f, blocks, t_pad=t_pad, s_pad=s_pad, window=window), num_sms):
+    return None
+  return order
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
             f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool,
-            num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
+            num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
+            window: tuple[int, int] | None = None):
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
 
   Same arguments as :func:`dkv_call`, with bias and mask in their own
@@ -1243,7 +1300,7 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
   group = num_heads // num_kv_heads
   order = dq_launch_order(f, blocks, batch=batch, num_heads=num_heads, group=group,
                           t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
-                          dtype=dtype, num_sms=num_sms)
+                          dtype=dtype, num_sms=num_sms, window=window)
   kernel = DqKernel(f=f, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
                     num_kv_heads=num_kv_heads, group=group, s_pad=s_pad,
                     num_tiles=t_pad // blocks.dq_tile, order=order)
@@ -1550,7 +1607,8 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
                        fuse_dq=True, fixed_point_dq=False,
-                       num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
+                       num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
+                       window: tuple[int, int] | None = None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels above.  Same contract and arguments as
   ``kernel.backward_xla.attention_backward`` (its executable specification):
@@ -1561,7 +1619,9 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   ``fixed_point_dq``: the fused dQ sums in int32 fixed point (bitwise
   reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
   float32.  ``num_sms``: the GPU's SMs, which the causal launch order
-  balances over (kernel.schedule.LaunchOrder).
+  balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
+  window (left, right) when the key ranges come from one, which the launch
+  order weighs the tiles by (the kernels read the ranges alone).
   """
   dtype = query.dtype
   batch, t, heads, hd = query.shape
@@ -1604,7 +1664,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
   launch = functools.partial(dkv_call, q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke,
                              f=f, blocks=blocks, query_blocks=query_blocks,
-                             inner_blocks=inner_blocks, num_sms=num_sms)
+                             inner_blocks=inner_blocks, num_sms=num_sms, window=window)
   if fused:
     # The float32 dQ accumulator is a ref of a state scope of its own
     # (run_state, which hands back its final value), not a jax.new_ref of
@@ -1629,7 +1689,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   else:
     dkv = launch()
     dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
-                     want_ds=bias is not None, num_sms=num_sms)
+                     want_ds=bias is not None, num_sms=num_sms, window=window)
 
   dbias = None
   if bias is not None:

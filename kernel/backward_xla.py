@@ -33,11 +33,11 @@ def _pad_keys(x, axis, size):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, chunk=CHUNK,
-                       num_sms=None):
+                       num_sms=None, window=None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out); dbias is None
   without a bias.  Shapes as in kernel/validation.py; m, l are (B, N, T).
-  ``num_sms`` is accepted for the kernels' signature and unused (XLA
-  schedules its own launches)."""
+  ``num_sms`` and ``window`` are accepted for the kernels' signature and
+  unused (XLA schedules its own launches; the ranges carry the window)."""
   f32 = jnp.float32
   batch, t, heads, _ = query.shape
   s_len, kv_heads = key.shape[1], key.shape[2]

@@ -33,7 +33,7 @@ def _api_launch(fc: ForwardCase, config: Config):
   from kernel import api
   got = {}
 
-  def record(features, config, dtype, num_sms, problem, backward):
+  def record(features, config, dtype, num_sms, problem, backward, *, window=None):
     got.update(features=features, config=config, dtype=dtype, num_sms=num_sms)
     return lambda *args: (None, (None, None))  # (out, (m, l)), never used
 

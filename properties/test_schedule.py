@@ -261,3 +261,71 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
     if not fused:
       assert dq is not None and (dq.units, dq.tiles) == (batch * heads, seq // blocks.dq_tile)
       _check_launch_order(dq)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([64, 128, 256]), st.integers(1, 12), st.integers(0, 700),
+       st.integers(0, 700), st.booleans(), st.sampled_from([1, 2]))
+def test_launch_order_weights_are_the_kernels_steps(head_dim, tiles, left, right, causal,
+                                                   group):
+  """The tile weights the backward's launch order balances
+  (kernel.backward.key_tile_weights, query_tile_weights) are the steps the
+  kernels take: the dK/dV kernel's query blocks per key tile from the
+  tables a local window's key ranges give (kernel.padding, as
+  _at_key_tile reads them), and the dQ kernel's key blocks per query tile
+  from kernel.common.kv_block_range, for every rank of the launch order."""
+  import jax.numpy as jnp
+  from kernel import backward, padding, variants
+  from kernel.validation import AttentionShapes
+  blocks = backward.blocks_for(head_dim, head_dim, is_causal=causal)
+  seq = tiles * 128
+  f = backward.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
+                                seq_q=seq, seq_kv=seq)
+  shapes = AttentionShapes(B=1, T=seq, S=seq, N=group, K=1, H=head_dim, Hv=head_dim)
+  ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
+  lo, hi = padding.query_block_ranges(
+      ks, ke, seq_kv=seq, num_rows=seq, block_q=blocks.dkv_stream_q,
+      key_tile=blocks.dkv_tile, num_key_tiles=seq // blocks.dkv_tile, group=group)
+  nq = seq // blocks.dkv_stream_q
+  steps = []
+  for j in range(seq // blocks.dkv_tile):
+    first = j * blocks.dkv_tile // blocks.dkv_stream_q if causal else 0
+    start, stop = max(first, int(lo[0, 0, j])), min(nq, int(hi[0, 0, j]))
+    steps.append(group * max(stop - start, 0))
+  assert backward.key_tile_weights(f, blocks, group=group, t_pad=seq, s_pad=seq,
+                                   window=(left, right)) == steps
+  _, _, (start_min, _, _, end_max) = padding.key_ranges(
+      ks, ke, seq_kv=seq, tile=blocks.dq_tile, num_tiles=seq // blocks.dq_tile)
+  steps = []
+  for qi in reversed(range(seq // blocks.dq_tile)):
+    lb, ub = common.kv_block_range(
+        jnp.int32(qi), block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq,
+        seq_kv=seq, is_causal=causal, k_start_min=start_min[0, 0, qi],
+        k_end_max=end_max[0, 0, qi])
+    steps.append(max(int(ub) - int(lb), 0))
+  assert backward.query_tile_weights(f, blocks, t_pad=seq, s_pad=seq,
+                                     window=(left, right)) == steps
+
+
+@pytest.mark.parametrize("head_dim,seq,batch,heads,window", [
+    (128, 16384, 1, 16, (1024, 1024)),   # measured head by head (dkv_call's notes)
+    (128, 4096, 4, 16, (512, 512)),
+    (64, 8192, 2, 32, (1024, 0)),
+])
+def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, window):
+  """Under a local window the tiles' work is even (but near the ends), so
+  sections cannot repay their spread and both grids launch head by head;
+  the same causal shape without the window keeps its sectioned orders."""
+  from kernel import backward
+  f = backward.BackwardFeatures(scale=0.1, is_causal=True, logits_soft_cap=None,
+                                seq_q=seq, seq_kv=seq)
+  blocks = backward.blocks_for(head_dim, head_dim, is_causal=True)
+  fused = backward.fuses_dq(blocks, with_bias=False, is_causal=True)
+  args = dict(batch=batch, group=1, t_pad=seq, s_pad=seq, head_dims=(head_dim, head_dim),
+              dtype="bfloat16", num_sms=132)
+  dkv = lambda w: backward.dkv_launch_order(f, blocks, num_kv_heads=heads, fused=fused,
+                                            window=w, **args)
+  dq = lambda w: backward.dq_launch_order(f, blocks, num_heads=heads, window=w, **args)
+  assert dkv(window) is None and dq(window) is None
+  assert dq(None) is not None
+  assert (dkv(None) is not None) == (not fused)

@@ -64,6 +64,9 @@ def cases() -> dict[str, dict]:
   c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, backward="pallas-serial"),
                                        dict(bias_shape=(1, 4, 300, 500)), True)
   c["d128-grad-two-kernel"] = (d128, dict(backward="pallas-two-kernel"), {}, True)
+  # A local window under causal: the backward's launch order weighs tiles by it.
+  c["d128-grad-window-causal"] = (d128, dict(is_causal=True, local_window_size=(100, 0)), {},
+                                  True)
   # deterministic=True's fused dQ in fixed point: rounded by float adds at
   # head dim 64, converted over it.
   c["d128-grad-deterministic"] = (d128, dict(deterministic=True), {}, True)
@@ -122,7 +125,7 @@ def _guarded(args, kwargs):
   from kernel.forward import flash_attention_forward
   got = {}
 
-  def record(features, config, dtype, num_sms, problem, backward):
+  def record(features, config, dtype, num_sms, problem, backward, *, window=None):
     got.update(features=features, config=config, dtype=dtype, num_sms=num_sms)
     return lambda *a: (None, (None, None))
 

@@ -263,8 +263,8 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
       _check_launch_order(dq)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.sampled_from([64, 128, 256]), st.integers(1, 12), st.integers(0, 700),
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([64, 128, 256]), st.sampled_from([1, 3, 7, 12]), st.integers(0, 700),
        st.integers(0, 700), st.booleans(), st.sampled_from([1, 2]))
 def test_launch_order_weights_are_the_kernels_steps(head_dim, tiles, left, right, causal,
                                                    group):
@@ -296,13 +296,11 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, tiles, left, right
                                    window=(left, right)) == steps
   _, _, (start_min, _, _, end_max) = padding.key_ranges(
       ks, ke, seq_kv=seq, tile=blocks.dq_tile, num_tiles=seq // blocks.dq_tile)
-  steps = []
-  for qi in reversed(range(seq // blocks.dq_tile)):
-    lb, ub = common.kv_block_range(
-        jnp.int32(qi), block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq,
-        seq_kv=seq, is_causal=causal, k_start_min=start_min[0, 0, qi],
-        k_end_max=end_max[0, 0, qi])
-    steps.append(max(int(ub) - int(lb), 0))
+  qi = jnp.arange(seq // blocks.dq_tile, dtype=jnp.int32)
+  lb, ub = common.kv_block_range(
+      qi, block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq, seq_kv=seq,
+      is_causal=causal, k_start_min=start_min[0, 0], k_end_max=end_max[0, 0])
+  steps = np.maximum(np.asarray(ub) - np.asarray(lb), 0)[::-1].tolist()
   assert backward.query_tile_weights(f, blocks, t_pad=seq, s_pad=seq,
                                      window=(left, right)) == steps
 

@@ -188,7 +188,8 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   Under causal both kernels' grids launch in sections of heads, heaviest
   tiles first across a section (:func:`dkv_launch_order`,
   :func:`dq_launch_order`; :func:`dkv_call` has the measurements; the fused
-  dQ only where the dealing model predicts a gain)."""
+  dQ, and any grid under a local window, only where the dealing model
+  predicts a gain)."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
   return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,

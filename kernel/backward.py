@@ -646,8 +646,9 @@ def dkv_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
       unit_bytes=group * t_pad * sum(head_dims) * jnp.dtype(dtype).itemsize)
   # With the fused dQ, or under a window, sections only where they repay
   # their spread of the blocks in flight (kernel.schedule.MIN_SECTION_GAIN).
-  weight = key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad, window=window)
-  if (fused or window is not None) and not schedule_lib.sections_repay(order, weight, num_sms):
+  if (fused or window is not None) and not schedule_lib.sections_repay(
+      order, key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad,
+                              window=window), num_sms):
     return None
   return order
 

@@ -23,10 +23,12 @@ Two facts decide the order:
 ``longest_first`` returns the order as data (NumPy, computed from static
 shapes at trace time); :meth:`Schedule.assign` deals it to persistent
 blocks.  A dynamic deal (each persistent block taking the next tile from a
-counter in global memory) needs a fetch-and-add, which Pallas Mosaic GPU
-does not offer in jax 0.11.2 (``plgpu.atomic_add`` is a store-add that
-returns nothing); a non-persistent grid, which the hardware deals
-dynamically in launch order, is the dynamic schedule there is.  The kernel reads both from small int32 tables in global memory, and
+counter in global memory) needs a fetch-and-add, which the primitives of
+Pallas Mosaic GPU do not offer in jax 0.11.2 (``plgpu.atomic_add`` is a
+store-add that returns nothing; PTX's ``atom`` through ``plgpu.inline_mgpu``
+would be the way, not tried on a GPU); a non-persistent grid, which the
+hardware deals dynamically in launch order, is the dynamic schedule there
+is.  The kernel reads both from small int32 tables in global memory, and
 ``properties/test_schedule.py`` checks that every tile is dealt exactly once.
 """
 

@@ -592,7 +592,7 @@ class DkvKernel(_Launch):
   shape_t = property(lambda self: (self.bkv, self.bq))
 
 
-def visible_blocks(first: int, last: int, block: int, count: int) -> int:
+def _visible_blocks(first: int, last: int, block: int, count: int) -> int:
   """How many of ``count`` blocks of ``block`` rows hold a row in [first,
   last] (0 when the interval is empty or outside them)."""
   first, last = max(first, 0), min(last, count * block - 1)
@@ -612,23 +612,27 @@ def key_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, group: int,
     if window is not None:
       left, right = window
       first, last = max(first, r * tile - right), min(last, (r + 1) * tile - 1 + left)
-    weights.append(group * visible_blocks(first, last, bq, nq))
+    weights.append(group * _visible_blocks(first, last, bq, nq))
   return weights
 
 
-def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: int, s_pad: int,
+def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: int,
                        window: tuple[int, int] | None = None) -> list[int]:
   """Per rank of the dQ kernel's launch order (rank r: query tile
-  ``tiles - 1 - r``), the key blocks it streams: row i sees the keys j <= i
-  under causal, and j in [i - left, i + right] under a local ``window``."""
-  tile, bkv, tiles = blocks.dq_tile, blocks.dq_stream_kv, t_pad // blocks.dq_tile
+  ``tiles - 1 - r``), the key blocks it streams: the dQ kernel's own
+  :func:`kernel.common.kv_block_range`, with the keys [r0 - left, r1 +
+  right] that a local ``window`` lets the tile's rows r0..r1 see."""
+  tile = blocks.dq_tile
   weights = []
-  for qi in reversed(range(tiles)):
-    first, last = 0, (min(s_pad, (qi + 1) * tile) - 1 if f.is_causal else s_pad - 1)
+  for qi in reversed(range(t_pad // tile)):
+    start = end = None
     if window is not None:
       left, right = window
-      first, last = max(first, qi * tile - left), min(last, (qi + 1) * tile - 1 + right)
-    weights.append(visible_blocks(first, last, bkv, s_pad // bkv))
+      start, end = qi * tile - left, min((qi + 1) * tile + right, f.seq_kv)
+    lb, ub = kv_block_range(qi, block_q=tile // 2, block_kv=blocks.dq_stream_kv,
+                            seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
+                            k_start_min=start, k_end_max=end)
+    weights.append(ub - lb)
   return weights
 
 
@@ -1276,7 +1280,7 @@ def dq_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
       batch * num_heads, t_pad // blocks.dq_tile, num_sms=num_sms,
       unit_bytes=s_pad * sum(head_dims) * jnp.dtype(dtype).itemsize // group)
   if window is not None and not schedule_lib.sections_repay(
-      order, query_tile_weights(f, blocks, t_pad=t_pad, s_pad=s_pad, window=window), num_sms):
+      order, query_tile_weights(f, blocks, t_pad=t_pad, window=window), num_sms):
     return None
   return order
 

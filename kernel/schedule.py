@@ -22,13 +22,22 @@ Two facts decide the order:
 
 ``longest_first`` returns the order as data (NumPy, computed from static
 shapes at trace time); :meth:`Schedule.assign` deals it to persistent
-blocks.  A dynamic deal (each persistent block taking the next tile from a
-counter in global memory) needs a fetch-and-add, which the primitives of
-Pallas Mosaic GPU do not offer in jax 0.11.2 (``plgpu.atomic_add`` is a
-store-add that returns nothing; PTX's ``atom`` through ``plgpu.inline_mgpu``
-would be the way, not tried on a GPU); a non-persistent grid, which the
-hardware deals dynamically in launch order, is the dynamic schedule there
-is.  The kernel reads both from small int32 tables in global memory, and
+blocks; where key ranges put the work where the static weights cannot see
+it (packed documents, lengths), :meth:`Schedule.reranked` re-ranks the
+non-persistent launch by the weights the device finds.  A dynamic deal
+(each persistent block taking the next tile from a counter in global
+memory) needs a fetch-and-add, which the primitives of Pallas Mosaic GPU do
+not offer in jax 0.11.2 (``plgpu.atomic_add`` is a store-add that returns
+nothing).  PTX's ``atom.add`` through ``plgpu.inline_mgpu`` does work: on the
+H200, 264 blocks drew the tickets 0..263 once each (2026-12-04).  It was
+not built into the kernel: for seven packed documents at 16k (d128, N16,
+causal, the forward alone on their key ranges) a persistent launch dealt
+by each tile's true work, computed on the host, ran 0.586 ms against 0.470
+for the non-persistent grid in longest-first order and 0.426 in the order
+of the true weights (2026-12-04), so a dynamic deal, which at best matches
+that oracle, would not pay there.  The non-persistent grid, which the
+hardware deals dynamically in launch order, is the dynamic schedule.  The
+kernel reads both from small int32 tables in global memory, and
 ``properties/test_schedule.py`` checks that every tile is dealt exactly once.
 """
 
@@ -74,6 +83,37 @@ class Schedule:
     nt, nh = jnp.int32(self.num_tiles), jnp.int32(self.num_heads)
     bh = lax.div(tile, nt)
     return lax.div(bh, nh), lax.rem(bh, nh), lax.rem(tile, nt)
+
+  def reranked(self, blocks):
+    """The order with each (batch, head)'s tiles re-ranked heaviest first by
+    ``blocks``: traced int32 (B|1, N|1, num_tiles), the key blocks each
+    tile visits as the device finds them (key ranges from lengths or packed
+    documents are data, so the static weights only bound them).
+
+    Position by position the launch keeps this schedule's sections and its
+    interleaving of heads: where this order runs the r-th tile of a
+    (batch, head), the reranked one runs that (batch, head)'s r-th heaviest
+    by ``blocks`` (ties: lower qi first).  Each (batch, head) keeps its
+    positions and a permutation of its tiles goes into them, so the result
+    is a permutation of the same tiles whatever ``blocks`` holds.
+    """
+    import jax.numpy as jnp
+    bh, _ = np.divmod(self.order.astype(np.int64), self.num_tiles)
+    b, h = np.divmod(bh, self.num_heads)
+    # rank[p]: how many earlier positions belong to the same (batch, head).
+    by_unit = np.argsort(bh, kind="stable")
+    first = np.searchsorted(bh[by_unit], bh[by_unit], side="left")
+    rank = np.empty_like(bh)
+    rank[by_unit] = np.arange(bh.size) - first
+    blocks = jnp.asarray(blocks, jnp.int32)
+    if blocks.ndim != 3 or blocks.shape[2] != self.num_tiles or any(
+        n not in (1, full) for n, full in zip(blocks.shape[:2], (self.batch, self.num_heads))):
+      raise ValueError(f"blocks: expected (B|1, N|1, {self.num_tiles}) for B={self.batch}, "
+                       f"N={self.num_heads}, got {blocks.shape}")
+    heaviest = jnp.argsort(-blocks, axis=-1, stable=True).astype(jnp.int32)
+    at = lambda idx, n: idx if n > 1 else np.zeros_like(idx)
+    qi = heaviest[at(b, blocks.shape[0]), at(h, blocks.shape[1]), rank]
+    return (jnp.asarray(bh.astype(np.int32)) * self.num_tiles + qi).astype(jnp.int32)
 
   def assign(self, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """Deal the order to ``num_blocks`` persistent blocks: each tile, in

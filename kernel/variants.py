@@ -23,7 +23,10 @@ and skips the blocks it excludes:
   found by a stable sort and binary search (no (T, S) array).  A row whose id
   occurs in several runs of ``kv_segment_ids`` cannot be served by one
   interval: its output, m, l and log-sum-exp are NaN (never a silently wrong
-  value).  ``segment_layout="any"`` takes any ids: it builds the dense
+  value), and so are the gradients it reaches.  The kernel writes the NaN
+  itself (``Features.poisons_rows``): such a row's range starts at -1 (every
+  served start is at least 0 there), so it visits keys from 0 and its
+  epilogue selects NaN.  ``segment_layout="any"`` takes any ids: it builds the dense
   (B, 1, T, S) equality mask and passes it with the user's mask (one
   global-memory read per logit), and still passes the interval hull of each
   row's keys as its key range, so blocks outside it are skipped.
@@ -65,17 +68,12 @@ class Routed:
   kernel_residuals: bool        # the kernel must return (m, l)
   return_residuals: bool        # this API's (m, l)
   return_residual: bool         # jax.nn's log-sum-exp
-  poisoned: Any = None          # (B, T) bool: rows set to NaN (contiguous layout)
+  poisoned: Any = None          # (B, T) bool: rows the kernel writes NaN (contiguous layout)
   window: tuple[int, int] | None = None  # (left, right), static: the schedule weighs tiles by it
 
   def finish(self, out, residuals):
     """``out``; ``(out, lse)``; ``(out, (m, l))``; or ``(out, lse, (m, l))``
     when both residual flags are set."""
-    if self.poisoned is not None:
-      out = jnp.where(self.poisoned[:, :, None, None], jnp.nan, out).astype(out.dtype)
-      if residuals is not None:
-        rows = self.poisoned[:, None, :]
-        residuals = tuple(jnp.where(rows, jnp.nan, r) for r in residuals)
     if not self.kernel_residuals:
       return out
     m, l = residuals
@@ -83,6 +81,11 @@ class Routed:
       return out, (m, l)
     lse = lax.stop_gradient(jnp.transpose(m + jnp.log(l), (0, 2, 1)))
     return (out, lse, (m, l)) if self.return_residuals else (out, lse)
+
+
+# A key range starting here marks a row the kernel must write NaN
+# (kernel.forward.Features.poisons_rows).
+POISONED_START = -1
 
 
 def _rows(x) -> jax.Array:
@@ -210,6 +213,10 @@ def route(query, key, value, bias, mask, k_start, k_end, *, query_seq_lengths=No
       poisoned = ~single_run
   if start is not None:
     k_start = start if k_start is None else jnp.maximum(_rows(k_start).astype(jnp.int32), start)
+  if poisoned is not None:
+    # POISONED_START marks the row for the kernel's epilogue.  The segment
+    # start (>= 0) is in the maximum above, so no served row starts below 0.
+    k_start = jnp.where(poisoned[:, None, :], POISONED_START, k_start)
   if end is not None:
     k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
   return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,

@@ -132,6 +132,41 @@ def test_a_schedule_that_drops_or_repeats_a_tile_is_refuted():
     _check_exactly_once(dropped, 7)
 
 
+@settings(max_examples=60, deadline=None)
+@given(launches(), st.data())
+def test_reranking_by_device_weights_keeps_every_tile_and_each_heads_positions(launch, data):
+  """``Schedule.reranked``: whatever weights the device finds (any shape
+  (B|1, N|1, tiles), ties included) the launch is a permutation of the
+  tiles; each (batch, head) keeps the positions the static order gave it and
+  fills them heaviest first (ties: lower qi first); and weights equal to the
+  static ones give the static order back."""
+  order, blocks, _, _, _ = launch
+  static = np.array([int(blocks(qi)) for qi in range(order.num_tiles)], np.int32)
+  assert np.array_equal(np.asarray(order.reranked(static[None, None, :])), order.order)
+  shape = (data.draw(st.sampled_from([1, order.batch]), label="B"),
+           data.draw(st.sampled_from([1, order.num_heads]), label="N"), order.num_tiles)
+  weights = np.array(data.draw(st.lists(st.integers(0, 6), min_size=int(np.prod(shape)),
+                                        max_size=int(np.prod(shape))), label="weights"),
+                     np.int32).reshape(shape)
+  got = np.asarray(order.reranked(weights))
+  assert collections.Counter(got.tolist()) == collections.Counter(range(order.total))
+  unit = lambda t: t // order.num_tiles
+  assert np.array_equal(unit(got), unit(order.order))
+  for u in np.unique(unit(got)).tolist():
+    b, h = divmod(u, order.num_heads)
+    w = weights[b % shape[0], h % shape[1]]
+    qis = (got[unit(got) == u] % order.num_tiles).tolist()
+    keys = [(-int(w[qi]), qi) for qi in qis]
+    assert keys == sorted(keys), (u, qis)
+
+
+def test_reranking_refuses_weights_of_another_shape():
+  order = schedule.longest_first(batch=2, num_heads=4, num_kv_heads=2, num_tiles=5,
+                                 tile_blocks=lambda qi: qi + 1, kv_bytes_per_head=1)
+  with pytest.raises(ValueError, match="blocks"):
+    order.reranked(np.zeros((2, 3, 5), np.int32))
+
+
 @pytest.mark.parametrize("bad", [dict(batch=0), dict(num_kv_heads=3), dict(num_tiles=-1)])
 def test_bad_launch_shapes_are_refused_by_name(bad):
   args = dict(batch=1, num_heads=4, num_kv_heads=2, num_tiles=2, tile_blocks=lambda qi: 1,

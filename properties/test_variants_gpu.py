@@ -177,6 +177,34 @@ def test_named_variant_beside_cudnn(name):
       f"{r_theirs}\n{r_ours}\nmax |ours - cudnn| on rows that see a key: {gap:.3g}")
 
 
+@pytest.mark.gpu
+def test_rows_the_contiguous_layout_cannot_serve_are_nan():
+  """Ids in several runs of the keys under ``segment_layout="contiguous"``:
+  the rows with such an id are NaN in out, m, l, the log-sum-exp and dq
+  (written by the kernel's epilogue), every other output row is within the
+  tolerance rule of the float64 reference, and no other row is NaN."""
+  case = _case(Named(_SQUARE, True, hs.VariantSpec(segments=_SPLIT)))
+  q_ids, kv_ids = _SPLIT.build()
+  holes = np.zeros(q_ids.shape, bool)
+  for b, i in np.ndindex(*holes.shape):
+    where = np.nonzero(kv_ids[b] == q_ids[b, i])[0]
+    holes[b, i] = where.size > 0 and where[-1] - where[0] + 1 > where.size
+  assert holes.any() and not holes.all()
+  (out, lse, m, l), (dq, _, _) = _forward_and_grads(case, None)
+  rows = holes[:, :, None]                       # (B, T, 1) against (B, T, N)
+  assert np.isnan(out[holes]).all() and np.isnan(lse[np.broadcast_to(rows, lse.shape)]).all()
+  assert np.isnan(dq[holes]).all()
+  per_head = np.broadcast_to(holes[:, None, :], m.shape)
+  assert np.isnan(m[per_head]).all() and np.isnan(l[per_head]).all()
+  assert not np.isnan(out[~holes]).any() and not np.isnan(m[~per_head]).any()
+  dt = compute_dtype(case.dtype)
+  ref = ref_lib.attention_reference(*case.args, **case.kwargs)
+  n_out, _, _ = ref_lib.naive_attention(*case.args, dtype=dt, **case.kwargs)
+  keep = lambda x: np.where(holes[:, :, None, None], 0.0, x)
+  report = tolerance.check_tolerance(keep(out), keep(ref.out), keep(n_out), dt, name="out")
+  assert report.passed, str(report)
+
+
 _DRAWN_SHAPES = (AttentionShapes(B=2, T=300, N=2, H=64, S=333, K=1, Hv=64),
                  AttentionShapes(B=1, T=256, N=4, H=128, S=256, K=2, Hv=128))
 

@@ -506,6 +506,63 @@ def test_longest_first_balances_a_causal_window():
   assert max(seen) < max(loads(_schedule(T, T, None, True, heads=heads)))
 
 
+@pytest.mark.parametrize("T,kw,is_causal", [
+    (1000, dict(segments=((300, 1, 450, 249),)), True),
+    (1000, dict(segments=((300, 1, 450, 249),)), False),
+    (777, dict(key_value_seq_lengths=(500,)), True),
+    (1000, dict(local_window_size=(100, 0)), True),
+])
+def test_the_launch_ranks_tiles_by_the_blocks_the_kernel_visits(T, kw, is_causal):
+  """``forward.range_tile_blocks``, the weights a launch over key ranges is
+  ranked by on the device, is each tile's key loop length under the
+  ranges (kernel.padding.key_ranges' tile bounds, kernel.common's rule)."""
+  from kernel import forward, padding
+  if "segments" in kw:
+    (docs,) = kw.pop("segments")
+    ids = jnp.asarray(np.repeat(np.arange(len(docs)), docs)[None, :T].astype(np.int32))
+    kw = dict(q_segment_ids=ids, kv_segment_ids=ids)
+  elif "key_value_seq_lengths" in kw:
+    kw = dict(key_value_seq_lengths=jnp.asarray(kw["key_value_seq_lengths"], jnp.int32))
+  visited = _visited_blocks(T, T, kw, is_causal=is_causal)
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  routed = variants.route(sds(1, T, 1, 64), sds(1, T, 1, 64), sds(1, T, 1, 64), None, None,
+                          None, None, **kw)
+  tile = 2 * _SKIP_BLOCK_Q
+  _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=T, tile=tile,
+                                   num_tiles=-(-T // tile))
+  got = forward.range_tile_blocks(tiles, num_tiles=-(-T // tile), block_q=_SKIP_BLOCK_Q,
+                                  block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=T,
+                                  is_causal=is_causal)
+  assert np.asarray(got)[0, 0].tolist() == (visited[:, 1] - visited[:, 0]).tolist()
+  assert len(set(np.asarray(got)[0, 0].tolist())) > 1   # the ranges make the work uneven
+
+
+def test_only_a_non_persistent_longest_first_launch_over_key_ranges_is_reranked(monkeypatch):
+  """Lowered through the API with segment ids: the non-persistent
+  longest-first launch takes its order from ``Schedule.reranked``; the
+  persistent one deals the static order, and a call without key ranges
+  launches the static order."""
+  from kernel import schedule
+  from kernel.config import Config
+  calls = []
+  real = schedule.Schedule.reranked
+  monkeypatch.setattr(schedule.Schedule, "reranked",
+                      lambda self, blocks: calls.append(blocks.shape) or real(self, blocks))
+  q, k, v = _arrays()
+  thirds = lambda n: jnp.asarray(np.repeat(np.arange(3), [n // 3, n // 3, n - 2 * (n // 3)])
+                                 [None, :].repeat(B, 0).astype(np.int32))
+  seen = []
+  for config, segments in ((Config(64, 128, 2, schedule="longest-first"), True),
+                           (Config(64, 128, 2, persistent=True, schedule="longest-first"), True),
+                           (Config(64, 128, 2, schedule="longest-first"), False)):
+    kw = dict(q_segment_ids=thirds(T), kv_segment_ids=thirds(S)) if segments else {}
+    with api.lowering_only():
+      jax.export.export(jax.jit(lambda q, k, v: api.dot_product_attention(
+          q, k, v, is_causal=True, config=config, **kw)), platforms=["cuda"])(q, k, v)
+    seen.append(len(calls))
+  assert seen == [1, 1, 1], seen
+
+
 def test_the_api_hands_the_window_to_the_longest_first_schedule_only(monkeypatch):
   """Lowered through the API: the schedule gets the call's window under
   schedule="longest-first" (and the default schedule takes no window, so a

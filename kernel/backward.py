@@ -81,7 +81,7 @@ from kernel import plan as plan_lib
 from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
 from kernel.common import (COL, LOG2E, ROW, WGMMA, Logits, batch_head, kv_block_range,
-                           load_broadcast, smem, tile_key_bounds)
+                           load_broadcast, smem, tile_key_bounds, window_tile_keys)
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
 # fused dQ's reduce-adds, unless deterministic=True sums them in fixed
@@ -620,15 +620,14 @@ def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: in
                        window: tuple[int, int] | None = None) -> list[int]:
   """Per rank of the dQ kernel's launch order (rank r: query tile
   ``tiles - 1 - r``), the key blocks it streams: the dQ kernel's own
-  :func:`kernel.common.kv_block_range`, with the keys [r0 - left, r1 +
-  right] that a local ``window`` lets the tile's rows r0..r1 see."""
+  :func:`kernel.common.kv_block_range`, with the keys a local ``window``
+  lets the tile's rows see (:func:`kernel.common.window_tile_keys`)."""
   tile = blocks.dq_tile
   weights = []
   for qi in reversed(range(t_pad // tile)):
     start = end = None
     if window is not None:
-      left, right = window
-      start, end = qi * tile - left, min((qi + 1) * tile + right, f.seq_kv)
+      start, end = window_tile_keys(qi, tile, window, seq_q=f.seq_q, seq_kv=f.seq_kv)
     lb, ub = kv_block_range(qi, block_q=tile // 2, block_kv=blocks.dq_stream_kv,
                             seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
                             k_start_min=start, k_end_max=end)

@@ -144,6 +144,24 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
   return lb, ub
 
 
+def window_tile_keys(qi: int, tile: int, window: tuple[int, int], *, seq_q: int,
+                     seq_kv: int) -> tuple[int, int]:
+  """(start min, end max) of the keys jax.nn's local ``window`` (left,
+  right) lets query tile ``qi``'s rows see (rows ``qi * tile`` up to the
+  last real one): the tile bounds kernel.padding.key_ranges gives the
+  window's row ranges, as the forward's and the dQ kernel's schedules weigh
+  a windowed tile."""
+  left, right = window
+  first, last = qi * tile, min((qi + 1) * tile, seq_q) - 1
+  return first - left, min(last + right + 1, seq_kv)
+
+
+# A key range starting here marks a row the forward kernel writes NaN
+# (kernel.forward.Features.poisons_rows; kernel.variants sets it on the rows
+# one range cannot serve, where every served start is at least 0).
+POISONED_START = -1
+
+
 def tile_key_bounds(tiles_ref, b, h, qi):
   """(start_min, start_max, end_min, end_max) of query tile ``qi``'s key
   ranges, read from the per-tile table (kernel.padding.key_ranges)."""

@@ -57,7 +57,8 @@ from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
 from kernel import common
 from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, Logits, batch_head, is_2d,
-                           kv_block_range, load_broadcast, smem, tile_key_bounds)
+                           kv_block_range, load_broadcast, smem, tile_key_bounds,
+                           POISONED_START, window_tile_keys)
 from kernel.config import Config
 
 CW = barriers.COMPUTE_WARPGROUPS
@@ -80,10 +81,9 @@ class Features(Logits):
   # which are traced and so hidden from the schedule (computed at trace
   # time).  None elsewhere, so the window's value keys no other compile.
   window: tuple[int, int] | None = None
-  # Rows whose key range starts below 0 are written NaN (out, m and l): the
-  # rows kernel/variants.py cannot serve with one range (a segment id in
-  # several runs), marked by a negative start where every served start is
-  # at least 0.  Done in the epilogue, where it costs a select per row, not
+  # Rows whose key range starts at common.POISONED_START are written NaN
+  # (out, m and l): the rows kernel/variants.py cannot serve with one range
+  # (a segment id in several runs).  Done in the epilogue, where it costs a select per row, not
   # a pass over the output after the kernel (measured on the H200: seven
   # packed documents at 16k, d128, the pass took 0.037 of 0.553 ms,
   # 2026-12-04).
@@ -100,10 +100,8 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
   see, so their tiles are weighed at this upper bound."""
   def tile_blocks(qi):
     ks = ke = None
-    if window is not None:  # the tile's rows [r0, r1] see keys [r0 - left, r1 + right]
-      left, right = window
-      r0, r1 = qi * 2 * block_q, min((qi + 1) * 2 * block_q, seq_q) - 1
-      ks, ke = r0 - left, min(r1 + right + 1, seq_kv)
+    if window is not None:
+      ks, ke = window_tile_keys(qi, 2 * block_q, window, seq_q=seq_q, seq_kv=seq_kv)
     lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
                             seq_kv=seq_kv, is_causal=is_causal, k_start_min=ks,
                             k_end_max=ke)
@@ -278,6 +276,9 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       bias_2d=f.stage_2d and is_2d(bias), mask_2d=f.stage_2d and is_2d(mask),
       return_residuals=f.return_residuals)
   plan_lib.check_fits(problem, config)
+  if f.poisons_rows and k_start is None:
+    raise ValueError("features.poisons_rows: the rows to poison are marked in k_start, "
+                     "and none was given")
   pipe = plan_lib.pipeline_plan(problem, config)
   order = schedule_tables = None
   if config.schedule == "longest-first":
@@ -915,8 +916,8 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   else:
     out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
 
-  if f.poisons_rows and t.k_start is not None:
-    poisoned = t.k_start < 0
+  if f.poisons_rows:
+    poisoned = t.k_start == POISONED_START
     out = jnp.where(lax.broadcast_in_dim(poisoned, out.shape, [0]), jnp.nan, out)
     m_i = jnp.where(poisoned, jnp.nan, m_i)
     l_res = jnp.where(poisoned, jnp.nan, l_res)

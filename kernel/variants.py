@@ -24,10 +24,11 @@ and skips the blocks it excludes:
   occurs in several runs of ``kv_segment_ids`` cannot be served by one
   interval: its output, m, l and log-sum-exp are NaN (never a silently wrong
   value), and so are the gradients it reaches.  The kernel writes the NaN
-  itself (``Features.poisons_rows``): such a row's range starts at -1 (every
-  served start is at least 0 there), so it visits keys from 0 and its
-  epilogue selects NaN.  ``segment_layout="any"`` takes any ids: it builds the dense
-  (B, 1, T, S) equality mask and passes it with the user's mask (one
+  itself (``Features.poisons_rows``): such a row's range starts at
+  ``kernel.common.POISONED_START`` (-1; every served start is at least 0
+  there, the segment's start being in their maximum), so it visits keys
+  from 0 and its epilogue selects NaN.  ``segment_layout="any"`` takes any
+  ids: it builds the dense (B, 1, T, S) equality mask and passes it with the user's mask (one
   global-memory read per logit), and still passes the interval hull of each
   row's keys as its key range, so blocks outside it are skipped.
   :func:`segments_are_contiguous` says, per batch row, whether the
@@ -53,6 +54,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from kernel.common import POISONED_START
 from kernel.validation import (SEGMENT_LAYOUTS, AttentionShapes, validate_attention_args,
                                validate_variant_args)
 
@@ -81,11 +83,6 @@ class Routed:
       return out, (m, l)
     lse = lax.stop_gradient(jnp.transpose(m + jnp.log(l), (0, 2, 1)))
     return (out, lse, (m, l)) if self.return_residuals else (out, lse)
-
-
-# A key range starting here marks a row the kernel must write NaN
-# (kernel.forward.Features.poisons_rows).
-POISONED_START = -1
 
 
 def _rows(x) -> jax.Array:

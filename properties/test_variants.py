@@ -563,6 +563,25 @@ def test_only_a_non_persistent_longest_first_launch_over_key_ranges_is_reranked(
   assert seen == [1, 1, 1], seen
 
 
+def test_poisoned_rows_without_key_ranges_are_refused_by_name():
+  """The rows the epilogue writes NaN are marked in k_start: a launch asked
+  to poison rows without one is refused at trace time, not run silently."""
+  import dataclasses
+  from kernel import forward
+  from kernel.config import Config
+  features = forward.Features(scale=0.125, is_causal=True, logits_soft_cap=None,
+                              rescale_threshold=1.0, normalize_output=True,
+                              return_residuals=False, seq_q=256, seq_kv=256)
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  call = lambda f: jax.make_jaxpr(lambda q, k, v: forward.flash_attention_forward(
+      q, k, v, None, None, None, None, None, features=f, config=Config()))(
+      sds(1, 256, 1, 64), sds(1, 256, 1, 64), sds(1, 256, 1, 64))
+  with api.lowering_only():
+    call(features)
+    with pytest.raises(ValueError, match="poisons_rows"):
+      call(dataclasses.replace(features, poisons_rows=True))
+
+
 def test_the_api_hands_the_window_to_the_longest_first_schedule_only(monkeypatch):
   """Lowered through the API: the schedule gets the call's window under
   schedule="longest-first" (and the default schedule takes no window, so a

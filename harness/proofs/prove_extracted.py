@@ -97,18 +97,17 @@ def _range_tables(kernel_eqn, consts, num_tiles) -> dict:
   return _int_tables(kernel_eqn, consts, num_tiles, 4, "k_range_tiles tables")
 
 
-def _reranked_order(kernel_eqn, consts, case: ForwardCase, features, module,
-                    num_tiles: int) -> dict:
+def _reranked_order(kernel_eqn, consts, case: ForwardCase, num_tiles: int) -> dict:
   """{operand: value} for the launch order a non-persistent longest-first
   launch over key ranges computes on the device (``Schedule.reranked``,
-  from the ranges the environment decides): the static order, heaviest
-  tile first, as the launch of a constant table would read it.
+  from the ranges the environment decides): the last tile first, as the
+  causal static order of the traced launch (one batch, one head) runs them.
 
   Sound for the protocol: the reranked table is a permutation of the tiles
   whatever the ranges hold (properties/test_schedule.py), and a
   non-persistent block runs the one tile it reads, whose key range the
   environment chooses anyway; the tile's index only bounds that range by
-  its causal limit, which the static order's first entry makes the widest.
+  its causal limit, which the last tile makes the widest.
   """
   if case.persistent or case.schedule != "longest-first":
     return {}
@@ -116,12 +115,7 @@ def _reranked_order(kernel_eqn, consts, case: ForwardCase, features, module,
   if len(found) != 1:
     raise ex.ExtractionError(f"expected one computed launch order of {num_tiles} tiles "
                              f"among the kernel's operands, found {len(found)}")
-  order = module.tile_schedule(
-      batch=1, num_heads=1, num_kv_heads=1, num_tiles=num_tiles, s_pad=features.seq_kv,
-      head_dim=case.head_dim, head_dim_out=case.head_dim, itemsize=2, block_q=case.block_q,
-      block_kv=case.block_kv, seq_q=features.seq_q, seq_kv=features.seq_kv,
-      is_causal=features.is_causal)
-  return {found[0]: order.order}
+  return {found[0]: np.arange(num_tiles - 1, -1, -1, dtype=np.int32)}
 
 
 class _Env:
@@ -312,7 +306,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
   consts = _const_values(closed, kernel)
   num_tiles = features.seq_q // (2 * case.block_q)
   tables = _range_tables(kernel, consts, num_tiles)
-  consts.update(_reranked_order(kernel, consts, case, features, module, num_tiles))
+  consts.update(_reranked_order(kernel, consts, case, num_tiles))
   bkv = case.block_kv
 
   def actual(qi, lb, n):

@@ -133,6 +133,18 @@ class BackwardBlocks:
     under ``head_split``)."""
     return self.rows if self.head_split else CW * self.rows
 
+  @property
+  def query_multiple(self) -> int:
+    """Query rows are padded to a multiple of this: whole dQ tiles and
+    whole streamed blocks of the dK/dV kernel."""
+    return math.lcm(self.dq_tile, self.dkv_stream_q)
+
+  @property
+  def key_multiple(self) -> int:
+    """Keys are padded to a multiple of this: whole dK/dV tiles and whole
+    streamed blocks of the dQ kernel."""
+    return math.lcm(self.dkv_tile, self.dq_stream_kv)
+
 
 def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> BackwardBlocks:
   """Streamed blocks are 64 rows, but for the dK/dV kernel's at head dims
@@ -609,10 +621,24 @@ def key_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, group: int,
   weights = []
   for r in range(s_pad // tile):
     first, last = (r * tile if f.is_causal else 0), t_pad - 1
-    if window is not None:
-      left, right = window
-      first, last = max(first, r * tile - right), min(last, (r + 1) * tile - 1 + left)
-    weights.append(group * _visible_blocks(first, last, bq, nq))
+    if window is None:
+      weights.append(group * _visible_blocks(first, last, bq, nq))
+      continue
+    # The band comes from the rows' key ranges (kernel.padding.
+    # query_block_ranges): only the tile's real keys count, only real rows
+    # have a window, and the padded rows copy the last real row's range, so
+    # the blocks of padded rows alone are streamed exactly when that row
+    # sees the tile.
+    left, right = window
+    keys_end = min((r + 1) * tile, f.seq_kv)
+    if keys_end <= r * tile:
+      weights.append(0)
+      continue
+    first, last = max(first, r * tile - right), min(f.seq_q - 1, keys_end - 1 + left)
+    seen = _visible_blocks(first, last, bq, nq)
+    if first <= f.seq_q - 1 <= last:
+      seen += nq - -(-f.seq_q // bq)
+    weights.append(group * seen)
   return weights
 
 
@@ -1642,8 +1668,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
                        f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
-  t_mult = math.lcm(blocks.dq_tile, blocks.dkv_stream_q)
-  s_mult = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
+  t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
 
   pad = padding.pad_to_multiple
   q = pad(pad(query, 3, 64), 1, t_mult)

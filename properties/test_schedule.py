@@ -300,46 +300,52 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
 
 @settings(max_examples=25, deadline=None)
 # A window edge one key past a block boundary, on either side.
-@example(head_dim=128, tiles=3, left=1, right=1, causal=False, group=1)
-@example(head_dim=64, tiles=7, left=65, right=129, causal=False, group=2)
-@given(st.sampled_from([64, 128, 256]), st.sampled_from([1, 3, 7, 12]), st.integers(0, 700),
-       st.integers(0, 700), st.booleans(), st.sampled_from([1, 2]))
-def test_launch_order_weights_are_the_kernels_steps(head_dim, tiles, left, right, causal,
-                                                   group):
+@example(head_dim=128, seq_q=384, seq_kv=384, left=1, right=1, causal=False, group=1)
+@example(head_dim=64, seq_q=896, seq_kv=896, left=65, right=129, causal=False, group=2)
+# Ragged and unequal lengths: the last key tile holds 9 real keys, padded
+# query rows copy the last real row's range.
+@example(head_dim=64, seq_q=1000, seq_kv=777, left=0, right=1, causal=True, group=1)
+@example(head_dim=256, seq_q=129, seq_kv=1100, left=300, right=129, causal=False, group=2)
+@given(st.sampled_from([64, 128, 256]), st.integers(1, 1600), st.integers(1, 1600),
+       st.integers(0, 700), st.integers(0, 700), st.booleans(), st.sampled_from([1, 2]))
+def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, left, right,
+                                                   causal, group):
   """The tile weights the backward's launch order balances
   (kernel.backward.key_tile_weights, query_tile_weights) are the steps the
-  kernels take: the dK/dV kernel's query blocks per key tile from the
-  tables a local window's key ranges give (kernel.padding, as
+  kernels take, at any lengths (ragged, T != S): the dK/dV kernel's query
+  blocks per key tile from the tables a local window's key ranges give
+  (kernel.padding, padded as attention_backward pads them, read as
   _at_key_tile reads them), and the dQ kernel's key blocks per query tile
   from kernel.common.kv_block_range, for every rank of the launch order."""
   import jax.numpy as jnp
   from kernel import backward, padding, variants
   from kernel.validation import AttentionShapes
   blocks = backward.blocks_for(head_dim, head_dim, is_causal=causal)
-  seq = tiles * 128
+  whole = lambda n, m: -(-n // m) * m
+  t_pad, s_pad = whole(seq_q, blocks.query_multiple), whole(seq_kv, blocks.key_multiple)
   f = backward.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
-                                seq_q=seq, seq_kv=seq)
-  shapes = AttentionShapes(B=1, T=seq, S=seq, N=group, K=1, H=head_dim, Hv=head_dim)
+                                seq_q=seq_q, seq_kv=seq_kv)
+  shapes = AttentionShapes(B=1, T=seq_q, S=seq_kv, N=group, K=1, H=head_dim, Hv=head_dim)
   ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
+  ks, ke, (start_min, _, _, end_max) = padding.key_ranges(
+      ks, ke, seq_kv=seq_kv, tile=blocks.dq_tile, num_tiles=t_pad // blocks.dq_tile)
   lo, hi = padding.query_block_ranges(
-      ks, ke, seq_kv=seq, num_rows=seq, block_q=blocks.dkv_stream_q,
-      key_tile=blocks.dkv_tile, num_key_tiles=seq // blocks.dkv_tile, group=group)
-  nq = seq // blocks.dkv_stream_q
+      ks, ke, seq_kv=seq_kv, num_rows=t_pad, block_q=blocks.dkv_stream_q,
+      key_tile=blocks.dkv_tile, num_key_tiles=s_pad // blocks.dkv_tile, group=group)
+  nq = t_pad // blocks.dkv_stream_q
   steps = []
-  for j in range(seq // blocks.dkv_tile):
+  for j in range(s_pad // blocks.dkv_tile):
     first = j * blocks.dkv_tile // blocks.dkv_stream_q if causal else 0
     start, stop = max(first, int(lo[0, 0, j])), min(nq, int(hi[0, 0, j]))
     steps.append(group * max(stop - start, 0))
-  assert backward.key_tile_weights(f, blocks, group=group, t_pad=seq, s_pad=seq,
+  assert backward.key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad,
                                    window=(left, right)) == steps
-  _, _, (start_min, _, _, end_max) = padding.key_ranges(
-      ks, ke, seq_kv=seq, tile=blocks.dq_tile, num_tiles=seq // blocks.dq_tile)
-  qi = jnp.arange(seq // blocks.dq_tile, dtype=jnp.int32)
+  qi = jnp.arange(t_pad // blocks.dq_tile, dtype=jnp.int32)
   lb, ub = common.kv_block_range(
-      qi, block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq, seq_kv=seq,
-      is_causal=causal, k_start_min=start_min[0, 0], k_end_max=end_max[0, 0])
+      qi, block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
+      seq_kv=seq_kv, is_causal=causal, k_start_min=start_min[0, 0], k_end_max=end_max[0, 0])
   steps = np.maximum(np.asarray(ub) - np.asarray(lb), 0)[::-1].tolist()
-  assert backward.query_tile_weights(f, blocks, t_pad=seq, window=(left, right)) == steps
+  assert backward.query_tile_weights(f, blocks, t_pad=t_pad, window=(left, right)) == steps
 
 
 @pytest.mark.parametrize("head_dim,seq,batch,heads,window", [

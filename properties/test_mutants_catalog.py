@@ -235,3 +235,16 @@ def test_the_empty_tile_carry_case_has_empty_tiles_before_others_on_one_sm():
   sms = 132
   followed = [g for g in range(len(grid) - sms) if empty(*grid[g])]
   assert len(followed) >= 10, followed
+
+
+def test_the_record_names_its_device_jax_commit_date_and_command(monkeypatch):
+  """mutants.md carries its own provenance, as the gate's summary does: a
+  record read away from its file name still says what made it."""
+  import datetime
+  import jax
+  monkeypatch.setenv("FLASH_COMMIT", "abc1234")
+  head = mutants.heading("NVIDIA H200 sm90", ["--select", "a,b", "--out", "x y"])
+  assert head.startswith("device: NVIDIA H200 sm90; ")
+  assert f"jax {jax.__version__}" in head and "commit abc1234" in head
+  assert datetime.date.today().isoformat() in head
+  assert head.endswith("command: `python -m harness mutants --select a,b --out 'x y'`")

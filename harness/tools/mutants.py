@@ -37,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -507,6 +508,15 @@ def render(results: list[Result], control: Result | None) -> str:
   return text
 
 
+def heading(device: str, argv: list[str] | None) -> str:
+  """The record's provenance: the device, jax, commit and date (as the
+  gate's summary names them) and the command that made it."""
+  from harness.tools.gate import provenance
+  args = sys.argv[1:] if argv is None else argv
+  command = " ".join(["python -m harness mutants", *map(shlex.quote, args)])
+  return f"device: {device}; {provenance()}; command: `{command}`"
+
+
 def select(names: str | None, shard: str | None) -> list[Mutant]:
   chosen = list(CATALOG)
   if names:
@@ -623,6 +633,7 @@ def main(argv=None) -> int:
     problems = check(mutants=chosen)
     print("\n".join(problems) or f"{len(chosen)} patches apply exactly once and compile")
     return 1 if problems else 0
+  device = None
   if not args.lower:
     from harness.tools.gate import gpu_summary
     has_gpu, device = gpu_summary()
@@ -644,7 +655,8 @@ def main(argv=None) -> int:
                              test_timeout=args.test_timeout, jobs=args.jobs,
                              control_workers=args.control_workers,
                              with_control=not args.no_control)
-  text = (f"# Kernel mutants\n\n{len(chosen)} mutants, {time.time() - start:.0f} s "
+  text = (f"# Kernel mutants\n\n{heading(device, argv)}\n\n"
+          f"{len(chosen)} mutants, {time.time() - start:.0f} s "
           f"(budget {args.budget:.0f} s, {args.jobs} at a time)\n\n" + render(results, control))
   (out_dir / "mutants.md").write_text(text)
   (out_dir / "mutants.json").write_text(json.dumps(

@@ -370,3 +370,55 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
   assert dkv(window) is None and dq(window) is None
   assert dq(None) is not None
   assert (dkv(None) is not None) == (not fused)
+
+
+def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
+  """The launch orders above, and the grids' axis orders measured in
+  kernel/backward.py and kernel/forward.py, rest on Mosaic GPU putting a
+  kernel's LAST grid axis on blockIdx.x, which the hardware hands out
+  fastest.  Lowered here, a (2, 3, 5) grid named (a, b, c) launches as CUDA
+  grid (x, y, z) = (5, 3, 2), and axis_index reads c from blockIdx.x, b from
+  y, a from z; the dK/dV launch puts its key tiles on x.  A jax upgrade
+  that changed this would silently void the measured orders: it fails here."""
+  import jax
+  import jax.numpy as jnp
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+  from kernel import api, backward
+
+  grids, reads = [], {}
+  lower_kernel = mgpu_lowering.mgpu_core._lower_as_gpu_kernel
+  to_grid_id = mgpu_lowering.block_id_to_grid_id
+
+  def spy_launch(*args, **kwargs):
+    grids.append(tuple(kwargs["grid"]))
+    return lower_kernel(*args, **kwargs)
+
+  def spy_axis(ctx, block_ids, axis_name):
+    reads[axis_name] = to_grid_id(ctx, ("x", "y", "z"), axis_name)
+    return to_grid_id(ctx, block_ids, axis_name)
+
+  def body(o_ref):
+    a, b, c = (jax.lax.axis_index(n) for n in ("a", "b", "c"))
+    o_ref[...] = jnp.full(o_ref.shape, a * 100 + b * 10 + c, jnp.int32)
+
+  toy = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.int32),
+                     grid=(2, 3, 5), grid_names=("a", "b", "c"))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(mgpu_lowering.mgpu_core, "_lower_as_gpu_kernel", spy_launch)
+    mp.setattr(mgpu_lowering, "block_id_to_grid_id", spy_axis)
+    with api.lowering_only():
+      jax.export.export(jax.jit(toy), platforms=["cuda"])()
+    assert grids == [(5, 3, 2)] and reads == {"a": "z", "b": "y", "c": "x"}
+    grids.clear()
+    f = backward.BackwardFeatures(scale=0.1, is_causal=False, logits_soft_cap=None,
+                                  seq_q=512, seq_kv=768)
+    blocks = backward.blocks_for(64, 64, is_causal=False)
+    sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
+    dkv = lambda q, k, v, do, rows: backward.dkv_call(q, k, v, do, rows, None, None, None,
+                                                      None, f=f, blocks=blocks)
+    with api.lowering_only():
+      jax.export.export(jax.jit(dkv), platforms=["cuda"])(
+          sds(512, 4), sds(768, 2), sds(768, 2), sds(512, 4),
+          jax.ShapeDtypeStruct((2, 4, 2, 512), jnp.float32))
+  assert grids == [(768 // blocks.dkv_tile, 2, 2)], grids   # (kv_tiles, batch, kv_heads)

@@ -350,6 +350,17 @@ def test_dry_run_lists_what_would_be_tuned_and_what_is_cached(tmp_path, capsys):
   assert listed == [j.signature() for j in tuner.coverage_jobs()]
 
 
+def test_only_tunes_the_named_signatures_and_refuses_a_name_it_does_not_know(tmp_path, capsys):
+  names = ["bfloat16-d64-dv64-q16384-kv16384-full", "bfloat16-d64-dv64-q4096-kv4096-full"]
+  assert tuner.main(["--coverage", "--dry-run", "--only", ",".join(names), "--cache",
+                     str(tmp_path / "c.json"), "--device-kind", DEVICE]) == 0
+  rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+  assert sorted(r[1] for r in rows) == sorted(names) and {r[0] for r in rows} == {"tune"}
+  with pytest.raises(SystemExit, match="--only names no job.*d64-dv64-q4096-kv4096-ful'"):
+    tuner.main(["--coverage", "--dry-run", "--only", "bfloat16-d64-dv64-q4096-kv4096-ful",
+                "--device-kind", DEVICE])
+
+
 def test_without_a_gpu_only_the_dry_run_runs(tmp_path):
   from kernel import api
   if api.sm90_device() is not None:

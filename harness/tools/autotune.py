@@ -328,7 +328,22 @@ def _jobs(args) -> list[Job]:
     jobs = [Job(*s) for s in COMMON_SHAPES]
   else:
     jobs = [Job(*COMMON_SHAPES[int(i)]) for i in args.shapes.split(",")]
+  if args.only:
+    jobs = only(jobs, args.only)
   return likely_order(jobs) if args.order == "likely" else jobs
+
+
+def only(jobs: list[Job], spec: str) -> list[Job]:
+  """The jobs whose signature is one of ``spec``'s comma-separated
+  signatures (as --dry-run lists them); a name that matches no job is an
+  error, so a typo never tunes nothing in silence."""
+  wanted = [w.strip() for w in spec.split(",") if w.strip()]
+  known = {j.signature() for j in jobs}
+  missing = [w for w in wanted if w not in known]
+  if missing or not wanted:
+    raise SystemExit(f"autotune: --only names no job of the chosen set: {missing or spec!r} "
+                     f"(--dry-run lists the signatures)")
+  return [j for j in jobs if j.signature() in wanted]
 
 
 def _gpu_run_maker():
@@ -377,6 +392,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--device-kind", default=None,
                  help="the cache's device key for --dry-run (default: this machine's "
                       "sm90 GPU, else 'NVIDIA H200')")
+  p.add_argument("--only", default=None,
+                 help="comma-separated signatures of the chosen set (as --dry-run lists "
+                      "them) to tune alone, e.g. the grid points that lag")
   p.add_argument("--candidates", default=None,
                  help="';'-separated configs as bench --grid --variants spells them "
                       "(e.g. '64,128,2,p,lf;64,64,2,lf'); those that fit are timed "

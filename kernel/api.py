@@ -289,7 +289,8 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
       seq_q=shapes.T, seq_kv=shapes.S,
       stage_2d=stage_2d,
       window=routed.window if config.schedule == "longest-first" else None,
-      poisons_rows=routed.poisoned is not None)
+      poisons_rows=routed.poisoned is not None,
+      window_ranges=routed.window_only and config.schedule == "longest-first")
   if deterministic and reproducible_backward is not None:
     backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,

@@ -88,6 +88,12 @@ class Features(Logits):
   # packed documents at 16k, d128, the pass took 0.037 of 0.553 ms,
   # 2026-12-04).
   poisons_rows: bool = False
+  # The key ranges are a local window's alone (kernel/variants.py computes
+  # them at trace time): the longest-first order, weighed by ``window``,
+  # already ranks the tiles by the key blocks they visit, so a
+  # non-persistent launch is not re-ranked on the device (a sort before
+  # every call for the order it already has).
+  window_ranges: bool = False
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
@@ -290,7 +296,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))
-    elif k_range_tiles is not None:
+    elif k_range_tiles is not None and not f.window_ranges:
       schedule_tables = (order.reranked(range_tile_blocks(
           k_range_tiles, num_tiles=num_tiles, block_q=block_q, block_kv=block_kv,
           seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)

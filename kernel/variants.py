@@ -72,6 +72,7 @@ class Routed:
   return_residual: bool         # jax.nn's log-sum-exp
   poisoned: Any = None          # (B, T) bool: rows the kernel writes NaN (contiguous layout)
   window: tuple[int, int] | None = None  # (left, right), static: the schedule weighs tiles by it
+  window_only: bool = False     # the key ranges are the window's alone (NumPy, trace time)
 
   def finish(self, out, residuals):
     """``out``; ``(out, lse)``; ``(out, (m, l))``; or ``(out, lse, (m, l))``
@@ -133,16 +134,22 @@ def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
                q_segment_ids=None, kv_segment_ids=None):
   """(start, end, single_run) of the new range sources alone: int32 arrays
   broadcastable to (B, 1, T) (None where no source bounds that side), and
-  (B, T) bool or None for the segment rows served by one interval."""
+  (B, T) bool or None for the segment rows served by one interval.
+
+  The window's ranges are NumPy arrays, computed here at trace time, and so
+  are start and end when the window is their only source: XLA folds what
+  is computed from constants (the per-tile tables of kernel.padding) into
+  the executable, where the same arithmetic on an iota ran as kernels of
+  its own before every call."""
   T, S = shapes.T, shapes.S
   starts, ends, single_run = [], [], None
-  i = lax.broadcasted_iota(jnp.int32, (1, 1, T), 2)
+  i = np.arange(T, dtype=np.int32)[None, None, :]
   if window is not None:
     # Beyond T + S a window is everything (or, negative, nothing); clipping
     # keeps i +- w inside int32.
     left, right = (int(np.clip(w, -(T + S + 2), T + S + 2)) for w in window)
-    starts.append(i - left)
-    ends.append(i + (right + 1))
+    starts.append(i - np.int32(left))
+    ends.append(i + np.int32(right + 1))
   if key_value_seq_lengths is not None:
     kv_len = jnp.clip(jnp.asarray(key_value_seq_lengths), -1, S).astype(jnp.int32)
     ends.append(kv_len[:, None, None])
@@ -159,6 +166,10 @@ def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
 
 
 def _reduce(op, xs):
+  """op (jnp.maximum or jnp.minimum) over xs; NumPy's where every x is a
+  NumPy array, so that constants stay constants."""
+  if all(isinstance(x, np.ndarray) for x in xs):
+    op = getattr(np, op.__name__)
   out = xs[0]
   for x in xs[1:]:
     out = op(out, x)
@@ -216,5 +227,8 @@ def route(query, key, value, bias, mask, k_start, k_end, *, query_seq_lengths=No
     k_start = jnp.where(poisoned[:, None, :], POISONED_START, k_start)
   if end is not None:
     k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
+  window_only = (window is not None and routed.k_start is None and routed.k_end is None
+                 and query_seq_lengths is None and key_value_seq_lengths is None
+                 and q_segment_ids is None)
   return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,
-                             poisoned=poisoned, window=window)
+                             poisoned=poisoned, window=window, window_only=window_only)

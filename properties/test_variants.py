@@ -552,15 +552,51 @@ def test_only_a_non_persistent_longest_first_launch_over_key_ranges_is_reranked(
   thirds = lambda n: jnp.asarray(np.repeat(np.arange(3), [n // 3, n // 3, n - 2 * (n // 3)])
                                  [None, :].repeat(B, 0).astype(np.int32))
   seen = []
-  for config, segments in ((Config(64, 128, 2, schedule="longest-first"), True),
-                           (Config(64, 128, 2, persistent=True, schedule="longest-first"), True),
-                           (Config(64, 128, 2, schedule="longest-first"), False)):
-    kw = dict(q_segment_ids=thirds(T), kv_segment_ids=thirds(S)) if segments else {}
+  lf = Config(64, 128, 2, schedule="longest-first")
+  lengths = jnp.asarray([S - 7, 40], jnp.int32)
+  for config, kw in ((lf, dict(q_segment_ids=thirds(T), kv_segment_ids=thirds(S))),
+                     (Config(64, 128, 2, persistent=True, schedule="longest-first"),
+                      dict(q_segment_ids=thirds(T), kv_segment_ids=thirds(S))),
+                     (lf, {}),
+                     # A window alone: its static order is already the ranked one.
+                     (lf, dict(local_window_size=(40, 8))),
+                     (lf, dict(local_window_size=(40, 8), key_value_seq_lengths=lengths))):
     with api.lowering_only():
       jax.export.export(jax.jit(lambda q, k, v: api.dot_product_attention(
           q, k, v, is_causal=True, config=config, **kw)), platforms=["cuda"])(q, k, v)
     seen.append(len(calls))
-  assert seen == [1, 1, 1], seen
+  assert seen == [1, 1, 1, 1, 2], seen
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 1500), st.integers(1, 1500), st.integers(0, 600), st.integers(0, 600),
+       st.booleans(), st.sampled_from([64, 128]))
+def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_causal,
+                                                 block_kv):
+  """Where the key ranges are a local window's alone, the route computes
+  them at trace time (NumPy), and the launch is not re-ranked on the device
+  (Features.window_ranges): the static longest-first order, weighed by the
+  window, IS the order ``Schedule.reranked`` gives by the key blocks each
+  tile visits under those ranges, at any lengths."""
+  from kernel import forward, padding
+  sds = lambda n: jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
+  routed = variants.route(sds(seq_q), sds(seq_kv), sds(seq_kv), None, None, None, None,
+                          local_window_size=(left, right))
+  assert routed.window_only
+  assert isinstance(routed.k_start, np.ndarray) and isinstance(routed.k_end, np.ndarray)
+  block_q = 64
+  num_tiles = -(-seq_q // (2 * block_q))
+  _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=seq_kv,
+                                   tile=2 * block_q, num_tiles=num_tiles)
+  order = forward.tile_schedule(
+      batch=1, num_heads=2, num_kv_heads=2, num_tiles=num_tiles,
+      s_pad=-(-seq_kv // block_kv) * block_kv, head_dim=64, head_dim_out=64, itemsize=2,
+      block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
+      window=(left, right))
+  ranked = order.reranked(forward.range_tile_blocks(
+      tiles, num_tiles=num_tiles, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
+      seq_kv=seq_kv, is_causal=is_causal))
+  assert np.asarray(ranked).tolist() == np.asarray(order.order).tolist()
 
 
 def test_poisoned_rows_without_key_ranges_are_refused_by_name():

@@ -18,7 +18,8 @@ time, so repeated runs fill the cache step by step; ``--budget-s`` stops
 starting new signatures when the next one, estimated from those this run has
 timed, would pass the budget; ``--order likely`` (the default) tunes the
 signatures most calls hit first; ``--dry-run`` lists what would be tuned and
-what is cached, and needs no GPU.
+what is cached, and needs no GPU; ``--only`` keeps the named signatures of
+the chosen set (the grid points that lag, say).
 
 Each entry records the fastest ``config``, every candidate's ``median_ms``
 (an error string for one that failed), and, since coverage tuning, the

@@ -568,6 +568,33 @@ def test_only_a_non_persistent_longest_first_launch_over_key_ranges_is_reranked(
   assert seen == [1, 1, 1, 1, 2], seen
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_window_forward_runs_no_device_work_before_the_kernel(is_causal):
+  """Lowered for CUDA, a forward whose key ranges are a window's alone
+  computes nothing from an iota and sorts nothing before the kernel: its
+  ranges are constants and the tables XLA derives from them fold into the
+  executable (an iota-rooted computation does not fold; it ran as kernels
+  before every call).  With kv lengths beside the window, traced, the
+  device work is back: the check can fail."""
+  from kernel.config import Config
+  q, k, v = _arrays()
+  specs = jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                                    for x in (k, v))
+
+  def ops(**kw):
+    with api.lowering_only():
+      text = jax.export.export(jax.jit(lambda q, k, v: api.dot_product_attention(
+          q, k, v, is_causal=is_causal, config=Config(64, 128, 2, schedule="longest-first"),
+          **kw)), platforms=["cuda"])(*specs).mlir_module()
+    return set(re.findall(r"= (?:\")?(stablehlo\.[a-z_]+)", text))
+
+  alone = ops(local_window_size=(40, 8))
+  assert "stablehlo.custom_call" in alone
+  assert not alone & {"stablehlo.iota", "stablehlo.sort"}, alone
+  lengths = ops(local_window_size=(40, 8), key_value_seq_lengths=jnp.asarray([S - 7, 40]))
+  assert lengths & {"stablehlo.iota", "stablehlo.sort"}, lengths
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 1500), st.integers(1, 1500), st.integers(0, 600), st.integers(0, 600),
        st.booleans(), st.sampled_from([64, 128]))

@@ -83,10 +83,10 @@ class Features(Logits):
   window: tuple[int, int] | None = None
   # Rows whose key range starts at common.POISONED_START are written NaN
   # (out, m and l): the rows kernel/variants.py cannot serve with one range
-  # (a segment id in several runs).  Done in the epilogue, where it costs a select per row, not
-  # a pass over the output after the kernel (measured on the H200: seven
-  # packed documents at 16k, d128, the pass took 0.037 of 0.553 ms,
-  # 2026-12-04).
+  # (a segment id in several runs).  Done in the epilogue, where it costs a
+  # select per row, not a pass over the output after the kernel (measured on
+  # the H200: seven packed documents at 16k, d128, the pass took 0.037 of
+  # 0.553 ms, 2026-12-04).
   poisons_rows: bool = False
   # The key ranges are a local window's alone (kernel/variants.py computes
   # them at trace time): the longest-first order, weighed by ``window``,
@@ -134,7 +134,8 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, block_q, block_kv, seq_q, seq
   it there.  Through the API with segment ids, the ranking included: 0.532
   against 0.555 ms (N16), 0.980 against 0.982 (32/8 heads); a causal window
   of 1024 at 16k 0.350 against 0.348, kv lengths at 4k B4 0.295 against
-  0.299; outputs bitwise equal either way."""
+  0.299; outputs bitwise equal either way.  A window alone is not re-ranked
+  (``Features.window_ranges``): its static order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)
   lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,

@@ -28,9 +28,10 @@ and skips the blocks it excludes:
   ``kernel.common.POISONED_START`` (-1; every served start is at least 0
   there, the segment's start being in their maximum), so it visits keys
   from 0 and its epilogue selects NaN.  ``segment_layout="any"`` takes any
-  ids: it builds the dense (B, 1, T, S) equality mask and passes it with the user's mask (one
-  global-memory read per logit), and still passes the interval hull of each
-  row's keys as its key range, so blocks outside it are skipped.
+  ids: it builds the dense (B, 1, T, S) equality mask and passes it with the
+  user's mask (one global-memory read per logit), and still passes the
+  interval hull of each row's keys as its key range, so blocks outside it
+  are skipped.
   :func:`segments_are_contiguous` says, per batch row, whether the
   contiguous layout holds.
 

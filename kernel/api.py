@@ -174,7 +174,8 @@ def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
                   k_start=None, k_end=None, device_kind: str | None = None) -> Config:
   """The config ``dot_product_attention(..., config=None)`` runs for these
   arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
-  this device and signature, else the heuristic.  ``device_kind`` defaults
+  this device and signature, else the nearest tuned signature's
+  (kernel.autotune.nearest), else the heuristic.  ``device_kind`` defaults
   to the sm90 GPU of this process (none: the heuristic)."""
   return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
                         k_end=k_end, device_kind=device_kind, stage_2d=True)

@@ -3,7 +3,8 @@
 Results are kept per (device, shape signature, dtype, features) in a JSON
 cache; the cache shipped with the package (``autotune_cache.json`` beside this
 file) holds H200 entries, and ``config=None`` uses it when it has the call's
-signature, else the heuristic (``kernel/api.py``).
+signature, else the nearest entry tuned for the same head dims, mask and
+arguments (:func:`nearest`), else the heuristic (:func:`choose`).
 
 The cache is ``{device_kind: {signature: entry}}``: the top level is keyed by
 ``jax.Device.device_kind`` ("NVIDIA H200"), so entries for another GPU (an
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from kernel import heuristics, plan
@@ -76,9 +78,50 @@ def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
   return config
 
 
+_SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9]+)-(?P<head>d\d+-dv\d+)-q(?P<q>\d+)-kv(?P<kv>\d+)"
+                        r"-(?P<rest>.+)")
+# Tiling behaves alike for the two 16-bit dtypes (same bytes per element, same
+# tensor-core rate): one's entries stand in for the other's.
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
+            **features) -> tuple[str, Config] | None:
+  """(signature, config): the cached entry nearest to ``problem``'s own
+  signature among those of the same device, head dims, mask and features
+  (``-bias``, ``-mask``, ``-ranges``) and a 16-bit dtype, whose config fits
+  the problem.  Nearest: the fewest doublings between the sequence buckets
+  (query plus key), then the same dtype, then the signature's name (a fixed
+  order).  None where no entry qualifies.
+
+  Why: a signature the cache lacks otherwise runs the heuristic, which is
+  the tuned winner for no causal signature tuned so far (all of them, head
+  dim 64, 128 and 256, 1k to 16k, chose a persistent longest-first or a
+  longest-first config; the heuristic runs causal round-robin, which ran at
+  0.56-0.75 of cuDNN, H200, 2026-12-01), so the nearest tuned bucket is the
+  better guess for a sequence bucket or dtype not tuned."""
+  want = _SIGNATURE.fullmatch(signature(problem, **features))
+  if want is None or want["dtype"] not in SIXTEEN_BIT:
+    return None
+  ranked = []
+  for sig, entry in load_cache(path).get(device_kind, {}).items():
+    got = _SIGNATURE.fullmatch(sig)
+    if (got is None or got["dtype"] not in SIXTEEN_BIT or got["head"] != want["head"]
+        or got["rest"] != want["rest"]):
+      continue
+    steps = sum(abs(int(got[k]).bit_length() - int(want[k]).bit_length()) for k in ("q", "kv"))
+    ranked.append((steps, got["dtype"] != want["dtype"], sig, entry))
+  for _, _, sig, entry in sorted(ranked, key=lambda r: r[:3]):
+    config = Config(**entry["config"])
+    if plan.config_fits(problem, config):
+      return sig, config
+  return None
+
+
 def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config:
-  """``config=None``: the autotuned config when cached, else the heuristic,
-  which with key ranges (``has_key_ranges``: lengths, windows, packed
+  """``config=None``: the autotuned config when cached, else the nearest
+  tuned entry of the same head dims, mask and features (:func:`nearest`),
+  else the heuristic, which with key ranges (``has_key_ranges``: lengths, windows, packed
   documents) on one tile per block runs longest-first.
 
   The heuristic runs a causal problem one tile per block, in the grid's
@@ -107,6 +150,9 @@ def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config
     cached = lookup(problem, device_kind, **features)
     if cached is not None:
       return cached
+    near = nearest(problem, device_kind, **features)
+    if near is not None:
+      return near[1]
   config = heuristics.get_heuristics_config(problem)
   if features.get("has_key_ranges") and not config.persistent:
     return dataclasses.replace(config, schedule="longest-first")

@@ -59,6 +59,79 @@ def test_tune_keeps_the_fastest_and_skips_candidates_that_fail():
   assert isinstance(timings[str(candidates[0])], str)
 
 
+def _at(problem, *, dtype=None, seq=None, causal=None, head_dim=None):
+  """``problem`` in another dtype, sequence bucket, mask or head dim."""
+  out = problem
+  if dtype is not None:
+    out = dataclasses.replace(out, dtype=np.dtype(dtype))
+  if seq is not None:
+    out = dataclasses.replace(out, seq_q=seq, seq_kv=seq)
+  if causal is not None:
+    out = dataclasses.replace(out, is_causal=causal)
+  if head_dim is not None:
+    out = dataclasses.replace(out, head_dim=head_dim, head_dim_out=head_dim)
+  return out
+
+
+def test_a_signature_the_cache_lacks_takes_the_nearest_tuned_entry(tmp_path):
+  """Nearest: fewest doublings between the buckets, then the same dtype;
+  only entries of the same head dims, mask and features, either 16-bit
+  dtype; the exact entry first (lookup)."""
+  cache = tmp_path / "cache.json"
+  causal = _at(PROBLEM, causal=True)
+  near_1k, near_16k = Config(64, 128, 2, True, "longest-first"), Config(64, 64, 2, False)
+  tuner.record(_at(causal, seq=1024), "NVIDIA H200", near_1k, {}, path=cache)
+  tuner.record(_at(causal, seq=16384), "NVIDIA H200", near_16k, {}, path=cache)
+  pick = lambda p, **kw: autotune.nearest(p, "NVIDIA H200", path=cache, **kw)
+  assert pick(_at(causal, seq=2048))[1] == near_1k                      # 2 steps against 6
+  assert pick(_at(causal, seq=8192))[1] == near_16k                     # 6 against 2
+  assert pick(_at(causal, seq=2048, dtype="float16"))[1] == near_1k     # the other 16-bit dtype
+  assert pick(_at(causal, seq=2048, dtype="float16"))[0] == autotune.signature(
+      _at(causal, seq=1024))
+  assert pick(_at(causal, seq=2048, head_dim=64)) is None               # another head dim
+  assert pick(_at(PROBLEM, seq=2048)) is None                           # not causal
+  assert pick(_at(causal, seq=2048), has_mask=True) is None             # another feature
+  assert autotune.nearest(_at(causal, seq=2048), "NVIDIA H100", path=cache) is None
+  # At equal distance the entry of the call's own dtype wins.
+  own = Config(64, 128, 3, True, "longest-first")
+  tuner.record(_at(causal, seq=16384, dtype="float16"), "NVIDIA H200", own, {}, path=cache)
+  assert pick(_at(causal, seq=8192, dtype="float16"))[1] == own
+  assert pick(_at(causal, seq=8192))[1] == near_16k
+
+
+def test_a_nearer_entry_that_does_not_fit_is_passed_over(tmp_path):
+  cache = tmp_path / "cache.json"
+  big = _at(PROBLEM, head_dim=256, causal=True)
+  too_big, fits = Config(128, 256, 4, persistent=True), Config(64, 64, 2, False, "longest-first")
+  assert not plan.config_fits(big, too_big) and plan.config_fits(big, fits)
+  tuner.record(_at(big, seq=8192), "NVIDIA H200", too_big, {}, path=cache)
+  tuner.record(_at(big, seq=1024), "NVIDIA H200", fits, {}, path=cache)
+  assert autotune.nearest(big, "NVIDIA H200", path=cache)[1] == fits
+
+
+def test_choose_takes_the_nearest_entry_before_the_heuristic(tmp_path, monkeypatch):
+  cache = tmp_path / "cache.json"
+  monkeypatch.setattr(autotune, "CACHE_PATH", cache)
+  causal = _at(PROBLEM, causal=True)
+  tuned = Config(64, 128, 2, True, "longest-first")
+  assert tuned != heuristics.get_heuristics_config(causal)
+  tuner.record(_at(causal, seq=1024), "NVIDIA H200", tuned, {}, path=cache)
+  assert autotune.choose(causal, "NVIDIA H200") == tuned
+  assert autotune.choose(causal, None) == heuristics.get_heuristics_config(causal)
+  assert autotune.choose(PROBLEM, "NVIDIA H200") == heuristics.get_heuristics_config(PROBLEM)
+
+
+def test_float16_causal_runs_what_bfloat16_was_tuned_to():
+  """The shipped cache holds bfloat16 entries only: a float16 causal call
+  runs the tuned config of its bfloat16 twin, not the heuristic."""
+  for head_dim in (64, 128, 256):
+    twin = autotune.selection_problem(_at(PROBLEM, causal=True, head_dim=head_dim))
+    f16 = _at(twin, dtype="float16")
+    tuned = autotune.lookup(twin, "NVIDIA H200")
+    assert tuned is not None and autotune.lookup(f16, "NVIDIA H200") is None
+    assert autotune.choose(f16, "NVIDIA H200") == tuned
+
+
 def test_choose_falls_back_to_the_heuristic():
   assert autotune.choose(PROBLEM, None) == heuristics.get_heuristics_config(PROBLEM)
   assert autotune.choose(PROBLEM, "a GPU nobody tuned") == heuristics.get_heuristics_config(PROBLEM)

@@ -292,7 +292,9 @@ def _kernel_mask_and_ranges(case: ForwardCase):
 def config_used(spec: GoldenSpec) -> dict:
   """The config the case ran with, and where it came from: the spec's own
   ("spec"), the autotune cache's entry for this device and signature
-  ("autotune cache", even when it equals the heuristic's), or the heuristic."""
+  ("autotune cache", even when it equals the heuristic's), the nearest
+  entry's ("autotune cache, nearest: SIGNATURE", kernel.autotune.nearest),
+  or the heuristic."""
   if spec.config is not None:
     return {"source": "spec", **dataclasses.asdict(spec.resolved_config())}
   from kernel import api, autotune
@@ -304,11 +306,16 @@ def config_used(spec: GoldenSpec) -> dict:
   problem = autotune.selection_problem(api.resolved_problem(
       case.query, case.key, case.value, case.bias, mask, is_causal=case.is_causal,
       k_start=k_start, k_end=k_end))
-  cached = device is not None and autotune.lookup(
-      problem, device.device_kind, has_bias=case.bias is not None,
-      has_mask=mask is not None,
-      has_key_ranges=k_start is not None or k_end is not None) == chosen
-  return {"source": "autotune cache" if cached else "heuristic", **dataclasses.asdict(chosen)}
+  source = "heuristic"
+  if device is not None:
+    features = dict(has_bias=case.bias is not None, has_mask=mask is not None,
+                    has_key_ranges=k_start is not None or k_end is not None)
+    near = autotune.nearest(problem, device.device_kind, **features)
+    if autotune.lookup(problem, device.device_kind, **features) == chosen:
+      source = "autotune cache"
+    elif near is not None and near[1] == chosen:
+      source = f"autotune cache, nearest: {near[0]}"
+  return {"source": source, **dataclasses.asdict(chosen)}
 
 
 def _ulp_distance(a: np.ndarray, b: np.ndarray) -> int:

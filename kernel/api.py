@@ -232,8 +232,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   within the same float64 tolerance as the default, at 0.86-0.96 of its
   forward + backward speed on that path in the backward grid on the H200
   (docs/backward, commit 3c295eb, 2026-12-04; the note above
-  SHIPPED_BACKWARD has more shapes), as fast elsewhere.  False (the default) adds in float32, and dq may differ
-  by one ulp between runs (``harness.numerics.tolerance.run_to_run_bound``).
+  SHIPPED_BACKWARD has more shapes), as fast elsewhere.  False (the
+  default) adds in float32, and dq may differ by one ulp between runs
+  (``harness.numerics.tolerance.run_to_run_bound``).
   With True, on the fused path, a NaN or infinity in any key or value of a
   head (or a cotangent whose norm overflows float32) makes that head's
   (that row's) dq NaN, not only where the logits touch it.  The

@@ -26,13 +26,14 @@ products and releases.
   S^T = K Q^T, P^T = exp2(S^T - lse) from the forward's residuals, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.  GQA sums over the
   group inside the kernel.  With the fused dQ (head dims up to 128, no bias,
-  under causal head dims up to 64: :func:`fuses_dq`) it also forms dQ_i's part over its keys, dS_i,tile K_tile,
-  and reduce-adds it in float32 into global memory (notes above
-  :func:`_fused_dq_buffers`).
-* ``dq`` (where the fused dQ does not apply): a block owns ``2 * block_q`` query rows of one head (Q, dO, lse,
-  delta stationary) and streams the (K, V) blocks of the forward's key range:
-  S, P, dP, dS as above and dQ += dS K; with a bias it also writes dS (the
-  logits gradient, which is dbias before the sum over broadcast dimensions).
+  under causal head dims up to 64: :func:`fuses_dq`) it also forms dQ_i's
+  part over its keys, dS_i,tile K_tile, and reduce-adds it in float32 into
+  global memory (notes above :func:`_fused_dq_buffers`).
+* ``dq`` (where the fused dQ does not apply): a block owns ``2 * block_q``
+  query rows of one head (Q, dO, lse, delta stationary) and streams the
+  (K, V) blocks of the forward's key range: S, P, dP, dS as above and
+  dQ += dS K; with a bias it also writes dS (the logits gradient, which is
+  dbias before the sum over broadcast dimensions).
 
 Head dims over 128 take the head split in both kernels
 (:attr:`BackwardBlocks.head_split`): a block owns one tile of 64 rows, both

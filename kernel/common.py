@@ -92,8 +92,8 @@ def load_broadcast(ref, idx, shape, layout):
     value = plgpu.load(ref.at[new_idx], layout=layout, optimized=False)
   elif kept:
     (dim,) = kept
-    value = plgpu.load(ref.at[new_idx], layout=layout.reduce(1 - dim) if len(shape) == 2 else layout,
-                       optimized=False)
+    vector_layout = layout.reduce(1 - dim) if len(shape) == 2 else layout
+    value = plgpu.load(ref.at[new_idx], layout=vector_layout, optimized=False)
     value = lax.broadcast_in_dim(value, shape, (dim,))
   else:
     value = ref[new_idx]
@@ -124,7 +124,8 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
   """Key blocks [lb, ub) that query super-tile ``qi`` must visit.
 
   Shared by the memory and both compute warpgroups (they must agree), and by
-  the proof's environments (harness/proofs/prove_extracted.py).  Works on Python ints and traced int32 scalars.
+  the proof's environments (harness/proofs/prove_extracted.py).  Works on
+  Python ints and traced int32 scalars.
   """
   num_blocks = -(-seq_kv // block_kv)
   lb, ub = 0, num_blocks

@@ -59,6 +59,42 @@ def test_tune_keeps_the_fastest_and_skips_candidates_that_fail():
   assert isinstance(timings[str(candidates[0])], str)
 
 
+def test_a_fast_candidate_with_wrong_results_is_never_chosen():
+  """The fastest candidates fail the results check: the fastest that passes
+  is chosen, and the losers' timings say why."""
+  candidates = heuristics.get_autotuning_configs(PROBLEM)
+  run = lambda config: 1.0 + candidates.index(config)   # the first is the fastest
+  wrong = set(candidates[:2])
+  best, timings = tuner.tune(PROBLEM, run, verify=lambda c: "out off by 3x" if c in wrong else None)
+  assert best == candidates[2]
+  assert timings[str(candidates[0])] == timings[str(candidates[1])] == "wrong: out off by 3x"
+  assert timings[str(candidates[2])] == 3e3
+  with pytest.raises(RuntimeError, match="no candidate gave right results"):
+    tuner.tune(PROBLEM, run, candidates=candidates[:2],
+               verify=lambda c: "out off by 3x" if c in wrong else None)
+
+
+def test_the_cache_never_holds_a_config_that_failed_the_check(tmp_path):
+  cache = tmp_path / "cache.json"
+  job = tuner.Job(4, 4096, 16, 128, False)
+  candidates = heuristics.get_autotuning_configs(job.problem())
+  planned = tuner.plan_jobs([job], {}, "NVIDIA H200", resume=False)
+  checked = []
+
+  def make_verify(j):
+    assert j == job
+    def verify(config):
+      checked.append(config)
+      return "NaN rows" if config == candidates[0] else None
+    return verify
+
+  tuner.run_plan(planned, "NVIDIA H200", lambda j: lambda c: 1.0 + candidates.index(c),
+                 cache_path=cache, out=lambda line: None, make_verify=make_verify,
+                 meta=lambda: {})
+  assert checked == list(candidates[:2])     # the fastest, then the next
+  assert autotune.lookup(job.problem(), "NVIDIA H200", path=cache) == candidates[1]
+
+
 def _at(problem, *, dtype=None, seq=None, causal=None, head_dim=None):
   """``problem`` in another dtype, sequence bucket, mask or head dim."""
   out = problem
@@ -372,6 +408,9 @@ def test_the_command_fills_the_cache_over_repeated_budgeted_runs(tmp_path, monke
   clock, calls = _Clock(), []
   monkeypatch.setattr(api, "sm90_device", lambda: types.SimpleNamespace(device_kind=DEVICE))
   monkeypatch.setattr(tuner, "_gpu_run_maker", lambda: _fake_run_maker(clock, calls, 0.1))
+  verified = []
+  monkeypatch.setattr(tuner, "_gpu_verify_maker",
+                      lambda: lambda job: lambda config: verified.append(job) or None)
   monkeypatch.setattr(tuner, "time", types.SimpleNamespace(monotonic=clock))
   cache = tmp_path / "cache.json"
   argv = ["--coverage", "--budget-s", "30", "--cache", str(cache)]
@@ -385,6 +424,7 @@ def test_the_command_fills_the_cache_over_repeated_budgeted_runs(tmp_path, monke
   assert len(seen) > 2, "a 30 s budget must take several runs"
   assert seen == sorted(seen) and len(set(seen)) == len(seen)  # every run adds
   assert len(calls) == signatures  # nothing tuned twice
+  assert len(verified) == signatures  # every winner checked once
   out = capsys.readouterr().out
   assert "run the command again to continue" in out
   assert out.rstrip().endswith("0 left (0 candidates)")

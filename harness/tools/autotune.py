@@ -21,8 +21,10 @@ signatures most calls hit first; ``--dry-run`` lists what would be tuned and
 what is cached, and needs no GPU; ``--only`` keeps the named signatures of
 the chosen set (the grid points that lag, say).
 
-Each entry records the fastest ``config``, every candidate's ``median_ms``
-(an error string for one that failed), and, since coverage tuning, the
+Each entry records the fastest ``config`` whose results pass the float64
+check (:func:`tune`), every candidate's ``median_ms`` (an error string for
+one that failed to run, ``"wrong: ..."`` for a faster one that failed the
+check), and, since coverage tuning, the
 ``date``, the ``jax`` version and the representative ``shape`` it was timed
 at.  Entries without the last three (older ones) are read all the same.
 """
@@ -67,9 +69,17 @@ def run_meta() -> dict:
           "jax": jax.__version__}
 
 
-def tune(problem: plan.Problem, run, *, candidates=None) -> tuple[Config, dict]:
+def tune(problem: plan.Problem, run, *, candidates=None, verify=None) -> tuple[Config, dict]:
   """Time ``run(config) -> seconds`` for every candidate; return the fastest
-  and every timing (ms).  Candidates that fail to compile are skipped."""
+  whose results are right and every timing (ms).  Candidates that fail to
+  compile are skipped.
+
+  ``verify(config) -> None | str`` checks a candidate's results (on the GPU:
+  :func:`_gpu_verify_maker`, a small case of the signature against float64
+  under the tolerance rule).  It is asked of the fastest first, then of the
+  next, until one passes: a candidate that is fast because it is wrong is
+  never written to the cache; its timing is replaced by ``"wrong: "`` and
+  the reason, so the entry says why it lost."""
   candidates = candidates or heuristics.get_autotuning_configs(problem)
   timings = {}
   for config in candidates:
@@ -81,8 +91,12 @@ def tune(problem: plan.Problem, run, *, candidates=None) -> tuple[Config, dict]:
            if isinstance(t, float)}
   if not timed:
     raise RuntimeError(f"no candidate ran: {timings}")
-  best = min(timed, key=timed.get)
-  return best, timings
+  for best in sorted(timed, key=lambda c: (timed[c], candidates.index(c))):
+    wrong = None if verify is None else verify(best)
+    if wrong is None:
+      return best, timings
+    timings[str(best)] = f"wrong: {str(wrong)[:160]}"
+  raise RuntimeError(f"no candidate gave right results: {timings}")
 
 
 def config_of_key(text: str) -> Config:
@@ -256,10 +270,11 @@ def summary_line(planned: list[Planned], device_kind, cache_path) -> str:
 
 def run_plan(planned: list[Planned], device_kind: str, make_run, *, cache_path: Path,
              budget_s: float | None = None, report_path: Path | None = None,
-             clock=None, out=print, meta=run_meta) -> dict:
+             clock=None, out=print, meta=run_meta, make_verify=None) -> dict:
   """Tune every job of ``planned`` that ``tunes``, writing the cache after each.
 
-  ``make_run(job)`` returns ``run(config) -> seconds``.  With ``budget_s``, a
+  ``make_run(job)`` returns ``run(config) -> seconds``; ``make_verify(job)``,
+  where given, ``verify(config) -> None | str`` (:func:`tune`).  With ``budget_s``, a
   job is not started when the seconds spent so far plus its estimate pass
   the budget: the estimate is its candidate count times the slowest
   per-candidate time of the jobs this run has timed (the first job always
@@ -286,7 +301,8 @@ def run_plan(planned: list[Planned], device_kind: str, make_run, *, cache_path: 
     t0 = clock()
     problem = p.job.problem()
     try:
-      best, timings = tune(problem, make_run(p.job), candidates=list(p.candidates))
+      best, timings = tune(problem, make_run(p.job), candidates=list(p.candidates),
+                           verify=None if make_verify is None else make_verify(p.job))
     except RuntimeError as err:  # every candidate failed: nothing to record
       failed.append(p)
       out(f"{p.signature}: {err}")
@@ -366,6 +382,33 @@ def _gpu_run_maker():
   return make_run
 
 
+# The case each winner is checked on before it is cached: the signature's
+# head dim, dtype and mask at lengths no block divides (ragged queries and
+# keys), with grouped kv heads.
+VERIFY_SHAPE = dict(batch=1, seq_q=1000, seq_kv=777, heads=4, kv_heads=2)
+
+
+def _gpu_verify_maker():
+  """``make_verify`` for the GPU: the job's config run on a small case of its
+  signature (:data:`VERIFY_SHAPE`) against the float64 reference, under the
+  tolerance rule (harness/numerics/conformance.py)."""
+  import numpy as np
+  from harness.numerics.conformance import check_forward, random_case, run_kernel
+
+  def make_verify(job: Job):
+    case = random_case(np.random.default_rng(job.seq), head_dim=job.head_dim, dtype=job.dtype,
+                       is_causal=job.causal, **VERIFY_SHAPE)
+
+    def verify(config):
+      try:
+        report = check_forward(case, *run_kernel(case, config=config))
+      except Exception as err:  # one that does not run at this shape is not verified
+        return f"{type(err).__name__}: {err}"
+      return None if report.passed else report.summary()
+    return verify
+  return make_verify
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m harness autotune")
   p.add_argument("--cache", default=str(autotune.CACHE_PATH))
@@ -432,7 +475,7 @@ def main(argv=None) -> int:
   print(summary_line(planned, device_kind, cache_path), flush=True)
   run_plan(planned, device_kind, _gpu_run_maker(), cache_path=cache_path,
            budget_s=args.budget_s, report_path=Path(args.report) if args.report else None,
-           out=lambda line: print(line, flush=True))
+           out=lambda line: print(line, flush=True), make_verify=_gpu_verify_maker())
   return 0
 
 

@@ -325,6 +325,10 @@ def test_resume_skips_signatures_cached_with_the_same_candidates(tmp_path):
   assert status[done] == "cached"
   assert status[partial] == "retune"  # tuned over fewer candidates than now
   assert all(status[j] == "tune" for j in jobs[2:])
+  kept = {p.job: p.status for p in tuner.plan_jobs(
+      jobs, autotune.load_cache(cache), DEVICE, resume=True, keep_cached=True)}
+  assert kept[done] == kept[partial] == "cached"   # --keep-cached: whatever it was tuned over
+  assert all(kept[j] == "tune" for j in jobs[2:])
   off = tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=False)
   assert all(p.tunes for p in off)
   other = tuner.plan_jobs(jobs, autotune.load_cache(cache), "NVIDIA H100", resume=True)

@@ -223,7 +223,10 @@ def candidates_for(problem: plan.Problem, restricted=None) -> tuple[Config, ...]
 
 
 def plan_jobs(jobs: list[Job], cache: dict, device_kind: str, *, resume: bool,
-              restricted=None) -> list[Planned]:
+              restricted=None, keep_cached: bool = False) -> list[Planned]:
+  """What to do with each job.  ``keep_cached`` (``--keep-cached``): a
+  signature the cache holds is kept whatever candidates it was tuned over
+  (a run over a short list then fills only what is missing)."""
   entries = cache.get(device_kind, {})
   first: dict[str, Job] = {}
   out = []
@@ -241,6 +244,8 @@ def plan_jobs(jobs: list[Job], cache: dict, device_kind: str, *, resume: bool,
       status, note = "retune", "cached; tuned again without --resume"
     elif timed_candidates(entry) == frozenset(candidates):
       status, note = "cached", entry.get("date", "")
+    elif keep_cached:
+      status, note = "cached", f"{entry.get('date', '')} over another candidate set, kept"
     else:
       status, note = "retune", "cached over another candidate set"
     out.append(Planned(job, sig, candidates, status, note=note))
@@ -425,6 +430,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                  help="skip signatures the cache holds for this device, tuned over the "
                       "candidates this run would time (default: on with --coverage)")
+  p.add_argument("--keep-cached", action="store_true",
+                 help="with --resume, keep every signature the cache holds for this device, "
+                      "whatever candidates it was tuned over")
   p.add_argument("--budget-s", type=float, default=None,
                  help="start no signature that, estimated from those timed in this run, "
                       "would end past this many seconds")
@@ -468,7 +476,8 @@ def main(argv=None) -> int:
   resume = args.coverage if args.resume is None else args.resume
   cache_path = Path(args.cache)
   planned = plan_jobs(_jobs(args), autotune.load_cache(cache_path), device_kind,
-                      resume=resume, restricted=restricted)
+                      resume=resume, restricted=restricted,
+                      keep_cached=resume and args.keep_cached)
   if args.dry_run:
     describe(planned, device_kind, cache_path)
     return 0

@@ -65,15 +65,23 @@ def load_cache(path: Path | None = None) -> dict:
   return data
 
 
+def entry_config(entry: dict) -> Config | None:
+  """The entry's config, or None where this kernel cannot run it: a field
+  or value its ``Config`` does not know (an entry written by another
+  version of the kernel is skipped, never a failed call)."""
+  try:
+    return Config(**entry["config"])
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
 def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
            **features) -> Config | None:
   """The cached best config, if it is still a legal candidate for the problem."""
   entry = load_cache(path).get(device_kind, {}).get(signature(problem, **features))
-  if entry is None:
-    return None
-  config = Config(**entry["config"])
+  config = None if entry is None else entry_config(entry)
   # A cache written for another shape in the same bucket must still fit.
-  if not plan.config_fits(problem, config):
+  if config is None or not plan.config_fits(problem, config):
     return None
   return config
 
@@ -112,8 +120,8 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
     steps = sum(abs(int(got[k]).bit_length() - int(want[k]).bit_length()) for k in ("q", "kv"))
     ranked.append((steps, got["dtype"] != want["dtype"], sig, entry))
   for _, _, sig, entry in sorted(ranked, key=lambda r: r[:3]):
-    config = Config(**entry["config"])
-    if plan.config_fits(problem, config):
+    config = entry_config(entry)
+    if config is not None and plan.config_fits(problem, config):
       return sig, config
   return None
 

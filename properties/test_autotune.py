@@ -135,6 +135,22 @@ def test_a_signature_the_cache_lacks_takes_the_nearest_tuned_entry(tmp_path):
   assert pick(_at(causal, seq=8192))[1] == near_16k
 
 
+def test_an_entry_this_kernel_cannot_run_is_skipped(tmp_path):
+  """A cache written by another version of the kernel (a Config field or
+  value unknown here) makes config=None fall back, never fail."""
+  cache = tmp_path / "cache.json"
+  causal = _at(PROBLEM, causal=True)
+  tuner.record(causal, "NVIDIA H200", Config(64, 128, 2, True, "longest-first"), {}, path=cache)
+  data = json.loads(cache.read_text())
+  entry = data["NVIDIA H200"][autotune.signature(causal)]
+  for bad in ({**entry["config"], "warp_specialised_epilogue": True},
+              {**entry["config"], "block_kv": 100}):
+    entry["config"] = bad
+    cache.write_text(json.dumps(data))
+    assert autotune.lookup(causal, "NVIDIA H200", path=cache) is None
+    assert autotune.nearest(_at(causal, seq=2048), "NVIDIA H200", path=cache) is None
+
+
 def test_a_nearer_entry_that_does_not_fit_is_passed_over(tmp_path):
   cache = tmp_path / "cache.json"
   big = _at(PROBLEM, head_dim=256, causal=True)

@@ -86,6 +86,8 @@ def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
   return config
 
 
+# signature()'s parts, read back (properties/test_autotune.py checks that it
+# reads every signature signature() writes).
 _SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9]+)-(?P<head>d\d+-dv\d+)-q(?P<q>\d+)-kv(?P<kv>\d+)"
                         r"-(?P<rest>.+)")
 # Tiling behaves alike for the two 16-bit dtypes (same bytes per element, same
@@ -129,8 +131,8 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
 def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config:
   """``config=None``: the autotuned config when cached, else the nearest
   tuned entry of the same head dims, mask and features (:func:`nearest`),
-  else the heuristic, which with key ranges (``has_key_ranges``: lengths, windows, packed
-  documents) on one tile per block runs longest-first.
+  else the heuristic, which with key ranges (``has_key_ranges``: lengths,
+  windows, packed documents) on one tile per block runs longest-first.
 
   The heuristic runs a causal problem one tile per block, in the grid's
   order; longest-first starts the tiles with the most key blocks first

@@ -25,6 +25,15 @@ def test_signature_buckets_sequence_lengths_and_names_features():
   assert autotune.signature(PROBLEM) != autotune.signature(dataclasses.replace(PROBLEM, seq_q=5000))
   assert autotune.signature(PROBLEM, has_bias=True).endswith("-bias")
   assert "causal" in autotune.signature(dataclasses.replace(PROBLEM, is_causal=True))
+  # nearest() reads signatures back: every one signature() writes.
+  for p, features in itertools.product(
+      (PROBLEM, dataclasses.replace(PROBLEM, seq_q=100, seq_kv=70_000, is_causal=True),
+       dataclasses.replace(PROBLEM, dtype=np.dtype("float16"), head_dim=64, head_dim_out=192)),
+      ({}, {"has_bias": True}, {"has_mask": True, "has_key_ranges": True})):
+    parts = autotune._SIGNATURE.fullmatch(autotune.signature(p, **features))
+    assert parts is not None
+    assert int(parts["q"]) >= p.seq_q and int(parts["kv"]) >= p.seq_kv
+    assert parts["head"] == f"d{p.head_dim}-dv{p.head_dim_out}"
 
 
 def test_record_then_lookup_round_trips(tmp_path):

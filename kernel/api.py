@@ -181,8 +181,17 @@ def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
                         k_end=k_end, device_kind=device_kind, stage_2d=True)
 
 
+def chosen_config_source(query, key, value, bias=None, mask=None, *, is_causal=False,
+                         k_start=None, k_end=None,
+                         device_kind: str | None = None) -> tuple[Config, str]:
+  """:func:`chosen_config` and where it came from (kernel.autotune.choice:
+  "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic")."""
+  return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
+                        k_end=k_end, device_kind=device_kind, stage_2d=True, with_source=True)
+
+
 def _chosen_config(query, key, value, bias, mask, *, is_causal, k_start, k_end,
-                   device_kind, stage_2d) -> Config:
+                   device_kind, stage_2d, with_source=False):
   from kernel import autotune
   problem = autotune.selection_problem(_problem(
       query, key, value, bias, mask, is_causal=is_causal, return_residuals=False,
@@ -190,9 +199,10 @@ def _chosen_config(query, key, value, bias, mask, *, is_causal, k_start, k_end,
   if device_kind is None and not getattr(_state, "lowering_only", False):
     device = sm90_device()
     device_kind = None if device is None else device.device_kind
-  return autotune.choose(problem, device_kind, has_bias=bias is not None,
-                         has_mask=mask is not None,
-                         has_key_ranges=k_start is not None or k_end is not None)
+  config, source = autotune.choice(problem, device_kind, has_bias=bias is not None,
+                                   has_mask=mask is not None,
+                                   has_key_ranges=k_start is not None or k_end is not None)
+  return (config, source) if with_source else config
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,

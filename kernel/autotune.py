@@ -156,14 +156,22 @@ def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config
   oracle, on the host) it still ran 0.586 ms; the non-persistent launch
   ranked by that work, as kernel.forward.range_tile_blocks now ranks it on
   the device, ran 0.426 ms (2026-12-04)."""
+  return choice(problem, device_kind, **features)[0]
+
+
+def choice(problem: plan.Problem, device_kind: str | None,
+           **features) -> tuple[Config, str]:
+  """:func:`choose`'s config and where it came from: "autotune cache",
+  "autotune cache, nearest: SIGNATURE" or "heuristic" (the golden files
+  record it)."""
   if device_kind:
     cached = lookup(problem, device_kind, **features)
     if cached is not None:
-      return cached
+      return cached, "autotune cache"
     near = nearest(problem, device_kind, **features)
     if near is not None:
-      return near[1]
+      return near[1], f"autotune cache, nearest: {near[0]}"
   config = heuristics.get_heuristics_config(problem)
   if features.get("has_key_ranges") and not config.persistent:
-    return dataclasses.replace(config, schedule="longest-first")
-  return config
+    config = dataclasses.replace(config, schedule="longest-first")
+  return config, "heuristic"

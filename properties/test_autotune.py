@@ -8,6 +8,8 @@ import itertools
 import json
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -180,6 +182,16 @@ def test_choose_takes_the_nearest_entry_before_the_heuristic(tmp_path, monkeypat
   assert autotune.choose(causal, "NVIDIA H200") == tuned
   assert autotune.choose(causal, None) == heuristics.get_heuristics_config(causal)
   assert autotune.choose(PROBLEM, "NVIDIA H200") == heuristics.get_heuristics_config(PROBLEM)
+  # Where it came from, as the golden files record it.
+  tuner.record(causal, "NVIDIA H200", tuned, {}, path=cache)
+  assert autotune.choice(causal, "NVIDIA H200") == (tuned, "autotune cache")
+  near = autotune.choice(_at(causal, seq=8192), "NVIDIA H200")
+  assert near == (tuned, f"autotune cache, nearest: {autotune.signature(causal)}")
+  assert autotune.choice(PROBLEM, "NVIDIA H200")[1] == "heuristic"
+  from kernel import api
+  q = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
+  assert api.chosen_config_source(q, q, q, is_causal=True, device_kind="NVIDIA H200") == (
+      api.chosen_config(q, q, q, is_causal=True, device_kind="NVIDIA H200"), near[1])
 
 
 def test_float16_causal_runs_what_bfloat16_was_tuned_to():
@@ -463,6 +475,12 @@ def test_the_command_fills_the_cache_over_repeated_budgeted_runs(tmp_path, monke
   datetime.date.fromisoformat(entry["date"])
   assert tuner.main(["--coverage", "--dry-run", "--cache", str(cache)]) == 0
   assert f"{signatures} cached, 0 to tune" in capsys.readouterr().out
+
+
+def test_keep_cached_without_resume_is_refused(tmp_path):
+  with pytest.raises(SystemExit, match="--keep-cached"):
+    tuner.main(["--coverage", "--no-resume", "--keep-cached", "--dry-run",
+                "--cache", str(tmp_path / "cache.json")])
 
 
 def test_dry_run_lists_what_would_be_tuned_and_what_is_cached(tmp_path, capsys):

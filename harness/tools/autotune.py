@@ -474,10 +474,13 @@ def main(argv=None) -> int:
     if any(c is None for c in restricted):
       raise SystemExit("autotune: --candidates takes configs, not 'auto'")
   resume = args.coverage if args.resume is None else args.resume
+  if args.keep_cached and not resume:
+    raise SystemExit("autotune: --keep-cached keeps what --resume would skip; it needs "
+                     "--resume (the default with --coverage)")
   cache_path = Path(args.cache)
   planned = plan_jobs(_jobs(args), autotune.load_cache(cache_path), device_kind,
                       resume=resume, restricted=restricted,
-                      keep_cached=resume and args.keep_cached)
+                      keep_cached=args.keep_cached)
   if args.dry_run:
     describe(planned, device_kind, cache_path)
     return 0

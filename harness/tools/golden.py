@@ -297,24 +297,12 @@ def config_used(spec: GoldenSpec) -> dict:
   or the heuristic."""
   if spec.config is not None:
     return {"source": "spec", **dataclasses.asdict(spec.resolved_config())}
-  from kernel import api, autotune
+  from kernel import api
   case = spec.build()
   mask, k_start, k_end = _kernel_mask_and_ranges(case)
-  chosen = api.chosen_config(case.query, case.key, case.value, case.bias, mask,
-                             is_causal=case.is_causal, k_start=k_start, k_end=k_end)
-  device = api.sm90_device()
-  problem = autotune.selection_problem(api.resolved_problem(
-      case.query, case.key, case.value, case.bias, mask, is_causal=case.is_causal,
-      k_start=k_start, k_end=k_end))
-  source = "heuristic"
-  if device is not None:
-    features = dict(has_bias=case.bias is not None, has_mask=mask is not None,
-                    has_key_ranges=k_start is not None or k_end is not None)
-    near = autotune.nearest(problem, device.device_kind, **features)
-    if autotune.lookup(problem, device.device_kind, **features) == chosen:
-      source = "autotune cache"
-    elif near is not None and near[1] == chosen:
-      source = f"autotune cache, nearest: {near[0]}"
+  chosen, source = api.chosen_config_source(case.query, case.key, case.value, case.bias, mask,
+                                            is_causal=case.is_causal, k_start=k_start,
+                                            k_end=k_end)
   return {"source": source, **dataclasses.asdict(chosen)}
 
 

@@ -373,8 +373,7 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
 def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config, dtype,
              num_sms):
   f = features
-  block_q, block_kv = config.block_q, config.block_kv
-  tile = 2 * block_q
+  tile, block_kv = config.tile_q, config.block_kv
   t, s, hv = query.shape[1], key.shape[1], value.shape[3]
   pad = padding.pad_to_multiple
   # The kernel reads past the end of q, k, v as zeros (TMA), so sequence

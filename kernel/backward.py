@@ -655,7 +655,7 @@ def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: in
     start = end = None
     if window is not None:
       start, end = window_tile_keys(qi, tile, window, seq_q=f.seq_q, seq_kv=f.seq_kv)
-    lb, ub = kv_block_range(qi, block_q=tile // 2, block_kv=blocks.dq_stream_kv,
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=blocks.dq_stream_kv,
                             seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
                             k_start_min=start, k_end_max=end)
     weights.append(ub - lb)
@@ -1397,14 +1397,13 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
   hk = lax.div(h, jnp.int32(c.group))
   f = c.f
   start_max = end_min = None
-  # kv_block_range counts in tiles of 2 * block_q rows.
-  half_tile = c.blocks.dq_tile // 2
+  tile = c.blocks.dq_tile
   if tiles_ref is None:
-    lb, ub = kv_block_range(qi, block_q=half_tile, block_kv=c.bkv, seq_q=f.seq_q,
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=c.bkv, seq_q=f.seq_q,
                             seq_kv=f.seq_kv, is_causal=f.is_causal)
   else:
     start_min, start_max, end_min, end_max = tile_key_bounds(tiles_ref, b, h, qi)
-    lb, ub = kv_block_range(qi, block_q=half_tile, block_kv=c.bkv, seq_q=f.seq_q,
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=c.bkv, seq_q=f.seq_q,
                             seq_kv=f.seq_kv, is_causal=f.is_causal, k_start_min=start_min,
                             k_end_max=end_max)
   c = dataclasses.replace(
@@ -1741,14 +1740,14 @@ def _visited_blocks(ds_shape, tiles, f: BackwardFeatures, blocks: BackwardBlocks
   tile, bkv = blocks.dq_tile, blocks.dq_stream_kv
   qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
   if tiles is None:
-    lb, ub = kv_block_range(qi, block_q=tile // 2, block_kv=bkv, seq_q=f.seq_q,
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=bkv, seq_q=f.seq_q,
                             seq_kv=f.seq_kv, is_causal=f.is_causal)
     lb, ub = (jnp.broadcast_to(x, qi.shape)[None, None] for x in (lb, ub))
   else:
     start_min, _, _, end_max = tiles
     shape = jnp.broadcast_shapes(start_min.shape, end_max.shape)
     qi3 = jnp.broadcast_to(qi, shape)
-    lb, ub = kv_block_range(qi3, block_q=tile // 2, block_kv=bkv, seq_q=f.seq_q,
+    lb, ub = kv_block_range(qi3, tile_q=tile, block_kv=bkv, seq_q=f.seq_q,
                             seq_kv=f.seq_kv, is_causal=f.is_causal,
                             k_start_min=jnp.broadcast_to(start_min, shape),
                             k_end_max=jnp.broadcast_to(end_max, shape))

@@ -119,11 +119,12 @@ def is_2d(operand) -> bool:
   return shape[2] != 1 and shape[3] != 1
 
 
-def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
+def kv_block_range(qi, *, tile_q, block_kv, seq_q, seq_kv, is_causal,
                    k_start_min=None, k_end_max=None):
-  """Key blocks [lb, ub) that query super-tile ``qi`` must visit.
+  """Key blocks [lb, ub) that query tile ``qi`` (rows ``qi * tile_q`` on)
+  must visit.
 
-  Shared by the memory and both compute warpgroups (they must agree), and by
+  Shared by the memory and every compute warpgroup (they must agree), and by
   the proof's environments (harness/proofs/prove_extracted.py).  Works on
   Python ints and traced int32 scalars.
   """
@@ -134,7 +135,7 @@ def kv_block_range(qi, *, block_q, block_kv, seq_q, seq_kv, is_causal,
   cdiv = (lambda a, b: -(-a // b)) if isinstance(qi, int) else (
       lambda a, b: lax.div(a + (b - 1), jnp.int32(b)))
   if is_causal:
-    last_row = _min((qi + 1) * (2 * block_q), seq_q)  # exclusive
+    last_row = _min((qi + 1) * tile_q, seq_q)  # exclusive
     ub = _min(ub, cdiv(last_row, block_kv))
   if k_start_min is not None:
     lb = _max(lb, lax.div(lax.max(k_start_min, 0), jnp.int32(block_kv))

@@ -11,17 +11,28 @@ MAX_STAGES = 4
 # fastest).  "longest-first": heaviest tiles first inside L2 sections of kv
 # heads, dealt to the least-loaded SM when persistent.
 SCHEDULES = ("round-robin", "longest-first")
+COMPUTE_WARPGROUP_COUNTS = (2, 3)   # kernel/barriers.py declares the barriers of each
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tiling of one thread block.
 
-  block_q: query rows per compute warpgroup (the block handles 2 * block_q).
+  block_q: query rows per compute warpgroup (the block handles
+    ``compute_warpgroups * block_q``: :attr:`tile_q`).
   block_kv: keys per ring slot.
   num_stages: depth of the key/value ring in shared memory.
   persistent: one block per SM looping over the grid (see kernel/forward.py).
   schedule: the order tiles run in, one of :data:`SCHEDULES`.
+  compute_warpgroups: 2, or 3 (FlashAttention-3's 192-row tiles at head dim
+    64, where the softmax is as long as the matrix products and a third
+    warpgroup keeps the tensor cores fed while two run theirs); each then
+    gets fewer registers (kernel/forward.py: ``COMPUTE_REGISTERS``).
+    Measured on the H200, bfloat16 forward at head dim 64, 32 heads (2026-12-05):
+    16k tokens full 4.39 ms with three (block_kv 128, 2 stages, persistent)
+    against 4.91 with two and 4.84 for cuDNN; causal 2.31 against 2.63 and
+    2.56; 5 x 3000 tokens over 8 kv heads full 0.79 against 0.91; but 16 x 1024
+    causal 0.25 against 0.21, so the autotuner decides (kernel/autotune_cache.json).
   """
 
   block_q: int = 64
@@ -29,9 +40,15 @@ class Config:
   num_stages: int = 2
   persistent: bool = False
   schedule: str = "round-robin"
+  compute_warpgroups: int = 2
+
+  @property
+  def tile_q(self) -> int:
+    """Query rows per tile: one block_q per compute warpgroup."""
+    return self.compute_warpgroups * self.block_q
 
   def __post_init__(self):
-    for name in ("block_q", "block_kv", "num_stages"):
+    for name in ("block_q", "block_kv", "num_stages", "compute_warpgroups"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"config.{name} must be an int, got {value!r}")
@@ -46,3 +63,6 @@ class Config:
       raise ValueError(f"config.persistent must be a bool, got {self.persistent!r}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"config.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    if self.compute_warpgroups not in COMPUTE_WARPGROUP_COUNTS:
+      raise ValueError(f"config.compute_warpgroups must be one of {COMPUTE_WARPGROUP_COUNTS}, "
+                       f"got {self.compute_warpgroups}")

@@ -1,13 +1,16 @@
 """The sm90 forward kernel: warp-specialised flash attention in Pallas Mosaic GPU.
 
-One thread block = three warpgroups along the axis ``wg``.  Warpgroups 0 and 1
-compute (232 registers each) on one ``2 * block_q`` query super-tile, taking
-turns on the tensor cores through the pingpong schedule barriers of
-``kernel/barriers.py``; warpgroup 2 (40 registers) only issues TMA copies of
-keys and values into the ``num_stages``-deep ring described by
-``kernel/plan.py``.  Automatic barriers are off: every handshake below is
-placed by hand and is the protocol that ``harness/proofs/extract.py`` reads out of
-the traced kernel and ``harness/proofs/extracted_proof.py`` proves.
+One thread block = three warpgroups along the axis ``wg`` (four with
+``Config(compute_warpgroups=3)``).  Warpgroups 0 and 1 (and 2) compute on one
+query tile of ``compute_warpgroups * block_q`` rows (``Config.tile_q``),
+``block_q`` each, taking turns on the tensor cores through the pingpong
+schedule barriers of ``kernel/barriers.py`` (a token passed round the compute
+warpgroups); the last warpgroup only issues TMA copies of keys and values
+into the ``num_stages``-deep ring described by ``kernel/plan.py``.  Register
+budgets: :data:`COMPUTE_REGISTERS`, :data:`MEMORY_REGISTERS`.  Automatic
+barriers are off: every handshake below is placed by hand and is the
+protocol that ``harness/proofs/extract.py`` reads out of the traced kernel
+and ``harness/proofs/extracted_proof.py`` proves.
 
 The roles are functions over one :class:`Kernel` context: the launch
 (:func:`flash_attention_forward`) sizes it, :func:`_kernel` allocates the
@@ -61,7 +64,15 @@ from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, Logits, batch_head, is_2d
                            POISONED_START, window_tile_keys)
 from kernel.config import Config
 
-CW = barriers.COMPUTE_WARPGROUPS
+# Registers per thread (setmaxnreg) by compute warpgroup count: the block's
+# 64K registers shared by the compute warpgroups and the memory warpgroup,
+# 128 * (memory + cw * compute) <= 65536.  Three compute warpgroups get 160
+# each, as FlashAttention-3's 192-row tiles do; the memory warpgroup's two
+# copy-issuing warps then keep 32.
+COMPUTE_REGISTERS = {2: 232, 3: 160}
+MEMORY_REGISTERS = {2: 40, 3: 32}
+assert all(barriers.WARPGROUP_THREADS * (MEMORY_REGISTERS[cw] + cw * COMPUTE_REGISTERS[cw])
+           <= 65536 for cw in COMPUTE_REGISTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +108,7 @@ class Features(Logits):
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
-                  head_dim_out, itemsize, block_q, block_kv, seq_q, seq_kv, is_causal,
+                  head_dim_out, itemsize, tile_q, block_kv, seq_q, seq_kv, is_causal,
                   window=None):
   """The longest-first order of this launch's tiles (kernel/schedule.py),
   weighted by the key blocks each query tile visits: causal, the key length
@@ -107,8 +118,8 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
   def tile_blocks(qi):
     ks = ke = None
     if window is not None:
-      ks, ke = window_tile_keys(qi, 2 * block_q, window, seq_q=seq_q, seq_kv=seq_kv)
-    lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
+      ks, ke = window_tile_keys(qi, tile_q, window, seq_q=seq_q, seq_kv=seq_kv)
+    lb, ub = kv_block_range(qi, tile_q=tile_q, block_kv=block_kv, seq_q=seq_q,
                             seq_kv=seq_kv, is_causal=is_causal, k_start_min=ks,
                             k_end_max=ke)
     return ub - lb
@@ -118,7 +129,7 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
       kv_bytes_per_head=s_pad * (head_dim + head_dim_out) * itemsize)
 
 
-def range_tile_blocks(k_range_tiles, *, num_tiles, block_q, block_kv, seq_q, seq_kv,
+def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_kv,
                       is_causal):
   """The key blocks each query tile visits under its key ranges, (B|1, N|1,
   num_tiles) int32, traced: the steps ``tile_range`` gives the kernel.
@@ -138,7 +149,7 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, block_q, block_kv, seq_q, seq
   (``Features.window_ranges``): its static order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)
-  lb, ub = kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
+  lb, ub = kv_block_range(qi, tile_q=tile_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
                           is_causal=is_causal, k_start_min=start_min, k_end_max=end_max)
   return ub - lb
 
@@ -184,6 +195,15 @@ class Kernel(common.OperandRefs):
   @property
   def block_q(self) -> int:
     return self.config.block_q
+
+  @property
+  def cw(self) -> int:
+    """Compute warpgroups (Config.compute_warpgroups)."""
+    return self.config.compute_warpgroups
+
+  @property
+  def tile_q(self) -> int:
+    return self.config.tile_q
 
   @property
   def block_kv(self) -> int:
@@ -253,8 +273,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   """Launch the kernel on padded, validated inputs.
 
   q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv multiples of 64,
-  T at least 2 * block_q and S at least block_kv, of any length beyond: the
-  TMA reads rows past the end as zeros (padded keys are masked, padded
+  T at least one tile (config.tile_q rows) and S at least block_kv, of any
+  length beyond: the TMA reads rows past the end as zeros (padded keys are masked, padded
   query rows never stored) and clips the stores of the last tile, so a
   ragged length costs no padded copy.  bias (rank 4, dims 1 or full, T and
   S padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank
@@ -274,8 +294,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   batch, seq_q, num_heads, head_dim = q.shape
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
-  block_q, block_kv = config.block_q, config.block_kv
-  num_tiles = -(-seq_q // (2 * block_q))
+  tile_q, block_kv = config.tile_q, config.block_kv
+  num_tiles = -(-seq_q // tile_q)
   s_pad = -(-seq_kv // block_kv) * block_kv
   problem = plan_lib.Problem(
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
@@ -292,14 +312,14 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     order = tile_schedule(
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
         s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
-        itemsize=np.dtype(dtype).itemsize, block_q=block_q, block_kv=block_kv,
+        itemsize=np.dtype(dtype).itemsize, tile_q=tile_q, block_kv=block_kv,
         seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window)
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))
     elif k_range_tiles is not None and not f.window_ranges:
       schedule_tables = (order.reranked(range_tile_blocks(
-          k_range_tiles, num_tiles=num_tiles, block_q=block_q, block_kv=block_kv,
+          k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv,
           seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)
     else:
       schedule_tables = (jnp.asarray(order.order), None)
@@ -318,7 +338,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     # tile's rows of a (B, N, T) array was seen to land in the next head's
     # first rows (H200, 2026-12-01, T = 1000: l off by ~T at head 1, row 0),
     # as if the copy were bounded by the flattened array, not by T.
-    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * 2 * block_q),
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),
                                       jnp.float32)] * 2
   if config.persistent:
     grid = (min(num_sms, batch * num_heads * num_tiles),)
@@ -331,7 +351,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     grid_names = ("heads", "q_tiles", "batch")
   launch = functools.partial(
       plgpu.kernel, kernel_body, grid=grid, grid_names=grid_names,
-      num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
+      num_threads=config.compute_warpgroups + barriers.MEMORY_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True))
   operands = (q, k, v, bias, mask, k_start, k_end, k_range_tiles,
               *(schedule_tables or (None, None)))
@@ -414,8 +434,8 @@ def _dispatch(c: Kernel, refs: dict, smems, mbars):
       keys=ring_lib.Ring(c.stages, key_buffers, k_consumed),
       values=ring_lib.Ring(c.stages, {"v": (v_smems, v_produced)}, v_consumed),
       out_smems=(o_smems, m_smems, l_smems))
-  pl.when(wg < CW)(functools.partial(compute_warpgroup, c))
-  pl.when(wg == CW)(functools.partial(memory_warpgroup, c))
+  pl.when(wg < c.cw)(functools.partial(compute_warpgroup, c))
+  pl.when(wg == c.cw)(functools.partial(memory_warpgroup, c))
 
 
 # -- the tile walk and ring positions, shared by every role ---------------------
@@ -424,10 +444,10 @@ def tile_range(c: Kernel, qi, b, h):
   """(lb, ub, k_start_max, k_end_min): the key blocks of query tile qi of
   (b, h), and the bounds of its key ranges (None without ranges)."""
   if c.tiles_ref is None:
-    return kv_block_range(qi, block_q=c.block_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
+    return kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
                           seq_kv=c.f.seq_kv, is_causal=c.f.is_causal) + (None, None)
   start_min, start_max, end_min, end_max = tile_key_bounds(c.tiles_ref, b, h, qi)
-  lb, ub = kv_block_range(qi, block_q=c.block_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
+  lb, ub = kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
                           seq_kv=c.f.seq_kv, is_causal=c.f.is_causal,
                           k_start_min=start_min, k_end_max=end_max)
   return lb, ub, start_max, end_min
@@ -483,9 +503,9 @@ def key_position(c: Kernel, t: Tile, ki):
 # -- the memory warpgroup --------------------------------------------------------
 
 def memory_warpgroup(c: Kernel):
-  """40 registers; warp 0 streams keys and values through the ring, warp 1
-  prefetches each tile's queries."""
-  plgpu.set_max_registers(40, action="decrease")
+  """MEMORY_REGISTERS; warp 0 streams keys and values through the ring,
+  warp 1 prefetches each tile's queries."""
+  plgpu.set_max_registers(MEMORY_REGISTERS[c.cw], action="decrease")
 
   @plgpu.warp_map
   def _(warp):
@@ -511,10 +531,10 @@ def produce_tile(c: Kernel, b, h, qi, prev_iters):
     # both warpgroups (ring.Ring.producer_acquire).
     keys.producer_acquire(st)
     keys.producer_copy(c.k_ref.at[b, kb, hk], st)
-    # The rest of the key phase: the super-tile's bias/mask tile of this
+    # The rest of the key phase: the query tile's bias/mask tile of this
     # key block, released with the keys.
     staged_src = lambda src: src.at[(*batch_head(src, b, h),
-                                     pl.ds(2 * qi * c.block_q, 2 * c.block_q), kb)]
+                                     pl.ds(c.cw * qi * c.block_q, c.tile_q), kb)]
     if c.stage_bias:
       keys.producer_copy(staged_src(c.bias_ref), st, "bias")
     if c.stage_mask:
@@ -528,10 +548,10 @@ def produce_tile(c: Kernel, b, h, qi, prev_iters):
 
 def prefetch_queries(c: Kernel, b, h, qi, step):
   """Warp 1: the tile's queries, once the previous tile's are consumed."""
-  for w in range(CW):
+  for w in range(c.cw):
     if c.config.persistent:
       c.queries.producer_acquire(w, step > 0)
-    rows = pl.ds((2 * qi + w) * c.block_q, c.block_q)
+    rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)
     c.queries.producer_copy(c.q_ref.at[b, rows, h], w)
   return step + 1
 
@@ -539,18 +559,23 @@ def prefetch_queries(c: Kernel, b, h, qi, step):
 # -- the compute warpgroups ------------------------------------------------------
 
 def compute_warpgroup(c: Kernel):
-  """232 registers; the tiles of this block, one query tile each."""
-  plgpu.set_max_registers(232, action="increase")
-  # The pingpong is one token passed between the warpgroups: warpgroup 0
-  # starts holding it.  Each warpgroup strictly alternates "acquire"
-  # (bar.sync on its own barrier) and "pass" (bar.arrive on the other's),
-  # across tile boundaries too, so every generation of a named barrier is
-  # one pass plus one acquire.  Were a warpgroup to pass twice in a row,
-  # its 2 x 128 arrivals would complete a generation on their own and the
-  # other warpgroup's acquire would wait forever.  Hence the one acquire
-  # before the first tile and the one pass after the last loop (before the
-  # epilogue of a non-persistent block), not one per tile.
-  pl.when(c.wg == 1)(lambda: barriers.schedule_sync(c.wg))
+  """COMPUTE_REGISTERS; the tiles of this block, one query tile each."""
+  plgpu.set_max_registers(COMPUTE_REGISTERS[c.cw], action="increase")
+  # The pingpong is one token passed round the compute warpgroups (0, 1,
+  # 0, ... or 0, 1, 2, 0, ...): warpgroup 0 starts holding it.  Each
+  # warpgroup strictly alternates "acquire" (bar.sync on its own barrier)
+  # and "pass" (bar.arrive on the next one's), across tile boundaries too,
+  # so every generation of a named barrier is one pass plus one acquire.
+  # Were a warpgroup to pass twice in a row, its 2 x 128 arrivals would
+  # complete a generation on their own and the next warpgroup's acquire
+  # would wait forever.  Hence the one acquire before the first tile of
+  # every warpgroup but 0, and the one pass after the last loop (before the
+  # epilogue of a non-persistent block) of every warpgroup but the last,
+  # not one per tile.
+  if c.cw == 2:
+    pl.when(c.wg == 1)(lambda: barriers.schedule_sync(c.wg))
+  else:
+    pl.when(c.wg > 0)(lambda: barriers.schedule_sync(c.wg, c.cw))
   for_each_tile(c, functools.partial(compute_tile, c), 0)
   if c.config.persistent:
     pass_token_for_the_last_time(c)
@@ -559,7 +584,10 @@ def compute_warpgroup(c: Kernel):
 
 
 def pass_token_for_the_last_time(c: Kernel):
-  pl.when(c.wg == 0)(lambda: barriers.schedule_release_other(c.wg))
+  """Every warpgroup but the last passes once more than it acquires: the
+  next one's last acquire (before its last PV) waits for it."""
+  last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1
+  pl.when(last)(lambda: barriers.schedule_release_other(c.wg, c.cw))
 
 
 def compute_tile(c: Kernel, b, h, qi, prev_iters):
@@ -576,7 +604,7 @@ def tile_start(c: Kernel, b, h, qi, prev_iters):
   """The tile's indices and key ranges, the zeroed softmax state and
   accumulator; then wait for its queries and its first key block."""
   lb, ub, k_start_max, k_end_min = tile_range(c, qi, b, h)
-  q_base = (2 * qi + c.wg) * c.block_q
+  q_base = (c.cw * qi + c.wg) * c.block_q
   rows = pl.ds(q_base, c.block_q)
   row_values = lambda ref: None if ref is None else load_broadcast(
       ref, (b, h, rows), (c.block_q,), ROW)
@@ -616,8 +644,8 @@ def tile_prologue(c: Kernel, t: Tile, m_i):
     # found with trip counts [0, 0, 0]).
     @pl.when(t.ub == t.lb)
     def _():
-      barriers.schedule_release_other(c.wg)
-      barriers.schedule_sync(c.wg)
+      barriers.schedule_release_other(c.wg, c.cw)
+      barriers.schedule_sync(c.wg, c.cw)
 
   # m_scale, the pending scale acc and l_i are relative to, is carried only
   # when the threshold can leave it behind m_i.
@@ -679,11 +707,11 @@ def staged_tile(c: Kernel, t: Tile, buffer, ki):
   """This warpgroup's rows of key block ki's staged bias/mask tile
   (waited for in wait_staged; released with the keys after this)."""
   tile = c.keys.slot(key_position(c, t, ki), buffer)
-  return lax.cond(c.wg == 0,
-                  lambda: plgpu.load(tile.at[pl.ds(0, c.block_q)], layout=WGMMA,
-                                     optimized=False),
-                  lambda: plgpu.load(tile.at[pl.ds(c.block_q, c.block_q)], layout=WGMMA,
-                                     optimized=False))
+  rows = lambda w: lambda: plgpu.load(tile.at[pl.ds(w * c.block_q, c.block_q)],
+                                      layout=WGMMA, optimized=False)
+  if c.cw == 2:
+    return lax.cond(c.wg == 0, rows(0), rows(1))
+  return lax.switch(c.wg, [rows(w) for w in range(c.cw)])
 
 
 def qk(c: Kernel, t: Tile, ki):
@@ -693,7 +721,7 @@ def qk(c: Kernel, t: Tile, ki):
   def compute_qk(s_ref):
     plgpu.wgmma(s_ref, c.queries.slot(c.wg), c.keys.slot(st).T)
     wait_staged(c, st)
-    barriers.schedule_release_other(c.wg)
+    barriers.schedule_release_other(c.wg, c.cw)
     return s_ref[...]
 
   return pl.run_scoped(compute_qk, plgpu.ACC(c.bq_kv, jnp.float32))
@@ -840,7 +868,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
   acc, p16, m_i, l_i, *pending = carry
   st, next_st = key_position(c, t, ki), key_position(c, t, ki + 1)
   c.values.consumer_wait(st)
-  barriers.schedule_sync(c.wg)
+  barriers.schedule_sync(c.wg, c.cw)
 
   def issue_then_softmax(refs):
     acc_ref, s_ref, factor_ref, p_ref, m_ref_, l_ref_, *pending_refs = refs
@@ -848,7 +876,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
     plgpu.wgmma(s_ref, c.queries.slot(c.wg), c.keys.slot(next_st).T)
     plgpu.wgmma(acc_ref, p16, c.values.slot(st))
     wait_staged(c, next_st)
-    barriers.schedule_release_other(c.wg)
+    barriers.schedule_release_other(c.wg, c.cw)
     # wgmma groups complete in issue order: at most one in flight means
     # the QK is done, the PV may still run.
     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
@@ -890,7 +918,7 @@ def last_pv(c: Kernel, t: Tile, last, p16, acc):
   """The PV of the tile's last key block, alone."""
   st = key_position(c, t, last)
   c.values.consumer_wait(st)
-  barriers.schedule_sync(c.wg)
+  barriers.schedule_sync(c.wg, c.cw)
 
   def pv(acc_ref):
     plgpu.wgmma(acc_ref, p16, c.values.slot(st))
@@ -937,7 +965,7 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
     # overwrite them (it drained while this tile computed).
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   if layout.overlay_qk_with_output:
-    barriers.epilogue_sync()  # both warpgroups are done with q and k
+    barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k
   o_smems, m_smems, l_smems = c.out_smems
   o_smem = o_smems.at[wg]
   o_smem[...] = out.astype(c.dtype)

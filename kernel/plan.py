@@ -132,19 +132,19 @@ def pipeline_plan(problem: Problem, config: Config) -> PipelinePlan:
   stages = effective_stages(problem, config)
   key_phase = ("k",) + (("bias",) if problem.bias_2d else ()) + (
       ("mask",) if problem.mask_2d else ())
-  cw = barriers.COMPUTE_WARPGROUPS
+  cw = config.compute_warpgroups
   return PipelinePlan(
       num_stages=stages, key_phase=key_phase, value_phase=("v",),
       compute_warpgroups=cw, persistent=config.persistent,
       mbarriers=_mbarriers(problem, config, overlays_query_with_output(problem, config)),
-      named_barriers=barriers.NAMED_BARRIERS)
+      named_barriers=barriers.named_barriers(cw))
 
 
 def _mbarriers(problem: Problem, config: Config, overlay_q: bool) -> tuple[MBarrier, ...]:
   stages = effective_stages(problem, config)
   key_phase = ("k",) + (("bias",) if problem.bias_2d else ()) + (
       ("mask",) if problem.mask_2d else ())
-  cw = barriers.COMPUTE_WARPGROUPS
+  cw = config.compute_warpgroups
   mb = [MBarrier("q_produced", cw, 1, "each compute warpgroup's query tile landed")]
   if config.persistent:
     if overlay_q:
@@ -156,8 +156,8 @@ def _mbarriers(problem: Problem, config: Config, overlay_q: bool) -> tuple[MBarr
                          "a compute warpgroup's last QK of the tile completed: refill its queries"))
   for name in key_phase + ("v",):
     mb.append(MBarrier(f"{name}_produced", stages, 1, f"TMA of {name} into a slot landed"))
-  mb.append(MBarrier("k_consumed", stages, cw, "both warpgroups finished QK on a slot"))
-  mb.append(MBarrier("v_consumed", stages, cw, "both warpgroups finished PV on a slot"))
+  mb.append(MBarrier("k_consumed", stages, cw, "every compute warpgroup finished QK on a slot"))
+  mb.append(MBarrier("v_consumed", stages, cw, "every compute warpgroup finished PV on a slot"))
   return tuple(mb)
 
 
@@ -207,7 +207,7 @@ def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
 
 
 def _layout(problem: Problem, config: Config, *, overlay_q: bool) -> ScratchLayout:
-  cw = barriers.COMPUTE_WARPGROUPS
+  cw = config.compute_warpgroups
   s = effective_stages(problem, config)
   bq, bkv = config.block_q, config.block_kv
   dt = np.dtype(problem.dtype)

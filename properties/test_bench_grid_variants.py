@@ -20,6 +20,7 @@ from kernel.config import Config
     ("auto,det", None, True),
     ("64,128,2", Config(64, 128, 2, False), False),
     ("64,128,2,p,lf,det", Config(64, 128, 2, True, "longest-first"), True),
+    ("64,128,2,p,w3", Config(64, 128, 2, True, compute_warpgroups=3), False),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config

@@ -295,7 +295,7 @@ def _key_blocks_visited(spec) -> tuple[int, int]:
                               for x in tiles)
 
   def blocks(qi, **ranges):
-    lo, hi = forward.kv_block_range(qi, block_q=block_q, block_kv=block_kv, seq_q=t,
+    lo, hi = forward.kv_block_range(qi, tile_q=2 * block_q, block_kv=block_kv, seq_q=t,
                                     seq_kv=s, is_causal=case.is_causal, **ranges)
     return hi - lo
 

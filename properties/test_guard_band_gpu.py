@@ -62,7 +62,7 @@ def _padded_call(fc: ForwardCase, config: Config, guard: int):
   from kernel.forward import flash_attention_forward
 
   launch_kw = _api_launch(fc, config)
-  tile = 2 * config.block_q
+  tile = config.tile_q
   t_pad = -(-fc.query.shape[1] // tile) * tile
   dv_pad = -(-fc.value.shape[3] // 64) * 64
 
@@ -118,6 +118,17 @@ def _cases():
     out.append((f"key-ranges-2d-mask-{p}", c, Config(64, 128, 2, persistent)))
   c = random_case(rng, seq_q=200, seq_kv=150, head_dim=256, dtype="float16")
   out.append(("d256-f16-nonpersistent", c, Config(64, 64, 2, False)))
+  # Three compute warpgroups: 192-row tiles, so 1000 rows end in a tile of
+  # 40 real rows, and key ranges with empty rows.
+  rng = np.random.default_rng(192)
+  for persistent in (False, True):
+    p = "persistent" if persistent else "nonpersistent"
+    c = random_case(rng, batch=2, seq_q=1000, seq_kv=777, heads=4, kv_heads=2, head_dim=64,
+                    is_causal=True)
+    c.k_start = rng.integers(0, 400, (2, 4, 1000)).astype(np.int32)
+    c.k_end = (c.k_start + rng.integers(-50, 777, (2, 4, 1000))).astype(np.int32)
+    out.append((f"three-warpgroups-causal-1000x777-gqa-ranges-{p}", c,
+                Config(64, 128, 2, persistent, compute_warpgroups=3)))
   return out
 
 

@@ -101,13 +101,18 @@ def _next_pow2(n):
 @hypothesis.given(problems())
 def test_autotuning_candidates_are_the_seeds_enumeration(problem):
   """Exactly the seed's grid, filtered by stage count and the estimate, each
-  once; under causal each also with the longest-first schedule."""
+  once; under causal each also with the longest-first schedule; at head dim
+  64 the block_q 64, block_kv <= 128 ones also with three compute
+  warpgroups."""
   configs = heuristics.get_autotuning_configs(problem)
   assert configs == heuristics.get_autotuning_configs(problem)  # deterministic
   assert len(set(configs)) == len(configs)
   expected = set()
-  for bq, bkv, persistent, stages in itertools.product(
-      (64, 128), (64, 128, 256), (False, True), (2, 3, 4)):
+  three = problem.head_dim == 64 and problem.head_dim_out == 64
+  for bq, bkv, persistent, stages, cw in itertools.product(
+      (64, 128), (64, 128, 256), (False, True), (2, 3, 4), (2, 3)):
+    if cw == 3 and (not three or bq != 64 or bkv > 128):
+      continue
     if bq == 128 and _next_pow2(problem.seq_q) <= 128:
       continue
     if bkv > 64 and bkv > _next_pow2(problem.seq_kv):
@@ -115,7 +120,7 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
     if not persistent and stages > -(-problem.seq_kv // bkv):
       continue
     for schedule in ("round-robin", "longest-first") if problem.is_causal else ("round-robin",):
-      config = Config(bq, bkv, stages, persistent, schedule)
+      config = Config(bq, bkv, stages, persistent, schedule, compute_warpgroups=cw)
       if _fits(problem, config):
         expected.add(config)
   assert set(configs) == expected

@@ -226,7 +226,7 @@ def test_the_empty_tile_carry_case_has_empty_tiles_before_others_on_one_sm():
 
   def empty(b, h, qi):
     rows = slice(qi * tile, (qi + 1) * tile)
-    lb, ub = kv_block_range(qi, block_q=cfg.block_q, block_kv=cfg.block_kv, seq_q=seq_q,
+    lb, ub = kv_block_range(qi, tile_q=cfg.tile_q, block_kv=cfg.block_kv, seq_q=seq_q,
                             seq_kv=fc.key.shape[1], is_causal=fc.is_causal,
                             k_start_min=int(fc.k_start[b, h, rows].min()),
                             k_end_max=int(fc.k_end[b, h, rows].max()))

@@ -55,10 +55,7 @@ def test_every_launch_kind_is_compiled():
 def test_every_kind_lowers_for_cuda(kind):
   """The program each kind compiles on the GPU lowers here (so a kind that
   the API refuses fails on the CPU, not in the device's time)."""
-  heads = pr.HEAD_DIMS[kind.head_dim]
-  extra = pr.FEATURES[kind.feature].format(heads=heads) if kind.feature else ""
-  program = pr._PROGRAM.format(heads=heads, d=kind.head_dim, causal=kind.causal,
-                               backward=kind.backward, extra=extra)
+  program = pr.program(kind)
   # The same calls, exported for CUDA instead of run (shapes only).
   program = program.replace("jax.block_until_ready(jax.jit(g)(q, k, v))",
                             "_lower(g, q, k, v)")

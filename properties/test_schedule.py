@@ -37,7 +37,7 @@ def launches(draw):
   section = draw(st.sampled_from([per_head, 3 * per_head, schedule.L2_SECTION_BYTES]),
                  label="section_bytes")
   blocks = lambda qi: np.subtract(*common.kv_block_range(
-      qi, block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
+      qi, tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
       is_causal=causal)[::-1])
   order = schedule.longest_first(
       batch=batch, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
@@ -342,7 +342,7 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
                                    window=(left, right)) == steps
   qi = jnp.arange(t_pad // blocks.dq_tile, dtype=jnp.int32)
   lb, ub = common.kv_block_range(
-      qi, block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
+      qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
       seq_kv=seq_kv, is_causal=causal, k_start_min=start_min[0, 0], k_end_max=end_max[0, 0])
   steps = np.maximum(np.asarray(ub) - np.asarray(lb), 0)[::-1].tolist()
   assert backward.query_tile_weights(f, blocks, t_pad=t_pad, window=(left, right)) == steps

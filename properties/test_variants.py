@@ -375,7 +375,7 @@ def _visited_blocks(T, S, kw, *, is_causal):
                                    num_tiles=num_tiles)
   start_min, _, _, end_max = (np.asarray(x)[0, 0] for x in tiles)
   return np.array([common.kv_block_range(
-      qi, block_q=_SKIP_BLOCK_Q, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
+      qi, tile_q=2 * _SKIP_BLOCK_Q, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
       is_causal=is_causal, k_start_min=int(start_min[qi]), k_end_max=int(end_max[qi]))
       for qi in range(num_tiles)])
 
@@ -465,7 +465,7 @@ def _schedule(T, S, window, is_causal, *, heads=1):
   return forward.tile_schedule(
       batch=1, num_heads=heads, num_kv_heads=heads, num_tiles=-(-T // tile),
       s_pad=-(-S // _SKIP_BLOCK_KV) * _SKIP_BLOCK_KV, head_dim=128, head_dim_out=128,
-      itemsize=2, block_q=_SKIP_BLOCK_Q, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
+      itemsize=2, tile_q=tile, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
       is_causal=is_causal, window=normalize_window(window))
 
 
@@ -530,7 +530,7 @@ def test_the_launch_ranks_tiles_by_the_blocks_the_kernel_visits(T, kw, is_causal
   tile = 2 * _SKIP_BLOCK_Q
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=T, tile=tile,
                                    num_tiles=-(-T // tile))
-  got = forward.range_tile_blocks(tiles, num_tiles=-(-T // tile), block_q=_SKIP_BLOCK_Q,
+  got = forward.range_tile_blocks(tiles, num_tiles=-(-T // tile), tile_q=tile,
                                   block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=T,
                                   is_causal=is_causal)
   assert np.asarray(got)[0, 0].tolist() == (visited[:, 1] - visited[:, 0]).tolist()
@@ -618,10 +618,10 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
   order = forward.tile_schedule(
       batch=1, num_heads=2, num_kv_heads=2, num_tiles=num_tiles,
       s_pad=-(-seq_kv // block_kv) * block_kv, head_dim=64, head_dim_out=64, itemsize=2,
-      block_q=block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
+      tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
       window=(left, right))
   ranked = order.reranked(forward.range_tile_blocks(
-      tiles, num_tiles=num_tiles, block_q=block_q, block_kv=block_kv, seq_q=seq_q,
+      tiles, num_tiles=num_tiles, tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q,
       seq_kv=seq_kv, is_causal=is_causal))
   assert np.asarray(ranked).tolist() == np.asarray(order.order).tolist()
 

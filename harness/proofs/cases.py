@@ -33,10 +33,15 @@ class ForwardCase:
   overlay_q: bool = False
   overlay_head_dim: int = 64
   overlay_residuals: bool = False
+  compute_warpgroups: int = 2   # Config.compute_warpgroups: consumers of the ring
 
   def key(self):
     return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
-            self.overlay_q, self.residuals)
+            self.overlay_q, self.residuals, self.compute_warpgroups)
+
+  @property
+  def tile_q(self) -> int:
+    return self.compute_warpgroups * self.block_q
 
   @property
   def head_dim(self) -> int:
@@ -53,6 +58,8 @@ class ForwardCase:
                               ("causal", self.causal),
                               ("output in the query slot", self.overlay_q),
                               ("with residuals", self.residuals)) if on]
+    if self.compute_warpgroups != 2:
+      parts.append(f"{self.compute_warpgroups} compute warpgroups")
     return " ".join(parts)
 
 
@@ -77,7 +84,8 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
       overlay = plan_lib.scratch_layout(p, c).overlay_q_with_output
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
-                         p.head_dim if overlay else 64, overlay and p.return_residuals)
+                         p.head_dim if overlay else 64, overlay and p.return_residuals,
+                         c.compute_warpgroups)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

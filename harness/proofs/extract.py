@@ -947,7 +947,7 @@ def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=
   from kernel import api, forward
   forward = module or forward  # a mutated copy of kernel/forward.py, in the tests
   sds = jax.ShapeDtypeStruct
-  tile = 2 * config.block_q
+  tile = config.tile_q
   t_pad, s_pad = num_tiles * tile, kv_blocks * config.block_kv
   dt = jnp.bfloat16
   q = sds((batch, t_pad, heads, head_dim), dt)

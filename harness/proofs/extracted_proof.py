@@ -443,7 +443,10 @@ class _Static:
     return u
 
   def _named(self):
-    reserved = set(kbarriers.MOSAIC_RESERVED_IDS)
+    # Mosaic GPU's own ids: 0 and one per warpgroup of the launch (roles
+    # are named wg<w> or wg<w>.warp<i>).
+    warpgroups = 1 + max(int(n.split(".")[0][2:]) for n in self.names)
+    reserved = set(kbarriers.reserved_ids(warpgroups))
     family, threads = {}, {}
     for ri, us in enumerate(self.units_of):
       for _, evs in us:

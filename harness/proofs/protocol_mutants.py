@@ -80,11 +80,11 @@ MUTANTS = (
            persistent=True),
     Mutant("pingpong_token_to_wrong_warpgroup",
            "after the first QK, the pingpong token passed to the warpgroup's own barrier",
-           (("    wait_staged(c, st)\n    barriers.schedule_release_other(c.wg)\n",
-             "    wait_staged(c, st)\n    barriers.schedule_release_other(1 - c.wg)\n"),)),
+           (("    wait_staged(c, st)\n    barriers.schedule_release_other(c.wg, c.cw)\n",
+             "    wait_staged(c, st)\n    barriers.schedule_release_other(1 - c.wg, c.cw)\n"),)),
     Mutant("epilogue_on_pingpong_id",
            "the epilogue's sync on the pingpong barrier's id (one id, two purposes)",
-           (("    barriers.epilogue_sync()  # both warpgroups are done with q and k\n",
+           (("    barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k\n",
              "    barriers._bar('sync', barriers.schedule_id(0), barriers.BY_NAME['epilogue'].num_threads)\n"),)),
     Mutant("query_prefetch_before_consumed",
            "the next tile's queries fetched before the second tile waits q_consumed (> 1 for > 0)",
@@ -100,10 +100,16 @@ MUTANTS = (
     # two tiles could show.
     Mutant("empty_tile_skips_token",
            "a persistent tile without key blocks neither passes nor acquires the pingpong token",
-           (("    @pl.when(t.ub == t.lb)\n    def _():\n      barriers.schedule_release_other(c.wg)\n"
-             "      barriers.schedule_sync(c.wg)\n",
+           (("    @pl.when(t.ub == t.lb)\n    def _():\n      barriers.schedule_release_other(c.wg, c.cw)\n"
+             "      barriers.schedule_sync(c.wg, c.cw)\n",
              "    @pl.when(t.ub == t.lb)\n    def _():\n      pass\n      pass\n"),),
            persistent=True),
+    # Two compute warpgroups need one extra pass (warpgroup 0's); with three
+    # the middle one owes the last one its final pass too.
+    Mutant("last_pass_from_warpgroup_0_only",
+           "with three compute warpgroups only warpgroup 0 passes the token after its last PV",
+           (("  last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1\n",
+             "  last = c.wg == 0\n"),)),
 )
 
 BACKWARD_MUTANTS = (

@@ -269,14 +269,15 @@ def trace_case(case: ForwardCase, *, module=None):
   # effective stages = min(config, key blocks): fewer stages means that few keys
   kv_blocks = _kv_blocks(ring) if config_stages == case.num_stages else case.num_stages
   num_tiles = PROBE_SMS * probe_tiles(ring) if case.persistent else _probe_trips(ring) + 1
-  seq_q = num_tiles * 2 * case.block_q
+  seq_q = num_tiles * case.tile_q
   features = module.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
       normalize_output=True, return_residuals=case.residuals, seq_q=seq_q,
       seq_kv=kv_blocks * case.block_kv, stage_2d=case.bias or case.mask)
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=config_stages, persistent=case.persistent,
-                             schedule=case.schedule)
+                             schedule=case.schedule,
+                             compute_warpgroups=case.compute_warpgroups)
   traced = plan_lib.Problem(
       dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim,
       seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
@@ -304,7 +305,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
   closed, kernel, features = traced or trace_case(case, module=module)
   ring = _ring(case.num_stages)
   consts = _const_values(closed, kernel)
-  num_tiles = features.seq_q // (2 * case.block_q)
+  num_tiles = features.seq_q // case.tile_q
   tables = _range_tables(kernel, consts, num_tiles)
   consts.update(_reranked_order(kernel, consts, case, num_tiles))
   bkv = case.block_kv
@@ -312,7 +313,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
   def actual(qi, lb, n):
     """The key blocks the kernel visits for a requested range (the causal
     bound may cut it), by the kernel's own rule."""
-    lo, hi = module.kv_block_range(qi, block_q=case.block_q, block_kv=bkv,
+    lo, hi = module.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv,
                                    seq_q=features.seq_q, seq_kv=features.seq_kv,
                                    is_causal=case.causal, k_start_min=lb * bkv,
                                    k_end_max=(lb + n) * bkv)
@@ -528,7 +529,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
                                      name="dq")
           (qi,) = env.order
           lo, hi = module.kv_block_range(
-              qi, block_q=blocks.dq_tile // 2, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
+              qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
               seq_kv=seq_kv, is_causal=case.causal, k_start_min=lb * blocks.dq_stream_kv,
               k_end_max=(lb + n) * blocks.dq_stream_kv)
           learner.observe(launch, [hi - lo], where=f"the dQ tile's key blocks [{lo}, {hi})")

@@ -92,8 +92,9 @@ def grid_points(*, backward: bool, ragged: bool = True, gqa: int = 1,
 
 
 def parse_variant(text: str):
-  """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr]``:
-  p persistent, lf / rr the longest-first / round-robin schedule.  A
+  """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr][,w3]``:
+  p persistent, lf / rr the longest-first / round-robin schedule, w3 three
+  compute warpgroups.  A
   trailing ``,det`` (``auto,det``) asks for ``deterministic=True``; see
   :func:`is_deterministic`."""
   from kernel.config import Config
@@ -104,11 +105,12 @@ def parse_variant(text: str):
     raise ValueError(f"--variants: expected auto or block_q,block_kv,num_stages[,flags], "
                      f"got {text!r}")
   bq, bkv, st, *flags = fields
-  unknown = set(flags) - {"p", "lf", "rr"}
+  unknown = set(flags) - {"p", "lf", "rr", "w3"}
   if unknown:
     raise ValueError(f"--variants: unknown flag(s) {sorted(unknown)} in {text!r}")
   return Config(int(bq), int(bkv), int(st), persistent="p" in flags,
-                schedule="longest-first" if "lf" in flags else "round-robin")
+                schedule="longest-first" if "lf" in flags else "round-robin",
+                compute_warpgroups=3 if "w3" in flags else 2)
 
 
 def is_deterministic(text: str) -> bool:

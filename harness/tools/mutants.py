@@ -191,8 +191,9 @@ CATALOG: tuple[Mutant, ...] = (
        "def pv(acc_ref):\n    plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
-       FWD, "rows = pl.ds((2 * qi + w) * c.block_q, c.block_q)",
-       "rows = pl.ds((2 * qi + 1 - w) * c.block_q, c.block_q)", named("heuristic-basic-d64")),
+       FWD, "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
+       "rows = pl.ds((c.cw * qi + c.cw - 1 - w) * c.block_q, c.block_q)",
+       named("heuristic-basic-d64")),
     _m("no-prev-iters-carry", "ring phase not carried across persistent tiles (tilelang #2674)",
        FWD, "return keys.position(prev_iters + (ki - lb))",
        "return keys.position(ki - lb)", CARRY),
@@ -211,14 +212,14 @@ CATALOG: tuple[Mutant, ...] = (
        CARRY[3:]),
     _m("empty-tile-skips-token-pass", "an empty tile skips the pingpong token (Z3-found deadlock)",
        FWD, "    @pl.when(t.ub == t.lb)\n    def _():\n"
-       "      barriers.schedule_release_other(c.wg)\n      barriers.schedule_sync(c.wg)\n",
+       "      barriers.schedule_release_other(c.wg, c.cw)\n      barriers.schedule_sync(c.wg, c.cw)\n",
        "    pass\n", CARRY[3:]),
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
-       FWD, "num_tiles = -(-seq_q // (2 * block_q))",
-       "num_tiles = -(-seq_q // (2 * block_q)) + 1", GUARD),
+       FWD, "num_tiles = -(-seq_q // tile_q)",
+       "num_tiles = -(-seq_q // tile_q) + 1", GUARD),
     _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
        "H200 2026-12-01: the last tile's rows spilled into the next head)", FWD,
-       "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * 2 * block_q),\n"
+       "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"
        "                                      jnp.float32)] * 2\n",
        "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2\n",
        named("heuristic-ragged-1000-causal-gqa", "heuristic-ragged-776x1304-d64") + GUARD,

@@ -54,6 +54,9 @@ FEATURES = {
     "softcap": "logits_soft_cap=30.0",
     "lengths": "key_value_seq_lengths=jnp.array([3000], jnp.int32)",
     "window": "local_window_size=(1024, 0)",
+    # Three compute warpgroups at 160 registers each (kernel/forward.py's
+    # COMPUTE_REGISTERS): whether the key loop fits them without spills.
+    "three-warpgroups": "config=Config(64, 128, 2, {persistent}, compute_warpgroups=3)",
 }
 
 
@@ -74,11 +77,13 @@ class KernelReport:
 KINDS = tuple(Kind(d, c, b) for d in HEAD_DIMS for c in (False, True) for b in (False, True)) + (
     Kind(128, False, False, "threshold0.5"), Kind(128, True, False, "bias2d"),
     Kind(128, False, True, "bias2d"), Kind(128, False, False, "softcap"),
-    Kind(64, False, True, "lengths"), Kind(128, True, False, "window"))
+    Kind(64, False, True, "lengths"), Kind(128, True, False, "window"),
+    Kind(64, False, False, "three-warpgroups"), Kind(64, True, False, "three-warpgroups"))
 
 _PROGRAM = """
 import jax, jax.numpy as jnp
 from kernel import api
+from kernel.config import Config
 ks = jax.random.split(jax.random.key(0), 3)
 q, k, v = (jax.random.normal(s, (1, 4096, {heads}, {d}), jnp.bfloat16) for s in ks)
 f = lambda q, k, v: api.dot_product_attention(q, k, v, is_causal={causal}, {extra})
@@ -100,12 +105,19 @@ def parse_ptxas(kind: str, kernel: str, text: str) -> KernelReport:
                       SERIALISED in text)
 
 
+def program(kind: Kind) -> str:
+  """The Python program that compiles ``kind`` (run in a child process)."""
+  heads = HEAD_DIMS[kind.head_dim]
+  extra = (FEATURES[kind.feature].format(heads=heads, persistent=not kind.causal)
+           if kind.feature else "")
+  return _PROGRAM.format(heads=heads, d=kind.head_dim, causal=kind.causal,
+                         backward=kind.backward, extra=extra)
+
+
 def compile_kind(kind: Kind, dump: str, timeout: float = 180.0) -> list[KernelReport]:
   os.makedirs(dump, exist_ok=True)
   heads = HEAD_DIMS[kind.head_dim]
-  extra = FEATURES[kind.feature].format(heads=heads) if kind.feature else ""
-  code = _PROGRAM.format(heads=heads, d=kind.head_dim, causal=kind.causal,
-                         backward=kind.backward, extra=extra)
+  code = program(kind)
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
              MOSAIC_GPU_DUMP_TO=dump)
   run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -14,17 +14,11 @@ import dataclasses
 import numpy as np
 
 from kernel import plan
-from kernel.config import Config
+from kernel.config import COMPUTE_WARPGROUP_COUNTS, Config
 
 BLOCK_Q_CANDIDATES = (64, 128)
 BLOCK_KV_CANDIDATES = (64, 128, 256)
 NUM_STAGES_CANDIDATES = (2, 3, 4)
-# Three compute warpgroups get 160 registers each (kernel/forward.py:
-# COMPUTE_REGISTERS): room for a 64 x 128 logits block, its bf16 P and a
-# 64 x 64 accumulator, not for wider heads' accumulators.  FlashAttention-3
-# runs 192-row tiles at head dim 64 (and 96) for the same reason: there the
-# softmax takes about as long as the two matrix products.
-THREE_WARPGROUP_HEAD_DIM = 64
 
 
 def _next_pow2(n: int) -> int:
@@ -70,7 +64,7 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   also comes with the longest-first schedule (kernel/schedule.py).  At head
   dim 64 (query and value) each block_q 64 config with block_kv up to 128
   also comes with three compute warpgroups (192-row tiles, 160 registers
-  each: :data:`THREE_WARPGROUP_HEAD_DIM`).  Every survivor fits in shared
+  each: ``plan.registers_fit``).  Every survivor fits in shared
   memory.
   """
   block_qs = tuple(b for b in BLOCK_Q_CANDIDATES
@@ -78,10 +72,8 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   block_kvs = tuple(b for b in BLOCK_KV_CANDIDATES
                     if b == 64 or b <= _next_pow2(problem.seq_kv))
   schedules = ("round-robin", "longest-first") if problem.is_causal else ("round-robin",)
-  three = (problem.head_dim <= THREE_WARPGROUP_HEAD_DIM
-           and problem.head_dim_out <= THREE_WARPGROUP_HEAD_DIM)
   configs = []
-  for warpgroups in (2, 3) if three else (2,):
+  for warpgroups in COMPUTE_WARPGROUP_COUNTS:
     for block_q in block_qs if warpgroups == 2 else (64,):
       for block_kv in block_kvs if warpgroups == 2 else tuple(b for b in block_kvs if b <= 128):
         for persistent in (False, True):

@@ -268,14 +268,39 @@ def fits_in_smem(nbytes: int) -> bool:
   return nbytes <= SMEM_LIMIT_BYTES
 
 
+# Three compute warpgroups get 160 registers per thread (kernel/forward.py:
+# COMPUTE_REGISTERS): room for a 64 x 128 logits block, its bf16 P and a
+# 64 x 64 accumulator, not for wider heads' accumulators.  FlashAttention-3
+# runs 192-row tiles at head dim 64 for the same reason: there the softmax
+# takes about as long as the two matrix products.  Nothing wider is proved,
+# compiled by `harness ptxas` or tested, so nothing wider runs.
+THREE_WARPGROUP_HEAD_DIM = 64
+
+
+def registers_fit(problem: Problem, config: Config) -> bool:
+  """Whether the compute warpgroups' register budget holds the problem's
+  head dims: always with two, up to :data:`THREE_WARPGROUP_HEAD_DIM` with
+  three."""
+  return (config.compute_warpgroups == 2
+          or max(problem.head_dim, problem.head_dim_out) <= THREE_WARPGROUP_HEAD_DIM)
+
+
 def config_fits(problem: Problem, config: Config) -> bool:
-  """Whether the forward's scratch for ``config`` fits: what the heuristics
-  filter by, what the autotune cache's entries are re-checked with."""
-  return fits_in_smem(estimate_smem_bytes(problem, config))
+  """Whether the forward can run ``config``: its scratch fits shared memory
+  and its head dims fit the registers (:func:`registers_fit`).  What the
+  heuristics filter by, what the autotune cache's entries are re-checked
+  with."""
+  return registers_fit(problem, config) and fits_in_smem(estimate_smem_bytes(problem, config))
 
 
 def check_fits(problem: Problem, config: Config) -> int:
-  """:func:`config_fits` as a ValueError naming the estimate; returns it."""
+  """:func:`config_fits` as a ValueError naming what does not fit; returns
+  the shared-memory estimate."""
+  if not registers_fit(problem, config):
+    raise ValueError(
+        f"config.compute_warpgroups: {config.compute_warpgroups} compute warpgroups hold "
+        f"head dims up to {THREE_WARPGROUP_HEAD_DIM} in their registers; got "
+        f"head_dim={problem.head_dim}, head_dim_out={problem.head_dim_out} (use 2)")
   est = estimate_smem_bytes(problem, config)
   if not fits_in_smem(est):
     raise ValueError(

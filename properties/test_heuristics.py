@@ -91,6 +91,23 @@ def test_nothing_fits_names_the_estimate():
     heuristics.get_heuristics_config(problem)
 
 
+@pytest.mark.parametrize("head_dim,head_dim_out", [(128, 128), (64, 128), (96, 64), (256, 256)])
+def test_three_warpgroups_are_refused_where_their_registers_cannot_hold_the_heads(
+    head_dim, head_dim_out):
+  """160 registers per thread hold head dims up to 64 (kernel/plan.py): a
+  wider problem refuses three compute warpgroups by name, config_fits says
+  no, and the autotuner never offers them; at 64 they fit."""
+  three = Config(64, 128, 2, True, compute_warpgroups=3)
+  problem = _problem(head_dim, head_dim_out=head_dim_out)
+  assert not plan.config_fits(problem, three)
+  with pytest.raises(ValueError, match=r"^config.compute_warpgroups: 3 .* head_dim="
+                                       rf"{head_dim}, head_dim_out={head_dim_out}"):
+    plan.check_fits(problem, three)
+  assert all(c.compute_warpgroups == 2 for c in heuristics.get_autotuning_configs(problem))
+  assert plan.config_fits(_problem(64), three)
+  assert plan.check_fits(_problem(64), three) > 0
+
+
 def _next_pow2(n):
   p = 1
   while p < n:

@@ -126,6 +126,13 @@ def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
   assert lowered.smem_bytes > 0
 
 
+def test_three_compute_warpgroups_above_head_dim_64_are_refused_by_name():
+  from kernel.config import Config
+  with pytest.raises(ValueError, match=r"^config.compute_warpgroups: 3 compute warpgroups"):
+    lower_attention(dict(B=1, T=256, N=2, H=128, S=256, K=2, Hv=128),
+                    config=Config(64, 128, 2, compute_warpgroups=3))
+
+
 def test_a_config_that_does_not_fit_is_refused_with_its_estimate():
   from kernel.config import Config
   with pytest.raises(ValueError, match=r"config .* needs an estimated \d+ bytes"):

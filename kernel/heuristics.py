@@ -62,10 +62,10 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   with more stages than key blocks would only hold empty slots, so it is
   skipped.  Under a causal mask, where tiles do unequal work, each config
   also comes with the longest-first schedule (kernel/schedule.py).  At head
-  dim 64 (query and value) each block_q 64 config with block_kv up to 128
-  also comes with three compute warpgroups (192-row tiles, 160 registers
-  each: ``plan.registers_fit``).  Every survivor fits in shared
-  memory.
+  dims up to 64 the block_q 64, block_kv 128, two-stage configs also come
+  with three compute warpgroups (192-row tiles, 160 registers each: the
+  only ones ``plan.warpgroups_refusal`` lets run).  Every survivor fits in
+  shared memory.
   """
   block_qs = tuple(b for b in BLOCK_Q_CANDIDATES
                    if b == 64 or _next_pow2(problem.seq_q) > 128)
@@ -74,8 +74,8 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   schedules = ("round-robin", "longest-first") if problem.is_causal else ("round-robin",)
   configs = []
   for warpgroups in COMPUTE_WARPGROUP_COUNTS:
-    for block_q in block_qs if warpgroups == 2 else (64,):
-      for block_kv in block_kvs if warpgroups == 2 else tuple(b for b in block_kvs if b <= 128):
+    for block_q in block_qs:
+      for block_kv in block_kvs:
         for persistent in (False, True):
           for num_stages in NUM_STAGES_CANDIDATES:
             if not persistent and num_stages > problem.num_kv_blocks(block_kv):

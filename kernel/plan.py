@@ -272,35 +272,57 @@ def fits_in_smem(nbytes: int) -> bool:
 # COMPUTE_REGISTERS): room for a 64 x 128 logits block, its bf16 P and a
 # 64 x 64 accumulator, not for wider heads' accumulators.  FlashAttention-3
 # runs 192-row tiles at head dim 64 for the same reason: there the softmax
-# takes about as long as the two matrix products.  Nothing wider is proved,
-# compiled by `harness ptxas` or tested, so nothing wider runs.
+# takes about as long as the two matrix products.
 THREE_WARPGROUP_HEAD_DIM = 64
+# (block_q, block_kv, num_stages): the one tiling three compute warpgroups run.
+# Measured on the H200 against it (2026-12-05, bf16 forward, head dim 64, 32
+# heads, ms): three stages slower at all 8 points (B4 T4096 1.181 vs 1.148,
+# B1 T16384 4.456 vs 4.393, B5 T3000 over 8 kv heads 0.929 vs 0.787, causal
+# B1 T16384 2.434 vs 2.340, ...), 64-key blocks at all 4 (B4 T4096 1.409 vs
+# 1.148, B1 T16384 5.259 vs 4.393).  Only this tiling is offered to the
+# autotuner, proved and accepted, so no three-warpgroup config runs unproved.
+THREE_WARPGROUP_TILING = (64, 128, 2)
 
 
-def registers_fit(problem: Problem, config: Config) -> bool:
-  """Whether the compute warpgroups' register budget holds the problem's
-  head dims: always with two, up to :data:`THREE_WARPGROUP_HEAD_DIM` with
-  three."""
-  return (config.compute_warpgroups == 2
-          or max(problem.head_dim, problem.head_dim_out) <= THREE_WARPGROUP_HEAD_DIM)
+def warpgroups_refusal(problem: Problem, config: Config) -> str | None:
+  """Why the compute warpgroups cannot run ``config`` on ``problem``, or
+  None: two run every tiling; three run head dims up to
+  :data:`THREE_WARPGROUP_HEAD_DIM` with :data:`THREE_WARPGROUP_TILING`."""
+  if config.compute_warpgroups == 2:
+    return None
+  n = config.compute_warpgroups
+  if max(problem.head_dim, problem.head_dim_out) > THREE_WARPGROUP_HEAD_DIM:
+    return (f"{n} compute warpgroups hold head dims up to {THREE_WARPGROUP_HEAD_DIM} in their "
+            f"registers; got head_dim={problem.head_dim}, head_dim_out={problem.head_dim_out} "
+            f"(use 2)")
+  tiling = (config.block_q, config.block_kv, config.num_stages)
+  if tiling != THREE_WARPGROUP_TILING:
+    want = dict(zip(("block_q", "block_kv", "num_stages"), THREE_WARPGROUP_TILING))
+    got = dict(zip(want, tiling))
+    return (f"{n} compute warpgroups run {_fields(want)} only (measured fastest, and proved); "
+            f"got {_fields(got)}")
+  return None
+
+
+def _fields(values: dict) -> str:
+  return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
 def config_fits(problem: Problem, config: Config) -> bool:
-  """Whether the forward can run ``config``: its scratch fits shared memory
-  and its head dims fit the registers (:func:`registers_fit`).  What the
-  heuristics filter by, what the autotune cache's entries are re-checked
-  with."""
-  return registers_fit(problem, config) and fits_in_smem(estimate_smem_bytes(problem, config))
+  """Whether the forward can run ``config``: its compute warpgroups can
+  (:func:`warpgroups_refusal`) and its scratch fits shared memory.  What
+  the heuristics filter by, what the autotune cache's entries are
+  re-checked with."""
+  return (warpgroups_refusal(problem, config) is None
+          and fits_in_smem(estimate_smem_bytes(problem, config)))
 
 
 def check_fits(problem: Problem, config: Config) -> int:
   """:func:`config_fits` as a ValueError naming what does not fit; returns
   the shared-memory estimate."""
-  if not registers_fit(problem, config):
-    raise ValueError(
-        f"config.compute_warpgroups: {config.compute_warpgroups} compute warpgroups hold "
-        f"head dims up to {THREE_WARPGROUP_HEAD_DIM} in their registers; got "
-        f"head_dim={problem.head_dim}, head_dim_out={problem.head_dim_out} (use 2)")
+  why = warpgroups_refusal(problem, config)
+  if why is not None:
+    raise ValueError(f"config.compute_warpgroups: {why}")
   est = estimate_smem_bytes(problem, config)
   if not fits_in_smem(est):
     raise ValueError(

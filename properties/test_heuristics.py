@@ -108,6 +108,26 @@ def test_three_warpgroups_are_refused_where_their_registers_cannot_hold_the_head
   assert plan.check_fits(_problem(64), three) > 0
 
 
+@pytest.mark.parametrize("tiling", [(64, 64, 2), (64, 128, 3), (64, 128, 4), (128, 128, 2)])
+def test_three_warpgroups_run_one_tiling_and_refuse_the_others_by_name(tiling):
+  """Three compute warpgroups run block_q 64, block_kv 128, two stages: the
+  others measured slower and are not proved, so they are refused, never
+  offered."""
+  bq, bkv, stages = tiling
+  for persistent in (False, True):
+    config = Config(bq, bkv, stages, persistent, compute_warpgroups=3)
+    problem = _problem(64)
+    assert not plan.config_fits(problem, config)
+    with pytest.raises(ValueError, match=r"^config.compute_warpgroups: 3 compute warpgroups run "
+                                         r"block_q=64, block_kv=128, num_stages=2 only .* got "
+                                         rf"block_q={bq}, block_kv={bkv}, num_stages={stages}$"):
+      plan.check_fits(problem, config)
+  three = {c for c in heuristics.get_autotuning_configs(_problem(64, is_causal=True))
+           if c.compute_warpgroups == 3}
+  assert {(c.block_q, c.block_kv, c.num_stages) for c in three} == {(64, 128, 2)}
+  assert len(three) == 4   # persistent or not, round-robin or longest-first
+
+
 def _next_pow2(n):
   p = 1
   while p < n:
@@ -119,7 +139,7 @@ def _next_pow2(n):
 def test_autotuning_candidates_are_the_seeds_enumeration(problem):
   """Exactly the seed's grid, filtered by stage count and the estimate, each
   once; under causal each also with the longest-first schedule; at head dim
-  64 the block_q 64, block_kv <= 128 ones also with three compute
+  64 the block_q 64, block_kv 128, two-stage ones also with three compute
   warpgroups."""
   configs = heuristics.get_autotuning_configs(problem)
   assert configs == heuristics.get_autotuning_configs(problem)  # deterministic
@@ -128,7 +148,7 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
   three = problem.head_dim == 64 and problem.head_dim_out == 64
   for bq, bkv, persistent, stages, cw in itertools.product(
       (64, 128), (64, 128, 256), (False, True), (2, 3, 4), (2, 3)):
-    if cw == 3 and (not three or bq != 64 or bkv > 128):
+    if cw == 3 and (not three or (bq, bkv, stages) != (64, 128, 2)):
       continue
     if bq == 128 and _next_pow2(problem.seq_q) <= 128:
       continue

@@ -86,6 +86,13 @@ def _problem(q_shape, k_shape, v_shape, kw):
       stage_2d=kw.get("stage_2d", True))
 
 
+def _cfg_tag(cfg) -> str:
+  """A config in a test id: every field that tells two emitted configs apart."""
+  return (f"q{cfg.block_q}-kv{cfg.block_kv}-s{cfg.num_stages}-{'p' if cfg.persistent else 'np'}"
+          f"{'-lf' if cfg.schedule == 'longest-first' else ''}"
+          f"{'-w%d' % cfg.compute_warpgroups if cfg.compute_warpgroups != 2 else ''}")
+
+
 def _grid():
   features = _features(SEQ, SEQ)
   # The 2-D bias and mask read from global memory (the private stage_2d=False,
@@ -95,7 +102,7 @@ def _grid():
     for feat, kw in features.items():
       problem = _problem((1, SEQ, 2, d), (1, SEQ, 1, d), (1, SEQ, 1, dv), kw)
       for cfg in _configs_to_lower(problem, fullest=feat == "everything"):
-        tag = f"{cls}-{feat}-q{cfg.block_q}-kv{cfg.block_kv}-s{cfg.num_stages}-{'p' if cfg.persistent else 'np'}"
+        tag = f"{cls}-{feat}-{_cfg_tag(cfg)}"
         yield pytest.param(d, dv, kw, problem, cfg, id=tag)
 
 
@@ -208,8 +215,7 @@ def _staged_grid():
           bias_2d="bias_shape" in kw, mask_2d="mask_shape" in kw)
       for cfg in _configs_to_lower(problem, fullest=name == "both-causal", may_refuse=True):
         yield pytest.param(d, kw, problem, cfg,
-                           id=f"{name}-d{d}-q{cfg.block_q}-kv{cfg.block_kv}-s{cfg.num_stages}"
-                              f"-{'p' if cfg.persistent else 'np'}")
+                           id=f"{name}-d{d}-{_cfg_tag(cfg)}")
 
 
 @pytest.mark.parametrize("d,kw,problem,cfg", list(_staged_grid()))

@@ -53,9 +53,6 @@ class NamedBarrier:
 
 def _declare(compute_warpgroups: int = COMPUTE_WARPGROUPS) -> tuple[NamedBarrier, ...]:
   cw = compute_warpgroups
-  if cw not in COMPUTE_WARPGROUP_COUNTS:
-    raise ValueError(f"compute_warpgroups: expected one of {COMPUTE_WARPGROUP_COUNTS}, "
-                     f"got {cw!r}")
   first = len(reserved_ids(cw + MEMORY_WARPGROUPS))
   pair = 2 * WARPGROUP_THREADS
   all_compute = cw * WARPGROUP_THREADS

@@ -27,7 +27,9 @@ class Config:
   compute_warpgroups: 2, or 3 (FlashAttention-3's 192-row tiles at head dim
     64, where the softmax is as long as the matrix products and a third
     warpgroup keeps the tensor cores fed while two run theirs); each then
-    gets fewer registers (kernel/forward.py: ``COMPUTE_REGISTERS``).
+    gets fewer registers (kernel/forward.py: ``COMPUTE_REGISTERS``), so three
+    run head dims up to 64 in one tiling (kernel/plan.py:
+    ``warpgroups_refusal``).
     Measured on the H200, bfloat16 forward at head dim 64, 32 heads (2026-12-05):
     16k tokens full 4.39 ms with three (block_kv 128, 2 stages, persistent)
     against 4.91 with two and 4.84 for cuDNN; causal 2.31 against 2.63 and

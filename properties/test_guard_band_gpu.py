@@ -22,6 +22,7 @@ import pytest
 
 from harness.numerics.conformance import ForwardCase, random_case, run_kernel
 from kernel.config import Config
+from kernel import plan
 
 GUARD_ROWS = 40   # any positive count catches a write one row past the end
 
@@ -128,7 +129,7 @@ def _cases():
     c.k_start = rng.integers(0, 400, (2, 4, 1000)).astype(np.int32)
     c.k_end = (c.k_start + rng.integers(-50, 777, (2, 4, 1000))).astype(np.int32)
     out.append((f"three-warpgroups-causal-1000x777-gqa-ranges-{p}", c,
-                Config(64, 128, 2, persistent, compute_warpgroups=3)))
+                Config(*plan.THREE_WARPGROUP_TILING, persistent, compute_warpgroups=3)))
   return out
 
 

@@ -55,8 +55,10 @@ FEATURES = {
     "lengths": "key_value_seq_lengths=jnp.array([3000], jnp.int32)",
     "window": "local_window_size=(1024, 0)",
     # Three compute warpgroups at 160 registers each (kernel/forward.py's
-    # COMPUTE_REGISTERS): whether the key loop fits them without spills.
-    "three-warpgroups": "config=Config(64, 128, 2, {persistent}, compute_warpgroups=3)",
+    # COMPUTE_REGISTERS), in the one tiling they run: whether the key loop
+    # fits them without spills.
+    "three-warpgroups": "config=Config(*THREE_WARPGROUP_TILING, {persistent}, "
+                        "compute_warpgroups=3)",
 }
 
 
@@ -84,6 +86,7 @@ _PROGRAM = """
 import jax, jax.numpy as jnp
 from kernel import api
 from kernel.config import Config
+from kernel.plan import THREE_WARPGROUP_TILING
 ks = jax.random.split(jax.random.key(0), 3)
 q, k, v = (jax.random.normal(s, (1, 4096, {heads}, {d}), jnp.bfloat16) for s in ks)
 f = lambda q, k, v: api.dot_product_attention(q, k, v, is_causal={causal}, {extra})

@@ -40,8 +40,6 @@ def reserved_ids(num_warpgroups: int = NUM_WARPGROUPS) -> tuple[int, ...]:
   return tuple(range(0, 1 + num_warpgroups))
 
 
-MOSAIC_RESERVED_IDS = reserved_ids()
-
 
 @dataclasses.dataclass(frozen=True)
 class NamedBarrier:

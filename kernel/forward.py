@@ -534,7 +534,7 @@ def produce_tile(c: Kernel, b, h, qi, prev_iters):
     # The rest of the key phase: the query tile's bias/mask tile of this
     # key block, released with the keys.
     staged_src = lambda src: src.at[(*batch_head(src, b, h),
-                                     pl.ds(c.cw * qi * c.block_q, c.tile_q), kb)]
+                                     pl.ds(qi * c.tile_q, c.tile_q), kb)]
     if c.stage_bias:
       keys.producer_copy(staged_src(c.bias_ref), st, "bias")
     if c.stage_mask:
@@ -572,6 +572,8 @@ def compute_warpgroup(c: Kernel):
   # every warpgroup but 0, and the one pass after the last loop (before the
   # epilogue of a non-persistent block) of every warpgroup but the last,
   # not one per tile.
+  # Two compute warpgroups keep the conditions they were measured and
+  # proved with (wg == 1, the other one); three take the general ones.
   if c.cw == 2:
     pl.when(c.wg == 1)(lambda: barriers.schedule_sync(c.wg))
   else:

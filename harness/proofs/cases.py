@@ -41,7 +41,10 @@ class ForwardCase:
 
   @property
   def tile_q(self) -> int:
-    return self.compute_warpgroups * self.block_q
+    """The config's query tile (kernel.config.Config.tile_q)."""
+    from kernel.config import Config
+    return Config(self.block_q, self.block_kv,
+                  compute_warpgroups=self.compute_warpgroups).tile_q
 
   @property
   def head_dim(self) -> int:

@@ -9,8 +9,10 @@ MAX_STAGES = 4
 # kernel/schedule.py: the order query tiles run in.  "round-robin": the grid's
 # own order (persistent: the grid dealt to the SMs in turn, query tiles
 # fastest).  "longest-first": heaviest tiles first inside L2 sections of kv
-# heads, dealt to the least-loaded SM when persistent.
-SCHEDULES = ("round-robin", "longest-first")
+# heads, dealt to the least-loaded SM when persistent.  "split-tail"
+# (persistent, non-causal): round-robin but for the last wave or two, whose
+# tiles' key blocks are cut evenly over the SMs and merged after the kernel.
+SCHEDULES = ("round-robin", "longest-first", "split-tail")
 COMPUTE_WARPGROUP_COUNTS = (2, 3)   # kernel/barriers.py declares the barriers of each
 
 
@@ -23,7 +25,9 @@ class Config:
   block_kv: keys per ring slot.
   num_stages: depth of the key/value ring in shared memory.
   persistent: one block per SM looping over the grid (see kernel/forward.py).
-  schedule: the order tiles run in, one of :data:`SCHEDULES`.
+  schedule: the order tiles run in, one of :data:`SCHEDULES`
+    (kernel/schedule.py; "split-tail" with persistent blocks only, and not
+    under a causal mask: kernel/plan.py's ``schedule_refusal``).
   compute_warpgroups: 2, or 3 (FlashAttention-3's 192-row tiles at head dim
     64, where the softmax is as long as the matrix products and a third
     warpgroup keeps the tensor cores fed while two run theirs); each then

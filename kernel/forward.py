@@ -170,7 +170,7 @@ class Kernel(common.OperandRefs):
   dtype: Any
   stages: int                # the ring's depth (kernel.plan.effective_stages)
   layout: plan_lib.ScratchLayout
-  order: Any                 # the longest-first schedule, or None (round-robin)
+  order: Any                 # the longest-first schedule or split tail, or None (round-robin)
   # A mask may remove keys from any block.  Causal, a ragged key length and
   # key ranges only from the blocks that reach the diagonal, the last key or
   # a row's range bound (the tile's first and last blocks), which the key
@@ -181,14 +181,17 @@ class Kernel(common.OperandRefs):
   # Inside the kernel (beside common.OperandRefs): the schedule's tables,
   # the rings, and where the outputs go.
   tiles_ref: Any = None      # per-tile key-range bounds (kernel.padding.key_ranges)
-  sched_ref: Any = None      # longest-first: the tile order (or each SM's tiles)
-  counts_ref: Any = None     # longest-first, persistent: tiles per SM
+  sched_ref: Any = None      # longest-first: the tile order (or each SM's tiles);
+                             # split tail: each SM's entries (SplitTail.table)
+  counts_ref: Any = None     # persistent longest-first or split tail: tiles per SM
   queries: ring_lib.WarpgroupSlots | None = None
   keys: ring_lib.Ring | None = None      # k, and the staged bias/mask tiles
   values: ring_lib.Ring | None = None
   out_ref: Any = None
   m_ref: Any = None
   l_ref: Any = None
+  # Split tail: the pieces' outputs (slots, tile_q, Dv), m and l (slots, tile_q).
+  piece_refs: tuple[Any, Any, Any] | None = None
   # Each compute warpgroup's staging of its output rows: o, m, l.
   out_smems: tuple[Any, Any, Any] | None = None
 
@@ -263,6 +266,9 @@ class Tile:
   rows: Any                  # its query rows, pl.ds(q_base, block_q)
   k_start: Any               # per query row (None: no ranges)
   k_end: Any
+  # Split tail: the piece slot the tile's rows go to (< 0: the output
+  # itself); None under the other schedules.
+  slot: Any = None
 
 
 # -- the launch ----------------------------------------------------------------
@@ -290,7 +296,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   fresh output cannot show a write past its end, which the TMA unit drops).
   Returns (None, None) then.
   """
-  f = features
+  f = wanted = features
+  if config.schedule == "split-tail":
+    # The pieces' (m, l) weigh them in the merge: the kernel always
+    # returns them (kernel.plan.kernel_problem).
+    f = dataclasses.replace(f, return_residuals=True)
   batch, seq_q, num_heads, head_dim = q.shape
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
@@ -308,7 +318,19 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                      "and none was given")
   pipe = plan_lib.pipeline_plan(problem, config)
   order = schedule_tables = None
-  if config.schedule == "longest-first":
+  if config.schedule == "split-tail":
+    if outputs is not None:
+      raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
+                       "into fresh arrays; run it without outputs")
+    # Every SM takes part, even with fewer tiles than SMs (then every tile
+    # is cut into pieces, as a split-KV launch would): no more SMs than key
+    # blocks, so that none is idle.
+    num_blocks = -(-f.seq_kv // block_kv)
+    order = schedule_lib.split_tail(
+        batch=batch, num_heads=num_heads, num_tiles=num_tiles, num_blocks=num_blocks,
+        num_sms=min(num_sms, batch * num_heads * num_tiles * num_blocks))
+    schedule_tables = (jnp.asarray(order.table()), jnp.asarray(order.counts))
+  elif config.schedule == "longest-first":
     order = tile_schedule(
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
         s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
@@ -340,7 +362,14 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     # as if the copy were bounded by the flattened array, not by T.
     out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),
                                       jnp.float32)] * 2
-  if config.persistent:
+  if config.schedule == "split-tail":
+    slots = max(1, order.num_slots)
+    out_type += [jax.ShapeDtypeStruct((slots, tile_q, head_dim_out), dtype)]
+    out_type += [jax.ShapeDtypeStruct((slots, tile_q), jnp.float32)] * 2
+  if config.schedule == "split-tail":
+    grid = (len(order.counts),)
+    grid_names = ("sm",)
+  elif config.persistent:
     grid = (min(num_sms, batch * num_heads * num_tiles),)
     grid_names = ("sm",)
   elif order is not None:
@@ -362,6 +391,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     launch(out_type=[])(*operands, *outputs)
     return None, None
   results = launch(out_type=out_type)(*operands)
+  if config.schedule == "split-tail":
+    out, m, l, *pieces = results
+    out, m, l = merge_pieces(out, m, l, pieces, order, tile_q=tile_q,
+                             normalized=f.normalize_output)
+    return out, (m, l) if wanted.return_residuals else None
   if f.return_residuals:
     out, m, l = results
     return out, (m, l)
@@ -383,11 +417,52 @@ def _check_guarded_outputs(outputs, out_type):
                        f"axis {axis} at least as long, got {dtype} {shape}")
 
 
+def merge_pieces(out, m, l, pieces, split: schedule_lib.SplitTail, *, tile_q: int,
+                 normalized: bool):
+  """The split tail's tiles from their pieces (kernel/schedule.py): out
+  (B, T, N, Dv) and the natural-log m, l (B, N, Tp) with every split
+  tile's rows written from ``pieces`` = (out, m, l) of the slots.
+
+  Piece p of a row holds o_p (normalised by l_p, or relative to exp(m_p)
+  when not ``normalized``), m_p and l_p over its keys; with M = max_p m_p
+  and w_p = l_p exp(m_p - M), the row's m is M, its l sum_p w_p and its
+  output sum_p w_p o_p / l (not normalised: sum_p exp(m_p - M) o_p).  A row
+  no piece saw a key of (every m_p = -inf, l_p = 0) keeps the fully masked
+  contract: out 0, m -inf, l 0.  A NaN in any piece makes the row NaN."""
+  if split.split.size == 0:
+    return out, m, l
+  f32 = jnp.float32
+  p_out, p_m, p_l = pieces
+  slots = split.piece_slots
+  has = jnp.asarray(slots >= 0)[:, :, None]                      # (tiles, pieces, 1)
+  at = np.maximum(slots, 0)
+  m_p = jnp.where(has, p_m[at], NEG_INF)                         # (tiles, pieces, rows)
+  l_p = jnp.where(has, p_l[at], 0.0)
+  top = jnp.max(m_p, axis=1)                                     # (tiles, rows)
+  ref = jnp.where(top == NEG_INF, 0.0, top)
+  scale = jnp.where(has, jnp.exp(m_p - ref[:, None]), 0.0)
+  weight = l_p * scale
+  total = jnp.sum(weight, axis=1)
+  per_piece = weight if normalized else scale
+  # where, not a product alone: an unused entry reads slot 0, which may hold NaN.
+  merged = jnp.sum(jnp.where(has[..., None], per_piece[..., None] * p_out[at].astype(f32), 0.0),
+                   axis=1)
+  if normalized:
+    merged = merged / (total + float(np.finfo(np.float32).tiny))[..., None]
+  b, h, qi = (np.asarray(x) for x in split.unpack_all())
+  rows = qi[:, None] * tile_q + np.arange(tile_q)                # (tiles, rows)
+  out = out.at[b[:, None], rows, h[:, None]].set(merged.astype(out.dtype), mode="drop")
+  m = m.at[b[:, None], h[:, None], rows].set(top, mode="drop")
+  l = l.at[b[:, None], h[:, None], rows].set(total, mode="drop")
+  return out, m, l
+
+
 def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref,
             tiles_ref, sched_ref, counts_ref, out_ref, *residual_refs):
   """The kernel's entry: allocate the scratch of kernel/plan.py's layout and
   mbarrier plan, build the rings over it, and dispatch the warpgroups."""
-  m_ref, l_ref = residual_refs if residual_refs else (None, None)
+  m_ref, l_ref = residual_refs[:2] if residual_refs else (None, None)
+  piece_refs = tuple(residual_refs[2:]) or None   # split tail: the pieces' out, m, l
   layout = c.layout
   m_buf = layout.m if c.f.return_residuals else None
   out_group = (None if layout.o is None else smem(layout.o),
@@ -403,7 +478,8 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
   staged = lambda buf: None if buf is None else smem(buf)
   refs = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, bias_ref=bias_ref, mask_ref=mask_ref,
               ks_ref=ks_ref, ke_ref=ke_ref, tiles_ref=tiles_ref, sched_ref=sched_ref,
-              counts_ref=counts_ref, out_ref=out_ref, m_ref=m_ref, l_ref=l_ref)
+              counts_ref=counts_ref, out_ref=out_ref, m_ref=m_ref, l_ref=l_ref,
+              piece_refs=piece_refs)
   pl.run_scoped(
       lambda *scoped: _dispatch(c, refs, *scoped),
       (overlay, smem(layout.v), staged(layout.bias), staged(layout.mask)),
@@ -440,16 +516,23 @@ def _dispatch(c: Kernel, refs: dict, smems, mbars):
 
 # -- the tile walk and ring positions, shared by every role ---------------------
 
-def tile_range(c: Kernel, qi, b, h):
+def tile_range(c: Kernel, qi, b, h, piece=None):
   """(lb, ub, k_start_max, k_end_min): the key blocks of query tile qi of
-  (b, h), and the bounds of its key ranges (None without ranges)."""
+  (b, h), and the bounds of its key ranges (None without ranges).  A split
+  tail's ``piece`` (lo, hi, slot) visits only the blocks in [lo, hi)."""
   if c.tiles_ref is None:
-    return kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
-                          seq_kv=c.f.seq_kv, is_causal=c.f.is_causal) + (None, None)
-  start_min, start_max, end_min, end_max = tile_key_bounds(c.tiles_ref, b, h, qi)
-  lb, ub = kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
-                          seq_kv=c.f.seq_kv, is_causal=c.f.is_causal,
-                          k_start_min=start_min, k_end_max=end_max)
+    lb, ub = kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
+                            seq_kv=c.f.seq_kv, is_causal=c.f.is_causal)
+    start_max = end_min = None
+  else:
+    start_min, start_max, end_min, end_max = tile_key_bounds(c.tiles_ref, b, h, qi)
+    lb, ub = kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
+                            seq_kv=c.f.seq_kv, is_causal=c.f.is_causal,
+                            k_start_min=start_min, k_end_max=end_max)
+  if piece is not None:
+    lo, hi, _ = piece
+    lb = lax.max(lb, lo)
+    ub = lax.max(lb, lax.min(ub, hi))
   return lb, ub, start_max, end_min
 
 
@@ -460,13 +543,22 @@ def for_each_tile(c: Kernel, tile_body, init):
   grid point's entry of the schedule's order).  Persistent: the tiles this
   block is dealt, in order (longest-first: its row of the schedule's
   table; round-robin: the whole logical grid dealt in turn, query tiles
-  fastest, so blocks that run together share a head's keys in L2).
+  fastest, so blocks that run together share a head's keys in L2; split
+  tail: its row's entries, each also given its ``piece`` (lo, hi, slot)).
   ``prev_iters`` carries the key blocks every earlier tile of this block
   consumed, so the ring keeps its phase across tiles (a tile may have zero
   key blocks).  Every warpgroup and warp calls this with the same tables,
   so they walk the same tiles.
   """
   order = c.order
+  if isinstance(order, schedule_lib.SplitTail):
+    sm = lax.axis_index("sm")
+
+    def entry(j, carry):
+      row = lambda field: c.sched_ref[sm, field, j]
+      return tile_body(*order.unpack(row(0)), carry, piece=(row(1), row(2), row(3)))
+
+    return lax.fori_loop(0, c.counts_ref[sm], entry, jnp.int32(init))
   if order is not None:
     if not c.config.persistent:
       return tile_body(*order.unpack(c.sched_ref[lax.axis_index("tiles")]), init)
@@ -518,9 +610,9 @@ def memory_warpgroup(c: Kernel):
       for_each_tile(c, functools.partial(prefetch_queries, c), 0)
 
 
-def produce_tile(c: Kernel, b, h, qi, prev_iters):
+def produce_tile(c: Kernel, b, h, qi, prev_iters, piece=None):
   """Warp 0: every key/value TMA of the tile into the ring."""
-  lb, ub, _, _ = tile_range(c, qi, b, h)
+  lb, ub, _, _ = tile_range(c, qi, b, h, piece)
   hk = lax.div(h, jnp.int32(c.group))
   keys, values = c.keys, c.values
 
@@ -546,8 +638,9 @@ def produce_tile(c: Kernel, b, h, qi, prev_iters):
   return prev_iters + (ub - lb)
 
 
-def prefetch_queries(c: Kernel, b, h, qi, step):
-  """Warp 1: the tile's queries, once the previous tile's are consumed."""
+def prefetch_queries(c: Kernel, b, h, qi, step, piece=None):
+  """Warp 1: the tile's queries, once the previous tile's are consumed (a
+  piece's are the whole tile's)."""
   for w in range(c.cw):
     if c.config.persistent:
       c.queries.producer_acquire(w, step > 0)
@@ -592,26 +685,28 @@ def pass_token_for_the_last_time(c: Kernel):
   pl.when(last)(lambda: barriers.schedule_release_other(c.wg, c.cw))
 
 
-def compute_tile(c: Kernel, b, h, qi, prev_iters):
-  """One query tile on this warpgroup: the prologue (its queries and first
-  keys waited for, the first QK), the key loop, the epilogue."""
-  t, acc, m_i, l_i = tile_start(c, b, h, qi, prev_iters)
+def compute_tile(c: Kernel, b, h, qi, prev_iters, piece=None):
+  """One query tile (or a split tail's piece of one) on this warpgroup: the
+  prologue (its queries and first keys waited for, the first QK), the key
+  loop, the epilogue."""
+  t, acc, m_i, l_i = tile_start(c, b, h, qi, prev_iters, piece)
   s0, pending, plain = tile_prologue(c, t, m_i)
   acc, m_i, l_i, pending = key_loop(c, t, s0, acc, m_i, l_i, pending, plain)
   epilogue(c, t, acc, m_i, l_i, pending)
   return prev_iters + (t.ub - t.lb)
 
 
-def tile_start(c: Kernel, b, h, qi, prev_iters):
+def tile_start(c: Kernel, b, h, qi, prev_iters, piece=None):
   """The tile's indices and key ranges, the zeroed softmax state and
   accumulator; then wait for its queries and its first key block."""
-  lb, ub, k_start_max, k_end_min = tile_range(c, qi, b, h)
+  lb, ub, k_start_max, k_end_min = tile_range(c, qi, b, h, piece)
   q_base = (c.cw * qi + c.wg) * c.block_q
   rows = pl.ds(q_base, c.block_q)
   row_values = lambda ref: None if ref is None else load_broadcast(
       ref, (b, h, rows), (c.block_q,), ROW)
   t = Tile(b, h, qi, prev_iters, lb, ub, k_start_max, k_end_min, q_base, rows,
-           k_start=row_values(c.ks_ref), k_end=row_values(c.ke_ref))
+           k_start=row_values(c.ks_ref), k_end=row_values(c.ke_ref),
+           slot=None if piece is None else piece[2])
   m_i = plgpu.layout_cast(jnp.full((c.block_q,), NEG_INF, jnp.float32), ROW)
   l_i = plgpu.layout_cast(jnp.zeros((c.block_q,), jnp.float32), ROW)
   acc = plgpu.layout_cast(jnp.zeros((c.block_q, c.head_dim_out), jnp.float32), WGMMA)
@@ -974,11 +1069,27 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   if f.return_residuals:
     m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
     l_smems.at[wg][...] = l_res
+
+  def into_output():
+    plgpu.copy_smem_to_gmem(o_smem, c.out_ref.at[t.b, t.rows, t.h])
+    if f.return_residuals:
+      plgpu.copy_smem_to_gmem(m_smems.at[wg], c.m_ref.at[t.b, t.h, t.rows])
+      plgpu.copy_smem_to_gmem(l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])
+
+  def into_slot():
+    # A split tail's piece: this warpgroup's rows of its slot.
+    slot, mine = lax.max(t.slot, 0), pl.ds(wg * c.block_q, c.block_q)
+    p_out, p_m, p_l = c.piece_refs
+    plgpu.copy_smem_to_gmem(o_smem, p_out.at[slot, mine])
+    plgpu.copy_smem_to_gmem(m_smems.at[wg], p_m.at[slot, mine])
+    plgpu.copy_smem_to_gmem(l_smems.at[wg], p_l.at[slot, mine])
+
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, c.out_ref.at[t.b, t.rows, t.h])
-  if f.return_residuals:
-    plgpu.copy_smem_to_gmem(m_smems.at[wg], c.m_ref.at[t.b, t.h, t.rows])
-    plgpu.copy_smem_to_gmem(l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])
+  if t.slot is None:
+    into_output()
+  else:
+    pl.when(t.slot < 0)(into_output)
+    pl.when(t.slot >= 0)(into_slot)
   if not c.config.persistent:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   elif layout.overlay_q_with_output:

@@ -61,7 +61,9 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   only when the key length rounds up to at least that; a non-persistent block
   with more stages than key blocks would only hold empty slots, so it is
   skipped.  Under a causal mask, where tiles do unequal work, each config
-  also comes with the longest-first schedule (kernel/schedule.py).  At head
+  also comes with the longest-first schedule (kernel/schedule.py); without
+  one each persistent config also comes with the split tail (its last
+  waves cut evenly over the SMs).  At head
   dims up to 64 the block_q 64, block_kv 128, two-stage configs also come
   with three compute warpgroups (192-row tiles, 160 registers each: the
   only ones ``plan.warpgroups_refusal`` lets run).  Every survivor fits in
@@ -71,7 +73,8 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
                    if b == 64 or _next_pow2(problem.seq_q) > 128)
   block_kvs = tuple(b for b in BLOCK_KV_CANDIDATES
                     if b == 64 or b <= _next_pow2(problem.seq_kv))
-  schedules = ("round-robin", "longest-first") if problem.is_causal else ("round-robin",)
+  schedules = (("round-robin", "longest-first") if problem.is_causal
+               else ("round-robin", "split-tail"))
   configs = []
   for warpgroups in COMPUTE_WARPGROUP_COUNTS:
     for block_q in block_qs:

@@ -189,6 +189,16 @@ class ScratchLayout:
                              self.bias, self.mask) if b is not None)
 
 
+def kernel_problem(problem: Problem, config: Config) -> Problem:
+  """The problem as the kernel runs it: under the split tail its pieces'
+  (m, l) weigh them in the merge (kernel.forward.merge_pieces), so the
+  kernel returns the residuals whether or not the caller asked.  The scratch
+  layout and the shared-memory estimate read this."""
+  if config.schedule == "split-tail" and not problem.return_residuals:
+    return dataclasses.replace(problem, return_residuals=True)
+  return problem
+
+
 def overlays_query_with_output(problem: Problem, config: Config) -> bool:
   """Whether a persistent block stages each warpgroup's output in its query
   slot: only where the query and output tiles have one shape and separate
@@ -199,10 +209,12 @@ def overlays_query_with_output(problem: Problem, config: Config) -> bool:
   drains; here the next tile's query load waits for the output copy."""
   if not config.persistent or problem.head_dim != problem.head_dim_out:
     return False
+  problem = kernel_problem(problem, config)
   return not fits_in_smem(_estimate(_layout(problem, config, overlay_q=False), problem, config))
 
 
 def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
+  problem = kernel_problem(problem, config)
   return _layout(problem, config, overlay_q=overlays_query_with_output(problem, config))
 
 
@@ -239,7 +251,7 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   descriptions the kernel allocates; the CPU tests check it against the
   lowering's own count (never below it, within a stated margin above).
   """
-  return _estimate(scratch_layout(problem, config), problem, config)
+  return _estimate(scratch_layout(problem, config), kernel_problem(problem, config), config)
 
 
 def _estimate(lay: ScratchLayout, problem: Problem, config: Config) -> int:
@@ -308,18 +320,36 @@ def _fields(values: dict) -> str:
   return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
+def schedule_refusal(problem: Problem, config: Config) -> str | None:
+  """Why ``config.schedule`` cannot run ``problem``, or None: the split tail
+  deals a persistent grid of tiles with equal work (no causal mask)."""
+  if config.schedule != "split-tail":
+    return None
+  if not config.persistent:
+    return "split-tail deals tiles to persistent blocks: set persistent=True"
+  if problem.is_causal:
+    return ("split-tail cuts the last waves evenly by key blocks, which a causal mask makes "
+            "unequal: use longest-first")
+  return None
+
+
 def config_fits(problem: Problem, config: Config) -> bool:
-  """Whether the forward can run ``config``: its compute warpgroups can
+  """Whether the forward can run ``config``: its schedule can
+  (:func:`schedule_refusal`), its compute warpgroups can
   (:func:`warpgroups_refusal`) and its scratch fits shared memory.  What
   the heuristics filter by, what the autotune cache's entries are
   re-checked with."""
-  return (warpgroups_refusal(problem, config) is None
+  return (schedule_refusal(problem, config) is None
+          and warpgroups_refusal(problem, config) is None
           and fits_in_smem(estimate_smem_bytes(problem, config)))
 
 
 def check_fits(problem: Problem, config: Config) -> int:
   """:func:`config_fits` as a ValueError naming what does not fit; returns
   the shared-memory estimate."""
+  why = schedule_refusal(problem, config)
+  if why is not None:
+    raise ValueError(f"config.schedule: {why}")
   why = warpgroups_refusal(problem, config)
   if why is not None:
     raise ValueError(f"config.compute_warpgroups: {why}")

@@ -172,6 +172,125 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
                   np.array(weight, np.int64))
 
 
+
+# The split tail (``Config(schedule="split-tail")``, persistent, tiles of
+# equal work).  Dealt round-robin, T tiles on S blocks run in ceil(T / S)
+# waves and the last one is only (T mod S) / S full: at 16k tokens per batch
+# a d128 launch has 2048 tiles of 128 rows, 15.5 waves on the H200's 132
+# SMs, a d256 one 1024 (7.8 waves), so the last wave idles a half or a
+# quarter of the SMs, about 3 % of the launch.  Here whole tiles are dealt
+# round-robin for every wave but the last one or two; the key blocks of the
+# remaining tiles are laid end to end and cut into S runs whose lengths
+# differ by at most one block, and block j runs run j after its whole tiles.
+# A run covers the end of one tile, whole tiles, the start of another: a
+# part of a tile is a *piece*, which computes the tile's rows over its key
+# blocks [lo, hi) only and writes its normalised output and natural-log
+# (m, l) to a slot of its own; kernel.forward.merge_pieces combines a
+# tile's pieces after the kernel (a log-sum-exp weighting).  Keeping two
+# waves for the runs when there are (T >= 2 S) makes every run at least a
+# tile long, so no tile has more than two pieces.  With fewer tiles than
+# SMs every tile is cut (a split-KV launch: a tile has up to
+# ceil(SMs / tiles) + 1 pieces), so every SM takes part.
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTail:
+  """What each persistent block runs under the split tail.
+
+  Block j runs entries ``0 .. counts[j] - 1`` of its row, in order; entry
+  e is tile ``tiles[j, e]`` (packed as in :class:`Schedule`) over its key
+  blocks ``[lo[j, e], hi[j, e])``, written to the output if
+  ``slot[j, e] < 0`` and to piece slot ``slot[j, e]`` otherwise.  Tile
+  ``split[i]`` is the merge of slots ``piece_slots[i, :]`` (-1: none).
+  Unused entries hold -1 (tiles, slot) and 0 (lo, hi)."""
+
+  batch: int
+  num_heads: int
+  num_tiles: int
+  num_blocks: int          # key blocks of every tile (the static bound)
+  tiles: np.ndarray        # (blocks, entries) int32
+  lo: np.ndarray           # (blocks, entries) int32
+  hi: np.ndarray           # (blocks, entries) int32
+  slot: np.ndarray         # (blocks, entries) int32
+  counts: np.ndarray       # (blocks,) int32
+  split: np.ndarray        # (tiles split,) int32 packed tile ids
+  piece_slots: np.ndarray  # (tiles split, max pieces) int32
+
+  unpack = Schedule.unpack
+
+  def unpack_all(self):
+    """(b, h, qi) of every split tile, NumPy arrays."""
+    bh, qi = np.divmod(self.split.astype(np.int64), self.num_tiles)
+    b, h = np.divmod(bh, self.num_heads)
+    return b, h, qi
+
+  @property
+  def total(self) -> int:
+    return self.batch * self.num_heads * self.num_tiles
+
+  @property
+  def num_slots(self) -> int:
+    return int((self.slot >= 0).sum())
+
+  def table(self) -> np.ndarray:
+    """(blocks, 4, entries) int32: tiles, lo, hi, slot, the one table the
+    kernel reads (beside ``counts``)."""
+    return np.stack([self.tiles, self.lo, self.hi, self.slot], axis=1).astype(np.int32)
+
+
+def split_tail(*, batch: int, num_heads: int, num_tiles: int, num_blocks: int,
+               num_sms: int) -> SplitTail:
+  """The split-tail deal of ``batch x num_heads x num_tiles`` tiles of
+  ``num_blocks`` key blocks each to ``num_sms`` persistent blocks (notes
+  above).  Round-robin order is the packed id's, query tiles fastest, as the
+  round-robin schedule walks them."""
+  for name, value in (("batch", batch), ("num_heads", num_heads), ("num_tiles", num_tiles),
+                      ("num_blocks", num_blocks), ("num_sms", num_sms)):
+    if not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  total = batch * num_heads * num_tiles
+  waves, rest = divmod(total, num_sms)
+  whole_waves = waves if rest == 0 else max(0, waves - 1)
+  entries: list[list[tuple[int, int, int, int]]] = [[] for _ in range(num_sms)]
+  for tile in range(whole_waves * num_sms):
+    entries[tile % num_sms].append((tile, 0, num_blocks, -1))
+  first = whole_waves * num_sms
+  tail_blocks = (total - first) * num_blocks
+  pieces: dict[int, list[int]] = {}
+  next_slot = 0
+  for j in range(num_sms):
+    start = j * tail_blocks // num_sms
+    stop = (j + 1) * tail_blocks // num_sms
+    g = start
+    while g < stop:
+      tile, lo = divmod(g, num_blocks)
+      hi = min(num_blocks, lo + (stop - g))
+      if lo == 0 and hi == num_blocks:
+        slot = -1
+      else:
+        slot = next_slot
+        next_slot += 1
+        pieces.setdefault(first + tile, []).append(slot)
+      entries[j].append((first + tile, lo, hi, slot))
+      g += hi - lo
+  counts = np.array([len(e) for e in entries], np.int32)
+  width = max(1, int(counts.max()))
+  tiles = np.full((num_sms, width), -1, np.int32)
+  lo_t = np.zeros((num_sms, width), np.int32)
+  hi_t = np.zeros((num_sms, width), np.int32)
+  slot_t = np.full((num_sms, width), -1, np.int32)
+  for j, row in enumerate(entries):
+    for e, (tile, lo, hi, slot) in enumerate(row):
+      tiles[j, e], lo_t[j, e], hi_t[j, e], slot_t[j, e] = tile, lo, hi, slot
+  split = np.array(sorted(pieces), np.int32)
+  most = max((len(v) for v in pieces.values()), default=1)
+  piece_slots = np.full((len(split), most), -1, np.int32)
+  for i, tile in enumerate(split.tolist()):
+    piece_slots[i, :len(pieces[tile])] = pieces[tile]
+  return SplitTail(batch, num_heads, num_tiles, num_blocks, tiles, lo_t, hi_t, slot_t,
+                   counts, split, piece_slots)
+
+
 # The backward's launch order.  Its two kernels are plain grids, one thread
 # block per tile, and the hardware hands each SM the next block in launch
 # order as one finishes: dealing is dynamic, but the order is ours.  Under

@@ -21,13 +21,17 @@ from kernel.config import Config
     ("64,128,2", Config(64, 128, 2, False), False),
     ("64,128,2,p,lf,det", Config(64, 128, 2, True, "longest-first"), True),
     ("64,128,2,p,w3", Config(64, 128, 2, True, compute_warpgroups=3), False),
+    ("64,128,2,p,st", Config(64, 128, 2, True, "split-tail"), False),
+    ("auto,st", None, False),
+    ("auto,st,det", None, True),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config
   assert bg.is_deterministic(text) is det
 
 
-@pytest.mark.parametrize("text", ["x", "64,128", "64,128,2,q", "auto,p"])
+@pytest.mark.parametrize("text", ["x", "64,128", "64,128,2,q", "auto,p", "64,128,2,p,lf,st",
+                                  "auto,lf"])
 def test_bad_variants_are_refused_by_text(text):
   with pytest.raises(ValueError, match="--variants"):
     bg.parse_variant(text)
@@ -44,3 +48,25 @@ def test_the_deterministic_variant_times_the_fixed_point_backward():
       text = jax.export.export(fns[name], platforms=["cuda"])(q, q, q, q).mlir_module()
     assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 2, name
     assert (accumulator in text) is det, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_auto_st_times_the_chosen_config_with_the_split_tail_where_it_runs(causal):
+  """``auto,st``: the config ``auto`` picks, its schedule the split tail
+  where that runs (persistent, not causal); elsewhere ``auto``'s own."""
+  assert bg.splits_auto("auto,st") and bg.splits_auto("auto,st,det")
+  assert not bg.splits_auto("auto") and not bg.splits_auto("64,128,2,p,st")
+  point = bg.Point(128, 4096, causal)
+  sds = jax.ShapeDtypeStruct
+  q = sds((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
+  with api.lowering_only():
+    auto = api.chosen_config(q, q, q, is_causal=causal)
+    got = bg.split_tail_of(q, q, q, is_causal=causal)
+  if auto.persistent and not causal:
+    assert got == Config(**{**auto.__dict__, "schedule": "split-tail"})
+  else:
+    assert got == auto
+  fns = bg.implementations(point, ["auto,st"], backward=False, example=False)
+  with api.lowering_only():
+    text = jax.export.export(fns["ours auto,st"], platforms=["cuda"])(q, q, q).mlir_module()
+  assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 1

@@ -302,3 +302,16 @@ def test_only_the_mask_selects_count_as_register_only():
     return a
 
   assert extract._has_sync(jax.make_jaxpr(select)(x).jaxpr)
+
+
+def test_the_split_tail_case_probes_blocks_that_end_in_pieces():
+  """The traced split tail has half a wave more than whole waves, so the
+  probed blocks (0 and 1) run whole tiles and then pieces (slot >= 0) over
+  part of their tiles' key blocks: the proof sees pieces, not only tiles."""
+  case = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+  closed, kernel, _ = pe.trace_case(case)
+  table = pe._split_tail_table(pe._const_values(closed, kernel), case)
+  for block in range(pe.PROBED_BLOCKS):
+    slots, lo, hi = table[block, 3], table[block, 1], table[block, 2]
+    assert (slots == -1).any() and (slots >= 0).any(), table[block]
+    assert ((hi - lo)[slots >= 0] < hi.max()).all()

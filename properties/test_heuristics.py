@@ -138,7 +138,8 @@ def _next_pow2(n):
 @hypothesis.given(problems())
 def test_autotuning_candidates_are_the_seeds_enumeration(problem):
   """Exactly the seed's grid, filtered by stage count and the estimate, each
-  once; under causal each also with the longest-first schedule; at head dim
+  once; under causal each also with the longest-first schedule, without it
+  each persistent one also with the split tail; at head dim
   64 the block_q 64, block_kv 128, two-stage ones also with three compute
   warpgroups."""
   configs = heuristics.get_autotuning_configs(problem)
@@ -156,7 +157,9 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
       continue
     if not persistent and stages > -(-problem.seq_kv // bkv):
       continue
-    for schedule in ("round-robin", "longest-first") if problem.is_causal else ("round-robin",):
+    schedules = (("round-robin", "longest-first") if problem.is_causal
+                 else ("round-robin",) + (("split-tail",) if persistent else ()))
+    for schedule in schedules:
       config = Config(bq, bkv, stages, persistent, schedule, compute_warpgroups=cw)
       if _fits(problem, config):
         expected.add(config)

@@ -73,6 +73,12 @@ MUTANTS = (
            "the producer's ring position one ahead of the consumers'",
            (("    st = ring_state(keys, prev_iters, lb, ki)\n",
              "    st = ring_state(keys, prev_iters, lb, ki + 1)\n"),)),
+    Mutant("producer_ignores_the_piece",
+           "under the split tail the memory warpgroup fills a piece's whole tile, "
+           "not only the piece's key blocks",
+           (("  lb, ub, _, _ = tile_range(c, qi, b, h, piece)\n",
+             "  lb, ub, _, _ = tile_range(c, qi, b, h)\n"),),
+           persistent=True),
     Mutant("one_warpgroup_drops_prev_iters",
            "compute warpgroup 1 does not carry prev_iters across tiles",
            (("  return ring_state(c.keys, t.prev_iters, t.lb, ki)\n",
@@ -93,8 +99,8 @@ MUTANTS = (
            persistent=True),
     Mutant("missing_commit_smem_before_store",
            "the output tile stored to shared memory and TMA-stored without commit_smem",
-           (("  plgpu.commit_smem()\n  plgpu.copy_smem_to_gmem(o_smem,",
-             "  pass\n  plgpu.copy_smem_to_gmem(o_smem,"),)),
+           (("  plgpu.commit_smem()\n  if t.slot is None:",
+             "  pass\n  if t.slot is None:"),)),
     # kernel/forward.py before 0b8ad79: deadlocks only after two tiles
     # without key blocks in a row (trip counts 0, 0, 0), which no check of
     # two tiles could show.

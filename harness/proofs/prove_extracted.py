@@ -269,6 +269,10 @@ def trace_case(case: ForwardCase, *, module=None):
   # effective stages = min(config, key blocks): fewer stages means that few keys
   kv_blocks = _kv_blocks(ring) if config_stages == case.num_stages else case.num_stages
   num_tiles = PROBE_SMS * probe_tiles(ring) if case.persistent else _probe_trips(ring) + 1
+  if case.schedule == "split-tail":
+    # Half a wave more: the last one and a half waves are cut into pieces,
+    # so every probed block ends its tiles with pieces (SplitTail).
+    num_tiles += PROBE_SMS // 2
   seq_q = num_tiles * case.tile_q
   features = module.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
@@ -291,6 +295,18 @@ def trace_case(case: ForwardCase, *, module=None):
   return closed, kernel, features
 
 
+def _split_tail_table(consts: dict, case: ForwardCase):
+  """The split tail's entry table (blocks, 4, entries) among the traced
+  constants (kernel.schedule.SplitTail.table), or None for other schedules."""
+  if case.schedule != "split-tail":
+    return None
+  found = [v for v in consts.values() if v.ndim == 3 and v.shape[1] == 4]
+  if len(found) != 1:
+    raise ex.ExtractionError(f"expected the split tail's entry table among the kernel's "
+                             f"constant operands, found {len(found)}")
+  return found[0]
+
+
 def probe_tiles(ring: rp.Ring) -> int:
   """Tiles each probed persistent block walks in the first round."""
   return ring.classes + 2
@@ -308,6 +324,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
   num_tiles = features.seq_q // case.tile_q
   tables = _range_tables(kernel, consts, num_tiles)
   consts.update(_reranked_order(kernel, consts, case, num_tiles))
+  split = _split_tail_table(consts, case)
   bkv = case.block_kv
 
   def actual(qi, lb, n):
@@ -318,6 +335,15 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
                                    is_causal=case.causal, k_start_min=lb * bkv,
                                    k_end_max=(lb + n) * bkv)
     return lo, hi - lo
+
+  def cut(sm, entry, lo, n):
+    """A split tail's piece visits its tile's blocks inside [lo, hi) of its
+    entry only, by the kernel's rule (kernel.forward.tile_range)."""
+    if split is None:
+      return lo, n
+    p_lo, p_hi = int(split[sm, 1, entry]), int(split[sm, 2, entry])
+    first = max(lo, p_lo)
+    return first, max(first, min(lo + n, p_hi)) - first
 
   # A config with more stages than key blocks runs with as many stages as
   # blocks: its problems have no more key blocks than that.
@@ -337,7 +363,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
       launch = ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": num_tiles - 1},
                                  name="forward block")
     trips = []
-    for qi in env.order:
+    for entry, qi in enumerate(env.order):
       lb, n = env.ranges[qi]
       lo, m = actual(qi, lb, n)
       if few and m < n:
@@ -345,7 +371,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
       if (lo, m) != (lb, n):
         raise ex.ExtractionError(f"tile {qi}: asked for key blocks [{lb}, {lb + n}), the "
                                  f"kernel visits [{lo}, {lo + m})")
-      trips.append(n)
+      trips.append(cut(sm, entry, lo, m)[1])
     learner.observe(launch, trips, where=("block " + str(sm) + ", tiles" if case.persistent
                                           else "one tile") + f" of {trips} key blocks")
 
@@ -642,8 +668,17 @@ def _learn(kind, case, mutant):
     else:
       # the deepest ring of the case's launches (the probes name no launch)
       stages, persistent = max(backward_stages(case, module=backward)), False
-    concrete = [rp.concrete(case.describe(), stages, p, persistent=persistent)
-                for p in err.probes]
+    concrete, why = [], str(err)
+    for p in err.probes:
+      try:
+        concrete.append(rp.concrete(case.describe(), stages, p, persistent=persistent))
+      except rp.PremiseError as inner:
+        # Not even one probe's launch is a program: its roles disagree on
+        # the trip counts themselves (a producer filling blocks no consumer
+        # takes).  That is the failure, with no trace to check.
+        why = str(inner)
+    if not concrete:
+      return [(case.describe(), None)], why, time.perf_counter() - start
     return [(c.name, c) for c in concrete], str(err), time.perf_counter() - start
 
 
@@ -850,6 +885,10 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
   results = []
   for (kind, case), (progs, premise, seconds) in zip(work, learned):
     for i, (name, prog) in enumerate(progs):
+      if prog is None:   # the premise failed with no program to check (_learn)
+        results.append(Result(name, [case.describe() if kind == "forward" else name],
+                              configs.get(id(case), 0), seconds=seconds, premise=premise))
+        continue
       key = prog.shape()
       if premise is None and key in distinct:
         r = distinct[key][1]

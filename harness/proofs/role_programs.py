@@ -306,6 +306,7 @@ class Learner:
     self.conflicts: list = []
     self.pre: dict = {}      # role -> (events, where)
     self.deltas: dict = {}   # role -> {(n, iterations)}
+    self.loop_src: dict = {}  # role -> the source line of its key loop's first event
     self.threads: dict = {}
     self.barriers: dict = {}
     self.overlaps: dict = {}
@@ -345,6 +346,8 @@ class Learner:
         self._one(role, "head", {"cls": self.ring.cls(g), "later": t >= 1,
                                  "n": min(n, N_CAP), **at}, head, tag)
         for j, it in enumerate(iters):
+          if it:
+            self.loop_src.setdefault(role, it[0].src)
           self._one(role, "iter", {"cls": self.ring.cls(g + j),
                                    "ahead": min(n - j, AHEAD_CAP)}, it, f"{tag}, iteration {j}")
         self._one(role, "tail", {"cls": self.ring.cls(g + n), "n": min(n, N_CAP), **at},
@@ -495,8 +498,10 @@ class Learner:
       else:
         ds = {n - m for n, m in pairs if m > 0}
         if len(ds) != 1 or any(m != max(0, n - next(iter(ds))) for n, m in pairs):
+          loop = self.loop_src.get(role)
           raise PremiseError(f"{self.name}: {role} iterates not max(0, n - d) times per tile "
-                             f"for one d: (trip count, iterations) seen {sorted(pairs)}")
+                             f"for one d: (trip count, iterations) seen {sorted(pairs)}"
+                             + (f"; its loop's first event is at {loop}" if loop else ""))
         delta = ds.pop()
       tables = {k: self._table(role, k) for k in KINDS}
       position = {"cls", "slot", "warm", "mod"}

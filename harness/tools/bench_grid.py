@@ -92,25 +92,47 @@ def grid_points(*, backward: bool, ragged: bool = True, gqa: int = 1,
 
 
 def parse_variant(text: str):
-  """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr][,w3]``:
-  p persistent, lf / rr the longest-first / round-robin schedule, w3 three
-  compute warpgroups.  A
-  trailing ``,det`` (``auto,det``) asks for ``deterministic=True``; see
-  :func:`is_deterministic`."""
+  """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]``:
+  p persistent, lf / rr / st the longest-first / round-robin / split-tail
+  schedule, w3 three compute warpgroups.  A trailing ``,det`` (``auto,det``)
+  asks for ``deterministic=True`` (:func:`is_deterministic`); ``auto,st``
+  times the config ``auto`` picks with the split-tail schedule wherever
+  that can run it (:func:`split_tail_of`), else as ``auto``."""
   from kernel.config import Config
   fields = [f for f in text.split(",") if f != "det"]
-  if fields == ["auto"]:
+  if fields in (["auto"], ["auto", "st"]):
     return None
   if len(fields) < 3:
     raise ValueError(f"--variants: expected auto or block_q,block_kv,num_stages[,flags], "
                      f"got {text!r}")
   bq, bkv, st, *flags = fields
-  unknown = set(flags) - {"p", "lf", "rr", "w3"}
+  unknown = set(flags) - {"p", "lf", "rr", "st", "w3"}
   if unknown:
     raise ValueError(f"--variants: unknown flag(s) {sorted(unknown)} in {text!r}")
+  schedules = [name for flag, name in (("lf", "longest-first"), ("rr", "round-robin"),
+                                       ("st", "split-tail")) if flag in flags]
+  if len(schedules) > 1:
+    raise ValueError(f"--variants: more than one schedule ({', '.join(schedules)}) in {text!r}")
   return Config(int(bq), int(bkv), int(st), persistent="p" in flags,
-                schedule="longest-first" if "lf" in flags else "round-robin",
+                schedule=schedules[0] if schedules else "round-robin",
                 compute_warpgroups=3 if "w3" in flags else 2)
+
+
+def splits_auto(text: str) -> bool:
+  """Whether ``text`` is ``auto,st`` (with or without ``det``)."""
+  return [f for f in text.split(",") if f != "det"] == ["auto", "st"]
+
+
+def split_tail_of(q, k, v, *, is_causal: bool):
+  """The config ``config=None`` picks for these arrays (or tracers), with the
+  split-tail schedule where it can run it (persistent, not causal), else as
+  picked."""
+  import dataclasses
+  from kernel import api, plan
+  config = api.chosen_config(q, k, v, is_causal=is_causal)
+  split = dataclasses.replace(config, schedule="split-tail")
+  problem = api.resolved_problem(q, k, v, is_causal=is_causal)
+  return split if plan.config_fits(problem, split) else config
 
 
 def is_deterministic(text: str) -> bool:
@@ -151,13 +173,17 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
+  def ours(q, k, v, config, det, split):
+    if split:   # decided at trace time, from the shapes the call sees
+      config = split_tail_of(q, k, v, is_causal=point.causal)
+    return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
+                                     deterministic=det)
+
   fns = {}
   for text in variants:
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
-        lambda q, k, v, config, det: api.dot_product_attention(
-            q, k, v, is_causal=point.causal, config=config, deterministic=det),
-        config=config, det=det)))
+        ours, config=config, det=det, split=splits_auto(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

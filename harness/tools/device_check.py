@@ -55,6 +55,18 @@ def fixed_cases():
       ("negative-scale", dict(seq_q=256, seq_kv=1024, head_dim=64, scale=-0.2), None),
       ("negative-scale-threshold-0.5", dict(seq_q=256, seq_kv=1024, head_dim=64, scale=-0.2,
                                             rescale_threshold=0.5), None),
+      # The split tail (kernel/schedule.py): 288 tiles on 132 SMs, one wave
+      # whole and the rest cut into pieces; fewer tiles than SMs, every tile
+      # cut (three compute warpgroups; head dim 256, whose output is staged
+      # in the query slot, unnormalised under a threshold).
+      ("split-tail-d128-gqa", dict(seq_q=2200, seq_kv=2200, heads=16, kv_heads=4, head_dim=128),
+       Config(64, 128, 2, True, "split-tail")),
+      ("split-tail-d64-three-warpgroups", dict(batch=2, seq_q=1000, seq_kv=1000, heads=6,
+                                               kv_heads=2, head_dim=64),
+       Config(64, 128, 2, True, "split-tail", 3)),
+      ("split-tail-d256-threshold-0.5-unnormalised",
+       dict(seq_q=700, seq_kv=900, heads=4, kv_heads=4, head_dim=256, rescale_threshold=0.5,
+            normalize_output=False), Config(64, 64, 2, True, "split-tail")),
   ]
   return rng_cases
 
@@ -85,6 +97,11 @@ def extra_cases(rng):
   c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
   c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
   out.append(("key-ranges-with-empty", c, None))
+  from kernel.config import Config
+  c = random_case(rng, **base)
+  c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
+  c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
+  out.append(("split-tail-key-ranges-with-empty", c, Config(64, 64, 2, True, "split-tail")))
   c = random_case(rng, **base, is_causal=True)
   c.k_end = np.array([200], np.int32)
   c.bias = rng.standard_normal((b, n, t, s)).astype(c.query.dtype)
@@ -102,7 +119,9 @@ def _variant(cfg, variant: str, case):
     return cfg
   if cfg is None:
     cfg = heuristics.get_heuristics_config(problem_of(case))
-  return dataclasses.replace(cfg, persistent=(variant == "persistent"))
+  persistent = variant == "persistent"
+  schedule = cfg.schedule if persistent or cfg.schedule != "split-tail" else "round-robin"
+  return dataclasses.replace(cfg, persistent=persistent, schedule=schedule)
 
 
 def problem_of(case):

@@ -54,6 +54,15 @@ def cases() -> dict[str, dict]:
     c[f"d128-{p}-longest-first-causal"] = (d128, dict(config=lf, is_causal=True), {}, False)
     c[f"d128-{p}-longest-first-window"] = (
         d128, dict(config=lf, local_window_size=(100, 20), return_residuals=True), {}, False)
+  # The split tail: with fewer tiles than SMs every tile is cut into pieces,
+  # merged after the kernel (with key ranges, unnormalised; and under the
+  # gradient, whose residuals are the merged ones).
+  st = Config(64, 128, 2, True, "split-tail")
+  c["d128-p-split-tail"] = (d128, dict(config=st), {}, False)
+  c["d128-p-split-tail-ranges-unnormalised"] = (
+      d128, dict(config=st, normalize_output=False, return_residuals=True),
+      dict(k_range_shape=(2, 4, 300)), False)
+  c["d128-grad-split-tail"] = (d128, dict(config=st), {}, True)
   c["d128-np-3stages-unstaged-2d"] = (
       d128, dict(config=Config(64, 128, 3, False), stage_2d=False),
       dict(bias_shape=(2, 4, 300, 500), mask_shape=(2, 4, 300, 500)), False)

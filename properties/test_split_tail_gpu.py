@@ -1,0 +1,84 @@
+"""The split tail on the GPU (marker ``gpu``; skipped, visibly, elsewhere).
+
+Drawn shapes are small, so their tiles are fewer than the SMs and every
+tile is cut into pieces (the split-KV end of the schedule); the named
+cases of ``harness.tools.device_check`` (``split-tail-*``) add a launch
+with whole waves before its pieces.  Forward against float64, gradients
+through the merged residuals against float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, note, settings
+
+from harness.numerics import strategies as hs
+from harness.numerics.conformance import (ForwardCase, check_forward, gradient_reports,
+                                          poison_device_memory, run_kernel)
+from kernel import api, experiments, heuristics
+
+pytestmark = pytest.mark.gpu
+
+cases = hs.attention_cases(max_batch=2, max_seq=900, max_head_dim=256, max_kv_heads=2,
+                           big=True, max_logits=None)
+
+
+def _split_tail_config(case):
+  """The first split-tail config the autotuner may time for ``case``, or
+  None (causal, or none fits)."""
+  problem = api.resolved_problem(
+      jnp.asarray(case.query), jnp.asarray(case.key), jnp.asarray(case.value),
+      None if case.bias is None else jnp.asarray(case.bias),
+      None if case.mask is None else jnp.asarray(case.mask), is_causal=case.spec.is_causal)
+  return next((c for c in heuristics.get_autotuning_configs(problem)
+               if c.schedule == "split-tail"), None)
+
+
+@given(case=cases)
+@settings(max_examples=20)
+def test_split_tail_forward_matches_float64(case):
+  config = _split_tail_config(case)
+  assume(config is not None and not case.variant_kwargs)
+  note(f"{case.describe()} config={config}")
+  fc = ForwardCase(query=case.query, key=case.key, value=case.value, bias=case.bias,
+                   mask=case.mask, scale=case.spec.scale, is_causal=case.spec.is_causal,
+                   k_start=case.k_start, k_end=case.k_end,
+                   logits_soft_cap=case.spec.logits_soft_cap)
+  poison_device_memory(4 * fc.query.nbytes)
+  report = check_forward(fc, *run_kernel(fc, config=config))
+  note(report.summary())
+  assert report.passed, report.summary()
+
+
+@given(case=cases)
+@settings(max_examples=12)
+def test_gradients_through_the_split_tail_match_float64(case):
+  """The backward reads the merged (m, l): dq, dk, dv (dbias) within the
+  tolerance rule of float64."""
+  config = _split_tail_config(case)
+  assume(config is not None and not case.variant_kwargs)
+  note(f"{case.describe()} config={config}")
+  kw = case.kwargs
+  j = lambda x: None if x is None else jnp.asarray(x)
+  d_out = jnp.asarray(case.d_out, jnp.float32)
+
+  def loss(q, k, v, bias):
+    out = experiments.dot_product_attention(
+        q, k, v, bias, j(case.mask), scale=kw["scale"], is_causal=kw["is_causal"],
+        k_start=j(case.k_start), k_end=j(case.k_end), logits_soft_cap=kw["logits_soft_cap"],
+        config=config)
+    return jnp.sum(out.astype(jnp.float32) * d_out)
+
+  argnums = (0, 1, 2, 3) if case.bias is not None else (0, 1, 2)
+  grads = jax.grad(loss, argnums=argnums)(j(case.query), j(case.key), j(case.value),
+                                          j(case.bias))
+  grads = [np.asarray(g.astype(jnp.float32), np.float64) for g in grads]
+  for r in gradient_reports(case, grads + [None] * (4 - len(grads))):
+    note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
+    assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
+

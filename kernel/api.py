@@ -258,18 +258,21 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
                key_value_seq_lengths, local_window_size, implementation, return_residual,
                q_segment_ids, kv_segment_ids, segment_layout, k_start, k_end,
                logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
-               config, deterministic, backward, reproducible_backward, stage_2d: bool):
+               config, deterministic, backward, reproducible_backward, stage_2d: bool,
+               segment_bounds: str = "searched"):
   """dot_product_attention with the variants kept for measurement and tests
   (kernel/experiments.py): ``backward`` the custom_vjp's backward,
   ``reproducible_backward`` the one ``deterministic=True`` takes instead
   (None: ``backward`` itself), ``stage_2d`` False reads 2-D bias and mask
-  from global memory."""
+  from global memory, ``segment_bounds`` how segments' key ranges are found
+  (kernel.variants.SEGMENT_BOUNDS)."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       segment_layout=segment_layout, implementation=implementation,
-      return_residual=return_residual, return_residuals=return_residuals)
+      return_residual=return_residual, return_residuals=return_residuals,
+      segment_bounds_method=segment_bounds)
   mask, k_start, k_end = routed.mask, routed.k_start, routed.k_end
   return_residuals = routed.kernel_residuals
   shapes = validate_attention_args(

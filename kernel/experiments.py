@@ -12,6 +12,11 @@ The harness and the benchmark reach the others through this module:
   All read the same residuals.
 * ``stage_2d``: False reads a 2-D bias or mask from global memory instead of
   staging it through the ring (the A/B of the staging; the same bits).
+* ``segment_bounds``: how packed segments' key ranges are found
+  (kernel/variants.py's :data:`~kernel.variants.SEGMENT_BOUNDS`: "searched",
+  the shipped sort and binary searches, or "runs", sort-free where the
+  queries' ids are the keys' own array and every id is one run; the same
+  ranges).
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ REPRODUCIBLE = {
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
-                          stage_2d=True, **kwargs):
+                          stage_2d=True, segment_bounds="searched", **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
-  (a :data:`BACKWARDS` name) and ``stage_2d``; every other argument as
-  there, with its default."""
+  (a :data:`BACKWARDS` name), ``stage_2d`` and ``segment_bounds``; every
+  other argument as there, with its default."""
   import inspect
   if backward not in BACKWARDS:
     raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
@@ -58,7 +63,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
   return api._attention(query, key, value, bias, mask, **{
       k: v for k, v in args.items() if k not in ("bias", "mask")},
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
-      stage_2d=stage_2d)
+      stage_2d=stage_2d, segment_bounds=segment_bounds)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

@@ -290,6 +290,64 @@ def test_segments_are_contiguous_says_whether_each_id_is_one_run(data, B, S, con
   assert list(np.asarray(variants.segments_are_contiguous(kv_ids))) == want
 
 
+@st.composite
+def _packed_ids(draw, B: int, S: int):
+  """Key ids of packed documents, per row: rising runs (the test of
+  variants.runs_are_ids passes), with a trailing padding run of an id none
+  before it has (passes), of an id an earlier run has (fails), or ids that
+  fall somewhere (fails), or any small ints (either)."""
+  rows = []
+  for _ in range(B):
+    kind = draw(st.sampled_from(["rising", "padded", "reused", "falling", "any"]))
+    if kind == "any":
+      rows.append(draw(st.lists(st.integers(-2, 3), min_size=S, max_size=S)))
+      continue
+    cuts = sorted(draw(st.sets(st.integers(1, S - 1), max_size=6))) if S > 1 else []
+    lengths = np.diff([0, *cuts, S]).tolist()
+    ids = np.cumsum([draw(st.integers(1, 3)) for _ in lengths]).tolist()
+    if kind == "padded":
+      ids[-1] = draw(st.sampled_from([0, -1, ids[-1] + 7]))
+    elif kind == "reused" and len(ids) > 1:
+      ids[-1] = ids[0]
+    elif kind == "falling" and len(ids) > 2:
+      ids[1], ids[2] = ids[2], ids[1]
+    rows.append([i for i, n in zip(ids, lengths) for _ in range(n)])
+  return np.array(rows, np.int32)
+
+
+# Jitted, one compile per shape (a few shapes drawn): eagerly, each example
+# dispatched every small op anew (72 s for 200 examples).
+_bounds = jax.jit(variants.segment_bounds, static_argnums=2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), B=st.integers(1, 2), S=st.sampled_from([1, 2, 5, 16, 37, 60]))
+def test_the_sort_free_bounds_are_the_searched_ones(data, B, S):
+  """segment_bounds(..., "runs") gives the searched arrays exactly (start,
+  end and whether the id is one run), whichever branch its test takes; and
+  the test never takes the sort-free branch where an id has two runs."""
+  kv = data.draw(_packed_ids(B, S), label="kv_ids")
+  q = kv.copy() if data.draw(st.booleans(), label="q equal") else data.draw(
+      _packed_ids(B, S), label="q_ids")
+  want = _bounds(q, kv, "searched")
+  got = _bounds(q, kv, "runs")
+  for name, w, g in zip(("start", "end", "single_run"), want, got):
+    assert np.array_equal(np.asarray(w), np.asarray(g)), name
+  if bool(variants.runs_are_ids(kv)):
+    assert np.asarray(variants.segments_are_contiguous(kv)).all()
+
+
+def test_the_run_test_refuses_a_trailing_run_of_an_earlier_id():
+  """Ids 1 1 2 1: rising up to the last run, whose id the first run has.
+  Served by its run alone, the last row would see keys 3..4, not 0..4 with
+  a hole (which poisons it): the test must send it to the search."""
+  kv = np.array([[1, 1, 2, 1]], np.int32)
+  assert not bool(variants.runs_are_ids(kv))
+  assert bool(variants.runs_are_ids(np.array([[1, 1, 2, 0]], np.int32)))
+  start, end, single = (np.asarray(x) for x in variants.segment_bounds(kv, kv, "runs"))
+  assert start[0, 3] == 0 and end[0, 3] == 4 and not single[0, 3]
+
+
 # ---------------------------------------------------------------------------
 # Malformed calls.
 

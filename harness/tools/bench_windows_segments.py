@@ -25,6 +25,10 @@ warm-up excluded, medians of interleaved trials), ``config=None``:
 * ``ours, any layout`` (packed): ``segment_layout="any"``, the fallback for
   ids in no order: the dense equality mask built in the call, plus the hull
   of each row's keys as its key range;
+* ``ours, sort-free bounds`` (packed): ``ours`` with the documents' key
+  ranges found without a sort (kernel/experiments.py's
+  ``segment_bounds="runs"``: the queries' ids are the keys', every id one
+  run), the candidate to replace the shipped search;
 * ``ours, no window`` (window): the same shape without the window, a
   different problem, timed for the block-skipping ratio of issue 20;
 * ``cudnn (jax.nn)``: ``jax.nn.dot_product_attention(implementation=
@@ -66,9 +70,10 @@ OURS = "ours"
 NO_WINDOW = "ours, no window"
 DENSE_MASK = "ours, dense mask"
 ANY_LAYOUT = "ours, any layout"
+SORT_FREE = "ours, sort-free bounds"
 CUDNN = "cudnn (jax.nn)"
 CUDNN_PACKED = "cudnn packed (jax._src)"
-ROUTES = (OURS, NO_WINDOW, DENSE_MASK, ANY_LAYOUT, CUDNN, CUDNN_PACKED)
+ROUTES = (OURS, SORT_FREE, NO_WINDOW, DENSE_MASK, ANY_LAYOUT, CUDNN, CUDNN_PACKED)
 
 # Why jax.nn (0.11.2) cannot hand packed segments to cuDNN.
 NO_SEGMENTS_IN_JAX_NN = ("jax.nn.dot_product_attention has no segment ids; its "
@@ -210,7 +215,7 @@ def route_functions(problem: Problem) -> tuple[dict, dict]:
   """({route: f(q, k, v, aux) -> out}, {route: why it is not timed}) for
   ``problem``."""
   import jax
-  from kernel import api
+  from kernel import api, experiments
   c, w = problem.causal, problem.window
   fns, unavailable = {}, {}
   if problem.kind == "window":
@@ -227,6 +232,9 @@ def route_functions(problem: Problem) -> tuple[dict, dict]:
     fns[ANY_LAYOUT] = lambda q, k, v, aux: api.dot_product_attention(
         q, k, v, is_causal=c, q_segment_ids=aux["ids"], kv_segment_ids=aux["ids"],
         segment_layout="any")
+    fns[SORT_FREE] = lambda q, k, v, aux: experiments.dot_product_attention(
+        q, k, v, is_causal=c, q_segment_ids=aux["ids"], kv_segment_ids=aux["ids"],
+        segment_bounds="runs")
   refusal = jax_nn_cudnn_refusal(problem)
   if refusal is None:
     fns[CUDNN] = lambda q, k, v, aux: jax.nn.dot_product_attention(

@@ -344,8 +344,9 @@ def main(argv=None) -> int:
                     help="time the grid: head dims x seq x causal, ours beside cuDNN and JAX's "
                          "example kernel; with --backward also forward + backward")
   grid.add_argument("--variants", default="auto",
-                    help="semicolon-separated configs of ours: auto, or "
-                         "block_q,block_kv,num_stages[,p][,lf|rr]; a trailing ,det "
+                    help="semicolon-separated configs of ours: auto, auto,st (auto's "
+                         "config with the split-tail schedule where it runs), or "
+                         "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")

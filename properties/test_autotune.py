@@ -561,3 +561,39 @@ def test_every_shipped_entry_is_read_by_config_none():
     for sig, entry in entries.items():
       assert tuner.timed_candidates(entry), (device, sig)
       Config(**entry["config"])
+
+
+def test_split_tail_twins_time_the_pick_beside_its_split_tail(tmp_path):
+  """``--split-tail-twins``: per non-causal signature, the config
+  config=None runs (the cache's entry, else the nearest or the heuristic)
+  and the same with the persistent split tail; causal signatures keep
+  their entry untouched; a run records the faster of the two."""
+  cache = tmp_path / "cache.json"
+  jobs = [j for j in tuner.coverage_jobs() if j.head_dim == 128 and j.dtype == "bfloat16"
+          and j.seq in (4096, 16384)]
+  full = next(j for j in jobs if not j.causal and j.seq == 4096)
+  entry_config = Config(64, 128, 2, persistent=False)
+  tuner.record(full.problem(), DEVICE, entry_config, {str(entry_config): 1.0}, path=cache)
+  planned = {p.job: p for p in tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE,
+                                                resume=True, twins=True)}
+  assert planned[full].candidates == (entry_config,
+                                      Config(64, 128, 2, True, "split-tail"))
+  assert planned[full].tunes
+  for job in jobs:
+    if job.causal:
+      assert planned[job].status == "cached" and planned[job].candidates == ()
+    else:
+      pick, twin = planned[job].candidates
+      assert twin == dataclasses.replace(pick, persistent=True, schedule="split-tail")
+      assert plan.config_fits(job.problem(), twin)
+
+  def make_run(job):
+    return lambda config: 0.5 if config.schedule == "split-tail" else 1.0
+  tuner.run_plan(list(planned.values()), DEVICE, make_run, cache_path=cache,
+                 clock=_Clock(), out=lambda line: None)
+  data = autotune.load_cache(cache)[DEVICE]
+  assert Config(**data[full.signature()]["config"]).schedule == "split-tail"
+  assert all(j.signature() not in data for j in jobs if j.causal)
+  again = tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=True, twins=True)
+  # The split tail won everywhere: the picks are their own twins, kept.
+  assert {p.status for p in again} == {"cached"}

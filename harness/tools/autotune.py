@@ -222,22 +222,45 @@ def candidates_for(problem: plan.Problem, restricted=None) -> tuple[Config, ...]
   return tuple(out)
 
 
+def split_tail_twins(problem: plan.Problem, entry: dict | None,
+                     device_kind: str) -> tuple[Config, ...]:
+  """``--split-tail-twins``: the config ``config=None`` runs for ``problem``
+  (the cache entry's, else kernel.autotune.choice's nearest entry or
+  heuristic) and its persistent split-tail twin, or () where the twin
+  cannot run (causal) or does not fit.  Timing the two decides whether the
+  split tail replaces the pick, at two candidates a signature."""
+  pick = (Config(**entry["config"]) if entry is not None
+          else autotune.choice(problem, device_kind)[0])
+  twin = dataclasses.replace(pick, persistent=True, schedule="split-tail")
+  if twin == pick or not plan.config_fits(problem, twin):
+    return ()
+  return (pick, twin)
+
+
 def plan_jobs(jobs: list[Job], cache: dict, device_kind: str, *, resume: bool,
-              restricted=None, keep_cached: bool = False) -> list[Planned]:
+              restricted=None, keep_cached: bool = False,
+              twins: bool = False) -> list[Planned]:
   """What to do with each job.  ``keep_cached`` (``--keep-cached``): a
   signature the cache holds is kept whatever candidates it was tuned over
-  (a run over a short list then fills only what is missing)."""
+  (a run over a short list then fills only what is missing).  ``twins``
+  (``--split-tail-twins``): each job times :func:`split_tail_twins` alone;
+  one without a twin is left as it is."""
   entries = cache.get(device_kind, {})
   first: dict[str, Job] = {}
   out = []
   for job in jobs:
     sig = job.signature()
-    candidates = candidates_for(job.problem(), restricted)
+    entry = entries.get(sig)
+    candidates = (split_tail_twins(job.problem(), entry, device_kind) if twins
+                  else candidates_for(job.problem(), restricted))
     if sig in first:
       out.append(Planned(job, sig, candidates, "same", first[sig]))
       continue
     first[sig] = job
-    entry = entries.get(sig)
+    if twins and not candidates:
+      out.append(Planned(job, sig, candidates, "cached",
+                         note="no split-tail twin (causal, or it does not fit): kept"))
+      continue
     if entry is None:
       status, note = "tune", ""
     elif not resume:
@@ -451,6 +474,9 @@ def parser() -> argparse.ArgumentParser:
                  help="';'-separated configs as bench --grid --variants spells them "
                       "(e.g. '64,128,2,p,lf;64,64,2,lf'); those that fit are timed "
                       "beside the heuristic's pick. Default: every autotuning candidate")
+  p.add_argument("--split-tail-twins", action="store_true",
+                 help="time only the config config=None runs and its split-tail twin, per "
+                      "signature (jobs without a twin are kept as they are)")
   return p
 
 
@@ -468,6 +494,9 @@ def main(argv=None) -> int:
   else:
     raise SystemExit("autotune: needs an sm90 GPU (--dry-run does not)")
   restricted = None
+  if args.candidates and args.split_tail_twins:
+    raise SystemExit("autotune: --candidates and --split-tail-twins each choose the "
+                     "candidates; give one")
   if args.candidates:
     from harness.tools.bench_grid import parse_variant
     restricted = [parse_variant(t.strip()) for t in args.candidates.split(";") if t.strip()]
@@ -480,7 +509,7 @@ def main(argv=None) -> int:
   cache_path = Path(args.cache)
   planned = plan_jobs(_jobs(args), autotune.load_cache(cache_path), device_kind,
                       resume=resume, restricted=restricted,
-                      keep_cached=args.keep_cached)
+                      keep_cached=args.keep_cached, twins=args.split_tail_twins)
   if args.dry_run:
     describe(planned, device_kind, cache_path)
     return 0

@@ -1070,19 +1070,23 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
     m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
     l_smems.at[wg][...] = l_res
 
-  def into_output():
-    plgpu.copy_smem_to_gmem(o_smem, c.out_ref.at[t.b, t.rows, t.h])
+  def store(out_at, m_at, l_at):
+    # One place issues the stores, wherever they go: the proof reads the
+    # same events (by source line) from a tile's stores and a piece's.
+    plgpu.copy_smem_to_gmem(o_smem, out_at())
     if f.return_residuals:
-      plgpu.copy_smem_to_gmem(m_smems.at[wg], c.m_ref.at[t.b, t.h, t.rows])
-      plgpu.copy_smem_to_gmem(l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])
+      plgpu.copy_smem_to_gmem(m_smems.at[wg], m_at())
+      plgpu.copy_smem_to_gmem(l_smems.at[wg], l_at())
+
+  def into_output():
+    store(lambda: c.out_ref.at[t.b, t.rows, t.h], lambda: c.m_ref.at[t.b, t.h, t.rows],
+          lambda: c.l_ref.at[t.b, t.h, t.rows])
 
   def into_slot():
     # A split tail's piece: this warpgroup's rows of its slot.
     slot, mine = lax.max(t.slot, 0), pl.ds(wg * c.block_q, c.block_q)
     p_out, p_m, p_l = c.piece_refs
-    plgpu.copy_smem_to_gmem(o_smem, p_out.at[slot, mine])
-    plgpu.copy_smem_to_gmem(m_smems.at[wg], p_m.at[slot, mine])
-    plgpu.copy_smem_to_gmem(l_smems.at[wg], p_l.at[slot, mine])
+    store(lambda: p_out.at[slot, mine], lambda: p_m.at[slot, mine], lambda: p_l.at[slot, mine])
 
   plgpu.commit_smem()
   if t.slot is None:

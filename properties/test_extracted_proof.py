@@ -315,3 +315,13 @@ def test_the_split_tail_case_probes_blocks_that_end_in_pieces():
     slots, lo, hi = table[block, 3], table[block, 1], table[block, 2]
     assert (slots == -1).any() and (slots >= 0).any(), table[block]
     assert ((hi - lo)[slots >= 0] < hi.max()).all()
+
+
+def test_the_split_tail_proves_with_its_pieces():
+  """The split tail, its probed blocks ending in pieces, proves whole: a
+  piece's stores (to its slot) must read as the same events as a tile's
+  (to the output), and its cut trip counts as any tile's."""
+  case = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+  results = pe.prove([("forward", case, 1)], jobs=1)
+  assert results and all(r.ok for r in results), [
+      r.premise or r.violation.format() for r in results if not r.ok]

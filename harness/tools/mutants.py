@@ -225,9 +225,8 @@ CATALOG: tuple[Mutant, ...] = (
        named("heuristic-ragged-1000-causal-gqa", "heuristic-ragged-776x1304-d64") + GUARD,
        probe="fwd-unpadded"),
     _m("l-store-one-row-late", "a store one row past its tile (one row past the end)", FWD,
-       "plgpu.copy_smem_to_gmem(l_smems.at[wg], c.l_ref.at[t.b, t.h, t.rows])",
-       "plgpu.copy_smem_to_gmem(l_smems.at[wg], c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, "
-       "c.block_q)])",
+       "lambda: c.l_ref.at[t.b, t.h, t.rows])",
+       "lambda: c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, c.block_q)])",
        GUARD),
     # -- backward ------------------------------------------------------------------
     _m("lse-base-e", "the backward reading lse in base e", BWD,

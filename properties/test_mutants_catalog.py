@@ -98,6 +98,19 @@ def test_a_hang_is_stopped_and_the_test_named(tmp_path):
   assert result.seconds < 60
 
 
+def test_a_child_keeps_its_hangs_and_ratios_out_of_the_gates_records(tmp_path, monkeypatch):
+  """The gate's cpu-properties step sets the hang folder and the ratio log
+  for the suite; a mutant's child (the deliberate hang above among them)
+  must not write into either, or the step fails on a hang no shipped test
+  had."""
+  from harness.numerics.conformance import RATIO_LOG_ENV
+  monkeypatch.setenv(watchdog.HANG_DIR_ENV, str(tmp_path / "gate-hangs"))
+  monkeypatch.setenv(RATIO_LOG_ENV, str(tmp_path / "gate-ratios"))
+  env = mutants.child_env(tmp_path, 3)
+  assert watchdog.HANG_DIR_ENV not in env and RATIO_LOG_ENV not in env
+  assert env[watchdog.TEST_TIMEOUT_ENV] == "3"
+
+
 def test_the_watchdog_names_the_hung_test_under_xdist(tmp_path):
   """Under xdist the worker ends and the controller names the test; the
   hang record names it too (what the gate's summary reads)."""

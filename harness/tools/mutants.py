@@ -359,9 +359,13 @@ def child_env(root: Path, test_timeout: float | None) -> dict:
   env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   # One failing example kills a mutant: no shrinking (properties/conftest.py).
   env["HYPOTHESIS_PROFILE"] = "mutants"
-  # A mutant's broken comparisons must not reach the gate's error-ratio table.
+  # A mutant's broken comparisons must not reach the gate's error-ratio table,
+  # nor its hangs the gate's hang records (the child's own output names them):
+  # the CPU suite's test of a deliberate hang, run by the gate, left a record
+  # there and failed the cpu-properties step with every test passed.
   from harness.numerics.conformance import RATIO_LOG_ENV
   env.pop(RATIO_LOG_ENV, None)
+  env.pop(watchdog.HANG_DIR_ENV, None)
   if test_timeout:
     env[watchdog.TEST_TIMEOUT_ENV] = str(test_timeout)
   return env

@@ -146,6 +146,17 @@ def kv_block_range(qi, *, tile_q, block_kv, seq_q, seq_kv, is_causal,
   return lb, ub
 
 
+def piece_block_range(lb, ub, lo, hi):
+  """A tile's key blocks [lb, ub) cut to a split-tail piece's [lo, hi)
+  (kernel/schedule.py), never a negative range.  Shared by the memory and
+  every compute warpgroup and by the proof's environments; Python ints and
+  traced int32 scalars alike."""
+  ints = all(isinstance(x, int) for x in (lb, ub, lo, hi))
+  _max, _min = (max, min) if ints else (lax.max, lax.min)
+  lb = _max(lb, lo)
+  return lb, _max(lb, _min(ub, hi))
+
+
 def window_tile_keys(qi: int, tile: int, window: tuple[int, int], *, seq_q: int,
                      seq_kv: int) -> tuple[int, int]:
   """(start min, end max) of the keys jax.nn's local ``window`` (left,

@@ -60,7 +60,8 @@ from kernel import ring as ring_lib
 from kernel import schedule as schedule_lib
 from kernel import common
 from kernel.common import (LOG2E, NEG_INF, ROW, WGMMA, Logits, batch_head, is_2d,
-                           kv_block_range, load_broadcast, smem, tile_key_bounds,
+                           kv_block_range, load_broadcast, piece_block_range, smem,
+                           tile_key_bounds,
                            POISONED_START, window_tile_keys)
 from kernel.config import Config
 
@@ -297,10 +298,6 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   Returns (None, None) then.
   """
   f = wanted = features
-  if config.schedule == "split-tail":
-    # The pieces' (m, l) weigh them in the merge: the kernel always
-    # returns them (kernel.plan.kernel_problem).
-    f = dataclasses.replace(f, return_residuals=True)
   batch, seq_q, num_heads, head_dim = q.shape
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
@@ -312,6 +309,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
       bias_2d=f.stage_2d and is_2d(bias), mask_2d=f.stage_2d and is_2d(mask),
       return_residuals=f.return_residuals)
+  # The split tail's pieces are weighed by their (m, l) in the merge, so the
+  # kernel may return residuals the caller did not ask for.
+  problem = plan_lib.kernel_problem(problem, config)
+  f = dataclasses.replace(f, return_residuals=problem.return_residuals)
   plan_lib.check_fits(problem, config)
   if f.poisons_rows and k_start is None:
     raise ValueError("features.poisons_rows: the rows to poison are marked in k_start, "
@@ -449,7 +450,7 @@ def merge_pieces(out, m, l, pieces, split: schedule_lib.SplitTail, *, tile_q: in
                    axis=1)
   if normalized:
     merged = merged / (total + float(np.finfo(np.float32).tiny))[..., None]
-  b, h, qi = (np.asarray(x) for x in split.unpack_all())
+  b, h, qi = split.unpack(split.split)
   rows = qi[:, None] * tile_q + np.arange(tile_q)                # (tiles, rows)
   out = out.at[b[:, None], rows, h[:, None]].set(merged.astype(out.dtype), mode="drop")
   m = m.at[b[:, None], h[:, None], rows].set(top, mode="drop")
@@ -530,9 +531,7 @@ def tile_range(c: Kernel, qi, b, h, piece=None):
                             seq_kv=c.f.seq_kv, is_causal=c.f.is_causal,
                             k_start_min=start_min, k_end_max=end_max)
   if piece is not None:
-    lo, hi, _ = piece
-    lb = lax.max(lb, lo)
-    ub = lax.max(lb, lax.min(ub, hi))
+    lb, ub = piece_block_range(lb, ub, *piece[:2])
   return lb, ub, start_max, end_min
 
 

@@ -73,11 +73,11 @@ class Schedule:
     return self.batch * self.num_heads * self.num_tiles
 
   def unpack(self, tile):
-    """(b, h, qi) of a packed id: NumPy ints or traced int32 alike."""
-    if isinstance(tile, (int, np.integer)):
-      bh, qi = divmod(int(tile), self.num_tiles)
-      b, h = divmod(bh, self.num_heads)
-      return b, h, qi
+    """(b, h, qi) of a packed id: NumPy ints and arrays or traced int32 alike."""
+    if isinstance(tile, (int, np.integer, np.ndarray)):
+      bh, qi = np.divmod(np.asarray(tile, np.int64), self.num_tiles)
+      b, h = np.divmod(bh, self.num_heads)
+      return (b, h, qi) if isinstance(tile, np.ndarray) else (int(b), int(h), int(qi))
     from jax import lax
     import jax.numpy as jnp
     nt, nh = jnp.int32(self.num_tiles), jnp.int32(self.num_heads)
@@ -217,12 +217,6 @@ class SplitTail:
   piece_slots: np.ndarray  # (tiles split, max pieces) int32
 
   unpack = Schedule.unpack
-
-  def unpack_all(self):
-    """(b, h, qi) of every split tile, NumPy arrays."""
-    bh, qi = np.divmod(self.split.astype(np.int64), self.num_tiles)
-    b, h = np.divmod(bh, self.num_heads)
-    return b, h, qi
 
   @property
   def total(self) -> int:

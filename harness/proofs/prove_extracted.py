@@ -338,12 +338,12 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
 
   def cut(sm, entry, lo, n):
     """A split tail's piece visits its tile's blocks inside [lo, hi) of its
-    entry only, by the kernel's rule (kernel.forward.tile_range)."""
+    entry only, by the kernel's rule (kernel.common.piece_block_range)."""
     if split is None:
       return lo, n
-    p_lo, p_hi = int(split[sm, 1, entry]), int(split[sm, 2, entry])
-    first = max(lo, p_lo)
-    return first, max(first, min(lo + n, p_hi)) - first
+    first, end = module.piece_block_range(lo, lo + n, int(split[sm, 1, entry]),
+                                          int(split[sm, 2, entry]))
+    return first, end - first
 
   # A config with more stages than key blocks runs with as many stages as
   # blocks: its problems have no more key blocks than that.

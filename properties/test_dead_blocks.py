@@ -72,3 +72,18 @@ def test_an_unknown_dead_blocks_is_refused_by_name():
   x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="dead_blocks"):
     experiments.dot_product_attention(x, x, x, is_causal=True, dead_blocks="sometimes")
+
+
+def test_the_bench_variant_times_the_computing_forward():
+  """bench --grid's ``auto,cdb`` lowers the forward with dead_blocks="compute"."""
+  from harness.tools import bench_grid as bg
+  assert bg.parse_variant("auto,cdb") is None and bg.dead_blocks_of("auto,cdb") == "compute"
+  assert bg.dead_blocks_of("auto") == "skip"
+  point = bg.Point(64, 4096, True)
+  fns = bg.implementations(point, ["64,128,2,p,lf,w3", "64,128,2,p,lf,w3,cdb"], backward=False,
+                           example=False)
+  q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
+  with api.lowering_only():
+    a, b = (jax.export.export(fns[f"ours {n}"], platforms=["cuda"])(q, q, q).mlir_module()
+            for n in ("64,128,2,p,lf,w3", "64,128,2,p,lf,w3,cdb"))
+  assert a != b

@@ -348,7 +348,9 @@ def main(argv=None) -> int:
                          "config with the split-tail schedule where it runs), or "
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True, a trailing ,stg the dK/dV "
-                         "kernel's staggered stream order (auto,stg)")
+                         "kernel's staggered stream order (auto,stg), a trailing ,cdb the "
+                         "forward computing the softmax of blocks above a warpgroup's "
+                         "diagonal (auto,cdb)")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")
@@ -357,6 +359,7 @@ def main(argv=None) -> int:
   grid.add_argument("--no-ragged", action="store_true",
                     help="leave out the lengths that are no multiple of a block")
   grid.add_argument("--causal-only", action="store_true")
+  grid.add_argument("--non-causal-only", action="store_true")
   grid.add_argument("--seqs", default=None,
                     help="comma-separated sequence lengths instead of the grid's")
   grid.add_argument("--no-example", action="store_true",

@@ -96,7 +96,9 @@ def parse_variant(text: str):
   p persistent, lf / rr / st the longest-first / round-robin / split-tail
   schedule, w3 three compute warpgroups.  A trailing ``,det`` (``auto,det``)
   asks for ``deterministic=True`` (:func:`is_deterministic`), a trailing
-  ``,stg`` the staggered backward (:func:`backward_of`); ``auto,st``
+  ``,stg`` the staggered backward (:func:`backward_of`), a trailing ``,cdb``
+  the forward that computes the softmax of blocks above a warpgroup's
+  diagonal (:func:`dead_blocks_of`); ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``."""
   from kernel.config import Config
@@ -119,14 +121,21 @@ def parse_variant(text: str):
                 compute_warpgroups=3 if "w3" in flags else 2)
 
 
-# Flags of a variant beside its config: deterministic=True, and the dK/dV
-# kernel's staggered stream order (kernel.experiments' "pallas-staggered").
-TRAILING_FLAGS = ("det", "stg")
+# Flags of a variant beside its config: deterministic=True, the dK/dV
+# kernel's staggered stream order (kernel.experiments' "pallas-staggered"),
+# and the forward computing the softmax of blocks above a warpgroup's
+# diagonal (kernel.experiments' dead_blocks="compute").
+TRAILING_FLAGS = ("det", "stg", "cdb")
 
 
 def splits_auto(text: str) -> bool:
   """Whether ``text`` is ``auto,st`` (with or without the trailing flags)."""
   return [f for f in text.split(",") if f not in TRAILING_FLAGS] == ["auto", "st"]
+
+
+def dead_blocks_of(text: str) -> str:
+  """The kernel.experiments dead_blocks a variant's forward runs."""
+  return "compute" if "cdb" in text.split(",") else "skip"
 
 
 def backward_of(text: str) -> str:
@@ -184,12 +193,13 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, backward_name):
+  def ours(q, k, v, config, det, split, backward_name, dead_blocks):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
-    if backward_name != "pallas":
+    if (backward_name, dead_blocks) != ("pallas", "skip"):
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
-                                               deterministic=det, backward=backward_name)
+                                               deterministic=det, backward=backward_name,
+                                               dead_blocks=dead_blocks)
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -198,7 +208,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
         ours, config=config, det=det, split=splits_auto(text),
-        backward_name=backward_of(text))))
+        backward_name=backward_of(text), dead_blocks=dead_blocks_of(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None
@@ -500,6 +510,8 @@ def main(args, sections: dict | None = None) -> int:
                            head_dims=head_dims)
       if args.causal_only:
         points = [p for p in points if p.causal]
+      if args.non_causal_only:
+        points = [p for p in points if not p.causal]
       if args.seqs:
         seqs = {int(x) for x in args.seqs.split(",")}
         points = [p for p in points if p.seq in seqs]

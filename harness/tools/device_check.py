@@ -140,12 +140,18 @@ def problem_of(case):
                           case.query.dtype, is_causal=case.is_causal, return_residuals=True)
 
 
-def run(out_path: str | None = None, variants=("as-is",)) -> int:
+def run(out_path: str | None = None, variants=("as-is",), select=()) -> int:
+  """Run the cases (only those whose name holds one of ``select``'s
+  substrings, where given) under each variant; 1 if any failed."""
   import jax
   from harness.numerics.conformance import check_forward, poison_device_memory, random_case, run_kernel
   rng = np.random.default_rng(2026)
   cases = [(n, random_case(rng, **kw), cfg) for n, kw, cfg in fixed_cases()]
   cases += extra_cases(rng)
+  if select:
+    cases = [c for c in cases if any(part in c[0] for part in select)]
+    if not cases:
+      raise SystemExit(f"--select: no case name holds any of {list(select)}")
   rows, failures = [], 0
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
   from kernel import plan
@@ -190,8 +196,11 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None)
   p.add_argument("--variants", default="as-is",
                  help="comma list of as-is, persistent, non-persistent")
+  p.add_argument("--select", default="",
+                 help="comma list of substrings: only the cases whose name holds one")
   a = p.parse_args(argv)
-  return run(a.out, tuple(a.variants.split(",")))
+  return run(a.out, tuple(a.variants.split(",")),
+             tuple(part for part in a.select.split(",") if part))
 
 
 if __name__ == "__main__":

@@ -111,9 +111,9 @@ class BackwardBlocks:
   # issued together and waited once, and so are the two that update the
   # accumulators; "serial": each product waited on its own (the first version,
   # kept to measure the difference in one process); "pipelined": as paired,
-  # and the head-split dK/dV launch issues step t + 1's S^T and dP^T before
-  # step t's dV and dK, forming step t + 1's P^T and dS^T while those run
-  # (the notes above _wide_pipelined_step).
+  # and the head-split launches issue step t + 1's S and dP before step t's
+  # accumulating products, forming step t + 1's scores while those run (the
+  # notes above _wide_pipelined_steps and _wide_dq_pipelined_steps).
   schedule: str = "paired"
   # Under causal: whether dK/dV's kernel also accumulates dQ (where it fits:
   # fused_dq_fits).  blocks_for says where it is measured faster.
@@ -130,7 +130,7 @@ class BackwardBlocks:
 
   @property
   def pipelined(self) -> bool:
-    """The head-split dK/dV launch's steps overlap (only there)."""
+    """The head-split launches' steps overlap (only there)."""
     return self.schedule == "pipelined" and self.head_split
 
   # The order a dK/dV block streams its query blocks in: "in-order" (from
@@ -1726,9 +1726,12 @@ def _wide_dq_compute(c: DqKernel):
   rows = pl.ds(q_base, c.bq)
   lse2, delta, ks, ke = _dq_row_inputs(c, shared, rows)
   cols = c.head_dim // CW
-  step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
   dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, cols), jnp.float32), WGMMA)
-  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
+  if c.blocks.pipelined and not c.want_ds:
+    dq_acc = _wide_dq_pipelined_steps(c, shared, q_base, rows, lse2, delta, ks, ke, dq_acc)
+  else:
+    step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
+    dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
   q_st = c.stationary.slot(shared, "q")
   # Q is free to stage dQ: each step's last read of it (S) precedes its
   # rendezvous, which both warpgroups passed.
@@ -1785,6 +1788,108 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(my_base, half)])
   return dq_acc
+
+
+# The head-split dQ kernel, pipelined (BackwardBlocks.pipelined, without
+# dS written out): as the dK/dV launch's (the notes above
+# _wide_pipelined_steps), step t stages the dS it carries, meets the other
+# warpgroup, issues block t + 1's S and dP and then its own dQ += dS K, and
+# forms dS of t + 1 while that runs.
+
+
+def _wide_dq_pipelined_steps(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, dq_acc):
+  """Every key block of the pipelined head-split dQ kernel's tile."""
+  half = c.bkv // CW
+  zeros = plgpu.layout_cast(jnp.zeros((c.bq, half), jnp.float32), WGMMA)
+  scores = functools.partial(_wide_dq_scores, c, shared, q_base, rows, lse2, delta, ks, ke)
+  mine = pl.ds(c.wg * half, half)
+
+  def first():
+    st = c.stream.position(jnp.int32(0))
+    _wide_dq_wait(c, st)
+    return scores(c.lb, st)
+
+  ds = lax.cond(c.ub > c.lb, first, lambda: zeros)
+  last = lax.max(c.ub - 1, c.lb)
+
+  def step(ki, carry):
+    dq_acc, ds = carry
+    st, next_st = c.stream.position(ki - c.lb), c.stream.position(ki + 1 - c.lb)
+    x = _wide_dq_stage(c, ki - c.lb, ds)
+    _wide_dq_wait(c, next_st)
+
+    def issue_then_scores(refs):
+      s_ref, dp_ref, ds_ref, acc = refs
+      plgpu.wgmma(s_ref, c.stationary.slot(shared, "q"), c.stream.slot(next_st, "k").at[mine].T)
+      plgpu.wgmma(dp_ref, c.stationary.slot(shared, "do"),
+                  c.stream.slot(next_st, "v").at[mine].T)
+      _wide_dq_product(c, x, st, acc)
+      # At most dQ's product still in flight: S and dP of block ki + 1 are done.
+      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+      dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+      ds_ref[...] = scores(ki + 1, next_st, s_dp=(s, dp))
+
+    *_, ds, dq_acc = pl.run_state(issue_then_scores)(
+        (plgpu.ACC.init(zeros), plgpu.ACC.init(zeros), ds, plgpu.ACC.init(dq_acc)))
+    # run_state waited for dQ's product of block ki: its slot is free.
+    c.stream.consumer_release(st)
+    return dq_acc, ds
+
+  dq_acc, ds = lax.fori_loop(c.lb, last, step, (dq_acc, ds))
+
+  def final(carry):
+    dq_acc, ds = carry
+    st = c.stream.position(last - c.lb)
+    x = _wide_dq_stage(c, last - c.lb, ds)
+    dq_acc = pl.run_state(functools.partial(_wide_dq_product, c, x, st))(plgpu.ACC.init(dq_acc))
+    c.stream.consumer_release(st)
+    return dq_acc
+
+  return lax.cond(c.ub > c.lb, final, lambda carry: carry[0], (dq_acc, ds))
+
+
+def _wide_dq_wait(c: DqKernel, st):
+  c.stream.consumer_wait(st, "k")
+  c.stream.consumer_wait(st, "v")
+
+
+def _wide_dq_scores(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, st, s_dp=None):
+  """dS of key block ki on this warpgroup's half of its keys (S and dP
+  formed here unless ``s_dp`` has them)."""
+  half = c.bkv // CW
+  mine = pl.ds(c.wg * half, half)
+  k_base = ki * c.bkv
+  my_base = k_base + c.wg * half
+  shape = (c.bq, half)
+  tile = (c.b, c.h, rows, pl.ds(my_base, half))
+  edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
+  _, ds = _step_scores(
+      c.f, shape, s_ops=(c.stationary.slot(shared, "q"), c.stream.slot(st, "k").at[mine]),
+      dp_ops=(c.stationary.slot(shared, "do"), c.stream.slot(st, "v").at[mine]),
+      paired=c.blocks.paired, want_ds=True,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
+                                                                     WGMMA),
+      terms=terms, key_dim=1, key_base=my_base, num_keys=half, query_base=q_base,
+      lse2_of=lambda: lse2, delta_of=lambda: delta, edge_terms=edge_terms,
+      interior=interior, s_dp=s_dp)
+  return ds
+
+
+def _wide_dq_stage(c: DqKernel, t, ds):
+  """Step t's dS half into its exchange buffer, then the rendezvous;
+  returns the buffer."""
+  x = exchange_buffer(t)
+  half = c.bkv // CW
+  c.exchange.at[x, :, pl.ds(c.wg * half, half)][...] = ds.astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.halves_ready()
+  return x
+
+
+def _wide_dq_product(c: DqKernel, x, st, acc):
+  """Issue dQ += dS K of a step (this warpgroup's columns of dQ)."""
+  cols = pl.ds(c.wg * acc.shape[1], acc.shape[1])
+  plgpu.wgmma(acc, c.exchange.at[x], c.stream.slot(st, "k").at[:, cols])
 
 
 def residual_rows(m, l, out, d_out, t_pad: int):

@@ -8,8 +8,8 @@ The harness and the benchmark reach the others through this module:
   own ("pallas-serial"), dQ always by its own kernel ("pallas-two-kernel",
   the A/B of the fused dQ), the dK/dV blocks' query blocks in the staggered
   order ("pallas-staggered": kernel/backward.py's notes above _dkv_coords),
-  the head-split dK/dV launch's steps overlapped ("pallas-pipelined": the
-  notes above _wide_pipelined_steps), deterministic=True's ("pallas-fixed-point": the
+  the head-split launches' steps overlapped ("pallas-pipelined": the notes
+  above _wide_pipelined_steps and _wide_dq_pipelined_steps), deterministic=True's ("pallas-fixed-point": the
   fused dQ summed in int32), or the kernels' executable specification in
   plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
   All read the same residuals.

@@ -1,5 +1,5 @@
-"""The pipelined head-split dK/dV launch (kernel/backward.py, notes above
-``_wide_pipelined_steps``), checked on the CPU: it lowers for CUDA at the
+"""The pipelined head-split launches (kernel/backward.py, notes above
+``_wide_pipelined_steps`` and ``_wide_dq_pipelined_steps``), checked on the CPU: it lowers for CUDA at the
 head dims that take the head split, differs from the shipped launch there
 and nowhere else, bench --grid names it ``,pip``, and the proof's backward
 cases cover its launches (``python -m harness prove`` proves them)."""

@@ -1,9 +1,10 @@
-"""The pipelined head-split dK/dV launch on the GPU (marker ``gpu``;
-skipped, visibly, elsewhere): kernel.experiments' "pallas-pipelined" gives
-the shipped backward's bits (the same products and arithmetic, step t + 1's
-scores formed while step t's dV and dK run: kernel/backward.py's notes above
-_wide_pipelined_steps) and is within the tolerance rule of float64, on the
-named head-split gradient cases and on drawn wide-head cases."""
+"""The pipelined head-split launches on the GPU (marker ``gpu``; skipped,
+visibly, elsewhere): kernel.experiments' "pallas-pipelined" gives the
+shipped backward's bits (the same products and arithmetic, step t + 1's
+scores formed while step t's accumulating products run: kernel/backward.py's
+notes above _wide_pipelined_steps and _wide_dq_pipelined_steps) and is within
+the tolerance rule of float64, on the named head-split gradient cases and on
+drawn wide-head cases."""
 
 from __future__ import annotations
 

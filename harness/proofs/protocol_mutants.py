@@ -188,6 +188,17 @@ BACKWARD_MUTANTS = (
              "  c.stream.consumer_release(st)\n",
              "  # run_state waited for dV and dK of step t: slot t is free.\n  pass\n")),
            file="backward.py", backward=(256, False, False, True, False, "pipelined")),
+    Mutant("pipelined_dq_slot_released_early",
+           "the pipelined head-split dQ kernel releases a key block's slot before its "
+           "dQ product reads it",
+           (("    x = _wide_dq_stage(c, ki - c.lb, ds)\n    _wide_dq_wait(c, next_st)\n",
+             "    x = _wide_dq_stage(c, ki - c.lb, ds); c.stream.consumer_release(st)\n"
+             "    _wide_dq_wait(c, next_st)\n"),
+            ("    # run_state waited for dQ's product of block ki: its slot is free.\n"
+             "    c.stream.consumer_release(st)\n",
+             "    # run_state waited for dQ's product of block ki: its slot is free.\n"
+             "    pass\n")),
+           file="backward.py", backward=(256, False, False, True, False, "pipelined")),
     Mutant("pipelined_halves_without_rendezvous",
            "the pipelined head split stages its halves of P^T and dS^T without the rendezvous",
            (("  plgpu.commit_smem()\n  barriers.halves_ready()\n\n\ndef _wide_grads",

@@ -349,7 +349,7 @@ def main(argv=None) -> int:
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True, a trailing ,stg the dK/dV "
                          "kernel's staggered stream order (auto,stg), ,pip the head-split "
-                         "dK/dV launch pipelined (auto,pip), a trailing ,cdb the "
+                         "launches pipelined (auto,pip), a trailing ,cdb the "
                          "forward computing the softmax of blocks above a warpgroup's "
                          "diagonal (auto,cdb)")
   grid.add_argument("--out-dir", default=None,

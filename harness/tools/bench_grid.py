@@ -123,7 +123,7 @@ def parse_variant(text: str):
 
 # Flags of a variant beside its config: deterministic=True, the dK/dV
 # kernel's staggered stream order (kernel.experiments' "pallas-staggered"),
-# the head-split dK/dV launch pipelined ("pallas-pipelined"), and the
+# the head-split launches pipelined ("pallas-pipelined"), and the
 # forward computing the softmax of blocks above a warpgroup's diagonal
 # (kernel.experiments' dead_blocks="compute").
 TRAILING_FLAGS = ("det", "stg", "pip", "cdb")

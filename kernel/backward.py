@@ -110,10 +110,7 @@ class BackwardBlocks:
   # "paired": the two products that need no register operand (S and dP) are
   # issued together and waited once, and so are the two that update the
   # accumulators; "serial": each product waited on its own (the first version,
-  # kept to measure the difference in one process); "pipelined": as paired,
-  # and the head-split launches issue step t + 1's S and dP before step t's
-  # accumulating products, forming step t + 1's scores while those run (the
-  # notes above _wide_pipelined_steps and _wide_dq_pipelined_steps).
+  # kept to measure the difference in one process).
   schedule: str = "paired"
   # Under causal: whether dK/dV's kernel also accumulates dQ (where it fits:
   # fused_dq_fits).  blocks_for says where it is measured faster.
@@ -123,16 +120,6 @@ class BackwardBlocks:
   # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
   # fit in 232 registers.
   head_split: bool = False
-
-  @property
-  def paired(self) -> bool:
-    return self.schedule in ("paired", "pipelined")
-
-  @property
-  def pipelined(self) -> bool:
-    """The head-split launches' steps overlap (only there)."""
-    return self.schedule == "pipelined" and self.head_split
-
   # The order a dK/dV block streams its query blocks in: "in-order" (from
   # its first query block on) or "staggered" (key tile j of a head's n tiles
   # starts at its j * per_head // n-th block and wraps around: the notes
@@ -512,7 +499,7 @@ def _product(shape, a, b):
 
 def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
                  terms, key_dim, key_base, num_keys, query_base, lse2_of, delta_of,
-                 edge_terms=(), interior=None, s_dp=None):
+                 edge_terms=(), interior=None):
   """The step both kernels share, on tiles transposed to each other: S (and,
   for dS, dP) from shared memory, the logits, the kept (key, query) pairs,
   P = exp2(S log2 e - lse) and dS = P (dP - delta), zero where not kept.
@@ -525,15 +512,11 @@ def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, 
   ``delta_of()`` broadcast along the other (read where the arithmetic first
   needs them); ``edge_terms``: keep conditions that only the steps not
   ``interior()`` (a traced bool; None: every step) apply
-  (:func:`_masked_terms`); ``s_dp``: S and dP already formed (their
-  products issued and waited by the caller), else None.  Returns (P, dS),
-  dS None without ``want_ds``.
+  (:func:`_masked_terms`).  Returns (P, dS), dS None without ``want_ds``.
   """
   query_dim = 1 - key_dim
   zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
-  if s_dp is not None:
-    s, dp = s_dp
-  elif paired and want_ds:
+  if paired and want_ds:
     # S and dP depend on nothing computed here: issue both, wait once.
     def s_and_dp(refs):
       s_ref, dp_ref = refs
@@ -965,7 +948,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     if "dk" in refs:
       plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)
 
-  if c.blocks.paired:
+  if c.blocks.schedule == "paired":
     accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
   else:
     for n in list(accs):
@@ -985,8 +968,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   return dk_acc, dv_acc
 
 
-def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, dp_ops, rows,
-                s_dp=None):
+def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, dp_ops, rows):
   """P^T and dS^T (None without dK) of one step's (keys x queries) tile:
   the tile's keep terms, then :func:`_step_scores`.  ``q_base``,
   ``num_queries``: the tile's queries (a part of query block ``i``);
@@ -1020,14 +1002,14 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
   if edge_terms:
     inside = lambda: (c.inner_lo <= i) & (i < c.inner_hi)
   return _step_scores(
-      c.f, shape, s_ops=s_ops, dp_ops=dp_ops, paired=c.blocks.paired,
+      c.f, shape, s_ops=s_ops, dp_ops=dp_ops, paired=c.blocks.schedule == "paired",
       want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(
           c.bias_ref, tile, shape, WGMMA),
       terms=terms, key_dim=0, key_base=kv_base, num_keys=c.bkv, query_base=q_base,
       edge_terms=edge_terms, interior=inside,
       lse2_of=lambda: plgpu.load(rows(0), layout=COL, optimized=False),
-      delta_of=lambda: plgpu.load(rows(1), layout=COL, optimized=False), s_dp=s_dp)
+      delta_of=lambda: plgpu.load(rows(1), layout=COL, optimized=False))
 
 
 # The fused dQ.  dQ_i = scale * sum_j dS_ij K_j sums over every key tile, and
@@ -1251,11 +1233,8 @@ def _wide_compute(c: DkvKernel):
   c.stationary.consumer_wait(_shared_slot(c), "v")
   dk_cols, dv_cols = c.head_dim // CW, c.head_dim_out // CW
   zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
-  if c.blocks.pipelined:
-    dk_acc, dv_acc = _wide_pipelined_steps(c, zeros(dk_cols), zeros(dv_cols))
-  else:
-    dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_wide_step, c),
-                                   (zeros(dk_cols), zeros(dv_cols)))
+  dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_wide_step, c),
+                                 (zeros(dk_cols), zeros(dv_cols)))
   # K and V are free to stage dK and dV: each step's last reads of them (S^T
   # and dP^T) precede its rendezvous, which both warpgroups passed.
   c.k_st.at[0, :, pl.ds(wg * dk_cols, dk_cols)][...] = (dk_acc * c.f.scale).astype(c.dtype)
@@ -1311,130 +1290,6 @@ def _wide_step(c: DkvKernel, t, carry):
   # Both products that read the slot have completed (run_state waits).
   stream.consumer_release(st)
   return accs["dk"], accs["dv"]
-
-
-# The head-split dK/dV launch, pipelined (BackwardBlocks.schedule
-# "pipelined").  Above, a step's P^T and dS^T are formed while the tensor
-# cores idle: both warpgroups wait for their S^T and dP^T, compute, meet at
-# the rendezvous, and only then issue dV and dK.  Here step t stages the P^T
-# and dS^T it carries in (formed the step before), meets the other
-# warpgroup, then issues step t + 1's S^T and dP^T and after them its own
-# dV and dK; wgmma groups complete in issue order, so once S^T and dP^T of
-# t + 1 are waited for, P^T and dS^T of t + 1 are formed in registers while
-# dV and dK of t still run, and carried to step t + 1.  The exchange buffer
-# step t writes is the one of t - 2, which the other warpgroup's dV and dK
-# of t - 2 read until it reached the rendezvous of t - 1, which this
-# warpgroup passed too.  Ring slot t + 1 is waited for before slot t is
-# released (both stages held); the last step issues its dV and dK alone.
-# The accumulators in flight are read by nothing else meanwhile, and the
-# products read P^T and dS^T from shared memory, not registers, so no
-# register an in-flight wgmma reads is rewritten.
-
-
-def _wide_pipelined_steps(c: DkvKernel, dk_acc, dv_acc):
-  """Every step of the pipelined head-split launch (the notes above):
-  step 0's scores, then the loop, then the last step alone."""
-  shape = (c.bkv, c.bq // CW)
-  zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
-
-  def first():
-    t = jnp.int32(0)   # traced like every other step's index
-    st = c.stream.position(t)
-    _wide_wait(c, st)
-    return _wide_scores(c, t, st)
-
-  p, ds = lax.cond(c.steps > 0, first, lambda: (zeros, zeros))
-  last = lax.max(c.steps - 1, 0)
-  dk_acc, dv_acc, p, ds = lax.fori_loop(0, last, functools.partial(_wide_pipelined_step, c),
-                                        (dk_acc, dv_acc, p, ds))
-
-  def final(carry):
-    dk, dv, p, ds = carry
-    st = c.stream.position(last)
-    _wide_stage(c, last, p, ds)
-    got = pl.run_state(functools.partial(_wide_grads, c, last, st))(
-        {"dv": plgpu.ACC.init(dv), "dk": plgpu.ACC.init(dk)})
-    c.stream.consumer_release(st)
-    return got["dk"], got["dv"]
-
-  return lax.cond(c.steps > 0, final, lambda carry: carry[:2], (dk_acc, dv_acc, p, ds))
-
-
-def _wide_pipelined_step(c: DkvKernel, t, carry):
-  """Step t of the pipelined head-split launch, t + 1 < steps: its P^T and
-  dS^T staged, then S^T and dP^T of t + 1, dV and dK of t, and P^T and
-  dS^T of t + 1 formed while dV and dK run."""
-  dk_acc, dv_acc, p, ds = carry
-  st, next_st = c.stream.position(t), c.stream.position(t + 1)
-  _wide_stage(c, t, p, ds)
-  _wide_wait(c, next_st)
-  mine = _wide_half(c)
-
-  def issue_then_scores(refs):
-    s_ref, dp_ref, p_ref, ds_ref, accs = refs
-    k, v = (c.stationary.slot(_shared_slot(c), n) for n in ("k", "v"))
-    plgpu.wgmma(s_ref, k, c.stream.slot(next_st, "q").at[mine].T)
-    plgpu.wgmma(dp_ref, v, c.stream.slot(next_st, "do").at[mine].T)
-    _wide_grads(c, t, st, accs)
-    # At most the two accumulating products still in flight: S^T and dP^T
-    # of step t + 1 are done.
-    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=2)
-    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=2)
-    p_ref[...], ds_ref[...] = _wide_scores(c, t + 1, next_st, s_dp=(s, dp))
-
-  zeros = jnp.zeros_like(p)
-  *_, p, ds, accs = pl.run_state(issue_then_scores)(
-      (plgpu.ACC.init(zeros), plgpu.ACC.init(zeros), p, ds,
-       {"dv": plgpu.ACC.init(dv_acc), "dk": plgpu.ACC.init(dk_acc)}))
-  # run_state waited for dV and dK of step t: slot t is free.
-  c.stream.consumer_release(st)
-  return accs["dk"], accs["dv"], p, ds
-
-
-def _wide_half(c: DkvKernel):
-  """This warpgroup's half of a streamed block's queries."""
-  half = c.bq // CW
-  return pl.ds(c.wg * half, half)
-
-
-def _wide_wait(c: DkvKernel, st):
-  for name in ("q", "rows", "do"):
-    c.stream.consumer_wait(st, name)
-
-
-def _wide_scores(c: DkvKernel, t, st, s_dp=None):
-  """P^T and dS^T of step t on this warpgroup's half of the queries (S^T
-  and dP^T formed here unless ``s_dp`` has them)."""
-  h, i = _dkv_coords(c, t)
-  mine = _wide_half(c)
-  q_slot, do_slot = c.stream.slot(st, "q"), c.stream.slot(st, "do")
-  half = c.bq // CW
-  return _dkv_scores(c, st, i, h, c.j * c.bkv, i * c.bq + c.wg * half, half,
-                     s_ops=(c.stationary.slot(_shared_slot(c), "k"), q_slot.at[mine]),
-                     dp_ops=(c.stationary.slot(_shared_slot(c), "v"), do_slot.at[mine]),
-                     rows=lambda r: c.stream.slot(st, "rows", r).at[mine], s_dp=s_dp)
-
-
-def _wide_stage(c: DkvKernel, t, p, ds):
-  """Step t's P^T and dS^T halves into its exchange buffers, then the
-  rendezvous."""
-  pt_st, ds_st = c.exchange
-  x, mine = exchange_buffer(t), _wide_half(c)
-  pt_st.at[x, :, mine][...] = p.astype(c.dtype)
-  ds_st.at[x, :, mine][...] = ds.astype(c.dtype)
-  plgpu.commit_smem()
-  barriers.halves_ready()
-
-
-def _wide_grads(c: DkvKernel, t, st, refs):
-  """Issue dV += P^T dO and dK += dS^T Q of step t (this warpgroup's
-  columns), from the exchange buffers both halves were staged in."""
-  pt_st, ds_st = c.exchange
-  x = exchange_buffer(t)
-  dk_cols = pl.ds(c.wg * refs["dk"].shape[1], refs["dk"].shape[1])
-  dv_cols = pl.ds(c.wg * refs["dv"].shape[1], refs["dv"].shape[1])
-  plgpu.wgmma(refs["dv"], pt_st.at[x], c.stream.slot(st, "do").at[:, dv_cols])
-  plgpu.wgmma(refs["dk"], ds_st.at[x], c.stream.slot(st, "q").at[:, dk_cols])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1675,7 +1530,7 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
   _, ds = _step_scores(
       f, shape, s_ops=(c.stationary.slot(wg, "q"), k_slot),
-      dp_ops=(c.stationary.slot(wg, "do"), v_slot), paired=c.blocks.paired,
+      dp_ops=(c.stationary.slot(wg, "do"), v_slot), paired=c.blocks.schedule == "paired",
       want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
                                                                      WGMMA),
@@ -1726,12 +1581,9 @@ def _wide_dq_compute(c: DqKernel):
   rows = pl.ds(q_base, c.bq)
   lse2, delta, ks, ke = _dq_row_inputs(c, shared, rows)
   cols = c.head_dim // CW
+  step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
   dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, cols), jnp.float32), WGMMA)
-  if c.blocks.pipelined and not c.want_ds:
-    dq_acc = _wide_dq_pipelined_steps(c, shared, q_base, rows, lse2, delta, ks, ke, dq_acc)
-  else:
-    step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
-    dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
+  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
   q_st = c.stationary.slot(shared, "q")
   # Q is free to stage dQ: each step's last read of it (S) precedes its
   # rendezvous, which both warpgroups passed.
@@ -1765,7 +1617,7 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
   _, ds = _step_scores(
       f, shape, s_ops=(c.stationary.slot(shared, "q"), k_slot.at[mine]),
       dp_ops=(c.stationary.slot(shared, "do"), v_slot.at[mine]),
-      paired=c.blocks.paired, want_ds=True,
+      paired=c.blocks.schedule == "paired", want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
                                                                      WGMMA),
       terms=terms, key_dim=1, key_base=my_base, num_keys=half, query_base=q_base,
@@ -1788,108 +1640,6 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(my_base, half)])
   return dq_acc
-
-
-# The head-split dQ kernel, pipelined (BackwardBlocks.pipelined, without
-# dS written out): as the dK/dV launch's (the notes above
-# _wide_pipelined_steps), step t stages the dS it carries, meets the other
-# warpgroup, issues block t + 1's S and dP and then its own dQ += dS K, and
-# forms dS of t + 1 while that runs.
-
-
-def _wide_dq_pipelined_steps(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, dq_acc):
-  """Every key block of the pipelined head-split dQ kernel's tile."""
-  half = c.bkv // CW
-  zeros = plgpu.layout_cast(jnp.zeros((c.bq, half), jnp.float32), WGMMA)
-  scores = functools.partial(_wide_dq_scores, c, shared, q_base, rows, lse2, delta, ks, ke)
-  mine = pl.ds(c.wg * half, half)
-
-  def first():
-    st = c.stream.position(jnp.int32(0))
-    _wide_dq_wait(c, st)
-    return scores(c.lb, st)
-
-  ds = lax.cond(c.ub > c.lb, first, lambda: zeros)
-  last = lax.max(c.ub - 1, c.lb)
-
-  def step(ki, carry):
-    dq_acc, ds = carry
-    st, next_st = c.stream.position(ki - c.lb), c.stream.position(ki + 1 - c.lb)
-    x = _wide_dq_stage(c, ki - c.lb, ds)
-    _wide_dq_wait(c, next_st)
-
-    def issue_then_scores(refs):
-      s_ref, dp_ref, ds_ref, acc = refs
-      plgpu.wgmma(s_ref, c.stationary.slot(shared, "q"), c.stream.slot(next_st, "k").at[mine].T)
-      plgpu.wgmma(dp_ref, c.stationary.slot(shared, "do"),
-                  c.stream.slot(next_st, "v").at[mine].T)
-      _wide_dq_product(c, x, st, acc)
-      # At most dQ's product still in flight: S and dP of block ki + 1 are done.
-      s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-      dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
-      ds_ref[...] = scores(ki + 1, next_st, s_dp=(s, dp))
-
-    *_, ds, dq_acc = pl.run_state(issue_then_scores)(
-        (plgpu.ACC.init(zeros), plgpu.ACC.init(zeros), ds, plgpu.ACC.init(dq_acc)))
-    # run_state waited for dQ's product of block ki: its slot is free.
-    c.stream.consumer_release(st)
-    return dq_acc, ds
-
-  dq_acc, ds = lax.fori_loop(c.lb, last, step, (dq_acc, ds))
-
-  def final(carry):
-    dq_acc, ds = carry
-    st = c.stream.position(last - c.lb)
-    x = _wide_dq_stage(c, last - c.lb, ds)
-    dq_acc = pl.run_state(functools.partial(_wide_dq_product, c, x, st))(plgpu.ACC.init(dq_acc))
-    c.stream.consumer_release(st)
-    return dq_acc
-
-  return lax.cond(c.ub > c.lb, final, lambda carry: carry[0], (dq_acc, ds))
-
-
-def _wide_dq_wait(c: DqKernel, st):
-  c.stream.consumer_wait(st, "k")
-  c.stream.consumer_wait(st, "v")
-
-
-def _wide_dq_scores(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, st, s_dp=None):
-  """dS of key block ki on this warpgroup's half of its keys (S and dP
-  formed here unless ``s_dp`` has them)."""
-  half = c.bkv // CW
-  mine = pl.ds(c.wg * half, half)
-  k_base = ki * c.bkv
-  my_base = k_base + c.wg * half
-  shape = (c.bq, half)
-  tile = (c.b, c.h, rows, pl.ds(my_base, half))
-  edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
-  _, ds = _step_scores(
-      c.f, shape, s_ops=(c.stationary.slot(shared, "q"), c.stream.slot(st, "k").at[mine]),
-      dp_ops=(c.stationary.slot(shared, "do"), c.stream.slot(st, "v").at[mine]),
-      paired=c.blocks.paired, want_ds=True,
-      bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
-                                                                     WGMMA),
-      terms=terms, key_dim=1, key_base=my_base, num_keys=half, query_base=q_base,
-      lse2_of=lambda: lse2, delta_of=lambda: delta, edge_terms=edge_terms,
-      interior=interior, s_dp=s_dp)
-  return ds
-
-
-def _wide_dq_stage(c: DqKernel, t, ds):
-  """Step t's dS half into its exchange buffer, then the rendezvous;
-  returns the buffer."""
-  x = exchange_buffer(t)
-  half = c.bkv // CW
-  c.exchange.at[x, :, pl.ds(c.wg * half, half)][...] = ds.astype(c.dtype)
-  plgpu.commit_smem()
-  barriers.halves_ready()
-  return x
-
-
-def _wide_dq_product(c: DqKernel, x, st, acc):
-  """Issue dQ += dS K of a step (this warpgroup's columns of dQ)."""
-  cols = pl.ds(c.wg * acc.shape[1], acc.shape[1])
-  plgpu.wgmma(acc, c.exchange.at[x], c.stream.slot(st, "k").at[:, cols])
 
 
 def residual_rows(m, l, out, d_out, t_pad: int):

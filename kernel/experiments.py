@@ -7,9 +7,7 @@ The harness and the benchmark reach the others through this module:
   shipped sm90 kernels ("pallas"), the same with each product waited on its
   own ("pallas-serial"), dQ always by its own kernel ("pallas-two-kernel",
   the A/B of the fused dQ), the dK/dV blocks' query blocks in the staggered
-  order ("pallas-staggered": kernel/backward.py's notes above _dkv_coords),
-  the head-split launches' steps overlapped ("pallas-pipelined": the notes
-  above _wide_pipelined_steps and _wide_dq_pipelined_steps), deterministic=True's ("pallas-fixed-point": the
+  order ("pallas-staggered": kernel/backward.py's notes above _dkv_coords), deterministic=True's ("pallas-fixed-point": the
   fused dQ summed in int32), or the kernels' executable specification in
   plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
   All read the same residuals.
@@ -40,8 +38,6 @@ BACKWARDS = {
     "pallas-two-kernel": functools.partial(backward_pallas.attention_backward, fuse_dq=False),
     "pallas-staggered": functools.partial(backward_pallas.attention_backward,
                                           stream_order="staggered"),
-    "pallas-pipelined": functools.partial(backward_pallas.attention_backward,
-                                          schedule="pipelined"),
     "pallas-fixed-point": api.REPRODUCIBLE_BACKWARD,
     "xla": backward_xla.attention_backward,
 }
@@ -54,8 +50,6 @@ REPRODUCIBLE = {
                                        fixed_point_dq=True),
     "pallas-staggered": functools.partial(backward_pallas.attention_backward,
                                           stream_order="staggered", fixed_point_dq=True),
-    "pallas-pipelined": functools.partial(backward_pallas.attention_backward,
-                                          schedule="pipelined", fixed_point_dq=True),
 }
 
 

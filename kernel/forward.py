@@ -250,6 +250,7 @@ class Kernel(common.OperandRefs):
       return False
     return tiles_reach_past_a_warpgroup(self.config)
 
+
   @property
   def stage_bias(self) -> bool:
     return "bias" in self.keys.buffers

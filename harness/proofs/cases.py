@@ -106,20 +106,17 @@ class BackwardCase:
   bias: bool
   fuse_dq: bool
   fixed_point: bool = False   # the fused dQ's sum in int32 (deterministic=True)
-  schedule: str = "paired"    # kernel.backward.BackwardBlocks.schedule
 
   def describe(self) -> str:
     return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
             f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}"
-            f"{' in fixed point' if self.fixed_point else ''}"
-            f"{'' if self.schedule == 'paired' else ' ' + self.schedule}")
+            f"{' in fixed point' if self.fixed_point else ''}")
 
 
 def backward_cases() -> list[BackwardCase]:
   """Every launch kind kernel/backward.py makes: with and without the fused
   dQ, and where it applies (kernel.backward.fuses_dq) its fixed-point sum
-  as well; the head split's launches also pipelined (kernel.experiments'
-  "pallas-pipelined": BackwardBlocks.pipelined)."""
+  as well."""
   from kernel import backward
   plain = [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
            for b in (False, True) for f in (True, False)]
@@ -127,7 +124,4 @@ def backward_cases() -> list[BackwardCase]:
            if case.fuse_dq and backward.fuses_dq(
                backward.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal),
                with_bias=case.bias, is_causal=case.causal)]
-  pipelined = [dataclasses.replace(case, schedule="pipelined") for case in plain
-               if case.fuse_dq and backward.blocks_for(case.head_dim, case.head_dim,
-                                                       is_causal=case.causal).head_split]
-  return plain + fixed + pipelined
+  return plain + fixed

@@ -41,10 +41,7 @@ the environment that shows it):
   barrier the slot's copies complete means the n-th copy into that slot.
 * **ring order**: across a buffer's slots each reader takes the copies in the
   order they were issued, never an older one after a newer (a slot index that
-  drifts from the producer's, e.g. a missing ``prev_iters`` carry), but for
-  the copy just before the newest it read, while that copy is still the one
-  it waited for (a reader one step ahead: the pipelined head-split dK/dV
-  launch reads step t's slot after step t + 1's).
+  drifts from the producer's, e.g. a missing ``prev_iters`` carry).
 * **overwrite before release**: a copy into a slot is not issued while the
   previous one is in flight or an asynchronous read of the slot (wgmma, TMA
   store) is, nor before every reader has read the copy it waited for; shared
@@ -1288,16 +1285,9 @@ class _Search:
     if rb >= 0:
       g = gidx[ci]
       if lastread[rb] >= 0 and g < lastread[rb]:
-        # Reading back, as a reader that looks one step ahead does (the
-        # pipelined head-split dK/dV launch): only to the copy just before
-        # the newest it read, which the checks above showed is the one it
-        # waited for, landed and not overwritten.
-        newer = (gidx[cj] for cj in st.rbuf_slots[rb][1])
-        if any(g < x < lastread[rb] for x in newer):
-          raise _Fail("ring order",
-                      f"{name} reads a copy of {b} issued two or more before one it read "
-                      f"already: its slot index drifted from the producer's")
-        return lastread
+        raise _Fail("ring order",
+                    f"{name} reads a copy of {b} issued before one it read already: its "
+                    f"slot index drifted from the producer's")
       lastread = _set(lastread, rb, g)
     return lastread
 

@@ -178,32 +178,6 @@ BACKWARD_MUTANTS = (
              "  keys = pl.ds(c.j * c.bkv, c.bkv)\n",
              "  pass\n  keys = pl.ds(c.j * c.bkv, c.bkv)\n"),),
            file="backward.py", backward=(256, False, False, False)),
-    # The pipelined head split (kernel.experiments' "pallas-pipelined"),
-    # which holds two ring slots at once.
-    Mutant("pipelined_slot_released_early",
-           "the pipelined head split releases step t's slot before its dV and dK read it",
-           (("  _wide_stage(c, t, p, ds)\n  _wide_wait(c, next_st)\n",
-             "  _wide_stage(c, t, p, ds); c.stream.consumer_release(st)\n  _wide_wait(c, next_st)\n"),
-            ("  # run_state waited for dV and dK of step t: slot t is free.\n"
-             "  c.stream.consumer_release(st)\n",
-             "  # run_state waited for dV and dK of step t: slot t is free.\n  pass\n")),
-           file="backward.py", backward=(256, False, False, True, False, "pipelined")),
-    Mutant("pipelined_dq_slot_released_early",
-           "the pipelined head-split dQ kernel releases a key block's slot before its "
-           "dQ product reads it",
-           (("    x = _wide_dq_stage(c, ki - c.lb, ds)\n    _wide_dq_wait(c, next_st)\n",
-             "    x = _wide_dq_stage(c, ki - c.lb, ds); c.stream.consumer_release(st)\n"
-             "    _wide_dq_wait(c, next_st)\n"),
-            ("    # run_state waited for dQ's product of block ki: its slot is free.\n"
-             "    c.stream.consumer_release(st)\n",
-             "    # run_state waited for dQ's product of block ki: its slot is free.\n"
-             "    pass\n")),
-           file="backward.py", backward=(256, False, False, True, False, "pipelined")),
-    Mutant("pipelined_halves_without_rendezvous",
-           "the pipelined head split stages its halves of P^T and dS^T without the rendezvous",
-           (("  plgpu.commit_smem()\n  barriers.halves_ready()\n\n\ndef _wide_grads",
-             "  plgpu.commit_smem()\n  pass\n\n\ndef _wide_grads"),),
-           file="backward.py", backward=(256, False, False, True, False, "pipelined")),
 )
 
 SAFE = (

@@ -433,7 +433,7 @@ def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
 # -- backward -------------------------------------------------------------------
 
 def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
-                   module=None, fixed_point=False, schedule="paired"):
+                   module=None, fixed_point=False):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
   CPU, and its Mosaic GPU kernels in launch order."""
   import jax
@@ -450,7 +450,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   def fn(q, k, v, b, ks, ke, o, m, l, do):
     return module.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do, scale=0.125,
                                      is_causal=causal, fuse_dq=fuse_dq,
-                                     fixed_point_dq=fixed_point, schedule=schedule)
+                                     fixed_point_dq=fixed_point)
 
   with api.lowering_only():
     closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)
@@ -526,8 +526,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   for seq_q in shapes:
     closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
                                      fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
-                                     module=module, fixed_point=case.fixed_point,
-                                     schedule=case.schedule)
+                                     module=module, fixed_point=case.fixed_point)
     if not learners:
       if len(rings) != len(kernels):
         raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "

@@ -348,8 +348,7 @@ def main(argv=None) -> int:
                          "config with the split-tail schedule where it runs), or "
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True, a trailing ,stg the dK/dV "
-                         "kernel's staggered stream order (auto,stg), ,pip the head-split "
-                         "launches pipelined (auto,pip), a trailing ,cdb the "
+                         "kernel's staggered stream order (auto,stg), a trailing ,cdb the "
                          "forward computing the softmax of blocks above a warpgroup's "
                          "diagonal (auto,cdb)")
   grid.add_argument("--out-dir", default=None,

@@ -123,11 +123,9 @@ def parse_variant(text: str):
 
 # Flags of a variant beside its config: deterministic=True, the dK/dV
 # kernel's staggered stream order (kernel.experiments' "pallas-staggered"),
-# the head-split launches pipelined ("pallas-pipelined"), and the
-# forward computing the softmax of blocks above a warpgroup's diagonal
-# (kernel.experiments' dead_blocks="compute").
-TRAILING_FLAGS = ("det", "stg", "pip", "cdb")
-BACKWARD_FLAGS = {"stg": "pallas-staggered", "pip": "pallas-pipelined"}
+# and the forward computing the softmax of blocks above a warpgroup's
+# diagonal (kernel.experiments' dead_blocks="compute").
+TRAILING_FLAGS = ("det", "stg", "cdb")
 
 
 def splits_auto(text: str) -> bool:
@@ -142,10 +140,7 @@ def dead_blocks_of(text: str) -> str:
 
 def backward_of(text: str) -> str:
   """The kernel.experiments.BACKWARDS name a variant's backward runs."""
-  named = [BACKWARD_FLAGS[f] for f in text.split(",") if f in BACKWARD_FLAGS]
-  if len(named) > 1:
-    raise ValueError(f"--variants: more than one backward ({', '.join(named)}) in {text!r}")
-  return named[0] if named else "pallas"
+  return "pallas-staggered" if "stg" in text.split(",") else "pallas"
 
 
 def split_tail_of(q, k, v, *, is_causal: bool):

@@ -14,11 +14,6 @@ MAX_STAGES = 4
 # tiles' key blocks are cut evenly over the SMs and merged after the kernel.
 SCHEDULES = ("round-robin", "longest-first", "split-tail")
 COMPUTE_WARPGROUP_COUNTS = (2, 3)   # kernel/barriers.py declares the barriers of each
-# Keys per ring slot: a multiple of 64 (wgmma's K step over a 128-byte
-# swizzled operand, where the key block is the PV product's K), at most
-# 256 (wgmma's N in QK^T).  192 is FlashAttention-3's kind of block (fewer
-# per-block softmax steps than 128 where its registers fit).
-BLOCK_KVS = (64, 128, 192, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +60,8 @@ class Config:
         raise ValueError(f"config.{name} must be an int, got {value!r}")
     if self.block_q not in (64, 128):
       raise ValueError(f"config.block_q must be 64 or 128, got {self.block_q}")
-    if self.block_kv not in BLOCK_KVS:
-      raise ValueError(f"config.block_kv must be 64, 128, 192 or 256, got {self.block_kv}")
+    if self.block_kv not in (64, 128, 256):
+      raise ValueError(f"config.block_kv must be 64, 128 or 256, got {self.block_kv}")
     if not 2 <= self.num_stages <= MAX_STAGES:
       raise ValueError(
           f"config.num_stages must be in [2, {MAX_STAGES}], got {self.num_stages}")

@@ -17,7 +17,7 @@ from kernel import plan
 from kernel.config import COMPUTE_WARPGROUP_COUNTS, Config
 
 BLOCK_Q_CANDIDATES = (64, 128)
-BLOCK_KV_CANDIDATES = (64, 128, 192, 256)
+BLOCK_KV_CANDIDATES = (64, 128, 256)
 NUM_STAGES_CANDIDATES = (2, 3, 4)
 
 
@@ -57,8 +57,8 @@ def get_heuristics_config(problem: plan.Problem) -> Config:
 def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   """Every candidate the autotuner may time, in a fixed order.
 
-  block_q 128 only when the query length rounds up past 128; block_kv 128,
-  192 or 256 only when the key length rounds up to at least that; a non-persistent block
+  block_q 128 only when the query length rounds up past 128; block_kv 128/256
+  only when the key length rounds up to at least that; a non-persistent block
   with more stages than key blocks would only hold empty slots, so it is
   skipped.  Under a causal mask, where tiles do unequal work, each config
   also comes with the longest-first schedule (kernel/schedule.py); without

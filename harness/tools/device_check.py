@@ -67,16 +67,6 @@ def fixed_cases():
       ("split-tail-d256-threshold-0.5-unnormalised",
        dict(seq_q=700, seq_kv=900, heads=4, kv_heads=4, head_dim=256, rescale_threshold=0.5,
             normalize_output=False), Config(64, 64, 2, True, "split-tail")),
-      # 192-key blocks: a key length of no multiple of them (the last block
-      # masked), causal GQA under the longest-first schedule, and the split
-      # tail's pieces.
-      ("bkv192-d128-ragged", dict(seq_q=1000, seq_kv=1000, heads=4, kv_heads=2, head_dim=128),
-       Config(64, 192, 2, True)),
-      ("bkv192-d64-causal-gqa", dict(batch=2, seq_q=777, seq_kv=777, heads=4, kv_heads=2,
-                                     head_dim=64, is_causal=True),
-       Config(64, 192, 2, True, "longest-first")),
-      ("bkv192-split-tail-d128", dict(seq_q=2200, seq_kv=2200, heads=16, kv_heads=4,
-                                      head_dim=128), Config(64, 192, 2, True, "split-tail")),
   ]
   return rng_cases
 

@@ -18,9 +18,6 @@ The harness and the benchmark reach the others through this module:
   the shipped sort and binary searches, or "runs", sort-free where the
   queries' ids are the keys' own array and every id is one run; the same
   ranges).
-* ``dead_blocks``: "compute" runs the softmax of key blocks wholly above a
-  warpgroup's causal diagonal instead of skipping it ("skip", the shipped
-  kernel: kernel/forward.py's softmax; the same bits).
 """
 
 from __future__ import annotations
@@ -53,20 +50,14 @@ REPRODUCIBLE = {
 }
 
 
-DEAD_BLOCKS = ("skip", "compute")
-
-
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
-                          stage_2d=True, segment_bounds="searched", dead_blocks="skip",
-                          **kwargs):
+                          stage_2d=True, segment_bounds="searched", **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
-  (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds`` and
-  ``dead_blocks``; every other argument as there, with its default."""
+  (a :data:`BACKWARDS` name), ``stage_2d`` and ``segment_bounds``; every
+  other argument as there, with its default."""
   import inspect
   if backward not in BACKWARDS:
     raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
-  if dead_blocks not in DEAD_BLOCKS:
-    raise ValueError(f"dead_blocks: expected one of {DEAD_BLOCKS}, got {dead_blocks!r}")
   params = inspect.signature(api.dot_product_attention).parameters
   unknown = sorted(set(kwargs) - set(params))
   if unknown:
@@ -77,8 +68,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
   return api._attention(query, key, value, bias, mask, **{
       k: v for k, v in args.items() if k not in ("bias", "mask")},
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
-      stage_2d=stage_2d, segment_bounds=segment_bounds,
-      skip_dead_blocks=dead_blocks == "skip")
+      stage_2d=stage_2d, segment_bounds=segment_bounds)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

@@ -106,11 +106,6 @@ class Features(Logits):
   # non-persistent launch is not re-ranked on the device (a sort before
   # every call for the order it already has).
   window_ranges: bool = False
-  # A key block wholly above one warpgroup's causal diagonal (a tile's
-  # rows reach a block further than its first warpgroup's) skips that
-  # warpgroup's softmax: Kernel.dead_blocks, softmax().  False computes it
-  # (kernel.experiments' dead_blocks="compute", the A/B; the same bits).
-  skip_dead_blocks: bool = True
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
@@ -239,19 +234,6 @@ class Kernel(common.OperandRefs):
     return self.f.is_causal or self.ragged_kv or self.key_ranges
 
   @property
-  def dead_blocks(self) -> bool:
-    """Whether, under causal, a key block of a tile can lie wholly above
-    one of its warpgroups' diagonals (a tile of three warpgroups of 64
-    rows against 128-key blocks: its first warpgroup's rows end a block
-    before the tile's do; two warpgroups against 64-key blocks), where that
-    warpgroup then skips the block's softmax (:func:`softmax`).  Not with
-    staged operands, whose softmax reads the key phase's shared tiles."""
-    if not (self.f.is_causal and self.f.skip_dead_blocks) or self.staged:
-      return False
-    return tiles_reach_past_a_warpgroup(self.config)
-
-
-  @property
   def stage_bias(self) -> bool:
     return "bias" in self.keys.buffers
 
@@ -265,23 +247,6 @@ class Kernel(common.OperandRefs):
     # bias/mask tile has been read, after the softmax's mask; else right
     # after its QK completes.
     return self.stage_bias or self.stage_mask
-
-
-def above_the_rows(ki, block_kv: int, q_base, block_q: int):
-  """Whether key block ki's first key lies above (causal: after) the last
-  of the rows [q_base, q_base + block_q), so that no row sees any of its
-  keys (Python or traced ints)."""
-  return ki * block_kv > q_base + (block_q - 1)
-
-
-def tiles_reach_past_a_warpgroup(config: Config) -> bool:
-  """Whether some causal tile's rows reach a key block that none of one of
-  its warpgroups' rows see (rows see the keys up to their own index)."""
-  tq, bq, bkv = config.tile_q, config.block_q, config.block_kv
-  # The tiles' starts repeat modulo block_kv; the tile's last block is
-  # the one its first warpgroups' rows may not reach.
-  return any(above_the_rows((x + tq - 1) // bkv, bkv, x + w * bq, bq)
-             for x in range(0, tq * bkv, tq) for w in range(config.compute_warpgroups - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -924,40 +889,9 @@ def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
   on the FMA pipe (as FlashAttention-3 does on Blackwell) measured slower on
   the H200 at every shape tried (2026-12-03), e.g. d64 4k B4 434.8 (n=0) vs
   410.7 (n=3) and 419.5 (n=8) TFLOP/s, d128 4k 604.7 vs 550.8 and 594.1:
-  this loop is issue- and latency-bound, not MUFU-bound.
-
-  A block wholly above this warpgroup's diagonal (``edge`` blocks where
-  :attr:`Kernel.dead_blocks`) has every logit masked: its row max is
-  -inf, so m_ij = max(m_i, -inf) = m_i and p = exp2(-inf - base) = 0.  It
-  takes that result directly, with no mask, max or exponential (a branch
-  uniform over the warpgroup; its products are issued all the same, as the
-  ring's protocol has them)."""
-  if edge and c.dead_blocks:
-    dead = above_the_rows(ki, c.block_kv, t.q_base, c.block_q)
-    return lax.cond(dead, functools.partial(_dead_block, c, m_i, l_i, pending),
-                    functools.partial(_live_block, c, t, s, ki, m_i, l_i, pending, edge))
-  return _live_block(c, t, s, ki, m_i, l_i, pending, edge)
-
-
-def _live_block(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, edge):
+  this loop is issue- and latency-bound, not MUFU-bound."""
   s, sc = logits(c, t, s, ki, edge=edge)
   m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
-  factor, l_i, pending, base = _new_reference(c, m_i, m_ij, l_i, pending)
-  p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
-  return factor, p, m_ij, l_i, pending
-
-
-def _dead_block(c: Kernel, m_i, l_i, pending):
-  """:func:`_live_block`'s result for a block whose logits are all masked."""
-  factor, l_i, pending, _ = _new_reference(c, m_i, m_i, l_i, pending)
-  p = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)
-  return factor, p, m_i, l_i, pending
-
-
-def _new_reference(c: Kernel, m_i, m_ij, l_i, pending):
-  """The factor that brings acc and l_i from the old reference max to the
-  new one (m_ij, or the pending m_scale under a threshold), l_i brought
-  there, the new pending state, and the exponentials' base."""
   if c.always_rescale:
     base = safe(m_ij)
     factor = jnp.exp2(m_i - base)
@@ -971,7 +905,8 @@ def _new_reference(c: Kernel, m_i, m_ij, l_i, pending):
     m_scale = jnp.where(rescale, m_ij, m_scale)
     pending = [m_scale]
     base = safe(m_scale)
-  return factor, l_i, pending, base
+  p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
+  return factor, p, m_ij, l_i, pending
 
 
 def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, plain):

@@ -54,10 +54,6 @@ def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
       "fwd-f16": (base, dict(config=Config(64, 128, 2, False), rescale_threshold=0.0,
                              dtype="float16"), {}, False),
       "fwd-d72": (dict(base, H=72, Hv=96), dict(config=Config(64, 128, 2, False)), {}, False),
-      # Three warpgroups under causal: blocks above the first warpgroups'
-      # diagonals (kernel/forward.py's softmax skips them).
-      "fwd-three-warpgroups-causal": (base, dict(config=Config(64, 128, 2, True, "longest-first",
-                                                               3), is_causal=True), {}, False),
       # A bias broadcast over the batch with its gradient (the dQ kernel,
       # which writes dS), a soft cap, GQA.
       "grad": (base, dict(logits_soft_cap=10.0), dict(bias_shape=(1, 4, 300, 500)), True),

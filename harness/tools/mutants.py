@@ -131,13 +131,6 @@ CATALOG: tuple[Mutant, ...] = (
        "the pending scale dropped from the unnormalised output", FWD,
        "out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])",
        "out = acc", named("heuristic-threshold-0.5-unnormalised"), probe="fwd-unnormalised"),
-    _m("dead-block-a-row-early", "a key block skipped as above the warpgroup's diagonal "
-       "though its last row sees it", FWD,
-       "  return ki * block_kv > q_base + (block_q - 1)",
-       "  return ki * block_kv > q_base",
-       ("properties/test_dead_blocks.py::test_a_dead_block_is_masked_for_every_row_of_the_warpgroup",
-        "properties/test_dead_blocks_gpu.py::test_skipping_dead_blocks_changes_no_bit"),
-       probe="fwd-three-warpgroups-causal"),
     Mutant("pv-operand-rewritten-in-flight",
            "a register an in-flight wgmma reads rewritten before its wait (ptxas then "
            "serialises every wgmma of the kernel)", FWD, (

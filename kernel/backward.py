@@ -120,11 +120,6 @@ class BackwardBlocks:
   # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
   # fit in 232 registers.
   head_split: bool = False
-  # The order a dK/dV block streams its query blocks in: "in-order" (from
-  # its first query block on) or "staggered" (key tile j of a head's n tiles
-  # starts at its j * per_head // n-th block and wraps around: the notes
-  # above _dkv_coords).
-  stream_order: str = "in-order"
 
   @property
   def dq_tile(self) -> int:
@@ -594,7 +589,6 @@ class DkvKernel(_Launch):
   # Inside the kernel:
   j: Any = None             # the key tile
   lo: Any = None            # the first query block that sees the tile's keys
-  rot: Any = None           # staggered stream order: the step the run starts at
   per_head: Any = None      # query blocks per query head
   steps: Any = None         # per_head for every query head of the group
   out_refs: tuple = ()
@@ -836,32 +830,14 @@ def _at_key_tile(c: DkvKernel, qlo_ref, qhi_ref, inner_ref) -> DkvKernel:
     bh = batch_head(inner_ref, b, hk)
     inner_lo, inner_hi = inner_ref[(*bh, 0, j)], inner_ref[(*bh, 1, j)]
   per_head = lax.max(hi - lo, jnp.int32(0))
-  rot = None
-  if c.blocks.stream_order == "staggered":
-    rot = lax.div(j * per_head, jnp.int32(c.s_pad // c.blocks.dkv_tile))
-  return dataclasses.replace(c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head, rot=rot,
+  return dataclasses.replace(c, wg=wg, j=j, hk=hk, b=b, lo=lo, per_head=per_head,
                              steps=per_head * c.group, qlo_ref=qlo_ref, qhi_ref=qhi_ref,
                              inner_lo=inner_lo, inner_hi=inner_hi)
 
 
-# The stream order.  In order, the key tiles of one head in flight at once
-# (all of them at 16k tokens: 128 tiles of 128 keys on 132 SMs) stream the
-# same query block at the same time, so with the fused dQ they reduce-add
-# into the same dQ rows at once; staggered, tile j starts its run at the
-# j * per_head // n-th of its n tiles' share, and the adds in flight spread
-# over the rows (the same blocks, each once; the sums in another order, which
-# the fixed-point dQ does not see).  Under causal the tiles' runs already
-# start at their own diagonals.
-STREAM_ORDERS = ("in-order", "staggered")
-
-
 def _dkv_coords(c: DkvKernel, t):
   """(query head, query block) of step t."""
-  h, k = c.hk * c.group + lax.div(t, c.per_head), lax.rem(t, c.per_head)
-  if c.rot is not None:
-    k = k + c.rot
-    k = jnp.where(k >= c.per_head, k - c.per_head, k)
-  return h, c.lo + k
+  return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)
 
 
 def _dkv_load_stationary(c: DkvKernel):
@@ -1661,7 +1637,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, fixed_point_dq=False, stream_order="in-order",
+                       fuse_dq=True, fixed_point_dq=False,
                        num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
                        window: tuple[int, int] | None = None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
@@ -1677,8 +1653,6 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
   window (left, right) when the key ranges come from one, which the launch
   order weighs the tiles by (the kernels read the ranges alone).
-  ``stream_order``: the dK/dV blocks' order over their query blocks (a
-  :data:`STREAM_ORDERS` name: the notes above :func:`_dkv_coords`).
   """
   dtype = query.dtype
   batch, t, heads, hd = query.shape
@@ -1687,10 +1661,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
-  if stream_order not in STREAM_ORDERS:
-    raise ValueError(f"stream_order: expected one of {STREAM_ORDERS}, got {stream_order!r}")
-  blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule,
-                               stream_order=stream_order)
+  blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were

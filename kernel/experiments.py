@@ -6,8 +6,7 @@ The harness and the benchmark reach the others through this module:
 * ``backward``: the custom_vjp's backward by name (:data:`BACKWARDS`): the
   shipped sm90 kernels ("pallas"), the same with each product waited on its
   own ("pallas-serial"), dQ always by its own kernel ("pallas-two-kernel",
-  the A/B of the fused dQ), the dK/dV blocks' query blocks in the staggered
-  order ("pallas-staggered": kernel/backward.py's notes above _dkv_coords), deterministic=True's ("pallas-fixed-point": the
+  the A/B of the fused dQ), deterministic=True's ("pallas-fixed-point": the
   fused dQ summed in int32), or the kernels' executable specification in
   plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
   All read the same residuals.
@@ -33,8 +32,6 @@ BACKWARDS = {
     "pallas": api.SHIPPED_BACKWARD,
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial"),
     "pallas-two-kernel": functools.partial(backward_pallas.attention_backward, fuse_dq=False),
-    "pallas-staggered": functools.partial(backward_pallas.attention_backward,
-                                          stream_order="staggered"),
     "pallas-fixed-point": api.REPRODUCIBLE_BACKWARD,
     "xla": backward_xla.attention_backward,
 }
@@ -45,8 +42,6 @@ REPRODUCIBLE = {
     "pallas": api.REPRODUCIBLE_BACKWARD,
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial",
                                        fixed_point_dq=True),
-    "pallas-staggered": functools.partial(backward_pallas.attention_backward,
-                                          stream_order="staggered", fixed_point_dq=True),
 }
 
 

@@ -347,10 +347,7 @@ def main(argv=None) -> int:
                     help="semicolon-separated configs of ours: auto, auto,st (auto's "
                          "config with the split-tail schedule where it runs), or "
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
-                         "(auto,det) times deterministic=True, a trailing ,stg the dK/dV "
-                         "kernel's staggered stream order (auto,stg), a trailing ,cdb the "
-                         "forward computing the softmax of blocks above a warpgroup's "
-                         "diagonal (auto,cdb)")
+                         "(auto,det) times deterministic=True")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

@@ -95,14 +95,11 @@ def parse_variant(text: str):
   """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]``:
   p persistent, lf / rr / st the longest-first / round-robin / split-tail
   schedule, w3 three compute warpgroups.  A trailing ``,det`` (``auto,det``)
-  asks for ``deterministic=True`` (:func:`is_deterministic`), a trailing
-  ``,stg`` the staggered backward (:func:`backward_of`), a trailing ``,cdb``
-  the forward that computes the softmax of blocks above a warpgroup's
-  diagonal (:func:`dead_blocks_of`); ``auto,st``
+  asks for ``deterministic=True`` (:func:`is_deterministic`); ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``."""
   from kernel.config import Config
-  fields = [f for f in text.split(",") if f not in TRAILING_FLAGS]
+  fields = [f for f in text.split(",") if f != "det"]
   if fields in (["auto"], ["auto", "st"]):
     return None
   if len(fields) < 3:
@@ -121,26 +118,9 @@ def parse_variant(text: str):
                 compute_warpgroups=3 if "w3" in flags else 2)
 
 
-# Flags of a variant beside its config: deterministic=True, the dK/dV
-# kernel's staggered stream order (kernel.experiments' "pallas-staggered"),
-# and the forward computing the softmax of blocks above a warpgroup's
-# diagonal (kernel.experiments' dead_blocks="compute").
-TRAILING_FLAGS = ("det", "stg", "cdb")
-
-
 def splits_auto(text: str) -> bool:
-  """Whether ``text`` is ``auto,st`` (with or without the trailing flags)."""
-  return [f for f in text.split(",") if f not in TRAILING_FLAGS] == ["auto", "st"]
-
-
-def dead_blocks_of(text: str) -> str:
-  """The kernel.experiments dead_blocks a variant's forward runs."""
-  return "compute" if "cdb" in text.split(",") else "skip"
-
-
-def backward_of(text: str) -> str:
-  """The kernel.experiments.BACKWARDS name a variant's backward runs."""
-  return "pallas-staggered" if "stg" in text.split(",") else "pallas"
+  """Whether ``text`` is ``auto,st`` (with or without ``det``)."""
+  return [f for f in text.split(",") if f != "det"] == ["auto", "st"]
 
 
 def split_tail_of(q, k, v, *, is_causal: bool):
@@ -182,7 +162,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   import functools
   import jax
   import jax.numpy as jnp
-  from kernel import api, experiments
+  from kernel import api
 
   def with_grad(attention):
     if not backward:
@@ -193,13 +173,9 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, backward_name, dead_blocks):
+  def ours(q, k, v, config, det, split):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
-    if (backward_name, dead_blocks) != ("pallas", "skip"):
-      return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
-                                               deterministic=det, backward=backward_name,
-                                               dead_blocks=dead_blocks)
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -207,8 +183,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   for text in variants:
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
-        ours, config=config, det=det, split=splits_auto(text),
-        backward_name=backward_of(text), dead_blocks=dead_blocks_of(text))))
+        ours, config=config, det=det, split=splits_auto(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

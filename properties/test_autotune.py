@@ -597,3 +597,21 @@ def test_split_tail_twins_time_the_pick_beside_its_split_tail(tmp_path):
   again = tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE, resume=True, twins=True)
   # The split tail won everywhere: the picks are their own twins, kept.
   assert {p.status for p in again} == {"cached"}
+
+
+def test_a_split_tail_borrowed_from_the_nearest_entry_is_timed_beside_its_sibling(tmp_path):
+  """``--split-tail-twins`` on a signature without an entry whose nearest
+  entry picked the split tail: its round-robin sibling and the split tail
+  are timed there, not kept unmeasured."""
+  cache = tmp_path / "cache.json"
+  jobs = [j for j in tuner.coverage_jobs() if j.head_dim == 128 and j.dtype == "bfloat16"
+          and not j.causal and j.seq in (4096, 16384)]
+  long = next(j for j in jobs if j.seq == 16384)
+  split = Config(64, 128, 2, True, "split-tail")
+  tuner.record(long.problem(), DEVICE, split, {str(split): 1.0}, path=cache)
+  planned = {p.job: p for p in tuner.plan_jobs(jobs, autotune.load_cache(cache), DEVICE,
+                                                resume=True, twins=True)}
+  short = next(j for j in jobs if j.seq == 4096)
+  assert planned[short].candidates == (Config(64, 128, 2, True, "round-robin"), split)
+  assert planned[short].tunes
+  assert planned[long].status == "cached"

@@ -355,8 +355,10 @@ def main(argv=None) -> int:
   grid.add_argument("--head-dims", default="64,128,256")
   grid.add_argument("--no-ragged", action="store_true",
                     help="leave out the lengths that are no multiple of a block")
-  grid.add_argument("--causal-only", action="store_true")
-  grid.add_argument("--non-causal-only", action="store_true")
+  masking = grid.add_mutually_exclusive_group()
+  masking.add_argument("--causal-only", action="store_true", help="only the causal points")
+  masking.add_argument("--non-causal-only", action="store_true",
+                       help="only the points without a causal mask")
   grid.add_argument("--seqs", default=None,
                     help="comma-separated sequence lengths instead of the grid's")
   grid.add_argument("--no-example", action="store_true",

@@ -130,6 +130,17 @@ def problem_of(case):
                           case.query.dtype, is_causal=case.is_causal, return_residuals=True)
 
 
+def selected(cases, select=()):
+  """The (name, ...) cases whose name holds one of ``select``'s substrings
+  (every case when ``select`` is empty); refuses a selection that keeps none."""
+  if not select:
+    return list(cases)
+  kept = [c for c in cases if any(part in c[0] for part in select)]
+  if not kept:
+    raise SystemExit(f"--select: no case name holds any of {list(select)}")
+  return kept
+
+
 def run(out_path: str | None = None, variants=("as-is",), select=()) -> int:
   """Run the cases (only those whose name holds one of ``select``'s
   substrings, where given) under each variant; 1 if any failed."""
@@ -138,10 +149,7 @@ def run(out_path: str | None = None, variants=("as-is",), select=()) -> int:
   rng = np.random.default_rng(2026)
   cases = [(n, random_case(rng, **kw), cfg) for n, kw, cfg in fixed_cases()]
   cases += extra_cases(rng)
-  if select:
-    cases = [c for c in cases if any(part in c[0] for part in select)]
-    if not cases:
-      raise SystemExit(f"--select: no case name holds any of {list(select)}")
+  cases = selected(cases, select)
   rows, failures = [], 0
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
   from kernel import plan

@@ -259,7 +259,7 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
                q_segment_ids, kv_segment_ids, segment_layout, k_start, k_end,
                logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
                config, deterministic, backward, reproducible_backward, stage_2d: bool,
-               segment_bounds: str = "searched"):
+               segment_bounds: str = variants.SHIPPED_SEGMENT_BOUNDS):
   """dot_product_attention with the variants kept for measurement and tests
   (kernel/experiments.py): ``backward`` the custom_vjp's backward,
   ``reproducible_backward`` the one ``deterministic=True`` takes instead

@@ -14,9 +14,9 @@ The harness and the benchmark reach the others through this module:
   staging it through the ring (the A/B of the staging; the same bits).
 * ``segment_bounds``: how packed segments' key ranges are found
   (kernel/variants.py's :data:`~kernel.variants.SEGMENT_BOUNDS`: "searched",
-  the shipped sort and binary searches, or "runs", sort-free where the
-  queries' ids are the keys' own array and every id is one run; the same
-  ranges).
+  a sort and binary searches, or "runs", sort-free where the queries' ids
+  are the keys' own array and every id is one run; the same ranges; None
+  the shipped :data:`~kernel.variants.SHIPPED_SEGMENT_BOUNDS`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kernel import backward as backward_pallas
 from kernel import backward_xla
 
 from kernel import api
+from kernel import variants
 
 BACKWARDS = {
     "pallas": api.SHIPPED_BACKWARD,
@@ -46,7 +47,7 @@ REPRODUCIBLE = {
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
-                          stage_2d=True, segment_bounds="searched", **kwargs):
+                          stage_2d=True, segment_bounds=None, **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
   (a :data:`BACKWARDS` name), ``stage_2d`` and ``segment_bounds``; every
   other argument as there, with its default."""
@@ -63,7 +64,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
   return api._attention(query, key, value, bias, mask, **{
       k: v for k, v in args.items() if k not in ("bias", "mask")},
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
-      stage_2d=stage_2d, segment_bounds=segment_bounds)
+      stage_2d=stage_2d,
+      segment_bounds=segment_bounds or variants.SHIPPED_SEGMENT_BOUNDS)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

@@ -107,9 +107,10 @@ SEARCH = "scan_unrolled"
 # the runs are not yet measured, so the API keeps "searched"
 # (kernel/experiments.py times both).
 SEGMENT_BOUNDS = ("searched", "runs")
+SHIPPED_SEGMENT_BOUNDS = "searched"
 
 
-def segment_bounds(q_segment_ids, kv_segment_ids, method: str = "searched"):
+def segment_bounds(q_segment_ids, kv_segment_ids, method: str = SHIPPED_SEGMENT_BOUNDS):
   """Per query row, (start, end, single_run), each (B, T): the first key
   with the row's id and one past the last (0, 0 where no key has it), and
   whether those keys form one run (then [start, end) is exactly them).
@@ -194,7 +195,8 @@ def segments_are_contiguous(kv_segment_ids) -> jax.Array:
 
 def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
                key_value_seq_lengths=None, window: tuple[int, int] | None = None,
-               q_segment_ids=None, kv_segment_ids=None, segment_bounds_method="searched"):
+               q_segment_ids=None, kv_segment_ids=None,
+               segment_bounds_method=SHIPPED_SEGMENT_BOUNDS):
   """(start, end, single_run) of the new range sources alone: int32 arrays
   broadcastable to (B, 1, T) (None where no source bounds that side), and
   (B, T) bool or None for the segment rows served by one interval.
@@ -249,7 +251,7 @@ def route(query, key, value, bias, mask, k_start, k_end, *, query_seq_lengths=No
           key_value_seq_lengths=None, local_window_size=None, q_segment_ids=None,
           kv_segment_ids=None, segment_layout="contiguous", implementation=None,
           return_residual=False, return_residuals=False,
-          segment_bounds_method="searched") -> Routed:
+          segment_bounds_method=SHIPPED_SEGMENT_BOUNDS) -> Routed:
   """Validate the call's jax.nn and segment arguments and turn them into the
   kernel's mask and key ranges (see the module docstring).
   ``segment_bounds_method``: :data:`SEGMENT_BOUNDS` (kernel/experiments.py)."""

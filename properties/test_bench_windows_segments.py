@@ -137,7 +137,7 @@ def test_every_route_lowers_for_cuda(name, backward, cudnn_lowers_here):
   p = SMALL[name]
   fns, unavailable = ws.implementations(p, backward=backward)
   expected = ({ws.OURS, ws.NO_WINDOW, ws.DENSE_MASK} if p.kind == "window"
-              else {ws.OURS, ws.SORT_FREE, ws.DENSE_MASK, ws.ANY_LAYOUT, ws.CUDNN_PACKED})
+              else {ws.OURS, ws.OTHER_BOUNDS, ws.DENSE_MASK, ws.ANY_LAYOUT, ws.CUDNN_PACKED})
   if p.kind == "window" and p.causal:
     expected.add(ws.CUDNN)
   assert set(fns) == expected

@@ -70,3 +70,28 @@ def test_auto_st_times_the_chosen_config_with_the_split_tail_where_it_runs(causa
   with api.lowering_only():
     text = jax.export.export(fns["ours auto,st"], platforms=["cuda"])(q, q, q).mlir_module()
   assert len(re.findall(r"stablehlo\.custom_call @mosaic_gpu", text)) == 1
+
+
+def test_each_timed_point_reaches_the_partial_file_before_the_next(tmp_path, monkeypatch):
+  """A grid stopped by a time limit leaves the rows it timed: run_grid
+  appends each row to OUT_DIR/performance.partial.jsonl (after the run's
+  meta) before it starts the next point."""
+  import json
+  seen_lines = []
+  monkeypatch.setattr(bg, "implementations", lambda point, variants, **kw: {"ours auto": None})
+  monkeypatch.setattr(bg, "_inputs", lambda *a: [()])
+
+  def timed(fns, inputs):
+    path = tmp_path / bg.PARTIAL
+    seen_lines.append(len(path.read_text().splitlines()))
+    return {"ours auto": 1e-3 * (len(seen_lines))}, {}
+  monkeypatch.setattr(bg, "time_interleaved", timed)
+  points = [bg.Point(64, 1024, False), bg.Point(128, 4096, True)]
+  on_row = bg.partial_writer(tmp_path, dict(commit="abc"))
+  rows = bg.run_grid(points, ["auto"], backward=False, on_row=on_row, log=lambda *a, **k: None)
+  lines = [json.loads(x) for x in (tmp_path / bg.PARTIAL).read_text().splitlines()]
+  assert seen_lines == [1, 2]          # the meta, then the first row before the second point
+  assert lines[0] == {"meta": {"commit": "abc"}}
+  assert lines[1:] == rows
+  assert [r["results"]["ours auto"]["ms"] for r in lines[1:]] == [1.0, 2.0]
+  assert bg.partial_writer(None, {}) is None

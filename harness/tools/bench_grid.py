@@ -237,7 +237,8 @@ def time_interleaved(fns: dict, input_sets, *, target_s: float = 0.02, trials: i
 
 
 def run_grid(points, variants, *, backward: bool, dtype="bfloat16", sets: int = 3,
-             example: bool = True, log=print) -> list[dict]:
+             example: bool = True, log=print, on_row=None) -> list[dict]:
+  """One row per point; ``on_row(row)`` after each (the partial file)."""
   import jax.numpy as jnp
   rows = []
   for point in points:
@@ -255,7 +256,29 @@ def run_grid(points, variants, *, backward: bool, dtype="bfloat16", sets: int = 
         row["results"][name] = dict(error=errors.get(name, "not timed"))
     rows.append(row)
     log(render_rows([row], header=not rows[:-1]), flush=True)
+    if on_row is not None:
+      on_row(row)
   return rows
+
+
+PARTIAL = "performance.partial.jsonl"
+
+
+def partial_writer(out_dir: Path | None, meta: dict):
+  """``on_row`` for :func:`run_grid`: each row appended to OUT_DIR/
+  :data:`PARTIAL` (after a line of the run's meta) as it is timed, so that
+  a run stopped by a time limit leaves what it measured; :func:`main`
+  removes the file once the page is written.  None without ``--out-dir``."""
+  if out_dir is None:
+    return None
+  out_dir.mkdir(parents=True, exist_ok=True)
+  path = out_dir / PARTIAL
+  path.write_text(json.dumps(dict(meta=meta)) + "\n")
+
+  def append(row: dict) -> None:
+    with path.open("a") as f:
+      f.write(json.dumps(row) + "\n")
+  return append
 
 
 def _cell(result: dict | None) -> str:
@@ -477,6 +500,7 @@ def main(args, sections: dict | None = None) -> int:
   if out_dir is not None and (out_dir / "performance.json").exists():
     existing = json.loads((out_dir / "performance.json").read_text())
   rows = None
+  on_row = partial_writer(out_dir, meta)
   if "dense" in chosen:
     rows = []
     head_dims = tuple(int(d) for d in args.head_dims.split(","))
@@ -490,12 +514,14 @@ def main(args, sections: dict | None = None) -> int:
       if args.seqs:
         seqs = {int(x) for x in args.seqs.split(",")}
         points = [p for p in points if p.seq in seqs]
-      rows += run_grid(points, variants, backward=backward, example=not args.no_example)
+      rows += run_grid(points, variants, backward=backward, example=not args.no_example,
+                       on_row=on_row)
   timed = {sections[n].KEY: sections[n].run(args, passes=passes) for n in chosen if n != "dense"}
   if out_dir is not None:
     timed_passes = None if rows is None else tuple(pass_name(b) for b in passes)
     write(merged_record(existing, meta, rows=rows, sections=timed, passes=timed_passes),
           out_dir, sections)
+    (out_dir / PARTIAL).unlink(missing_ok=True)
   print()
   for n in sorted({n for r in rows or () for n in r["results"] if n.startswith("ours")}):
     print(n, summary(rows, n))

@@ -246,10 +246,12 @@ def test_the_table_shows_speedups_and_reasons():
   assert "ours, dense mask 0.0078" in text
 
 
-def test_a_section_run_keeps_the_grids_rows_and_writes_both(tmp_path):
+def test_a_section_run_keeps_the_grids_rows_and_writes_both(tmp_path, monkeypatch):
   """Timing only the section rewrites its part of performance.json/.md and
-  keeps the grid's rows with their own provenance; timing only the grid
-  later keeps the section."""
+  keeps the grid's rows with their own provenance (the plot's title names
+  both commits); timing only the grid later keeps the section."""
+  titles = []
+  monkeypatch.setattr(bg, "plot", lambda panels, path, title: titles.append(title) or False)
   dense_row = dict(head_dim=128, seq=4096, causal=False, kv_heads_ratio=1, heads=16,
                    kv_heads=16, batch=4, dtype="bfloat16", pass_="forward",
                    results={"ours auto": dict(ms=1.0, tflops=600.0),
@@ -272,6 +274,9 @@ def test_a_section_run_keeps_the_grids_rows_and_writes_both(tmp_path):
   md = (tmp_path / "performance.md").read_text()
   assert "| forward | 128 | 4096 | no | 4 | 16/16 | 600.0 | 571.4 | 1.05 |" in md
   assert f"## {ws.TITLE}" in md and "commit def5678" in md and "commit abc1234" in md
+  assert "commit abc1234" in titles[0] and "def5678" not in titles[0]
+  assert "commit abc1234" in titles[1] and f"{ws.TITLE.lower()}: " in titles[1]
+  assert "commit def5678" in titles[1]
   third = bg.merged_record(record, _meta("python -m harness bench --grid"), rows=[dense_row],
                            sections={})
   assert third["sections"] == record["sections"]

@@ -434,9 +434,13 @@ def write(record: dict, out_dir: Path, sections: dict) -> None:
       continue
     lines += [f"## {module.TITLE}", "", _provenance(section), ""] + module.render(section)
     panels += module.panels(section)
+    title = (f"{section['device']}, jax {section['jax']}, commit {section['commit']}, "
+             f"{section['date']}")
     if not rows:
-      titles.append(f"{section['device']}, jax {section['jax']}, commit {section['commit']}, "
-                    f"{section['date']}")
+      titles.append(title)
+    elif title not in titles:
+      # a section timed by another run names its own provenance in the plot too
+      titles.append(f"{module.TITLE.lower()}: {title}")
   if plot(panels, out_dir / "performance.png", "; ".join(titles) + ", bfloat16"):
     lines += ["![TFLOP/s and ms per point](performance.png)", ""]
   (out_dir / "performance.md").write_text("\n".join(lines))

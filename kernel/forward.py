@@ -110,12 +110,15 @@ class Features(Logits):
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
                   head_dim_out, itemsize, tile_q, block_kv, seq_q, seq_kv, is_causal,
-                  window=None):
+                  window=None, num_sms=None):
   """The longest-first order of this launch's tiles (kernel/schedule.py),
   weighted by the key blocks each query tile visits: causal, the key length
   and a local ``window`` (left, right) are static and counted exactly; other
   key ranges (lengths, segments, the caller's) are data the schedule cannot
-  see, so their tiles are weighed at this upper bound."""
+  see, so their tiles are weighed at this upper bound.  ``num_sms``: the
+  SMs the tiles are dealt to (persistent blocks, or the hardware's deal of
+  a grid in launch order), which lets the schedule even its L2 sections
+  where that balances the deal (schedule.longest_first)."""
   def tile_blocks(qi):
     ks = ke = None
     if window is not None:
@@ -127,7 +130,7 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
   return schedule_lib.longest_first(
       batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
       tile_blocks=tile_blocks,
-      kv_bytes_per_head=s_pad * (head_dim + head_dim_out) * itemsize)
+      kv_bytes_per_head=s_pad * (head_dim + head_dim_out) * itemsize, num_sms=num_sms)
 
 
 def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_kv,
@@ -336,7 +339,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
         s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
         itemsize=np.dtype(dtype).itemsize, tile_q=tile_q, block_kv=block_kv,
-        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window)
+        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window,
+        num_sms=num_sms)
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))

@@ -54,6 +54,12 @@ L2_SECTION_BYTES = 32 * 1024 * 1024
 # A tile's fixed cost (query load, epilogue, pipeline fill) in key-block
 # equivalents: it keeps a light tile from looking free to the dealer.
 TILE_OVERHEAD_BLOCKS = 2
+# longest_first evens its L2 sections where dealing predicts this much less
+# makespan.  Evening never makes a section larger (its K/V still fit L2),
+# so it costs nothing the model leaves out; the margin only keeps the
+# model's own noise (about 1 % between splits of equal balance) from
+# changing orders.
+EVEN_SECTIONS_MIN_GAIN = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,8 @@ class Schedule:
   num_tiles: int
   order: np.ndarray    # (total,) int32
   weight: np.ndarray   # (total,) int64
+  # (batch, kv head) units per L2 section, in run order (longest_first's).
+  sections: tuple[int, ...] = ()
 
   @property
   def total(self) -> int:
@@ -122,24 +130,37 @@ class Schedule:
     Returns ``(tiles, counts)``: ``tiles`` (num_blocks, max_count) int32,
     block j runs ``tiles[j, :counts[j]]`` in that order (the rest is -1).
     """
-    if num_blocks < 1:
-      raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    loads = [(0, j) for j in range(num_blocks)]
-    per_block: list[list[int]] = [[] for _ in range(num_blocks)]
-    for tile, w in zip(self.order.tolist(), self.weight.tolist()):
-      load, j = heapq.heappop(loads)
-      per_block[j].append(tile)
-      heapq.heappush(loads, (load + w + TILE_OVERHEAD_BLOCKS, j))
+    per_block, _ = self._deal(num_blocks)
     counts = np.array([len(p) for p in per_block], np.int32)
     tiles = np.full((num_blocks, max(1, int(counts.max()))), -1, np.int32)
     for j, p in enumerate(per_block):
       tiles[j, :len(p)] = p
     return tiles, counts
 
+  def makespan(self, num_blocks: int) -> int:
+    """The largest load :meth:`assign` deals a block (key blocks, each
+    tile counted with ``TILE_OVERHEAD_BLOCKS``)."""
+    return max(self._deal(num_blocks)[1])
+
+  def _deal(self, num_blocks: int) -> tuple[list[list[int]], list[int]]:
+    """(tiles per block, load per block) of :meth:`assign`'s dealing."""
+    if num_blocks < 1:
+      raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    heap = [(0, j) for j in range(num_blocks)]
+    per_block: list[list[int]] = [[] for _ in range(num_blocks)]
+    loads = [0] * num_blocks
+    for tile, w in zip(self.order.tolist(), self.weight.tolist()):
+      load, j = heapq.heappop(heap)
+      per_block[j].append(tile)
+      loads[j] = load + w + TILE_OVERHEAD_BLOCKS
+      heapq.heappush(heap, (loads[j], j))
+    return per_block, loads
+
 
 def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: int,
                   tile_blocks, kv_bytes_per_head: int,
-                  section_bytes: int = L2_SECTION_BYTES) -> Schedule:
+                  section_bytes: int = L2_SECTION_BYTES,
+                  num_sms: int | None = None) -> Schedule:
   """Tiles grouped in L2 sections of (batch, kv head) units, heaviest first
   inside a section; within one weight, the query heads of a unit and then the
   units follow each other so that tiles in flight share K/V.
@@ -147,6 +168,21 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
   ``tile_blocks(qi)`` is the number of key blocks query tile ``qi`` visits
   (the same for every head and batch: causal and ragged lengths depend on qi
   alone).  ``kv_bytes_per_head``: the K and V bytes of one (batch, kv head).
+
+  Sections hold as many units as ``section_bytes`` allows, the last one the
+  rest.  Given ``num_sms``, the units are instead split evenly over as many
+  sections (sizes differing by at most one) where dealing that order to
+  ``min(num_sms, tiles)`` blocks is predicted at least
+  :data:`EVEN_SECTIONS_MIN_GAIN` faster (:meth:`Schedule.makespan`).  Why:
+  a last section of few units starts its heaviest tiles when every SM is
+  nearly done, and they make the tail.  At 12017 tokens, causal, B1, on
+  132 SMs: d128 (16 heads, 128-row tiles) in sections of 5, 5, 5 and 1
+  heads deals a largest load of 620 key blocks against a mean of 564, in
+  four of 4 heads 566; d64 (32 heads, 192-row tiles) 10, 10, 10, 2: 809
+  against 767, in four of 8: 771.  Those are the only causal points of
+  ``bench --grid`` (MHA and GQA 4) whose order this changes; the H200 ran
+  them at 0.96 of cuDNN with the filled sections (docs/performance.md,
+  3547abc, 2026-12-05).
   """
   for name, value in (("batch", batch), ("num_heads", num_heads),
                       ("num_kv_heads", num_kv_heads), ("num_tiles", num_tiles)):
@@ -154,23 +190,43 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   if num_heads % num_kv_heads:
     raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-  group = num_heads // num_kv_heads
   blocks = np.array([int(tile_blocks(qi)) for qi in range(num_tiles)], np.int64)
-  units_per_section = max(1, section_bytes // max(1, kv_bytes_per_head))
+  units = batch * num_kv_heads
+  cap = max(1, section_bytes // max(1, kv_bytes_per_head))
+  filled = (cap,) * (units // cap) + ((units % cap,) if units % cap else ())
+  schedule = _sectioned(batch, num_heads, num_kv_heads, num_tiles, blocks, filled)
+  count = len(filled)
+  base, extra = divmod(units, count)
+  even = (base + 1,) * extra + (base,) * (count - extra)
+  if num_sms is None or even == filled:
+    return schedule
+  evened = _sectioned(batch, num_heads, num_kv_heads, num_tiles, blocks, even)
+  blocks_dealt = min(num_sms, schedule.total)
+  gain = schedule.makespan(blocks_dealt) / evened.makespan(blocks_dealt) - 1
+  if gain >= EVEN_SECTIONS_MIN_GAIN:
+    return evened
+  return schedule
+
+
+def _sectioned(batch: int, num_heads: int, num_kv_heads: int, num_tiles: int,
+               blocks: np.ndarray, sections: tuple[int, ...]) -> Schedule:
+  """:func:`longest_first`'s order for the given units per section."""
+  group = num_heads // num_kv_heads
   units = [(b, hk) for b in range(batch) for hk in range(num_kv_heads)]
   # Heaviest first; a stable sort keeps ascending qi among equal weights.
   qi_order = np.argsort(-blocks, kind="stable")
   order, weight = [], []
-  for start in range(0, len(units), units_per_section):
-    section = units[start:start + units_per_section]
+  start = 0
+  for size in sections:
+    section = units[start:start + size]
+    start += size
     for qi in qi_order.tolist():
       for b, hk in section:
         for h in range(hk * group, (hk + 1) * group):
           order.append((b * num_heads + h) * num_tiles + qi)
           weight.append(blocks[qi])
   return Schedule(batch, num_heads, num_tiles, np.array(order, np.int32),
-                  np.array(weight, np.int64))
-
+                  np.array(weight, np.int64), tuple(sections))
 
 
 # The split tail (``Config(schedule="split-tail")``, persistent, tiles of

@@ -17,6 +17,10 @@ The harness and the benchmark reach the others through this module:
   a sort and binary searches, or "runs", sort-free where the queries' ids
   are the keys' own array and every id is one run; the same ranges; None
   the shipped :data:`~kernel.variants.SHIPPED_SEGMENT_BOUNDS`).
+* ``even_sections``: False keeps the longest-first order's L2 sections
+  filled to their byte bound, the last one the rest, where the shipped
+  order evens them (kernel/schedule.py's ``longest_first``); the same
+  tiles, in another order.
 """
 
 from __future__ import annotations
@@ -47,13 +51,16 @@ REPRODUCIBLE = {
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
-                          stage_2d=True, segment_bounds=None, **kwargs):
+                          stage_2d=True, segment_bounds=None, even_sections=True,
+                          **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
-  (a :data:`BACKWARDS` name), ``stage_2d`` and ``segment_bounds``; every
-  other argument as there, with its default."""
+  (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds`` and
+  ``even_sections``; every other argument as there, with its default."""
   import inspect
   if backward not in BACKWARDS:
     raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
+  if not isinstance(even_sections, bool):
+    raise ValueError(f"even_sections: expected a bool, got {even_sections!r}")
   params = inspect.signature(api.dot_product_attention).parameters
   unknown = sorted(set(kwargs) - set(params))
   if unknown:
@@ -65,7 +72,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
       k: v for k, v in args.items() if k not in ("bias", "mask")},
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
       stage_2d=stage_2d,
-      segment_bounds=segment_bounds or variants.SHIPPED_SEGMENT_BOUNDS)
+      segment_bounds=segment_bounds or variants.SHIPPED_SEGMENT_BOUNDS,
+      even_sections=even_sections)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

@@ -106,6 +106,11 @@ class Features(Logits):
   # non-persistent launch is not re-ranked on the device (a sort before
   # every call for the order it already has).
   window_ranges: bool = False
+  # The longest-first order may even its L2 sections where dealing predicts
+  # that it pays (kernel/schedule.py's longest_first); False keeps them
+  # filled to the byte bound, the last one the rest (kernel.experiments'
+  # A/B of the two).
+  even_sections: bool = True
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
@@ -340,7 +345,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
         itemsize=np.dtype(dtype).itemsize, tile_q=tile_q, block_kv=block_kv,
         seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window,
-        num_sms=num_sms)
+        num_sms=num_sms if f.even_sections else None)
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))

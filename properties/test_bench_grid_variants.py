@@ -24,10 +24,39 @@ from kernel.config import Config
     ("64,128,2,p,st", Config(64, 128, 2, True, "split-tail"), False),
     ("auto,st", None, False),
     ("auto,st,det", None, True),
+    ("auto,fs", None, False),
+    ("64,128,2,p,lf,fs,det", Config(64, 128, 2, True, "longest-first"), True),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config
   assert bg.is_deterministic(text) is det
+  assert bg.filled_sections(text) is (text in ("auto,fs", "64,128,2,p,lf,fs,det"))
+
+
+def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypatch):
+  """A variant ending in ``fs`` traces the longest-first order without the
+  SMs, so its L2 sections stay filled (kernel/schedule.py's longest_first
+  evens them only when it is told the SMs, as the variant without ``fs``
+  does: properties/test_schedule.py checks the evening at causal 12017
+  tokens, d128)."""
+  from kernel import schedule
+  told = []
+  real = schedule.longest_first
+
+  def recording(**kwargs):
+    told.append(kwargs["num_sms"])
+    return real(**kwargs)
+  monkeypatch.setattr(schedule, "longest_first", recording)
+  point = bg.Point(128, 12017, True)
+  variants = ["64,128,2,p,lf", "64,128,2,p,lf,fs"]
+  fns = bg.implementations(point, variants, backward=False, example=False)
+  q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
+  for text, num_sms in zip(variants, (132, None)):
+    name = f"ours {text}"
+    told.clear()
+    with api.lowering_only():
+      jax.make_jaxpr(fns[name])(q, q, q)
+    assert told == [num_sms], name
 
 
 @pytest.mark.parametrize("text", ["x", "64,128", "64,128,2,q", "auto,p", "64,128,2,p,lf,st",

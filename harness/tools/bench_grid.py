@@ -95,11 +95,14 @@ def parse_variant(text: str):
   """``auto`` (config=None) or ``block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]``:
   p persistent, lf / rr / st the longest-first / round-robin / split-tail
   schedule, w3 three compute warpgroups.  A trailing ``,det`` (``auto,det``)
-  asks for ``deterministic=True`` (:func:`is_deterministic`); ``auto,st``
+  asks for ``deterministic=True`` (:func:`is_deterministic`), a trailing
+  ``,fs`` the longest-first order with its L2 sections filled instead of
+  evened (:func:`filled_sections`, kernel.experiments' ``even_sections``
+  False: the A/B of the evening); ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``."""
   from kernel.config import Config
-  fields = [f for f in text.split(",") if f != "det"]
+  fields = [f for f in text.split(",") if f not in MODIFIERS]
   if fields in (["auto"], ["auto", "st"]):
     return None
   if len(fields) < 3:
@@ -119,8 +122,8 @@ def parse_variant(text: str):
 
 
 def splits_auto(text: str) -> bool:
-  """Whether ``text`` is ``auto,st`` (with or without ``det``)."""
-  return [f for f in text.split(",") if f != "det"] == ["auto", "st"]
+  """Whether ``text`` is ``auto,st`` (with or without ``det``, ``fs``)."""
+  return [f for f in text.split(",") if f not in MODIFIERS] == ["auto", "st"]
 
 
 def split_tail_of(q, k, v, *, is_causal: bool):
@@ -137,6 +140,15 @@ def split_tail_of(q, k, v, *, is_causal: bool):
 
 def is_deterministic(text: str) -> bool:
   return "det" in text.split(",")
+
+
+def filled_sections(text: str) -> bool:
+  """Whether ``text`` ends in ``fs``: L2 sections kept filled."""
+  return "fs" in text.split(",")
+
+
+# Trailing flags of a variant that change the call, not the config.
+MODIFIERS = ("det", "fs")
 
 
 def _inputs(point: Point, dtype, sets: int, backward: bool):
@@ -162,7 +174,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   import functools
   import jax
   import jax.numpy as jnp
-  from kernel import api
+  from kernel import api, experiments
 
   def with_grad(attention):
     if not backward:
@@ -173,9 +185,12 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split):
+  def ours(q, k, v, config, det, split, filled):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
+    if filled:
+      return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
+                                               deterministic=det, even_sections=False)
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -183,7 +198,8 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   for text in variants:
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
-        ours, config=config, det=det, split=splits_auto(text))))
+        ours, config=config, det=det, split=splits_auto(text),
+        filled=filled_sections(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

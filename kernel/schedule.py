@@ -367,9 +367,14 @@ BALANCE_WAVES = 2
 
 def section_sizes(units: int, tiles: int, *, unit_bytes: int, num_sms: int,
                   section_bytes: int = L2_SECTION_BYTES) -> tuple[int, ...]:
-  """Units per section, in launch order: the fewest units whose tiles number
-  ``BALANCE_WAVES * num_sms``, no more than ``section_bytes`` of the bytes a
-  unit's tiles re-read, split evenly (sizes differ by at most one)."""
+  """Units per section, in launch order.  ``per``: the fewest units whose
+  tiles number ``BALANCE_WAVES * num_sms``, but no more than fit
+  ``section_bytes`` of the bytes a unit's tiles re-read.  The units are
+  split evenly over ``units // per`` sections (sizes differ by at most
+  one): a section holds at least ``per`` units and fewer than twice as
+  many, the remainder spread over the sections rather than left to a
+  small last one (16 units at ``per`` 5: 6, 5, 5), so a section may pass
+  ``section_bytes`` by its share of the remainder."""
   for name, value in (("units", units), ("tiles", tiles), ("num_sms", num_sms)):
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")

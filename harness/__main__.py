@@ -1,4 +1,5 @@
-"""``python -m harness <command>``: gate, prove, golden, bench, autotune, mutants, ptxas."""
+"""``python -m harness <command>``: gate, prove, golden, bench, autotune, mutants, ptxas,
+schedule."""
 
 import sys
 
@@ -13,6 +14,7 @@ def main(argv=None) -> int:
       "autotune": ("harness.tools.autotune", "time the candidate configs on the GPU, write the cache"),
       "mutants": ("harness.tools.mutants", "kernel mutants against the tests that must kill them"),
       "ptxas": ("harness.tools.ptxas_report", "registers, spills and wgmma serialisation per kernel (GPU)"),
+      "schedule": ("harness.tools.schedule_report", "how evenly the forward's tiles deal to the SMs, per shape (CPU)"),
   }
   if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
     print("usage: python -m harness {" + ",".join(commands) + "} [args]")

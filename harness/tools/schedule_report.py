@@ -1,0 +1,103 @@
+"""``python -m harness schedule``: how evenly the forward's longest-first order
+deals its tiles to the SMs, per shape, on this machine's CPU (no GPU).
+
+For each point (head dim x sequence length x query heads per kv head, causal
+or not, 16k tokens per batch as in ``bench --grid``) the report takes the
+config ``config=None`` runs on an H200 (the shipped autotune cache, else the
+heuristic) and, where that config runs the longest-first schedule, deals its
+order as the kernel does (kernel/schedule.py's ``Schedule.assign``: each tile
+to the block with the least work so far, a tile costing its key blocks plus
+``TILE_OVERHEAD_BLOCKS``).  ``tail`` is the largest block's load over the
+mean: 1.00 is a perfect deal, 1.10 an SM finishing 10 % after the average.
+Both orders are shown, the shipped one (L2 sections evened where that pays)
+and the one with sections filled to their byte bound (``bench --grid``'s
+``,fs`` variant), so that a change to the schedule is predicted here before
+it is timed on the GPU.  The model knows key blocks, not their cost: a
+masked diagonal block or a slow head is not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harness.tools import bench_grid as bg
+
+DEVICE_KIND = "NVIDIA H200"
+SEQS = bg.FORWARD_SEQS + bg.RAGGED_SEQS
+
+
+def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
+        device_kind: str = DEVICE_KIND) -> dict:
+  """One point: the config, and for a longest-first one the sections and
+  tail of the shipped order and of the filled one (else None)."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api, forward, schedule
+
+  point = bg.Point(head_dim, seq, causal, gqa)
+  q = jax.ShapeDtypeStruct((point.batch, seq, point.heads, head_dim), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((point.batch, seq, point.kv_heads, head_dim), jnp.bfloat16)
+  with api.lowering_only():
+    config = api._chosen_config(q, k, k, None, None, is_causal=causal, k_start=None,
+                                k_end=None, device_kind=device_kind, stage_2d=True)
+  out = dict(head_dim=head_dim, seq=seq, causal=causal, gqa=gqa, batch=point.batch,
+             heads=point.heads, config=config, shipped=None, filled=None)
+  if config.schedule != "longest-first":
+    return out
+  tile_q = config.block_q * config.compute_warpgroups
+  num_tiles = -(-seq // tile_q)
+  args = dict(batch=point.batch, num_heads=point.heads, num_kv_heads=point.kv_heads,
+              num_tiles=num_tiles, s_pad=-(-seq // config.block_kv) * config.block_kv,
+              head_dim=head_dim, head_dim_out=head_dim, itemsize=2, tile_q=tile_q,
+              block_kv=config.block_kv, seq_q=seq, seq_kv=seq, is_causal=causal)
+  for name, num_sms in (("shipped", schedule.DEFAULT_NUM_SMS), ("filled", None)):
+    order = forward.tile_schedule(**args, num_sms=num_sms)
+    blocks = min(schedule.DEFAULT_NUM_SMS, order.total)
+    mean = (int(order.weight.sum()) + schedule.TILE_OVERHEAD_BLOCKS * order.total) / blocks
+    out[name] = dict(sections=order.sections, makespan=order.makespan(blocks), mean=mean,
+                     tail=order.makespan(blocks) / mean)
+  return out
+
+
+def render(rows: list[dict]) -> str:
+  """Markdown, the worst shipped tail first."""
+  def cell(d):
+    if d is None:
+      return "-", "-"
+    return ",".join(map(str, d["sections"])), f"{d['tail']:.3f}"
+  rows = sorted(rows, key=lambda r: -(r["shipped"] or {"tail": 0})["tail"])
+  lines = ["| D | seq | causal | B | N/K | config | sections | tail | filled sections | "
+           "filled tail |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    c = r["config"]
+    config = (f"{c.block_q},{c.block_kv},{c.num_stages}{',p' if c.persistent else ''}"
+              f" {c.schedule}{' w3' if c.compute_warpgroups == 3 else ''}")
+    lines.append(f"| {r['head_dim']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | "
+                 f"{r['batch']} | {r['heads']}/{r['heads'] // r['gqa']} | {config} | "
+                 f"{' | '.join(cell(r['shipped']))} | {' | '.join(cell(r['filled']))} |")
+  return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m harness schedule", description=__doc__.split(
+      "\n\n")[0])
+  p.add_argument("--head-dims", default="64,128,256")
+  p.add_argument("--seqs", default=",".join(map(str, SEQS)),
+                 help="comma-separated sequence lengths (default: bench --grid's forward "
+                      "lengths and its ragged ones)")
+  p.add_argument("--gqa", default="1,4", help="comma-separated query heads per kv head")
+  p.add_argument("--non-causal", action="store_true",
+                 help="also the points without a causal mask")
+  p.add_argument("--device-kind", default=DEVICE_KIND,
+                 help="the autotune cache's device whose configs are dealt")
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
+  ints = lambda text: [int(x) for x in text.split(",") if x.strip()]
+  rows = [row(d, s, causal, g, device_kind=args.device_kind)
+          for d in ints(args.head_dims) for s in ints(args.seqs) for g in ints(args.gqa)
+          for causal in ((True, False) if args.non_causal else (True,))]
+  print(render(rows))
+  return 0

@@ -1,0 +1,34 @@
+"""``python -m harness schedule`` (harness/tools/schedule_report.py), on the
+CPU: the tail it reports is the kernel's own deal of the shipped order, and
+of the filled one beside it.  The points read the shipped autotune cache's
+H200 configs (causal d128 at 16k tokens: persistent, longest-first)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.tools import schedule_report as sr
+
+
+def test_the_12017_row_is_the_evening_the_schedule_predicts():
+  r = sr.row(128, 12017, True)
+  assert r["config"].schedule == "longest-first" and r["config"].persistent
+  assert r["shipped"]["sections"] == (4, 4, 4, 4) and r["filled"]["sections"] == (5, 5, 5, 1)
+  assert (r["shipped"]["makespan"], r["filled"]["makespan"]) == (566, 620)
+  assert r["shipped"]["mean"] == r["filled"]["mean"] == pytest.approx(564.0, abs=0.5)
+  assert r["filled"]["tail"] == pytest.approx(620 / r["filled"]["mean"])
+
+
+def test_a_point_without_the_longest_first_schedule_has_no_deal():
+  r = sr.row(128, 4096, False)
+  assert r["config"].schedule != "longest-first"
+  assert r["shipped"] is None and r["filled"] is None
+
+
+def test_the_command_prints_the_worst_tail_first(capsys):
+  assert sr.main(["--head-dims", "128", "--seqs", "12017,16384", "--gqa", "1"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("| D | seq | causal |")
+  tails = [float(line.split("|")[8]) for line in lines[2:]]
+  assert len(tails) == 2 and tails == sorted(tails, reverse=True)
+  assert "| 5,5,5,1 |" in "\n".join(lines)

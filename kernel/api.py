@@ -260,14 +260,15 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
                logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
                config, deterministic, backward, reproducible_backward, stage_2d: bool,
                segment_bounds: str = variants.SHIPPED_SEGMENT_BOUNDS,
-               even_sections: bool = True):
+               even_sections: bool = True, defer_light: bool = False):
   """dot_product_attention with the variants kept for measurement and tests
   (kernel/experiments.py): ``backward`` the custom_vjp's backward,
   ``reproducible_backward`` the one ``deterministic=True`` takes instead
   (None: ``backward`` itself), ``stage_2d`` False reads 2-D bias and mask
   from global memory, ``segment_bounds`` how segments' key ranges are found
   (kernel.variants.SEGMENT_BOUNDS), ``even_sections`` False keeps the
-  longest-first order's L2 sections filled (kernel.forward.Features)."""
+  longest-first order's L2 sections filled, ``defer_light`` True runs its
+  light tiles last (kernel.forward.Features)."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -308,7 +309,7 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
       window=routed.window if config.schedule == "longest-first" else None,
       poisons_rows=routed.poisoned is not None,
       window_ranges=routed.window_only and config.schedule == "longest-first",
-      even_sections=bool(even_sections))
+      even_sections=bool(even_sections), defer_light=bool(defer_light))
   if deterministic and reproducible_backward is not None:
     backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,

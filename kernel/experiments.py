@@ -21,6 +21,9 @@ The harness and the benchmark reach the others through this module:
   filled to their byte bound, the last one the rest, where the shipped
   order evens them (kernel/schedule.py's ``longest_first``); the same
   tiles, in another order.
+* ``defer_light``: True runs the longest-first order's light tiles after
+  every section's heavy ones (kernel/schedule.py's ``deferred_light``);
+  the same tiles, in another order.
 """
 
 from __future__ import annotations
@@ -52,15 +55,17 @@ REPRODUCIBLE = {
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
                           stage_2d=True, segment_bounds=None, even_sections=True,
-                          **kwargs):
+                          defer_light=False, **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
-  (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds`` and
-  ``even_sections``; every other argument as there, with its default."""
+  (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds``,
+  ``even_sections`` and ``defer_light``; every other argument as there,
+  with its default."""
   import inspect
   if backward not in BACKWARDS:
     raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
-  if not isinstance(even_sections, bool):
-    raise ValueError(f"even_sections: expected a bool, got {even_sections!r}")
+  for name, flag in (("even_sections", even_sections), ("defer_light", defer_light)):
+    if not isinstance(flag, bool):
+      raise ValueError(f"{name}: expected a bool, got {flag!r}")
   params = inspect.signature(api.dot_product_attention).parameters
   unknown = sorted(set(kwargs) - set(params))
   if unknown:
@@ -73,7 +78,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
       stage_2d=stage_2d,
       segment_bounds=segment_bounds or variants.SHIPPED_SEGMENT_BOUNDS,
-      even_sections=even_sections)
+      even_sections=even_sections, defer_light=defer_light)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

@@ -111,6 +111,10 @@ class Features(Logits):
   # filled to the byte bound, the last one the rest (kernel.experiments'
   # A/B of the two).
   even_sections: bool = True
+  # The longest-first order with its light tiles deferred after every
+  # section's heavy ones (kernel/schedule.py's deferred_light; not shipped,
+  # kernel.experiments' defer_light).
+  defer_light: bool = False
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
@@ -346,6 +350,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         itemsize=np.dtype(dtype).itemsize, tile_q=tile_q, block_kv=block_kv,
         seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window,
         num_sms=num_sms if f.even_sections else None)
+    if f.defer_light:
+      order = schedule_lib.deferred_light(order)
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))

@@ -26,11 +26,13 @@ from kernel.config import Config
     ("auto,st,det", None, True),
     ("auto,fs", None, False),
     ("64,128,2,p,lf,fs,det", Config(64, 128, 2, True, "longest-first"), True),
+    ("auto,lt", None, False),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config
   assert bg.is_deterministic(text) is det
   assert bg.filled_sections(text) is (text in ("auto,fs", "64,128,2,p,lf,fs,det"))
+  assert bg.deferred_light(text) is (text == "auto,lt")
 
 
 def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypatch):
@@ -57,6 +59,28 @@ def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypa
     with api.lowering_only():
       jax.make_jaxpr(fns[name])(q, q, q)
     assert told == [num_sms], name
+
+
+def test_the_light_last_variant_defers_the_light_tiles(monkeypatch):
+  """A variant ending in ``lt`` hands the longest-first order to
+  kernel.schedule.deferred_light; the variant without it does not."""
+  from kernel import schedule
+  handed = []
+  real = schedule.deferred_light
+
+  def recording(order):
+    handed.append(order.total)
+    return real(order)
+  monkeypatch.setattr(schedule, "deferred_light", recording)
+  point = bg.Point(256, 9522, True)
+  variants = ["64,64,2,lf", "64,64,2,lf,lt"]
+  fns = bg.implementations(point, variants, backward=False, example=False)
+  q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
+  for text, calls in zip(variants, ([], [8 * 75])):
+    handed.clear()
+    with api.lowering_only():
+      jax.make_jaxpr(fns[f"ours {text}"])(q, q, q)
+    assert handed == calls, text
 
 
 @pytest.mark.parametrize("text", ["x", "64,128", "64,128,2,q", "auto,p", "64,128,2,p,lf,st",

@@ -147,6 +147,38 @@ def test_a_last_section_of_few_heads_is_evened_where_the_deal_predicts_it_pays()
   assert launch(7000, 2, 132).sections == launch(7000, 2, None).sections == (9, 9, 9, 5)
 
 
+@settings(max_examples=60, deadline=None)
+@given(launches(), st.integers(1, 140))
+def test_deferring_the_light_tiles_keeps_every_tile_and_runs_them_last(launch, num_blocks):
+  """deferred_light: the same tiles, dealt exactly once; the heavy ones
+  (over half the heaviest tile's key blocks) in their order, then the
+  light ones heaviest first."""
+  order = launch[0]
+  deferred = schedule.deferred_light(order)
+  _check_exactly_once(deferred, min(num_blocks, deferred.total))
+  heavy = 2 * order.weight > order.weight.max()
+  n = int(heavy.sum())
+  assert deferred.order[:n].tolist() == order.order[heavy].tolist()
+  assert (2 * deferred.weight[n:] <= order.weight.max()).all()
+  assert (np.diff(deferred.weight[n:]) <= 0).all()
+  assert dict(zip(deferred.order.tolist(), deferred.weight.tolist())) == dict(
+      zip(order.order.tolist(), order.weight.tolist()))
+
+
+def test_deferring_the_light_tiles_shortens_the_modelled_d256_tail():
+  """The model's case for deferred_light (its docstring): d256 causal, 8
+  heads, B1, 9522 tokens, 128-row tiles, 64-key blocks."""
+  seq, tiles = 9522, -(-9522 // 128)
+  blocks = lambda qi: np.subtract(*common.kv_block_range(
+      qi, tile_q=128, block_kv=64, seq_q=seq, seq_kv=seq, is_causal=True)[::-1])
+  order = schedule.longest_first(batch=1, num_heads=8, num_kv_heads=8, num_tiles=tiles,
+                                 tile_blocks=blocks, kv_bytes_per_head=-(-seq // 64) * 64 * 1024,
+                                 num_sms=132)
+  mean = (order.weight.sum() + schedule.TILE_OVERHEAD_BLOCKS * order.total) / 132
+  assert order.makespan(132) / mean == pytest.approx(1.157, abs=0.001)
+  assert schedule.deferred_light(order).makespan(132) / mean == pytest.approx(1.027, abs=0.001)
+
+
 def test_a_schedule_that_drops_or_repeats_a_tile_is_refuted():
   """The exactly-once check fails on a schedule that repeats one tile in
   place of another (the mutant a balanced dealer could make)."""

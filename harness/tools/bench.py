@@ -348,7 +348,8 @@ def main(argv=None) -> int:
                          "config with the split-tail schedule where it runs), or "
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True, a trailing ,fs the "
-                         "longest-first order with its L2 sections filled, not evened")
+                         "longest-first order with its L2 sections filled, not evened, "
+                         "a trailing ,lt that order with its light tiles last")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

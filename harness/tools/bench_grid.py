@@ -98,7 +98,9 @@ def parse_variant(text: str):
   asks for ``deterministic=True`` (:func:`is_deterministic`), a trailing
   ``,fs`` the longest-first order with its L2 sections filled instead of
   evened (:func:`filled_sections`, kernel.experiments' ``even_sections``
-  False: the A/B of the evening); ``auto,st``
+  False: the A/B of the evening), a trailing ``,lt`` that order with its
+  light tiles last (:func:`deferred_light`, kernel.experiments'
+  ``defer_light``); ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``."""
   from kernel.config import Config
@@ -147,8 +149,13 @@ def filled_sections(text: str) -> bool:
   return "fs" in text.split(",")
 
 
+def deferred_light(text: str) -> bool:
+  """Whether ``text`` ends in ``lt``: light tiles last."""
+  return "lt" in text.split(",")
+
+
 # Trailing flags of a variant that change the call, not the config.
-MODIFIERS = ("det", "fs")
+MODIFIERS = ("det", "fs", "lt")
 
 
 def _inputs(point: Point, dtype, sets: int, backward: bool):
@@ -185,12 +192,13 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, filled):
+  def ours(q, k, v, config, det, split, filled, light_last):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
-    if filled:
+    if filled or light_last:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
-                                               deterministic=det, even_sections=False)
+                                               deterministic=det, even_sections=not filled,
+                                               defer_light=light_last)
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -199,7 +207,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
         ours, config=config, det=det, split=splits_auto(text),
-        filled=filled_sections(text))))
+        filled=filled_sections(text), light_last=deferred_light(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

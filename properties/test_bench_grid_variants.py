@@ -148,3 +148,13 @@ def test_each_timed_point_reaches_the_partial_file_before_the_next(tmp_path, mon
   assert lines[1:] == rows
   assert [r["results"]["ours auto"]["ms"] for r in lines[1:]] == [1.0, 2.0]
   assert bg.partial_writer(None, {}) is None
+
+
+def test_seqs_replace_the_grids_lengths_with_any_lengths():
+  """``--seqs`` times the lengths given, in their order, whether or not the
+  grid holds them (9522 is neither a grid nor a ragged length)."""
+  points = bg.grid_points(backward=False, head_dims=(256,), seqs=(9522, 1024))
+  assert [(p.seq, p.causal) for p in points] == [(9522, False), (1024, False),
+                                                 (9522, True), (1024, True)]
+  assert {p.seq for p in bg.grid_points(backward=True)} == set(bg.BACKWARD_SEQS + bg.RAGGED_SEQS)
+  assert {p.seq for p in bg.grid_points(backward=False, ragged=False)} == set(bg.FORWARD_SEQS)

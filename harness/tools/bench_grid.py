@@ -85,9 +85,12 @@ def _pass_rank(name: str) -> int:
 
 
 def grid_points(*, backward: bool, ragged: bool = True, gqa: int = 1,
-                head_dims=(64, 128, 256)) -> list[Point]:
-  seqs = BACKWARD_SEQS if backward else FORWARD_SEQS
-  seqs = seqs + (RAGGED_SEQS if ragged else ())
+                head_dims=(64, 128, 256), seqs=None) -> list[Point]:
+  """The grid's points; ``seqs`` (``--seqs``), any lengths in the order
+  given, replaces the pass's own (and the ragged ones)."""
+  if seqs is None:
+    seqs = BACKWARD_SEQS if backward else FORWARD_SEQS
+    seqs = seqs + (RAGGED_SEQS if ragged else ())
   return [Point(d, s, c, gqa) for d in head_dims for c in (False, True) for s in seqs]
 
 
@@ -533,15 +536,13 @@ def main(args, sections: dict | None = None) -> int:
     rows = []
     head_dims = tuple(int(d) for d in args.head_dims.split(","))
     for backward in passes:
+      seqs = tuple(int(x) for x in args.seqs.split(",")) if args.seqs else None
       points = grid_points(backward=backward, ragged=not args.no_ragged, gqa=args.gqa,
-                           head_dims=head_dims)
+                           head_dims=head_dims, seqs=seqs)
       if args.causal_only:
         points = [p for p in points if p.causal]
       if args.non_causal_only:
         points = [p for p in points if not p.causal]
-      if args.seqs:
-        seqs = {int(x) for x in args.seqs.split(",")}
-        points = [p for p in points if p.seq in seqs]
       rows += run_grid(points, variants, backward=backward, example=not args.no_example,
                        on_row=on_row)
   timed = {sections[n].KEY: sections[n].run(args, passes=passes) for n in chosen if n != "dense"}

@@ -15,8 +15,8 @@ The harness and the benchmark reach the others through this module:
 * ``segment_bounds``: how packed segments' key ranges are found
   (kernel/variants.py's :data:`~kernel.variants.SEGMENT_BOUNDS`: "searched",
   a sort and binary searches, or "runs", sort-free where the queries' ids
-  are the keys' own array and every id is one run; the same ranges; None
-  the shipped :data:`~kernel.variants.SHIPPED_SEGMENT_BOUNDS`).
+  are the keys' own array and every id is one run; the same ranges; by
+  default the shipped :data:`~kernel.variants.SHIPPED_SEGMENT_BOUNDS`).
 * ``even_sections``: False keeps the longest-first order's L2 sections
   filled to their byte bound, the last one the rest, where the shipped
   order evens them (kernel/schedule.py's ``longest_first``); the same
@@ -54,7 +54,8 @@ REPRODUCIBLE = {
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
-                          stage_2d=True, segment_bounds=None, even_sections=True,
+                          stage_2d=True, segment_bounds=variants.SHIPPED_SEGMENT_BOUNDS,
+                          even_sections=True,
                           defer_light=False, **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
   (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds``,
@@ -76,8 +77,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
   return api._attention(query, key, value, bias, mask, **{
       k: v for k, v in args.items() if k not in ("bias", "mask")},
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
-      stage_2d=stage_2d,
-      segment_bounds=segment_bounds or variants.SHIPPED_SEGMENT_BOUNDS,
+      stage_2d=stage_2d, segment_bounds=segment_bounds,
       even_sections=even_sections, defer_light=defer_light)
 
 

@@ -117,6 +117,12 @@ class Features(Logits):
   defer_light: bool = False
 
 
+def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
+  """(query tiles, padded key length) of a launch: whole tiles of
+  ``config.tile_q`` rows, whole blocks of ``config.block_kv`` keys."""
+  return -(-seq_q // config.tile_q), -(-seq_kv // config.block_kv) * config.block_kv
+
+
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
                   head_dim_out, itemsize, tile_q, block_kv, seq_q, seq_kv, is_causal,
                   window=None, num_sms=None):
@@ -314,8 +320,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   tile_q, block_kv = config.tile_q, config.block_kv
-  num_tiles = -(-seq_q // tile_q)
-  s_pad = -(-seq_kv // block_kv) * block_kv
+  num_tiles, s_pad = launch_extent(config, seq_q, seq_kv)
   problem = plan_lib.Problem(
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
       seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,

@@ -127,7 +127,7 @@ def parse_variant(text: str):
 
 
 def splits_auto(text: str) -> bool:
-  """Whether ``text`` is ``auto,st`` (with or without ``det``, ``fs``)."""
+  """Whether ``text`` is ``auto,st`` (with or without :data:`MODIFIERS`)."""
   return [f for f in text.split(",") if f not in MODIFIERS] == ["auto", "st"]
 
 

@@ -44,11 +44,10 @@ def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
              heads=point.heads, config=config, shipped=None, filled=None)
   if config.schedule != "longest-first":
     return out
-  tile_q = config.block_q * config.compute_warpgroups
-  num_tiles = -(-seq // tile_q)
+  num_tiles, s_pad = forward.launch_extent(config, seq, seq)
   args = dict(batch=point.batch, num_heads=point.heads, num_kv_heads=point.kv_heads,
-              num_tiles=num_tiles, s_pad=-(-seq // config.block_kv) * config.block_kv,
-              head_dim=head_dim, head_dim_out=head_dim, itemsize=2, tile_q=tile_q,
+              num_tiles=num_tiles, s_pad=s_pad,
+              head_dim=head_dim, head_dim_out=head_dim, itemsize=2, tile_q=config.tile_q,
               block_kv=config.block_kv, seq_q=seq, seq_kv=seq, is_causal=causal)
   for name, num_sms in (("shipped", schedule.DEFAULT_NUM_SMS), ("filled", None)):
     order = forward.tile_schedule(**args, num_sms=num_sms)

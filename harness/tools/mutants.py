@@ -215,8 +215,8 @@ CATALOG: tuple[Mutant, ...] = (
        "      barriers.schedule_release_other(c.wg, c.cw)\n      barriers.schedule_sync(c.wg, c.cw)\n",
        "    pass\n", CARRY[3:]),
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
-       FWD, "num_tiles = -(-seq_q // tile_q)",
-       "num_tiles = -(-seq_q // tile_q) + 1", GUARD),
+       FWD, "return -(-seq_q // config.tile_q), ",
+       "return -(-seq_q // config.tile_q) + 1, ", GUARD),
     _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
        "H200 2026-12-01: the last tile's rows spilled into the next head)", FWD,
        "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"

@@ -260,15 +260,16 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
                logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
                config, deterministic, backward, reproducible_backward, stage_2d: bool,
                segment_bounds: str = variants.SHIPPED_SEGMENT_BOUNDS,
-               even_sections: bool = True, defer_light: bool = False):
+               even_sections: bool = True, defer_light: bool | None = None):
   """dot_product_attention with the variants kept for measurement and tests
   (kernel/experiments.py): ``backward`` the custom_vjp's backward,
   ``reproducible_backward`` the one ``deterministic=True`` takes instead
   (None: ``backward`` itself), ``stage_2d`` False reads 2-D bias and mask
   from global memory, ``segment_bounds`` how segments' key ranges are found
   (kernel.variants.SEGMENT_BOUNDS), ``even_sections`` False keeps the
-  longest-first order's L2 sections filled, ``defer_light`` True runs its
-  light tiles last (kernel.forward.Features)."""
+  longest-first order's L2 sections filled, ``defer_light`` True or False
+  runs its light tiles last always or never, None where the schedule's
+  model predicts that it pays (kernel.forward.Features)."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -309,7 +310,8 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
       window=routed.window if config.schedule == "longest-first" else None,
       poisons_rows=routed.poisoned is not None,
       window_ranges=routed.window_only and config.schedule == "longest-first",
-      even_sections=bool(even_sections), defer_light=bool(defer_light))
+      even_sections=bool(even_sections),
+      defer_light=None if defer_light is None else bool(defer_light))
   if deterministic and reproducible_backward is not None:
     backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
@@ -386,7 +388,11 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
   # axes are padded only where a copy is made anyway (a head dim that is no
   # multiple of 64), where the length is shorter than one tile, or where it
-  # is no multiple of the 8-row tiling Mosaic GPU's TMA descriptors need.
+  # is no multiple of the 8-row tiling Mosaic GPU's TMA descriptors need
+  # (jax 0.11.2: a copy that indexes one head moves that axis first, so the
+  # staging buffers' (8, 64) tiling falls on (sequence, head dim), and the
+  # descriptor refuses a sequence length that is no multiple of 8 --
+  # "dimension 2 must have size smaller or a multiple of its tiling 8").
   # Measured on the H200 at seq 1000, causal, d128: the padded copies took
   # about 40 % of the call.
   def operand(x, multiple):

@@ -21,9 +21,11 @@ The harness and the benchmark reach the others through this module:
   filled to their byte bound, the last one the rest, where the shipped
   order evens them (kernel/schedule.py's ``longest_first``); the same
   tiles, in another order.
-* ``defer_light``: True runs the longest-first order's light tiles after
-  every section's heavy ones (kernel/schedule.py's ``deferred_light``);
-  the same tiles, in another order.
+* ``defer_light``: True or False runs the longest-first order's light
+  tiles after every section's heavy ones (kernel/schedule.py's
+  ``deferred_light``) always or never, where the shipped order (None)
+  does so where ``schedule.light_last_gain`` predicts that it pays; the
+  same tiles, in another order.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ REPRODUCIBLE = {
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
                           stage_2d=True, segment_bounds=variants.SHIPPED_SEGMENT_BOUNDS,
                           even_sections=True,
-                          defer_light=False, **kwargs):
+                          defer_light=None, **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
   (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds``,
   ``even_sections`` and ``defer_light``; every other argument as there,
@@ -64,9 +66,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
   import inspect
   if backward not in BACKWARDS:
     raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
-  for name, flag in (("even_sections", even_sections), ("defer_light", defer_light)):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name}: expected a bool, got {flag!r}")
+  if not isinstance(even_sections, bool):
+    raise ValueError(f"even_sections: expected a bool, got {even_sections!r}")
+  if defer_light is not None and not isinstance(defer_light, bool):
+    raise ValueError(f"defer_light: expected a bool or None, got {defer_light!r}")
   params = inspect.signature(api.dot_product_attention).parameters
   unknown = sorted(set(kwargs) - set(params))
   if unknown:

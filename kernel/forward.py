@@ -112,9 +112,10 @@ class Features(Logits):
   # A/B of the two).
   even_sections: bool = True
   # The longest-first order with its light tiles deferred after every
-  # section's heavy ones (kernel/schedule.py's deferred_light; not shipped,
-  # kernel.experiments' defer_light).
-  defer_light: bool = False
+  # section's heavy ones (kernel/schedule.py's deferred_light): None where
+  # schedule.light_last_gain predicts that it pays, True or False always
+  # or never (kernel.experiments' defer_light, the A/B).
+  defer_light: bool | None = None
 
 
 def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
@@ -125,7 +126,7 @@ def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
                   head_dim_out, itemsize, tile_q, block_kv, seq_q, seq_kv, is_causal,
-                  window=None, num_sms=None):
+                  window=None, num_sms=None, even_sections=True, light_last=None):
   """The longest-first order of this launch's tiles (kernel/schedule.py),
   weighted by the key blocks each query tile visits: causal, the key length
   and a local ``window`` (left, right) are static and counted exactly; other
@@ -133,7 +134,10 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
   see, so their tiles are weighed at this upper bound.  ``num_sms``: the
   SMs the tiles are dealt to (persistent blocks, or the hardware's deal of
   a grid in launch order), which lets the schedule even its L2 sections
-  where that balances the deal (schedule.longest_first)."""
+  and defer its light tiles where that balances the deal
+  (schedule.longest_first, schedule.light_last_gain; without ``num_sms``
+  neither).  ``even_sections`` False keeps the sections filled;
+  ``light_last`` True or False defers the light tiles always or never."""
   def tile_blocks(qi):
     ks = ke = None
     if window is not None:
@@ -142,10 +146,17 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
                             seq_kv=seq_kv, is_causal=is_causal, k_start_min=ks,
                             k_end_max=ke)
     return ub - lb
-  return schedule_lib.longest_first(
+  kv_bytes_per_head = s_pad * (head_dim + head_dim_out) * itemsize
+  order = schedule_lib.longest_first(
       batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
-      tile_blocks=tile_blocks,
-      kv_bytes_per_head=s_pad * (head_dim + head_dim_out) * itemsize, num_sms=num_sms)
+      tile_blocks=tile_blocks, kv_bytes_per_head=kv_bytes_per_head,
+      num_sms=num_sms if even_sections else None)
+  if light_last is None:
+    light_last = num_sms is not None and schedule_lib.light_last_gain(
+        order, num_sms=num_sms, kv_bytes_per_head=kv_bytes_per_head,
+        flops_per_block=2 * tile_q * block_kv * (head_dim + head_dim_out),
+    ) >= schedule_lib.DEFER_LIGHT_MIN_GAIN
+  return schedule_lib.deferred_light(order) if light_last else order
 
 
 def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_kv,
@@ -349,14 +360,17 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
         num_sms=min(num_sms, batch * num_heads * num_tiles * num_blocks))
     schedule_tables = (jnp.asarray(order.table()), jnp.asarray(order.counts))
   elif config.schedule == "longest-first":
+    light_last = f.defer_light
+    if light_last is None and k_range_tiles is not None and not f.window_ranges:
+      # Key ranges known only on the device: the static weights are upper
+      # bounds, so the model's case for deferring does not hold.
+      light_last = False
     order = tile_schedule(
         batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
         s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
         itemsize=np.dtype(dtype).itemsize, tile_q=tile_q, block_kv=block_kv,
         seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window,
-        num_sms=num_sms if f.even_sections else None)
-    if f.defer_light:
-      order = schedule_lib.deferred_light(order)
+        num_sms=num_sms, even_sections=f.even_sections, light_last=light_last)
     if config.persistent:
       dealt, counts = order.assign(min(num_sms, order.total))
       schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))

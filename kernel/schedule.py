@@ -60,6 +60,13 @@ TILE_OVERHEAD_BLOCKS = 2
 # model's own noise (about 1 % between splits of equal balance) from
 # changing orders.
 EVEN_SECTIONS_MIN_GAIN = 0.02
+# The forward defers a longest-first order's light tiles where
+# light_last_gain predicts at least this; the margin as above.
+DEFER_LIGHT_MIN_GAIN = 0.02
+# FLOPs the forward computes in the time HBM delivers a byte: about 600
+# TFLOP/s over about 4 TB/s on the H200 (the module docstring's ~167 is the
+# peak ratio); light_last_gain prices a re-read byte with it.
+FLOPS_PER_HBM_BYTE = 150
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +189,12 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
   against 767, in four of 8: 771.  Those are the only causal points of
   ``bench --grid`` (MHA and GQA 4) whose order this changes; the H200 ran
   them at 0.96 of cuDNN with the filled sections (docs/performance.md,
-  3547abc, 2026-12-05).
+  3547abc, 2026-12-05).  Measured on the H100 (2026-12-05, ``bench --grid
+  --causal-only --seqs 12017 --variants "auto;auto,fs"``): evened 350.1
+  and 500.4 TFLOP/s, filled 348.3 and 500.8 (d64, d128): no loss, and no
+  gain seen either.  What those points lose is the padded copies of q, k,
+  v and the output that a length no multiple of 8 needs (kernel/api.py),
+  not the deal.
   """
   for name, value in (("batch", batch), ("num_heads", num_heads),
                       ("num_kv_heads", num_kv_heads), ("num_tiles", num_tiles)):
@@ -211,17 +223,44 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
 def deferred_light(schedule: Schedule) -> Schedule:
   """The same tiles with the light ones (at most half the heaviest tile's
   key blocks) moved after every section's heavy ones, heaviest first (equal
-  weights keep their order, so section by section).  Not shipped: the
-  dealing model predicts a shorter tail where a section's heaviest tiles
-  start late (d256 causal, 8 heads, B1 at 9522 tokens: largest load 1.157
-  of the mean in order, 1.027 with the lighter half deferred), but the
-  deferred tiles of every section run together, over more K/V than a
-  section holds; kernel.experiments' ``defer_light`` times it."""
+  weights keep their order, so section by section).  Where a section's
+  heaviest tiles start late, this shortens the tail (d256 causal, 8 heads,
+  B1 at 9522 tokens: largest load 1.157 of the mean in order, 1.027
+  deferred), but the deferred tiles of every section run together and read
+  their K/V from HBM again; :func:`light_last_gain` weighs the two."""
   weight = schedule.weight
   heavy = 2 * weight > weight.max()
   light = np.flatnonzero(~heavy)
   idx = np.concatenate([np.flatnonzero(heavy), light[np.argsort(-weight[light], kind="stable")]])
   return dataclasses.replace(schedule, order=schedule.order[idx], weight=weight[idx])
+
+
+def light_last_gain(schedule: Schedule, *, num_sms: int, kv_bytes_per_head: int,
+                    flops_per_block: int) -> float:
+  """The predicted gain of :func:`deferred_light`'s order over ``schedule``,
+  as a fraction of the launch: the makespan dealing saves (on
+  ``min(num_sms, tiles)`` blocks), less the time the deferred tiles of every
+  section but the last spend re-reading their K/V prefixes from HBM (the
+  last section's are still in L2), in key blocks of one SM's compute at
+  :data:`FLOPS_PER_HBM_BYTE`.
+
+  Why the re-read counts: measured on the H100 (d256 causal, 64x64 tiles,
+  non-persistent; 2026-12-05, ``bench --grid --variants
+  "64,64,2,lf;64,64,2,lf,lt"``): at 9522 tokens (B1, predicted +0.12)
+  480.2 -> 538.0 TFLOP/s, at 12017 (+0.04) 547.1 -> 571.4, but at 1024
+  tokens (B16: 128 heads' K/V, 8 % of the launch re-read against a tail
+  0.03 shorter) 395.8 -> 348.6."""
+  blocks = min(num_sms, schedule.total)
+  deferred = deferred_light(schedule)
+  before, after = schedule.makespan(blocks), deferred.makespan(blocks)
+  weight = schedule.weight
+  light = weight[2 * weight <= weight.max()]
+  reread_units = sum(schedule.sections[:-1])
+  if light.size == 0 or reread_units == 0:
+    return before / after - 1
+  reread_bytes = reread_units * kv_bytes_per_head * int(light.max()) / int(weight.max())
+  reread_blocks = reread_bytes * FLOPS_PER_HBM_BYTE / (flops_per_block * blocks)
+  return (before - after - reread_blocks) / before
 
 
 def _sectioned(batch: int, num_heads: int, num_kv_heads: int, num_tiles: int,

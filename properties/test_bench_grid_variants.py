@@ -8,6 +8,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from harness.tools import bench_grid as bg
@@ -27,12 +28,13 @@ from kernel.config import Config
     ("auto,fs", None, False),
     ("64,128,2,p,lf,fs,det", Config(64, 128, 2, True, "longest-first"), True),
     ("auto,lt", None, False),
+    ("64,64,2,lf,lo", Config(64, 64, 2, False, "longest-first"), False),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config
   assert bg.is_deterministic(text) is det
   assert bg.filled_sections(text) is (text in ("auto,fs", "64,128,2,p,lf,fs,det"))
-  assert bg.deferred_light(text) is (text == "auto,lt")
+  assert bg.deferred_light(text) is {"auto,lt": True, "64,64,2,lf,lo": False}.get(text)
 
 
 def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypatch):
@@ -61,26 +63,40 @@ def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypa
     assert told == [num_sms], name
 
 
-def test_the_light_last_variant_defers_the_light_tiles(monkeypatch):
-  """A variant ending in ``lt`` hands the longest-first order to
-  kernel.schedule.deferred_light; the variant without it does not."""
-  from kernel import schedule
-  handed = []
-  real = schedule.deferred_light
+@pytest.mark.parametrize("seq,shipped_defers", [(9522, True), (1024, False)])
+def test_the_light_last_variants_force_the_order_the_model_chooses(monkeypatch, seq,
+                                                                   shipped_defers):
+  """``lt`` runs the longest-first order's light tiles last and ``lo`` in
+  order; without either the order is the one kernel.schedule.light_last_gain
+  picks: deferred at d256 causal 9522 tokens (B1: a shorter tail), in order
+  at 1024 (B16: re-reading 128 heads' K/V costs more than the tail saves)."""
+  from kernel import forward, schedule
+  made = []
+  real = forward.tile_schedule
 
-  def recording(order):
-    handed.append(order.total)
-    return real(order)
-  monkeypatch.setattr(schedule, "deferred_light", recording)
-  point = bg.Point(256, 9522, True)
-  variants = ["64,64,2,lf", "64,64,2,lf,lt"]
-  fns = bg.implementations(point, variants, backward=False, example=False)
+  def recording(**kwargs):
+    order = real(**kwargs)
+    in_order = real(**{**kwargs, "light_last": False})
+    made.append(not np.array_equal(order.order, in_order.order))
+    assert sorted(order.order.tolist()) == sorted(in_order.order.tolist())
+    if made[-1]:
+      assert order.order.tolist() == schedule.deferred_light(in_order).order.tolist()
+    return order
+  monkeypatch.setattr(forward, "tile_schedule", recording)
+  point = bg.Point(256, seq, True)
+  variants = {"64,64,2,lf,lo": False, "64,64,2,lf": shipped_defers, "64,64,2,lf,lt": True}
+  fns = bg.implementations(point, list(variants), backward=False, example=False)
   q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
-  for text, calls in zip(variants, ([], [8 * 75])):
-    handed.clear()
+  for text, defers in variants.items():
+    made.clear()
     with api.lowering_only():
       jax.make_jaxpr(fns[f"ours {text}"])(q, q, q)
-    assert handed == calls, text
+    assert made == [defers], text
+
+
+def test_light_last_and_in_order_together_are_refused():
+  with pytest.raises(ValueError, match="--variants: both lt and lo"):
+    bg.deferred_light("auto,lt,lo")
 
 
 @pytest.mark.parametrize("text", ["x", "64,128", "64,128,2,q", "auto,p", "64,128,2,p,lf,st",

@@ -349,7 +349,8 @@ def main(argv=None) -> int:
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True, a trailing ,fs the "
                          "longest-first order with its L2 sections filled, not evened, "
-                         "a trailing ,lt that order with its light tiles last")
+                         "a trailing ,lt or ,lo that order with its light tiles last "
+                         "or in order (by default where the schedule's model says)")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

@@ -102,8 +102,10 @@ def parse_variant(text: str):
   ``,fs`` the longest-first order with its L2 sections filled instead of
   evened (:func:`filled_sections`, kernel.experiments' ``even_sections``
   False: the A/B of the evening), a trailing ``,lt`` that order with its
-  light tiles last (:func:`deferred_light`, kernel.experiments'
-  ``defer_light``); ``auto,st``
+  light tiles last and ``,lo`` in order, where the shipped order defers
+  them where the schedule's model predicts that it pays
+  (:func:`deferred_light`, kernel.experiments' ``defer_light``);
+  ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``."""
   from kernel.config import Config
@@ -152,13 +154,17 @@ def filled_sections(text: str) -> bool:
   return "fs" in text.split(",")
 
 
-def deferred_light(text: str) -> bool:
-  """Whether ``text`` ends in ``lt``: light tiles last."""
-  return "lt" in text.split(",")
+def deferred_light(text: str) -> bool | None:
+  """True where ``text`` ends in ``lt`` (light tiles last), False in ``lo``
+  (light tiles in order), else None (where the schedule's model says)."""
+  fields = text.split(",")
+  if "lt" in fields and "lo" in fields:
+    raise ValueError(f"--variants: both lt and lo in {text!r}")
+  return True if "lt" in fields else False if "lo" in fields else None
 
 
 # Trailing flags of a variant that change the call, not the config.
-MODIFIERS = ("det", "fs", "lt")
+MODIFIERS = ("det", "fs", "lt", "lo")
 
 
 def _inputs(point: Point, dtype, sets: int, backward: bool):
@@ -198,7 +204,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   def ours(q, k, v, config, det, split, filled, light_last):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
-    if filled or light_last:
+    if filled or light_last is not None:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                                deterministic=det, even_sections=not filled,
                                                defer_light=light_last)

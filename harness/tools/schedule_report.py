@@ -11,14 +11,17 @@ to the block with the least work so far, a tile costing its key blocks plus
 mean: 1.00 is a perfect deal, 1.10 an SM finishing 10 % after the average.
 Both orders are shown, the shipped one (L2 sections evened where that pays)
 and the one with sections filled to their byte bound (``bench --grid``'s
-``,fs`` variant), so that a change to the schedule is predicted here before
-it is timed on the GPU.  The model knows key blocks, not their cost: a
+``,fs`` variant), each marked "light last" where its light tiles run after
+every section's heavy ones (``schedule.light_last_gain``), so that a change
+to the schedule is predicted here before it is timed on the GPU.  The model knows key blocks, not their cost: a
 masked diagonal block or a slow head is not in it.
 """
 
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 
 from harness.tools import bench_grid as bg
 
@@ -49,12 +52,15 @@ def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
               num_tiles=num_tiles, s_pad=s_pad,
               head_dim=head_dim, head_dim_out=head_dim, itemsize=2, tile_q=config.tile_q,
               block_kv=config.block_kv, seq_q=seq, seq_kv=seq, is_causal=causal)
-  for name, num_sms in (("shipped", schedule.DEFAULT_NUM_SMS), ("filled", None)):
-    order = forward.tile_schedule(**args, num_sms=num_sms)
+  for name, even in (("shipped", True), ("filled", False)):
+    order = forward.tile_schedule(**args, num_sms=schedule.DEFAULT_NUM_SMS, even_sections=even)
+    in_order = forward.tile_schedule(**args, num_sms=schedule.DEFAULT_NUM_SMS,
+                                     even_sections=even, light_last=False)
     blocks = min(schedule.DEFAULT_NUM_SMS, order.total)
     mean = (int(order.weight.sum()) + schedule.TILE_OVERHEAD_BLOCKS * order.total) / blocks
     out[name] = dict(sections=order.sections, makespan=order.makespan(blocks), mean=mean,
-                     tail=order.makespan(blocks) / mean)
+                     tail=order.makespan(blocks) / mean,
+                     light_last=not np.array_equal(order.order, in_order.order))
   return out
 
 
@@ -63,7 +69,8 @@ def render(rows: list[dict]) -> str:
   def cell(d):
     if d is None:
       return "-", "-"
-    return ",".join(map(str, d["sections"])), f"{d['tail']:.3f}"
+    light = " light last" if d["light_last"] else ""
+    return ",".join(map(str, d["sections"])) + light, f"{d['tail']:.3f}"
   rows = sorted(rows, key=lambda r: -(r["shipped"] or {"tail": 0})["tail"])
   lines = ["| D | seq | causal | B | N/K | config | sections | tail | filled sections | "
            "filled tail |", "|---|---|---|---|---|---|---|---|---|---|"]

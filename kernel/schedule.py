@@ -192,9 +192,9 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
   3547abc, 2026-12-05).  Measured on the H100 (2026-12-05, ``bench --grid
   --causal-only --seqs 12017 --variants "auto;auto,fs"``): evened 350.1
   and 500.4 TFLOP/s, filled 348.3 and 500.8 (d64, d128): no loss, and no
-  gain seen either.  What those points lose is the padded copies of q, k,
-  v and the output that a length no multiple of 8 needs (kernel/api.py),
-  not the deal.
+  gain seen either.  What the d128 point loses is the padded copies of q,
+  k, v and the output that a length no multiple of 8 needs (kernel/api.py
+  has the measurement), not the deal.
   """
   for name, value in (("batch", batch), ("num_heads", num_heads),
                       ("num_kv_heads", num_kv_heads), ("num_tiles", num_tiles)):
@@ -249,7 +249,11 @@ def light_last_gain(schedule: Schedule, *, num_sms: int, kv_bytes_per_head: int,
   "64,64,2,lf;64,64,2,lf,lt"``): at 9522 tokens (B1, predicted +0.12)
   480.2 -> 538.0 TFLOP/s, at 12017 (+0.04) 547.1 -> 571.4, but at 1024
   tokens (B16: 128 heads' K/V, 8 % of the launch re-read against a tail
-  0.03 shorter) 395.8 -> 348.6."""
+  0.03 shorter) 395.8 -> 348.6.  With this rule (ad4f30e, ``--variants
+  "64,64,2,lf;64,64,2,lf,lo"``, the same device and day), light tiles last
+  where it predicts a gain against in order: 546.2 vs 499.4 at 9522, 571.2
+  vs 549.7 at 12017; at 1000 to 16384 tokens, where the order is the same,
+  the two differ by at most 3 % either way (run-to-run noise)."""
   blocks = min(num_sms, schedule.total)
   deferred = deferred_light(schedule)
   before, after = schedule.makespan(blocks), deferred.makespan(blocks)

@@ -159,18 +159,40 @@ def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config
   return choice(problem, device_kind, **features)[0]
 
 
+# The device whose entries a GPU without entries of its own reads.
+REFERENCE_DEVICE_KIND = "NVIDIA H200"
+
+
+def tuned_device_kind(device_kind: str | None, *, path: Path | None = None) -> str | None:
+  """The cache's device whose entries ``device_kind`` reads: its own where
+  the cache has any, else the H200's (:data:`REFERENCE_DEVICE_KIND`).  The
+  kernel runs on sm90 GPUs only (kernel.api refuses others), which share
+  the instruction set and the 227 KiB of shared memory per block, so every
+  H200 config compiles and fits on an H100; what is the H200's own is the
+  ranking.  Measured on the H100 (2026-12-05, ``bench --grid --variants
+  "auto;heuristic"``, forward): see :data:`REFERENCE_DEVICE_KIND`'s
+  callers' notes in the README's Performance section."""
+  if not device_kind:
+    return None
+  cache = load_cache(path)
+  return device_kind if cache.get(device_kind) else REFERENCE_DEVICE_KIND
+
+
 def choice(problem: plan.Problem, device_kind: str | None,
            **features) -> tuple[Config, str]:
   """:func:`choose`'s config and where it came from: "autotune cache",
   "autotune cache, nearest: SIGNATURE" or "heuristic" (the golden files
-  record it)."""
-  if device_kind:
-    cached = lookup(problem, device_kind, **features)
+  record it), with " (DEVICE)" after "autotune cache" where the entries
+  are another device's (:func:`tuned_device_kind`)."""
+  tuned = tuned_device_kind(device_kind)
+  if tuned:
+    cache = "autotune cache" + ("" if tuned == device_kind else f" ({tuned})")
+    cached = lookup(problem, tuned, **features)
     if cached is not None:
-      return cached, "autotune cache"
-    near = nearest(problem, device_kind, **features)
+      return cached, cache
+    near = nearest(problem, tuned, **features)
     if near is not None:
-      return near[1], f"autotune cache, nearest: {near[0]}"
+      return near[1], f"{cache}, nearest: {near[0]}"
   config = heuristics.get_heuristics_config(problem)
   if features.get("has_key_ranges") and not config.persistent:
     config = dataclasses.replace(config, schedule="longest-first")

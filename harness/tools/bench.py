@@ -345,7 +345,8 @@ def main(argv=None) -> int:
                          "example kernel; with --backward also forward + backward")
   grid.add_argument("--variants", default="auto",
                     help="semicolon-separated configs of ours: auto, auto,st (auto's "
-                         "config with the split-tail schedule where it runs), or "
+                         "config with the split-tail schedule where it runs), heuristic "
+                         "(the seed's rule, config=None's last fallback), or "
                          "block_q,block_kv,num_stages[,p][,lf|rr|st][,w3]; a trailing ,det "
                          "(auto,det) times deterministic=True, a trailing ,fs the "
                          "longest-first order with its L2 sections filled, not evened, "

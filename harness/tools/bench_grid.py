@@ -107,10 +107,12 @@ def parse_variant(text: str):
   (:func:`deferred_light`, kernel.experiments' ``defer_light``);
   ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
-  that can run it (:func:`split_tail_of`), else as ``auto``."""
+  that can run it (:func:`split_tail_of`), else as ``auto``; ``heuristic``
+  the seed's rule (:func:`heuristic_of`), the fallback ``auto`` had before
+  a GPU without entries of its own read the H200's."""
   from kernel.config import Config
   fields = [f for f in text.split(",") if f not in MODIFIERS]
-  if fields in (["auto"], ["auto", "st"]):
+  if fields in (["auto"], ["auto", "st"], ["heuristic"]):
     return None
   if len(fields) < 3:
     raise ValueError(f"--variants: expected auto or block_q,block_kv,num_stages[,flags], "
@@ -131,6 +133,18 @@ def parse_variant(text: str):
 def splits_auto(text: str) -> bool:
   """Whether ``text`` is ``auto,st`` (with or without :data:`MODIFIERS`)."""
   return [f for f in text.split(",") if f not in MODIFIERS] == ["auto", "st"]
+
+
+def heuristic_of(q, k, v, *, is_causal: bool):
+  """kernel.heuristics.get_heuristics_config for these arrays (or tracers):
+  the config ``config=None`` runs where no autotune entry serves."""
+  from kernel import api, autotune, heuristics
+  problem = autotune.selection_problem(api.resolved_problem(q, k, v, is_causal=is_causal))
+  return heuristics.get_heuristics_config(problem)
+
+
+def is_heuristic(text: str) -> bool:
+  return [f for f in text.split(",") if f not in MODIFIERS] == ["heuristic"]
 
 
 def split_tail_of(q, k, v, *, is_causal: bool):
@@ -201,9 +215,11 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, filled, light_last):
+  def ours(q, k, v, config, det, split, heuristic, filled, light_last):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
+    if heuristic:
+      config = heuristic_of(q, k, v, is_causal=point.causal)
     if filled or light_last is not None:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                                deterministic=det, even_sections=not filled,
@@ -215,7 +231,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   for text in variants:
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
-        ours, config=config, det=det, split=splits_auto(text),
+        ours, config=config, det=det, split=splits_auto(text), heuristic=is_heuristic(text),
         filled=filled_sections(text), light_last=deferred_light(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))

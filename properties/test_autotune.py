@@ -206,8 +206,17 @@ def test_float16_causal_runs_what_bfloat16_was_tuned_to():
 
 
 def test_choose_falls_back_to_the_heuristic():
+  """Without a device, or where neither the device's entries nor the
+  H200's (which a GPU nobody tuned reads) hold the signature or a near one."""
   assert autotune.choose(PROBLEM, None) == heuristics.get_heuristics_config(PROBLEM)
-  assert autotune.choose(PROBLEM, "a GPU nobody tuned") == heuristics.get_heuristics_config(PROBLEM)
+  f32 = _at(PROBLEM, dtype="float32")   # no float32 entries, none near
+  assert autotune.choice(f32, "a GPU nobody tuned") == (
+      heuristics.get_heuristics_config(f32), "heuristic")
+  assert autotune.choice(PROBLEM, "a GPU nobody tuned") == (
+      autotune.choose(PROBLEM, "NVIDIA H200"), "autotune cache (NVIDIA H200)")
+  assert autotune.tuned_device_kind("a GPU nobody tuned") == autotune.REFERENCE_DEVICE_KIND
+  assert autotune.tuned_device_kind("NVIDIA H200") == "NVIDIA H200"
+  assert autotune.tuned_device_kind(None) is None
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -266,10 +275,20 @@ def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch)
   assert tuned != heuristics.get_heuristics_config(problem)
   tuner.record(problem, "NVIDIA H200", tuned, {str(tuned): 0.1})
   assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H200") == tuned
-  assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H100") == \
-      heuristics.get_heuristics_config(problem)
+  # A GPU the cache has no entries for reads the H200's, and says so.
+  assert api.chosen_config_source(q, kv, kv, device_kind="NVIDIA H100") == (
+      tuned, "autotune cache (NVIDIA H200)")
   # Another feature set is another signature: not tuned, so the heuristic.
   assert api.chosen_config(q, kv, kv, mask=q, device_kind="NVIDIA H200") != tuned
+  # Once the H100 has entries of its own it reads only those: this signature
+  # from its entry, another one (with a mask) not from the H200's.
+  own = Config(64, 128, 2, persistent=False)
+  tuner.record(problem, "NVIDIA H100", own, {str(own): 0.1})
+  assert api.chosen_config_source(q, kv, kv, device_kind="NVIDIA H100") == (
+      own, "autotune cache")
+  assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H200") == tuned
+  masked = api.chosen_config_source(q, kv, kv, mask=q, device_kind="NVIDIA H100")
+  assert masked[1] != "autotune cache (NVIDIA H200)"
 
 
 # --- coverage tuning: the set, the order, resume, the budget, the dry run ----

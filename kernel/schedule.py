@@ -68,6 +68,11 @@ EVEN_SECTIONS_MIN_GAIN = 0.02
 # +0.034; d128 9000 628.7 vs 601.5, +0.008; d128 20000 GQA 16/4 647.3 vs
 # 637.5, +0.006; d128 10000 606.9 vs 604.3, +0.005; and at a predicted
 # loss, d128 13000 619.3 vs 629.5, -0.005), so the margin is small.
+# With it (d30aa9e, ``bench --grid --causal-only --head-dims 128,256
+# --seqs 9000,13000 --variants "auto;auto,lo"``, H100, 2026-12-05):
+# config=None against in order, d128 9000 593.1 vs 581.5, d256 9000 624.6
+# vs 543.1, d256 13000 641.5 vs 623.0; d128 13000, the same order both
+# ways, 619.8 vs 632.6 (the spread between runs).
 DEFER_LIGHT_MIN_GAIN = 0.005
 # FLOPs the forward computes in the time HBM delivers a byte: about 600
 # TFLOP/s over about 4 TB/s on the H200 (the module docstring's ~167 is the

@@ -260,7 +260,8 @@ def light_last_gain(schedule: Schedule, *, num_sms: int, kv_bytes_per_head: int,
   "64,64,2,lf;64,64,2,lf,lt"``): at 9522 tokens (B1, predicted +0.12)
   480.2 -> 538.0 TFLOP/s, at 12017 (+0.04) 547.1 -> 571.4, but at 1024
   tokens (B16: 128 heads' K/V, 8 % of the launch re-read against a tail
-  0.03 shorter) 395.8 -> 348.6.  With this rule (ad4f30e, ``--variants
+  0.03 shorter) 395.8 -> 348.6.  With this rule, at a first margin of
+  0.02 (ad4f30e, ``--variants
   "64,64,2,lf;64,64,2,lf,lo"``, the same device and day), light tiles last
   where it predicts a gain against in order: 546.2 vs 499.4 at 9522, 571.2
   vs 549.7 at 12017; at 1000 to 16384 tokens, where the order is the same,
@@ -270,11 +271,11 @@ def light_last_gain(schedule: Schedule, *, num_sms: int, kv_bytes_per_head: int,
   before, after = schedule.makespan(blocks), deferred.makespan(blocks)
   weight = schedule.weight
   light = weight[2 * weight <= weight.max()]
-  reread_units = sum(schedule.sections[:-1])
-  if light.size == 0 or reread_units == 0:
-    return before / after - 1
-  reread_bytes = reread_units * kv_bytes_per_head * int(light.max()) / int(weight.max())
-  reread_blocks = reread_bytes * FLOPS_PER_HBM_BYTE / (flops_per_block * blocks)
+  reread_blocks = 0.0
+  if light.size:
+    reread_bytes = (sum(schedule.sections[:-1]) * kv_bytes_per_head * int(light.max())
+                    / int(weight.max()))
+    reread_blocks = reread_bytes * FLOPS_PER_HBM_BYTE / (flops_per_block * blocks)
   return (before - after - reread_blocks) / before
 
 

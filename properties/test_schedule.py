@@ -10,6 +10,7 @@ block, heaviest first within an L2 section, and the dealt load is balanced.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -485,3 +486,35 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
           sds(512, 4), sds(768, 2), sds(768, 2), sds(512, 4),
           jax.ShapeDtypeStruct((2, 4, 2, 512), jnp.float32))
   assert grids == [(768 // blocks.dkv_tile, 2, 2)], grids   # (kv_tiles, batch, kv_heads)
+
+
+def _d256_causal(seq, batch):
+  """The longest-first order of d256 causal, 8 heads, 128-row tiles over
+  64-key blocks, and light_last_gain's keywords for it."""
+  tiles, s_pad = -(-seq // 128), -(-seq // 64) * 64
+  blocks = lambda qi: np.subtract(*common.kv_block_range(
+      qi, tile_q=128, block_kv=64, seq_q=seq, seq_kv=seq, is_causal=True)[::-1])
+  order = schedule.longest_first(batch=batch, num_heads=8, num_kv_heads=8, num_tiles=tiles,
+                                 tile_blocks=blocks, kv_bytes_per_head=s_pad * 1024,
+                                 num_sms=132)
+  return order, dict(num_sms=132, kv_bytes_per_head=s_pad * 1024,
+                     flops_per_block=2 * 128 * 64 * 512)
+
+
+def test_the_light_last_gain_weighs_the_tail_against_the_re_read():
+  """Where a section's heaviest tiles start late (B1 at 9522 tokens:
+  sections of 3, 3 and 2 heads) deferring is predicted to pay; at 1024
+  tokens (B16: 128 heads' K/V re-read) the re-read outweighs a tail 0.03
+  shorter.  Without the re-read term both would defer, as measured they
+  must not (light_last_gain's docstring)."""
+  long, kw = _d256_causal(9522, 1)
+  assert long.sections == (3, 3, 2)
+  assert schedule.light_last_gain(long, **kw) == pytest.approx(0.103, abs=0.002)
+  short, kw_short = _d256_causal(1024, 16)
+  gain = schedule.light_last_gain(short, **kw_short)
+  assert gain < 0 < schedule.light_last_gain(short, **{**kw_short, "kv_bytes_per_head": 0})
+  # One section re-reads nothing: the gain is the makespan's alone.
+  one = dataclasses.replace(long, sections=(8,))
+  before = one.makespan(132)
+  assert schedule.light_last_gain(one, **kw) == pytest.approx(
+      (before - schedule.deferred_light(one).makespan(132)) / before)

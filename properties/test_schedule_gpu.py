@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel import experiments, forward, schedule
+from harness.tools import schedule_report
+from kernel import experiments
 from kernel.config import Config
 
 pytestmark = pytest.mark.gpu
@@ -34,13 +35,10 @@ CASES = {
 
 def _orders(head_dim, seq, heads, config, keyword, values):
   """The order each value of ``keyword`` gives, as the forward builds it."""
-  num_tiles, s_pad = forward.launch_extent(config, seq, seq)
-  args = dict(batch=1, num_heads=heads, num_kv_heads=heads, num_tiles=num_tiles, s_pad=s_pad,
-              head_dim=head_dim, head_dim_out=head_dim, itemsize=2, tile_q=config.tile_q,
-              block_kv=config.block_kv, seq_q=seq, seq_kv=seq, is_causal=True,
-              num_sms=schedule.DEFAULT_NUM_SMS)
   name = {"defer_light": "light_last", "even_sections": "even_sections"}[keyword]
-  return [forward.tile_schedule(**args, **{name: v}).order for v in values]
+  return [schedule_report.order_of(config, batch=1, num_heads=heads, num_kv_heads=heads,
+                                   head_dim=head_dim, seq=seq, causal=True,
+                                   **{name: v}).order for v in values]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

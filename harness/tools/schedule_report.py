@@ -29,13 +29,28 @@ DEVICE_KIND = "NVIDIA H200"
 SEQS = bg.FORWARD_SEQS + bg.RAGGED_SEQS
 
 
+def order_of(config, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+             seq: int, causal: bool, **choices):
+  """The longest-first order the forward runs for ``config`` at T = S =
+  ``seq`` in bf16 on :data:`kernel.schedule.DEFAULT_NUM_SMS` SMs
+  (kernel.forward.tile_schedule); ``choices``: its ``even_sections`` and
+  ``light_last``."""
+  from kernel import forward, schedule
+  num_tiles, s_pad = forward.launch_extent(config, seq, seq)
+  return forward.tile_schedule(
+      batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
+      s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim, itemsize=2,
+      tile_q=config.tile_q, block_kv=config.block_kv, seq_q=seq, seq_kv=seq,
+      is_causal=causal, num_sms=schedule.DEFAULT_NUM_SMS, **choices)
+
+
 def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
         device_kind: str = DEVICE_KIND) -> dict:
   """One point: the config, and for a longest-first one the sections and
   tail of the shipped order and of the filled one (else None)."""
   import jax
   import jax.numpy as jnp
-  from kernel import api, forward, schedule
+  from kernel import api, schedule
 
   point = bg.Point(head_dim, seq, causal, gqa)
   q = jax.ShapeDtypeStruct((point.batch, seq, point.heads, head_dim), jnp.bfloat16)
@@ -47,15 +62,11 @@ def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
              heads=point.heads, config=config, shipped=None, filled=None)
   if config.schedule != "longest-first":
     return out
-  num_tiles, s_pad = forward.launch_extent(config, seq, seq)
   args = dict(batch=point.batch, num_heads=point.heads, num_kv_heads=point.kv_heads,
-              num_tiles=num_tiles, s_pad=s_pad,
-              head_dim=head_dim, head_dim_out=head_dim, itemsize=2, tile_q=config.tile_q,
-              block_kv=config.block_kv, seq_q=seq, seq_kv=seq, is_causal=causal)
+              head_dim=head_dim, seq=seq, causal=causal)
   for name, even in (("shipped", True), ("filled", False)):
-    order = forward.tile_schedule(**args, num_sms=schedule.DEFAULT_NUM_SMS, even_sections=even)
-    in_order = forward.tile_schedule(**args, num_sms=schedule.DEFAULT_NUM_SMS,
-                                     even_sections=even, light_last=False)
+    order = order_of(config, **args, even_sections=even)
+    in_order = order_of(config, **args, even_sections=even, light_last=False)
     blocks = min(schedule.DEFAULT_NUM_SMS, order.total)
     mean = (int(order.weight.sum()) + schedule.TILE_OVERHEAD_BLOCKS * order.total) / blocks
     out[name] = dict(sections=order.sections, makespan=order.makespan(blocks), mean=mean,

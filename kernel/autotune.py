@@ -175,9 +175,9 @@ def tuned_device_kind(device_kind: str | None, *, path: Path | None = None) -> s
   --grid --no-example --variants "auto;heuristic"``, the 48 forward points):
   with the H200's entries the forward ran at a median 1.13 of cuDNN, at
   least 1.0 at 46 of 48 points; with the heuristic 1.05, 34 of 48 (causal
-  d64 16k: 495.4 against 401.5 TFLOP/s).  Four d256 points ran slower
-  with the H200's entries (causal 1024: 408.7 against 431.1), none by more
-  than 5 %."""
+  d64 16k: 495.4 against 401.5 TFLOP/s).  Four d256 points ran more than
+  1 % slower with the H200's entries, causal 1024 the most (408.7 against
+  431.1, 5.2 %)."""
   if not device_kind:
     return None
   cache = load_cache(path)

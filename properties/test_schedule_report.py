@@ -44,3 +44,29 @@ def test_the_command_prints_the_worst_tail_first(capsys):
   tails = [float(line.split("|")[8]) for line in lines[2:]]
   assert len(tails) == 2 and tails == sorted(tails, reverse=True)
   assert "| 5,5,5,1 light last |" in "\n".join(lines)
+
+
+def test_the_backward_rows_deal_each_kernel_s_launch_order():
+  """d128 causal 16k: dQ has its own kernel, and both grids launch in
+  sections whose deal is within 1 % of the ideal; d64 causal 4k fuses dQ
+  and launches its dK/dV grid head by head (the sections do not repay the
+  spread of the fused dQ's reduce-adds: kernel.schedule.MIN_SECTION_GAIN)."""
+  r = sr.backward_row(128, 16384)
+  assert not r["fused"] and r["dkv"]["sections"] == r["dq"]["sections"] == (4, 3, 3, 3, 3)
+  assert 1.0 <= r["dkv"]["tail"] < 1.01 and 1.0 <= r["dq"]["tail"] < 1.01
+  fused = sr.backward_row(64, 4096)
+  assert fused["fused"] and "dq" not in fused and fused["dkv"]["sections"] is None
+  assert fused["dkv"]["tail"] == fused["dkv"]["head_by_head"] > 1.02
+  # GQA 4 at 1k: head by head would deal the dK/dV grid 1.275 of ideal.
+  gqa = sr.backward_row(128, 1024, 4)
+  assert gqa["dkv"]["head_by_head"] > 1.2 > gqa["dkv"]["tail"]
+
+
+def test_the_backward_command_prints_the_worst_tail_first(capsys):
+  assert sr.main(["--backward", "--head-dims", "64,128", "--gqa", "1"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("| D | seq | causal | B | N/K | dQ | dK/dV order |")
+  assert len(lines) == 2 + 6
+  worst = [max(float(c) for c in (line.split("|")[8], line.split("|")[11]) if c.strip() != "-")
+           for line in lines[2:]]
+  assert worst == sorted(worst, reverse=True)

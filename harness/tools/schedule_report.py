@@ -13,8 +13,14 @@ Both orders are shown, the shipped one (L2 sections evened where that pays)
 and the one with sections filled to their byte bound (``bench --grid``'s
 ``,fs`` variant), each marked "light last" where its light tiles run after
 every section's heavy ones (``schedule.light_last_gain``), so that a change
-to the schedule is predicted here before it is timed on the GPU.  The model knows key blocks, not their cost: a
-masked diagonal block or a slow head is not in it.
+to the schedule is predicted here before it is timed on the GPU.  The
+model knows key blocks, not their cost: a masked diagonal block or a slow
+head is not in it.
+
+``--backward`` reports the backward's causal grids instead: the dK/dV
+kernel's launch order and, where dQ is not fused, the dQ kernel's
+(kernel.backward.dkv_launch_order and dq_launch_order), each dealt by
+``kernel.schedule.predicted_makespan`` beside the head-by-head order.
 """
 
 from __future__ import annotations
@@ -75,6 +81,63 @@ def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
   return out
 
 
+def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
+  """One causal point of the backward (``bench --grid --backward``'s
+  shapes): per kernel that runs (the dK/dV grid, and the dQ grid where dQ
+  is not fused), its launch order's sections (None: head by head) and the
+  tail kernel.schedule.predicted_makespan deals it, beside head by head's."""
+  import jax.numpy as jnp
+  from kernel import backward as bwd, plan, schedule
+
+  point = bg.Point(head_dim, seq, True, gqa)
+  d = plan.padded_head_dim(head_dim)
+  blocks = bwd.blocks_for(d, d, is_causal=True)
+  f = bwd.BackwardFeatures(scale=1.0, is_causal=True, logits_soft_cap=None, seq_q=seq,
+                           seq_kv=seq)
+  t_pad = -(-seq // blocks.query_multiple) * blocks.query_multiple
+  s_pad = -(-seq // blocks.key_multiple) * blocks.key_multiple
+  fused = bwd.fuses_dq(blocks, with_bias=False, is_causal=True)
+  common = dict(batch=point.batch, group=gqa, t_pad=t_pad, s_pad=s_pad, head_dims=(d, d),
+                dtype=jnp.bfloat16, num_sms=schedule.DEFAULT_NUM_SMS)
+  grids = {"dkv": (bwd.dkv_launch_order(f, blocks, num_kv_heads=point.kv_heads, fused=fused,
+                                        **common),
+                   point.batch * point.kv_heads, s_pad // blocks.dkv_tile,
+                   bwd.key_tile_weights(f, blocks, group=gqa, t_pad=t_pad, s_pad=s_pad))}
+  if not fused:
+    grids["dq"] = (bwd.dq_launch_order(f, blocks, num_heads=point.heads, **common),
+                   point.batch * point.heads, t_pad // blocks.dq_tile,
+                   bwd.query_tile_weights(f, blocks, t_pad=t_pad))
+  out = dict(head_dim=head_dim, seq=seq, gqa=gqa, batch=point.batch, heads=point.heads,
+             fused=fused)
+  for name, (order, units, tiles, weights) in grids.items():
+    head_by_head = schedule.LaunchOrder(units, tiles, (1,) * units)
+    out[name] = dict(
+        sections=None if order is None else order.sizes,
+        tail=schedule.predicted_makespan(order or head_by_head, weights,
+                                         schedule.DEFAULT_NUM_SMS),
+        head_by_head=schedule.predicted_makespan(head_by_head, weights,
+                                                 schedule.DEFAULT_NUM_SMS))
+  return out
+
+
+def render_backward(rows: list[dict]) -> str:
+  """Markdown, the worst tail of either grid first."""
+  def cells(d):
+    if d is None:
+      return ["-"] * 3
+    sections = "head by head" if d["sections"] is None else ",".join(map(str, d["sections"]))
+    return [sections, f"{d['tail']:.3f}", f"{d['head_by_head']:.3f}"]
+  worst = lambda r: max(r[k]["tail"] for k in ("dkv", "dq") if r.get(k))
+  lines = ["| D | seq | causal | B | N/K | dQ | dK/dV order | tail | head by head | "
+           "dQ order | tail | head by head |", "|---|---|---|---|---|---|" + "---|" * 6]
+  for r in sorted(rows, key=lambda r: -worst(r)):
+    lines.append(f"| {r['head_dim']} | {r['seq']} | yes | {r['batch']} | "
+                 f"{r['heads']}/{r['heads'] // r['gqa']} | "
+                 f"{'fused' if r['fused'] else 'own kernel'} | "
+                 + " | ".join(cells(r["dkv"]) + cells(r.get("dq"))) + " |")
+  return "\n".join(lines)
+
+
 def render(rows: list[dict]) -> str:
   """Markdown, the worst shipped tail first."""
   def cell(d):
@@ -107,12 +170,20 @@ def parser() -> argparse.ArgumentParser:
                  help="also the points without a causal mask")
   p.add_argument("--device-kind", default=DEVICE_KIND,
                  help="the autotune cache's device whose configs are dealt")
+  p.add_argument("--backward", action="store_true",
+                 help="the backward's causal launch orders instead (the dK/dV grid, and "
+                      "the dQ grid where dQ is not fused), at --seqs (default 1k, 4k, 16k)")
   return p
 
 
 def main(argv=None) -> int:
   args = parser().parse_args(argv)
   ints = lambda text: [int(x) for x in text.split(",") if x.strip()]
+  if args.backward:
+    seqs = bg.BACKWARD_SEQS if args.seqs == parser().get_default("seqs") else ints(args.seqs)
+    print(render_backward([backward_row(d, s, g) for d in ints(args.head_dims)
+                           for s in seqs for g in ints(args.gqa)]))
+    return 0
   rows = [row(d, s, causal, g, device_kind=args.device_kind)
           for d in ints(args.head_dims) for s in ints(args.seqs) for g in ints(args.gqa)
           for causal in ((True, False) if args.non_causal else (True,))]

@@ -111,7 +111,7 @@ def parse_variant(text: str):
   the seed's rule (:func:`heuristic_of`), the fallback ``auto`` had before
   a GPU without entries of its own read the H200's."""
   from kernel.config import Config
-  fields = [f for f in text.split(",") if f not in MODIFIERS]
+  fields = _config_fields(text)
   if fields in (["auto"], ["auto", "st"], ["heuristic"]):
     return None
   if len(fields) < 3:
@@ -132,7 +132,7 @@ def parse_variant(text: str):
 
 def splits_auto(text: str) -> bool:
   """Whether ``text`` is ``auto,st`` (with or without :data:`MODIFIERS`)."""
-  return [f for f in text.split(",") if f not in MODIFIERS] == ["auto", "st"]
+  return _config_fields(text) == ["auto", "st"]
 
 
 def heuristic_of(q, k, v, *, is_causal: bool):
@@ -144,7 +144,7 @@ def heuristic_of(q, k, v, *, is_causal: bool):
 
 
 def is_heuristic(text: str) -> bool:
-  return [f for f in text.split(",") if f not in MODIFIERS] == ["heuristic"]
+  return _config_fields(text) == ["heuristic"]
 
 
 def split_tail_of(q, k, v, *, is_causal: bool):
@@ -179,6 +179,11 @@ def deferred_light(text: str) -> bool | None:
 
 # Trailing flags of a variant that change the call, not the config.
 MODIFIERS = ("det", "fs", "lt", "lo")
+
+
+def _config_fields(text: str) -> list[str]:
+  """A variant's fields less its :data:`MODIFIERS`: the config it names."""
+  return [f for f in text.split(",") if f not in MODIFIERS]
 
 
 def _inputs(point: Point, dtype, sets: int, backward: bool):

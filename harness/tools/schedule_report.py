@@ -162,9 +162,9 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m harness schedule", description=__doc__.split(
       "\n\n")[0])
   p.add_argument("--head-dims", default="64,128,256")
-  p.add_argument("--seqs", default=",".join(map(str, SEQS)),
+  p.add_argument("--seqs", default=None,
                  help="comma-separated sequence lengths (default: bench --grid's forward "
-                      "lengths and its ragged ones)")
+                      "lengths and its ragged ones; with --backward its backward lengths)")
   p.add_argument("--gqa", default="1,4", help="comma-separated query heads per kv head")
   p.add_argument("--non-causal", action="store_true",
                  help="also the points without a causal mask")
@@ -172,20 +172,21 @@ def parser() -> argparse.ArgumentParser:
                  help="the autotune cache's device whose configs are dealt")
   p.add_argument("--backward", action="store_true",
                  help="the backward's causal launch orders instead (the dK/dV grid, and "
-                      "the dQ grid where dQ is not fused), at --seqs (default 1k, 4k, 16k)")
+                      "the dQ grid where dQ is not fused)")
   return p
 
 
 def main(argv=None) -> int:
   args = parser().parse_args(argv)
   ints = lambda text: [int(x) for x in text.split(",") if x.strip()]
+  seqs = (ints(args.seqs) if args.seqs is not None
+          else bg.BACKWARD_SEQS if args.backward else SEQS)
   if args.backward:
-    seqs = bg.BACKWARD_SEQS if args.seqs == parser().get_default("seqs") else ints(args.seqs)
     print(render_backward([backward_row(d, s, g) for d in ints(args.head_dims)
                            for s in seqs for g in ints(args.gqa)]))
     return 0
   rows = [row(d, s, causal, g, device_kind=args.device_kind)
-          for d in ints(args.head_dims) for s in ints(args.seqs) for g in ints(args.gqa)
+          for d in ints(args.head_dims) for s in seqs for g in ints(args.gqa)
           for causal in ((True, False) if args.non_causal else (True,))]
   print(render(rows))
   return 0

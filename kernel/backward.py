@@ -1046,8 +1046,17 @@ def fixed_point_scales(k, v, do, rows, group: int):
   multiplied by before their int32 reduce-adds (notes above), from the padded
   k (B, Sp, K, D), v, do (B, Tp, N, Dv) and the residual rows' delta."""
   f32 = jnp.float32
-  k_max = jnp.max(jnp.abs(k.astype(f32)), axis=(1, 3))                     # (B, K)
-  v_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(v.astype(f32)), axis=3), axis=1))
+  # Each key's max |k| and |v|^2 first (row reductions over the head dim,
+  # in one pass over K and V), fenced so that XLA keeps them, then the max
+  # over keys of those (B, S, K) arrays.  Measured on the H100 in one
+  # process against one reduction over (S, D) for K and the norms' max over
+  # S for V (2026-12-05), the same bits, ms: d128 4k B4 N16 0.059 vs 0.074,
+  # 16k B1 0.059 vs 0.070, d64 1k B16 N32 0.061 vs 0.070.
+  k_row = jnp.max(jnp.abs(k.astype(f32)), axis=3)                            # (B, S, K)
+  v_row = jnp.sum(jnp.square(v.astype(f32)), axis=3)
+  k_row, v_row = lax.optimization_barrier((k_row, v_row))
+  k_max = jnp.max(k_row, axis=1)                                             # (B, K)
+  v_norm = jnp.sqrt(jnp.max(v_row, axis=1))
   do_norm = jnp.swapaxes(jnp.sqrt(jnp.sum(jnp.square(do.astype(f32)), axis=3)), 1, 2)
   per_head = lambda x: jnp.repeat(x, group, axis=1)[:, :, None]             # (B, N, 1)
   bound = (do_norm * per_head(v_norm) + jnp.abs(rows[:, :, 1])) * per_head(k_max)

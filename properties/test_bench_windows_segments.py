@@ -9,6 +9,7 @@ grid's, keeping the part a run did not time."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -106,6 +107,12 @@ def test_the_masks_and_ids_are_the_variants(name):
     offsets = np.asarray(aux["offsets"])[0].tolist()
     assert offsets == [0, *np.cumsum(docs)[:-1].tolist(), -1]
     assert np.asarray(aux["offsets"]).shape == (p.batch, len(docs) + 1)
+    # each row's document as its key range: the problem's own bounds
+    first, last = ws.row_key_bounds(dataclasses.replace(p, causal=False))
+    for name, want_row in (("k_start", first), ("k_end", last + 1)):
+      got = np.asarray(aux[name])
+      assert got.shape == (p.batch, 1, p.seq) and got.dtype == np.int32, name
+      np.testing.assert_array_equal(got, np.broadcast_to(want_row, got.shape), err_msg=name)
 
 
 @pytest.fixture
@@ -137,7 +144,8 @@ def test_every_route_lowers_for_cuda(name, backward, cudnn_lowers_here):
   p = SMALL[name]
   fns, unavailable = ws.implementations(p, backward=backward)
   expected = ({ws.OURS, ws.NO_WINDOW, ws.DENSE_MASK} if p.kind == "window"
-              else {ws.OURS, ws.OTHER_BOUNDS, ws.DENSE_MASK, ws.ANY_LAYOUT, ws.CUDNN_PACKED})
+              else {ws.OURS, ws.OTHER_BOUNDS, ws.KEY_RANGES, ws.DENSE_MASK, ws.ANY_LAYOUT,
+                    ws.CUDNN_PACKED})
   if p.kind == "window" and p.causal:
     expected.add(ws.CUDNN)
   assert set(fns) == expected
@@ -233,7 +241,8 @@ def test_the_table_shows_speedups_and_reasons():
                              ws.CUDNN: 1.25}),
           _fake_row(packed, {ws.OURS: 2.0, ws.DENSE_MASK: 5.0, ws.ANY_LAYOUT: 4.0,
                              ws.CUDNN: {"unavailable": ws.NO_SEGMENTS_IN_JAX_NN},
-                             ws.CUDNN_PACKED: {"error": "XlaRuntimeError: boom"}})]
+                             ws.CUDNN_PACKED: {"error": "XlaRuntimeError: boom"}}),
+          _fake_row(packed, {ws.OURS: 2.0, ws.KEY_RANGES: 1.6, ws.CUDNN_PACKED: 1.8})]
   table = ws.render_table(rows).splitlines()
   assert table[0].startswith("| pass | D | problem | seq | causal | B | N | ours |")
   assert table[2].endswith("| 5.00 | 6.00 | - | 1.25 | - |")
@@ -244,6 +253,10 @@ def test_the_table_shows_speedups_and_reasons():
   assert "ours, dense mask ÷ ours 2.50 (target ≥ 3: NOT met)" in text
   assert ws.NO_SEGMENTS_IN_JAX_NN in text and "XlaRuntimeError: boom" in text
   assert "ours, dense mask 0.0078" in text
+  # cuDNN's packed route beside ours handed the same offsets, not beside ours
+  assert ("cudnn packed (jax._src) ÷ ours, key ranges 1.12 (both handed the documents' "
+          "offsets)") in text
+  assert "cudnn packed (jax._src) ÷ ours 0.90 (target ≥ 1: NOT met)" in text
 
 
 def test_a_section_run_keeps_the_grids_rows_and_writes_both(tmp_path, monkeypatch):

@@ -208,12 +208,13 @@ def aux_arrays(problem: Problem) -> dict:
   # cuDNN's packed layout: per batch row the length of each document and its
   # offset, the offsets padded with -1 to one more entry than documents
   # (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention).
-  ends = starts + np.asarray(docs, np.int32)
-  per_row = lambda x: jnp.asarray(np.broadcast_to(np.repeat(x, docs).astype(np.int32),
-                                                  (problem.batch, 1, t)))
+  # Each row's document as its key range: the problem's own bounds, without
+  # the causal mask (the route passes is_causal itself).
+  first, last = row_key_bounds(dataclasses.replace(problem, causal=False))
+  per_row = lambda x: jnp.asarray(np.broadcast_to(x.astype(np.int32), (problem.batch, 1, t)))
   return {"mask": mask, "ids": ids, "seqlen": row(np.asarray(docs)),
           "offsets": row(np.concatenate([starts, [-1]])),
-          "k_start": per_row(starts), "k_end": per_row(ends)}
+          "k_start": per_row(first), "k_end": per_row(last + 1)}
 
 
 def jax_nn_cudnn_refusal(problem: Problem) -> str | None:

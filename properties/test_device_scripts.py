@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "ci" / "device").glob("*.sh"))
 # The pages pages.sh rewrites, and the folder of OUTDIR each lands in.
 PAGES = {ROOT / "docs" / "performance.md": "$out/docs",
+         ROOT / "docs" / "gqa4" / "performance.md": "$out/gqa4",
          ROOT / "docs" / "backward" / "performance.md": "$out/backward"}
 
 

@@ -5,14 +5,15 @@
 #   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR forward
 #     OUTDIR/docs/performance.*: the forward grid, then its section of local
 #     windows and packed documents (forward and forward + backward);
+#     OUTDIR/gqa4/performance.*: the forward, causal, d128, GQA 4 (docs/gqa4);
 #   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR backward
 #     OUTDIR/backward/performance.*: the forward + backward grid, default and
 #     deterministic=True.
 # Each starts from the committed page, so what a run does not time keeps its
-# own provenance (bench --grid --out-dir).  Copy OUTDIR/docs/* over docs/ and
-# OUTDIR/backward/* over docs/backward/, review, commit.  OUTDIR also gets
-# steps.txt (the device, each step's exit and seconds) and log.txt; eight
-# files at most, as a device call returns.  FLASH_COMMIT names the measured
+# own provenance (bench --grid --out-dir).  Copy OUTDIR/docs/* over docs/,
+# OUTDIR/gqa4/* over docs/gqa4/ and OUTDIR/backward/* over docs/backward/,
+# review, commit.  OUTDIR also gets steps.txt (the device, each step's exit
+# and seconds) and log.txt; eight files at most, as a device call returns.  FLASH_COMMIT names the measured
 # commit (a copied tree may carry no .git).  properties/test_device_scripts.py
 # checks that these are the commands the committed pages name.
 set -uo pipefail
@@ -39,6 +40,10 @@ if [ "$part" = forward ]; then
     --commit "$commit"
   step windows-segments 270 "$py" -m harness bench --grid --sections windows-segments --backward \
     --out-dir "$out/docs" --commit "$commit"
+  mkdir -p "$out/gqa4" && cp docs/gqa4/performance.json docs/gqa4/performance.md \
+    docs/gqa4/performance.png "$out/gqa4/"
+  step gqa4 120 "$py" -m harness bench --grid --no-example --gqa 4 --head-dims 128 --causal-only \
+    --commit "$commit" --out-dir "$out/gqa4"
 else
   mkdir -p "$out/backward" && cp docs/backward/performance.json docs/backward/performance.md \
     docs/backward/performance.png "$out/backward/"

@@ -10,7 +10,9 @@
 # gate ("gate", "all") more than 10; where one command may run only 10
 # minutes, run "gpu-properties" and "golden" (each the gate with that one
 # step, its own summary.md) and "bench" as separate commands, back to back
-# while the machine is still warm.
+# while the machine is still warm.  On an H100 "gpu-gate" outgrows the 570 s
+# limit (2026-12-05, 4747f8a: gpu-properties 438 s, golden 149 s): run
+# "gpu-properties" and "golden" there.
 # FLASH_COMMIT=<commit> names the measured commit in the summary (a copied
 # tree may carry no .git).
 # Wheels in .whl/, when that folder is present, are installed first (for a

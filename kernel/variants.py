@@ -107,8 +107,9 @@ SEARCH = "scan_unrolled"
 # The runs measured within 2 % of them, in one process of `python -m harness
 # bench --grid --sections windows-segments --backward` (H200, 24a4703,
 # 2026-12-05): forward 0.491 vs 0.500 ms, forward + backward 1.838 vs 1.837;
-# the API keeps "searched", which takes any ids without a branch
-# (kernel/experiments.py times both).  On the H100 (2026-12-05) the bounds
+# on the H100 in the same command (ad652b4, 2026-12-05) 0.500 vs 0.528 and
+# 1.846 vs 1.892.  The API keeps "searched", which takes any ids without a
+# branch (kernel/experiments.py times both).  On the H100 (2026-12-05) the bounds
 # took 0.083 ms alone, "runs" 0.126 (its run bounds 0.064 and its test
 # 0.048: XLA's cumulative max and min are windowed reductions), and the
 # call 0.535 ms against 0.449 for the same call given those ranges as

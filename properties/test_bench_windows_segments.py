@@ -356,3 +356,41 @@ def test_a_backward_only_run_keeps_the_forward_rows_with_their_provenance(tmp_pa
   merged = bg.merged_record(legacy, backward_meta, rows=[row("forward+backward", 2.0)],
                             sections={}, passes=("forward+backward",))
   assert merged["pass_meta"]["forward"]["commit"] == "abc1234"
+
+
+def test_a_page_keeps_no_part_from_another_device(tmp_path, monkeypatch, capsys):
+  """A run on one device that would keep a part of the page measured on
+  another (the grid timed on an H100 beside an H200's section) is refused,
+  naming both devices and the part, before anything is timed; a run that
+  times every part the page holds, or one on the page's own device, is
+  not."""
+  dense_row = dict(head_dim=128, seq=4096, causal=False, kv_heads_ratio=1, heads=16,
+                   kv_heads=16, batch=4, dtype="bfloat16", pass_="forward",
+                   results={"ours auto": dict(ms=1.0, tflops=600.0),
+                            "cudnn": dict(ms=1.05, tflops=571.4)})
+  window = ws.Problem("window", 128, 16384, True, window=1024)
+  section_rows = [_fake_row(window, {ws.OURS: 1.0, ws.NO_WINDOW: 4.5})]
+  h200 = bg.merged_record({}, _meta("python -m harness bench --grid"), rows=[dense_row],
+                          sections={ws.KEY: section_rows}, passes=("forward",))
+  h100 = dict(_meta("python -m harness bench --grid"), device="NVIDIA H100 80GB HBM3")
+  with pytest.raises(ValueError, match=r"on NVIDIA H100 80GB HBM3, and the page there keeps "
+                                       rf"section {ws.KEY} \(NVIDIA H200\)"):
+    bg.merged_record(h200, h100, rows=[dense_row], sections={}, passes=("forward",))
+  with pytest.raises(ValueError, match=r"keeps forward \(NVIDIA H200\)"):
+    bg.merged_record(h200, h100, rows=None, sections={ws.KEY: section_rows})
+  everything = bg.merged_record(h200, h100, rows=[dense_row], sections={ws.KEY: section_rows},
+                                passes=("forward",))
+  assert everything["device"] == everything["sections"][ws.KEY]["device"] == h100["device"]
+  same = bg.merged_record(h200, dict(_meta("python -m harness bench --grid"), commit="0a0a0a0"),
+                          rows=[dense_row], sections={}, passes=("forward",))
+  assert same["sections"][ws.KEY]["commit"] == "abc1234"
+  # the command line refuses before it times: nothing here could time
+  (tmp_path / "performance.json").write_text(json.dumps(h200))
+  monkeypatch.setattr(bg, "run_grid", lambda *a, **k: pytest.fail("timed before refusing"))
+  import jax
+  monkeypatch.setattr(jax, "devices", lambda *a: [type("D", (), {"device_kind": h100["device"]})])
+  from harness.tools import bench
+  assert bench.main(["--grid", "--out-dir", str(tmp_path), "--no-example"]) == 2
+  err = capsys.readouterr().err
+  assert "harness bench --grid: --out-dir: this run is on NVIDIA H100 80GB HBM3" in err
+  assert f"section {ws.KEY} (NVIDIA H200)" in err

@@ -29,6 +29,13 @@ py="${PYTHON:-python3}"
 mkdir -p "$out"
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; echo "commit $commit"; } \
   >> "$out/steps.txt" 2>&1
+# The committed pages are the H200's: on another GPU nothing is timed (bench
+# --grid itself refuses to mix devices on a page, not to replace a whole one).
+if ! nvidia-smi -L 2>/dev/null | grep -q "H200"; then
+  echo "pages.sh: the pages are the H200's; this machine has: $(nvidia-smi -L 2>&1 | head -1)" \
+    | tee -a "$out/steps.txt" >&2
+  exit 3
+fi
 step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a "$out/log.txt"; local t=$SECONDS
   timeout "$limit" "$@" > >(tee -a "$out/log.txt") 2>&1; local rc=$?
   echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; }

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -557,6 +558,15 @@ def main(args, sections: dict | None = None) -> int:
   existing = {}
   if out_dir is not None and (out_dir / "performance.json").exists():
     existing = json.loads((out_dir / "performance.json").read_text())
+  # Refused before anything is timed; merged_record checks the same rule.
+  try:
+    refuse_other_devices(
+        existing, meta["device"],
+        passes=tuple(pass_name(b) for b in passes) if "dense" in chosen else None,
+        section_keys=[sections[n].KEY for n in chosen if n != "dense"])
+  except ValueError as err:
+    print(f"harness bench --grid: {err}", file=sys.stderr)
+    return 2
   rows = None
   on_row = partial_writer(out_dir, meta)
   if "dense" in chosen:
@@ -586,6 +596,38 @@ def main(args, sections: dict | None = None) -> int:
 
 
 
+def kept_parts(existing: dict, *, passes: tuple[str, ...] | None,
+               section_keys) -> dict[str, dict]:
+  """{part: its meta} of what a run keeps of ``existing`` (a
+  performance.json's content): each pass of the grid it does not time
+  (``passes``; None: it times no pass) and each section not among
+  ``section_keys``."""
+  timed = set(passes or ())
+  pass_meta = existing.get("pass_meta")
+  if pass_meta is None:  # a record written before pass_meta: its top-level meta
+    top = {k: existing[k] for k in META_KEYS if k in existing}
+    pass_meta = {r["pass_"]: top for r in existing.get("rows", [])}
+  kept = {p: m for p, m in pass_meta.items() if p not in timed}
+  kept.update({f"section {k}": m for k, m in existing.get("sections", {}).items()
+               if k not in set(section_keys)})
+  return kept
+
+
+def refuse_other_devices(existing: dict, device: str, *, passes: tuple[str, ...] | None,
+                         section_keys, where: str = "--out-dir") -> None:
+  """A page names one device: a run on ``device`` may not keep parts of
+  ``existing`` measured on another (an H100's grid beside an H200's
+  section would read as one machine's numbers).  Raises ValueError naming
+  the parts and both devices."""
+  other = {part: m.get("device") for part, m in kept_parts(
+      existing, passes=passes, section_keys=section_keys).items() if m.get("device") != device}
+  if other:
+    listed = ", ".join(f"{part} ({dev})" for part, dev in other.items())
+    raise ValueError(f"{where}: this run is on {device}, and the page there keeps {listed} "
+                     f"from another device; a page names one device: time those parts too "
+                     f"or write to another folder")
+
+
 def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: dict,
                   passes: tuple[str, ...] | None = None) -> dict:
   """performance.json's content after a run: the grid's ``rows`` (None: not
@@ -596,6 +638,9 @@ def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: di
   ``existing`` holds of the passes and sections not timed is kept as it
   was (a record written before ``pass_meta`` credits its rows to its
   top-level meta)."""
+  timed_passes = None if rows is None else tuple(
+      passes if passes is not None else dict.fromkeys(r["pass_"] for r in rows))
+  refuse_other_devices(existing, meta["device"], passes=timed_passes, section_keys=sections)
   record = json.loads(json.dumps(existing))  # a copy
   if rows is not None:
     timed = set(passes if passes is not None else (r["pass_"] for r in rows))

@@ -397,7 +397,16 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # ad4f30e, bench --grid --seqs 12016,12017): 613.7 TFLOP/s at 12016
   # tokens, 560.6 at 12017; causal 555.9 and 512.8.
   # Measured on the H200 at seq 1000, causal, d128: the padded copies took
-  # about 40 % of the call.
+  # about 40 % of the call.  A way around them, not built: the descriptor
+  # checks only the tiling, and for a 64-column buffer the (8, 64) tiling is
+  # the untiled row-major layout, so a TMA into a view with the 128-byte
+  # swizzle alone, aliased (plgpu.RefUnion) with the tiled view wgmma reads,
+  # lowers at T = 12017 (jax.export for CUDA, jax 0.11.2, 2026-12-05).  It
+  # is unrun on a GPU; RefUnion does not promise that its members share
+  # their first byte; head dims over 64 would need one buffer per 64 columns
+  # (two wgmma per product); and the last tile's store would be clipped,
+  # which kernel/forward.py avoids for m and l (a clipped store was seen to
+  # land in the next head's rows).
   def operand(x, multiple):
     x = x.astype(dtype)
     if x.shape[3] % 64 or x.shape[1] < multiple or x.shape[1] % 8:

@@ -16,7 +16,8 @@ SCRIPTS = sorted((ROOT / "ci" / "device").glob("*.sh"))
 # The pages pages.sh rewrites, and the folder of OUTDIR each lands in.
 PAGES = {ROOT / "docs" / "performance.md": "$out/docs",
          ROOT / "docs" / "gqa4" / "performance.md": "$out/gqa4",
-         ROOT / "docs" / "backward" / "performance.md": "$out/backward"}
+         ROOT / "docs" / "backward" / "performance.md": "$out/backward",
+         ROOT / "docs" / "h100" / "performance.md": "$out/h100"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -63,18 +64,20 @@ def test_pages_script_runs_the_commands_the_pages_name():
     assert _page_commands(page) == script[folder], page.relative_to(ROOT)
 
 
-@pytest.mark.parametrize("part", ["forward", "backward"])
-def test_pages_script_times_nothing_on_another_gpu(tmp_path, part):
-  """The committed pages are the H200's: on an H100 (a stand-in nvidia-smi
-  says so) pages.sh stops before timing, with a message naming the GPU."""
+@pytest.mark.parametrize("part,gpu,other", [
+    ("forward", "H200", "NVIDIA H100 80GB HBM3"), ("backward", "H200", "NVIDIA H100 80GB HBM3"),
+    ("h100", "H100", "NVIDIA H200")])
+def test_pages_script_times_nothing_on_another_gpu(tmp_path, part, gpu, other):
+  """Each page is one GPU's: on another (a stand-in nvidia-smi names it)
+  pages.sh stops before timing, with a message naming both."""
   fake = tmp_path / "bin"
   fake.mkdir()
-  (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: x)'\n")
+  (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho 'GPU 0: {other} (UUID: x)'\n")
   (fake / "nvidia-smi").chmod(0o755)
   out = tmp_path / "out"
   env = {"PATH": f"{fake}:/usr/bin:/bin", "PYTHON": "false", "FLASH_COMMIT": "abc1234"}
   run = subprocess.run(["bash", str(ROOT / "ci" / "device" / "pages.sh"), str(out), part],
                        cwd=ROOT, env=env, capture_output=True, text=True)
   assert run.returncode == 3, run.stderr
-  assert "the pages are the H200's; this machine has: GPU 0: NVIDIA H100 80GB HBM3" in run.stderr
+  assert f"the {part} pages are the {gpu}'s; this machine has: GPU 0: {other}" in run.stderr
   assert sorted(p.name for p in out.iterdir()) == ["steps.txt"]

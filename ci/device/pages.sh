@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# Regenerate the performance pages on an H200, by the commands the pages
-# name, in two calls of under 10 minutes each (back to back while the machine
-# is warm):
-#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR forward
+# Regenerate the performance pages by the commands the pages name, each part
+# one call of under 10 minutes (back to back while the machine is warm):
+#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR forward     (an H200)
 #     OUTDIR/docs/performance.*: the forward grid, then its section of local
 #     windows and packed documents (forward and forward + backward);
 #     OUTDIR/gqa4/performance.*: the forward, causal, d128, GQA 4 (docs/gqa4);
-#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR backward
+#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR backward    (an H200)
 #     OUTDIR/backward/performance.*: the forward + backward grid, default and
-#     deterministic=True.
+#     deterministic=True;
+#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR h100        (an H100)
+#     OUTDIR/h100/performance.*: the forward grid on the H100, config=None
+#     beside the seed's heuristic (docs/h100).
+# A part run on a GPU other than its page's times nothing and exits 3.
 # Each starts from the committed page, so what a run does not time keeps its
 # own provenance (bench --grid --out-dir).  Copy OUTDIR/docs/* over docs/,
-# OUTDIR/gqa4/* over docs/gqa4/ and OUTDIR/backward/* over docs/backward/,
-# review, commit.  OUTDIR also gets steps.txt (the device, each step's exit
-# and seconds) and log.txt; eight files at most, as a device call returns.  FLASH_COMMIT names the measured
-# commit (a copied tree may carry no .git).  properties/test_device_scripts.py
-# checks that these are the commands the committed pages name.
+# OUTDIR/gqa4/* over docs/gqa4/, OUTDIR/backward/* over docs/backward/ and
+# OUTDIR/h100/* over docs/h100/, review, commit.  OUTDIR also gets steps.txt
+# (the device, each step's exit and seconds) and log.txt; eight files at
+# most, as a device call returns.  FLASH_COMMIT names the measured commit (a
+# copied tree may carry no .git).  properties/test_device_scripts.py checks
+# that these are the commands the committed pages name.
 set -uo pipefail
-out="${1:?usage: pages.sh OUTDIR forward|backward}"
-part="${2:?usage: pages.sh OUTDIR forward|backward}"
-case "$part" in forward|backward) ;;
-  *) echo "pages.sh: part must be forward or backward, got '$part'" >&2; exit 2 ;;
+out="${1:?usage: pages.sh OUTDIR forward|backward|h100}"
+part="${2:?usage: pages.sh OUTDIR forward|backward|h100}"
+case "$part" in
+  forward|backward) gpu=H200 ;;
+  h100) gpu=H100 ;;
+  *) echo "pages.sh: part must be forward, backward or h100, got '$part'" >&2; exit 2 ;;
 esac
 commit="${FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
@@ -29,11 +35,11 @@ py="${PYTHON:-python3}"
 mkdir -p "$out"
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; echo "commit $commit"; } \
   >> "$out/steps.txt" 2>&1
-# The committed pages are the H200's: on another GPU nothing is timed (bench
-# --grid itself refuses to mix devices on a page, not to replace a whole one).
-if ! nvidia-smi -L 2>/dev/null | grep -q "H200"; then
-  echo "pages.sh: the pages are the H200's; this machine has: $(nvidia-smi -L 2>&1 | head -1)" \
-    | tee -a "$out/steps.txt" >&2
+# Each page is one GPU's: on another nothing is timed (bench --grid itself
+# refuses to mix devices on a page, not to replace a whole one).
+if ! nvidia-smi -L 2>/dev/null | grep -q "$gpu"; then
+  echo "pages.sh: the $part pages are the $gpu's; this machine has:" \
+    "$(nvidia-smi -L 2>&1 | head -1)" | tee -a "$out/steps.txt" >&2
   exit 3
 fi
 step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a "$out/log.txt"; local t=$SECONDS
@@ -51,6 +57,11 @@ if [ "$part" = forward ]; then
     docs/gqa4/performance.png "$out/gqa4/"
   step gqa4 120 "$py" -m harness bench --grid --no-example --gqa 4 --head-dims 128 --causal-only \
     --commit "$commit" --out-dir "$out/gqa4"
+elif [ "$part" = h100 ]; then
+  mkdir -p "$out/h100" && cp docs/h100/performance.json docs/h100/performance.md \
+    docs/h100/performance.png "$out/h100/"
+  step h100-grid 400 "$py" -m harness bench --grid --no-example --variants "auto;heuristic" \
+    --out-dir "$out/h100" --commit "$commit"
 else
   mkdir -p "$out/backward" && cp docs/backward/performance.json docs/backward/performance.md \
     docs/backward/performance.png "$out/backward/"

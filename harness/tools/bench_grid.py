@@ -596,25 +596,31 @@ def main(args, sections: dict | None = None) -> int:
 
 
 
+def _pass_meta(record: dict) -> dict[str, dict]:
+  """{pass: the meta of the run that timed it}; a record written before
+  pass_meta credits its rows to its top-level meta."""
+  pass_meta = record.get("pass_meta")
+  if pass_meta is None:
+    top = {k: record[k] for k in META_KEYS if k in record}
+    pass_meta = {r["pass_"]: top for r in record.get("rows", [])}
+  return pass_meta
+
+
 def kept_parts(existing: dict, *, passes: tuple[str, ...] | None,
                section_keys) -> dict[str, dict]:
   """{part: its meta} of what a run keeps of ``existing`` (a
   performance.json's content): each pass of the grid it does not time
   (``passes``; None: it times no pass) and each section not among
   ``section_keys``."""
-  timed = set(passes or ())
-  pass_meta = existing.get("pass_meta")
-  if pass_meta is None:  # a record written before pass_meta: its top-level meta
-    top = {k: existing[k] for k in META_KEYS if k in existing}
-    pass_meta = {r["pass_"]: top for r in existing.get("rows", [])}
-  kept = {p: m for p, m in pass_meta.items() if p not in timed}
+  timed, timed_sections = set(passes or ()), set(section_keys)
+  kept = {p: m for p, m in _pass_meta(existing).items() if p not in timed}
   kept.update({f"section {k}": m for k, m in existing.get("sections", {}).items()
-               if k not in set(section_keys)})
+               if k not in timed_sections})
   return kept
 
 
 def refuse_other_devices(existing: dict, device: str, *, passes: tuple[str, ...] | None,
-                         section_keys, where: str = "--out-dir") -> None:
+                         section_keys) -> None:
   """A page names one device: a run on ``device`` may not keep parts of
   ``existing`` measured on another (an H100's grid beside an H200's
   section would read as one machine's numbers).  Raises ValueError naming
@@ -623,7 +629,7 @@ def refuse_other_devices(existing: dict, device: str, *, passes: tuple[str, ...]
       existing, passes=passes, section_keys=section_keys).items() if m.get("device") != device}
   if other:
     listed = ", ".join(f"{part} ({dev})" for part, dev in other.items())
-    raise ValueError(f"{where}: this run is on {device}, and the page there keeps {listed} "
+    raise ValueError(f"--out-dir: this run is on {device}, and the page there keeps {listed} "
                      f"from another device; a page names one device: time those parts too "
                      f"or write to another folder")
 
@@ -643,12 +649,9 @@ def merged_record(existing: dict, meta: dict, *, rows: list | None, sections: di
   refuse_other_devices(existing, meta["device"], passes=timed_passes, section_keys=sections)
   record = json.loads(json.dumps(existing))  # a copy
   if rows is not None:
-    timed = set(passes if passes is not None else (r["pass_"] for r in rows))
+    timed = set(timed_passes)
     old_rows = record.get("rows", [])
-    pass_meta = record.get("pass_meta")
-    if pass_meta is None:
-      top = {k: record[k] for k in META_KEYS if k in record}
-      pass_meta = {r["pass_"]: top for r in old_rows}
+    pass_meta = _pass_meta(record)
     kept = [r for r in old_rows if r["pass_"] not in timed]
     pass_meta = {p: m for p, m in pass_meta.items() if p not in timed}
     pass_meta.update({p: dict(meta) for p in timed})

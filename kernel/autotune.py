@@ -100,10 +100,12 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
             **features) -> tuple[str, Config] | None:
   """(signature, config): the cached entry nearest to ``problem``'s own
-  signature among those of the same device, head dims, mask and features
-  (``-bias``, ``-mask``, ``-ranges``) and a 16-bit dtype, whose config fits
-  the problem.  Nearest: the fewest doublings between the sequence buckets
-  (query plus key), then the same dtype, then the signature's name (a fixed
+  signature among those of the same device, mask and features (``-bias``,
+  ``-mask``, ``-ranges``) and a 16-bit dtype, whose config fits the problem.
+  Nearest: entries of the same head dims first, then those of wider head
+  dims (query and value both at least the problem's), the narrowest first;
+  within that, the fewest doublings between the sequence buckets (query
+  plus key), then the same dtype, then the signature's name (a fixed
   order).  None where no entry qualifies.
 
   Why: a signature the cache lacks otherwise runs the heuristic, which is
@@ -111,23 +113,42 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
   dim 64, 128 and 256, 1k to 16k, chose a persistent longest-first or a
   longest-first config; the heuristic runs causal round-robin, which ran at
   0.56-0.75 of cuDNN, H200, 2026-12-01), so the nearest tuned bucket is the
-  better guess for a sequence bucket or dtype not tuned."""
+  better guess for a sequence bucket or dtype not tuned.  A head dim with
+  no entries of its own (192, or a value head dim unlike the query's) reads
+  a wider one's: its configs were tuned under more shared-memory and
+  register pressure, and they fit or are passed over.  At head dim 256 the
+  heuristic's own tiling (64, 64, 2 stages, one tile per block) ran
+  longest-first in 0.886-0.958 of its round-robin time at every causal
+  bucket from 1k to 16k (this cache's medians, H200), which is what such a
+  call then runs; a narrower head's entries are never read (their tiles
+  may not fit, and were not tuned for the pressure)."""
   want = _SIGNATURE.fullmatch(signature(problem, **features))
   if want is None or want["dtype"] not in SIXTEEN_BIT:
     return None
+  want_dims = _head_dims(want["head"])
   ranked = []
   for sig, entry in load_cache(path).get(device_kind, {}).items():
     got = _SIGNATURE.fullmatch(sig)
-    if (got is None or got["dtype"] not in SIXTEEN_BIT or got["head"] != want["head"]
-        or got["rest"] != want["rest"]):
+    if got is None or got["dtype"] not in SIXTEEN_BIT or got["rest"] != want["rest"]:
       continue
+    dims = _head_dims(got["head"])
+    if any(d < w for d, w in zip(dims, want_dims)):
+      continue
+    wider = sum(d.bit_length() - w.bit_length() for d, w in zip(dims, want_dims))
     steps = sum(abs(int(got[k]).bit_length() - int(want[k]).bit_length()) for k in ("q", "kv"))
-    ranked.append((steps, got["dtype"] != want["dtype"], sig, entry))
-  for _, _, sig, entry in sorted(ranked, key=lambda r: r[:3]):
+    ranked.append((dims != want_dims, wider, dims, steps, got["dtype"] != want["dtype"], sig,
+                   entry))
+  for *_, sig, entry in sorted(ranked, key=lambda r: r[:6]):
     config = entry_config(entry)
     if config is not None and plan.config_fits(problem, config):
       return sig, config
   return None
+
+
+def _head_dims(head: str) -> tuple[int, int]:
+  """(query, value) head dims of a signature's "d128-dv128" part."""
+  d, dv = head[1:].split("-dv")
+  return int(d), int(dv)
 
 
 def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config:

@@ -122,8 +122,9 @@ def _at(problem, *, dtype=None, seq=None, causal=None, head_dim=None):
 
 def test_a_signature_the_cache_lacks_takes_the_nearest_tuned_entry(tmp_path):
   """Nearest: fewest doublings between the buckets, then the same dtype;
-  only entries of the same head dims, mask and features, either 16-bit
-  dtype; the exact entry first (lookup)."""
+  only entries of the same mask and features, either 16-bit dtype, and of
+  the same head dims or wider ones (test below); the exact entry first
+  (lookup)."""
   cache = tmp_path / "cache.json"
   causal = _at(PROBLEM, causal=True)
   near_1k, near_16k = Config(64, 128, 2, True, "longest-first"), Config(64, 64, 2, False)
@@ -135,7 +136,7 @@ def test_a_signature_the_cache_lacks_takes_the_nearest_tuned_entry(tmp_path):
   assert pick(_at(causal, seq=2048, dtype="float16"))[1] == near_1k     # the other 16-bit dtype
   assert pick(_at(causal, seq=2048, dtype="float16"))[0] == autotune.signature(
       _at(causal, seq=1024))
-  assert pick(_at(causal, seq=2048, head_dim=64)) is None               # another head dim
+  assert pick(_at(causal, seq=2048, head_dim=256)) is None              # only narrower ones
   assert pick(_at(PROBLEM, seq=2048)) is None                           # not causal
   assert pick(_at(causal, seq=2048), has_mask=True) is None             # another feature
   assert autotune.nearest(_at(causal, seq=2048), "NVIDIA H100", path=cache) is None
@@ -144,6 +145,37 @@ def test_a_signature_the_cache_lacks_takes_the_nearest_tuned_entry(tmp_path):
   tuner.record(_at(causal, seq=16384, dtype="float16"), "NVIDIA H200", own, {}, path=cache)
   assert pick(_at(causal, seq=8192, dtype="float16"))[1] == own
   assert pick(_at(causal, seq=8192))[1] == near_16k
+
+
+def test_a_head_dim_without_entries_reads_the_narrowest_wider_one(tmp_path):
+  """Entries of the call's own head dims come first, at any distance in
+  sequence; without them, the narrowest head dims at least as wide in both
+  query and value (192 reads 256, never 128); a narrower one is never read.
+  The shipped cache has no 192: config=None there runs the 256's pick,
+  which is not the heuristic's under causal."""
+  cache = tmp_path / "cache.json"
+  wide = lambda d, dv: dataclasses.replace(PROBLEM, head_dim=d, head_dim_out=dv, is_causal=True)
+  c128, c256, c512 = (Config(64, 128, 2, True, "longest-first"),
+                      Config(64, 64, 2, False, "longest-first"),
+                      Config(64, 64, 2, False, "round-robin"))
+  tuner.record(wide(128, 128), "NVIDIA H200", c128, {}, path=cache)
+  tuner.record(_at(wide(256, 256), seq=16384), "NVIDIA H200", c256, {}, path=cache)
+  pick = lambda p: autotune.nearest(p, "NVIDIA H200", path=cache)
+  assert pick(wide(192, 192)) == (autotune.signature(_at(wide(256, 256), seq=16384)), c256)
+  assert pick(wide(192, 128))[1] == c256          # value 128 fits 256 too; query 192 not 128
+  assert pick(wide(64, 128))[1] == c128           # the narrowest wider: 128 before 256
+  assert pick(wide(128, 192))[1] == c256
+  assert pick(_at(wide(128, 128), seq=1024))[1] == c128   # its own head dims first
+  assert pick(wide(256, 128))[1] == c256
+  assert pick(wide(320, 320)) is None             # nothing as wide
+  tuner.record(_at(wide(256, 256), seq=4096, dtype="float16"), "NVIDIA H200", c512, {},
+               path=cache)
+  assert pick(wide(192, 192))[1] == c512          # the nearer bucket among the 256's
+  q = jax.ShapeDtypeStruct((2, 4096, 8, 192), jnp.bfloat16)
+  from kernel import api
+  config, source = api.chosen_config_source(q, q, q, is_causal=True, device_kind="NVIDIA H200")
+  assert source.startswith("autotune cache, nearest: bfloat16-d256-dv256-")
+  assert config != heuristics.get_heuristics_config(wide(192, 192))
 
 
 def test_an_entry_this_kernel_cannot_run_is_skipped(tmp_path):

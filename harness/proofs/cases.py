@@ -70,8 +70,9 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
   """Every distinct forward protocol of the configs the heuristics and the
   autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
   how many (problem, config) pairs it covers: the heuristic's, the one
-  ``config=None`` takes with key ranges (kernel.autotune.choose), and every
-  autotuning candidate."""
+  ``config=None`` takes with key ranges (kernel.autotune.choose), the one it
+  takes from the shipped cache on the H200 (its entry, or the nearest
+  entry, perhaps of a wider head dim), and every autotuning candidate."""
   from kernel import autotune, heuristics, plan as plan_lib
   found: dict = {}
   for p in problems:
@@ -79,6 +80,7 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
     try:
       configs.append(heuristics.get_heuristics_config(p))
       configs.append(autotune.choose(p, None, has_key_ranges=True))
+      configs.append(autotune.choose(p, autotune.REFERENCE_DEVICE_KIND))
     except ValueError:
       pass
     configs += list(heuristics.get_autotuning_configs(p))

@@ -38,7 +38,8 @@ import numpy as np
 from harness.proofs import cases
 from kernel import plan as plan_lib
 
-HEAD_DIMS = (64, 128, 256)
+# 192: a head dim the cache has no entries of, which reads the wider 256's.
+HEAD_DIMS = (64, 128, 192, 256)
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 # (seq_q, seq_kv): one key block, a partial block, a few blocks, many blocks.
 SEQ_LENGTHS = ((1, 1), (100, 64), (128, 200), (1000, 1000), (8192, 8192))

@@ -332,7 +332,7 @@ def test_the_coverage_set_is_the_issues_list():
   """Issue #15's set: head dims 64/96/128/192/256 (head_dim_out = head_dim),
   seq 512..32k with seq_q = seq_kv, causal and not, bf16 and f16, each at 16k
   tokens per batch (at least one sequence) and heads * head_dim = 2048."""
-  from harness.tools.bench_grid import HEADS_FOR_DIM
+  from harness.tools.bench_grid import Point
   jobs = tuner.coverage_jobs()
   assert len(jobs) == 5 * 7 * 2 * 2 == 140
   wanted = set(itertools.product((64, 96, 128, 192, 256),
@@ -342,7 +342,8 @@ def test_the_coverage_set_is_the_issues_list():
   for job in jobs:
     assert job.batch == max(1, 16384 // job.seq)
     assert job.heads == 2048 // job.head_dim
-    assert job.head_dim not in HEADS_FOR_DIM or job.heads == HEADS_FOR_DIM[job.head_dim]
+    assert (job.batch, job.heads) == (Point(job.head_dim, job.seq, job.causal).batch,
+                                      Point(job.head_dim, job.seq, job.causal).heads)
     problem = job.problem()
     assert problem.seq_q == problem.seq_kv == job.seq
     assert problem.head_dim == problem.head_dim_out == plan.padded_head_dim(job.head_dim)

@@ -174,3 +174,15 @@ def test_seqs_replace_the_grids_lengths_with_any_lengths():
                                                  (9522, True), (1024, True)]
   assert {p.seq for p in bg.grid_points(backward=True)} == set(bg.BACKWARD_SEQS + bg.RAGGED_SEQS)
   assert {p.seq for p in bg.grid_points(backward=False, ragged=False)} == set(bg.FORWARD_SEQS)
+
+
+def test_any_head_dim_gets_the_grids_width():
+  """``--head-dims`` takes any head dim (192, 96: the ones the shipped cache
+  reads from wider entries); every point has heads * head_dim = 2048, as
+  the grid's own 32/16/8 heads at 64/128/256, and 16k tokens per batch."""
+  heads = {d: bg.grid_points(backward=False, head_dims=(d,), seqs=(4096,))[0].heads
+           for d in (64, 96, 128, 192, 256)}
+  assert heads == {64: 32, 96: 21, 128: 16, 192: 10, 256: 8}
+  point = bg.Point(192, 12017, True)
+  assert (point.batch, point.kv_heads) == (1, 10)
+  assert point.flops(False) == 4.0 * 10 * 12017 * 12017 * 192 / 2

@@ -148,8 +148,6 @@ COMMON_SHAPES = (  # (batch, seq, heads, head_dim, causal)
 COVERAGE_HEAD_DIMS = (64, 96, 128, 192, 256)
 COVERAGE_SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 COVERAGE_DTYPES = ("bfloat16", "float16")
-COVERAGE_TOKENS = 16384   # batch * seq, as bench --grid
-COVERAGE_WIDTH = 2048     # heads * head_dim, as bench --grid
 
 
 def coverage_jobs() -> list[Job]:
@@ -158,17 +156,17 @@ def coverage_jobs() -> list[Job]:
   to 32k with seq_q = seq_kv, causal and not, bfloat16 and float16: 5 * 7 * 2
   * 2 = 140 jobs, listed head dim, then seq, then causal, then dtype.
 
-  Each is timed at a representative shape of ``bench --grid``'s kind:
-  batch * seq = 16k tokens (batch at least 1) and heads * head_dim = 2048
-  (``2048 // head_dim``: 21 heads at 96, 10 at 192).
+  Each is timed at the shape ``bench --grid`` times at that head dim and
+  length: batch * seq = 16k tokens (batch at least 1) and heads * head_dim
+  = 2048 (``bench_grid.heads_for``: 21 heads at 96, 10 at 192).
 
   Head dims are padded to a multiple of ``plan.HEAD_DIM_MULTIPLE`` before the
   kernel sees them, so a head dim the padding rounds up (96 -> 128) shares
   the padded dim's signature: the kernel runs the same problem, and the
   cache answers both with one entry, tuned once (at the shape that comes
   first in the order tuned)."""
-  return [Job(max(1, COVERAGE_TOKENS // seq), seq, max(1, COVERAGE_WIDTH // d), d, causal,
-              dtype)
+  from harness.tools import bench_grid
+  return [Job(max(1, bench_grid.TOKENS // seq), seq, bench_grid.heads_for(d), d, causal, dtype)
           for d in COVERAGE_HEAD_DIMS for seq in COVERAGE_SEQS
           for causal in (False, True) for dtype in COVERAGE_DTYPES]
 

@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-HEADS_FOR_DIM = {64: 32, 128: 16, 256: 8}
+# heads * head_dim at every point: 32, 16 and 8 heads at head dims 64, 128
+# and 256 (10 at 192, 21 at 96).
+WIDTH = 2048
 FORWARD_SEQS = (1024, 2048, 4096, 8192, 16384)
 BACKWARD_SEQS = (1024, 4096, 16384)
 RAGGED_SEQS = (1000, 3000, 12017)
@@ -51,7 +53,7 @@ class Point:
 
   @property
   def heads(self) -> int:
-    return HEADS_FOR_DIM[self.head_dim]
+    return heads_for(self.head_dim)
 
   @property
   def kv_heads(self) -> int:
@@ -69,6 +71,11 @@ class Point:
   def label(self) -> str:
     return (f"d{self.head_dim} {'causal ' if self.causal else ''}{self.seq}"
             f"{f' gqa{self.kv_heads_ratio}' if self.kv_heads_ratio > 1 else ''}")
+
+
+def heads_for(head_dim: int) -> int:
+  """The query heads of a point of this head dim (:data:`WIDTH`)."""
+  return max(1, WIDTH // head_dim)
 
 
 # The grid's passes, in the order a page lists them, and the keys of a

@@ -116,7 +116,7 @@ class Problem:
 
   @property
   def heads(self) -> int:
-    return self.heads_override or bg.HEADS_FOR_DIM[self.head_dim]
+    return self.heads_override or bg.heads_for(self.head_dim)
 
   @property
   def batch(self) -> int:

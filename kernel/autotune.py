@@ -3,8 +3,9 @@
 Results are kept per (device, shape signature, dtype, features) in a JSON
 cache; the cache shipped with the package (``autotune_cache.json`` beside this
 file) holds H200 entries, and ``config=None`` uses it when it has the call's
-signature, else the nearest entry tuned for the same head dims, mask and
-arguments (:func:`nearest`), else the heuristic (:func:`choose`).  A GPU
+signature, else the nearest entry tuned for the same mask and arguments,
+of the same head dims or else the narrowest wider ones (:func:`nearest`),
+else the heuristic (:func:`choose`).  A GPU
 the cache has no entries for (an H100) reads the H200's
 (:func:`tuned_device_kind`).
 
@@ -153,7 +154,8 @@ def _head_dims(head: str) -> tuple[int, int]:
 
 def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config:
   """``config=None``: the autotuned config when cached, else the nearest
-  tuned entry of the same head dims, mask and features (:func:`nearest`),
+  tuned entry of the same mask and features, of the same head dims or else
+  the narrowest wider ones (:func:`nearest`),
   else the heuristic, which with key ranges (``has_key_ranges``: lengths,
   windows, packed documents) on one tile per block runs longest-first.
 

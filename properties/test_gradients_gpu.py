@@ -175,6 +175,37 @@ def test_named_gradient_cases(name, spec):
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
 
+def test_causal_rows_padded_by_the_caller_match_the_unpadded_problem():
+  """The README's tip for lengths that are no multiple of 8: under causal
+  self-attention a caller who appends zero rows to q, k and v (cotangent 0
+  on the padded rows) gets, for the real rows and keys, out, dq, dk and dv
+  within the tolerance rule of the unpadded problem's float64 reference,
+  and exactly zero dk and dv on the padded keys (only padded rows see them)."""
+  import copy
+  from harness.numerics import reference as ref_lib, tolerance
+  from harness.numerics.conformance import compute_dtype
+  T, pad = 1001, 7
+  case = hs.build_case(hs.CaseSpec(shapes=hs.AttentionShapes(B=1, T=T, N=4, H=128, S=T, K=2,
+                                                             Hv=128),
+                                   dtype="bfloat16", seed=41, is_causal=True))
+  widen = lambda x: np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  padded = copy.copy(case)
+  padded.query, padded.key, padded.value, padded.d_out = (
+      widen(case.query), widen(case.key), widen(case.value), widen(case.d_out))
+  out = api.dot_product_attention(jnp.asarray(padded.query), jnp.asarray(padded.key),
+                                  jnp.asarray(padded.value), is_causal=True)
+  out = np.asarray(out.astype(jnp.float32), np.float64)[:, :T]
+  dt = compute_dtype(case.dtype)
+  want = ref_lib.attention_reference(*case.args, **case.kwargs)
+  naive_out = ref_lib.naive_attention(*case.args, dtype=dt, **case.kwargs)[0]
+  r = tolerance.check_tolerance(out, want.out, naive_out, dt, rtol=case.rtol, name="out")
+  assert r.passed, f"out: err {r.max_error} > bound {r.bound}"
+  dq, dk, dv, _ = kernel_grads(padded)
+  assert not dk[:, T:].any() and not dv[:, T:].any()
+  for r in gradient_reports(case, [dq[:, :T], dk[:, :T], dv[:, :T], None]):
+    assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
+
+
 def test_the_kernels_agree_with_their_executable_specification():
   """The Pallas backward and kernel/backward_xla.py read the same residuals:
   their gradients agree to within the tolerance rule of each other's float64

@@ -121,8 +121,14 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
   heuristic's own tiling (64, 64, 2 stages, one tile per block) ran
   longest-first in 0.886-0.958 of its round-robin time at every causal
   bucket from 1k to 16k (this cache's medians, H200), which is what such a
-  call then runs; a narrower head's entries are never read (their tiles
-  may not fit, and were not tuned for the pressure)."""
+  call then runs.  Measured on the H100 at head dim 192, causal, forward,
+  this choice against the heuristic's (93989d6, 2026-12-05, ``bench --grid
+  --head-dims 192 --no-ragged --no-example --variants "auto;heuristic"``),
+  TFLOP/s: 1k 371.3 vs 398.8, 2k 469.6 vs 472.0, 4k 538.5 vs 526.2, 8k
+  576.0 vs 556.2, 16k 606.7 vs 572.5 (cuDNN 338.7, 450.6, 496.1, 550.5,
+  564.5); at 1k the H100 ranks the two as it does at head dim 256
+  (:func:`tuned_device_kind`).  A narrower head's entries are never read
+  (their tiles may not fit, and were not tuned for the pressure)."""
   want = _SIGNATURE.fullmatch(signature(problem, **features))
   if want is None or want["dtype"] not in SIXTEEN_BIT:
     return None

@@ -196,7 +196,15 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   fused, ms (2026-12-04): 1k B16 0.738 vs 0.855, 4k B4 2.234 vs 2.371, 8k B2
   4.224 vs 4.287, 16k B1 8.241 vs 7.899, GQA 16/4 T=S=3000 B5 1.766 vs
   1.788, 12017 B1 4.869 vs 5.086: the fused dQ wins at 16k B1 alone, so the
-  dQ kernel stays.
+  dQ kernel stays.  On the H100, dQ kernel vs fused (kernel.experiments'
+  "pallas-fused-causal"), forward + backward, ms (93989d6, 2026-12-05): 1k
+  B16 0.813 vs 0.960, 4k B4 2.216 vs 2.503, 8k B2 4.188 vs 4.529, 12017 B1
+  4.466 vs 5.312, 16k B1 8.115 vs 8.084, 32k B1 31.665 vs 31.005, GQA 32/8
+  16k B1 16.251 vs 15.438 (cuDNN 1.013, 2.290, 3.961, -, 7.402, 28.327,
+  14.734); deterministic=True, the dQ kernel vs the fused dQ in fixed point,
+  lost 8-25 % fused at every one of them.  The fused dQ gains at 16k keys and
+  more, by 0.4-5 %, and loses 16 % at 12017: no rule by length is kept
+  without knowing why.
 
   Under causal both kernels' grids launch in sections of heads, heaviest
   tiles first across a section (:func:`dkv_launch_order`,
@@ -1654,7 +1662,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, fixed_point_dq=False,
+                       fuse_dq=True, fixed_point_dq=False, fuse_dq_causal: bool | None = None,
                        num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
                        window: tuple[int, int] | None = None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
@@ -1666,7 +1674,9 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   ``fuse_dq`` and :func:`fuses_dq` allow it, else formed by the dQ kernel.
   ``fixed_point_dq``: the fused dQ sums in int32 fixed point (bitwise
   reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
-  float32.  ``num_sms``: the GPU's SMs, which the causal launch order
+  float32.  ``fuse_dq_causal``: under causal, fuse dQ wherever it fits
+  (True) or nowhere (False) instead of where :func:`blocks_for` says
+  (kernel.experiments' A/B).  ``num_sms``: the GPU's SMs, which the causal launch order
   balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
   window (left, right) when the key ranges come from one, which the launch
   order weighs the tiles by (the kernels read the ranges alone).
@@ -1679,6 +1689,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
                        seq_q=t, seq_kv=s)
   d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
+  if fuse_dq_causal is not None:
+    blocks = dataclasses.replace(blocks, fuse_dq_causal=fuse_dq_causal)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were

@@ -7,7 +7,10 @@ The harness and the benchmark reach the others through this module:
   shipped sm90 kernels ("pallas"), the same with each product waited on its
   own ("pallas-serial"), dQ always by its own kernel ("pallas-two-kernel",
   the A/B of the fused dQ), deterministic=True's ("pallas-fixed-point": the
-  fused dQ summed in int32), or the kernels' executable specification in
+  fused dQ summed in int32), dQ fused into the dK/dV kernel under causal at
+  head dims up to 128 as well ("pallas-fused-causal", the A/B of
+  kernel.backward.blocks_for's causal choice), or the kernels' executable
+  specification in
   plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
   All read the same residuals.
 * ``stage_2d``: False reads a 2-D bias or mask from global memory instead of
@@ -43,12 +46,16 @@ BACKWARDS = {
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial"),
     "pallas-two-kernel": functools.partial(backward_pallas.attention_backward, fuse_dq=False),
     "pallas-fixed-point": api.REPRODUCIBLE_BACKWARD,
+    "pallas-fused-causal": functools.partial(backward_pallas.attention_backward,
+                                             fuse_dq_causal=True),
     "xla": backward_xla.attention_backward,
 }
 # deterministic=True: each backward that may sum dq across thread blocks in
 # float32 in no fixed order (the fused dQ) replaced by the same backward
 # summing in fixed point.
 REPRODUCIBLE = {
+    "pallas-fused-causal": functools.partial(backward_pallas.attention_backward,
+                                             fuse_dq_causal=True, fixed_point_dq=True),
     "pallas": api.REPRODUCIBLE_BACKWARD,
     "pallas-serial": functools.partial(backward_pallas.attention_backward, schedule="serial",
                                        fixed_point_dq=True),

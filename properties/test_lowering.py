@@ -196,6 +196,19 @@ def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   assert lowered.smem_bytes > 0 and plan.fits_in_smem(lowered.smem_bytes)
 
 
+def test_the_fused_causal_experiment_lowers_without_the_dq_kernel():
+  """kernel.experiments' "pallas-fused-causal" (the A/B of blocks_for's
+  causal choice at head dim 128) lowers for CUDA and accumulates dQ in the
+  dK/dV launch: one kernel less than the shipped causal backward, each
+  within 227 KiB."""
+  shapes = dict(B=1, T=300, N=4, H=128, S=300, K=2, Hv=128)
+  shipped = lower_attention(shapes, gradients=True, is_causal=True)
+  fused = lower_attention(shapes, gradients=True, is_causal=True,
+                          backward="pallas-fused-causal")
+  assert len(fused.kernel_smem) == len(shipped.kernel_smem) - 1, (fused, shipped)
+  assert all(plan.fits_in_smem(b) for b in fused.kernel_smem)
+
+
 # Key ranges in every shape the API takes: per row and head, per row for
 # every head, one range for every row (a query axis of 1), one per batch row.
 RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]

@@ -10,23 +10,29 @@
 #     deterministic=True;
 #   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR h100        (an H100)
 #     OUTDIR/h100/performance.*: the forward grid on the H100, config=None
-#     beside the seed's heuristic (docs/h100).
+#     beside the seed's heuristic (docs/h100);
+#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR h100-backward (an H100)
+#     OUTDIR/h100-backward/performance.*: the backward page's grid on the H100
+#     (docs/h100/backward).
 # A part run on a GPU other than its page's times nothing and exits 3.
 # Each starts from the committed page, so what a run does not time keeps its
 # own provenance (bench --grid --out-dir).  Copy OUTDIR/docs/* over docs/,
 # OUTDIR/gqa4/* over docs/gqa4/, OUTDIR/backward/* over docs/backward/ and
-# OUTDIR/h100/* over docs/h100/, review, commit.  OUTDIR also gets steps.txt
+# OUTDIR/h100/* over docs/h100/, OUTDIR/h100-backward/* over docs/h100/backward/,
+# review, commit.  OUTDIR also gets steps.txt
 # (the device, each step's exit and seconds) and log.txt; eight files at
 # most, as a device call returns.  FLASH_COMMIT names the measured commit (a
 # copied tree may carry no .git).  properties/test_device_scripts.py checks
 # that these are the commands the committed pages name.
 set -uo pipefail
-out="${1:?usage: pages.sh OUTDIR forward|backward|h100}"
-part="${2:?usage: pages.sh OUTDIR forward|backward|h100}"
+usage="usage: pages.sh OUTDIR forward|backward|h100|h100-backward"
+out="${1:?$usage}"
+part="${2:?$usage}"
 case "$part" in
   forward|backward) gpu=H200 ;;
-  h100) gpu=H100 ;;
-  *) echo "pages.sh: part must be forward, backward or h100, got '$part'" >&2; exit 2 ;;
+  h100|h100-backward) gpu=H100 ;;
+  *) echo "pages.sh: part must be forward, backward, h100 or h100-backward, got '$part'" >&2
+     exit 2 ;;
 esac
 commit="${FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
@@ -62,6 +68,16 @@ elif [ "$part" = h100 ]; then
     docs/h100/performance.png "$out/h100/"
   step h100-grid 400 "$py" -m harness bench --grid --no-example --variants "auto;heuristic" \
     --out-dir "$out/h100" --commit "$commit"
+elif [ "$part" = h100-backward ]; then
+  # A first run: no committed page to start from.
+  mkdir -p "$out/h100-backward"
+  if [ -f docs/h100/backward/performance.json ]; then
+    cp docs/h100/backward/performance.json docs/h100/backward/performance.md \
+      docs/h100/backward/performance.png "$out/h100-backward/"
+  fi
+  step h100-backward-grid 570 "$py" -m harness bench --grid --backward-only --no-example \
+    --no-ragged --seqs 1024,4096,16384 --variants "auto;auto,det" --out-dir "$out/h100-backward" \
+    --commit "$commit"
 else
   mkdir -p "$out/backward" && cp docs/backward/performance.json docs/backward/performance.md \
     docs/backward/performance.png "$out/backward/"

@@ -120,12 +120,6 @@ class BackwardBlocks:
   # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
   # fit in 232 registers.
   head_split: bool = False
-  # The fused dQ's split of a step's part between the compute warpgroups:
-  # "owner": the step's owner forms the whole part, the warpgroups taking
-  # turns (the notes above _fused_dq_buffers); "columns": both form half of
-  # the part's columns over all of the tile's keys, each step, after both
-  # staged their dS^T (head dims of 128 columns and more).
-  dq_split: str = "owner"
 
   @property
   def dq_tile(self) -> int:
@@ -328,8 +322,7 @@ def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype,
           B("q", (stages, bq, head_dim), dt),
           B("do", (stages, bq, head_dim_out), dt),
           B("rows", (stages, 2, bq), np.dtype(np.float32), swizzled=False),
-          *(_fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype, split=blocks.dq_split)
-            if fused else (None, None)))
+          *(_fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype) if fused else (None, None)))
 
 
 def dq_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
@@ -937,10 +930,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     # 3.21 ms for the kernel at the headline shape, H200, 2026-11-30).
     c.ds_st.at[ds_buffer(t), wg][...] = ds.astype(c.dtype)
     plgpu.commit_smem()
-    if c.blocks.dq_split == "columns":
-      barriers.halves_ready()
-    else:
-      barriers.ds_ready(dq_owner(t), wg)
+    barriers.ds_ready(dq_owner(t), wg)
   # dV += P^T dO and dK += dS^T Q: issued together, waited once.
   accs = {"dv": dv_acc, "dk": dk_acc}
 
@@ -958,19 +948,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
   # Every product reading the slot has completed (run_state waits).
   stream.consumer_release(st)
-  if c.fused and c.blocks.dq_split == "columns":
-    # Each warpgroup forms its columns of the step's part (both dS^T tiles
-    # are staged: the rendezvous above) and reduce-adds them.
-    half = c.head_dim // CW
-    for w in range(CW):
-      @pl.when(wg == w)
-      def _():
-        cols = pl.ds(w * half, half)
-        part = _dq_product(c.ds_st, ds_buffer(t), c.k_st, cols)
-        if scales is not None:
-          part = to_fixed_point(part, scales)
-        _dq_reduce_add(part, c.dq_st.at[w], c.dq_ref.at[b, pl.ds(q_base, c.bq), h, cols])
-  elif c.fused:
+  if c.fused:
     # The step's owner forms its dQ part (both dS^T tiles are staged:
     # the rendezvous above) and reduce-adds it.
     @pl.when(wg == dq_owner(t))
@@ -1044,6 +1022,17 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
 # after it passed its own wait of step t + 1, which needs the owner of step t
 # to arrive there, which it does at step t + 1, after its product of step t
 # completed.
+# Taking turns beats splitting every step's part by columns (both warpgroups
+# form half of its columns over all 128 keys after a sync on both staged dS^T
+# tiles, the split FlashAttention-3 uses): forward + backward, d128, bf16,
+# TFLOP/s, turns vs columns, measured on the H100 in one process (6424e59,
+# 2026-12-05): 1k B16 N16 428.0 vs 392.5, 4k B4 500.8 vs 462.0, 16k B1 544.0
+# vs 511.1, GQA 16/4 T=S=3000 B5 444.5 vs 405.5; with three stages, which
+# the halved f32 staging leaves room for, 360.2, 434.4, 447.2, 363.3.  Under
+# causal (the fused dQ there: kernel.experiments' "pallas-fused-causal") at
+# 16k, turns vs columns 475.4 vs 498.3 (N16) and 504.6 vs 492.4 (GQA 32/8),
+# the dQ kernel 480.5 and 478.3, cuDNN 526.7 and 525.6.  The turns let the
+# warpgroups run offset, one on its products while the other forms its part.
 # Order across blocks is not fixed, so a float32 dQ is not bitwise
 # reproducible (dK, dV are); properties/test_gradients_gpu.py bounds the
 # difference.  deterministic=True sums the same parts in fixed point instead
@@ -1159,30 +1148,23 @@ def dq_owner(t):
   return t % CW
 
 
-def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype, split="owner"):
+def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype):
   """The fused dQ's shared memory: DS_BUFFERS dS^T staging buffers of both
   warpgroups' tiles, and per warpgroup a staging tile for its reduce-add
-  (f32, or int32 in fixed point: the same bytes) of a whole part, or of
-  its columns (``split`` "columns")."""
-  cols = head_dim // CW if split == "columns" else head_dim
+  (f32, or int32 in fixed point: the same bytes)."""
   return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype)),
-          plan_lib.Buffer("dq", (CW, bq, cols), np.dtype(dq_dtype)))
+          plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(dq_dtype)))
 
 
-def _dq_product(ds_st, buf, k_st, cols=None):
+def _dq_product(ds_st, buf, k_st):
   """dS_i,tile K_tile (f32, unscaled): the contraction runs over both
   warpgroups' 64 keys, from their dS^T tiles staged in buffer ``buf`` of
-  ``ds_st`` (buffers, CW, keys, queries) and the stationary K tiles (their
-  columns ``cols``, a static slice, where given)."""
-  def operand(w):
-    return k_st.at[w] if cols is None else k_st.at[w, :, cols]
-  width = k_st.shape[2] if cols is None else cols.size
-
+  ``ds_st`` (buffers, CW, keys, queries) and the stationary K tiles."""
   def product(acc):
     for w in range(CW):
-      plgpu.wgmma(acc, ds_st.at[buf, w].T, operand(w))
+      plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
     return acc[...]
-  return pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], width), jnp.float32))
+  return pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], k_st.shape[2]), jnp.float32))
 
 
 def _dq_reduce_add(part, staging, dq_dst):
@@ -1692,7 +1674,6 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
                        fuse_dq=True, fixed_point_dq=False, fuse_dq_causal: bool | None = None,
-                       dq_split: str | None = None, num_stages: int | None = None,
                        num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
                        window: tuple[int, int] | None = None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
@@ -1721,10 +1702,6 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
   if fuse_dq_causal is not None:
     blocks = dataclasses.replace(blocks, fuse_dq_causal=fuse_dq_causal)
-  if dq_split is not None:
-    blocks = dataclasses.replace(blocks, dq_split=dq_split)
-  if num_stages is not None:
-    blocks = dataclasses.replace(blocks, num_stages=num_stages)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were

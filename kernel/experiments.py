@@ -48,20 +48,12 @@ BACKWARDS = {
     "pallas-fixed-point": api.REPRODUCIBLE_BACKWARD,
     "pallas-fused-causal": functools.partial(backward_pallas.attention_backward,
                                              fuse_dq_causal=True),
-    "pallas-dq-columns": functools.partial(backward_pallas.attention_backward,
-                                           dq_split="columns"),
-    "pallas-dq-columns-3": functools.partial(backward_pallas.attention_backward,
-                                             dq_split="columns", num_stages=3),
-    "pallas-dq-columns-causal": functools.partial(backward_pallas.attention_backward,
-                                                  dq_split="columns", fuse_dq_causal=True),
     "xla": backward_xla.attention_backward,
 }
 # deterministic=True: each backward that may sum dq across thread blocks in
 # float32 in no fixed order (the fused dQ) replaced by the same backward
 # summing in fixed point.
 REPRODUCIBLE = {
-    "pallas-dq-columns": functools.partial(backward_pallas.attention_backward,
-                                           dq_split="columns", fixed_point_dq=True),
     "pallas-fused-causal": functools.partial(backward_pallas.attention_backward,
                                              fuse_dq_causal=True, fixed_point_dq=True),
     "pallas": api.REPRODUCIBLE_BACKWARD,

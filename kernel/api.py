@@ -403,7 +403,10 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # swizzle alone, aliased (plgpu.RefUnion) with the tiled view wgmma reads,
   # lowers at T = 12017 (jax.export for CUDA, jax 0.11.2, 2026-12-05).  It
   # is unrun on a GPU; RefUnion does not promise that its members share
-  # their first byte; head dims over 64 would need one buffer per 64 columns
+  # their first byte (its docstring allows reading only through the member
+  # that wrote); the tiled view cannot simply be dropped: q, k and v
+  # allocated with the swizzle alone fail Mosaic GPU's layout inference as
+  # wgmma operands (jax 0.11.2, 2026-12-05); head dims over 64 would need one buffer per 64 columns
   # (two wgmma per product); and the last tile's store would be clipped,
   # which kernel/forward.py avoids for m and l (a clipped store was seen to
   # land in the next head's rows).

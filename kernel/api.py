@@ -3,7 +3,8 @@
 Layout (B, T, N, H) like ``jax.nn.dot_product_attention``; switching is one
 line.  Everything the kernel cannot take directly is handled here: f32 inputs
 are cast to bf16 (the output is cast back), head dims are zero-padded to a
-multiple of 64, sequence lengths are padded to whole tiles (padded keys are
+multiple of 32 (of 64 where either is over 128: kernel.plan.padded_head_dims),
+sequence lengths are padded to whole tiles (padded keys are
 masked in the kernel, padded query rows are sliced off), broadcast bias and
 mask are passed un-materialised.
 
@@ -386,9 +387,10 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   t, s, hv = query.shape[1], key.shape[1], value.shape[3]
   pad = padding.pad_to_multiple
   # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
-  # axes are padded only where a copy is made anyway (a head dim that is no
-  # multiple of 64), where the length is shorter than one tile, or where it
-  # is no multiple of the 8-row tiling Mosaic GPU's TMA descriptors need
+  # axes are padded only where a copy is made anyway (a head dim computed
+  # wider: kernel.plan.padded_head_dims), where the length is shorter than
+  # one tile, or where it is no multiple of the 8-row tiling Mosaic GPU's
+  # TMA descriptors need
   # (jax 0.11.2: a copy that indexes one head moves that axis first, so the
   # staging buffers' (8, 64) tiling falls on (sequence, head dim), and the
   # descriptor refuses a sequence length that is no multiple of 8 --
@@ -410,12 +412,15 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # (two wgmma per product); and the last tile's store would be clipped,
   # which kernel/forward.py avoids for m and l (a clipped store was seen to
   # land in the next head's rows).
-  def operand(x, multiple):
+  d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
+
+  def operand(x, width, multiple):
     x = x.astype(dtype)
-    if x.shape[3] % 64 or x.shape[1] < multiple or x.shape[1] % 8:
-      x = pad(pad(x, 3, 64), 1, multiple)
+    if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % 8:
+      x = pad(padding.pad_head_dim(x, width), 1, multiple)
     return x
-  q, k, v = operand(query, tile), operand(key, block_kv), operand(value, block_kv)
+  q, k, v = (operand(query, d, tile), operand(key, d, block_kv),
+             operand(value, dv, block_kv))
   if k.shape[1] != v.shape[1]:  # one of them was padded: both, so they agree
     k, v = pad(k, 1, block_kv), pad(v, 1, block_kv)
   num_tiles = -(-t // tile)

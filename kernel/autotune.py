@@ -115,7 +115,7 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
   longest-first config; the heuristic runs causal round-robin, which ran at
   0.56-0.75 of cuDNN, H200, 2026-12-01), so the nearest tuned bucket is the
   better guess for a sequence bucket or dtype not tuned.  A head dim with
-  no entries of its own (192, or a value head dim unlike the query's) reads
+  no entries of its own (96 or 192, or a value head dim unlike the query's) reads
   a wider one's: its configs were tuned under more shared-memory and
   register pressure, and they fit or are passed over.  At head dim 256 the
   heuristic's own tiling (64, 64, 2 stages, one tile per block) ran

@@ -1152,7 +1152,11 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype):
   """The fused dQ's shared memory: DS_BUFFERS dS^T staging buffers of both
   warpgroups' tiles, and per warpgroup a staging tile for its reduce-add
   (f32, or int32 in fixed point: the same bytes)."""
-  return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype)),
+  # dS^T meets the K tiles in the dQ product, both from shared memory: one
+  # swizzle, K's (64 bytes where its rows are 96 or 32 columns).
+  k_swizzle = plgpu.find_swizzle(head_dim * np.dtype(dtype).itemsize * 8)
+  return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype),
+                          swizzle=k_swizzle if k_swizzle < 128 else None),
           plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(dq_dtype)))
 
 
@@ -1698,7 +1702,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   f = BackwardFeatures(scale=float(scale), is_causal=bool(is_causal),
                        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                        seq_q=t, seq_kv=s)
-  d, dv_dim = plan_lib.padded_head_dim(hd), plan_lib.padded_head_dim(hdv)
+  d, dv_dim = plan_lib.backward_head_dims(hd, hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
   if fuse_dq_causal is not None:
     blocks = dataclasses.replace(blocks, fuse_dq_causal=fuse_dq_causal)
@@ -1711,10 +1715,10 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
 
   pad = padding.pad_to_multiple
-  q = pad(pad(query, 3, 64), 1, t_mult)
-  k = pad(pad(key, 3, 64), 1, s_mult)
-  v = pad(pad(value, 3, 64), 1, s_mult)
-  do = pad(pad(d_out.astype(dtype), 3, 64), 1, t_mult)
+  q = pad(padding.pad_head_dim(query, d), 1, t_mult)
+  k = pad(padding.pad_head_dim(key, d), 1, s_mult)
+  v = pad(padding.pad_head_dim(value, dv_dim), 1, s_mult)
+  do = pad(padding.pad_head_dim(d_out.astype(dtype), dv_dim), 1, t_mult)
   t_pad, s_pad = q.shape[1], k.shape[1]
 
   rows = residual_rows(m, l, out, d_out, t_pad)

@@ -24,6 +24,13 @@ def pad_to_multiple(x, axis: int, multiple: int, mode: str = "constant"):
   return jnp.pad(x, widths, mode=mode)
 
 
+def pad_head_dim(x, width: int):
+  """q, k, v or dO (B, T, N, D) with D padded with zeros to ``width``, the
+  head dim the kernels compute with (:func:`kernel.plan.padded_head_dims`)."""
+  widths = [(0, 0)] * 3 + [(0, width - x.shape[3])]
+  return x if width == x.shape[3] else jnp.pad(x, widths)
+
+
 def broadcast_operand(x, dtype, t_multiple: int, s_multiple: int):
   """A bias or mask as rank 4 (B|1, N|1, T|1, S|1) in ``dtype``: full T and S
   axes padded to whole tiles, size-1 axes kept."""

@@ -26,12 +26,49 @@ MBARRIER_BYTES = 8
 SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns the scratch region to this
 # Mosaic GPU reserves this much scratch for cross-warp reductions (row max/sum).
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
-HEAD_DIM_MULTIPLE = 64  # wgmma contraction in whole 128-byte swizzle rows
+# Head dims are computed padded with zero columns to a multiple of these:
+# 32 (64-byte swizzled rows) where both head dims are at most 128, else 64
+# (the head split halves every tile's columns: kernel/backward.py).
+HEAD_DIM_MULTIPLE = 32
+WIDE_HEAD_DIM_MULTIPLE = 64
 MAX_HEAD_DIM = 256
 
 
+def padded_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
+  """The (query/key, value) head dims the kernels compute with.
+
+  Up to 128 they are whole 32-column (64-byte) rows, so that head dim 96
+  (and 72 or 80, padded to 96) runs at 96 columns, not 128: forward, bf16,
+  16k tokens per batch, 21 heads at 96, 25 at 80, measured on the H100
+  (2026-12-05), TFLOP/s against cuDNN at 64-column padding (2a2405f) and at
+  32 (this rule): d96 1k 268.0 (cuDNN 412.1) and 480.9 (362.3), 4k 394.9
+  (450.5) and 534.7 (422.5), 16k 472.6 (473.8) and 538.0 (455.3), causal 1k
+  155.5 (287.6) and 349.9 (283.8); d80 1k 228.2 (351.2) and 257.0 (332.4),
+  causal 1k 134.6 (253.7) and 153.0 (244.2); forward + backward d96 1k
+  273.5 (307.9) and 392.1 (306.1), causal 16k 351.7 (402.1) and 437.6
+  (395.4).  Where either is over 128, both take whole 64-column rows: the
+  head split gives each compute warpgroup half of every tile's columns, in
+  64-byte swizzled halves."""
+  m = HEAD_DIM_MULTIPLE if max(head_dim, head_dim_out) <= 128 else WIDE_HEAD_DIM_MULTIPLE
+  return -(-head_dim // m) * m, -(-head_dim_out // m) * m
+
+
 def padded_head_dim(d: int) -> int:
-  return -(-d // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+  """:func:`padded_head_dims` of a call whose value head dim is its own."""
+  return padded_head_dims(d, d)[0]
+
+
+def backward_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
+  """The head dims the backward kernels compute with: whole 64-column rows
+  (kernel/backward.py pads q, k, v and dO itself; the forward's residuals
+  do not depend on its padding).  With :func:`padded_head_dims`' rule the
+  backward lowers for every pair of head dims and ran faster on the H100,
+  forward + backward against cuDNN (2026-12-05): d96 1k B16 N21 392.1
+  against 306.1 TFLOP/s, 16k B1 513.7 against 436.0, causal 16k 437.6
+  against 395.4; it takes that rule once its gradients have been checked
+  against float64 on a GPU (properties/test_gradients_gpu.py)."""
+  m = WIDE_HEAD_DIM_MULTIPLE
+  return -(-head_dim // m) * m, -(-head_dim_out // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +101,8 @@ def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
   dt = np.dtype(dtype)
   if dt == np.float32:
     dt = np.dtype(ml_dtypes.bfloat16)
-  return Problem(dtype=dt, head_dim=padded_head_dim(query_shape[-1]),
-                 head_dim_out=padded_head_dim(value_shape[-1]), seq_q=query_shape[1],
+  head_dim, head_dim_out = padded_head_dims(query_shape[-1], value_shape[-1])
+  return Problem(dtype=dt, head_dim=head_dim, head_dim_out=head_dim_out, seq_q=query_shape[1],
                  seq_kv=key_shape[1], is_causal=bool(is_causal),
                  return_residuals=bool(return_residuals))
 

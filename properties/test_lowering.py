@@ -238,7 +238,7 @@ def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):
   kw = dict(bias_shape=(1, 4, T, S)) if with_bias else {}
   lowered = lower_attention(dict(B=1, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True,
                             is_causal=is_causal, **kw)
-  estimates = backward.smem_estimates(plan.padded_head_dim(d), plan.padded_head_dim(dv),
+  estimates = backward.smem_estimates(*plan.backward_head_dims(d, dv),
                                       np.dtype(ml_dtypes.bfloat16), with_bias=with_bias,
                                       is_causal=is_causal)
   # The backward's launches are lowered after the forward, in launch order.

@@ -29,11 +29,12 @@ class ForwardCase:
   config_stages: int = 0   # Config.num_stages; more than num_stages when the keys are fewer
   # Persistent blocks that stage each warpgroup's output in its query slot
   # (plan.overlays_query_with_output: separate buffers would not fit), traced
-  # at the problem's head dim and residuals, which decide that layout.
+  # at the problem's residuals, which decide that layout with its head dims.
   overlay_q: bool = False
-  overlay_head_dim: int = 64
-  overlay_residuals: bool = False
+  layout_head_dim: int = 64      # the problem's head dims: traced at them, so
+  overlay_residuals: bool = False  # that the traced layout is the problem's
   compute_warpgroups: int = 2   # Config.compute_warpgroups: consumers of the ring
+  layout_head_dim_out: int = 64
 
   def key(self):
     return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
@@ -48,7 +49,11 @@ class ForwardCase:
 
   @property
   def head_dim(self) -> int:
-    return self.overlay_head_dim if self.overlay_q else 64
+    return self.layout_head_dim
+
+  @property
+  def head_dim_out(self) -> int:
+    return self.layout_head_dim_out
 
   @property
   def residuals(self) -> bool:
@@ -89,8 +94,8 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
       overlay = plan_lib.scratch_layout(p, c).overlay_q_with_output
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
-                         p.head_dim if overlay else 64, overlay and p.return_residuals,
-                         c.compute_warpgroups)
+                         p.head_dim, overlay and p.return_residuals, c.compute_warpgroups,
+                         p.head_dim_out)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

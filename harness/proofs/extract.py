@@ -937,8 +937,8 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
 # ---------------------------------------------------------------------------
 
 def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
-                  head_dim=64, bias=False, mask=False, key_ranges=True, num_sms=1,
-                  module=None):
+                  head_dim=64, head_dim_out=None, bias=False, mask=False, key_ranges=True,
+                  num_sms=1, module=None):
   """The closed jaxpr of ``kernel.forward.flash_attention_forward`` and its
   kernel eqn, traced on the CPU.  With ``key_ranges`` the kernel reads each
   tile's key range from global memory (the environment decides it), so trip
@@ -952,7 +952,8 @@ def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=
   dt = jnp.bfloat16
   q = sds((batch, t_pad, heads, head_dim), dt)
   k = sds((batch, s_pad, heads, head_dim), dt)
-  args = [q, k, k]
+  v = sds((batch, s_pad, heads, head_dim if head_dim_out is None else head_dim_out), dt)
+  args = [q, k, v]
   b_ = sds((1, 1, t_pad, s_pad), dt) if bias else None
   m_ = sds((1, 1, t_pad, s_pad), jnp.int8) if mask else None
   if key_ranges:

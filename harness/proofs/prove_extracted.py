@@ -283,14 +283,15 @@ def trace_case(case: ForwardCase, *, module=None):
                              schedule=case.schedule,
                              compute_warpgroups=case.compute_warpgroups)
   traced = plan_lib.Problem(
-      dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim,
+      dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
       seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
       mask_2d=case.mask, return_residuals=case.residuals)
   if plan_lib.scratch_layout(traced, config).overlay_q_with_output != case.overlay_q:
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
   closed, kernel = ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
-                                    head_dim=case.head_dim, bias=case.bias, mask=case.mask,
+                                    head_dim=case.head_dim, head_dim_out=case.head_dim_out,
+                                    bias=case.bias, mask=case.mask,
                                     module=module, num_sms=PROBE_SMS)
   return closed, kernel, features
 

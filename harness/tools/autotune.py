@@ -160,11 +160,12 @@ def coverage_jobs() -> list[Job]:
   length: batch * seq = 16k tokens (batch at least 1) and heads * head_dim
   = 2048 (``bench_grid.heads_for``: 21 heads at 96, 10 at 192).
 
-  Head dims are padded to a multiple of ``plan.HEAD_DIM_MULTIPLE`` before the
-  kernel sees them, so a head dim the padding rounds up (96 -> 128) shares
+  Head dims are padded (``plan.padded_head_dims``: 96 stays 96) before the
+  kernel sees them, so a head dim the padding rounds up (72 -> 96) shares
   the padded dim's signature: the kernel runs the same problem, and the
   cache answers both with one entry, tuned once (at the shape that comes
-  first in the order tuned)."""
+  first in the order tuned).  Every head dim listed here has a signature
+  of its own."""
   from harness.tools import bench_grid
   return [Job(max(1, bench_grid.TOKENS // seq), seq, bench_grid.heads_for(d), d, causal, dtype)
           for d in COVERAGE_HEAD_DIMS for seq in COVERAGE_SEQS

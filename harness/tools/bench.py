@@ -200,7 +200,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
   from kernel import api, backward as bwd, padding, plan as plan_lib
   f = bwd.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
                            logits_soft_cap=None, seq_q=shape.seq, seq_kv=shape.seq)
-  d = plan_lib.padded_head_dim(shape.head_dim)
+  d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
   blocks = bwd.blocks_for(d, d, is_causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
                              num_tiles=shape.seq // blocks.dq_tile)[2]
@@ -261,7 +261,7 @@ def shipped_parts(shape: BenchShape) -> tuple[str, ...]:
   backward runs at ``shape`` (kernel.backward.fuses_dq decides): their sum
   against "forward+backward" shows what the parts leave out."""
   from kernel import backward as bwd, plan as plan_lib
-  d = plan_lib.padded_head_dim(shape.head_dim)
+  d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
   fused = bwd.fuses_dq(bwd.blocks_for(d, d, is_causal=shape.causal), with_bias=False,
                        is_causal=shape.causal)
   kernels = ("zeros", "dkv+fused dQ", "scale+cast") if fused else ("dkv", "dq kernel")

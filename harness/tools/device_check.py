@@ -28,6 +28,12 @@ def fixed_cases():
       ("causal-1024", dict(seq_q=1024, seq_kv=1024, heads=2, kv_heads=2, head_dim=128, is_causal=True), None),
       ("ragged-113x203-d72-dv96", dict(seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96), None),
       ("ragged-239x1", dict(seq_q=239, seq_kv=1, head_dim=64), None),
+      # Head dims in 32-column rows (kernel.plan.padded_head_dims): 96 at its
+      # own width, causal with GQA; 32; 80 computed at 96.
+      ("d96-causal-gqa-1000", dict(batch=2, seq_q=1000, seq_kv=1000, heads=4, kv_heads=2,
+                                   head_dim=96, is_causal=True), None),
+      ("d32-ragged-300x700", dict(seq_q=300, seq_kv=700, heads=2, head_dim=32), None),
+      ("d80-dv64-512", dict(seq_q=512, seq_kv=512, head_dim=80, head_dim_out=64), None),
       ("ragged-1023x1024-causal", dict(seq_q=1023, seq_kv=1024, head_dim=128, is_causal=True), None),
       ("single-1x1-f32", dict(seq_q=1, seq_kv=1, head_dim=64, dtype="float32"), None),
       ("f16-d256-bkv64", dict(seq_q=512, seq_kv=384, head_dim=256, dtype="float16"), Config(64, 64, 2)),

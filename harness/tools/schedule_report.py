@@ -90,7 +90,7 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
   from kernel import backward as bwd, plan, schedule
 
   point = bg.Point(head_dim, seq, True, gqa)
-  d = plan.padded_head_dim(head_dim)
+  d = plan.backward_head_dims(head_dim, head_dim)[0]
   blocks = bwd.blocks_for(d, d, is_causal=True)
   f = bwd.BackwardFeatures(scale=1.0, is_causal=True, logits_soft_cap=None, seq_q=seq,
                            seq_kv=seq)

@@ -1691,8 +1691,8 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
   float32.  ``fuse_dq_causal``: under causal, fuse dQ wherever it fits
   (True) or nowhere (False) instead of where :func:`blocks_for` says
-  (kernel.experiments' A/B).  ``num_sms``: the GPU's SMs, which the causal launch order
-  balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
+  (kernel.experiments' A/B).  ``num_sms``: the GPU's SMs, which the causal
+  launch order balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
   window (left, right) when the key ranges come from one, which the launch
   order weighs the tiles by (the kernels read the ranges alone).
   """

@@ -1678,6 +1678,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
                        fuse_dq=True, fixed_point_dq=False, fuse_dq_causal: bool | None = None,
+                       head_dims=plan_lib.backward_head_dims,
                        num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
                        window: tuple[int, int] | None = None):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
@@ -1691,8 +1692,10 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
   float32.  ``fuse_dq_causal``: under causal, fuse dQ wherever it fits
   (True) or nowhere (False) instead of where :func:`blocks_for` says
-  (kernel.experiments' A/B).  ``num_sms``: the GPU's SMs, which the causal
-  launch order balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
+  (kernel.experiments' A/B).  ``head_dims``: the rule of the head dims
+  computed with (kernel.plan.backward_head_dims; kernel.experiments'
+  "pallas-narrow-rows" takes the forward's).  ``num_sms``: the GPU's SMs,
+  which the causal launch order balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
   window (left, right) when the key ranges come from one, which the launch
   order weighs the tiles by (the kernels read the ranges alone).
   """
@@ -1702,7 +1705,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   f = BackwardFeatures(scale=float(scale), is_causal=bool(is_causal),
                        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                        seq_q=t, seq_kv=s)
-  d, dv_dim = plan_lib.backward_head_dims(hd, hdv)
+  d, dv_dim = head_dims(hd, hdv)
   blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
   if fuse_dq_causal is not None:
     blocks = dataclasses.replace(blocks, fuse_dq_causal=fuse_dq_causal)

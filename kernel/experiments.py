@@ -9,9 +9,10 @@ The harness and the benchmark reach the others through this module:
   the A/B of the fused dQ), deterministic=True's ("pallas-fixed-point": the
   fused dQ summed in int32), dQ fused into the dK/dV kernel under causal at
   head dims up to 128 as well ("pallas-fused-causal", the A/B of
-  kernel.backward.blocks_for's causal choice), or the kernels' executable
-  specification in
-  plain JAX ("xla", kernel/backward_xla.py), which tests compare them with.
+  kernel.backward.blocks_for's causal choice), in the forward's 32-column
+  rows ("pallas-narrow-rows": head dim 96 at 96; kernel.plan.backward_head_dims
+  says why it waits), or the kernels' executable specification in plain JAX
+  ("xla", kernel/backward_xla.py), which tests compare them with.
   All read the same residuals.
 * ``stage_2d``: False reads a 2-D bias or mask from global memory instead of
   staging it through the ring (the A/B of the staging; the same bits).
@@ -37,6 +38,7 @@ import functools
 
 from kernel import backward as backward_pallas
 from kernel import backward_xla
+from kernel import plan
 
 from kernel import api
 from kernel import variants
@@ -48,12 +50,17 @@ BACKWARDS = {
     "pallas-fixed-point": api.REPRODUCIBLE_BACKWARD,
     "pallas-fused-causal": functools.partial(backward_pallas.attention_backward,
                                              fuse_dq_causal=True),
+    "pallas-narrow-rows": functools.partial(backward_pallas.attention_backward,
+                                            head_dims=plan.padded_head_dims),
     "xla": backward_xla.attention_backward,
 }
 # deterministic=True: each backward that may sum dq across thread blocks in
 # float32 in no fixed order (the fused dQ) replaced by the same backward
 # summing in fixed point.
 REPRODUCIBLE = {
+    "pallas-narrow-rows": functools.partial(backward_pallas.attention_backward,
+                                            head_dims=plan.padded_head_dims,
+                                            fixed_point_dq=True),
     "pallas-fused-causal": functools.partial(backward_pallas.attention_backward,
                                              fuse_dq_causal=True, fixed_point_dq=True),
     "pallas": api.REPRODUCIBLE_BACKWARD,

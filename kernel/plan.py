@@ -68,7 +68,8 @@ def backward_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
   against 395.4 (with 64-column rows, 2a2405f: 273.5 against 307.9, 421.5
   against 443.2, 351.7 against 402.1); it takes that rule once its
   gradients have been checked against float64 on a GPU
-  (properties/test_gradients_gpu.py)."""
+  (kernel.experiments' "pallas-narrow-rows": ``bash
+  ci/device/compare-backward.sh OUTDIR pallas-narrow-rows``)."""
   m = WIDE_HEAD_DIM_MULTIPLE
   return -(-head_dim // m) * m, -(-head_dim_out // m) * m
 

@@ -209,6 +209,27 @@ def test_the_fused_causal_experiment_lowers_without_the_dq_kernel():
   assert all(plan.fits_in_smem(b) for b in fused.kernel_smem)
 
 
+NARROW_HEAD_DIMS = [(96, 96), (32, 32), (72, 64), (64, 96)]
+
+
+@pytest.mark.parametrize("d,dv", NARROW_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in NARROW_HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_backward_lowers_in_narrow_rows(d, dv, causal):
+  """kernel.experiments' "pallas-narrow-rows" (the backward in the
+  forward's 32-column rows: kernel.plan.backward_head_dims) lowers for CUDA
+  at head dims that are no multiple of 64, each kernel within 227 KiB, and
+  computes narrower than the shipped backward's 64-column rows: less
+  shared memory in some launch."""
+  shapes = dict(B=1, T=256, N=4, H=d, S=256, K=2, Hv=dv)
+  shipped = lower_attention(shapes, gradients=True, is_causal=causal)
+  narrow = lower_attention(shapes, gradients=True, is_causal=causal,
+                           backward="pallas-narrow-rows")
+  assert all(plan.fits_in_smem(b) for b in narrow.kernel_smem)
+  assert len(narrow.kernel_smem) == len(shipped.kernel_smem)
+  assert narrow.kernel_smem[0] == shipped.kernel_smem[0]  # the same forward
+  assert sum(narrow.kernel_smem[1:]) < sum(shipped.kernel_smem[1:])
+
+
 # Key ranges in every shape the API takes: per row and head, per row for
 # every head, one range for every row (a query axis of 1), one per batch row.
 RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]

@@ -85,6 +85,10 @@ def cases() -> dict[str, dict]:
                                                      k_range_shape=(2, 4, 300)), True)
   c["d96-grad-split-causal"] = (dict(B=1, T=200, N=2, H=96, S=328, K=1, Hv=192),
                                 dict(is_causal=True), {}, True)
+  # Head dim 96 in 32-column rows (kernel.plan.padded_head_dims), the
+  # backward in its own 64-column rows.
+  c["d96-grad-narrow-causal-gqa"] = (dict(B=1, T=200, N=4, H=96, S=328, K=2, Hv=96),
+                                     dict(is_causal=True), {}, True)
   # The guarded launch (outputs as mutable operands: no fresh outputs).
   c["d128-p-guarded-outputs"] = (d128, dict(config=Config(64, 128, 2, True),
                                             return_residuals=True, _guarded=True), {}, False)

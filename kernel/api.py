@@ -4,9 +4,9 @@ Layout (B, T, N, H) like ``jax.nn.dot_product_attention``; switching is one
 line.  Everything the kernel cannot take directly is handled here: f32 inputs
 are cast to bf16 (the output is cast back), head dims are zero-padded to a
 multiple of 32 (of 64 where either is over 128: kernel.plan.padded_head_dims;
-the backward pads its own: kernel.plan.backward_head_dims), sequence lengths are padded to whole tiles (padded keys are
-masked in the kernel, padded query rows are sliced off), broadcast bias and
-mask are passed un-materialised.
+the backward pads its own: kernel.plan.backward_head_dims), sequence lengths
+are padded to whole tiles (padded keys are masked in the kernel, padded query
+rows are sliced off), broadcast bias and mask are passed un-materialised.
 
 Contract for a fully masked query row (no key survives mask, causal, key
 range): output 0, m = -inf, l = 0, and no NaN.  NaN in an input propagates to
@@ -390,11 +390,11 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # axes are padded only where a copy is made anyway (a head dim computed
   # wider: kernel.plan.padded_head_dims), where the length is shorter than
   # one tile, or where it is no multiple of the 8-row tiling Mosaic GPU's
-  # TMA descriptors need
-  # (jax 0.11.2: a copy that indexes one head moves that axis first, so the
-  # staging buffers' (8, 64) tiling falls on (sequence, head dim), and the
-  # descriptor refuses a sequence length that is no multiple of 8 --
-  # "dimension 2 must have size smaller or a multiple of its tiling 8").
+  # TMA descriptors need (jax 0.11.2: a copy that indexes one head moves
+  # that axis first, so the staging buffers' (8, 64) tiling falls on
+  # (sequence, head dim), and the descriptor refuses a sequence length that
+  # is no multiple of 8 -- "dimension 2 must have size smaller or a multiple
+  # of its tiling 8").
   # Those copies cost: measured on the H100 at B1 N16 d128 (2026-12-05,
   # ad4f30e, bench --grid --seqs 12016,12017): 613.7 TFLOP/s at 12016
   # tokens, 560.6 at 12017; causal 555.9 and 512.8.
@@ -408,10 +408,10 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # their first byte (its docstring allows reading only through the member
   # that wrote); the tiled view cannot simply be dropped: q, k and v
   # allocated with the swizzle alone fail Mosaic GPU's layout inference as
-  # wgmma operands (jax 0.11.2, 2026-12-05); head dims over 64 would need one buffer per 64 columns
-  # (two wgmma per product); and the last tile's store would be clipped,
-  # which kernel/forward.py avoids for m and l (a clipped store was seen to
-  # land in the next head's rows).
+  # wgmma operands (jax 0.11.2, 2026-12-05); head dims over 64 would need
+  # one buffer per 64 columns (two wgmma per product); and the last tile's
+  # store would be clipped, which kernel/forward.py avoids for m and l (a
+  # clipped store was seen to land in the next head's rows).
   d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
 
   def operand(x, width, multiple):

@@ -1695,9 +1695,10 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   (kernel.experiments' A/B).  ``head_dims``: the rule of the head dims
   computed with (kernel.plan.backward_head_dims; kernel.experiments'
   "pallas-narrow-rows" takes the forward's).  ``num_sms``: the GPU's SMs,
-  which the causal launch order balances over (kernel.schedule.LaunchOrder).  ``window``: jax.nn's local
-  window (left, right) when the key ranges come from one, which the launch
-  order weighs the tiles by (the kernels read the ranges alone).
+  which the causal launch order balances over (kernel.schedule.LaunchOrder).
+  ``window``: jax.nn's local window (left, right) when the key ranges come
+  from one, which the launch order weighs the tiles by (the kernels read
+  the ranges alone).
   """
   dtype = query.dtype
   batch, t, heads, hd = query.shape

@@ -212,7 +212,8 @@ def test_the_fused_causal_experiment_lowers_without_the_dq_kernel():
 NARROW_HEAD_DIMS = [(96, 96), (32, 32), (72, 64), (64, 96)]
 
 
-@pytest.mark.parametrize("d,dv", NARROW_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in NARROW_HEAD_DIMS])
+@pytest.mark.parametrize("d,dv", NARROW_HEAD_DIMS,
+                         ids=[f"d{d}-dv{dv}" for d, dv in NARROW_HEAD_DIMS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_backward_lowers_in_narrow_rows(d, dv, causal):
   """kernel.experiments' "pallas-narrow-rows" (the backward in the

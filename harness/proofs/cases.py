@@ -28,11 +28,12 @@ class ForwardCase:
   block_kv: int = 128
   config_stages: int = 0   # Config.num_stages; more than num_stages when the keys are fewer
   # Persistent blocks that stage each warpgroup's output in its query slot
-  # (plan.overlays_query_with_output: separate buffers would not fit), traced
-  # at the problem's residuals, which decide that layout with its head dims.
+  # (plan.overlays_query_with_output: separate buffers would not fit).  The
+  # case is traced at its problem's head dims and residuals, which decide
+  # that layout.
   overlay_q: bool = False
-  layout_head_dim: int = 64      # the problem's head dims: traced at them, so
-  overlay_residuals: bool = False  # that the traced layout is the problem's
+  layout_head_dim: int = 64
+  overlay_residuals: bool = False
   compute_warpgroups: int = 2   # Config.compute_warpgroups: consumers of the ring
   layout_head_dim_out: int = 64
 

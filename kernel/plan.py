@@ -41,11 +41,11 @@ def padded_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
   (and 72 or 80, padded to 96) runs at 96 columns, not 128, and at 96 with
   no padded copy of q, k and v: the forward, bf16, 16k tokens per batch, 21
   heads at 96, 25 at 80, measured on the H100 (2026-12-05), TFLOP/s with
-  64-column rows (2a2405f) and with this rule (8e883de), cuDNN in brackets:
-  d96 1k 268.0 (412.1) and 480.9 (362.3), 4k 394.9 (450.5) and 534.7
-  (422.5), 16k 472.6 (473.8) and 538.0 (455.3), causal 1k 155.5 (287.6) and
-  349.9 (283.8); d80 1k 228.2 (351.2) and 257.0 (332.4), causal 1k 134.6
-  (253.7) and 153.0 (244.2).  Where either is over 128, both keep whole
+  64-column rows (2a2405f) and with 32-column rows (2a2405f with this rule's
+  forward), cuDNN in brackets: d96 1k 268.0 (412.1) and 480.9 (362.3), 4k
+  394.9 (450.5) and 534.7 (422.5), 16k 472.6 (473.8) and 538.0 (455.3),
+  causal 1k 155.5 (287.6) and 349.9 (283.8); d80 1k 228.2 (351.2) and 257.0
+  (332.4), causal 1k 134.6 (253.7) and 153.0 (244.2).  Where either is over 128, both keep whole
   64-column rows, the rule the forward was measured and checked under
   there (the backward's head split, :func:`backward_head_dims`, halves
   every tile's columns in 64-byte swizzled halves)."""
@@ -63,10 +63,11 @@ def backward_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
   (kernel/backward.py pads q, k, v and dO itself; the forward's residuals
   do not depend on its padding).  With :func:`padded_head_dims`' rule the
   backward lowers for every pair of head dims and ran faster on the H100,
-  forward + backward against cuDNN (2026-12-05): d96 1k B16 N21 392.1
-  against 306.1 TFLOP/s, 16k B1 513.7 against 436.0, causal 16k 437.6
-  against 395.4 (with 64-column rows, 2a2405f: 273.5 against 307.9, 421.5
-  against 443.2, 351.7 against 402.1); it takes that rule once its
+  forward + backward against cuDNN (2a2405f with both at 32-column rows,
+  2026-12-05): d96 1k B16 N21 392.1 against 306.1 TFLOP/s, 16k B1 513.7
+  against 436.0, causal 16k 437.6 against 395.4 (with 64-column rows,
+  2a2405f: 273.5 against 307.9, 421.5 against 443.2, 351.7 against
+  402.1); it takes that rule once its
   gradients have been checked against float64 on a GPU
   (kernel.experiments' "pallas-narrow-rows": ``bash
   ci/device/compare-backward.sh OUTDIR pallas-narrow-rows``)."""

@@ -3,10 +3,11 @@
 Layout (B, T, N, H) like ``jax.nn.dot_product_attention``; switching is one
 line.  Everything the kernel cannot take directly is handled here: f32 inputs
 are cast to bf16 (the output is cast back), head dims are zero-padded to a
-multiple of 32 (of 64 where either is over 128: kernel.plan.padded_head_dims;
-the backward pads its own: kernel.plan.backward_head_dims), sequence lengths
-are padded to whole tiles (padded keys are masked in the kernel, padded query
-rows are sliced off), broadcast bias and mask are passed un-materialised.
+multiple of 32 of at least 64 (of 64 where either is over 128:
+kernel.plan.padded_head_dims; the backward pads its own:
+kernel.plan.backward_head_dims), sequence lengths are padded to whole tiles
+(padded keys are masked in the kernel, padded query rows are sliced off),
+broadcast bias and mask are passed un-materialised.
 
 Contract for a fully masked query row (no key survives mask, causal, key
 range): output 0, m = -inf, l = 0, and no NaN.  NaN in an input propagates to

@@ -28,29 +28,33 @@ SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns the scratch region to this
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 # Head dims are computed padded with zero columns to a multiple of these:
 # 32 (64-byte swizzled rows) where both head dims are at most 128, else 64
-# (the head split halves every tile's columns: kernel/backward.py).
+# (the head split halves every tile's columns: kernel/backward.py); never
+# below MIN_HEAD_DIM.
 HEAD_DIM_MULTIPLE = 32
 WIDE_HEAD_DIM_MULTIPLE = 64
+MIN_HEAD_DIM = 64
 MAX_HEAD_DIM = 256
 
 
 def padded_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
-  """The (query/key, value) head dims the kernels compute with.
+  """The (query/key, value) head dims the forward computes with.
 
-  Up to 128 they are whole 32-column (64-byte) rows, so that head dim 96
-  (and 72 or 80, padded to 96) runs at 96 columns, not 128, and at 96 with
-  no padded copy of q, k and v: the forward, bf16, 16k tokens per batch, 21
-  heads at 96, 25 at 80, measured on the H100 (2026-12-05), TFLOP/s with
-  64-column rows (2a2405f) and with 32-column rows (2a2405f with this rule's
-  forward), cuDNN in brackets: d96 1k 268.0 (412.1) and 480.9 (362.3), 4k
-  394.9 (450.5) and 534.7 (422.5), 16k 472.6 (473.8) and 538.0 (455.3),
-  causal 1k 155.5 (287.6) and 349.9 (283.8); d80 1k 228.2 (351.2) and 257.0
-  (332.4), causal 1k 134.6 (253.7) and 153.0 (244.2).  Where either is over 128, both keep whole
-  64-column rows, the rule the forward was measured and checked under
-  there (the backward's head split, :func:`backward_head_dims`, halves
-  every tile's columns in 64-byte swizzled halves)."""
+  Up to 128 they are whole 32-column (64-byte) rows of at least 64 columns,
+  so that head dim 96 (and 72 or 80, padded to 96) runs at 96 columns, not
+  128, and at 96 with no padded copy of q, k and v: the forward, bf16, 16k
+  tokens per batch, 21 heads at 96, 25 at 80, measured on the H100
+  (2026-12-05), TFLOP/s with 64-column rows (2a2405f) and with 32-column
+  rows (2a2405f with this rule's forward), cuDNN in brackets: d96 1k 268.0
+  (412.1) and 480.9 (362.3), 4k 394.9 (450.5) and 534.7 (422.5), 16k 472.6
+  (473.8) and 538.0 (455.3), causal 1k 155.5 (287.6) and 349.9 (283.8); d80
+  1k 228.2 (351.2) and 257.0 (332.4), causal 1k 134.6 (253.7) and 153.0
+  (244.2).  A head dim under 64 keeps 64 columns, and where either is over
+  128 both keep whole 64-column rows: the rules the forward was checked
+  under against float64 on the GPU there (the backward's head split,
+  :func:`backward_head_dims`, halves every tile's columns in 64-byte
+  swizzled halves)."""
   m = HEAD_DIM_MULTIPLE if max(head_dim, head_dim_out) <= 128 else WIDE_HEAD_DIM_MULTIPLE
-  return -(-head_dim // m) * m, -(-head_dim_out // m) * m
+  return tuple(max(MIN_HEAD_DIM, -(-d // m) * m) for d in (head_dim, head_dim_out))
 
 
 def padded_head_dim(d: int) -> int:

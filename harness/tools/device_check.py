@@ -29,7 +29,7 @@ def fixed_cases():
       ("ragged-113x203-d72-dv96", dict(seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96), None),
       ("ragged-239x1", dict(seq_q=239, seq_kv=1, head_dim=64), None),
       # Head dims in 32-column rows (kernel.plan.padded_head_dims): 96 at its
-      # own width, causal with GQA; 32; 80 computed at 96.
+      # own width, causal with GQA; 80 computed at 96; 32 at 64.
       ("d96-causal-gqa-1000", dict(batch=2, seq_q=1000, seq_kv=1000, heads=4, kv_heads=2,
                                    head_dim=96, is_causal=True), None),
       ("d32-ragged-300x700", dict(seq_q=300, seq_kv=700, heads=2, head_dim=32), None),

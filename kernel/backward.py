@@ -1154,7 +1154,7 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype):
   (f32, or int32 in fixed point: the same bytes)."""
   # dS^T meets the K tiles in the dQ product, both from shared memory: one
   # swizzle, K's (64 bytes where its rows are 96 or 32 columns).
-  k_swizzle = plgpu.find_swizzle(head_dim * np.dtype(dtype).itemsize * 8)
+  k_swizzle = common.row_swizzle(head_dim, dtype)
   return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype),
                           swizzle=k_swizzle if k_swizzle < 128 else None),
           plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(dq_dtype)))

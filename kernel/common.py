@@ -56,13 +56,20 @@ ROW = plgpu.Layout.WGMMA.reduce(1)
 COL = plgpu.Layout.WGMMA.reduce(0)
 
 
+def row_swizzle(columns: int, dtype, what: str = "") -> int:
+  """The swizzle (bytes) of a buffer whose rows are ``columns`` wide, where
+  its description names none: the widest one a row holds (``what`` names
+  the buffer in the error if none does)."""
+  return plgpu.find_swizzle(columns * np.dtype(dtype).itemsize * 8, what)
+
+
 def smem(buf: plan_lib.Buffer):
   """The scratch ref of one buffer description (swizzled for wgmma where
   the description says so)."""
   if not buf.swizzled:
     return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype))
   bits = np.dtype(buf.dtype).itemsize * 8
-  swizzle = buf.swizzle or plgpu.find_swizzle(buf.shape[-1] * bits, buf.name)
+  swizzle = buf.swizzle or row_swizzle(buf.shape[-1], buf.dtype, buf.name)
   transforms = (plgpu.TilingTransform((8, 8 * swizzle // bits)),
                 plgpu.SwizzleTransform(swizzle))
   return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)

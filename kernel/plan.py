@@ -84,7 +84,7 @@ class Problem:
   """The static facts about one call that decide the kernel's layout."""
 
   dtype: np.dtype          # bf16 or f16 (f32 inputs are cast before)
-  head_dim: int            # padded to HEAD_DIM_MULTIPLE
+  head_dim: int            # padded: padded_head_dims
   head_dim_out: int        # padded likewise
   seq_q: int
   seq_kv: int

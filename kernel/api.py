@@ -262,7 +262,8 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
                logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
                config, deterministic, backward, reproducible_backward, stage_2d: bool,
                segment_bounds: str = variants.SHIPPED_SEGMENT_BOUNDS,
-               even_sections: bool = True, defer_light: bool | None = None):
+               even_sections: bool = True, defer_light: bool | None = None,
+               untiled_copies: bool = False):
   """dot_product_attention with the variants kept for measurement and tests
   (kernel/experiments.py): ``backward`` the custom_vjp's backward,
   ``reproducible_backward`` the one ``deterministic=True`` takes instead
@@ -271,7 +272,9 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
   (kernel.variants.SEGMENT_BOUNDS), ``even_sections`` False keeps the
   longest-first order's L2 sections filled, ``defer_light`` True or False
   runs its light tiles last always or never, None where the schedule's
-  model predicts that it pays (kernel.forward.Features)."""
+  model predicts that it pays, ``untiled_copies`` True copies q, k, v and
+  the output through untiled views where the head dims allow it
+  (kernel.plan.untiled_copies_refusal; kernel.forward.Features)."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -313,7 +316,9 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
       poisons_rows=routed.poisoned is not None,
       window_ranges=routed.window_only and config.schedule == "longest-first",
       even_sections=bool(even_sections),
-      defer_light=None if defer_light is None else bool(defer_light))
+      defer_light=None if defer_light is None else bool(defer_light),
+      untiled_copies=bool(untiled_copies) and plan_lib.untiled_copies_refusal(
+          problem.head_dim, problem.head_dim_out) is None)
   if deterministic and reproducible_backward is not None:
     backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
@@ -400,24 +405,23 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # ad4f30e, bench --grid --seqs 12016,12017): 613.7 TFLOP/s at 12016
   # tokens, 560.6 at 12017; causal 555.9 and 512.8.
   # Measured on the H200 at seq 1000, causal, d128: the padded copies took
-  # about 40 % of the call.  A way around them, not built: the descriptor
-  # checks only the tiling, and for a 64-column buffer the (8, 64) tiling is
-  # the untiled row-major layout, so a TMA into a view with the 128-byte
-  # swizzle alone, aliased (plgpu.RefUnion) with the tiled view wgmma reads,
-  # lowers at T = 12017 (jax.export for CUDA, jax 0.11.2, 2026-12-05).  It
-  # is unrun on a GPU; RefUnion does not promise that its members share
-  # their first byte (its docstring allows reading only through the member
-  # that wrote); the tiled view cannot simply be dropped: q, k and v
-  # allocated with the swizzle alone fail Mosaic GPU's layout inference as
-  # wgmma operands (jax 0.11.2, 2026-12-05); head dims over 64 would need
-  # one buffer per 64 columns (two wgmma per product); and the last tile's
-  # store would be clipped, which kernel/forward.py avoids for m and l (a
-  # clipped store was seen to land in the next head's rows).
+  # about 40 % of the call.  Where rows are 64 columns, Features.untiled_copies
+  # copies through views with the swizzle alone, which take any length
+  # (kernel.plan.untiled_copies_refusal says why only there); it is
+  # kernel.experiments' untiled_copies until it has run against float64 on
+  # a GPU.  RefUnion's docstring allows reading only through the member that
+  # wrote, so the union's layout is checked on the CPU
+  # (properties/test_lowering.py); the tiled view cannot simply be dropped:
+  # buffers with the swizzle alone fail Mosaic GPU's layout inference as
+  # wgmma operands (jax 0.11.2, 2026-12-05).
   d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
+
+  # Untiled copies (kernel.plan.untiled_copies_refusal) take any length.
+  tiling = 1 if f.untiled_copies else 8
 
   def operand(x, width, multiple):
     x = x.astype(dtype)
-    if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % 8:
+    if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling:
       x = pad(padding.pad_head_dim(x, width), 1, multiple)
     return x
   q, k, v = (operand(query, d, tile), operand(key, d, block_kv),

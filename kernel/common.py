@@ -69,10 +69,26 @@ def smem(buf: plan_lib.Buffer):
   if not buf.swizzled:
     return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype))
   bits = np.dtype(buf.dtype).itemsize * 8
-  swizzle = buf.swizzle or row_swizzle(buf.shape[-1], buf.dtype, buf.name)
+  swizzle = _swizzle(buf)
   transforms = (plgpu.TilingTransform((8, 8 * swizzle // bits)),
                 plgpu.SwizzleTransform(swizzle))
   return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)
+
+
+def with_untiled_view(buf: plan_lib.Buffer):
+  """The buffer's scratch (:func:`smem`, what wgmma reads) in a RefUnion
+  with a view of it swizzled alone (what a TMA copy writes or reads at any
+  sequence length: kernel.plan.untiled_copies_refusal).  Both are their
+  group's one member, so Mosaic GPU places both at the union's first byte
+  (jax 0.11.2's flatten_ref_union; properties/test_lowering.py checks it),
+  and for 64-column rows their bytes are the same."""
+  untiled = plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype),
+                       transforms=(plgpu.SwizzleTransform(_swizzle(buf)),))
+  return plgpu.RefUnion(smem(buf), untiled)
+
+
+def _swizzle(buf: plan_lib.Buffer) -> int:
+  return buf.swizzle or row_swizzle(buf.shape[-1], buf.dtype, buf.name)
 
 
 def load_broadcast(ref, idx, shape, layout):

@@ -30,6 +30,12 @@ The harness and the benchmark reach the others through this module:
   ``deferred_light``) always or never, where the shipped order (None)
   does so where ``schedule.light_last_gain`` predicts that it pays; the
   same tiles, in another order.
+* ``untiled_copies``: True copies q, k, v and the output of the forward
+  through views of their shared memory without the (8, 64) tiling, where
+  the head dims compute at 64 columns (kernel/plan.py's
+  ``untiled_copies_refusal``; elsewhere it changes nothing), so that a
+  sequence length no multiple of 8 needs no padded copy; the same bytes,
+  unrun on a GPU so far.
 """
 
 from __future__ import annotations
@@ -72,11 +78,11 @@ REPRODUCIBLE = {
 def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="pallas",
                           stage_2d=True, segment_bounds=variants.SHIPPED_SEGMENT_BOUNDS,
                           even_sections=True,
-                          defer_light=None, **kwargs):
+                          defer_light=None, untiled_copies=False, **kwargs):
   """:func:`kernel.api.dot_product_attention` with a variant: ``backward``
   (a :data:`BACKWARDS` name), ``stage_2d``, ``segment_bounds``,
-  ``even_sections`` and ``defer_light``; every other argument as there,
-  with its default."""
+  ``even_sections``, ``defer_light`` and ``untiled_copies``; every other
+  argument as there, with its default."""
   import inspect
   if backward not in BACKWARDS:
     raise ValueError(f"backward: expected one of {sorted(BACKWARDS)}, got {backward!r}")
@@ -84,6 +90,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
     raise ValueError(f"even_sections: expected a bool, got {even_sections!r}")
   if defer_light is not None and not isinstance(defer_light, bool):
     raise ValueError(f"defer_light: expected a bool or None, got {defer_light!r}")
+  if not isinstance(untiled_copies, bool):
+    raise ValueError(f"untiled_copies: expected a bool, got {untiled_copies!r}")
   params = inspect.signature(api.dot_product_attention).parameters
   unknown = sorted(set(kwargs) - set(params))
   if unknown:
@@ -95,7 +103,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
       k: v for k, v in args.items() if k not in ("bias", "mask")},
       backward=BACKWARDS[backward], reproducible_backward=REPRODUCIBLE.get(backward),
       stage_2d=stage_2d, segment_bounds=segment_bounds,
-      even_sections=even_sections, defer_light=defer_light)
+      even_sections=even_sections, defer_light=defer_light, untiled_copies=untiled_copies)
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,

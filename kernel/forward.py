@@ -116,6 +116,10 @@ class Features(Logits):
   # schedule.light_last_gain predicts that it pays, True or False always
   # or never (kernel.experiments' defer_light, the A/B).
   defer_light: bool | None = None
+  # The copies of q, k, v and the output go through untiled views of their
+  # buffers (kernel.plan.untiled_copies_refusal), so that a length no
+  # multiple of 8 needs no padded copy (kernel.experiments' untiled_copies).
+  untiled_copies: bool = False
 
 
 def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
@@ -222,8 +226,10 @@ class Kernel(common.OperandRefs):
   l_ref: Any = None
   # Split tail: the pieces' outputs (slots, tile_q, Dv), m and l (slots, tile_q).
   piece_refs: tuple[Any, Any, Any] | None = None
-  # Each compute warpgroup's staging of its output rows: o, m, l.
+  # Each compute warpgroup's staging of its output rows: o, m, l; and the
+  # view of o its TMA store reads (kernel.plan's untiled copies; else o).
   out_smems: tuple[Any, Any, Any] | None = None
+  o_copy_smems: Any = None
 
   @property
   def block_q(self) -> int:
@@ -336,7 +342,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
       seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
       bias_2d=f.stage_2d and is_2d(bias), mask_2d=f.stage_2d and is_2d(mask),
-      return_residuals=f.return_residuals)
+      return_residuals=f.return_residuals, untiled_copies=f.untiled_copies)
   # The split tail's pieces are weighed by their (m, l) in the merge, so the
   # kernel may return residuals the caller did not ask for.
   problem = plan_lib.kernel_problem(problem, config)
@@ -499,11 +505,14 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
   m_ref, l_ref = residual_refs[:2] if residual_refs else (None, None)
   piece_refs = tuple(residual_refs[2:]) or None   # split tail: the pieces' out, m, l
   layout = c.layout
+  # Untiled copies: q, k, v and o each a RefUnion of the view wgmma reads
+  # and the one the TMA copies use (_dispatch tells them apart).
+  copied = common.with_untiled_view if layout.untiled_copies else smem
   m_buf = layout.m if c.f.return_residuals else None
-  out_group = (None if layout.o is None else smem(layout.o),
+  out_group = (None if layout.o is None else copied(layout.o),
                smem(m_buf) if m_buf is not None else None,
                smem(layout.l) if m_buf is not None else None)
-  qk_group = (smem(layout.q), smem(layout.k))
+  qk_group = (copied(layout.q), copied(layout.k))
   if layout.overlay_qk_with_output:
     overlay = plgpu.RefUnion(qk_group, out_group)
   else:
@@ -517,7 +526,7 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
               piece_refs=piece_refs)
   pl.run_scoped(
       lambda *scoped: _dispatch(c, refs, *scoped),
-      (overlay, smem(layout.v), staged(layout.bias), staged(layout.mask)),
+      (overlay, copied(layout.v), staged(layout.bias), staged(layout.mask)),
       (mb["q_produced"], mb.get("q_consumed"), mb["k_produced"], mb["v_produced"],
        mb["k_consumed"], mb["v_consumed"], mb.get("bias_produced"), mb.get("mask_produced")),
       collective_axes="wg",
@@ -528,8 +537,13 @@ def _dispatch(c: Kernel, refs: dict, smems, mbars):
   """The rings over the allocated scratch, then each warpgroup's role."""
   wg = lax.axis_index("wg")
   ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_smems, mask_smems = smems
+  # (the view read, the view copied): one ref, or a with_untiled_view union.
+  views = lambda x: x if c.layout.untiled_copies and x is not None else (x, x)
+  (q_smems, q_copy), (k_smems, k_copy), (v_smems, v_copy), (o_smems, o_copy) = map(
+      views, (q_smems, k_smems, v_smems, o_smems))
   if c.layout.overlay_q_with_output:
-    o_smems = q_smems  # each warpgroup stages its output in its query slot
+    # each warpgroup stages its output in its query slot
+    o_smems, o_copy = q_smems, q_copy
   (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
    bias_produced, mask_produced) = mbars
   # The key phase: k and the staged bias/mask tiles of the same key block,
@@ -539,12 +553,17 @@ def _dispatch(c: Kernel, refs: dict, smems, mbars):
     key_buffers["bias"] = (bias_smems, bias_produced)
   if mask_smems is not None:
     key_buffers["mask"] = (mask_smems, mask_produced)
+  # Only where the copies have views of their own, so that the shipped
+  # kernel traces as before.
+  copy_views = lambda name, view, read: {name: view} if view is not read else {}
   c = dataclasses.replace(
       c, wg=wg, **refs,
-      queries=ring_lib.WarpgroupSlots({"q": (q_smems, q_produced)}, q_consumed),
-      keys=ring_lib.Ring(c.stages, key_buffers, k_consumed),
-      values=ring_lib.Ring(c.stages, {"v": (v_smems, v_produced)}, v_consumed),
-      out_smems=(o_smems, m_smems, l_smems))
+      queries=ring_lib.WarpgroupSlots({"q": (q_smems, q_produced)}, q_consumed,
+                                      copy_views("q", q_copy, q_smems)),
+      keys=ring_lib.Ring(c.stages, key_buffers, k_consumed, copy_views("k", k_copy, k_smems)),
+      values=ring_lib.Ring(c.stages, {"v": (v_smems, v_produced)}, v_consumed,
+                           copy_views("v", v_copy, v_smems)),
+      out_smems=(o_smems, m_smems, l_smems), o_copy_smems=o_copy)
   pl.when(wg < c.cw)(functools.partial(compute_warpgroup, c))
   pl.when(wg == c.cw)(functools.partial(memory_warpgroup, c))
 
@@ -1108,7 +1127,8 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   if layout.overlay_qk_with_output:
     barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k
   o_smems, m_smems, l_smems = c.out_smems
-  o_smem = o_smems.at[wg]
+  # The staging stored into and the view of it the TMA store reads.
+  o_smem, o_copied = o_smems.at[wg], c.o_copy_smems.at[wg]
   o_smem[...] = out.astype(c.dtype)
   if f.return_residuals:
     m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
@@ -1117,7 +1137,7 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   def store(out_at, m_at, l_at):
     # One place issues the stores, wherever they go: the proof reads the
     # same events (by source line) from a tile's stores and a piece's.
-    plgpu.copy_smem_to_gmem(o_smem, out_at())
+    plgpu.copy_smem_to_gmem(o_copied, out_at())
     if f.return_residuals:
       plgpu.copy_smem_to_gmem(m_smems.at[wg], m_at())
       plgpu.copy_smem_to_gmem(l_smems.at[wg], l_at())

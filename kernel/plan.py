@@ -92,6 +92,9 @@ class Problem:
   bias_2d: bool = False    # bias varies along both T and S (staged through the ring)
   mask_2d: bool = False    # mask varies along both T and S
   return_residuals: bool = False
+  # The TMA copies of q, k, v and the output use views of their buffers
+  # without the (8, 64) tiling (untiled_copies_refusal says where they can).
+  untiled_copies: bool = False
 
   @property
   def itemsize(self) -> int:
@@ -99,6 +102,31 @@ class Problem:
 
   def num_kv_blocks(self, block_kv: int) -> int:
     return -(-self.seq_kv // block_kv)
+
+
+# The one head dim whose rows are a single 128-byte swizzle atom (16-bit).
+UNTILED_COPY_HEAD_DIM = 64
+
+
+def untiled_copies_refusal(head_dim: int, head_dim_out: int) -> str | None:
+  """Why the forward's copies of q, k, v and the output cannot go through
+  untiled views (:attr:`Problem.untiled_copies`), or None.
+
+  Mosaic GPU's tiled TMA views the global array in (8, 64) tiles, so it
+  refuses a sequence axis that is no multiple of 8 (jax 0.11.2: "dimension
+  2 must have size smaller or a multiple of its tiling 8"), and the API
+  pays a padded copy of q, k, v and the output there (kernel/api.py has the
+  measurement).  A view with the 128-byte swizzle alone copies any length,
+  and where rows are 64 columns of 16 bits (one 128-byte swizzle atom) the
+  (8, 64) tiling is the row-major order itself: the untiled view and the
+  tiled one wgmma reads (a RefUnion of the two,
+  kernel.common.with_untiled_view) are the same bytes.  Wider rows interleave
+  their 64-column halves every 8 rows and would need one copy per 8 rows."""
+  if (head_dim, head_dim_out) != (UNTILED_COPY_HEAD_DIM, UNTILED_COPY_HEAD_DIM):
+    return (f"untiled copies need {UNTILED_COPY_HEAD_DIM}-column rows (one 128-byte swizzle "
+            f"atom, where the tiling is row-major); the forward computes head_dim={head_dim}, "
+            f"head_dim_out={head_dim_out}")
+  return None
 
 
 def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
@@ -228,6 +256,9 @@ class ScratchLayout:
   # stages its output in its own query slot (o is None), which is refilled
   # only once the output copy has read it.
   overlay_q_with_output: bool = False
+  # Problem.untiled_copies: q, k, v and o are each allocated beside an
+  # untiled view of the same bytes, which their TMA copies use.
+  untiled_copies: bool = False
 
   def buffers(self) -> tuple[Buffer, ...]:
     return tuple(b for b in (self.q, self.k, self.v, self.o, self.m, self.l,
@@ -279,9 +310,12 @@ def _layout(problem: Problem, config: Config, *, overlay_q: bool) -> ScratchLayo
       bias=Buffer("bias", (s, cw * bq, bkv), dt) if problem.bias_2d else None,
       mask=Buffer("mask", (s, cw * bq, bkv), np.dtype(np.int8)) if problem.mask_2d else None,
       # Persistent blocks prefetch the next tile's queries while the output
-      # drains, so only the non-persistent path may overlay them.
-      overlay_qk_with_output=not config.persistent,
+      # drains, so only the non-persistent path may overlay them; with
+      # untiled copies each buffer is a union of its two views already, and
+      # the overlay's bytes at 64 columns are few.
+      overlay_qk_with_output=not config.persistent and not problem.untiled_copies,
       overlay_q_with_output=overlay_q,
+      untiled_copies=problem.untiled_copies,
   )
 
 
@@ -398,6 +432,10 @@ def check_fits(problem: Problem, config: Config) -> int:
   why = warpgroups_refusal(problem, config)
   if why is not None:
     raise ValueError(f"config.compute_warpgroups: {why}")
+  if problem.untiled_copies:
+    why = untiled_copies_refusal(problem.head_dim, problem.head_dim_out)
+    if why is not None:
+      raise ValueError(f"untiled_copies: {why}")
   est = estimate_smem_bytes(problem, config)
   if not fits_in_smem(est):
     raise ValueError(

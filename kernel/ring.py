@@ -54,9 +54,22 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from kernel.pipeline import PipelineState
 
 
+def _name(buffers, buffer):
+  """``buffer``; None: the first, the ring's own."""
+  return next(iter(buffers)) if buffer is None else buffer
+
+
 def _pick(buffers, buffer):
-  """(ref, produced) of ``buffer``; None: the first, the ring's own."""
-  return buffers[next(iter(buffers)) if buffer is None else buffer]
+  """(ref, produced) of ``buffer`` (:func:`_name`)."""
+  return buffers[_name(buffers, buffer)]
+
+
+def _copy_target(buffers, copy_views, buffer):
+  """(the ref a TMA copy into ``buffer`` writes, its produced barriers):
+  its view in ``copy_views`` where it has one, else the ref read."""
+  name = _name(buffers, buffer)
+  ref, produced = buffers[name]
+  return copy_views.get(name, ref), produced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +78,15 @@ class Ring:
 
   ``buffers``: name -> (smem ref with the slot as its leading dim, its
   produced mbarriers), in the order the producer fills them; the first is
-  the ring's default ``buffer``.  ``consumed``: one mbarrier per slot."""
+  the ring's default ``buffer``.  ``consumed``: one mbarrier per slot.
+  ``copy_views``: name -> the view of that buffer's bytes its TMA copies
+  write, where it is not the ref the consumers read (kernel.plan's untiled
+  copies)."""
 
   num_stages: int
   buffers: Mapping[str, tuple[Any, Any]]
   consumed: Any
+  copy_views: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def position(self, count) -> PipelineState:
     """The position of the ``count``-th block through this ring (global,
@@ -87,7 +104,7 @@ class Ring:
 
   def producer_copy(self, src, st: PipelineState, buffer: str | None = None) -> None:
     """TMA ``src`` into the slot's ``buffer``; completes its produced barrier."""
-    ref, produced = self._buffer(buffer)
+    ref, produced = _copy_target(self.buffers, self.copy_views, buffer)
     plgpu.copy_gmem_to_smem(src, ref.at[st.index], produced.at[st.index])
 
   # -- consumer ----------------------------------------------------------------
@@ -110,10 +127,11 @@ class WarpgroupSlots:
   """One slot per compute warpgroup ``w``, whose barriers warpgroup w waits
   on: ``buffers`` as in :class:`Ring`, with the warpgroup as the leading
   dim; ``consumed`` (one mbarrier per warpgroup, one arrival) where a slot is
-  refilled, None where it is filled once."""
+  refilled, None where it is filled once; ``copy_views`` as in :class:`Ring`."""
 
   buffers: Mapping[str, tuple[Any, Any]]
   consumed: Any = None
+  copy_views: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def _buffer(self, buffer):
     return _pick(self.buffers, buffer)
@@ -124,7 +142,7 @@ class WarpgroupSlots:
     pl.when(refill)(lambda: plgpu.barrier_wait(self.consumed.at[w]))
 
   def producer_copy(self, src, w, buffer: str | None = None) -> None:
-    ref, produced = self._buffer(buffer)
+    ref, produced = _copy_target(self.buffers, self.copy_views, buffer)
     plgpu.copy_gmem_to_smem(src, ref.at[w], produced.at[w])
 
   def consumer_wait(self, w, buffer: str | None = None) -> None:

@@ -29,12 +29,27 @@ from kernel.config import Config
     ("64,128,2,p,lf,fs,det", Config(64, 128, 2, True, "longest-first"), True),
     ("auto,lt", None, False),
     ("64,64,2,lf,lo", Config(64, 64, 2, False, "longest-first"), False),
+    ("auto,ut", None, False),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config
   assert bg.is_deterministic(text) is det
   assert bg.filled_sections(text) is (text in ("auto,fs", "64,128,2,p,lf,fs,det"))
   assert bg.deferred_light(text) is {"auto,lt": True, "64,64,2,lf,lo": False}.get(text)
+  assert bg.untiled_copies(text) is (text == "auto,ut")
+
+
+def test_the_untiled_variant_times_the_call_without_padded_copies():
+  """``ut`` at a length no multiple of 8 and head dim 64 (the grid's
+  12017 point): the call pads nothing, where the shipped one pads q, k
+  and v (kernel.experiments' untiled_copies)."""
+  point = bg.Point(64, 12017, True)
+  fns = bg.implementations(point, ["auto", "auto,ut"], backward=False, example=False)
+  q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
+  with api.lowering_only():
+    pads = {text: str(jax.make_jaxpr(fns[f"ours {text}"])(q, q, q)).count(" pad[")
+            for text in ("auto", "auto,ut")}
+  assert pads["auto,ut"] == 0 < pads["auto"], pads
 
 
 def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypatch):

@@ -325,3 +325,40 @@ def test_the_split_tail_proves_with_its_pieces():
   results = pe.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
+
+
+UNTILED = dataclasses.replace(ONE_TILE, untiled_copies=True)
+
+
+def test_untiled_copies_prove_as_copies_into_the_buffers_read():
+  """Copies through untiled views (kernel.common.with_untiled_view): the
+  TMA writes one member of a union and wgmma reads the other, the same
+  bytes, which the extraction reads as one buffer.  Read as two buffers
+  that share bytes, the output staged through its untiled view is an
+  overlay the proof refuses: the rule that merges them is what proves it."""
+  results = pe.prove([("forward", UNTILED, 1)], jobs=1)
+  assert results and all(r.ok for r in results), [
+      r.premise or r.violation.format() for r in results if not r.ok]
+  kept = extract._mirrored
+  try:
+    extract._mirrored = lambda groups: False
+    r = xp.check(pe.forward_program(UNTILED))
+  finally:
+    extract._mirrored = kept
+  assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
+
+
+def test_only_unions_of_identical_groups_are_mirrored():
+  """A union of q and k with o, m and l (the non-persistent overlay) keeps
+  its views apart; one of a buffer's two views is one buffer."""
+  import jax
+  import jax.numpy as jnp
+  aval = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+  assert extract._mirrored((aval((2, 64, 64)), aval((2, 64, 64))))
+  assert extract._mirrored(((aval((2, 64, 64)), aval((2, 128, 64))),
+                            (aval((2, 64, 64)), aval((2, 128, 64)))))
+  assert not extract._mirrored(((aval((2, 64, 64)), aval((2, 128, 64))),
+                                (aval((2, 64, 64)), aval((2, 64), jnp.float32))))
+  assert not extract._mirrored((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16)))
+  assert not extract._mirrored((aval((2, 64, 64)),))
+  assert not extract._mirrored(None)

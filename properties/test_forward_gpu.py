@@ -215,3 +215,39 @@ def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
   plain = run_kernel(fc, config=cfg, stage_2d=False)
   for a, b, what in zip(staged, plain, ("out", "m", "l")):
     assert np.array_equal(a, b, equal_nan=True), f"{what}: staged differs from unstaged"
+
+
+# Lengths no multiple of 8 at head dim 64, which the shipped path pads
+# (kernel/api.py) and kernel.experiments' untiled_copies reads unpadded:
+# MHA and GQA, causal, residuals, key ranges, the last query tile nearly
+# empty, and a key length shorter than one block.
+_UNTILED = [
+    ("1001x777-causal-gqa", dict(batch=2, seq_q=1001, seq_kv=777, heads=4, kv_heads=2,
+                                 is_causal=True)),
+    ("4001-causal", dict(seq_q=4001, seq_kv=4001, heads=2, kv_heads=2, is_causal=True)),
+    ("129x1999-f16", dict(seq_q=129, seq_kv=1999, heads=3, kv_heads=1, dtype="float16")),
+    ("300x77-unnormalised", dict(seq_q=300, seq_kv=77, normalize_output=False)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
+@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
+                                                 (True, "longest-first")],
+                         ids=["heuristic", "nonpersistent", "persistent-lf"])
+def test_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent, schedule):
+  """kernel.experiments' untiled_copies: within the rule of float64, and
+  bit for bit the shipped path's results, which pads q, k and v to whole
+  tiles (the same products in the same order over the same values)."""
+  from harness.numerics.conformance import random_case
+  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), head_dim=64, **kwargs)
+  cfg = None
+  if persistent is not None:
+    cfg = dataclasses.replace(heuristics.get_heuristics_config(problem_of(fc)),
+                              persistent=persistent, schedule=schedule)
+  poison_device_memory(4 * fc.query.nbytes)
+  untiled = run_kernel(fc, config=cfg, untiled_copies=True)
+  report = check_forward(fc, *untiled)
+  assert report.passed, report.summary()
+  padded = run_kernel(fc, config=cfg)
+  for a, b, what in zip(untiled, padded, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{what}: untiled copies differ from padded"

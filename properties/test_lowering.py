@@ -166,6 +166,88 @@ def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
   assert lowered.smem_bytes > 0
 
 
+# Copies through untiled views (kernel.experiments' untiled_copies): lengths
+# no multiple of 8 at head dim 64, under every kind of schedule and with
+# every feature, the non-persistent block without its q/k/output overlay.
+UNTILED = [
+    ("heuristic", "plain", None),
+    ("persistent-w3", "everything", Config(64, 128, 2, True, "longest-first", 3)),
+    ("one-tile", "everything", Config(64, 128, 2, False)),
+    ("split-tail", "plain", Config(64, 128, 2, True, "split-tail")),
+    ("output-in-query-slot", "residuals", Config(64, 256, 3, True)),
+]
+
+
+def _jaxpr_text(shapes, **kw):
+  import jax
+  import jax.numpy as jnp
+  from kernel import api, experiments
+  sds = jax.ShapeDtypeStruct
+  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
+  args = (sds((B, T, N, H), jnp.bfloat16), sds((B, S, K, H), jnp.bfloat16),
+          sds((B, S, K, Hv), jnp.bfloat16))
+  with api.lowering_only():
+    return str(jax.make_jaxpr(lambda q, k, v: experiments.dot_product_attention(
+        q, k, v, **kw))(*args))
+
+
+@pytest.mark.parametrize("name,feat,cfg", UNTILED, ids=[n for n, *_ in UNTILED])
+def test_untiled_copies_lower_at_any_length_without_padded_copies(name, feat, cfg):
+  T, S = 1001, 777
+  shapes = dict(B=2, T=T, N=4, H=64, S=S, K=2, Hv=64)
+  kw = _features(T, S, N=4).get(feat, dict(return_residuals=True))
+  if "bias_shape" in kw:  # staged operands are padded copies of their own
+    kw = {k: v for k, v in kw.items() if k not in ("bias_shape", "mask_shape")}
+  problem = dataclasses.replace(
+      _problem((2, T, 4, 64), (2, S, 2, 64), (2, S, 2, 64), kw), untiled_copies=True)
+  cfg = cfg or heuristics.get_heuristics_config(problem)
+  if name == "output-in-query-slot":
+    assert plan.scratch_layout(problem, cfg).overlay_q_with_output
+  lowered = lower_attention(shapes, config=cfg, untiled_copies=True, **kw)
+  est = plan.estimate_smem_bytes(problem, cfg)
+  assert lowered.smem_bytes <= est <= lowered.smem_bytes + SMEM_MARGIN_BYTES, (
+      f"estimate {est} vs lowering {lowered.smem_bytes}")
+  range_kw = {k: v for k, v in kw.items() if k != "k_range_shape"}
+  untiled = _jaxpr_text(shapes, config=cfg, untiled_copies=True, **range_kw)
+  tiled = _jaxpr_text(shapes, config=cfg, **range_kw)
+  assert " pad[" not in untiled
+  assert " pad[" in tiled   # the shipped path pads q, k and v to whole tiles
+
+
+def test_untiled_copies_change_nothing_where_rows_are_wider():
+  """Where the head dims compute wider than 64 columns the experiment's
+  flag is ignored (kernel.plan.untiled_copies_refusal), and the kernel
+  refuses a problem that asks for it there by the field's name."""
+  shapes = dict(B=1, T=1001, N=2, H=128, S=1001, K=2, Hv=128)
+  assert (_jaxpr_text(shapes, untiled_copies=True) == _jaxpr_text(shapes))
+  problem = plan.Problem(np.dtype(ml_dtypes.bfloat16), 128, 128, 1001, 1001,
+                         untiled_copies=True)
+  with pytest.raises(ValueError, match=r"^untiled_copies: untiled copies need 64-column rows"):
+    plan.check_fits(problem, Config(64, 128, 2, True))
+
+
+def test_a_buffer_and_its_untiled_view_share_their_bytes():
+  """kernel.common.with_untiled_view relies on Mosaic GPU placing both
+  members of the union at its first byte (RefUnion's docstring does not
+  promise it: jax 0.11.2's flatten_ref_union does it), and on the view
+  differing from the buffer by the (8, 64) tiling alone, which for
+  64-column rows is the row-major order."""
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from kernel import common
+  for buf in (plan.Buffer("k", (2, 128, 64), np.dtype(ml_dtypes.bfloat16)),
+              plan.Buffer("q", (3, 64, 64), np.dtype(np.float16))):
+    union = common.with_untiled_view(buf)
+    tiled, untiled = union.refs
+    assert [type(t) for t in tiled.transforms] == [plgpu.TilingTransform, plgpu.SwizzleTransform]
+    assert tiled.transforms[0].tiling == (8, 64)
+    assert untiled.transforms == tiled.transforms[1:]
+    members = mgpu_core.flatten_ref_union(union.get_ref_aval())
+    offsets = [m.transforms[0].offset for m in members]
+    assert offsets == [0, 0]
+    assert [tuple(m.shape) for m in members] == [buf.shape, buf.shape]
+
+
 def test_three_compute_warpgroups_above_head_dim_64_are_refused_by_name():
   from kernel.config import Config
   with pytest.raises(ValueError, match=r"^config.compute_warpgroups: 3 compute warpgroups"):

@@ -79,11 +79,13 @@ def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, hea
   return ForwardCase(q, k, v, **kwargs)
 
 
-def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2d=True):
+def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2d=True,
+               untiled_copies=False):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
   ``stage_2d`` the staging of 2-D bias/mask through the ring (the API's
-  default; False reads them from global memory, kernel.experiments' stage_2d).
+  default; False reads them from global memory, kernel.experiments' stage_2d);
+  ``untiled_copies`` kernel.experiments' untiled_copies.
   """
   import jax
   import jax.numpy as jnp
@@ -97,7 +99,8 @@ def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2
       k_end=None if case.k_end is None else jnp.asarray(case.k_end),
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
-      config=config, stage_2d=stage_2d, segment_layout=case.segment_layout,
+      config=config, stage_2d=stage_2d, untiled_copies=untiled_copies,
+      segment_layout=case.segment_layout,
       **{name: x if name == "local_window_size" else jnp.asarray(x)
          for name, x in case.variants.items()})
   result = jax.block_until_ready(result)

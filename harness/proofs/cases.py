@@ -36,10 +36,13 @@ class ForwardCase:
   overlay_residuals: bool = False
   compute_warpgroups: int = 2   # Config.compute_warpgroups: consumers of the ring
   layout_head_dim_out: int = 64
+  # Copies through untiled views (kernel.plan.Problem.untiled_copies): each
+  # buffer a union of two views, which the extraction reads as one buffer.
+  untiled_copies: bool = False
 
   def key(self):
     return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
-            self.overlay_q, self.residuals, self.compute_warpgroups)
+            self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies)
 
   @property
   def tile_q(self) -> int:
@@ -66,7 +69,8 @@ class ForwardCase:
     parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
                               ("causal", self.causal),
                               ("output in the query slot", self.overlay_q),
-                              ("with residuals", self.residuals)) if on]
+                              ("with residuals", self.residuals),
+                              ("untiled copies", self.untiled_copies)) if on]
     if self.compute_warpgroups != 2:
       parts.append(f"{self.compute_warpgroups} compute warpgroups")
     return " ".join(parts)
@@ -96,7 +100,7 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
                          p.head_dim, overlay and p.return_residuals, c.compute_warpgroups,
-                         p.head_dim_out)
+                         p.head_dim_out, p.untiled_copies)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

@@ -467,6 +467,22 @@ def _transform_info(treedef):
   return slot, view
 
 
+def _mirrored(groups) -> bool:
+  """Whether a RefUnion's groups (None: no union) are views of the same
+  buffers: two or more, each of the same refs, shape for shape and dtype for
+  dtype.  Mosaic GPU lays every group out from the union's first byte, so
+  member i of each group holds the same bytes, and only the transforms
+  differ (kernel.common.with_untiled_view: the view wgmma reads and the one
+  the TMA copies use).  A copy into one and a read of the other are then a
+  copy into and a read of one buffer; the checker compares the bytes of
+  other unions' groups (an overlay)."""
+  if not groups or len(groups) < 2:
+    return False
+  import jax
+  layout = lambda g: [(tuple(r.shape), str(r.dtype)) for r in jax.tree.leaves(g)]
+  return all(layout(g) == layout(groups[0]) for g in groups[1:])
+
+
 class _Interp:
   def __init__(self, kernel_eqn, env: Callable, axes: dict):
     self.eqn = kernel_eqn
@@ -479,6 +495,7 @@ class _Interp:
     self._alloc = 0
     self.cells: dict[str, Any] = {}     # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
+    self.mirrors: set[str] = set()       # allocations whose union members are one buffer
     self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
     self.site = None                     # the kernel line of the cond whose branch runs
 
@@ -605,6 +622,8 @@ class _Interp:
     for v in sub.invars:
       buf = self._buffer(v.aval)
       self.buffers[buf.name] = buf
+      if _mirrored(getattr(v.aval, "refs", None)):
+        self.mirrors.add(buf.name)
       args.append(RefV(buf))
     return self.run(sub, args, ins[:len(sub.constvars)])
 
@@ -668,12 +687,15 @@ class _Interp:
 
   def _view(self, buf, t):
     """A RefUnion member is a view at a byte offset of one allocation: a buffer
-    of its own, whose byte range the checker compares with the others'."""
+    of its own, whose byte range the checker compares with the others'; in
+    a mirrored union (:func:`_mirrored`) the members at one offset are one
+    buffer."""
     import numpy as np
     size = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-    view = Buffer(f"{buf.name}@{t.alias_group_idx}+{t.offset}", buf.space, tuple(t.shape))
+    group = 0 if buf.name in self.mirrors else t.alias_group_idx
+    view = Buffer(f"{buf.name}@{group}+{t.offset}", buf.space, tuple(t.shape))
     self.buffers[view.name] = view
-    self.views[view.name] = (buf.name, t.offset, t.offset + size, t.alias_group_idx)
+    self.views[view.name] = (buf.name, t.offset, t.offset + size, group)
     return view
 
   def p_get(self, eqn, ins, src):

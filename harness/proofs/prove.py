@@ -29,6 +29,7 @@ it never uses the cache, nor does ``--fail-fast``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import time
 
@@ -47,13 +48,18 @@ SEQ_LENGTHS = ((1, 1), (100, 64), (128, 200), (1000, 1000), (8192, 8192))
 
 
 def problem_grid() -> list[plan_lib.Problem]:
+  """Every problem above, and those that may copy through untiled views
+  (kernel.plan.untiled_copies_refusal) once more with them."""
   out = []
   for head_dim, same_out, dtype, bias, mask, causal, residuals, (sq, skv) in itertools.product(
       HEAD_DIMS, (True, False), DTYPES, (False, True), (False, True), (False, True),
       (False, True), SEQ_LENGTHS):
     head_dim_out = head_dim if same_out else 64 if head_dim != 64 else 256
-    out.append(plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
-                                bias_2d=bias, mask_2d=mask, return_residuals=residuals))
+    p = plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
+                         bias_2d=bias, mask_2d=mask, return_residuals=residuals)
+    out.append(p)
+    if plan_lib.untiled_copies_refusal(head_dim, head_dim_out) is None:
+      out.append(dataclasses.replace(p, untiled_copies=True))
   return out
 
 

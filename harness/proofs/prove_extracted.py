@@ -277,7 +277,8 @@ def trace_case(case: ForwardCase, *, module=None):
   features = module.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
       normalize_output=True, return_residuals=case.residuals, seq_q=seq_q,
-      seq_kv=kv_blocks * case.block_kv, stage_2d=case.bias or case.mask)
+      seq_kv=kv_blocks * case.block_kv, stage_2d=case.bias or case.mask,
+      untiled_copies=case.untiled_copies)
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=config_stages, persistent=case.persistent,
                              schedule=case.schedule,
@@ -285,7 +286,7 @@ def trace_case(case: ForwardCase, *, module=None):
   traced = plan_lib.Problem(
       dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
       seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
-      mask_2d=case.mask, return_residuals=case.residuals)
+      mask_2d=case.mask, return_residuals=case.residuals, untiled_copies=case.untiled_copies)
   if plan_lib.scratch_layout(traced, config).overlay_q_with_output != case.overlay_q:
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")

@@ -112,7 +112,10 @@ def parse_variant(text: str):
   False: the A/B of the evening), a trailing ``,lt`` that order with its
   light tiles last and ``,lo`` in order, where the shipped order defers
   them where the schedule's model predicts that it pays
-  (:func:`deferred_light`, kernel.experiments' ``defer_light``);
+  (:func:`deferred_light`, kernel.experiments' ``defer_light``), a
+  trailing ``,ut`` copies through untiled views where the head dims allow
+  (:func:`untiled_copies`, kernel.experiments' ``untiled_copies``: no padded
+  copy at lengths no multiple of 8);
   ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``; ``heuristic``
@@ -185,8 +188,13 @@ def deferred_light(text: str) -> bool | None:
   return True if "lt" in fields else False if "lo" in fields else None
 
 
+def untiled_copies(text: str) -> bool:
+  """Whether ``text`` ends in ``ut``: copies through untiled views."""
+  return "ut" in text.split(",")
+
+
 # Trailing flags of a variant that change the call, not the config.
-MODIFIERS = ("det", "fs", "lt", "lo")
+MODIFIERS = ("det", "fs", "lt", "lo", "ut")
 
 
 def _config_fields(text: str) -> list[str]:
@@ -228,15 +236,15 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, heuristic, filled, light_last):
+  def ours(q, k, v, config, det, split, heuristic, filled, light_last, untiled):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
     if heuristic:
       config = heuristic_of(q, k, v, is_causal=point.causal)
-    if filled or light_last is not None:
+    if filled or light_last is not None or untiled:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                                deterministic=det, even_sections=not filled,
-                                               defer_light=light_last)
+                                               defer_light=light_last, untiled_copies=untiled)
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -245,7 +253,8 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
     config, det = parse_variant(text), is_deterministic(text)
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
         ours, config=config, det=det, split=splits_auto(text), heuristic=is_heuristic(text),
-        filled=filled_sections(text), light_last=deferred_light(text))))
+        filled=filled_sections(text), light_last=deferred_light(text),
+        untiled=untiled_copies(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

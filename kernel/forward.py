@@ -314,14 +314,17 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             outputs=None):
   """Launch the kernel on padded, validated inputs.
 
-  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv multiples of 64,
-  T at least one tile (config.tile_q rows) and S at least block_kv, of any
-  length beyond: the TMA reads rows past the end as zeros (padded keys are masked, padded
-  query rows never stored) and clips the stores of the last tile, so a
-  ragged length costs no padded copy.  bias (rank 4, dims 1 or full, T and
-  S padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank
-  3, (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
-  (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
+  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv as
+  kernel.plan.padded_head_dims computes them, T at least one tile
+  (config.tile_q rows) and S at least block_kv, multiples of 8 (Mosaic
+  GPU's tiled TMA; any length with ``features.untiled_copies``) of any
+  length beyond: the TMA reads rows past the end as zeros (padded keys are
+  masked, padded query rows never stored) and clips the stores of the last
+  tile, so a ragged length costs no padded copy.  bias (rank 4, dims 1 or
+  full, T and S padded to whole tiles), mask int8 likewise, k_start/k_end
+  int32 (rank 3, (B|1, N|1, Tp|1), Tp the padded query length),
+  k_range_tiles: None or (start_min, start_max, end_min, end_max) each
+  (B|1, N|1, num_tiles) int32.
   Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, Tp)
   f32, Tp = T rounded up to whole tiles.
 
@@ -336,7 +339,6 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   batch, seq_q, num_heads, head_dim = q.shape
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
-  tile_q, block_kv = config.tile_q, config.block_kv
   num_tiles, s_pad = launch_extent(config, seq_q, seq_kv)
   problem = plan_lib.Problem(
       dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
@@ -352,40 +354,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     raise ValueError("features.poisons_rows: the rows to poison are marked in k_start, "
                      "and none was given")
   pipe = plan_lib.pipeline_plan(problem, config)
-  order = schedule_tables = None
-  if config.schedule == "split-tail":
-    if outputs is not None:
-      raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
-                       "into fresh arrays; run it without outputs")
-    # Every SM takes part, even with fewer tiles than SMs (then every tile
-    # is cut into pieces, as a split-KV launch would): no more SMs than key
-    # blocks, so that none is idle.
-    num_blocks = -(-f.seq_kv // block_kv)
-    order = schedule_lib.split_tail(
-        batch=batch, num_heads=num_heads, num_tiles=num_tiles, num_blocks=num_blocks,
-        num_sms=min(num_sms, batch * num_heads * num_tiles * num_blocks))
-    schedule_tables = (jnp.asarray(order.table()), jnp.asarray(order.counts))
-  elif config.schedule == "longest-first":
-    light_last = f.defer_light
-    if light_last is None and k_range_tiles is not None and not f.window_ranges:
-      # Key ranges known only on the device: the static weights are upper
-      # bounds, so the model's case for deferring does not hold.
-      light_last = False
-    order = tile_schedule(
-        batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
-        s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
-        itemsize=np.dtype(dtype).itemsize, tile_q=tile_q, block_kv=block_kv,
-        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal, window=f.window,
-        num_sms=num_sms, even_sections=f.even_sections, light_last=light_last)
-    if config.persistent:
-      dealt, counts = order.assign(min(num_sms, order.total))
-      schedule_tables = (jnp.asarray(dealt), jnp.asarray(counts))
-    elif k_range_tiles is not None and not f.window_ranges:
-      schedule_tables = (order.reranked(range_tile_blocks(
-          k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv,
-          seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)
-    else:
-      schedule_tables = (jnp.asarray(order.order), None)
+  if config.schedule == "split-tail" and outputs is not None:
+    raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
+                     "into fresh arrays; run it without outputs")
+  order, schedule_tables = _schedule(
+      f, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
+      itemsize=np.dtype(dtype).itemsize, k_range_tiles=k_range_tiles, num_sms=num_sms)
   kernel = Kernel(
       f=f, config=config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
       group=num_heads // num_kv_heads, head_dim_out=head_dim_out, dtype=dtype,
@@ -395,30 +370,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   def kernel_body(*refs):
     _kernel(kernel, pipe.mbarriers, *refs)
 
-  out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
-  if f.return_residuals:
-    # m and l stay padded to whole tiles: a clipped store of the last
-    # tile's rows of a (B, N, T) array was seen to land in the next head's
-    # first rows (H200, 2026-12-01, T = 1000: l off by ~T at head 1, row 0),
-    # as if the copy were bounded by the flattened array, not by T.
-    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),
-                                      jnp.float32)] * 2
-  if config.schedule == "split-tail":
-    slots = max(1, order.num_slots)
-    out_type += [jax.ShapeDtypeStruct((slots, tile_q, head_dim_out), dtype)]
-    out_type += [jax.ShapeDtypeStruct((slots, tile_q), jnp.float32)] * 2
-  if config.schedule == "split-tail":
-    grid = (len(order.counts),)
-    grid_names = ("sm",)
-  elif config.persistent:
-    grid = (min(num_sms, batch * num_heads * num_tiles),)
-    grid_names = ("sm",)
-  elif order is not None:
-    grid = (order.total,)
-    grid_names = ("tiles",)
-  else:
-    grid = (num_heads, num_tiles, batch)
-    grid_names = ("heads", "q_tiles", "batch")
+  out_type = _out_type(f, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
+                       num_tiles=num_tiles, head_dim_out=head_dim_out, dtype=dtype)
+  grid, grid_names = _grid(config, order, batch=batch, num_heads=num_heads,
+                           num_tiles=num_tiles, num_sms=num_sms)
   launch = functools.partial(
       plgpu.kernel, kernel_body, grid=grid, grid_names=grid_names,
       num_threads=config.compute_warpgroups + barriers.MEMORY_WARPGROUPS, thread_name="wg",
@@ -434,7 +389,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   results = launch(out_type=out_type)(*operands)
   if config.schedule == "split-tail":
     out, m, l, *pieces = results
-    out, m, l = merge_pieces(out, m, l, pieces, order, tile_q=tile_q,
+    out, m, l = merge_pieces(out, m, l, pieces, order, tile_q=config.tile_q,
                              normalized=f.normalize_output)
     return out, (m, l) if wanted.return_residuals else None
   if f.return_residuals:
@@ -442,6 +397,78 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     return out, (m, l)
   (out,) = results if isinstance(results, (list, tuple)) else (results,)
   return out, None
+
+
+def _schedule(f: Features, config: Config, *, batch, num_heads, num_kv_heads, num_tiles,
+              s_pad, head_dim, head_dim_out, itemsize, k_range_tiles, num_sms):
+  """(order, tables): the launch's tile order (kernel/schedule.py: the
+  split tail's, the longest-first one, or None for the round-robin grid)
+  and the int32 tables the kernel reads it from (None, or the order or
+  each block's entries, and the tiles per block or None)."""
+  tile_q, block_kv = config.tile_q, config.block_kv
+  if config.schedule == "split-tail":
+    # Every SM takes part, even with fewer tiles than SMs (then every tile
+    # is cut into pieces, as a split-KV launch would): no more SMs than key
+    # blocks, so that none is idle.
+    num_blocks = -(-f.seq_kv // block_kv)
+    order = schedule_lib.split_tail(
+        batch=batch, num_heads=num_heads, num_tiles=num_tiles, num_blocks=num_blocks,
+        num_sms=min(num_sms, batch * num_heads * num_tiles * num_blocks))
+    return order, (jnp.asarray(order.table()), jnp.asarray(order.counts))
+  if config.schedule != "longest-first":
+    return None, None
+  light_last = f.defer_light
+  if light_last is None and k_range_tiles is not None and not f.window_ranges:
+    # Key ranges known only on the device: the static weights are upper
+    # bounds, so the model's case for deferring does not hold.
+    light_last = False
+  order = tile_schedule(
+      batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
+      s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out, itemsize=itemsize,
+      tile_q=tile_q, block_kv=block_kv, seq_q=f.seq_q, seq_kv=f.seq_kv,
+      is_causal=f.is_causal, window=f.window, num_sms=num_sms,
+      even_sections=f.even_sections, light_last=light_last)
+  if config.persistent:
+    dealt, counts = order.assign(min(num_sms, order.total))
+    return order, (jnp.asarray(dealt), jnp.asarray(counts))
+  if k_range_tiles is not None and not f.window_ranges:
+    return order, (order.reranked(range_tile_blocks(
+        k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv,
+        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)
+  return order, (jnp.asarray(order.order), None)
+
+
+def _out_type(f: Features, config: Config, order, *, batch, seq_q, num_heads, num_tiles,
+              head_dim_out, dtype) -> list:
+  """The kernel's outputs: out, then m and l with residuals, then the
+  split tail's pieces (out, m, l per slot)."""
+  tile_q = config.tile_q
+  out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
+  if f.return_residuals:
+    # m and l stay padded to whole tiles: a clipped store of the last
+    # tile's rows of a (B, N, T) array was seen to land in the next head's
+    # first rows (H200, 2026-12-01, T = 1000: l off by ~T at head 1, row 0),
+    # as if the copy were bounded by the flattened array, not by T.
+    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),
+                                      jnp.float32)] * 2
+  if config.schedule == "split-tail":
+    slots = max(1, order.num_slots)
+    out_type += [jax.ShapeDtypeStruct((slots, tile_q, head_dim_out), dtype)]
+    out_type += [jax.ShapeDtypeStruct((slots, tile_q), jnp.float32)] * 2
+  return out_type
+
+
+def _grid(config: Config, order, *, batch, num_heads, num_tiles, num_sms):
+  """(grid, grid_names): a block per SM that deals tiles (persistent, the
+  split tail's SMs), a block per tile in the order's launch order, or the
+  round-robin (heads, query tiles, batch) grid."""
+  if config.schedule == "split-tail":
+    return (len(order.counts),), ("sm",)
+  if config.persistent:
+    return (min(num_sms, batch * num_heads * num_tiles),), ("sm",)
+  if order is not None:
+    return (order.total,), ("tiles",)
+  return (num_heads, num_tiles, batch), ("heads", "q_tiles", "batch")
 
 
 def _check_guarded_outputs(outputs, out_type):

@@ -22,7 +22,6 @@ import functools
 import threading
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 

@@ -1274,7 +1274,7 @@ def _wide_compute(c: DkvKernel):
 def _wide_step(c: DkvKernel, t, carry):
   """Step t of the head-split launch (the notes above)."""
   dk_acc, dv_acc = carry
-  wg, b, stream = c.wg, c.b, c.stream
+  wg, stream = c.wg, c.stream
   pt_st, ds_st = c.exchange
   st = stream.position(t)
   h, i = _dkv_coords(c, t)

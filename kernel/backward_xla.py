@@ -15,7 +15,6 @@ is summed down to the bias's own shape.
 
 from __future__ import annotations
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 

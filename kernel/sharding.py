@@ -373,7 +373,7 @@ def _sharding_rule(local: Local, mesh, value_types, result_types):
   takes the batch's or the heads' sharding."""
   shapes = dict(zip(local.operands, (tuple(ir_shape(t)) for t in value_types)))
   B, T, N, H = shapes["query"]
-  S, K, Hv = shapes["key"][1], shapes["key"][2], shapes["value"][3]
+  S, K = shapes["key"][1], shapes["key"][2]
   g = N // K
   full = {"batch": B, "seq_q": T, "heads": N, "kv_heads": K, "seq_kv": S}
   factor = {"batch": "b", "seq_q": "t", "heads": CompoundFactor("kh", "g") if g > 1 else "kh",

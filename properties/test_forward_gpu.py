@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
-from harness.numerics.conformance import (ForwardCase, check_forward, compute_dtype,
-                                 poison_device_memory, run_kernel)
+from harness.numerics.conformance import (ForwardCase, check_forward, poison_device_memory,
+                                          run_kernel)
 from harness.tools.device_check import extra_cases, fixed_cases, problem_of
 from kernel import heuristics, plan
 

@@ -184,7 +184,6 @@ def test_the_guarded_launch_lowers_for_cuda(name):
 
 def test_outputs_of_the_wrong_shape_are_refused():
   import jax
-  import jax.numpy as jnp
   from kernel import api
   fc, config = _case("ragged-113x203-d72-dv96-nonpersistent")  # q padded to whole tiles
   call, _, _ = _padded_call(fc, config, -1)   # one row short of the padded length

@@ -33,7 +33,6 @@ from harness.numerics.reference import (
   attention_reference_vjp,
   backward_from_residuals,
   naive_attention,
-  naive_attention_vjp,
   naive_gradient_yardstick,
   dbias_is_noise,
 )

@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from harness.numerics.tolerance import run_to_run_bound
-from kernel import api, experiments
+from kernel import experiments
 
 pytestmark = pytest.mark.gpu
 

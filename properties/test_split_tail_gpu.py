@@ -9,7 +9,6 @@ through the merged residuals against float64.
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 

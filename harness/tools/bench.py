@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +123,7 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
   same interleaved trials.  With ``backward``, each call is a forward plus a
   backward (jax.grad); with ``bias_2d``, every call gets a random (B, N, T, S)
   bias."""
-  from kernel import api, experiments
+  from kernel import experiments
   variants = [c if isinstance(c, Variant) else Variant(c) for c in configs]
   variants = [v if v.backward else dataclasses.replace(v, backward=backward_impl)
               for v in variants]

@@ -224,7 +224,6 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
   """name -> jitted function of (q, k, v[, d_out]) for one grid point."""
   import functools
   import jax
-  import jax.numpy as jnp
   from kernel import api, experiments
 
   def with_grad(attention):

@@ -120,7 +120,7 @@ def extra_cases(rng):
 def _variant(cfg, variant: str, case):
   """The config a case runs under for one variant of the sweep."""
   import dataclasses
-  from kernel import heuristics, plan
+  from kernel import heuristics
   if variant == "as-is":
     return cfg
   if cfg is None:

@@ -48,7 +48,7 @@ from typing import Callable
 
 import numpy as np
 
-from harness.numerics.conformance import ForwardCase, check_forward, check_gradients, compute_dtype
+from harness.numerics.conformance import ForwardCase, check_forward, check_gradients
 from harness.numerics.strategies import SegmentSpec, VariantSpec
 from harness.numerics.tolerance import rtol_for, run_to_run_bound
 

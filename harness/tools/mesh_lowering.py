@@ -344,9 +344,7 @@ def stand_in_differences(case: Case) -> dict:
   devices; and how many devices the sharded output spans."""
   import contextlib
   import jax
-  import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = _mesh(case)
   names, sharded = _arguments(case, mesh, local=False)
   rng = np.random.default_rng(0)

@@ -119,7 +119,6 @@ def program(kind: Kind) -> str:
 
 def compile_kind(kind: Kind, dump: str, timeout: float = 180.0) -> list[KernelReport]:
   os.makedirs(dump, exist_ok=True)
-  heads = HEAD_DIMS[kind.head_dim]
   code = program(kind)
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1",
              MOSAIC_GPU_DUMP_TO=dump)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,21 @@ def test_pages_script_times_nothing_on_another_gpu(tmp_path, part, gpu, other):
   assert run.returncode == 3, run.stderr
   assert f"the {part} pages are the {gpu}'s; this machine has: GPU 0: {other}" in run.stderr
   assert sorted(p.name for p in out.iterdir()) == ["steps.txt"]
+
+
+def test_compare_forward_names_a_modifier_and_tests_that_exist():
+  """compare-forward.sh's example names a bench --grid modifier and a -k
+  expression that selects tests of properties/test_forward_gpu.py."""
+  from harness.tools import bench_grid
+  text = (ROOT / "ci" / "device" / "compare-forward.sh").read_text()
+  examples = re.findall(r"^#\s+bash ci/device/compare-forward.sh OUTDIR ([a-z]+) (\S+)", text,
+                        flags=re.M)
+  assert examples, "compare-forward.sh shows no example"
+  for modifier, tests in examples:
+    assert modifier in bench_grid.MODIFIERS, modifier
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "properties/test_forward_gpu.py", "-k", tests], cwd=ROOT, capture_output=True,
+        text=True)
+    selected = [l for l in run.stdout.splitlines() if "::" in l]
+    assert selected, run.stdout + run.stderr

@@ -350,7 +350,8 @@ def main(argv=None) -> int:
                          "(auto,det) times deterministic=True, a trailing ,fs the "
                          "longest-first order with its L2 sections filled, not evened, "
                          "a trailing ,lt or ,lo that order with its light tiles last "
-                         "or in order (by default where the schedule's model says)")
+                         "or in order (by default where the schedule's model says), a "
+                         "trailing ,ut the copies through untiled views (head dim 64)")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

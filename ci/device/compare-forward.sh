@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Try a forward variant on a GPU in one call, before it ships: its GPU tests
+# against float64, then `bench --grid` timing config=None with and without
+# it, beside cuDNN in one process.  The variant is a trailing flag of bench
+# --grid's variants (harness/tools/bench_grid.py's MODIFIERS), each the
+# bench's name of a kernel.experiments switch.
+#   bash ci/device/compare-forward.sh OUTDIR MODIFIER TESTS [HEAD_DIMS] [SEQS]
+# TESTS: a pytest -k expression that selects the variant's tests in
+# properties/test_forward_gpu.py.  The copies through untiled views
+# (kernel.experiments' untiled_copies), at lengths no multiple of 8:
+#   bash ci/device/compare-forward.sh OUTDIR ut untiled 64 1001,4001,12017
+# Every step has its own time limit, so a variant that hangs on the GPU ends
+# the step (exit 124 in steps.txt) instead of the device call; the timing
+# runs only once the tests pass.
+set -uo pipefail
+usage="usage: compare-forward.sh OUTDIR MODIFIER TESTS [HEAD_DIMS] [SEQS]"
+dest="${1:?$usage}"
+modifier="${2:?$usage}"
+tests="${3:?$usage}"
+head_dims="${4:-64,128,256}"
+seqs="${5:-1000,3000,12017}"
+out="$(mktemp -d)/compare"
+mkdir -p "$out" "$dest"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
+py="${PYTHON:-python3}"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
+  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; return $rc; }
+
+{ nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD; } \
+  > "$out/device.txt" 2>&1
+if step tests 300 "$py" -m pytest -m gpu -rs properties/test_forward_gpu.py -k "$tests" \
+     --junitxml "$out/tests.xml"; then
+  step bench 240 "$py" -m harness bench --grid --no-example --head-dims "$head_dims" \
+    --seqs "$seqs" --variants "auto;auto,$modifier" --out-dir "$out/bench" \
+    --commit "${FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+fi
+cp "$out/steps.txt" "$dest/" 2>/dev/null
+cp "$out/bench/performance.md" "$dest/bench.md" 2>/dev/null
+tar -czf "$dest/compare.tgz" -C "$(dirname "$out")" compare

@@ -121,7 +121,12 @@ def untiled_copies_refusal(head_dim: int, head_dim_out: int) -> str | None:
   (8, 64) tiling is the row-major order itself: the untiled view and the
   tiled one wgmma reads (a RefUnion of the two,
   kernel.common.with_untiled_view) are the same bytes.  Wider rows interleave
-  their 64-column halves every 8 rows and would need one copy per 8 rows."""
+  their 64-column parts every 8 rows, so a row-major copy does not land
+  where wgmma reads: they would need a copy per 8 rows and part, or each
+  part a buffer of its own, read as the global array reshaped to 64-column
+  heads (free), QK^T then two wgmma into one accumulator (the same
+  instructions) and PV two of 64 columns into two accumulators (not
+  built: unmeasured what the narrower PV costs)."""
   if (head_dim, head_dim_out) != (UNTILED_COPY_HEAD_DIM, UNTILED_COPY_HEAD_DIM):
     return (f"untiled copies need {UNTILED_COPY_HEAD_DIM}-column rows (one 128-byte swizzle "
             f"atom, where the tiling is row-major); the forward computes head_dim={head_dim}, "

@@ -122,11 +122,16 @@ def untiled_copies_refusal(head_dim: int, head_dim_out: int) -> str | None:
   tiled one wgmma reads (a RefUnion of the two,
   kernel.common.with_untiled_view) are the same bytes.  Wider rows interleave
   their 64-column parts every 8 rows, so a row-major copy does not land
-  where wgmma reads: they would need a copy per 8 rows and part, or each
-  part a buffer of its own, read as the global array reshaped to 64-column
-  heads (free), QK^T then two wgmma into one accumulator (the same
-  instructions) and PV two of 64 columns into two accumulators (not
-  built: unmeasured what the narrower PV costs)."""
+  where wgmma reads.  What would serve them, not built: each buffer
+  parts-major, (parts, rows, 64), its untiled view transposed to (rows,
+  parts, 64) as the copy's destination, and the global array reshaped
+  (free) to (..., parts, 64): one copy per buffer, as now.  QK^T is then
+  one wgmma per part into one accumulator (the instructions one wgmma over
+  the whole row issues), PV one per part into an accumulator of its own,
+  64 columns wide where one wgmma was as wide as the row; unmeasured what
+  that costs.  Every head dim lowered so (jax.export for CUDA, jax 0.11.2,
+  2026-12-05); proving it over every head dim took the cold proof from 48
+  to 157 s (harness/proofs/cases.py's ForwardCase notes what it found)."""
   if (head_dim, head_dim_out) != (UNTILED_COPY_HEAD_DIM, UNTILED_COPY_HEAD_DIM):
     return (f"untiled copies need {UNTILED_COPY_HEAD_DIM}-column rows (one 128-byte swizzle "
             f"atom, where the tiling is row-major); the forward computes head_dim={head_dim}, "

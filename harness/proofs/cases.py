@@ -30,7 +30,16 @@ class ForwardCase:
   # Persistent blocks that stage each warpgroup's output in its query slot
   # (plan.overlays_query_with_output: separate buffers would not fit).  The
   # case is traced at its problem's head dims and residuals, which decide
-  # that layout.
+  # that layout.  Not kept apart: how far the non-persistent block's output
+  # overlay reaches (plan.ScratchLayout.overlay_qk_with_output), over the
+  # queries alone where the value head dim is the queries' or narrower,
+  # over keys too where it is wider.  The first problem's head dims stand
+  # for the case, and the grid's first are 64 and 64.  Traced at 64 and 256
+  # (4 stages, 64-key blocks, longest-first, causal), the search fails
+  # (2026-12-05, 3bea799): the epilogue stores the output over the keys
+  # while the producer's learned program has a third key copy in flight in
+  # a tile of two blocks; the kernel traced for one tile of two blocks
+  # issues two copies, so the learned program is the suspect.  Open.
   overlay_q: bool = False
   layout_head_dim: int = 64
   overlay_residuals: bool = False

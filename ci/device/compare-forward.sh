@@ -21,12 +21,7 @@ head_dims="${4:-64,128,256}"
 seqs="${5:-1000,3000,12017}"
 out="$(mktemp -d)/compare"
 mkdir -p "$out" "$dest"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
-py="${PYTHON:-python3}"
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
-  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; return $rc; }
+source "$(dirname "$0")/steps.sh"
 
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD; } \
   > "$out/device.txt" 2>&1

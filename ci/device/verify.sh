@@ -33,12 +33,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" .whl/*.whl && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
-py="${PYTHON:-python3}"
-step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
-  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; }
+source "$(dirname "$0")/steps.sh"
 
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; } > "$out/device.txt" 2>&1
 if [ "$part" = all ] || [ "$part" = gate ]; then

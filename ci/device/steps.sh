@@ -1,0 +1,12 @@
+# Sourced by the device scripts that run steps under time limits
+# (compare-backward.sh, compare-forward.sh, verify.sh), after they set $out:
+# the environment every step runs in, $py, and `step NAME LIMIT CMD...`,
+# which runs CMD for at most LIMIT seconds with its output in $out/NAME.log,
+# appends its exit code and seconds to $out/steps.txt, and returns the code
+# (124: the limit ended it).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
+py="${PYTHON:-python3}"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
+  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; return $rc; }

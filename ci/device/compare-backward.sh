@@ -14,8 +14,7 @@ out="$(mktemp -d)/compare"
 mkdir -p "$out" "$dest"
 source "$(dirname "$0")/steps.sh"
 
-{ nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD; } \
-  > "$out/device.txt" 2>&1
+record_device
 # A hang shows first on the small named cases; the drawn cases follow only
 # when those pass.
 if GRADIENT_BACKWARD="$variant" step gradients-named 150 "$py" -m pytest -m gpu -rs \

@@ -23,8 +23,7 @@ out="$(mktemp -d)/compare"
 mkdir -p "$out" "$dest"
 source "$(dirname "$0")/steps.sh"
 
-{ nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD; } \
-  > "$out/device.txt" 2>&1
+record_device
 if step tests 300 "$py" -m pytest -m gpu -rs properties/test_forward_gpu.py -k "$tests" \
      --junitxml "$out/tests.xml"; then
   step bench 240 "$py" -m harness bench --grid --no-example --head-dims "$head_dims" \

@@ -3,10 +3,15 @@
 # the environment every step runs in, $py, and `step NAME LIMIT CMD...`,
 # which runs CMD for at most LIMIT seconds with its output in $out/NAME.log,
 # appends its exit code and seconds to $out/steps.txt, and returns the code
-# (124: the limit ended it).
+# (124: the limit ended it); `record_device`, the GPU, jax and the commit in
+# $out/device.txt.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
   PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}"
 py="${PYTHON:-python3}"
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
   timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1; local rc=$?
   echo "== $name: exit $rc after $((SECONDS - t))s" | tee -a "$out/steps.txt"; return $rc; }
+record_device() {
+  { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'
+    echo "commit ${FLASH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } \
+    > "$out/device.txt" 2>&1; }

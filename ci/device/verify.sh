@@ -35,7 +35,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 source "$(dirname "$0")/steps.sh"
 
-{ nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; } > "$out/device.txt" 2>&1
+record_device
 if [ "$part" = all ] || [ "$part" = gate ]; then
   # More than 570 s on the H200 since 2026-12-02 (see the head): this
   # limit fits a 600 s command, so a run that outgrows it fails by name.

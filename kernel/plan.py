@@ -274,6 +274,18 @@ class ScratchLayout:
     return tuple(b for b in (self.q, self.k, self.v, self.o, self.m, self.l,
                              self.bias, self.mask) if b is not None)
 
+  @property
+  def output_reaches_keys(self) -> bool:
+    """Whether the non-persistent overlay's output group (o, then m and l)
+    runs past the queries into the keys' bytes: where the value head dim
+    is wider than the queries' (or m and l follow an output as long as
+    the queries).  Then the epilogue's stores land on key slots, which is
+    what epilogue_sync orders (kernel/barriers.py)."""
+    if not self.overlay_qk_with_output:
+      return False
+    pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT)
+    return sum(pad(b) for b in (self.o, self.m, self.l) if b is not None) > pad(self.q)
+
 
 def kernel_problem(problem: Problem, config: Config) -> Problem:
   """The problem as the kernel runs it: under the split tail its pieces'

@@ -11,6 +11,8 @@ import contextlib
 import dataclasses
 import io
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from harness.proofs import extract
@@ -19,6 +21,7 @@ from harness.proofs import prove as prove_cli
 from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
+from kernel.config import Config
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
@@ -362,3 +365,34 @@ def test_only_unions_of_identical_groups_are_mirrored():
   assert not extract._mirrored((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16)))
   assert not extract._mirrored((aval((2, 64, 64)),))
   assert not extract._mirrored(None)
+
+
+def test_the_word_ends_with_every_block_the_producer_copied():
+  """The producer reads only the blocks; once it has found its last one,
+  the blocks it found stay owed to the word, which places them all before
+  it ends.  Before, the search let the compute warpgroups see a tile of
+  two key blocks after the producer had copied three, and refused the
+  output overlay that reaches the keys (head dims 64 and 256,
+  non-persistent) over a copy the kernel never issues; a kernel traced for
+  one tile of two blocks issues two."""
+  case = pe.ForwardCase(4, False, "round-robin", False, False, True, 64, 64, 4,
+                        layout_head_dim=64, layout_head_dim_out=256, output_over_keys=True)
+  results = pe.prove([("forward", case, 1)], jobs=1)
+  assert results and all(r.ok for r in results), [
+      r.premise or r.violation.format() for r in results if not r.ok]
+
+
+def test_an_output_overlay_over_the_keys_is_a_case_of_its_own():
+  """Where the value head dim is wider than the queries' (or m and l
+  follow an output as long as the queries), the non-persistent block's
+  output overlay reaches the keys: the proof's cases keep such layouts
+  apart and trace them at their own head dims and residuals."""
+  from kernel import plan as plan_lib
+  found = [c for c, _ in pe.forward_cases(prove_cli.problem_grid()) if c.output_over_keys]
+  assert found and all(not c.persistent for c in found)
+  assert all(c.head_dim_out > c.head_dim or c.residuals for c in found)
+  assert any(c.head_dim_out > c.head_dim for c in found)
+  problem = plan_lib.Problem(np.dtype(ml_dtypes.bfloat16), 64, 256, 1000, 1000)
+  assert plan_lib.scratch_layout(problem, Config(64, 64, 2)).output_reaches_keys
+  assert not plan_lib.scratch_layout(dataclasses.replace(problem, head_dim_out=64),
+                                     Config(64, 64, 2)).output_reaches_keys

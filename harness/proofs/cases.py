@@ -30,16 +30,7 @@ class ForwardCase:
   # Persistent blocks that stage each warpgroup's output in its query slot
   # (plan.overlays_query_with_output: separate buffers would not fit).  The
   # case is traced at its problem's head dims and residuals, which decide
-  # that layout.  Not kept apart: how far the non-persistent block's output
-  # overlay reaches (plan.ScratchLayout.overlay_qk_with_output), over the
-  # queries alone where the value head dim is the queries' or narrower,
-  # over keys too where it is wider.  The first problem's head dims stand
-  # for the case, and the grid's first are 64 and 64.  Traced at 64 and 256
-  # (4 stages, 64-key blocks, longest-first, causal), the search fails
-  # (2026-12-05, 3bea799): the epilogue stores the output over the keys
-  # while the producer's learned program has a third key copy in flight in
-  # a tile of two blocks; the kernel traced for one tile of two blocks
-  # issues two copies, so the learned program is the suspect.  Open.
+  # that layout.
   overlay_q: bool = False
   layout_head_dim: int = 64
   overlay_residuals: bool = False
@@ -48,10 +39,18 @@ class ForwardCase:
   # Copies through untiled views (kernel.plan.Problem.untiled_copies): each
   # buffer a union of two views, which the extraction reads as one buffer.
   untiled_copies: bool = False
+  # Non-persistent blocks whose output overlay runs past the queries into
+  # the keys (plan.ScratchLayout.output_reaches_keys: a value head dim
+  # wider than the queries'), traced at its problem's head dims and
+  # residuals like overlay_q.  Before it was kept apart, the case was
+  # traced at head dims 64 and 64 only, where the output lies over the
+  # queries alone.
+  output_over_keys: bool = False
 
   def key(self):
     return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
-            self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies)
+            self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
+            self.output_over_keys)
 
   @property
   def tile_q(self) -> int:
@@ -70,7 +69,7 @@ class ForwardCase:
 
   @property
   def residuals(self) -> bool:
-    return self.overlay_q and self.overlay_residuals
+    return (self.overlay_q or self.output_over_keys) and self.overlay_residuals
 
   def describe(self) -> str:
     parts = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
@@ -78,6 +77,7 @@ class ForwardCase:
     parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
                               ("causal", self.causal),
                               ("output in the query slot", self.overlay_q),
+                              ("output over the keys", self.output_over_keys),
                               ("with residuals", self.residuals),
                               ("untiled copies", self.untiled_copies)) if on]
     if self.compute_warpgroups != 2:
@@ -105,11 +105,12 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
     configs += list(heuristics.get_autotuning_configs(p))
     for c in configs:
       stages = plan_lib.pipeline_plan(p, c).num_stages
-      overlay = plan_lib.scratch_layout(p, c).overlay_q_with_output
+      layout = plan_lib.scratch_layout(p, c)
+      overlay, reach = layout.overlay_q_with_output, layout.output_reaches_keys
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
-                         p.head_dim, overlay and p.return_residuals, c.compute_warpgroups,
-                         p.head_dim_out, p.untiled_copies)
+                         p.head_dim, (overlay or reach) and p.return_residuals,
+                         c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

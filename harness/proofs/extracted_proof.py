@@ -479,9 +479,7 @@ class _Static:
 # the whole word: (anchor word index, min(n, 2) of its tile); one reading
 # blocks: (ordinal of its next block from the word's start, its class); one
 # reading tiles: (ordinal of its tile from the word's start, tile >= 1).
-# The environment: (word, class at the word's start, a tile boundary before
-# it, blocks committed past the word, no more blocks, tiles committed past
-# it, no more tiles, min(blocks placed, min_blocks)).
+# The environment: _Static's env (the comment above _Static.committed).
 
 
 class _Search:
@@ -494,40 +492,44 @@ class _Search:
 
   # -- the environment ------------------------------------------------------
   # env = (word, class at its start, a tile boundary before it, no more
-  # blocks, no more tiles, blocks in the word's last tile (capped)).  Blocks
-  # and tiles that roles reading only blocks or only tiles have gone past
-  # the word's end are committed: they exist, their tiles' boundaries (or
-  # blocks) not yet chosen.
+  # blocks, no more tiles, blocks in the word's last tile (capped), blocks
+  # owed).  Blocks and tiles that roles reading only blocks or only tiles
+  # have gone past the word's end are committed: they exist, their tiles'
+  # boundaries (or blocks) not yet chosen.  Blocks owed: those a role
+  # reading blocks had found past the word when it found the next one
+  # missing; the word places them before it ends, though that role, done
+  # reading, commits no more.  (Without them the word could end short of
+  # the blocks the producer had copied, a third copy in a tile of two.)
   def committed(self, env, roles):
     word = env[0]
-    blocks = tiles = 0
+    blocks, tiles = 0, 0
     for ri, r in enumerate(roles):
       reads = self.st.roles[ri].reads
       if reads == "blocks" and r[0] == ITER:
         blocks = max(blocks, r[3] + 1)
       elif reads == "tiles" and r[0] in (HEAD, TAIL):
         tiles = max(tiles, r[3] + 1)
-    return (max(0, blocks - word.count("B")), max(0, tiles - 1 - word.count("|")))
+    return (max(env[6], blocks - word.count("B")), max(0, tiles - 1 - word.count("|")))
 
   def extend(self, env, roles):
     """Every way to append one symbol to the word: [(symbol, env)]."""
-    word, bc, bl, bfin, tfin, cur = env
+    word, bc, bl, bfin, tfin, cur, owed = env
     if word and word[-1] == "$":
       return []
     prog = self.prog
     if prog.word is not None:  # one environment
       sym = prog.word[len(word)]
-      return [(sym, (word + sym, bc, bl, bfin, tfin, cur))]
+      return [(sym, (word + sym, bc, bl, bfin, tfin, cur, owed))]
     cb, ct = self.committed(env, roles)
     cap = max(prog.min_blocks, prog.max_blocks or 0)
     out = []
     if (cb > 0 or not bfin) and (prog.max_blocks is None or cur < prog.max_blocks):
-      out.append(("B", (word + "B", bc, bl, bfin, tfin, min(cur + 1, cap))))
+      out.append(("B", (word + "B", bc, bl, bfin, tfin, min(cur + 1, cap), max(0, owed - 1))))
     if cur >= prog.min_blocks:
       if prog.persistent and (ct > 0 or not tfin):
-        out.append(("|", (word + "|", bc, bl, bfin, tfin, 0)))
+        out.append(("|", (word + "|", bc, bl, bfin, tfin, 0, owed)))
       if cb == 0 and ct == 0:
-        out.append(("$", (word + "$", bc, bl, True, True, cur)))
+        out.append(("$", (word + "$", bc, bl, True, True, cur, owed)))
     return out
 
   def symbol(self, env, roles, i):
@@ -553,7 +555,7 @@ class _Search:
 
   def block_exists(self, env, roles, b):
     """For a role reading blocks only: [(does block ordinal b exist, env)]."""
-    word, bc, bl, bfin, tfin, cur = env
+    word, bc, bl, bfin, tfin, cur, owed = env
     cb, _ = self.committed(env, roles)
     placed = word.count("B")
     if b < placed + cb:
@@ -562,19 +564,19 @@ class _Search:
       return [(False, env)]
     out = [(True, env)]
     if self.prog.persistent or cur + cb >= self.prog.min_blocks:
-      out.append((False, (word, bc, bl, True, tfin, cur)))
+      out.append((False, (word, bc, bl, True, tfin, cur, max(owed, b - placed))))
     return out
 
   def tile_exists(self, env, roles, tau):
     """For a role reading tile boundaries only: [(does tile ordinal tau exist, env)]."""
-    word, bc, bl, bfin, tfin, cur = env
+    word, bc, bl, bfin, tfin, cur, owed = env
     _, ct = self.committed(env, roles)
     tiles = 1 + word.count("|")
     if tau < tiles + ct:
       return [(True, env)]
     if (word and word[-1] == "$") or tfin:
       return [(False, env)]
-    return [(True, env), (False, (word, bc, bl, bfin, True, cur))]
+    return [(True, env), (False, (word, bc, bl, bfin, True, cur, owed))]
 
   def at_tile(self, env, i):
     """The tile index, a feature of a launch under one environment only
@@ -1316,7 +1318,7 @@ class _Search:
     bases = [(PRE, st.unit_id(role.pre), 0, 0, 0 if role.reads != "tiles" else False,
               tuple(0 for _ in st.waits_of[ri]), 0, (), (), frozenset(),
               tuple(-1 for _ in st.ring_buffers), None) for ri, role in enumerate(st.roles)]
-    partial = [(("", 0, False, False, not self.prog.persistent, 0), tuple(bases))]
+    partial = [(("", 0, False, False, not self.prog.persistent, 0, 0), tuple(bases))]
     for ri in range(len(st.roles)):
       grown = []
       for env, roles in partial:

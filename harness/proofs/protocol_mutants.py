@@ -92,6 +92,11 @@ MUTANTS = (
            "the epilogue's sync on the pingpong barrier's id (one id, two purposes)",
            (("    barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k\n",
              "    barriers._bar('sync', barriers.schedule_id(0), barriers.BY_NAME['epilogue'].num_threads)\n"),)),
+    Mutant("epilogue_without_its_sync",
+           "the non-persistent epilogue stages its output over the queries and keys without "
+           "waiting for the other warpgroup (no epilogue_sync)",
+           (("    barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k\n",
+             "    pass\n"),)),
     Mutant("query_prefetch_before_consumed",
            "the next tile's queries fetched before the second tile waits q_consumed (> 1 for > 0)",
            (("      c.queries.producer_acquire(w, step > 0)\n",

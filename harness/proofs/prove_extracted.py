@@ -287,7 +287,9 @@ def trace_case(case: ForwardCase, *, module=None):
       dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
       seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
       mask_2d=case.mask, return_residuals=case.residuals, untiled_copies=case.untiled_copies)
-  if plan_lib.scratch_layout(traced, config).overlay_q_with_output != case.overlay_q:
+  layout = plan_lib.scratch_layout(traced, config)
+  if (layout.overlay_q_with_output, layout.output_reaches_keys) != (case.overlay_q,
+                                                                    case.output_over_keys):
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
   closed, kernel = ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=kv_blocks,

@@ -272,8 +272,8 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
   longest-first order's L2 sections filled, ``defer_light`` True or False
   runs its light tiles last always or never, None where the schedule's
   model predicts that it pays, ``untiled_copies`` True copies q, k, v and
-  the output through untiled views where the head dims allow it
-  (kernel.plan.untiled_copies_refusal; kernel.forward.Features)."""
+  the output through untiled views, in column parts (kernel.plan.copy_parts;
+  kernel.forward.Features)."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -316,8 +316,7 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
       window_ranges=routed.window_only and config.schedule == "longest-first",
       even_sections=bool(even_sections),
       defer_light=None if defer_light is None else bool(defer_light),
-      untiled_copies=bool(untiled_copies) and plan_lib.untiled_copies_refusal(
-          problem.head_dim, problem.head_dim_out) is None)
+      untiled_copies=bool(untiled_copies))
   if deterministic and reproducible_backward is not None:
     backward = reproducible_backward
   attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
@@ -404,9 +403,9 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # ad4f30e, bench --grid --seqs 12016,12017): 613.7 TFLOP/s at 12016
   # tokens, 560.6 at 12017; causal 555.9 and 512.8.
   # Measured on the H200 at seq 1000, causal, d128: the padded copies took
-  # about 40 % of the call.  Where rows are 64 columns, Features.untiled_copies
-  # copies through views with the swizzle alone, which take any length
-  # (kernel.plan.untiled_copies_refusal says why only there); it is
+  # about 40 % of the call.  Features.untiled_copies copies through views
+  # with the swizzle alone, which take any length, each buffer in column
+  # parts of one swizzle atom (kernel.plan.copy_parts says why); it is
   # kernel.experiments' untiled_copies until it has run against float64 on
   # a GPU.  RefUnion's docstring allows reading only through the member that
   # wrote, so the union's layout is checked on the CPU
@@ -415,7 +414,7 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # wgmma operands (jax 0.11.2, 2026-12-05).
   d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
 
-  # Untiled copies (kernel.plan.untiled_copies_refusal) take any length.
+  # Untiled copies (kernel.plan.copy_parts) take any length.
   tiling = 1 if f.untiled_copies else 8
 
   def operand(x, width, multiple):

@@ -59,8 +59,8 @@ COL = plgpu.Layout.WGMMA.reduce(0)
 def row_swizzle(columns: int, dtype, what: str = "") -> int:
   """The swizzle (bytes) of a buffer whose rows are ``columns`` wide, where
   its description names none: the widest one a row holds (``what`` names
-  the buffer in the error if none does)."""
-  return plgpu.find_swizzle(columns * np.dtype(dtype).itemsize * 8, what)
+  the buffer in the error if none does; kernel.plan.row_swizzle_bytes)."""
+  return plan_lib.row_swizzle_bytes(columns, np.dtype(dtype).itemsize, what)
 
 
 def smem(buf: plan_lib.Buffer):
@@ -75,16 +75,19 @@ def smem(buf: plan_lib.Buffer):
   return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype), transforms=transforms)
 
 
-def with_untiled_view(buf: plan_lib.Buffer):
-  """The buffer's scratch (:func:`smem`, what wgmma reads) in a RefUnion
-  with a view of it swizzled alone (what a TMA copy writes or reads at any
-  sequence length: kernel.plan.untiled_copies_refusal).  Both are their
-  group's one member, so Mosaic GPU places both at the union's first byte
-  (jax 0.11.2's flatten_ref_union; properties/test_lowering.py checks it),
-  and for 64-column rows their bytes are the same."""
-  untiled = plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype),
-                       transforms=(plgpu.SwizzleTransform(_swizzle(buf)),))
-  return plgpu.RefUnion(smem(buf), untiled)
+def untiled_smem(buf: plan_lib.Buffer | None):
+  """The view of ``buf``'s bytes a TMA copy writes or reads under
+  kernel.plan's untiled copies: its swizzle without the tiling
+  (kernel.plan.copy_parts says why the bytes are :func:`smem`'s); a buffer
+  that is not swizzled as it is; None for None.  Allocated in a RefUnion
+  group that mirrors the tiled buffers' group leaf for leaf, so that Mosaic
+  GPU places each view at its buffer's first byte (jax 0.11.2's
+  flatten_ref_union lays every group out from the union's first byte;
+  properties/test_lowering.py checks it)."""
+  if buf is None or not buf.swizzled:
+    return None if buf is None else smem(buf)
+  return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype),
+                    transforms=(plgpu.SwizzleTransform(_swizzle(buf)),))
 
 
 def _swizzle(buf: plan_lib.Buffer) -> int:

@@ -31,11 +31,10 @@ The harness and the benchmark reach the others through this module:
   does so where ``schedule.light_last_gain`` predicts that it pays; the
   same tiles, in another order.
 * ``untiled_copies``: True copies q, k, v and the output of the forward
-  through views of their shared memory without the (8, 64) tiling, where
-  the head dims compute at 64 columns (kernel/plan.py's
-  ``untiled_copies_refusal``; elsewhere it changes nothing), so that a
-  sequence length no multiple of 8 needs no padded copy; the same bytes,
-  unrun on a GPU so far.
+  through views of their shared memory without the tiling, each buffer in
+  column parts of one swizzle atom (kernel/plan.py's ``copy_parts``: the
+  products one wgmma per part), so that a sequence length no multiple of 8
+  needs no padded copy; unrun on a GPU so far.
 """
 
 from __future__ import annotations

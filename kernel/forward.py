@@ -117,7 +117,7 @@ class Features(Logits):
   # or never (kernel.experiments' defer_light, the A/B).
   defer_light: bool | None = None
   # The copies of q, k, v and the output go through untiled views of their
-  # buffers (kernel.plan.untiled_copies_refusal), so that a length no
+  # buffers, in column parts (kernel.plan.copy_parts), so that a length no
   # multiple of 8 needs no padded copy (kernel.experiments' untiled_copies).
   untiled_copies: bool = False
 
@@ -370,8 +370,18 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   def kernel_body(*refs):
     _kernel(kernel, pipe.mbarriers, *refs)
 
+  # The output's row: whole, or under untiled copies in column parts
+  # (kernel.plan.copy_parts), q, k and v likewise (free reshapes).
+  out_row = (head_dim_out,)
+  if f.untiled_copies:
+    if outputs is not None:
+      raise ValueError("outputs: untiled copies write the output in column parts, "
+                       "into a fresh array; run them without outputs")
+    in_parts = lambda x: x.reshape(*x.shape[:3], *plan_lib.copy_parts(x.shape[3], x.itemsize))
+    q, k, v = in_parts(q), in_parts(k), in_parts(v)
+    out_row = plan_lib.copy_parts(head_dim_out, np.dtype(dtype).itemsize)
   out_type = _out_type(f, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
-                       num_tiles=num_tiles, head_dim_out=head_dim_out, dtype=dtype)
+                       num_tiles=num_tiles, out_row=out_row, dtype=dtype)
   grid, grid_names = _grid(config, order, batch=batch, num_heads=num_heads,
                            num_tiles=num_tiles, num_sms=num_sms)
   launch = functools.partial(
@@ -387,6 +397,10 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     launch(out_type=[])(*operands, *outputs)
     return None, None
   results = launch(out_type=out_type)(*operands)
+  results = tuple(results) if isinstance(results, (list, tuple)) else (results,)
+  if f.untiled_copies:  # the output (and a piece's) back to whole rows
+    whole = lambda x: x.reshape(*x.shape[:-2], head_dim_out)
+    results = tuple(whole(x) if i in (0, 3) else x for i, x in enumerate(results))
   if config.schedule == "split-tail":
     out, m, l, *pieces = results
     out, m, l = merge_pieces(out, m, l, pieces, order, tile_q=config.tile_q,
@@ -395,7 +409,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   if f.return_residuals:
     out, m, l = results
     return out, (m, l)
-  (out,) = results if isinstance(results, (list, tuple)) else (results,)
+  (out,) = results
   return out, None
 
 
@@ -439,11 +453,12 @@ def _schedule(f: Features, config: Config, *, batch, num_heads, num_kv_heads, nu
 
 
 def _out_type(f: Features, config: Config, order, *, batch, seq_q, num_heads, num_tiles,
-              head_dim_out, dtype) -> list:
+              out_row, dtype) -> list:
   """The kernel's outputs: out, then m and l with residuals, then the
-  split tail's pieces (out, m, l per slot)."""
+  split tail's pieces (out, m, l per slot); an output row's shape is
+  ``out_row``."""
   tile_q = config.tile_q
-  out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, head_dim_out), dtype)]
+  out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, *out_row), dtype)]
   if f.return_residuals:
     # m and l stay padded to whole tiles: a clipped store of the last
     # tile's rows of a (B, N, T) array was seen to land in the next head's
@@ -453,7 +468,7 @@ def _out_type(f: Features, config: Config, order, *, batch, seq_q, num_heads, nu
                                       jnp.float32)] * 2
   if config.schedule == "split-tail":
     slots = max(1, order.num_slots)
-    out_type += [jax.ShapeDtypeStruct((slots, tile_q, head_dim_out), dtype)]
+    out_type += [jax.ShapeDtypeStruct((slots, tile_q, *out_row), dtype)]
     out_type += [jax.ShapeDtypeStruct((slots, tile_q), jnp.float32)] * 2
   return out_type
 
@@ -532,18 +547,22 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
   m_ref, l_ref = residual_refs[:2] if residual_refs else (None, None)
   piece_refs = tuple(residual_refs[2:]) or None   # split tail: the pieces' out, m, l
   layout = c.layout
-  # Untiled copies: q, k, v and o each a RefUnion of the view wgmma reads
-  # and the one the TMA copies use (_dispatch tells them apart).
-  copied = common.with_untiled_view if layout.untiled_copies else smem
   m_buf = layout.m if c.f.return_residuals else None
-  out_group = (None if layout.o is None else copied(layout.o),
-               smem(m_buf) if m_buf is not None else None,
-               smem(layout.l) if m_buf is not None else None)
-  qk_group = (copied(layout.q), copied(layout.k))
+  l_buf = layout.l if c.f.return_residuals else None
+  # A group of buffers as RefUnion groups: the tiled one wgmma reads, and
+  # under untiled copies a mirror of it, the views the TMA copies use.
+  untiled = layout.untiled_copies
+
+  def groups(*bufs):
+    tiled = tuple(None if b is None else smem(b) for b in bufs)
+    return (tiled, tuple(map(common.untiled_smem, bufs))) if untiled else (tiled,)
+
+  qk, out, v = groups(layout.q, layout.k), groups(layout.o, m_buf, l_buf), groups(layout.v)
+  union = lambda gs: plgpu.RefUnion(*gs) if untiled else gs[0]
   if layout.overlay_qk_with_output:
-    overlay = plgpu.RefUnion(qk_group, out_group)
+    overlay = plgpu.RefUnion(qk[0], out[0], *qk[1:], *out[1:])
   else:
-    overlay = (qk_group, out_group)
+    overlay = (union(qk), union(out))
   mb = {b_.name: plgpu.Barrier(num_arrivals=b_.num_arrivals, num_barriers=b_.num_barriers)
         for b_ in mbarriers}
   staged = lambda buf: None if buf is None else smem(buf)
@@ -551,26 +570,47 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
               ks_ref=ks_ref, ke_ref=ke_ref, tiles_ref=tiles_ref, sched_ref=sched_ref,
               counts_ref=counts_ref, out_ref=out_ref, m_ref=m_ref, l_ref=l_ref,
               piece_refs=piece_refs)
+  v_alloc = plgpu.RefUnion(*v) if untiled else smem(layout.v)
   pl.run_scoped(
       lambda *scoped: _dispatch(c, refs, *scoped),
-      (overlay, copied(layout.v), staged(layout.bias), staged(layout.mask)),
+      (overlay, v_alloc, staged(layout.bias), staged(layout.mask)),
       (mb["q_produced"], mb.get("q_consumed"), mb["k_produced"], mb["v_produced"],
        mb["k_consumed"], mb["v_consumed"], mb.get("bias_produced"), mb.get("mask_produced")),
       collective_axes="wg",
   )
 
 
+def _scratch_views(c: Kernel, smems):
+  """{name: (the ref read, the view copied)} of q, k, v, o from the
+  allocated scratch (_kernel's structure), and m, l, bias, mask.  Without
+  untiled copies both are one ref; with them the copied view is the
+  untiled mirror, its parts moved behind its rows (kernel.plan.copy_parts:
+  a copy's rows land as (rows, parts, columns) of the global array)."""
+  overlay, v, bias, mask = smems
+  if not c.layout.untiled_copies:
+    ((q, k), (o, m, l)) = overlay
+    pairs = dict(q=(q, q), k=(k, k), v=(v, v), o=(o, o))
+  else:
+    if c.layout.overlay_qk_with_output:
+      qk_t, out_t, qk_u, out_u = overlay
+    else:
+      (qk_t, qk_u), (out_t, out_u) = overlay
+    v_t, v_u = v
+    behind = lambda x: None if x is None else x.transpose((0, 2, 1, 3))
+    pairs = dict(q=(qk_t[0], behind(qk_u[0])), k=(qk_t[1], behind(qk_u[1])),
+                 v=(v_t[0], behind(v_u[0])), o=(out_t[0], behind(out_u[0])))
+    m, l = out_t[1], out_t[2]
+  if c.layout.overlay_q_with_output:
+    pairs["o"] = pairs["q"]  # each warpgroup stages its output in its query slot
+  return pairs, m, l, bias, mask
+
+
 def _dispatch(c: Kernel, refs: dict, smems, mbars):
   """The rings over the allocated scratch, then each warpgroup's role."""
   wg = lax.axis_index("wg")
-  ((q_smems, k_smems), (o_smems, m_smems, l_smems)), v_smems, bias_smems, mask_smems = smems
-  # (the view read, the view copied): one ref, or a with_untiled_view union.
-  views = lambda x: x if c.layout.untiled_copies and x is not None else (x, x)
-  (q_smems, q_copy), (k_smems, k_copy), (v_smems, v_copy), (o_smems, o_copy) = map(
-      views, (q_smems, k_smems, v_smems, o_smems))
-  if c.layout.overlay_q_with_output:
-    # each warpgroup stages its output in its query slot
-    o_smems, o_copy = q_smems, q_copy
+  views, m_smems, l_smems, bias_smems, mask_smems = _scratch_views(c, smems)
+  (q_smems, q_copy), (k_smems, k_copy), (v_smems, v_copy), (o_smems, o_copy) = (
+      views[name] for name in "qkvo")
   (q_produced, q_consumed, k_produced, v_produced, k_consumed, v_consumed,
    bias_produced, mask_produced) = mbars
   # The key phase: k and the staged bias/mask tiles of the same key block,
@@ -788,7 +828,12 @@ def tile_start(c: Kernel, b, h, qi, prev_iters, piece=None):
            slot=None if piece is None else piece[2])
   m_i = plgpu.layout_cast(jnp.full((c.block_q,), NEG_INF, jnp.float32), ROW)
   l_i = plgpu.layout_cast(jnp.zeros((c.block_q,), jnp.float32), ROW)
-  acc = plgpu.layout_cast(jnp.zeros((c.block_q, c.head_dim_out), jnp.float32), WGMMA)
+  zeros = lambda cols: plgpu.layout_cast(jnp.zeros((c.block_q, cols), jnp.float32), WGMMA)
+  if c.layout.untiled_copies:  # one accumulator per column part of the values
+    parts, _, cols = c.layout.v.shape[1:]
+    acc = tuple(zeros(cols) for _ in range(parts))
+  else:
+    acc = zeros(c.head_dim_out)
 
   c.queries.consumer_wait(c.wg)
 
@@ -906,12 +951,42 @@ def qk(c: Kernel, t: Tile, ki):
   st = key_position(c, t, ki)
 
   def compute_qk(s_ref):
-    plgpu.wgmma(s_ref, c.queries.slot(c.wg), c.keys.slot(st).T)
+    issue_qk(c, s_ref, st)
     wait_staged(c, st)
     barriers.schedule_release_other(c.wg, c.cw)
     return s_ref[...]
 
   return pl.run_scoped(compute_qk, plgpu.ACC(c.bq_kv, jnp.float32))
+
+
+def issue_qk(c: Kernel, s_ref, st):
+  """wgmma of this warpgroup's queries by the keys in ring slot ``st``
+  (transposed) into ``s_ref``: under untiled copies one per column part
+  (kernel.plan.copy_parts), the instructions one wgmma over whole rows
+  issues."""
+  q, k = c.queries.slot(c.wg), c.keys.slot(st)
+  if not c.layout.untiled_copies:
+    plgpu.wgmma(s_ref, q, k.T)
+    return
+  for part in range(q.shape[0]):
+    plgpu.wgmma(s_ref, q.at[part], k.at[part].T)
+
+
+def issue_pv(c: Kernel, acc_ref, p16, st):
+  """wgmma of p16 by the values in ring slot ``st`` into ``acc_ref``: under
+  untiled copies a tuple of accumulators, one per column part."""
+  v = c.values.slot(st)
+  if not c.layout.untiled_copies:
+    plgpu.wgmma(acc_ref, p16, v)
+    return
+  for part, ref in enumerate(acc_ref):
+    plgpu.wgmma(ref, p16, v.at[part])
+
+
+def each_part(fn, acc):
+  """``fn`` of the accumulator, or of each of its parts (a tuple under
+  untiled copies)."""
+  return tuple(map(fn, acc)) if isinstance(acc, tuple) else fn(acc)
 
 
 def release_query_after(c: Kernel, t: Tile, ki):
@@ -1060,8 +1135,8 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
   def issue_then_softmax(refs):
     acc_ref, s_ref, factor_ref, p_ref, m_ref_, l_ref_, *pending_refs = refs
     c.keys.consumer_wait(next_st)
-    plgpu.wgmma(s_ref, c.queries.slot(c.wg), c.keys.slot(next_st).T)
-    plgpu.wgmma(acc_ref, p16, c.values.slot(st))
+    issue_qk(c, s_ref, next_st)
+    issue_pv(c, acc_ref, p16, st)
     wait_staged(c, next_st)
     barriers.schedule_release_other(c.wg, c.cw)
     # wgmma groups complete in issue order: at most one in flight means
@@ -1089,7 +1164,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
   # the initial value of the factor, a row vector like it.)
   p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)
   acc, _, factor, p, m_i, l_i, *pending = pl.run_state(issue_then_softmax)(
-      (plgpu.ACC.init(acc), plgpu.ACC.init(jnp.zeros(c.bq_kv, jnp.float32)),
+      (each_part(plgpu.ACC.init, acc), plgpu.ACC.init(jnp.zeros(c.bq_kv, jnp.float32)),
        m_i, p_init, m_i, l_i, *pending))
   p16 = p.astype(c.dtype)
   # Releases: v of block ki, then k
@@ -1098,7 +1173,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
   c.values.consumer_release(st)
   c.keys.consumer_release(next_st)
   release_query_after(c, t, ki + 1)
-  return (rescaled(acc, factor), p16, m_i, l_i, *pending)
+  return (each_part(lambda a: rescaled(a, factor), acc), p16, m_i, l_i, *pending)
 
 
 def last_pv(c: Kernel, t: Tile, last, p16, acc):
@@ -1108,8 +1183,8 @@ def last_pv(c: Kernel, t: Tile, last, p16, acc):
   barriers.schedule_sync(c.wg, c.cw)
 
   def pv(acc_ref):
-    plgpu.wgmma(acc_ref, p16, c.values.slot(st))
-  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    issue_pv(c, acc_ref, p16, st)
+  acc = pl.run_state(pv)(each_part(plgpu.ACC.init, acc))
   c.values.consumer_release(st)
   return acc
 
@@ -1132,15 +1207,17 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
     # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
     # fully masked rows (acc is 0 there).
     inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
-    out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    out = each_part(lambda a: a * lax.broadcast_in_dim(inv, a.shape, [0]), acc)
   elif c.always_rescale:
     out = acc
   else:
-    out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])
+    alpha = jnp.exp2(m_scale - safe(m_i))
+    out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
 
   if f.poisons_rows:
     poisoned = t.k_start == POISONED_START
-    out = jnp.where(lax.broadcast_in_dim(poisoned, out.shape, [0]), jnp.nan, out)
+    out = each_part(
+        lambda o: jnp.where(lax.broadcast_in_dim(poisoned, o.shape, [0]), jnp.nan, o), out)
     m_i = jnp.where(poisoned, jnp.nan, m_i)
     l_res = jnp.where(poisoned, jnp.nan, l_res)
 
@@ -1156,7 +1233,11 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   o_smems, m_smems, l_smems = c.out_smems
   # The staging stored into and the view of it the TMA store reads.
   o_smem, o_copied = o_smems.at[wg], c.o_copy_smems.at[wg]
-  o_smem[...] = out.astype(c.dtype)
+  if isinstance(out, tuple):  # untiled copies: the output's column parts
+    for part, o in enumerate(out):
+      o_smem.at[part][...] = o.astype(c.dtype)
+  else:
+    o_smem[...] = out.astype(c.dtype)
   if f.return_residuals:
     m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
     l_smems.at[wg][...] = l_res

@@ -93,7 +93,7 @@ class Problem:
   mask_2d: bool = False    # mask varies along both T and S
   return_residuals: bool = False
   # The TMA copies of q, k, v and the output use views of their buffers
-  # without the (8, 64) tiling (untiled_copies_refusal says where they can).
+  # without the tiling, each buffer in copy_parts' parts.
   untiled_copies: bool = False
 
   @property
@@ -104,39 +104,42 @@ class Problem:
     return -(-self.seq_kv // block_kv)
 
 
-# The one head dim whose rows are a single 128-byte swizzle atom (16-bit).
-UNTILED_COPY_HEAD_DIM = 64
+# Mosaic GPU's swizzles in bytes, widest first (plgpu.find_swizzle's order).
+SWIZZLES = (128, 64, 32, 16)
 
 
-def untiled_copies_refusal(head_dim: int, head_dim_out: int) -> str | None:
-  """Why the forward's copies of q, k, v and the output cannot go through
-  untiled views (:attr:`Problem.untiled_copies`), or None.
+def row_swizzle_bytes(columns: int, itemsize: int, what: str = "") -> int:
+  """The widest swizzle (bytes) a row of ``columns`` elements holds: the
+  swizzle of a buffer whose description names none (kernel.common.smem)."""
+  for swizzle in SWIZZLES:
+    if columns * itemsize % swizzle == 0:
+      return swizzle
+  raise ValueError(f"{what or 'a buffer'}: a row of {columns} elements of {itemsize} bytes "
+                   f"holds no swizzle of {SWIZZLES} bytes")
 
-  Mosaic GPU's tiled TMA views the global array in (8, 64) tiles, so it
-  refuses a sequence axis that is no multiple of 8 (jax 0.11.2: "dimension
-  2 must have size smaller or a multiple of its tiling 8"), and the API
-  pays a padded copy of q, k, v and the output there (kernel/api.py has the
-  measurement).  A view with the 128-byte swizzle alone copies any length,
-  and where rows are 64 columns of 16 bits (one 128-byte swizzle atom) the
-  (8, 64) tiling is the row-major order itself: the untiled view and the
-  tiled one wgmma reads (a RefUnion of the two,
-  kernel.common.with_untiled_view) are the same bytes.  Wider rows interleave
-  their 64-column parts every 8 rows, so a row-major copy does not land
-  where wgmma reads.  What would serve them, not built: each buffer
-  parts-major, (parts, rows, 64), its untiled view transposed to (rows,
-  parts, 64) as the copy's destination, and the global array reshaped
-  (free) to (..., parts, 64): one copy per buffer, as now.  QK^T is then
-  one wgmma per part into one accumulator (the instructions one wgmma over
-  the whole row issues), PV one per part into an accumulator of its own,
-  64 columns wide where one wgmma was as wide as the row; unmeasured what
-  that costs.  Every head dim lowered so (jax.export for CUDA, jax 0.11.2,
-  2026-12-05); proving it over every head dim took the cold proof from 48
-  to 157 s (harness/proofs/cases.py's ForwardCase notes what it found)."""
-  if (head_dim, head_dim_out) != (UNTILED_COPY_HEAD_DIM, UNTILED_COPY_HEAD_DIM):
-    return (f"untiled copies need {UNTILED_COPY_HEAD_DIM}-column rows (one 128-byte swizzle "
-            f"atom, where the tiling is row-major); the forward computes head_dim={head_dim}, "
-            f"head_dim_out={head_dim_out}")
-  return None
+
+def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
+  """(parts, columns): a row of ``width`` columns cut into parts of one
+  swizzle atom each, as :attr:`Problem.untiled_copies` lays out q, k, v
+  and the output.
+
+  Why parts: Mosaic GPU's tiled TMA views the global array in (8, atom)
+  tiles, so it refuses a sequence axis that is no multiple of 8 (jax
+  0.11.2: "dimension 2 must have size smaller or a multiple of its tiling
+  8"), and the API pays a padded copy of q, k, v and the output there
+  (kernel/api.py has the measurement).  A copy with the swizzle alone takes
+  any length, and where a buffer's rows are one swizzle atom its (8, atom)
+  tiling is the row-major order itself, so the untiled view the copy
+  writes and the tiled one wgmma reads are the same bytes
+  (kernel.common.untiled_smem).  A wider row interleaves its atoms every 8
+  rows, so each part is a buffer of its own: the copy reads the global
+  array as (..., parts, columns), a free reshape, into a transposed view,
+  QK^T is one wgmma per part into one accumulator (the instructions one
+  wgmma over the whole row issues) and PV one per part into an accumulator
+  of its own (``columns`` wide, where one wgmma was as wide as the row:
+  unmeasured what that costs)."""
+  columns = row_swizzle_bytes(width, itemsize) // itemsize
+  return width // columns, columns
 
 
 def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
@@ -266,8 +269,9 @@ class ScratchLayout:
   # stages its output in its own query slot (o is None), which is refilled
   # only once the output copy has read it.
   overlay_q_with_output: bool = False
-  # Problem.untiled_copies: q, k, v and o are each allocated beside an
-  # untiled view of the same bytes, which their TMA copies use.
+  # Problem.untiled_copies: q, k, v and o in copy_parts' parts (a leading
+  # dim after the slot's), each allocated beside an untiled view of the
+  # same bytes, which their TMA copies use.
   untiled_copies: bool = False
 
   def buffers(self) -> tuple[Buffer, ...]:
@@ -322,20 +326,26 @@ def _layout(problem: Problem, config: Config, *, overlay_q: bool) -> ScratchLayo
   bq, bkv = config.block_q, config.block_kv
   dt = np.dtype(problem.dtype)
   res = problem.return_residuals
+  def rows(width, n):
+    """n rows of ``width`` columns: whole, or in copy_parts' parts."""
+    if not problem.untiled_copies:
+      return (n, width)
+    parts, columns = copy_parts(width, dt.itemsize)
+    return (parts, n, columns)
+
+  d, dv = problem.head_dim, problem.head_dim_out
   return ScratchLayout(
-      q=Buffer("q", (cw, bq, problem.head_dim), dt),
-      k=Buffer("k", (s, bkv, problem.head_dim), dt),
-      v=Buffer("v", (s, bkv, problem.head_dim_out), dt),
-      o=None if overlay_q else Buffer("o", (cw, bq, problem.head_dim_out), dt),
+      q=Buffer("q", (cw, *rows(d, bq)), dt),
+      k=Buffer("k", (s, *rows(d, bkv)), dt),
+      v=Buffer("v", (s, *rows(dv, bkv)), dt),
+      o=None if overlay_q else Buffer("o", (cw, *rows(dv, bq)), dt),
       m=Buffer("m", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       l=Buffer("l", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       bias=Buffer("bias", (s, cw * bq, bkv), dt) if problem.bias_2d else None,
       mask=Buffer("mask", (s, cw * bq, bkv), np.dtype(np.int8)) if problem.mask_2d else None,
       # Persistent blocks prefetch the next tile's queries while the output
-      # drains, so only the non-persistent path may overlay them; with
-      # untiled copies each buffer is a union of its two views already, and
-      # the overlay's bytes at 64 columns are few.
-      overlay_qk_with_output=not config.persistent and not problem.untiled_copies,
+      # drains, so only the non-persistent path may overlay them.
+      overlay_qk_with_output=not config.persistent,
       overlay_q_with_output=overlay_q,
       untiled_copies=problem.untiled_copies,
   )
@@ -454,10 +464,6 @@ def check_fits(problem: Problem, config: Config) -> int:
   why = warpgroups_refusal(problem, config)
   if why is not None:
     raise ValueError(f"config.compute_warpgroups: {why}")
-  if problem.untiled_copies:
-    why = untiled_copies_refusal(problem.head_dim, problem.head_dim_out)
-    if why is not None:
-      raise ValueError(f"untiled_copies: {why}")
   est = estimate_smem_bytes(problem, config)
   if not fits_in_smem(est):
     raise ValueError(

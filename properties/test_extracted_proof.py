@@ -331,40 +331,48 @@ def test_the_split_tail_proves_with_its_pieces():
 
 
 UNTILED = dataclasses.replace(ONE_TILE, untiled_copies=True)
+# Untiled copies in column parts (kernel.plan.copy_parts): 128 in two,
+# persistent, one wgmma per part in each product.
+UNTILED_PARTS = dataclasses.replace(PERSISTENT, untiled_copies=True, layout_head_dim=128,
+                                    layout_head_dim_out=128)
 
 
-def test_untiled_copies_prove_as_copies_into_the_buffers_read():
-  """Copies through untiled views (kernel.common.with_untiled_view): the
-  TMA writes one member of a union and wgmma reads the other, the same
-  bytes, which the extraction reads as one buffer.  Read as two buffers
-  that share bytes, the output staged through its untiled view is an
-  overlay the proof refuses: the rule that merges them is what proves it."""
-  results = pe.prove([("forward", UNTILED, 1)], jobs=1)
+@pytest.mark.parametrize("case", [UNTILED, UNTILED_PARTS], ids=["d64", "d128-parts"])
+def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
+  """Copies through untiled views (kernel.common.untiled_smem): the TMA
+  writes one group of a union and wgmma reads the other, the same bytes,
+  which the extraction reads as one buffer.  Read as views that share
+  bytes, a read of the tiled buffers after a copy into the untiled views
+  is an overlay the proof refuses: the rule that merges them is what
+  proves it."""
+  assert case.parts == ((1, 1) if case is UNTILED else (2, 2))
+  results = pe.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
-  kept = extract._mirrored
+  kept = extract._mirror_groups
   try:
-    extract._mirrored = lambda groups: False
-    r = xp.check(pe.forward_program(UNTILED))
+    extract._mirror_groups = lambda groups: {}
+    r = xp.check(pe.forward_program(case))
   finally:
-    extract._mirrored = kept
+    extract._mirror_groups = kept
   assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
 
 
-def test_only_unions_of_identical_groups_are_mirrored():
-  """A union of q and k with o, m and l (the non-persistent overlay) keeps
-  its views apart; one of a buffer's two views is one buffer."""
+def test_only_groups_of_identical_layouts_are_mirrors():
+  """A union's groups mirror an earlier one only where they hold refs of
+  the same shapes and dtypes in the same order: the non-persistent overlay
+  of q and k with o, m and l keeps its groups apart; with untiled copies
+  its four groups pair up."""
   import jax
   import jax.numpy as jnp
   aval = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
-  assert extract._mirrored((aval((2, 64, 64)), aval((2, 64, 64))))
-  assert extract._mirrored(((aval((2, 64, 64)), aval((2, 128, 64))),
-                            (aval((2, 64, 64)), aval((2, 128, 64)))))
-  assert not extract._mirrored(((aval((2, 64, 64)), aval((2, 128, 64))),
-                                (aval((2, 64, 64)), aval((2, 64), jnp.float32))))
-  assert not extract._mirrored((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16)))
-  assert not extract._mirrored((aval((2, 64, 64)),))
-  assert not extract._mirrored(None)
+  qk = (aval((2, 64, 64)), aval((2, 128, 64)))
+  out = (aval((2, 64, 64)), aval((2, 64), jnp.float32), aval((2, 64), jnp.float32))
+  assert extract._mirror_groups((qk, out)) == {}
+  assert extract._mirror_groups((qk, out, qk, out)) == {2: 0, 3: 1}
+  assert extract._mirror_groups((aval((2, 64, 64)), aval((2, 64, 64)))) == {1: 0}
+  assert extract._mirror_groups((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16))) == {}
+  assert extract._mirror_groups(None) == {}
 
 
 def test_the_word_ends_with_every_block_the_producer_copied():
@@ -396,3 +404,15 @@ def test_an_output_overlay_over_the_keys_is_a_case_of_its_own():
   assert plan_lib.scratch_layout(problem, Config(64, 64, 2)).output_reaches_keys
   assert not plan_lib.scratch_layout(dataclasses.replace(problem, head_dim_out=64),
                                      Config(64, 64, 2)).output_reaches_keys
+
+
+def test_the_experiments_cases_are_proved_on_request():
+  """``python -m harness prove`` proves the configs the shipped API can
+  run; ``--experiments`` adds every problem once more with the copies
+  through untiled views, in each head dim's column parts."""
+  shipped = pe.forward_cases(prove_cli.problem_grid())
+  both = pe.forward_cases(prove_cli.problem_grid(experiments=True))
+  assert not any(c.untiled_copies for c, _ in shipped)
+  untiled = [c for c, _ in both if c.untiled_copies]
+  assert {c.parts for c in untiled} >= {(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (2, 1)}
+  assert len(both) - len(untiled) == len(shipped)

@@ -217,16 +217,25 @@ def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
     assert np.array_equal(a, b, equal_nan=True), f"{what}: staged differs from unstaged"
 
 
-# Lengths no multiple of 8 at head dim 64, which the shipped path pads
-# (kernel/api.py) and kernel.experiments' untiled_copies reads unpadded:
-# MHA and GQA, causal, residuals, key ranges, the last query tile nearly
-# empty, and a key length shorter than one block.
+# Lengths no multiple of 8, which the shipped path pads (kernel/api.py)
+# and kernel.experiments' untiled_copies reads unpadded, in each head dim's
+# column parts (kernel.plan.copy_parts): MHA and GQA, causal, the last query
+# tile nearly empty, a key length shorter than one block, unnormalised; head
+# dims 64 (one part), 128 (two), 96 (three of 32), 256 (four), and the
+# value's parts unlike the queries'.
 _UNTILED = [
-    ("1001x777-causal-gqa", dict(batch=2, seq_q=1001, seq_kv=777, heads=4, kv_heads=2,
-                                 is_causal=True)),
-    ("4001-causal", dict(seq_q=4001, seq_kv=4001, heads=2, kv_heads=2, is_causal=True)),
-    ("129x1999-f16", dict(seq_q=129, seq_kv=1999, heads=3, kv_heads=1, dtype="float16")),
-    ("300x77-unnormalised", dict(seq_q=300, seq_kv=77, normalize_output=False)),
+    ("d64-1001x777-causal-gqa", dict(batch=2, seq_q=1001, seq_kv=777, heads=4, kv_heads=2,
+                                     is_causal=True)),
+    ("d64-4001-causal", dict(seq_q=4001, seq_kv=4001, heads=2, kv_heads=2, is_causal=True)),
+    ("d64-129x1999-f16", dict(seq_q=129, seq_kv=1999, heads=3, kv_heads=1, dtype="float16")),
+    ("d64-300x77-unnormalised", dict(seq_q=300, seq_kv=77, normalize_output=False)),
+    ("d128-1001-causal-gqa", dict(batch=2, seq_q=1001, seq_kv=1001, heads=4, kv_heads=2,
+                                  head_dim=128, is_causal=True)),
+    ("d96-777x1001", dict(seq_q=777, seq_kv=1001, head_dim=96)),
+    ("d256-1001-causal", dict(seq_q=1001, seq_kv=1001, head_dim=256, is_causal=True)),
+    ("d64-dv256-300x1001", dict(seq_q=300, seq_kv=1001, head_dim_out=256)),
+    ("d128-dv64-1001-unnormalised", dict(seq_q=1001, seq_kv=1001, head_dim=128,
+                                         head_dim_out=64, normalize_output=False)),
 ]
 
 
@@ -237,9 +246,10 @@ _UNTILED = [
 def test_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent, schedule):
   """kernel.experiments' untiled_copies: within the rule of float64, and
   bit for bit the shipped path's results, which pads q, k and v to whole
-  tiles (the same products in the same order over the same values)."""
+  tiles (the same values; each product's wgmma over the parts of a row
+  issue the instructions one wgmma over the row does)."""
   from harness.numerics.conformance import random_case
-  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), head_dim=64, **kwargs)
+  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
   cfg = None
   if persistent is not None:
     cfg = dataclasses.replace(heuristics.get_heuristics_config(problem_of(fc)),

@@ -167,14 +167,22 @@ def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
 
 
 # Copies through untiled views (kernel.experiments' untiled_copies): lengths
-# no multiple of 8 at head dim 64, under every kind of schedule and with
-# every feature, the non-persistent block without its q/k/output overlay.
+# no multiple of 8, under every kind of schedule and with every feature,
+# at head dims of one column part (64) and of several (kernel.plan.copy_parts:
+# 128 in two of 64, 96 in three of 32, 256 in four), the value's parts
+# unlike the queries' (72 and 96: three of 32 each; 64 and 256).
 UNTILED = [
-    ("heuristic", "plain", None),
-    ("persistent-w3", "everything", Config(64, 128, 2, True, "longest-first", 3)),
-    ("one-tile", "everything", Config(64, 128, 2, False)),
-    ("split-tail", "plain", Config(64, 128, 2, True, "split-tail")),
-    ("output-in-query-slot", "residuals", Config(64, 256, 3, True)),
+    ("heuristic", "plain", None, (64, 64)),
+    ("persistent-w3", "everything", Config(64, 128, 2, True, "longest-first", 3), (64, 64)),
+    ("one-tile", "everything", Config(64, 128, 2, False), (64, 64)),
+    ("split-tail", "plain", Config(64, 128, 2, True, "split-tail"), (64, 64)),
+    ("output-in-query-slot", "residuals", Config(64, 256, 3, True), (64, 64)),
+    ("d128-heuristic", "everything", None, (128, 128)),
+    ("d128-split-tail", "residuals", Config(64, 128, 2, True, "split-tail"), (128, 128)),
+    ("d96-one-tile", "plain", Config(64, 128, 2, False), (96, 96)),
+    ("d72-dv96-persistent", "everything", Config(64, 128, 2, True, "longest-first"), (72, 96)),
+    ("d256-output-in-query-slot", "residuals", Config(64, 64, 2, True), (256, 256)),
+    ("d64-dv256-output-over-keys", "residuals", Config(64, 64, 2, False), (64, 256)),
 ]
 
 
@@ -191,18 +199,24 @@ def _jaxpr_text(shapes, **kw):
         q, k, v, **kw))(*args))
 
 
-@pytest.mark.parametrize("name,feat,cfg", UNTILED, ids=[n for n, *_ in UNTILED])
-def test_untiled_copies_lower_at_any_length_without_padded_copies(name, feat, cfg):
+@pytest.mark.parametrize("name,feat,cfg,dims", UNTILED, ids=[n for n, *_ in UNTILED])
+def test_untiled_copies_lower_at_any_length_without_padded_copies(name, feat, cfg, dims):
   T, S = 1001, 777
-  shapes = dict(B=2, T=T, N=4, H=64, S=S, K=2, Hv=64)
+  d, dv = dims
+  shapes = dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=dv)
   kw = _features(T, S, N=4).get(feat, dict(return_residuals=True))
   if "bias_shape" in kw:  # staged operands are padded copies of their own
     kw = {k: v for k, v in kw.items() if k not in ("bias_shape", "mask_shape")}
   problem = dataclasses.replace(
-      _problem((2, T, 4, 64), (2, S, 2, 64), (2, S, 2, 64), kw), untiled_copies=True)
+      _problem((2, T, 4, d), (2, S, 2, d), (2, S, 2, dv), kw), untiled_copies=True)
   cfg = cfg or heuristics.get_heuristics_config(problem)
-  if name == "output-in-query-slot":
-    assert plan.scratch_layout(problem, cfg).overlay_q_with_output
+  layout = plan.scratch_layout(problem, cfg)
+  if "output-in-query-slot" in name:
+    assert layout.overlay_q_with_output
+  if "output-over-keys" in name:
+    assert layout.output_reaches_keys
+  parts, columns = plan.copy_parts(problem.head_dim, 2)
+  assert layout.q.shape[1:] == (parts, cfg.block_q, columns)
   lowered = lower_attention(shapes, config=cfg, untiled_copies=True, **kw)
   est = plan.estimate_smem_bytes(problem, cfg)
   assert lowered.smem_bytes <= est <= lowered.smem_bytes + SMEM_MARGIN_BYTES, (
@@ -210,42 +224,48 @@ def test_untiled_copies_lower_at_any_length_without_padded_copies(name, feat, cf
   range_kw = {k: v for k, v in kw.items() if k != "k_range_shape"}
   untiled = _jaxpr_text(shapes, config=cfg, untiled_copies=True, **range_kw)
   tiled = _jaxpr_text(shapes, config=cfg, **range_kw)
-  assert " pad[" not in untiled
-  assert " pad[" in tiled   # the shipped path pads q, k and v to whole tiles
+  # Where the head dims compute as they are, the shipped path pads the
+  # queries to whole tiles and untiled copies pad nothing.  (Where they
+  # compute wider, 72 as 96, both copy q, k and v to pad the head dim, and
+  # pad the length in the same copy.)
+  if (d, dv) == plan.padded_head_dims(d, dv):
+    assert f"bf16[2,{-(-T // cfg.tile_q) * cfg.tile_q},4,{d}]" in tiled
+    assert " pad[" not in untiled
 
 
-def test_untiled_copies_change_nothing_where_rows_are_wider():
-  """Where the head dims compute wider than 64 columns the experiment's
-  flag is ignored (kernel.plan.untiled_copies_refusal), and the kernel
-  refuses a problem that asks for it there by the field's name."""
-  shapes = dict(B=1, T=1001, N=2, H=128, S=1001, K=2, Hv=128)
-  assert (_jaxpr_text(shapes, untiled_copies=True) == _jaxpr_text(shapes))
-  problem = plan.Problem(np.dtype(ml_dtypes.bfloat16), 128, 128, 1001, 1001,
-                         untiled_copies=True)
-  with pytest.raises(ValueError, match=r"^untiled_copies: untiled copies need 64-column rows"):
-    plan.check_fits(problem, Config(64, 128, 2, True))
+@pytest.mark.parametrize("width,parts", [(64, (1, 64)), (96, (3, 32)), (128, (2, 64)),
+                                         (192, (3, 64)), (256, (4, 64))])
+def test_copy_parts_are_one_swizzle_atom_each(width, parts):
+  assert plan.copy_parts(width, 2) == parts
+  assert plan.row_swizzle_bytes(parts[1], 2) == parts[1] * 2
 
 
 def test_a_buffer_and_its_untiled_view_share_their_bytes():
-  """kernel.common.with_untiled_view relies on Mosaic GPU placing both
-  members of the union at its first byte (RefUnion's docstring does not
-  promise it: jax 0.11.2's flatten_ref_union does it), and on the view
-  differing from the buffer by the (8, 64) tiling alone, which for
-  64-column rows is the row-major order."""
+  """The untiled views (kernel.common.untiled_smem) rely on Mosaic GPU
+  laying every group of a RefUnion out from its first byte (RefUnion's
+  docstring does not promise it: jax 0.11.2's flatten_ref_union does it),
+  so that a group of views mirroring the buffers' group leaf for leaf puts
+  each view on its buffer's bytes; and on each view differing from its
+  buffer by the tiling alone, which for rows of one swizzle atom is the
+  row-major order."""
   from jax._src.pallas.mosaic_gpu import core as mgpu_core
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from kernel import common
-  for buf in (plan.Buffer("k", (2, 128, 64), np.dtype(ml_dtypes.bfloat16)),
-              plan.Buffer("q", (3, 64, 64), np.dtype(np.float16))):
-    union = common.with_untiled_view(buf)
-    tiled, untiled = union.refs
-    assert [type(t) for t in tiled.transforms] == [plgpu.TilingTransform, plgpu.SwizzleTransform]
-    assert tiled.transforms[0].tiling == (8, 64)
-    assert untiled.transforms == tiled.transforms[1:]
-    members = mgpu_core.flatten_ref_union(union.get_ref_aval())
-    offsets = [m.transforms[0].offset for m in members]
-    assert offsets == [0, 0]
-    assert [tuple(m.shape) for m in members] == [buf.shape, buf.shape]
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+  bufs = (plan.Buffer("q", (2, 2, 64, 64), bf16), plan.Buffer("k", (3, 2, 128, 64), bf16),
+          plan.Buffer("m", (2, 64), np.dtype(np.float32), swizzled=False))
+  tiled = tuple(common.smem(b) for b in bufs)
+  untiled = tuple(common.untiled_smem(b) for b in bufs)
+  for t, u in zip(tiled[:2], untiled[:2]):
+    assert [type(x) for x in t.transforms] == [plgpu.TilingTransform, plgpu.SwizzleTransform]
+    assert t.transforms[0].tiling == (8, 64)
+    assert u.transforms == t.transforms[1:]
+  union = plgpu.RefUnion(tiled, untiled)
+  members = mgpu_core.flatten_ref_union(union.get_ref_aval())
+  offsets = [[m.transforms[0].offset for m in group] for group in members]
+  assert offsets[0] == offsets[1] and offsets[0][0] == 0 and len(set(offsets[0])) == 3
+  for group in members:
+    assert [tuple(m.shape) for m in group] == [b.shape for b in bufs]
 
 
 def test_three_compute_warpgroups_above_head_dim_64_are_refused_by_name():

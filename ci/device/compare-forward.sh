@@ -8,7 +8,7 @@
 # TESTS: a pytest -k expression that selects the variant's tests in
 # properties/test_forward_gpu.py.  The copies through untiled views
 # (kernel.experiments' untiled_copies), at lengths no multiple of 8:
-#   bash ci/device/compare-forward.sh OUTDIR ut untiled 64 1001,4001,12017
+#   bash ci/device/compare-forward.sh OUTDIR ut untiled 64,128,256 1001,4001,12017
 # Every step has its own time limit, so a variant that hangs on the GPU ends
 # the step (exit 124 in steps.txt) instead of the device call; the timing
 # runs only once the tests pass.

@@ -36,8 +36,9 @@ class ForwardCase:
   overlay_residuals: bool = False
   compute_warpgroups: int = 2   # Config.compute_warpgroups: consumers of the ring
   layout_head_dim_out: int = 64
-  # Copies through untiled views (kernel.plan.Problem.untiled_copies): each
-  # buffer a union of two views, which the extraction reads as one buffer.
+  # Copies through untiled views (kernel.plan.Problem.untiled_copies): the
+  # buffers mirrored by their untiled views, which the extraction reads as
+  # the same buffers, in column parts, one wgmma per part.
   untiled_copies: bool = False
   # Non-persistent blocks whose output overlay runs past the queries into
   # the keys (plan.ScratchLayout.output_reaches_keys: a value head dim
@@ -47,10 +48,20 @@ class ForwardCase:
   # queries alone.
   output_over_keys: bool = False
 
+  @property
+  def parts(self) -> tuple[int, int]:
+    """(query/key, value) column parts (kernel.plan.copy_parts): a product's
+    wgmma issues, where untiled copies cut rows into parts, else (1, 1)."""
+    if not self.untiled_copies:
+      return (1, 1)
+    from kernel import plan as plan_lib
+    # 16-bit elements, as every problem of the grid and every traced case.
+    return (plan_lib.copy_parts(self.head_dim, 2)[0], plan_lib.copy_parts(self.head_dim_out, 2)[0])
+
   def key(self):
     return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
             self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
-            self.output_over_keys)
+            self.output_over_keys, self.parts)
 
   @property
   def tile_q(self) -> int:
@@ -72,17 +83,18 @@ class ForwardCase:
     return (self.overlay_q or self.output_over_keys) and self.overlay_residuals
 
   def describe(self) -> str:
-    parts = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
+    words = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
              self.schedule]
-    parts += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
+    words += [n for n, on in (("staged bias", self.bias), ("staged mask", self.mask),
                               ("causal", self.causal),
                               ("output in the query slot", self.overlay_q),
                               ("output over the keys", self.output_over_keys),
-                              ("with residuals", self.residuals),
-                              ("untiled copies", self.untiled_copies)) if on]
+                              ("with residuals", self.residuals)) if on]
+    if self.untiled_copies:
+      words.append("untiled copies in %dx%d parts" % self.parts)
     if self.compute_warpgroups != 2:
-      parts.append(f"{self.compute_warpgroups} compute warpgroups")
-    return " ".join(parts)
+      words.append(f"{self.compute_warpgroups} compute warpgroups")
+    return " ".join(words)
 
 
 def forward_cases(problems) -> list[tuple[ForwardCase, int]]:

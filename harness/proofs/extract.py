@@ -467,20 +467,25 @@ def _transform_info(treedef):
   return slot, view
 
 
-def _mirrored(groups) -> bool:
-  """Whether a RefUnion's groups (None: no union) are views of the same
-  buffers: two or more, each of the same refs, shape for shape and dtype for
-  dtype.  Mosaic GPU lays every group out from the union's first byte, so
-  member i of each group holds the same bytes, and only the transforms
-  differ (kernel.common.with_untiled_view: the view wgmma reads and the one
-  the TMA copies use).  A copy into one and a read of the other are then a
-  copy into and a read of one buffer; the checker compares the bytes of
-  other unions' groups (an overlay)."""
-  if not groups or len(groups) < 2:
-    return False
+def _mirror_groups(groups) -> dict[int, int]:
+  """For a RefUnion's groups (None: no union), each group that mirrors an
+  earlier one -> the first it mirrors (empty where none does).  A group
+  mirrors another when it holds refs of the same shapes and dtypes in the
+  same order: Mosaic GPU lays every group out from the union's first byte,
+  so member i of each is the same bytes, and only the transforms differ
+  (kernel.common.untiled_smem: the views wgmma reads and the ones the TMA
+  copies use).  A copy into one and a read of the other are then a copy
+  into and a read of one buffer; the bytes of groups that do not mirror
+  each other are compared as an overlay."""
   import jax
-  layout = lambda g: [(tuple(r.shape), str(r.dtype)) for r in jax.tree.leaves(g)]
-  return all(layout(g) == layout(groups[0]) for g in groups[1:])
+  layout = lambda g: tuple((tuple(r.shape), str(r.dtype)) for r in jax.tree.leaves(g))
+  first: dict = {}
+  mirrors = {}
+  for i, g in enumerate(groups or ()):
+    j = first.setdefault(layout(g), i)
+    if j != i:
+      mirrors[i] = j
+  return mirrors
 
 
 class _Interp:
@@ -495,7 +500,7 @@ class _Interp:
     self._alloc = 0
     self.cells: dict[str, Any] = {}     # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
-    self.mirrors: set[str] = set()       # allocations whose union members are one buffer
+    self.mirrors: dict[str, dict] = {}  # union allocation -> its _mirror_groups
     self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
     self.site = None                     # the kernel line of the cond whose branch runs
 
@@ -622,8 +627,9 @@ class _Interp:
     for v in sub.invars:
       buf = self._buffer(v.aval)
       self.buffers[buf.name] = buf
-      if _mirrored(getattr(v.aval, "refs", None)):
-        self.mirrors.add(buf.name)
+      groups = _mirror_groups(getattr(v.aval, "refs", None))
+      if groups:
+        self.mirrors[buf.name] = groups
       args.append(RefV(buf))
     return self.run(sub, args, ins[:len(sub.constvars)])
 
@@ -687,12 +693,12 @@ class _Interp:
 
   def _view(self, buf, t):
     """A RefUnion member is a view at a byte offset of one allocation: a buffer
-    of its own, whose byte range the checker compares with the others'; in
-    a mirrored union (:func:`_mirrored`) the members at one offset are one
-    buffer."""
+    of its own, whose byte range the checker compares with the others'; the
+    members of mirroring groups (:func:`_mirror_groups`) at one offset are
+    one buffer."""
     import numpy as np
     size = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-    group = 0 if buf.name in self.mirrors else t.alias_group_idx
+    group = self.mirrors.get(buf.name, {}).get(t.alias_group_idx, t.alias_group_idx)
     view = Buffer(f"{buf.name}@{group}+{t.offset}", buf.space, tuple(t.shape))
     self.buffers[view.name] = view
     self.views[view.name] = (buf.name, t.offset, t.offset + size, group)

@@ -47,9 +47,11 @@ DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 SEQ_LENGTHS = ((1, 1), (100, 64), (128, 200), (1000, 1000), (8192, 8192))
 
 
-def problem_grid() -> list[plan_lib.Problem]:
-  """Every problem above, and those that may copy through untiled views
-  (kernel.plan.untiled_copies_refusal) once more with them."""
+def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
+  """Every problem above as the API runs it; with ``experiments`` each once
+  more with the copies through untiled views (kernel.experiments'
+  untiled_copies), which ``python -m harness prove --experiments`` proves
+  before that switch ships."""
   out = []
   for head_dim, same_out, dtype, bias, mask, causal, residuals, (sq, skv) in itertools.product(
       HEAD_DIMS, (True, False), DTYPES, (False, True), (False, True), (False, True),
@@ -57,18 +59,17 @@ def problem_grid() -> list[plan_lib.Problem]:
     head_dim_out = head_dim if same_out else 64 if head_dim != 64 else 256
     p = plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
                          bias_2d=bias, mask_2d=mask, return_residuals=residuals)
-    out.append(p)
-    if plan_lib.untiled_copies_refusal(head_dim, head_dim_out) is None:
-      out.append(dataclasses.replace(p, untiled_copies=True))
+    out += [p, dataclasses.replace(p, untiled_copies=True)] if experiments else [p]
   return out
 
 
-def work_items(*, first: str | None = None) -> list:
+def work_items(*, first: str | None = None, experiments: bool = False) -> list:
   """Every case to prove: (kind, case, emitted configs it covers).  The
   costliest first (the workers finish together), or with ``first``
   ("forward" / "backward") the smallest cases of that kind first (a
-  mutant's failure shows early)."""
-  forward = [("forward", c, n) for c, n in cases.forward_cases(problem_grid())]
+  mutant's failure shows early); ``experiments``: :func:`problem_grid`'s."""
+  forward = [("forward", c, n)
+             for c, n in cases.forward_cases(problem_grid(experiments=experiments))]
   backward = [("backward", c, 0) for c in cases.backward_cases()]
   if first is None:
     cost = lambda item: (-(item[1].persistent * 10 + item[1].num_stages) if item[0] == "forward"
@@ -83,10 +84,11 @@ def work_items(*, first: str | None = None) -> list:
   return ordered[first] + ordered["backward" if first == "forward" else "forward"]
 
 
-def _listed_aside(first):
-  """``work_items(first=first)`` computed in a process forked before JAX is
-  imported, so that the listing (the heuristics over the whole grid, about
-  a second) runs beside this process's import of JAX and the kernels: a
+def _listed_aside(first, experiments=False):
+  """``work_items(first=first, experiments=experiments)`` computed in a
+  process forked before JAX is imported, so that the listing (the
+  heuristics over the whole grid, about a second) runs beside this
+  process's import of JAX and the kernels: a
   callable that waits for it.  Where a fork is not known to be safe (JAX
   already imported, another thread, no fork), the callable lists here."""
   import os
@@ -94,7 +96,7 @@ def _listed_aside(first):
   import sys
   import threading
   if "jax" in sys.modules or threading.active_count() != 1 or not hasattr(os, "fork"):
-    return lambda: work_items(first=first)
+    return lambda: work_items(first=first, experiments=experiments)
   sys.stdout.flush()
   sys.stderr.flush()
   read, write = os.pipe()
@@ -104,7 +106,8 @@ def _listed_aside(first):
     try:
       os.close(read)
       with os.fdopen(write, "wb") as f:
-        f.write(pickle.dumps(work_items(first=first), protocol=pickle.HIGHEST_PROTOCOL))
+        f.write(pickle.dumps(work_items(first=first, experiments=experiments),
+                             protocol=pickle.HIGHEST_PROTOCOL))
       status = 0
     finally:
       os._exit(status)
@@ -115,7 +118,8 @@ def _listed_aside(first):
       data = f.read()
     _, status = os.waitpid(pid, 0)
     if status != 0:
-      return work_items(first=first)  # the lister failed: list here (its error shows)
+      # the lister failed: list here (its error shows)
+      return work_items(first=first, experiments=experiments)
     return pickle.loads(data)
 
   return wait
@@ -152,6 +156,9 @@ def main(argv=None) -> int:
                       help="learn and check everything anew (harness/proofs/prove_cache.py: the "
                       "cache keeps what passed, keyed by the sources; --mutant and --fail-fast never "
                       "use it)")
+  parser.add_argument("--experiments", action="store_true",
+                      help="also every problem with the forward's copies through untiled views "
+                      "(kernel.experiments' untiled_copies), before that switch ships")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   first = None
@@ -167,14 +174,15 @@ def main(argv=None) -> int:
     from harness.proofs import prove_cache
     cache = prove_cache.Cache()
   listed: list = []
-  hit = cache.get("listed", repr(first)) if cache is not None else None
-  pending = _listed_aside(first) if hit is None else None
+  listed_key = repr((first, args.experiments))
+  hit = cache.get("listed", listed_key) if cache is not None else None
+  pending = _listed_aside(first, args.experiments) if hit is None else None
   from harness.proofs import prove_extracted as pe  # JAX and the kernels, meanwhile
 
   def listing():
     listed[:] = hit if hit is not None else pending()
     if cache is not None and hit is None:
-      cache.put("listed", repr(first), listed)
+      cache.put("listed", listed_key, listed)
     if args.mutant is not None:
       # The backward case the mutant names, where it names one, first: its
       # failure shows there without proving the smaller cases before it.
@@ -204,7 +212,8 @@ def main(argv=None) -> int:
   print(f"\n{proven}/{len(results)} proven: every launch program of {forward} forward "
         f"protocols ({configs} emitted configs) and {len(items) - forward} backward "
         f"launch kinds, for every number of tiles and key blocks"
-        + (f" ({args.mutant})" if args.mutant else ""))
+        + (f" ({args.mutant})" if args.mutant else "")
+        + (" (with kernel.experiments' untiled copies)" if args.experiments else ""))
   if cache is not None and (cache.hits["learned"] or cache.hits["checked"]):
     print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
           f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "

@@ -351,7 +351,8 @@ def main(argv=None) -> int:
                          "longest-first order with its L2 sections filled, not evened, "
                          "a trailing ,lt or ,lo that order with its light tiles last "
                          "or in order (by default where the schedule's model says), a "
-                         "trailing ,ut the copies through untiled views (head dim 64)")
+                         "trailing ,ut the copies through untiled views (no padded copy at "
+                         "lengths no multiple of 8)")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

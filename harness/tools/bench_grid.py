@@ -113,7 +113,7 @@ def parse_variant(text: str):
   light tiles last and ``,lo`` in order, where the shipped order defers
   them where the schedule's model predicts that it pays
   (:func:`deferred_light`, kernel.experiments' ``defer_light``), a
-  trailing ``,ut`` copies through untiled views where the head dims allow
+  trailing ``,ut`` copies through untiled views, in column parts
   (:func:`untiled_copies`, kernel.experiments' ``untiled_copies``: no padded
   copy at lengths no multiple of 8);
   ``auto,st``

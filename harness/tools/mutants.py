@@ -129,7 +129,7 @@ CATALOG: tuple[Mutant, ...] = (
        named("heuristic-threshold-0", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-unnormalised",
        "the pending scale dropped from the unnormalised output", FWD,
-       "out = acc * lax.broadcast_in_dim(jnp.exp2(m_scale - safe(m_i)), acc.shape, [0])",
+       "out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)",
        "out = acc", named("heuristic-threshold-0.5-unnormalised"), probe="fwd-unnormalised"),
     Mutant("pv-operand-rewritten-in-flight",
            "a register an in-flight wgmma reads rewritten before its wait (ptxas then "
@@ -187,7 +187,7 @@ CATALOG: tuple[Mutant, ...] = (
        "hk = lax.rem(h, jnp.int32(c.num_heads // c.group))",
        named("heuristic-d128-gqa")),
     _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", FWD,
-       "def pv(acc_ref):\n    plgpu.wgmma(acc_ref, p16, c.values.slot(st))",
+       "def pv(acc_ref):\n    issue_pv(c, acc_ref, p16, st)",
        "def pv(acc_ref):\n    plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",

@@ -287,8 +287,8 @@ class ScratchLayout:
     what epilogue_sync orders (kernel/barriers.py)."""
     if not self.overlay_qk_with_output:
       return False
-    pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT)
-    return sum(pad(b) for b in (self.o, self.m, self.l) if b is not None) > pad(self.q)
+    return (sum(_allocated(b) for b in (self.o, self.m, self.l) if b is not None)
+            > _allocated(self.q))
 
 
 def kernel_problem(problem: Problem, config: Config) -> Problem:
@@ -355,6 +355,12 @@ def _align(n: int, a: int) -> int:
   return -(-n // a) * a
 
 
+def _allocated(buf: Buffer) -> int:
+  """The bytes a buffer takes in its allocation group: Mosaic GPU starts
+  every allocation at a SMEM_ALIGNMENT boundary."""
+  return _align(buf.nbytes, SMEM_ALIGNMENT)
+
+
 def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   """Shared memory the kernel allocates for this problem and config.
 
@@ -367,8 +373,7 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
 
 def _estimate(lay: ScratchLayout, problem: Problem, config: Config) -> int:
   mbarriers = _mbarriers(problem, config, lay.overlay_q_with_output)
-  # Mosaic GPU starts every allocation at a SMEM_ALIGNMENT boundary.
-  pad = lambda b: _align(b.nbytes, SMEM_ALIGNMENT)
+  pad = _allocated
   qk = pad(lay.q) + pad(lay.k)
   out = sum(pad(b) for b in (lay.o, lay.m, lay.l) if b is not None)
   if lay.overlay_qk_with_output:

@@ -390,13 +390,20 @@ def test_the_word_ends_with_every_block_the_producer_copied():
       r.premise or r.violation.format() for r in results if not r.ok]
 
 
-def test_an_output_overlay_over_the_keys_is_a_case_of_its_own():
+@pytest.fixture(scope="module")
+def shipped_cases():
+  """The forward's cases of ``python -m harness prove`` (listed once: about
+  five seconds)."""
+  return pe.forward_cases(prove_cli.problem_grid())
+
+
+def test_an_output_overlay_over_the_keys_is_a_case_of_its_own(shipped_cases):
   """Where the value head dim is wider than the queries' (or m and l
   follow an output as long as the queries), the non-persistent block's
   output overlay reaches the keys: the proof's cases keep such layouts
   apart and trace them at their own head dims and residuals."""
   from kernel import plan as plan_lib
-  found = [c for c, _ in pe.forward_cases(prove_cli.problem_grid()) if c.output_over_keys]
+  found = [c for c, _ in shipped_cases if c.output_over_keys]
   assert found and all(not c.persistent for c in found)
   assert all(c.head_dim_out > c.head_dim or c.residuals for c in found)
   assert any(c.head_dim_out > c.head_dim for c in found)
@@ -406,11 +413,11 @@ def test_an_output_overlay_over_the_keys_is_a_case_of_its_own():
                                      Config(64, 64, 2)).output_reaches_keys
 
 
-def test_the_experiments_cases_are_proved_on_request():
+def test_the_experiments_cases_are_proved_on_request(shipped_cases):
   """``python -m harness prove`` proves the configs the shipped API can
   run; ``--experiments`` adds every problem once more with the copies
   through untiled views, in each head dim's column parts."""
-  shipped = pe.forward_cases(prove_cli.problem_grid())
+  shipped = shipped_cases
   both = pe.forward_cases(prove_cli.problem_grid(experiments=True))
   assert not any(c.untiled_copies for c, _ in shipped)
   untiled = [c for c, _ in both if c.untiled_copies]

@@ -5,7 +5,7 @@ The public API, importable from the package::
   from kernel import dot_product_attention
   out = dot_product_attention(query, key, value, is_causal=True)
 
-It is resolved on first use (PEP 562), so that ``import kernel.plan`` and the
+It is resolved on first use (PEP 562), so that ``import kernel.tiling.plan`` and the
 other pure-Python modules (read by the heuristics and their tests)
 do not pay for importing JAX and Pallas.
 """
@@ -26,7 +26,7 @@ _FROM_API = frozenset(__all__) - {"Config"}
 
 def __getattr__(name: str):
   if name == "Config":
-    from kernel.config import Config
+    from kernel.tiling.config import Config
     return Config
   if name in _FROM_API:
     from kernel import api

@@ -4,8 +4,8 @@ Layout (B, T, N, H) like ``jax.nn.dot_product_attention``; switching is one
 line.  Everything the kernel cannot take directly is handled here: f32 inputs
 are cast to bf16 (the output is cast back), head dims are zero-padded to a
 multiple of 32 of at least 64 (of 64 where either is over 128:
-kernel.plan.padded_head_dims; the backward pads its own:
-kernel.plan.backward_head_dims), sequence lengths are padded to whole tiles
+kernel.tiling.plan.padded_head_dims; the backward pads its own:
+kernel.tiling.plan.backward_head_dims), sequence lengths are padded to whole tiles
 (padded keys are masked in the kernel, padded query rows are sliced off),
 broadcast bias and mask are passed un-materialised.
 
@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernel import padding
-from kernel import plan as plan_lib
+from kernel.tiling import plan as plan_lib
 from kernel import sharding
-from kernel import variants
-from kernel.config import Config
+from kernel import key_ranges as variants
+from kernel.tiling.config import Config
 from kernel.common import is_2d
 from kernel.forward import Features, flash_attention_forward
 from kernel.validation import validate_attention_args
@@ -176,7 +176,7 @@ def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
   """The config ``dot_product_attention(..., config=None)`` runs for these
   arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
   this device and signature, else the nearest tuned signature's
-  (kernel.autotune.nearest), else the heuristic.  ``device_kind`` defaults
+  (kernel.tiling.autotune.nearest), else the heuristic.  ``device_kind`` defaults
   to the sm90 GPU of this process (none: the heuristic)."""
   return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
                         k_end=k_end, device_kind=device_kind, stage_2d=True)
@@ -185,7 +185,7 @@ def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
 def chosen_config_source(query, key, value, bias=None, mask=None, *, is_causal=False,
                          k_start=None, k_end=None,
                          device_kind: str | None = None) -> tuple[Config, str]:
-  """:func:`chosen_config` and where it came from (kernel.autotune.choice:
+  """:func:`chosen_config` and where it came from (kernel.tiling.autotune.choice:
   "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic")."""
   return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
                         k_end=k_end, device_kind=device_kind, stage_2d=True, with_source=True)
@@ -193,7 +193,7 @@ def chosen_config_source(query, key, value, bias=None, mask=None, *, is_causal=F
 
 def _chosen_config(query, key, value, bias, mask, *, is_causal, k_start, k_end,
                    device_kind, stage_2d, with_source=False):
-  from kernel import autotune
+  from kernel.tiling import autotune
   problem = autotune.selection_problem(_problem(
       query, key, value, bias, mask, is_causal=is_causal, return_residuals=False,
       stage_2d=stage_2d))
@@ -232,7 +232,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   to the keys of its own segment (packed sequences); ``segment_layout``
   "contiguous" (each id one run of kv_segment_ids; rows that break it come
   out NaN) or "any" (a dense mask).  All of them become per-row key ranges
-  (kernel/variants.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
+  (kernel/key_ranges.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
   are refused: add the batch axis.
 
   ``deterministic``: True makes the gradients bitwise reproducible from run
@@ -268,11 +268,11 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
   ``reproducible_backward`` the one ``deterministic=True`` takes instead
   (None: ``backward`` itself), ``stage_2d`` False reads 2-D bias and mask
   from global memory, ``segment_bounds`` how segments' key ranges are found
-  (kernel.variants.SEGMENT_BOUNDS), ``even_sections`` False keeps the
+  (kernel.key_ranges.SEGMENT_BOUNDS), ``even_sections`` False keeps the
   longest-first order's L2 sections filled, ``defer_light`` True or False
   runs its light tiles last always or never, None where the schedule's
   model predicts that it pays, ``untiled_copies`` True copies q, k, v and
-  the output through untiled views, in column parts (kernel.plan.copy_parts;
+  the output through untiled views, in column parts (kernel.tiling.plan.copy_parts;
   kernel.forward.Features)."""
   routed = variants.route(
       query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
@@ -295,7 +295,7 @@ def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_len
     if not isinstance(flag, (bool, np.bool_)):
       raise ValueError(f"{name}: expected a bool, got {flag!r}")
   if config is not None and not isinstance(config, Config):
-    raise ValueError(f"config: expected kernel.config.Config or None, got {type(config).__name__}")
+    raise ValueError(f"config: expected kernel.tiling.config.Config or None, got {type(config).__name__}")
   _check_device()
 
   problem, config = resolve(query, key, value, bias, mask, is_causal=is_causal,
@@ -392,7 +392,7 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   pad = padding.pad_to_multiple
   # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
   # axes are padded only where a copy is made anyway (a head dim computed
-  # wider: kernel.plan.padded_head_dims), where the length is shorter than
+  # wider: kernel.tiling.plan.padded_head_dims), where the length is shorter than
   # one tile, or where it is no multiple of the 8-row tiling Mosaic GPU's
   # TMA descriptors need (jax 0.11.2: a copy that indexes one head moves
   # that axis first, so the staging buffers' (8, 64) tiling falls on
@@ -405,7 +405,7 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # Measured on the H200 at seq 1000, causal, d128: the padded copies took
   # about 40 % of the call.  Features.untiled_copies copies through views
   # with the swizzle alone, which take any length, each buffer in column
-  # parts of one swizzle atom (kernel.plan.copy_parts says why); it is
+  # parts of one swizzle atom (kernel.tiling.plan.copy_parts says why); it is
   # kernel.experiments' untiled_copies until it has run against float64 on
   # a GPU.  RefUnion's docstring allows reading only through the member that
   # wrote, so the union's layout is checked on the CPU
@@ -414,7 +414,7 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # wgmma operands (jax 0.11.2, 2026-12-05).
   d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
 
-  # Untiled copies (kernel.plan.copy_parts) take any length.
+  # Untiled copies (kernel.tiling.plan.copy_parts) take any length.
   tiling = 1 if f.untiled_copies else 8
 
   def operand(x, width, multiple):

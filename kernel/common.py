@@ -1,5 +1,5 @@
 """What the forward and backward kernels share: Mosaic GPU layouts and
-constants, scratch allocation from kernel/plan.py's buffer descriptions,
+constants, scratch allocation from kernel/tiling/plan.py's buffer descriptions,
 broadcast loads, and the key-block range every actor of a kernel must agree
 on."""
 
@@ -15,7 +15,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
-from kernel import plan as plan_lib
+from kernel.tiling import plan as plan_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ COL = plgpu.Layout.WGMMA.reduce(0)
 def row_swizzle(columns: int, dtype, what: str = "") -> int:
   """The swizzle (bytes) of a buffer whose rows are ``columns`` wide, where
   its description names none: the widest one a row holds (``what`` names
-  the buffer in the error if none does; kernel.plan.row_swizzle_bytes)."""
+  the buffer in the error if none does; kernel.tiling.plan.row_swizzle_bytes)."""
   return plan_lib.row_swizzle_bytes(columns, np.dtype(dtype).itemsize, what)
 
 
@@ -77,8 +77,8 @@ def smem(buf: plan_lib.Buffer):
 
 def untiled_smem(buf: plan_lib.Buffer | None):
   """The view of ``buf``'s bytes a TMA copy writes or reads under
-  kernel.plan's untiled copies: its swizzle without the tiling
-  (kernel.plan.copy_parts says why the bytes are :func:`smem`'s); a buffer
+  kernel.tiling.plan's untiled copies: its swizzle without the tiling
+  (kernel.tiling.plan.copy_parts says why the bytes are :func:`smem`'s); a buffer
   that is not swizzled as it is; None for None.  Allocated in a RefUnion
   group that mirrors the tiled buffers' group leaf for leaf, so that Mosaic
   GPU places each view at its buffer's first byte (jax 0.11.2's
@@ -174,7 +174,7 @@ def kv_block_range(qi, *, tile_q, block_kv, seq_q, seq_kv, is_causal,
 
 def piece_block_range(lb, ub, lo, hi):
   """A tile's key blocks [lb, ub) cut to a split-tail piece's [lo, hi)
-  (kernel/schedule.py), never a negative range.  Shared by the memory and
+  (kernel/tiling/schedule.py), never a negative range.  Shared by the memory and
   every compute warpgroup and by the proof's environments; Python ints and
   traced int32 scalars alike."""
   ints = all(isinstance(x, int) for x in (lb, ub, lo, hi))
@@ -196,7 +196,7 @@ def window_tile_keys(qi: int, tile: int, window: tuple[int, int], *, seq_q: int,
 
 
 # A key range starting here marks a row the forward kernel writes NaN
-# (kernel.forward.Features.poisons_rows; kernel.variants sets it on the rows
+# (kernel.forward.Features.poisons_rows; kernel.key_ranges sets it on the rows
 # one range cannot serve, where every served start is at least 0).
 POISONED_START = -1
 

@@ -10,29 +10,29 @@ The harness and the benchmark reach the others through this module:
   fused dQ summed in int32), dQ fused into the dK/dV kernel under causal at
   head dims up to 128 as well ("pallas-fused-causal", the A/B of
   kernel.backward.blocks_for's causal choice), in the forward's 32-column
-  rows ("pallas-narrow-rows": head dim 96 at 96; kernel.plan.backward_head_dims
+  rows ("pallas-narrow-rows": head dim 96 at 96; kernel.tiling.plan.backward_head_dims
   says why it waits), or the kernels' executable specification in plain JAX
-  ("xla", kernel/backward_xla.py), which tests compare them with.
+  ("xla", kernel/backward/xla.py), which tests compare them with.
   All read the same residuals.
 * ``stage_2d``: False reads a 2-D bias or mask from global memory instead of
   staging it through the ring (the A/B of the staging; the same bits).
 * ``segment_bounds``: how packed segments' key ranges are found
-  (kernel/variants.py's :data:`~kernel.variants.SEGMENT_BOUNDS`: "searched",
+  (kernel/key_ranges.py's :data:`~kernel.key_ranges.SEGMENT_BOUNDS`: "searched",
   a sort and binary searches, or "runs", sort-free where the queries' ids
   are the keys' own array and every id is one run; the same ranges; by
-  default the shipped :data:`~kernel.variants.SHIPPED_SEGMENT_BOUNDS`).
+  default the shipped :data:`~kernel.key_ranges.SHIPPED_SEGMENT_BOUNDS`).
 * ``even_sections``: False keeps the longest-first order's L2 sections
   filled to their byte bound, the last one the rest, where the shipped
-  order evens them (kernel/schedule.py's ``longest_first``); the same
+  order evens them (kernel/tiling/schedule.py's ``longest_first``); the same
   tiles, in another order.
 * ``defer_light``: True or False runs the longest-first order's light
-  tiles after every section's heavy ones (kernel/schedule.py's
+  tiles after every section's heavy ones (kernel/tiling/schedule.py's
   ``deferred_light``) always or never, where the shipped order (None)
   does so where ``schedule.light_last_gain`` predicts that it pays; the
   same tiles, in another order.
 * ``untiled_copies``: True copies q, k, v and the output of the forward
   through views of their shared memory without the tiling, each buffer in
-  column parts of one swizzle atom (kernel/plan.py's ``copy_parts``: the
+  column parts of one swizzle atom (kernel/tiling/plan.py's ``copy_parts``: the
   products one wgmma per part), so that a sequence length no multiple of 8
   needs no padded copy; unrun on a GPU so far.
 """
@@ -42,11 +42,11 @@ from __future__ import annotations
 import functools
 
 from kernel import backward as backward_pallas
-from kernel import backward_xla
-from kernel import plan
+from kernel.backward import xla as backward_xla
+from kernel.tiling import plan
 
 from kernel import api
-from kernel import variants
+from kernel import key_ranges as variants
 
 BACKWARDS = {
     "pallas": api.SHIPPED_BACKWARD,

@@ -26,7 +26,7 @@ def pad_to_multiple(x, axis: int, multiple: int, mode: str = "constant"):
 
 def pad_head_dim(x, width: int):
   """q, k, v or dO (B, T, N, D) with D padded with zeros to ``width``, the
-  head dim the kernels compute with (:func:`kernel.plan.padded_head_dims`)."""
+  head dim the kernels compute with (:func:`kernel.tiling.plan.padded_head_dims`)."""
   widths = [(0, 0)] * 3 + [(0, width - x.shape[3])]
   return x if width == x.shape[3] else jnp.pad(x, widths)
 

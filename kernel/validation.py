@@ -253,7 +253,7 @@ def validate_attention_args(
 
 # ---------------------------------------------------------------------------
 # The arguments of jax.nn.dot_product_attention that this API maps onto key
-# ranges and masks (kernel/variants.py), and packed-sequence segment ids.
+# ranges and masks (kernel/key_ranges.py), and packed-sequence segment ids.
 
 SEGMENT_LAYOUTS = ("contiguous", "any")
 

@@ -13,7 +13,7 @@ import pytest
 
 from harness.numerics.bad_inputs import BAD_INPUT_CASES, base_call
 from kernel import api
-from kernel.config import Config
+from kernel.tiling.config import Config
 
 
 def _call(kwargs):

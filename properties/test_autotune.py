@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from harness.tools import autotune as tuner
-from kernel import autotune, heuristics, plan
-from kernel.config import Config
+from kernel.tiling import autotune, heuristics, plan
+from kernel.tiling.config import Config
 
 PROBLEM = plan.problem_for((4, 4096, 16, 128), (4, 4096, 16, 128), (4, 4096, 16, 128),
                            "bfloat16")
@@ -271,7 +271,7 @@ def test_the_shipped_cache_is_well_formed():
   """The cache produced on the H200 ships with the package; every entry is a
   legal config and the fastest of the timings recorded with it (python -m
   harness autotune regenerates it)."""
-  assert autotune.CACHE_PATH.exists(), "kernel/autotune_cache.json is missing"
+  assert autotune.CACHE_PATH.exists(), "kernel/tiling/autotune_cache.json is missing"
   data = autotune.load_cache()
   assert data.get("NVIDIA H200"), "the shipped cache has no H200 entries"
   for device, entries in data.items():

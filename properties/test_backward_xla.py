@@ -1,4 +1,4 @@
-"""The JAX backward (kernel/backward_xla.py) from the forward's residuals
+"""The JAX backward (kernel/backward/xla.py) from the forward's residuals
 matches the float64 gradients under the tolerance rule, and catches a
 forward that leaves m in base 2.  CPU only: the residuals come from the
 float64 reference, rounded the way the kernel stores them."""
@@ -14,7 +14,7 @@ from hypothesis import given, note, settings, strategies as st
 from harness.numerics import strategies as hs
 from harness.numerics.conformance import compute_dtype, gradient_reports
 from harness.numerics.reference import attention_reference
-from kernel.backward_xla import attention_backward
+from kernel.backward.xla import attention_backward
 
 
 def _grads(case, m_transform=lambda m: m, chunk=64):

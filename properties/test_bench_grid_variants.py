@@ -13,7 +13,7 @@ import pytest
 
 from harness.tools import bench_grid as bg
 from kernel import api
-from kernel.config import Config
+from kernel.tiling.config import Config
 
 
 @pytest.mark.parametrize("text,config,det", [
@@ -54,11 +54,11 @@ def test_the_untiled_variant_times_the_call_without_padded_copies():
 
 def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypatch):
   """A variant ending in ``fs`` traces the longest-first order without the
-  SMs, so its L2 sections stay filled (kernel/schedule.py's longest_first
+  SMs, so its L2 sections stay filled (kernel/tiling/schedule.py's longest_first
   evens them only when it is told the SMs, as the variant without ``fs``
   does: properties/test_schedule.py checks the evening at causal 12017
   tokens, d128)."""
-  from kernel import schedule
+  from kernel.tiling import schedule
   told = []
   real = schedule.longest_first
 
@@ -82,12 +82,13 @@ def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypa
 def test_the_light_last_variants_force_the_order_the_model_chooses(monkeypatch, seq,
                                                                    shipped_defers):
   """``lt`` runs the longest-first order's light tiles last and ``lo`` in
-  order; without either the order is the one kernel.schedule.light_last_gain
+  order; without either the order is the one kernel.tiling.schedule.light_last_gain
   picks: deferred at d256 causal 9522 tokens (B1: a shorter tail), in order
   at 1024 (B16: re-reading 128 heads' K/V costs more than the tail saves)."""
-  from kernel import forward, schedule
+  from kernel.forward import order as fwd_order
+  from kernel.tiling import schedule
   made = []
-  real = forward.tile_schedule
+  real = fwd_order.tile_schedule
 
   def recording(**kwargs):
     order = real(**kwargs)
@@ -97,7 +98,7 @@ def test_the_light_last_variants_force_the_order_the_model_chooses(monkeypatch, 
     if made[-1]:
       assert order.order.tolist() == schedule.deferred_light(in_order).order.tolist()
     return order
-  monkeypatch.setattr(forward, "tile_schedule", recording)
+  monkeypatch.setattr(fwd_order, "tile_schedule", recording)
   point = bg.Point(256, seq, True)
   variants = {"64,64,2,lf,lo": False, "64,64,2,lf": shipped_defers, "64,64,2,lf,lt": True}
   fns = bg.implementations(point, list(variants), backward=False, example=False)

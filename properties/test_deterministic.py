@@ -28,7 +28,7 @@ from harness.numerics import strategies as hs
 from harness.numerics.reference import attention_reference
 from harness.numerics.tolerance import run_to_run_bound
 from kernel import api
-from kernel import backward
+from kernel.backward import fused_dq
 
 RERUNS = 100
 
@@ -76,7 +76,7 @@ def test_rounding_by_float_adds_is_exact():
                           -(2.0 ** 30) + 1, 2.0 ** 30 - 64]])
   y = np.clip(y, -(2.0 ** 30) + 1, 2.0 ** 30 - 64).astype(np.float32)
   with jax.disable_jit():
-    got = np.asarray(backward._round_by_adds(jnp.asarray(y)))
+    got = np.asarray(fused_dq._round_by_adds(jnp.asarray(y)))
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, np.rint(y.astype(np.float64)).astype(np.int64))
 
@@ -86,10 +86,10 @@ def test_fixed_point_leaves_headroom():
   property below), grown by bfloat16's rounding of dS (2^-8) and one unit
   per part (up to 2^13 key tiles), stays inside the rounding's range (2^30),
   and so inside int32."""
-  assert 2.0 ** backward.FIXED_POINT_BITS * (1 + 2.0 ** -7) + 2 ** 13 < 2 ** 30
+  assert 2.0 ** fused_dq.FIXED_POINT_BITS * (1 + 2.0 ** -7) + 2 ** 13 < 2 ** 30
 
 
-_scales = jax.jit(backward.fixed_point_scales, static_argnums=4)
+_scales = jax.jit(fused_dq.fixed_point_scales, static_argnums=4)
 
 
 @st.composite
@@ -132,10 +132,10 @@ def test_fixed_point_bound_holds_every_partial_sum_in_int32(p):
   assert np.all(np.isfinite(c)) and np.all(c > 0)
   parts = [np.einsum("bnts,bsnd->bntd", ds[..., j:j + 128], kv(k)[:, j:j + 128])
            for j in range(0, s, 128)]
-  limit = 2.0 ** backward.FIXED_POINT_BITS
+  limit = 2.0 ** fused_dq.FIXED_POINT_BITS
   for sums in (np.cumsum(parts, axis=0), np.cumsum(parts[::-1], axis=0)):
     worst = np.max(np.abs(sums) * c[None, ..., None])
-    assert worst <= limit, f"{worst / limit:.3f} of 2^{backward.FIXED_POINT_BITS}"
+    assert worst <= limit, f"{worst / limit:.3f} of 2^{fused_dq.FIXED_POINT_BITS}"
   # and c_i is the largest power of two that keeps the a-priori bound U_i
   # (the notes above FIXED_POINT_BITS) within the limit
   bound = ((np.linalg.norm(do, axis=3).transpose(0, 2, 1)

@@ -17,7 +17,7 @@ from harness.numerics import strategies as hs
 from harness.numerics.conformance import (ForwardCase, check_forward, poison_device_memory,
                                           run_kernel)
 from harness.tools.device_check import extra_cases, fixed_cases, problem_of
-from kernel import heuristics, plan
+from kernel.tiling import heuristics, plan
 
 pytestmark = pytest.mark.gpu
 
@@ -219,7 +219,7 @@ def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
 
 # Lengths no multiple of 8, which the shipped path pads (kernel/api.py)
 # and kernel.experiments' untiled_copies reads unpadded, in each head dim's
-# column parts (kernel.plan.copy_parts): MHA and GQA, causal, the last query
+# column parts (kernel.tiling.plan.copy_parts): MHA and GQA, causal, the last query
 # tile nearly empty, a key length shorter than one block, unnormalised; head
 # dims 64 (one part), 128 (two), 96 (three of 32), 256 (four), and the
 # value's parts unlike the queries'.

@@ -1,7 +1,7 @@
 """Gradients through the kernel's custom_vjp on the GPU (marker ``gpu``).
 
 The forward kernel stores (out, m, l); the backward (the Pallas kernels of
-kernel/backward.py; kernel/backward_xla.py is their specification) reads
+kernel/backward.py; kernel/backward/xla.py is their specification) reads
 exactly those.
 """
 
@@ -207,7 +207,7 @@ def test_causal_rows_padded_by_the_caller_match_the_unpadded_problem():
 
 
 def test_the_kernels_agree_with_their_executable_specification():
-  """The Pallas backward and kernel/backward_xla.py read the same residuals:
+  """The Pallas backward and kernel/backward/xla.py read the same residuals:
   their gradients agree to within the tolerance rule of each other's float64
   distance (a coarse cross-check that localises a failure to the kernels)."""
   spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=1, T=256, N=2, H=128, S=256, K=1, Hv=128),

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from harness.numerics.conformance import ForwardCase, random_case, run_kernel
-from kernel.config import Config
-from kernel import plan
+from kernel.tiling.config import Config
+from kernel.tiling import plan
 
 GUARD_ROWS = 40   # any positive count catches a write one row past the end
 

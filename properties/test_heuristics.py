@@ -1,4 +1,4 @@
-"""CPU properties of the config heuristics (kernel/heuristics.py)."""
+"""CPU properties of the config heuristics (kernel/tiling/heuristics.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernel import heuristics, plan
-from kernel.config import Config, SMEM_LIMIT_BYTES
+from kernel.tiling import heuristics, plan
+from kernel.tiling.config import Config, SMEM_LIMIT_BYTES
 
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
@@ -94,7 +94,7 @@ def test_nothing_fits_names_the_estimate():
 @pytest.mark.parametrize("head_dim,head_dim_out", [(128, 128), (64, 128), (96, 64), (256, 256)])
 def test_three_warpgroups_are_refused_where_their_registers_cannot_hold_the_heads(
     head_dim, head_dim_out):
-  """160 registers per thread hold head dims up to 64 (kernel/plan.py): a
+  """160 registers per thread hold head dims up to 64 (kernel/tiling/plan.py): a
   wider problem refuses three compute warpgroups by name, config_fits says
   no, and the autotuner never offers them; at 64 they fit."""
   three = Config(64, 128, 2, True, compute_warpgroups=3)
@@ -209,7 +209,7 @@ def test_heuristics_cache_and_validation_share_the_limit(monkeypatch, tmp_path):
   """Lowering the one limit moves the heuristic, the cache check and the
   validation together (none of them keeps its own comparison)."""
   from harness.tools import autotune as tuner
-  from kernel import autotune
+  from kernel.tiling import autotune
   problem = _problem(128)
   default = heuristics.get_heuristics_config(problem)
   cache = tmp_path / "cache.json"

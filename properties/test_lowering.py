@@ -17,8 +17,8 @@ import pytest
 from hypothesis import settings
 
 from harness.tools.lowering import lower_attention
-from kernel import heuristics, plan
-from kernel.config import Config
+from kernel.tiling import heuristics, plan
+from kernel.tiling.config import Config
 
 SMEM_MARGIN_BYTES = 2048
 
@@ -168,7 +168,7 @@ def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
 
 # Copies through untiled views (kernel.experiments' untiled_copies): lengths
 # no multiple of 8, under every kind of schedule and with every feature,
-# at head dims of one column part (64) and of several (kernel.plan.copy_parts:
+# at head dims of one column part (64) and of several (kernel.tiling.plan.copy_parts:
 # 128 in two of 64, 96 in three of 32, 256 in four), the value's parts
 # unlike the queries' (72 and 96: three of 32 each; 64 and 256).
 UNTILED = [
@@ -269,14 +269,14 @@ def test_a_buffer_and_its_untiled_view_share_their_bytes():
 
 
 def test_three_compute_warpgroups_above_head_dim_64_are_refused_by_name():
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   with pytest.raises(ValueError, match=r"^config.compute_warpgroups: 3 compute warpgroups"):
     lower_attention(dict(B=1, T=256, N=2, H=128, S=256, K=2, Hv=128),
                     config=Config(64, 128, 2, compute_warpgroups=3))
 
 
 def test_a_config_that_does_not_fit_is_refused_with_its_estimate():
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   with pytest.raises(ValueError, match=r"config .* needs an estimated \d+ bytes"):
     lower_attention(dict(B=1, T=256, N=1, H=256, S=1024, K=1, Hv=256),
                     config=Config(128, 256, 4, persistent=True))
@@ -319,7 +319,7 @@ NARROW_HEAD_DIMS = [(96, 96), (80, 80), (72, 64), (64, 96)]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_backward_lowers_in_narrow_rows(d, dv, causal):
   """kernel.experiments' "pallas-narrow-rows" (the backward in the
-  forward's 32-column rows: kernel.plan.backward_head_dims) lowers for CUDA
+  forward's 32-column rows: kernel.tiling.plan.backward_head_dims) lowers for CUDA
   at head dims that are no multiple of 64, each kernel within 227 KiB, and
   computes narrower than the shipped backward's 64-column rows: less
   shared memory in some launch."""
@@ -356,13 +356,13 @@ def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):
   the backward kernels allocate, is never below what the lowering counts for
   its launch and within SMEM_MARGIN_BYTES above it, on each dQ path (fused
   where it fits; the dQ kernel with a bias and under causal)."""
-  from kernel import backward
+  from kernel.tiling import backward_plan
   T = S = 256
   with_bias, is_causal = path == "bias", path == "causal"
   kw = dict(bias_shape=(1, 4, T, S)) if with_bias else {}
   lowered = lower_attention(dict(B=1, T=T, N=4, H=d, S=S, K=2, Hv=dv), gradients=True,
                             is_causal=is_causal, **kw)
-  estimates = backward.smem_estimates(*plan.backward_head_dims(d, dv),
+  estimates = backward_plan.smem_estimates(*plan.backward_head_dims(d, dv),
                                       np.dtype(ml_dtypes.bfloat16), with_bias=with_bias,
                                       is_causal=is_causal)
   # The backward's launches are lowered after the forward, in launch order.

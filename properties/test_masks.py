@@ -1,4 +1,4 @@
-"""kernel.masks without a GPU: the per-register offsets tile the array with
+"""kernel.backward.masks without a GPU: the per-register offsets tile the array with
 the WGMMA layout's thread bases, and the split comparisons (one int per
 thread against one immediate per element) are key <= query and key < limit
 exactly.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-from kernel import masks
+from kernel.backward import masks
 
 SHAPES = [(64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
 
@@ -46,7 +46,7 @@ def test_offsets_cover_the_tile_exactly_once(shape):
 
 def _kept_by_split(shape, key_dim, delta, *, causal):
   """What the select keeps, element by element (threads x elements): the
-  per-thread z of kernel.masks._split_select against its per-element bound."""
+  per-thread z of kernel.backward.masks._split_select against its per-element bound."""
   offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
   bases = _thread_bases()
   key_t, query_t = bases[:, key_dim], bases[:, 1 - key_dim]

@@ -28,7 +28,8 @@ def test_the_catalogue_has_25_runnable_mutants_forward_and_backward():
   assert len(names) == len(set(names))
   runnable = [m for m in mutants.CATALOG if not m.equivalent]
   assert len(runnable) >= 25
-  assert {m.path for m in runnable} >= {"kernel/forward.py", "kernel/backward.py"}
+  passes = {m.path.split("/")[1] for m in runnable}
+  assert passes >= {"forward", "backward"}
   for m in mutants.CATALOG:
     assert m.bug_class and m.edits and all(old and old != new for old, new in m.edits)
     # A runnable mutant names its killers; an equivalent one its argument, no killers.
@@ -46,7 +47,7 @@ def test_every_killer_is_a_test_that_exists():
 
 
 def test_a_patch_that_does_not_apply_exactly_once_is_refused():
-  gone = mutants.Mutant("gone", "test", "kernel/forward.py", (("no such text ~~", "x"),), ("t",))
+  gone = mutants.Mutant("gone", "test", "kernel/forward/context.py", (("no such text ~~", "x"),), ("t",))
   with pytest.raises(mutants.MutantError, match="occurs 0 times"):
     mutants.patched_text(gone, "source")
   twice = dataclasses.replace(gone, edits=(("a", "b"),))
@@ -172,10 +173,10 @@ def test_every_mutant_lowers_for_cuda_and_changes_its_probe(chunk):
 _LOWERING_DEFECTS = """
 import dataclasses
 from harness.tools import mutants, mutant_lowering
-dead = mutants.Mutant("dead", "test", "kernel/forward.py", ((
+dead = mutants.Mutant("dead", "test", "kernel/forward/context.py", ((
     "consumers alike: the global block count, carried across tiles.",
     "consumers alike (edited)."),), ("t",))
-broken = mutants.Mutant("broken", "test", "kernel/forward.py", ((
+broken = mutants.Mutant("broken", "test", "kernel/forward/mainloop.py", ((
     "rows = pl.ds(q_base, c.block_q)", "rows = pl.ds(q_base, c.block_q + 8)"),), ("t",))
 equivalent = dataclasses.replace(dead, name="argued", equivalent="a docstring")
 for p in mutant_lowering.check_lowering([dead, broken, equivalent], out=lambda s: None):

@@ -22,7 +22,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
 
 def test_the_public_api_is_importable_from_the_package():
   from kernel import Config, chosen_config, dot_product_attention, lowering_only
-  from kernel import config
+  from kernel.tiling import config
   assert dot_product_attention is api.dot_product_attention
   assert chosen_config is api.chosen_config and lowering_only is api.lowering_only
   assert Config is config.Config

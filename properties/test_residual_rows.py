@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, strategies as st
 
-from kernel import backward as bwd
+from kernel.backward import launch as bwd_launch
 
 
 @st.composite
@@ -35,7 +35,7 @@ def row_inputs(draw):
 @given(row_inputs())
 def test_rows_match_float64(args):
   m, l, out, d_out, t_pad = args
-  rows = np.asarray(jax.jit(bwd.residual_rows, static_argnums=4)(m, l, out, d_out, t_pad))
+  rows = np.asarray(jax.jit(bwd_launch.residual_rows, static_argnums=4)(m, l, out, d_out, t_pad))
   B, T, N, D = out.shape
   assert rows.shape == (B, N, 2, t_pad) and rows.dtype == np.float32
   lse2, delta = rows[:, :, 0], rows[:, :, 1]

@@ -1,4 +1,4 @@
-"""The longest-first tile schedule (kernel/schedule.py), exactly, on the CPU.
+"""The longest-first tile schedule (kernel/tiling/schedule.py), exactly, on the CPU.
 
 The kernel walks ``Schedule.order`` (non-persistent: one tile per grid
 point) or the rows of ``Schedule.assign`` (persistent); both are finite
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import example, given, note, settings, strategies as st
 
-from kernel import common, schedule
+from kernel import common
+from kernel.tiling import schedule
 
 
 @st.composite
@@ -339,17 +340,20 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
   """The backward's grids take the sectioned order under causal where it
   was measured faster (kernel.backward.dkv_call's notes), never without
   causal, and the orders cover their grids."""
-  from kernel import backward
+  from kernel.backward import context as bwd_context
+  from kernel.tiling import backward_plan
+  from kernel.backward import dkv as bwd_dkv
+  from kernel.backward import dq as bwd_dq
   for causal in (False, True):
-    f = backward.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
+    f = bwd_context.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
                                   seq_q=seq, seq_kv=seq)
-    blocks = backward.blocks_for(head_dim, head_dim, is_causal=causal)
-    fused = backward.fuses_dq(blocks, with_bias=False, is_causal=causal)
+    blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=causal)
+    fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=causal)
     common_args = dict(batch=batch, group=heads // kv_heads, t_pad=seq, s_pad=seq,
                        head_dims=(head_dim, head_dim), dtype="bfloat16", num_sms=132)
-    dkv = backward.dkv_launch_order(f, blocks, num_kv_heads=kv_heads, fused=fused,
+    dkv = bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=kv_heads, fused=fused,
                                     **common_args)
-    dq = backward.dq_launch_order(f, blocks, num_heads=heads, **common_args)
+    dq = bwd_dq.dq_launch_order(f, blocks, num_heads=heads, **common_args)
     if not causal:
       assert dkv is None and dq is None
       continue
@@ -382,12 +386,16 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
   _at_key_tile reads them), and the dQ kernel's key blocks per query tile
   from kernel.common.kv_block_range, for every rank of the launch order."""
   import jax.numpy as jnp
-  from kernel import backward, padding, variants
+  from kernel import padding, key_ranges as variants
+  from kernel.backward import context as bwd_context
+  from kernel.tiling import backward_plan
+  from kernel.backward import dkv as bwd_dkv
+  from kernel.backward import dq as bwd_dq
   from kernel.validation import AttentionShapes
-  blocks = backward.blocks_for(head_dim, head_dim, is_causal=causal)
+  blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=causal)
   whole = lambda n, m: -(-n // m) * m
   t_pad, s_pad = whole(seq_q, blocks.query_multiple), whole(seq_kv, blocks.key_multiple)
-  f = backward.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
+  f = bwd_context.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
                                 seq_q=seq_q, seq_kv=seq_kv)
   shapes = AttentionShapes(B=1, T=seq_q, S=seq_kv, N=group, K=1, H=head_dim, Hv=head_dim)
   ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
@@ -402,14 +410,14 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
     first = j * blocks.dkv_tile // blocks.dkv_stream_q if causal else 0
     start, stop = max(first, int(lo[0, 0, j])), min(nq, int(hi[0, 0, j]))
     steps.append(group * max(stop - start, 0))
-  assert backward.key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad,
+  assert bwd_dkv.key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad,
                                    window=(left, right)) == steps
   qi = jnp.arange(t_pad // blocks.dq_tile, dtype=jnp.int32)
   lb, ub = common.kv_block_range(
       qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
       seq_kv=seq_kv, is_causal=causal, k_start_min=start_min[0, 0], k_end_max=end_max[0, 0])
   steps = np.maximum(np.asarray(ub) - np.asarray(lb), 0)[::-1].tolist()
-  assert backward.query_tile_weights(f, blocks, t_pad=t_pad, window=(left, right)) == steps
+  assert bwd_dq.query_tile_weights(f, blocks, t_pad=t_pad, window=(left, right)) == steps
 
 
 @pytest.mark.parametrize("head_dim,seq,batch,heads,window", [
@@ -421,16 +429,19 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
   """Under a local window the tiles' work is even (but near the ends), so
   sections cannot repay their spread and both grids launch head by head;
   the same causal shape without the window keeps its sectioned orders."""
-  from kernel import backward
-  f = backward.BackwardFeatures(scale=0.1, is_causal=True, logits_soft_cap=None,
+  from kernel.backward import context as bwd_context
+  from kernel.tiling import backward_plan
+  from kernel.backward import dkv as bwd_dkv
+  from kernel.backward import dq as bwd_dq
+  f = bwd_context.BackwardFeatures(scale=0.1, is_causal=True, logits_soft_cap=None,
                                 seq_q=seq, seq_kv=seq)
-  blocks = backward.blocks_for(head_dim, head_dim, is_causal=True)
-  fused = backward.fuses_dq(blocks, with_bias=False, is_causal=True)
+  blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=True)
+  fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=True)
   args = dict(batch=batch, group=1, t_pad=seq, s_pad=seq, head_dims=(head_dim, head_dim),
               dtype="bfloat16", num_sms=132)
-  dkv = lambda w: backward.dkv_launch_order(f, blocks, num_kv_heads=heads, fused=fused,
+  dkv = lambda w: bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=heads, fused=fused,
                                             window=w, **args)
-  dq = lambda w: backward.dq_launch_order(f, blocks, num_heads=heads, window=w, **args)
+  dq = lambda w: bwd_dq.dq_launch_order(f, blocks, num_heads=heads, window=w, **args)
   assert dkv(window) is None and dq(window) is None
   assert dq(None) is not None
   assert (dkv(None) is not None) == (not fused)
@@ -448,7 +459,10 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
   import jax.numpy as jnp
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-  from kernel import api, backward
+  from kernel import api
+  from kernel.backward import context as bwd_context
+  from kernel.tiling import backward_plan
+  from kernel.backward import dkv as bwd_dkv
 
   grids, reads = [], {}
   lower_kernel = mgpu_lowering.mgpu_core._lower_as_gpu_kernel
@@ -475,11 +489,11 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
       jax.export.export(jax.jit(toy), platforms=["cuda"])()
     assert grids == [(5, 3, 2)] and reads == {"a": "z", "b": "y", "c": "x"}
     grids.clear()
-    f = backward.BackwardFeatures(scale=0.1, is_causal=False, logits_soft_cap=None,
+    f = bwd_context.BackwardFeatures(scale=0.1, is_causal=False, logits_soft_cap=None,
                                   seq_q=512, seq_kv=768)
-    blocks = backward.blocks_for(64, 64, is_causal=False)
+    blocks = backward_plan.blocks_for(64, 64, is_causal=False)
     sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
-    dkv = lambda q, k, v, do, rows: backward.dkv_call(q, k, v, do, rows, None, None, None,
+    dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None,
                                                       None, f=f, blocks=blocks)
     with api.lowering_only():
       jax.export.export(jax.jit(dkv), platforms=["cuda"])(

@@ -3,7 +3,7 @@ visibly, elsewhere): an order decides which SM runs a tile and when, never
 what the tile computes, so every order gives the same bits.
 
 The shapes are the ones where the shipped order differs from the others
-(kernel/schedule.py): d256 causal B1 at 9522 tokens, where the light tiles
+(kernel/tiling/schedule.py): d256 causal B1 at 9522 tokens, where the light tiles
 run last (``schedule.light_last_gain``), and d128 causal B1 at 12017 tokens,
 where the L2 sections are evened (``schedule.longest_first``).  The test
 first checks, on the host, that the orders it compares do differ, so it
@@ -20,7 +20,7 @@ import pytest
 
 from harness.tools import schedule_report
 from kernel import experiments
-from kernel.config import Config
+from kernel.tiling.config import Config
 
 pytestmark = pytest.mark.gpu
 

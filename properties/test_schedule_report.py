@@ -24,7 +24,7 @@ def test_the_12017_row_is_the_evening_the_schedule_predicts():
 
 
 def test_the_d256_9522_row_runs_its_light_tiles_last():
-  """The model's case for deferring (kernel.schedule.light_last_gain): d256
+  """The model's case for deferring (kernel.tiling.schedule.light_last_gain): d256
   causal, B1, sections of 3, 3 and 2 heads, 1.157 of the mean in order."""
   r = sr.row(256, 9522, True)
   assert r["shipped"]["sections"] == (3, 3, 2) and r["shipped"]["light_last"]
@@ -50,7 +50,7 @@ def test_the_backward_rows_deal_each_kernel_s_launch_order():
   """d128 causal 16k: dQ has its own kernel, and both grids launch in
   sections whose deal is within 1 % of the ideal; d64 causal 4k fuses dQ
   and launches its dK/dV grid head by head (the sections do not repay the
-  spread of the fused dQ's reduce-adds: kernel.schedule.MIN_SECTION_GAIN)."""
+  spread of the fused dQ's reduce-adds: kernel.tiling.schedule.MIN_SECTION_GAIN)."""
   r = sr.backward_row(128, 16384)
   assert not r["fused"] and r["dkv"]["sections"] == r["dq"]["sections"] == (4, 3, 3, 3, 3)
   assert 1.0 <= r["dkv"]["tail"] < 1.01 and 1.0 <= r["dq"]["tail"] < 1.01

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import settings
 
 from harness.tools import mesh_lowering
-from kernel import backward
+from kernel.tiling import backward_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {c.name: c for c in mesh_lowering.CASES}
@@ -67,7 +67,7 @@ def _expected_launches(case) -> int:
   if not case.gradients:
     return 1
   _, _, _, H, _, _ = case.dims
-  return 1 + len(backward.launches(H, H, with_bias=case.bias is not None,
+  return 1 + len(backward_plan.launches(H, H, with_bias=case.bias is not None,
                                    is_causal=dict(case.kwargs).get("is_causal", False)))
 
 

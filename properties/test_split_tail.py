@@ -1,4 +1,4 @@
-"""The split tail (``Config(schedule="split-tail")``, kernel/schedule.py), on
+"""The split tail (``Config(schedule="split-tail")``, kernel/tiling/schedule.py), on
 the CPU: its deal exactly, its merge against float64, its refusals.
 
 The deal is a finite table computed from static shapes, checked whole:
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
-from kernel import plan, schedule
-from kernel.config import Config
-from kernel.forward import merge_pieces
+from kernel.tiling import plan, schedule
+from kernel.tiling.config import Config
+from kernel.forward.order import merge_pieces
 
 deals = st.fixed_dictionaries({
     "batch": st.integers(1, 3), "num_heads": st.integers(1, 6),
@@ -205,7 +205,7 @@ def test_merged_pieces_give_the_whole_rows(batch, heads, seq_q, seq_kv, sms, nor
 
 
 def test_a_nan_in_one_piece_makes_its_rows_nan_and_no_other():
-  """Rows the variants poison (kernel/variants.py: NaN in out, m and l) stay
+  """Rows the variants poison (kernel/key_ranges.py: NaN in out, m and l) stay
   NaN through the merge, and an unused entry of the slot table (which reads
   slot 0) carries none of slot 0's NaN into another tile."""
   split = schedule.split_tail(batch=1, num_heads=1, num_tiles=3, num_blocks=4, num_sms=2)
@@ -242,7 +242,7 @@ def test_the_split_tail_is_refused_by_name_where_it_cannot_run():
 
 def test_the_split_tail_always_allocates_the_residuals_it_merges_by():
   """The kernel returns (m, l) under the split tail whether or not the
-  caller asked (kernel.plan.kernel_problem), and the estimate counts them."""
+  caller asked (kernel.tiling.plan.kernel_problem), and the estimate counts them."""
   import ml_dtypes
   problem = plan.Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 4096, 4096)
   split = Config(64, 128, 2, True, "split-tail")

@@ -19,7 +19,8 @@ from hypothesis import assume, given, note, settings
 from harness.numerics import strategies as hs
 from harness.numerics.conformance import (ForwardCase, check_forward, gradient_reports,
                                           poison_device_memory, run_kernel)
-from kernel import api, experiments, heuristics
+from kernel import api, experiments
+from kernel.tiling import heuristics
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@
 * The float64 reference's lengths, windows and causal mask agree with
   jax.nn's XLA implementation in float32; its segments with a dense mask
   (and with jax.nn given that mask).
-* The kernel-side mapping (kernel/variants.py: per-row key ranges, the
+* The kernel-side mapping (kernel/key_ranges.py: per-row key ranges, the
   "any" layout's mask, the rows it poisons) sees exactly the keys the
   reference's elementwise definition does.
 * Malformed lengths, windows, segment ids and flags raise a ValueError
@@ -30,7 +30,7 @@ from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import reference as ref_lib
 from harness.numerics import strategies as hs
-from kernel import api, variants
+from kernel import api, key_ranges as variants
 from kernel.validation import AttentionShapes, validate_attention_args
 
 # ---------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def _qkv(shapes):
 @settings(max_examples=30)
 @given(case=st.one_of(_mapping_cases(), _mapping_cases(segments_only=True)))
 def test_key_ranges_see_exactly_the_keys_of_the_definition(case):
-  """Per row, the keys kernel/variants.py lets through (key ranges combined
+  """Per row, the keys kernel/key_ranges.py lets through (key ranges combined
   with the user's, plus the "any" layout's mask) are exactly the keys the
   reference's elementwise definition lets through, on every row the
   contiguous layout does not poison; a poisoned row is one whose allowed
@@ -414,7 +414,7 @@ def test_validation_reads_shapes_only():
 # ---------------------------------------------------------------------------
 # Block skipping: the key blocks a query tile visits, from the ranges the
 # variants become, are exactly the blocks that hold a key some row of the
-# tile sees (read from the definitions, per row, without kernel/variants.py).
+# tile sees (read from the definitions, per row, without kernel/key_ranges.py).
 
 _SKIP_BLOCK_Q, _SKIP_BLOCK_KV = 64, 128
 
@@ -517,10 +517,10 @@ def test_packed_segments_visit_only_their_documents_blocks(T, docs, is_causal):
 
 
 def _schedule(T, S, window, is_causal, *, heads=1):
-  from kernel import forward
+  from kernel.forward import order as fwd_order
   from kernel.validation import normalize_window
   tile = 2 * _SKIP_BLOCK_Q
-  return forward.tile_schedule(
+  return fwd_order.tile_schedule(
       batch=1, num_heads=heads, num_kv_heads=heads, num_tiles=-(-T // tile),
       s_pad=-(-S // _SKIP_BLOCK_KV) * _SKIP_BLOCK_KV, head_dim=128, head_dim_out=128,
       itemsize=2, tile_q=tile, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
@@ -548,7 +548,7 @@ def test_longest_first_balances_a_causal_window():
   block more than one tile's work past the average, counted in the blocks
   the kernel runs; weighed by causal alone (the window unseen) the most
   loaded block carries more (max/mean 1.058 against 1.022)."""
-  from kernel import schedule
+  from kernel.tiling import schedule
   T, heads, window = 16384, 16, (1024, 0)
   visited = _visited_blocks(T, T, dict(local_window_size=window), is_causal=True)
   cost = lambda order, t: (visited[order.unpack(t)[2], 1] - visited[order.unpack(t)[2], 0]
@@ -571,10 +571,11 @@ def test_longest_first_balances_a_causal_window():
     (1000, dict(local_window_size=(100, 0)), True),
 ])
 def test_the_launch_ranks_tiles_by_the_blocks_the_kernel_visits(T, kw, is_causal):
-  """``forward.range_tile_blocks``, the weights a launch over key ranges is
+  """``fwd_order.range_tile_blocks``, the weights a launch over key ranges is
   ranked by on the device, is each tile's key loop length under the
   ranges (kernel.padding.key_ranges' tile bounds, kernel.common's rule)."""
-  from kernel import forward, padding
+  from kernel import padding
+  from kernel.forward import order as fwd_order
   if "segments" in kw:
     (docs,) = kw.pop("segments")
     ids = jnp.asarray(np.repeat(np.arange(len(docs)), docs)[None, :T].astype(np.int32))
@@ -588,7 +589,7 @@ def test_the_launch_ranks_tiles_by_the_blocks_the_kernel_visits(T, kw, is_causal
   tile = 2 * _SKIP_BLOCK_Q
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=T, tile=tile,
                                    num_tiles=-(-T // tile))
-  got = forward.range_tile_blocks(tiles, num_tiles=-(-T // tile), tile_q=tile,
+  got = fwd_order.range_tile_blocks(tiles, num_tiles=-(-T // tile), tile_q=tile,
                                   block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=T,
                                   is_causal=is_causal)
   assert np.asarray(got)[0, 0].tolist() == (visited[:, 1] - visited[:, 0]).tolist()
@@ -600,8 +601,8 @@ def test_only_a_non_persistent_longest_first_launch_over_key_ranges_is_reranked(
   longest-first launch takes its order from ``Schedule.reranked``; the
   persistent one deals the static order, and a call without key ranges
   launches the static order."""
-  from kernel import schedule
-  from kernel.config import Config
+  from kernel.tiling import schedule
+  from kernel.tiling.config import Config
   calls = []
   real = schedule.Schedule.reranked
   monkeypatch.setattr(schedule.Schedule, "reranked",
@@ -634,7 +635,7 @@ def test_a_window_forward_runs_no_device_work_before_the_kernel(is_causal):
   executable (an iota-rooted computation does not fold; it ran as kernels
   before every call).  With kv lengths beside the window, traced, the
   device work is back: the check can fail."""
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   q, k, v = _arrays()
   specs = jax.ShapeDtypeStruct(q.shape, q.dtype), *(jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                     for x in (k, v))
@@ -663,7 +664,8 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
   (Features.window_ranges): the static longest-first order, weighed by the
   window, IS the order ``Schedule.reranked`` gives by the key blocks each
   tile visits under those ranges, at any lengths."""
-  from kernel import forward, padding
+  from kernel import padding
+  from kernel.forward import order as fwd_order
   sds = lambda n: jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
   routed = variants.route(sds(seq_q), sds(seq_kv), sds(seq_kv), None, None, None, None,
                           local_window_size=(left, right))
@@ -673,12 +675,12 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
   num_tiles = -(-seq_q // (2 * block_q))
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=seq_kv,
                                    tile=2 * block_q, num_tiles=num_tiles)
-  order = forward.tile_schedule(
+  order = fwd_order.tile_schedule(
       batch=1, num_heads=2, num_kv_heads=2, num_tiles=num_tiles,
       s_pad=-(-seq_kv // block_kv) * block_kv, head_dim=64, head_dim_out=64, itemsize=2,
       tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
       window=(left, right))
-  ranked = order.reranked(forward.range_tile_blocks(
+  ranked = order.reranked(fwd_order.range_tile_blocks(
       tiles, num_tiles=num_tiles, tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q,
       seq_kv=seq_kv, is_causal=is_causal))
   assert np.asarray(ranked).tolist() == np.asarray(order.order).tolist()
@@ -689,7 +691,7 @@ def test_poisoned_rows_without_key_ranges_are_refused_by_name():
   to poison rows without one is refused at trace time, not run silently."""
   import dataclasses
   from kernel import forward
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   features = forward.Features(scale=0.125, is_causal=True, logits_soft_cap=None,
                               rescale_threshold=1.0, normalize_output=True,
                               return_residuals=False, seq_q=256, seq_kv=256)
@@ -707,11 +709,11 @@ def test_the_api_hands_the_window_to_the_longest_first_schedule_only(monkeypatch
   """Lowered through the API: the schedule gets the call's window under
   schedule="longest-first" (and the default schedule takes no window, so a
   window's value keys no compile)."""
-  from kernel import forward
-  from kernel.config import Config
+  from kernel.forward import order as fwd_order
+  from kernel.tiling.config import Config
   seen = []
-  real = forward.tile_schedule
-  monkeypatch.setattr(forward, "tile_schedule",
+  real = fwd_order.tile_schedule
+  monkeypatch.setattr(fwd_order, "tile_schedule",
                       lambda **kw: seen.append(kw["window"]) or real(**kw))
   q, k, v = _arrays()
   for config in (Config(64, 128, 2, persistent=True, schedule="longest-first"),

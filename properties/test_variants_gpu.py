@@ -31,7 +31,7 @@ from harness.numerics import strategies as hs
 from harness.numerics import tolerance
 from harness.numerics.conformance import check_gradients, compute_dtype
 from kernel import api
-from kernel.config import Config
+from kernel.tiling.config import Config
 from kernel.validation import AttentionShapes
 
 LONGEST_FIRST = Config(64, 128, 2, persistent=True, schedule="longest-first")

@@ -16,7 +16,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t=$SECONDS
 
 { nvidia-smi -L; "$py" -c 'import jax; print("jax", jax.__version__)'; git rev-parse HEAD 2>/dev/null; } > "$out/device.txt" 2>&1
 step autotune 270 "$py" -m harness autotune --shapes "$shapes" --report "$out/autotune-report.json"
-cp kernel/autotune_cache.json "$out/" 2>/dev/null
+cp kernel/tiling/autotune_cache.json "$out/" 2>/dev/null
 step golden-update 160 "$py" -m harness golden update
 tar -cf "$out/golden.tar" golden
 step device-check 130 "$py" -m harness.tools.device_check --variants persistent,non-persistent --out "$out/check.json"

@@ -22,7 +22,7 @@ The lengths and the window are jax.nn.dot_product_attention's (an int window
 w means (w, w)); the segment ids are packed sequences' (Flax, tokamax).
 They are applied here as the elementwise conditions above, with no key
 ranges, so that the kernel's mapping of them onto key ranges
-(kernel/variants.py) is checked against an independent reading.  A padded
+(kernel/key_ranges.py) is checked against an independent reading.  A padded
 query row (i >= query_seq_lengths[b]) is a fully masked row.
 
 Residuals: ``m`` and ``l`` have shape (B, N, T). ``m`` is in NATURAL-log space

@@ -36,7 +36,7 @@ class ForwardCase:
   overlay_residuals: bool = False
   compute_warpgroups: int = 2   # Config.compute_warpgroups: consumers of the ring
   layout_head_dim_out: int = 64
-  # Copies through untiled views (kernel.plan.Problem.untiled_copies): the
+  # Copies through untiled views (kernel.tiling.plan.Problem.untiled_copies): the
   # buffers mirrored by their untiled views, which the extraction reads as
   # the same buffers, in column parts, one wgmma per part.
   untiled_copies: bool = False
@@ -50,11 +50,11 @@ class ForwardCase:
 
   @property
   def parts(self) -> tuple[int, int]:
-    """(query/key, value) column parts (kernel.plan.copy_parts): a product's
+    """(query/key, value) column parts (kernel.tiling.plan.copy_parts): a product's
     wgmma issues, where untiled copies cut rows into parts, else (1, 1)."""
     if not self.untiled_copies:
       return (1, 1)
-    from kernel import plan as plan_lib
+    from kernel.tiling import plan as plan_lib
     # 16-bit elements, as every problem of the grid and every traced case.
     return (plan_lib.copy_parts(self.head_dim, 2)[0], plan_lib.copy_parts(self.head_dim_out, 2)[0])
 
@@ -65,8 +65,8 @@ class ForwardCase:
 
   @property
   def tile_q(self) -> int:
-    """The config's query tile (kernel.config.Config.tile_q)."""
-    from kernel.config import Config
+    """The config's query tile (kernel.tiling.config.Config.tile_q)."""
+    from kernel.tiling.config import Config
     return Config(self.block_q, self.block_kv,
                   compute_warpgroups=self.compute_warpgroups).tile_q
 
@@ -101,10 +101,10 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
   """Every distinct forward protocol of the configs the heuristics and the
   autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
   how many (problem, config) pairs it covers: the heuristic's, the one
-  ``config=None`` takes with key ranges (kernel.autotune.choose), the one it
+  ``config=None`` takes with key ranges (kernel.tiling.autotune.choose), the one it
   takes from the shipped cache on the H200 (its entry, or the nearest
   entry, perhaps of a wider head dim), and every autotuning candidate."""
-  from kernel import autotune, heuristics, plan as plan_lib
+  from kernel.tiling import autotune, heuristics, plan as plan_lib
   found: dict = {}
   for p in problems:
     configs = []
@@ -151,11 +151,11 @@ def backward_cases() -> list[BackwardCase]:
   """Every launch kind kernel/backward.py makes: with and without the fused
   dQ, and where it applies (kernel.backward.fuses_dq) its fixed-point sum
   as well."""
-  from kernel import backward
+  from kernel.tiling import backward_plan
   plain = [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
            for b in (False, True) for f in (True, False)]
   fixed = [dataclasses.replace(case, fixed_point=True) for case in plain
-           if case.fuse_dq and backward.fuses_dq(
-               backward.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal),
+           if case.fuse_dq and backward_plan.fuses_dq(
+               backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal),
                with_bias=case.bias, is_causal=case.causal)]
   return plain + fixed

@@ -148,7 +148,7 @@ class Event:
   n: int = 0                   # wgmma_wait / store_wait: groups left in flight
   bar_id: int | None = None    # named barriers
   threads: int = 0
-  family: str = ""             # named barriers: the kernel/barriers.py helper family
+  family: str = ""             # named barriers: the kernel/sync/barriers.py helper family
 
   def where(self):
     return (self.buf, self.slot)
@@ -268,7 +268,7 @@ def _barrier_family_uncached(source_info) -> str:
   frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
   family = ""
   for f in frames:  # innermost first: keep the outermost helper of barriers.py
-    if os.path.abspath(f.file_name).endswith(os.path.join("kernel", "barriers.py")):
+    if os.path.abspath(f.file_name).endswith(os.path.join("kernel", "sync", "barriers.py")):
       name = f.function_name.split(".")[0]
       if name != "_bar":
         family = name
@@ -314,11 +314,11 @@ run_state swap""".split())
 
 
 def _is_register_select(fn) -> bool:
-  """kernel/masks.py's selects (causal, key limit): an inline_mgpu on registers alone (its
+  """kernel/backward/masks.py's selects (causal, key limit): an inline_mgpu on registers alone (its
   asm is a setp and a selp per element, no ref operand, no barrier), so it
   neither synchronises nor touches memory."""
   code = getattr(fn, "__code__", None)
-  return (code is not None and code.co_filename.endswith(os.path.join("kernel", "masks.py"))
+  return (code is not None and code.co_filename.endswith(os.path.join("kernel", "backward", "masks.py"))
           and fn.__qualname__ == "_split_select.<locals>.select")
 
 
@@ -822,11 +822,11 @@ class _Interp:
     if _is_register_select(fn):
       return [OPAQUE] * len(eqn.outvars)
     code = getattr(fn, "__code__", None)
-    if (code is None or not code.co_filename.endswith(os.path.join("kernel", "barriers.py"))
+    if (code is None or not code.co_filename.endswith(os.path.join("kernel", "sync", "barriers.py"))
         or fn.__qualname__ != "_bar.<locals>._emit"):
       raise UnknownPrimitive(
           f"{src}: inline_mgpu {getattr(fn, '__qualname__', fn)!r} is not one of "
-          f"kernel/barriers.py's named barriers; the extractor cannot see what it does")
+          f"kernel/sync/barriers.py's named barriers; the extractor cannot see what it does")
     closure = inspect.getclosurevars(fn).nonlocals
     kind, threads = closure["kind"], int(closure["num_threads"])
     if kind not in ("sync", "arrive"):
@@ -860,7 +860,7 @@ _RING_NAMES: dict = {}  # (event kind, kernel file:line) -> _ring_verb_name
 
 
 def _ring_verb_name(e) -> str | None:
-  """A line that calls a verb of kernel/ring.py (``keys.consumer_wait(st,
+  """A line that calls a verb of kernel/sync/ring.py (``keys.consumer_wait(st,
   "bias")``) names what it touches after the ring and the buffer it names:
   ``keys.bias`` for the buffer, ``keys.bias.produced`` for its barriers,
   ``keys.consumed``."""
@@ -973,7 +973,7 @@ def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=
   counts, including zero, are the prover's to choose."""
   import jax.numpy as jnp
   from kernel import api, forward
-  forward = module or forward  # a mutated copy of kernel/forward.py, in the tests
+  forward = module or forward  # a mutated copy of the kernel package's, in the tests
   sds = jax.ShapeDtypeStruct
   tile = config.tile_q
   t_pad, s_pad = num_tiles * tile, kv_blocks * config.block_kv

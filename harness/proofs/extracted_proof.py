@@ -58,7 +58,7 @@ the environment that shows it):
   and never passes on an older phase.
 * **no deadlock**: every reachable state steps or is the end.
 * **named barriers**: ids outside Mosaic GPU's reserved ones and the
-  hardware's 16, one use (kernel/barriers.py helper) per id, one thread count
+  hardware's 16, one use (kernel/sync/barriers.py helper) per id, one thread count
   per id, and no generation completed by one role's arrivals alone (a
   barrier that synchronises with nobody: a token passed to oneself).
 * **async-proxy ordering**: shared memory written by ordinary stores is fenced
@@ -109,7 +109,7 @@ import time
 from harness.proofs.extract import Event
 from harness.proofs.role_programs import (AHEAD_CAP, N_CAP, CoverageError, LaunchProgram,
                                    RoleProgram)
-from kernel import barriers as kbarriers
+from kernel.sync import barriers as kbarriers
 
 MAX_STATES = 3_000_000
 PRE, HEAD, ITER, TAIL, POST, DONE = range(6)

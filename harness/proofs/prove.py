@@ -2,8 +2,8 @@
 kernels, read out of their traced jaxprs and proved for every config the
 kernel can be asked to run and every environment.
 
-The configs are those :func:`kernel.heuristics.get_heuristics_config` and
-:func:`kernel.heuristics.get_autotuning_configs` emit over
+The configs are those :func:`kernel.tiling.heuristics.get_heuristics_config` and
+:func:`kernel.tiling.heuristics.get_autotuning_configs` emit over
 :func:`problem_grid` (head dims, dtypes, staged bias/mask, causal, residuals,
 sequence lengths), reduced to the forward protocols they differ in
 (:func:`harness.proofs.cases.forward_cases`); the backward's are every
@@ -37,10 +37,10 @@ import ml_dtypes
 import numpy as np
 
 from harness.proofs import cases
-from kernel import plan as plan_lib
+from kernel.tiling import plan as plan_lib
 
 # 192: a head dim the cache has no entries of, which reads the wider 256's;
-# 96: 32-column rows (kernel.plan.padded_head_dims), which read 128's.
+# 96: 32-column rows (kernel.tiling.plan.padded_head_dims), which read 128's.
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 # (seq_q, seq_kv): one key block, a partial block, a few blocks, many blocks.
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     from harness.proofs import protocol_mutants
     if args.mutant not in protocol_mutants.BY_NAME:
       parser.error(f"--mutant: {args.mutant!r} is none of {sorted(protocol_mutants.BY_NAME)}")
-    first = "forward" if protocol_mutants.BY_NAME[args.mutant].kernel == "forward.py" else "backward"
+    first = "forward" if protocol_mutants.BY_NAME[args.mutant].kernel == "forward" else "backward"
   elif args.fail_fast:
     first = "forward"
   cache = None

@@ -38,7 +38,7 @@ LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_pro
                  "harness/proofs/protocol_mutants.py", "harness/proofs/prove_cache.py")
 # What a check's verdict is made from.
 CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",
-                 "harness/proofs/extract.py", "kernel/barriers.py", "harness/proofs/prove_cache.py")
+                 "harness/proofs/extract.py", "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
 
 
 def _files(paths):

@@ -258,12 +258,12 @@ def _kv_blocks(ring: rp.Ring) -> int:
   return max(_probe_trips(ring), ring.classes + rp.AHEAD_CAP) + 2
 
 
-def trace_case(case: ForwardCase, *, module=None):
+def trace_case(case: ForwardCase, *, modules=None):
   """The closed jaxpr and kernel eqn of ``case`` traced on the CPU: a
   persistent grid of PROBE_SMS blocks and probe_tiles tiles each, or enough
   query tiles that the probed block's causal bound allows every probe."""
-  from kernel import config as config_lib, forward, plan as plan_lib
-  module = module or forward
+  from kernel.tiling import config as config_lib, plan as plan_lib
+  modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
   config_stages = case.config_stages or case.num_stages
   # effective stages = min(config, key blocks): fewer stages means that few keys
@@ -274,7 +274,7 @@ def trace_case(case: ForwardCase, *, module=None):
     # so every probed block ends its tiles with pieces (SplitTail).
     num_tiles += PROBE_SMS // 2
   seq_q = num_tiles * case.tile_q
-  features = module.Features(
+  features = modules.forward.Features(
       scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
       normalize_output=True, return_residuals=case.residuals, seq_q=seq_q,
       seq_kv=kv_blocks * case.block_kv, stage_2d=case.bias or case.mask,
@@ -295,13 +295,13 @@ def trace_case(case: ForwardCase, *, module=None):
   closed, kernel = ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
                                     head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                     bias=case.bias, mask=case.mask,
-                                    module=module, num_sms=PROBE_SMS)
+                                    module=modules.forward, num_sms=PROBE_SMS)
   return closed, kernel, features
 
 
 def _split_tail_table(consts: dict, case: ForwardCase):
   """The split tail's entry table (blocks, 4, entries) among the traced
-  constants (kernel.schedule.SplitTail.table), or None for other schedules."""
+  constants (kernel.tiling.schedule.SplitTail.table), or None for other schedules."""
   if case.schedule != "split-tail":
     return None
   found = [v for v in consts.values() if v.ndim == 3 and v.shape[1] == 4]
@@ -316,13 +316,12 @@ def probe_tiles(ring: rp.Ring) -> int:
   return ring.classes + 2
 
 
-def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.LaunchProgram:
+def forward_program(case: ForwardCase, *, modules=None, traced=None) -> rp.LaunchProgram:
   """The role programs of ``case``'s blocks, learned from probes: a first
   round that walks many contexts (and several again), then one probe per
   context the learned tables still lack (:meth:`harness.proofs.role_programs.Learner.missing`)."""
-  from kernel import forward
-  module = module or forward
-  closed, kernel, features = traced or trace_case(case, module=module)
+  modules = modules or shipped_modules()
+  closed, kernel, features = traced or trace_case(case, modules=modules)
   ring = _ring(case.num_stages)
   consts = _const_values(closed, kernel)
   num_tiles = features.seq_q // case.tile_q
@@ -334,7 +333,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
   def actual(qi, lb, n):
     """The key blocks the kernel visits for a requested range (the causal
     bound may cut it), by the kernel's own rule."""
-    lo, hi = module.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv,
+    lo, hi = modules.common.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv,
                                    seq_q=features.seq_q, seq_kv=features.seq_kv,
                                    is_causal=case.causal, k_start_min=lb * bkv,
                                    k_end_max=(lb + n) * bkv)
@@ -345,7 +344,7 @@ def forward_program(case: ForwardCase, *, module=None, traced=None) -> rp.Launch
     entry only, by the kernel's rule (kernel.common.piece_block_range)."""
     if split is None:
       return lo, n
-    first, end = module.piece_block_range(lo, lo + n, int(split[sm, 1, entry]),
+    first, end = modules.common.piece_block_range(lo, lo + n, int(split[sm, 1, entry]),
                                           int(split[sm, 2, entry]))
     return first, end - first
 
@@ -437,13 +436,13 @@ def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
 # -- backward -------------------------------------------------------------------
 
 def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
-                   module=None, fixed_point=False):
+                   modules=None, fixed_point=False):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
   CPU, and its Mosaic GPU kernels in launch order."""
   import jax
   import jax.numpy as jnp
-  from kernel import api, backward
-  module = module or backward
+  from kernel import api
+  modules = modules or shipped_modules()
   sds = jax.ShapeDtypeStruct
   q = sds((1, seq_q, 1, head_dim), jnp.bfloat16)
   k = sds((1, seq_kv, 1, head_dim), jnp.bfloat16)
@@ -452,7 +451,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   kr = sds((1, 1, seq_q), jnp.int32) if ranges else None
 
   def fn(q, k, v, b, ks, ke, o, m, l, do):
-    return module.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do, scale=0.125,
+    return modules.backward.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do, scale=0.125,
                                      is_causal=causal, fuse_dq=fuse_dq,
                                      fixed_point_dq=fixed_point)
 
@@ -491,18 +490,17 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
   raise ex.ExtractionError(f"no dQ grid point of {num_tiles} reads the last tile's key range")
 
 
-def backward_stages(case: BackwardCase, *, module=None) -> list[int]:
+def backward_stages(case: BackwardCase, *, modules=None) -> list[int]:
   """The ring depth of each launch of one backward, in launch order, from
   the mbarrier plans kernel.backward.launches gives (its "consumed"
   barriers, one per slot): the launches of one backward may differ."""
-  from kernel import backward
-  module = module or backward
-  plans = module.launches(case.head_dim, case.head_dim, with_bias=case.bias,
+  modules = modules or shipped_modules()
+  plans = modules.backward_plan.launches(case.head_dim, case.head_dim, with_bias=case.bias,
                           is_causal=case.causal, fuse_dq=case.fuse_dq)
   return [next(b.num_barriers for b in plan if b.name == "consumed") for _, plan in plans]
 
 
-def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgram]:
+def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
   The dK/dV kernels stream the query blocks (``blocks.dkv_stream_q`` rows,
@@ -515,10 +513,9 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   and each context the learned tables still lack.  The dQ kernel's tile
   reads its key range from the tables: probed at the long trace's last tile
   for the same n, then for each missing context likewise."""
-  from kernel import backward
-  module = module or backward
-  blocks = module.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
-  rings = [_ring(s) for s in backward_stages(case, module=module)]
+  modules = modules or shipped_modules()
+  blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
+  rings = [_ring(s) for s in backward_stages(case, modules=modules)]
   long = max(_probe_trips(r) for r in rings)
   tile = blocks.dq_tile
   # the dQ kernel's last tile bounds its causal range at 2 * (tiles) blocks
@@ -530,7 +527,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
   for seq_q in shapes:
     closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
                                      fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
-                                     module=module, fixed_point=case.fixed_point)
+                                     modules=modules, fixed_point=case.fixed_point)
     if not learners:
       if len(rings) != len(kernels):
         raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "
@@ -558,7 +555,7 @@ def backward_programs(case: BackwardCase, *, module=None) -> list[rp.LaunchProgr
           launch = ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at},
                                      name="dq")
           (qi,) = env.order
-          lo, hi = module.kv_block_range(
+          lo, hi = modules.common.kv_block_range(
               qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
               seq_kv=seq_kv, is_causal=case.causal, k_start_min=lb * blocks.dq_stream_kv,
               k_end_max=(lb + n) * blocks.dq_stream_kv)
@@ -633,20 +630,27 @@ class Result:
     return self.violation is None and self.premise is None
 
 
-_MUTANTS: dict = {}   # mutant name -> (forward module, backward module), per process
+_MUTANTS: dict = {}   # mutant name -> its kernel modules, per process
+
+
+def shipped_modules():
+  """The shipped kernel modules the proof traces, as
+  harness.proofs.protocol_mutants.load gives a mutant's."""
+  import types
+  from kernel import backward, common, forward
+  from kernel.tiling import backward_plan
+  return types.SimpleNamespace(forward=forward, backward=backward, common=common,
+                               backward_plan=backward_plan)
 
 
 def _modules(mutant):
   """The kernel modules to trace: the shipped ones, or ``mutant``'s edit of
   one of them (harness/proofs/protocol_mutants.py)."""
-  from kernel import backward, forward
   if mutant is None:
-    return forward, backward
+    return shipped_modules()
   if mutant not in _MUTANTS:
     from harness.proofs import protocol_mutants
-    m = protocol_mutants.BY_NAME[mutant]
-    mod = protocol_mutants.load(m)
-    _MUTANTS[mutant] = (mod, backward) if m.kernel == "forward.py" else (forward, mod)
+    _MUTANTS[mutant] = protocol_mutants.load(mutant)
   return _MUTANTS[mutant]
 
 
@@ -658,20 +662,20 @@ def _programs_of(item):
 
 
 def _learn(kind, case, mutant):
-  forward, backward = _modules(mutant)
+  modules = _modules(mutant)
   start = time.perf_counter()
   try:
     if kind == "forward":
-      progs = [(case.describe(), forward_program(case, module=forward))]
+      progs = [(case.describe(), forward_program(case, modules=modules))]
     else:
-      progs = [(p.name, p) for p in backward_programs(case, module=backward)]
+      progs = [(p.name, p) for p in backward_programs(case, modules=modules)]
     return progs, None, time.perf_counter() - start
   except rp.PremiseError as err:
     if kind == "forward":
       stages, persistent = case.num_stages, case.persistent
     else:
       # the deepest ring of the case's launches (the probes name no launch)
-      stages, persistent = max(backward_stages(case, module=backward)), False
+      stages, persistent = max(backward_stages(case, modules=modules)), False
     concrete, why = [], str(err)
     for p in err.probes:
       try:

@@ -1,12 +1,12 @@
 """Autotuning on the GPU: time every candidate config, keep the fastest.
 
-The candidates are ``kernel.heuristics.get_autotuning_configs`` (each already
-filtered by ``kernel.plan.config_fits``).  The winner is written to the cache
-that ``kernel/autotune.py`` reads for ``config=None``, under the signature of
-``kernel.autotune.selection_problem``, so what is tuned is what is found.
+The candidates are ``kernel.tiling.heuristics.get_autotuning_configs`` (each already
+filtered by ``kernel.tiling.plan.config_fits``).  The winner is written to the cache
+that ``kernel/tiling/autotune.py`` reads for ``config=None``, under the signature of
+``kernel.tiling.autotune.selection_problem``, so what is tuned is what is found.
 
 ``python -m harness autotune`` (or ``python -m harness.tools.autotune``) tunes
-:data:`COMMON_SHAPES` and writes ``kernel/autotune_cache.json``;
+:data:`COMMON_SHAPES` and writes ``kernel/tiling/autotune_cache.json``;
 ``--causal-grid`` tunes the causal points of ``bench --grid`` instead, and
 ``--coverage`` the whole set of :func:`coverage_jobs`: every head dim, sequence
 bucket, mask and dtype the shipped cache is meant to answer for.
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 from harness.tools.bench import BenchShape
-from kernel import autotune, heuristics, plan
-from kernel.config import Config
+from kernel.tiling import autotune, heuristics, plan
+from kernel.tiling.config import Config
 
 
 def record(problem: plan.Problem, device_kind: str, config: Config, timings_ms: dict,
@@ -224,7 +224,7 @@ def candidates_for(problem: plan.Problem, restricted=None) -> tuple[Config, ...]
 def split_tail_twins(problem: plan.Problem, entry: dict | None,
                      device_kind: str) -> tuple[Config, ...]:
   """``--split-tail-twins``: the config ``config=None`` runs for ``problem``
-  (the cache entry's, else kernel.autotune.choice's nearest entry or
+  (the cache entry's, else kernel.tiling.autotune.choice's nearest entry or
   heuristic) and its persistent split-tail twin, or () where the twin
   cannot run (causal) or does not fit.  Timing the two decides whether the
   split tail replaces the pick, at two candidates a signature."""

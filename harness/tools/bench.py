@@ -196,11 +196,18 @@ def backward_part_fns(shape: BenchShape) -> dict:
   (``jax.vjp`` with dO).  ``shape.seq`` must be a multiple of the kernels'
   tiles (128), as every benchmark shape is: no padding."""
   import math
-  from kernel import api, backward as bwd, padding, plan as plan_lib
-  f = bwd.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
+  from kernel import api, padding
+  from kernel.backward import launch as bwd_launch
+  from kernel.backward import context as bwd_context
+  from kernel.tiling import backward_plan
+  from kernel.backward import fused_dq
+  from kernel.backward import dkv as bwd_dkv
+  from kernel.backward import dq as bwd_dq
+  from kernel.tiling import plan as plan_lib
+  f = bwd_context.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
                            logits_soft_cap=None, seq_q=shape.seq, seq_kv=shape.seq)
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
-  blocks = bwd.blocks_for(d, d, is_causal=shape.causal)
+  blocks = backward_plan.blocks_for(d, d, is_causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
                              num_tiles=shape.seq // blocks.dq_tile)[2]
   dtype = jnp.dtype(shape.dtype)
@@ -208,7 +215,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
                                                               **kw)
 
   def dkv(q, k, v, do, rows, acc=None):
-    return bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+    return bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
                         dq_accum=acc)
 
   def fused(q, k, v, do, rows):
@@ -222,27 +229,27 @@ def backward_part_fns(shape: BenchShape) -> dict:
   fns = {
       "forward": lambda q, k, v, *_: attention(q, k, v),
       "forward+residuals": lambda q, k, v, *_: attention(q, k, v, return_residuals=True),
-      "rows": lambda q, k, v, do, out, m, l, *_: bwd.residual_rows(m, l, out, do, shape.seq),
+      "rows": lambda q, k, v, do, out, m, l, *_: bwd_launch.residual_rows(m, l, out, do, shape.seq),
       "zeros": lambda q, *_: jnp.zeros(q.shape, jnp.float32),
       "scale+cast": lambda *a: (a[-1] * f.scale).astype(dtype),
       "dkv": lambda q, k, v, do, out, m, l, rows, acc: dkv(q, k, v, do, rows),
-      "dq kernel": lambda q, k, v, do, out, m, l, rows, acc: bwd.dq_call(
+      "dq kernel": lambda q, k, v, do, out, m, l, rows, acc: bwd_dq.dq_call(
           q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
           want_ds=False)[0],
   }
   # The fused kernel is timed wherever it can run (causal too), so that the
   # path the backward does not take shows too; so is deterministic=True's
   # fixed point (the rows with its scales, its int32 sum).
-  if bwd.fused_dq_fits(blocks, with_bias=False):
+  if backward_plan.fused_dq_fits(blocks, with_bias=False):
     fns["dkv+fused dQ"] = lambda q, k, v, do, out, m, l, rows, acc: fused(q, k, v, do, rows)
 
     def scales(k, v, do, out, m, l):
-      rows = bwd.residual_rows(m, l, out, do, shape.seq)
-      return rows, bwd.fixed_point_scales(k, v, do, rows, 1)
+      rows = bwd_launch.residual_rows(m, l, out, do, shape.seq)
+      return rows, fused_dq.fixed_point_scales(k, v, do, rows, 1)
 
     def fixed_point(q, k, v, do, rows, c):
       acc = jax.new_ref(jnp.zeros(q.shape, jnp.int32))
-      return bwd.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
+      return bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
                           dq_accum=acc, dq_scales=c), acc[...]
 
     fns["rows+scales"] = lambda q, k, v, do, out, m, l, *_: scales(k, v, do, out, m, l)
@@ -259,9 +266,10 @@ def shipped_parts(shape: BenchShape) -> tuple[str, ...]:
   """The parts of backward_part_fns(shape) that the shipped forward +
   backward runs at ``shape`` (kernel.backward.fuses_dq decides): their sum
   against "forward+backward" shows what the parts leave out."""
-  from kernel import backward as bwd, plan as plan_lib
+  from kernel.tiling import backward_plan
+  from kernel.tiling import plan as plan_lib
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
-  fused = bwd.fuses_dq(bwd.blocks_for(d, d, is_causal=shape.causal), with_bias=False,
+  fused = backward_plan.fuses_dq(backward_plan.blocks_for(d, d, is_causal=shape.causal), with_bias=False,
                        is_causal=shape.causal)
   kernels = ("zeros", "dkv+fused dQ", "scale+cast") if fused else ("dkv", "dq kernel")
   return ("forward+residuals", "rows") + kernels
@@ -272,14 +280,15 @@ def backward_parts(shape: BenchShape, sets: int = 3) -> dict:
   interleaved in one process, plus "shipped parts" (their sum for the parts
   the shipped backward runs) and "unaccounted" (forward + backward less
   that sum)."""
-  from kernel import api, backward as bwd
+  from kernel import api
+  from kernel.backward import launch as bwd_launch
   fns = backward_part_fns(shape)
   inputs = []
   for i, (q, k, v) in enumerate(_inputs(shape, sets)):
     do = jax.random.normal(jax.random.PRNGKey(100 + i), q.shape, jnp.float32).astype(q.dtype)
     out, (m, l) = api.dot_product_attention(q, k, v, is_causal=shape.causal,
                                             return_residuals=True)
-    rows = bwd.residual_rows(m, l, out, do, shape.seq)
+    rows = bwd_launch.residual_rows(m, l, out, do, shape.seq)
     acc = jax.random.normal(jax.random.PRNGKey(300 + i), q.shape, jnp.float32)
     inputs.append((q, k, v, do, out, m, l, rows, acc))
   ms = {name: t * 1e3 for name, t in time_fns(fns, inputs).items()}
@@ -404,7 +413,7 @@ def main(argv=None) -> int:
     return 0
   configs = [None]
   if args.configs:
-    from kernel.config import Config
+    from kernel.tiling.config import Config
     configs = []
     for item in args.configs.split(";"):
       fields = item.split(",")

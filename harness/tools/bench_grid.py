@@ -121,7 +121,7 @@ def parse_variant(text: str):
   that can run it (:func:`split_tail_of`), else as ``auto``; ``heuristic``
   the seed's rule (:func:`heuristic_of`), the fallback ``auto`` had before
   a GPU without entries of its own read the H200's."""
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   fields = _config_fields(text)
   if fields in (["auto"], ["auto", "st"], ["heuristic"]):
     return None
@@ -147,9 +147,10 @@ def splits_auto(text: str) -> bool:
 
 
 def heuristic_of(q, k, v, *, is_causal: bool):
-  """kernel.heuristics.get_heuristics_config for these arrays (or tracers):
+  """kernel.tiling.heuristics.get_heuristics_config for these arrays (or tracers):
   the config ``config=None`` runs where no autotune entry serves."""
-  from kernel import api, autotune, heuristics
+  from kernel import api
+  from kernel.tiling import autotune, heuristics
   problem = autotune.selection_problem(api.resolved_problem(q, k, v, is_causal=is_causal))
   return heuristics.get_heuristics_config(problem)
 
@@ -163,7 +164,8 @@ def split_tail_of(q, k, v, *, is_causal: bool):
   split-tail schedule where it can run it (persistent, not causal), else as
   picked."""
   import dataclasses
-  from kernel import api, plan
+  from kernel import api
+  from kernel.tiling import plan
   config = api.chosen_config(q, k, v, is_causal=is_causal)
   split = dataclasses.replace(config, schedule="split-tail")
   problem = api.resolved_problem(q, k, v, is_causal=is_causal)

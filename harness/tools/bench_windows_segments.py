@@ -17,7 +17,7 @@ warm-up excluded, medians of interleaved trials), ``config=None``:
 
 * ``ours``: this kernel with the variant itself (``local_window_size``, or
   ``q_segment_ids`` / ``kv_segment_ids``): per-row key ranges, so the key
-  blocks no row of a tile sees are skipped (kernel/variants.py);
+  blocks no row of a tile sees are skipped (kernel/key_ranges.py);
 * ``ours, dense mask``: the same problem as a boolean mask, (1, 1, T, S) for
   the window, (B, 1, T, S) for the documents, with ``is_causal`` as the
   problem has it: every key block is read (above the diagonal still skipped
@@ -30,7 +30,7 @@ warm-up excluded, medians of interleaved trials), ``config=None``:
   (:data:`OTHER_BOUNDS`; kernel/experiments.py's ``segment_bounds``:
   "runs", without a sort where the queries' ids are the keys' and every id
   is one run, or "searched", a sort and binary searches), the A/B of
-  ``kernel.variants.SHIPPED_SEGMENT_BOUNDS``;
+  ``kernel.key_ranges.SHIPPED_SEGMENT_BOUNDS``;
 * ``ours, key ranges`` (packed): ``ours`` given the documents as each
   row's ``k_start`` / ``k_end`` (the document's first key and one past its
   last, built with the inputs as cuDNN's lengths and offsets are), so no
@@ -64,7 +64,7 @@ import dataclasses
 import math
 
 from harness.tools import bench_grid as bg
-from kernel import variants
+from kernel import key_ranges as variants
 
 KEY = "windows_and_segments"          # performance.json: record["sections"][KEY]
 NAME = "windows-segments"             # --sections

@@ -21,14 +21,14 @@ import numpy as np
 
 def fixed_cases():
   """(name, case-builder kwargs, config) triples."""
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   rng_cases = [
       ("basic-d64", dict(seq_q=256, seq_kv=256, heads=2, kv_heads=1, head_dim=64), None),
       ("d128-gqa", dict(batch=2, seq_q=1024, seq_kv=1024, heads=4, kv_heads=2, head_dim=128), None),
       ("causal-1024", dict(seq_q=1024, seq_kv=1024, heads=2, kv_heads=2, head_dim=128, is_causal=True), None),
       ("ragged-113x203-d72-dv96", dict(seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96), None),
       ("ragged-239x1", dict(seq_q=239, seq_kv=1, head_dim=64), None),
-      # Head dims in 32-column rows (kernel.plan.padded_head_dims): 96 at its
+      # Head dims in 32-column rows (kernel.tiling.plan.padded_head_dims): 96 at its
       # own width, causal with GQA; 80 computed at 96; 32 at 64.
       ("d96-causal-gqa-1000", dict(batch=2, seq_q=1000, seq_kv=1000, heads=4, kv_heads=2,
                                    head_dim=96, is_causal=True), None),
@@ -61,7 +61,7 @@ def fixed_cases():
       ("negative-scale", dict(seq_q=256, seq_kv=1024, head_dim=64, scale=-0.2), None),
       ("negative-scale-threshold-0.5", dict(seq_q=256, seq_kv=1024, head_dim=64, scale=-0.2,
                                             rescale_threshold=0.5), None),
-      # The split tail (kernel/schedule.py): 288 tiles on 132 SMs, one wave
+      # The split tail (kernel/tiling/schedule.py): 288 tiles on 132 SMs, one wave
       # whole and the rest cut into pieces; fewer tiles than SMs, every tile
       # cut (three compute warpgroups; head dim 256, whose output is staged
       # in the query slot, unnormalised under a threshold).
@@ -103,7 +103,7 @@ def extra_cases(rng):
   c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
   c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
   out.append(("key-ranges-with-empty", c, None))
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   c = random_case(rng, **base)
   c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
   c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
@@ -120,7 +120,7 @@ def extra_cases(rng):
 def _variant(cfg, variant: str, case):
   """The config a case runs under for one variant of the sweep."""
   import dataclasses
-  from kernel import heuristics
+  from kernel.tiling import heuristics
   if variant == "as-is":
     return cfg
   if cfg is None:
@@ -131,7 +131,7 @@ def _variant(cfg, variant: str, case):
 
 
 def problem_of(case):
-  from kernel import plan
+  from kernel.tiling import plan
   return plan.problem_for(case.query.shape, case.key.shape, case.value.shape,
                           case.query.dtype, is_causal=case.is_causal, return_residuals=True)
 
@@ -158,7 +158,7 @@ def run(out_path: str | None = None, variants=("as-is",), select=()) -> int:
   cases = selected(cases, select)
   rows, failures = [], 0
   print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  from kernel import plan
+  from kernel.tiling import plan
   swept = []
   for name, case, cfg in cases:
     for v in variants:

@@ -7,7 +7,7 @@ The corpus (:data:`CORPUS`) names small cases — shapes, dtypes, masks,
 biases, key ranges, thresholds, heuristic and explicit configs, persistent and
 not, and jax.nn's lengths and windows and packed segment ids
 (``harness.numerics.strategies.VariantSpec``, mapped onto key ranges by
-kernel/variants.py).  Inputs are regenerated from each case's spec and seed,
+kernel/key_ranges.py).  Inputs are regenerated from each case's spec and seed,
 never stored.
 For each case ``golden/<name>.npz`` holds the kernel's outputs (out in its own
 dtype's bits, m and l in float32) and, for cases with gradients, dq, dk, dv
@@ -133,7 +133,7 @@ class GoldenSpec:
     return case
 
   def resolved_config(self):
-    from kernel.config import Config
+    from kernel.tiling.config import Config
     return None if self.config is None else Config(*self.config)
 
 
@@ -286,8 +286,8 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
 
 def _kernel_mask_and_ranges(case: ForwardCase):
   """The mask and key ranges the API hands the kernel for ``case``: its own,
-  with the variants mapped onto them (kernel/variants.py)."""
-  from kernel import variants
+  with the variants mapped onto them (kernel/key_ranges.py)."""
+  from kernel import key_ranges as variants
   routed = variants.route(case.query, case.key, case.value, case.bias, case.mask,
                           case.k_start, case.k_end, segment_layout=case.segment_layout,
                           **case.variants)
@@ -298,7 +298,7 @@ def config_used(spec: GoldenSpec) -> dict:
   """The config the case ran with, and where it came from: the spec's own
   ("spec"), the autotune cache's entry for this device and signature
   ("autotune cache", even when it equals the heuristic's), the nearest
-  entry's ("autotune cache, nearest: SIGNATURE", kernel.autotune.nearest),
+  entry's ("autotune cache, nearest: SIGNATURE", kernel.tiling.autotune.nearest),
   or the heuristic."""
   if spec.config is not None:
     return {"source": "spec", **dataclasses.asdict(spec.resolved_config())}
@@ -333,7 +333,7 @@ PASSING = STATUSES[:3]   # the verdicts under which ``check`` passes
 def _only_reordered(new, old, names) -> bool:
   """Every array bit-identical to the golden except order-dependent
   gradients, and those within one run-to-run bound of it."""
-  from kernel.backward import ORDER_DEPENDENT_GRADIENTS
+  from kernel.backward.launch import ORDER_DEPENDENT_GRADIENTS
   for k in names:
     if np.array_equal(new[k], old[k], equal_nan=True):
       continue

@@ -19,7 +19,7 @@ def cases() -> dict[str, dict]:
   specialisation the forward has: causal, bias, mask, key ranges, GQA,
   persistent and not, head dims 64/128/256, a threshold below 1, residuals,
   soft cap, unnormalised output, and the backward kernels through jax.grad."""
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   c = {}
   for d in (64, 128, 256):
     base = dict(B=2, T=300, N=4, H=d, S=500, K=2, Hv=d)
@@ -85,7 +85,7 @@ def cases() -> dict[str, dict]:
                                                      k_range_shape=(2, 4, 300)), True)
   c["d96-grad-split-causal"] = (dict(B=1, T=200, N=2, H=96, S=328, K=1, Hv=192),
                                 dict(is_causal=True), {}, True)
-  # Head dim 96 in 32-column rows (kernel.plan.padded_head_dims), the
+  # Head dim 96 in 32-column rows (kernel.tiling.plan.padded_head_dims), the
   # backward in its own 64-column rows.
   c["d96-grad-narrow-causal-gqa"] = (dict(B=1, T=200, N=4, H=96, S=328, K=2, Hv=96),
                                      dict(is_causal=True), {}, True)

@@ -4,7 +4,7 @@ All of Pallas' tracing and Mosaic GPU's lowering run, so shape, dtype, layout
 and ref errors surface here in well under a second per config; only the
 PTX/SASS compile waits for a GPU.  The lowering also reports the shared memory
 the kernel really allocates (Mosaic GPU's own count of its scratch tree,
-barriers included), which the tests hold ``kernel.plan.estimate_smem_bytes``
+barriers included), which the tests hold ``kernel.tiling.plan.estimate_smem_bytes``
 against.
 """
 

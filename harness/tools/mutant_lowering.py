@@ -33,7 +33,7 @@ from harness.tools import mutants as catalogue
 def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
   """name: (shapes, API kwargs, operand shapes, with gradients).  Each one
   reaches the code of the mutants that name it (Mutant.probe)."""
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   base = dict(B=2, T=300, N=4, H=64, S=500, K=2, Hv=64)
   return {
       # Persistent, causal, GQA, threshold below 1, residuals, soft cap, key

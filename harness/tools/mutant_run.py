@@ -24,7 +24,7 @@ def carry_cases():
   from tile to tile, are not multiples of num_stages, and include zero:
   the cases a missing prev_iters carry breaks (GUIDE, first bug class)."""
   from harness.numerics.conformance import random_case
-  from kernel.config import Config
+  from kernel.tiling.config import Config
   rng = np.random.default_rng(2674)
   big = dict(batch=4, heads=8, kv_heads=2, head_dim=64)
   cases = []

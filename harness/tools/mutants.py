@@ -54,8 +54,19 @@ REPO = Path(__file__).resolve().parents[2]
 # goldens (the golden check is one of the killers), and pytest's settings.
 COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
 
-FWD, BWD, API = "kernel/forward.py", "kernel/backward.py", "kernel/api.py"
-PIPE = "kernel/pipeline.py"  # the ring positions every kernel's ring verbs read
+# The kernel files the catalog edits.
+API = "kernel/api.py"
+FORWARD_CONTEXT = "kernel/forward/context.py"
+FORWARD_LAUNCH = "kernel/forward/launch.py"
+FORWARD_PRODUCER = "kernel/forward/producer.py"
+FORWARD_MAINLOOP = "kernel/forward/mainloop.py"
+FORWARD_SOFTMAX = "kernel/forward/softmax.py"
+FORWARD_EPILOGUE = "kernel/forward/epilogue.py"
+BACKWARD_LAUNCH = "kernel/backward/launch.py"
+BACKWARD_SCORES = "kernel/backward/scores.py"
+BACKWARD_DKV = "kernel/backward/dkv.py"
+BACKWARD_DQ = "kernel/backward/dq.py"
+SYNC_PIPELINE = "kernel/sync/pipeline.py"  # the ring positions every kernel's ring verbs read
 FWD_T = "properties/test_forward_gpu.py"
 GRAD_T = "properties/test_gradients_gpu.py"
 GUARD_T = "properties/test_guard_band_gpu.py"
@@ -100,7 +111,7 @@ class Mutant:
 
   def __post_init__(self):
     if not self.probe:
-      object.__setattr__(self, "probe", "grad" if self.path == BWD else "fwd")
+      object.__setattr__(self, "probe", "grad" if self.path.startswith("kernel/backward/") else "fwd")
 
 
 def _m(name, bug_class, path, old, new, tests, equivalent="", probe=""):
@@ -109,37 +120,37 @@ def _m(name, bug_class, path, old, new, tests, equivalent="", probe=""):
 
 CATALOG: tuple[Mutant, ...] = (
     # -- forward: arithmetic of the online softmax --------------------------------
-    _m("residual-m-base2", "residual in the wrong base (seed 000)", FWD,
+    _m("residual-m-base2", "residual in the wrong base (seed 000)", FORWARD_EPILOGUE,
        "m_smems.at[wg][...] = m_i * (1.0 / LOG2E)", "m_smems.at[wg][...] = m_i",
        named("heuristic-basic-d64")),
-    _m("exp2-without-log2e", "exp2 without the log2(e) fold", FWD,
+    _m("exp2-without-log2e", "exp2 without the log2(e) fold", FORWARD_SOFTMAX,
        "  sc *= LOG2E\n", "", named("heuristic-basic-d64")),
-    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", FWD,
+    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", FORWARD_SOFTMAX,
        "return acc * lax.broadcast_in_dim(factor, acc.shape, [0])", "return acc",
        named("heuristic-d128-gqa", "heuristic-threshold-0")),
-    _m("l-not-rescaled", "l not rescaled when the max moves", FWD,
+    _m("l-not-rescaled", "l not rescaled when the max moves", FORWARD_SOFTMAX,
        "factor = jnp.exp2(m_i - base)\n    l_i = l_i * factor\n",
        "factor = jnp.exp2(m_i - base)\n", named("heuristic-d128-gqa"), probe="fwd-threshold-1"),
-    _m("threshold-branch-skips-l", "rescale below the threshold applied to acc, not l", FWD,
+    _m("threshold-branch-skips-l", "rescale below the threshold applied to acc, not l", FORWARD_SOFTMAX,
        "factor = jnp.where(rescale, alpha, 1.0)\n    l_i = l_i * factor\n",
        "factor = jnp.where(rescale, alpha, 1.0)\n",
        named("heuristic-threshold-0.5-unnormalised", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-from-l", "the pending scale dropped when the threshold is below 1",
-       FWD, "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
+       FORWARD_EPILOGUE, "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
        named("heuristic-threshold-0", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-unnormalised",
-       "the pending scale dropped from the unnormalised output", FWD,
+       "the pending scale dropped from the unnormalised output", FORWARD_EPILOGUE,
        "out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)",
        "out = acc", named("heuristic-threshold-0.5-unnormalised"), probe="fwd-unnormalised"),
     Mutant("pv-operand-rewritten-in-flight",
            "a register an in-flight wgmma reads rewritten before its wait (ptxas then "
-           "serialises every wgmma of the kernel)", FWD, (
+           "serialises every wgmma of the kernel)", FORWARD_MAINLOOP, (
                ("p_ref[...] = p\n    m_ref_", "p_ref[...] = p.astype(c.dtype)\n    m_ref_"),
                ("  p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)\n",
                 "  p_init = p16\n")),
            ("properties/test_ptxas_report.py::"
             "test_no_shipped_kernel_has_its_wgmmas_serialised[fwd-d256-causal]",)),
-    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", FWD,
+    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", FORWARD_CONTEXT,
        "return self.threshold == 1.0", "return self.threshold >= 0.999", (),
        equivalent="rescaling at every block is what the threshold branch does when alpha < "
                   "0.999, and otherwise keeps acc and l relative to one max either way: same "
@@ -149,129 +160,129 @@ CATALOG: tuple[Mutant, ...] = (
        "    return F16_MIN_THRESHOLD\n  return threshold",
        "  return threshold",
        (f"{FWD_T}::test_float16_deferred_rescale_does_not_overflow",), probe="fwd-f16"),
-    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", FWD,
+    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", FORWARD_SOFTMAX,
        "return jnp.where(x == NEG_INF, 0.0, x)", "return x", MASKED_ROWS),
-    _m("normalise-without-tiny", "0/0 for a fully masked row", FWD,
+    _m("normalise-without-tiny", "0/0 for a fully masked row", FORWARD_EPILOGUE,
        "inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))", "inv = 1.0 / l_i", MASKED_ROWS),
     _m("default-scale-from-padded-head-dim", "default scale from the padded head dim", API,
        "scale=float(shapes.H ** -0.5 if scale is None else scale)",
        "scale=float(plan_lib.padded_head_dim(shapes.H) ** -0.5 if scale is None else scale)",
        named("heuristic-ragged-113x203-d72-dv96"), probe="fwd-d72"),
     # -- forward: masks, bias, soft cap ------------------------------------------
-    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", FWD,
+    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", FORWARD_SOFTMAX,
        "s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)",
        "s = jnp.where(t.q_base + iota(c, 0) > key, s, NEG_INF)", named("heuristic-causal-1024")),
-    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left", FWD,
+    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left", FORWARD_SOFTMAX,
        "s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)",
        "s = jnp.where(t.q_base + iota(c, 0) + (f.seq_kv - f.seq_q) >= key, s, NEG_INF)",
        named("heuristic-ragged-1023x1024-causal")
        + feature("causal-kend-bias-softcap-threshold")),
-    _m("k-end-inclusive", "k_end treated as inclusive", FWD,
+    _m("k-end-inclusive", "k_end treated as inclusive", FORWARD_SOFTMAX,
        "jnp.where(key < lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF)",
        "jnp.where(key <= lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF)",
        feature("key-ranges-with-empty")),
-    _m("k-start-exclusive", "k_start treated as exclusive", FWD,
+    _m("k-start-exclusive", "k_start treated as exclusive", FORWARD_SOFTMAX,
        "jnp.where(key >= lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF)",
        "jnp.where(key > lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF)",
        feature("key-ranges-with-empty")),
-    _m("staged-mask-ignored", "the staged mask ignored", FWD,
+    _m("staged-mask-ignored", "the staged mask ignored", FORWARD_SOFTMAX,
        "keep = staged_tile(c, t, \"mask\", ki)\n    s = jnp.where(keep != 0, s, NEG_INF)\n",
        "keep = staged_tile(c, t, \"mask\", ki)\n", feature("mask-2d-with-empty-row"),
        probe="fwd-staged"),
-    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", FWD,
+    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", FORWARD_SOFTMAX,
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
     # -- forward: data movement and the ring protocol ----------------------------
-    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", FWD,
+    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", FORWARD_PRODUCER,
        "hk = lax.div(h, jnp.int32(c.group))",
        "hk = lax.rem(h, jnp.int32(c.num_heads // c.group))",
        named("heuristic-d128-gqa")),
-    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", FWD,
+    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", FORWARD_MAINLOOP,
        "def pv(acc_ref):\n    issue_pv(c, acc_ref, p16, st)",
        "def pv(acc_ref):\n    plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
-       FWD, "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
+       FORWARD_PRODUCER, "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
        "rows = pl.ds((c.cw * qi + c.cw - 1 - w) * c.block_q, c.block_q)",
        named("heuristic-basic-d64")),
     _m("no-prev-iters-carry", "ring phase not carried across persistent tiles (tilelang #2674)",
-       FWD, "return keys.position(prev_iters + (ki - lb))",
+       FORWARD_CONTEXT, "return keys.position(prev_iters + (ki - lb))",
        "return keys.position(ki - lb)", CARRY),
-    # The refill rule is the ring's (kernel/pipeline.py, read by
-    # kernel/ring.py's producer_acquire), one for every kernel: the same
+    # The refill rule is the ring's (kernel/sync/pipeline.py, read by
+    # kernel/sync/ring.py's producer_acquire), one for every kernel: the same
     # patch twice, against the forward's tests and against the backward's.
-    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release", PIPE,
+    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release", SYNC_PIPELINE,
        "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
        named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1], probe="fwd"),
-    _m("query-released-one-block-early", "a consumer released its slot one block early", FWD,
+    _m("query-released-one-block-early", "a consumer released its slot one block early", FORWARD_MAINLOOP,
        "pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
        "pl.when(ki + 2 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
        CARRY[:1] + named("persistent-d128-gqa")),
     _m("empty-tile-keeps-query-slot", "an empty tile never releases its query slot (deadlock)",
-       FWD, "pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))", "None",
+       FORWARD_EPILOGUE, "pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))", "None",
        CARRY[3:]),
     _m("empty-tile-skips-token-pass", "an empty tile skips the pingpong token (Z3-found deadlock)",
-       FWD, "    @pl.when(t.ub == t.lb)\n    def _():\n"
+       FORWARD_MAINLOOP, "    @pl.when(t.ub == t.lb)\n    def _():\n"
        "      barriers.schedule_release_other(c.wg, c.cw)\n      barriers.schedule_sync(c.wg, c.cw)\n",
        "    pass\n", CARRY[3:]),
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
-       FWD, "return -(-seq_q // config.tile_q), ",
+       FORWARD_LAUNCH, "return -(-seq_q // config.tile_q), ",
        "return -(-seq_q // config.tile_q) + 1, ", GUARD),
     _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
-       "H200 2026-12-01: the last tile's rows spilled into the next head)", FWD,
+       "H200 2026-12-01: the last tile's rows spilled into the next head)", FORWARD_LAUNCH,
        "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"
        "                                      jnp.float32)] * 2\n",
        "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2\n",
        named("heuristic-ragged-1000-causal-gqa", "heuristic-ragged-776x1304-d64") + GUARD,
        probe="fwd-unpadded"),
-    _m("l-store-one-row-late", "a store one row past its tile (one row past the end)", FWD,
+    _m("l-store-one-row-late", "a store one row past its tile (one row past the end)", FORWARD_EPILOGUE,
        "lambda: c.l_ref.at[t.b, t.h, t.rows])",
        "lambda: c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, c.block_q)])",
        GUARD),
     # -- backward ------------------------------------------------------------------
-    _m("lse-base-e", "the backward reading lse in base e", BWD,
+    _m("lse-base-e", "the backward reading lse in base e", BACKWARD_LAUNCH,
        "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",
        "lse2 = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), jnp.inf)",
        ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
-    _m("delta-in-bf16", "delta formed in bf16", BWD,
+    _m("delta-in-bf16", "delta formed in bf16", BACKWARD_LAUNCH,
        "delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)",
        "delta = jnp.sum(d_out.astype(out.dtype) * out, axis=-1).astype(jnp.float32)",
        ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
-    _m("fused-dq-missing-scale", "dq missing the scale (fused dQ)", BWD,
+    _m("fused-dq-missing-scale", "dq missing the scale (fused dQ)", BACKWARD_LAUNCH,
        "dq = dq_acc.astype(jnp.float32) * f.scale\n",
        "dq = dq_acc.astype(jnp.float32)\n", grads("gqa-d128"), probe="grad-fused"),
-    _m("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", BWD,
+    _m("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", BACKWARD_DQ,
        "q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)",
        "q_st[...] = dq_acc.astype(c.dtype)", grads("ragged-causal-d72-dv96"), probe="grad-causal"),
-    _m("dk-missing-scale", "dk missing the scale", BWD,
+    _m("dk-missing-scale", "dk missing the scale", BACKWARD_DKV,
        "    if name == \"dk\":\n      acc = acc * c.f.scale\n", "", grads("gqa-d128")),
-    _m("dk-dv-swapped", "dk and dv swapped (joint launch)", BWD,
+    _m("dk-dv-swapped", "dk and dv swapped (joint launch)", BACKWARD_DKV,
        'results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}',
        'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)}', grads("gqa-d128")),
-    _m("backward-causal-diagonal-masked", "causal off by one in the backward", BWD,
+    _m("backward-causal-diagonal-masked", "causal off by one in the backward", BACKWARD_SCORES,
        "masks.causal_select(x, key_base=self.key_base, query_base=self.query_base,",
        "masks.causal_select(x, key_base=self.key_base, query_base=self.query_base - 1,",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
-    _m("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it", BWD,
+    _m("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it", BACKWARD_SCORES,
        "return key_base + num_keys - 1 > query_base",
        "return key_base + num_keys - 1 > query_base + 1",
        ("properties/test_causal_skip.py::test_the_predicate_sees_the_corners",)
        + grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _m("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
-       BWD,
+       BACKWARD_DKV,
        "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)",
        "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) + 1 if c.f.is_causal "
        "else jnp.int32(0)",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
-    _m("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", BWD,
+    _m("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", BACKWARD_DKV,
        "return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        "return c.hk + c.num_kv_heads * lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        grads("gqa-d128")),
-    _m("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", BWD,
+    _m("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", BACKWARD_DQ,
        "  hk = lax.div(h, jnp.int32(c.group))\n  f = c.f\n  start_max = end_min = None",
        "  hk = lax.rem(h, jnp.int32(c.num_kv_heads))\n  f = c.f\n  start_max = end_min = None",
        grads("gqa-causal-dq-kernel"), probe="grad-causal"),
-    Mutant("bias-after-softcap", "bias added after the soft cap", BWD, ((
+    Mutant("bias-after-softcap", "bias added after the soft cap", BACKWARD_SCORES, ((
         "  if bias is not None:\n    u = u + bias.astype(jnp.float32)\n"
         "  if f.logits_soft_cap is None:\n    return u, None\n"
         "  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
@@ -281,19 +292,19 @@ CATALOG: tuple[Mutant, ...] = (
         "  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
         "  return t * f.logits_soft_cap + late, 1.0 - t * t\n"),),
         grads("bias-full-softcap")),
-    _m("softcap-derivative-wrong", "the soft cap's derivative without its square", BWD,
+    _m("softcap-derivative-wrong", "the soft cap's derivative without its square", BACKWARD_SCORES,
        "return t * f.logits_soft_cap, 1.0 - t * t", "return t * f.logits_soft_cap, 1.0 - t",
        grads("bias-full-softcap")),
-    _m("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum", BWD,
+    _m("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum", BACKWARD_LAUNCH,
        "summed = jnp.sum(ds, axis=", "summed = jnp.mean(ds, axis=", grads("bias-row-neg-inf")),
-    _m("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", BWD,
+    _m("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", BACKWARD_SCORES,
        "return ds if keep is None else keep.select(ds)", "return ds",
        (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",), probe="grad-causal"),
-    _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", PIPE,
+    _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", SYNC_PIPELINE,
        "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
        grads("gqa-d128", "d256-head-split"), probe="grad"),
     Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
-           "products reading it completed", BWD, (
+           "products reading it completed", BACKWARD_DKV, (
                ("  stream.consumer_release(st)\n  if c.fused:\n",
                 "  if c.fused:\n"),
                ("  # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
@@ -301,12 +312,12 @@ CATALOG: tuple[Mutant, ...] = (
            grads("gqa-d128", "d256-head-split")),
     # -- backward: the head split (head dims over 128) -------------------------
     _m("head-split-dv-other-half", "a warpgroup's dV half formed from the other half of dO",
-       BWD, "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
+       BACKWARD_DKV, "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
        "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, pl.ds((1 - wg) * "
        "dv_acc.shape[1], dv_acc.shape[1])])",
        grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
     _m("head-split-ds-halves-swapped", "the dQ kernel's dS halves staged in each other's "
-       "columns", BWD, "  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
+       "columns", BACKWARD_DQ, "  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
        "  c.exchange.at[x, :, pl.ds((1 - wg) * half, half)][...] = ds.astype(c.dtype)",
        grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
 )

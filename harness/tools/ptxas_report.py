@@ -85,8 +85,8 @@ KINDS = tuple(Kind(d, c, b) for d in HEAD_DIMS for c in (False, True) for b in (
 _PROGRAM = """
 import jax, jax.numpy as jnp
 from kernel import api
-from kernel.config import Config
-from kernel.plan import THREE_WARPGROUP_TILING
+from kernel.tiling.config import Config
+from kernel.tiling.plan import THREE_WARPGROUP_TILING
 ks = jax.random.split(jax.random.key(0), 3)
 q, k, v = (jax.random.normal(s, (1, 4096, {heads}, {d}), jnp.bfloat16) for s in ks)
 f = lambda q, k, v: api.dot_product_attention(q, k, v, is_causal={causal}, {extra})

@@ -5,7 +5,7 @@ For each point (head dim x sequence length x query heads per kv head, causal
 or not, 16k tokens per batch as in ``bench --grid``) the report takes the
 config ``config=None`` runs on an H200 (the shipped autotune cache, else the
 heuristic) and, where that config runs the longest-first schedule, deals its
-order as the kernel does (kernel/schedule.py's ``Schedule.assign``: each tile
+order as the kernel does (kernel/tiling/schedule.py's ``Schedule.assign``: each tile
 to the block with the least work so far, a tile costing its key blocks plus
 ``TILE_OVERHEAD_BLOCKS``).  ``tail`` is the largest block's load over the
 mean: 1.00 is a perfect deal, 1.10 an SM finishing 10 % after the average.
@@ -20,7 +20,7 @@ head is not in it.
 ``--backward`` reports the backward's causal grids instead: the dK/dV
 kernel's launch order and, where dQ is not fused, the dQ kernel's
 (kernel.backward.dkv_launch_order and dq_launch_order), each dealt by
-``kernel.schedule.predicted_makespan`` beside the head-by-head order.
+``kernel.tiling.schedule.predicted_makespan`` beside the head-by-head order.
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ SEQS = bg.FORWARD_SEQS + bg.RAGGED_SEQS
 def order_of(config, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
              seq: int, causal: bool, **choices):
   """The longest-first order the forward runs for ``config`` at T = S =
-  ``seq`` in bf16 on :data:`kernel.schedule.DEFAULT_NUM_SMS` SMs
+  ``seq`` in bf16 on :data:`kernel.tiling.schedule.DEFAULT_NUM_SMS` SMs
   (kernel.forward.tile_schedule); ``choices``: its ``even_sections`` and
   ``light_last``."""
-  from kernel import forward, schedule
-  num_tiles, s_pad = forward.launch_extent(config, seq, seq)
-  return forward.tile_schedule(
+  from kernel.forward import order as fwd_order
+  from kernel.forward import launch as fwd_launch
+  from kernel.tiling import schedule
+  num_tiles, s_pad = fwd_launch.launch_extent(config, seq, seq)
+  return fwd_order.tile_schedule(
       batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
       s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim, itemsize=2,
       tile_q=config.tile_q, block_kv=config.block_kv, seq_q=seq, seq_kv=seq,
@@ -56,7 +58,8 @@ def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
   tail of the shipped order and of the filled one (else None)."""
   import jax
   import jax.numpy as jnp
-  from kernel import api, schedule
+  from kernel import api
+  from kernel.tiling import schedule
 
   point = bg.Point(head_dim, seq, causal, gqa)
   q = jax.ShapeDtypeStruct((point.batch, seq, point.heads, head_dim), jnp.bfloat16)
@@ -85,28 +88,32 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
   """One causal point of the backward (``bench --grid --backward``'s
   shapes): per kernel that runs (the dK/dV grid, and the dQ grid where dQ
   is not fused), its launch order's sections (None: head by head) and the
-  tail kernel.schedule.predicted_makespan deals it, beside head by head's."""
+  tail kernel.tiling.schedule.predicted_makespan deals it, beside head by head's."""
   import jax.numpy as jnp
-  from kernel import backward as bwd, plan, schedule
+  from kernel.backward import context as bwd_context
+  from kernel.tiling import backward_plan
+  from kernel.backward import dkv as bwd_dkv
+  from kernel.backward import dq as bwd_dq
+  from kernel.tiling import plan, schedule
 
   point = bg.Point(head_dim, seq, True, gqa)
   d = plan.backward_head_dims(head_dim, head_dim)[0]
-  blocks = bwd.blocks_for(d, d, is_causal=True)
-  f = bwd.BackwardFeatures(scale=1.0, is_causal=True, logits_soft_cap=None, seq_q=seq,
+  blocks = backward_plan.blocks_for(d, d, is_causal=True)
+  f = bwd_context.BackwardFeatures(scale=1.0, is_causal=True, logits_soft_cap=None, seq_q=seq,
                            seq_kv=seq)
   t_pad = -(-seq // blocks.query_multiple) * blocks.query_multiple
   s_pad = -(-seq // blocks.key_multiple) * blocks.key_multiple
-  fused = bwd.fuses_dq(blocks, with_bias=False, is_causal=True)
+  fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=True)
   common = dict(batch=point.batch, group=gqa, t_pad=t_pad, s_pad=s_pad, head_dims=(d, d),
                 dtype=jnp.bfloat16, num_sms=schedule.DEFAULT_NUM_SMS)
-  grids = {"dkv": (bwd.dkv_launch_order(f, blocks, num_kv_heads=point.kv_heads, fused=fused,
+  grids = {"dkv": (bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=point.kv_heads, fused=fused,
                                         **common),
                    point.batch * point.kv_heads, s_pad // blocks.dkv_tile,
-                   bwd.key_tile_weights(f, blocks, group=gqa, t_pad=t_pad, s_pad=s_pad))}
+                   bwd_dkv.key_tile_weights(f, blocks, group=gqa, t_pad=t_pad, s_pad=s_pad))}
   if not fused:
-    grids["dq"] = (bwd.dq_launch_order(f, blocks, num_heads=point.heads, **common),
+    grids["dq"] = (bwd_dq.dq_launch_order(f, blocks, num_heads=point.heads, **common),
                    point.batch * point.heads, t_pad // blocks.dq_tile,
-                   bwd.query_tile_weights(f, blocks, t_pad=t_pad))
+                   bwd_dq.query_tile_weights(f, blocks, t_pad=t_pad))
   out = dict(head_dim=head_dim, seq=seq, gqa=gqa, batch=point.batch, heads=point.heads,
              fused=fused)
   for name, (order, units, tiles, weights) in grids.items():

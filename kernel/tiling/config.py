@@ -6,14 +6,14 @@ import dataclasses
 
 SMEM_LIMIT_BYTES = 227 * 1024  # usable shared memory per block on sm90
 MAX_STAGES = 4
-# kernel/schedule.py: the order query tiles run in.  "round-robin": the grid's
+# kernel/tiling/schedule.py: the order query tiles run in.  "round-robin": the grid's
 # own order (persistent: the grid dealt to the SMs in turn, query tiles
 # fastest).  "longest-first": heaviest tiles first inside L2 sections of kv
 # heads, dealt to the least-loaded SM when persistent.  "split-tail"
 # (persistent, non-causal): round-robin but for the last wave or two, whose
 # tiles' key blocks are cut evenly over the SMs and merged after the kernel.
 SCHEDULES = ("round-robin", "longest-first", "split-tail")
-COMPUTE_WARPGROUP_COUNTS = (2, 3)   # kernel/barriers.py declares the barriers of each
+COMPUTE_WARPGROUP_COUNTS = (2, 3)   # kernel/sync/barriers.py declares the barriers of each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,19 +26,19 @@ class Config:
   num_stages: depth of the key/value ring in shared memory.
   persistent: one block per SM looping over the grid (see kernel/forward.py).
   schedule: the order tiles run in, one of :data:`SCHEDULES`
-    (kernel/schedule.py; "split-tail" with persistent blocks only, and not
-    under a causal mask: kernel/plan.py's ``schedule_refusal``).
+    (kernel/tiling/schedule.py; "split-tail" with persistent blocks only, and not
+    under a causal mask: kernel/tiling/plan.py's ``schedule_refusal``).
   compute_warpgroups: 2, or 3 (FlashAttention-3's 192-row tiles at head dim
     64, where the softmax is as long as the matrix products and a third
     warpgroup keeps the tensor cores fed while two run theirs); each then
     gets fewer registers (kernel/forward.py: ``COMPUTE_REGISTERS``), so three
-    run head dims up to 64 in one tiling (kernel/plan.py:
+    run head dims up to 64 in one tiling (kernel/tiling/plan.py:
     ``warpgroups_refusal``).
     Measured on the H200, bfloat16 forward at head dim 64, 32 heads (2026-12-05):
     16k tokens full 4.39 ms with three (block_kv 128, 2 stages, persistent)
     against 4.91 with two and 4.84 for cuDNN; causal 2.31 against 2.63 and
     2.56; 5 x 3000 tokens over 8 kv heads full 0.79 against 0.91; but 16 x 1024
-    causal 0.25 against 0.21, so the autotuner decides (kernel/autotune_cache.json).
+    causal 0.25 against 0.21, so the autotuner decides (kernel/tiling/autotune_cache.json).
   """
 
   block_q: int = 64

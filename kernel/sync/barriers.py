@@ -11,7 +11,7 @@ Two kinds of barrier synchronise one thread block:
   as every launch but the three-warpgroup forward has); :func:`check_budget`
   refuses a plan that would run past the hardware's 16.
 * **mbarriers** (shared-memory objects, one per ring slot and role): declared
-  by :class:`kernel.plan.PipelinePlan`, allocated through ``plgpu.Barrier``.
+  by :class:`kernel.tiling.plan.PipelinePlan`, allocated through ``plgpu.Barrier``.
 
 A named barrier completes a generation when ``num_threads`` threads have
 arrived (``bar.sync`` arrives and waits, ``bar.arrive`` only arrives); surplus
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernel.config import COMPUTE_WARPGROUP_COUNTS
+from kernel.tiling.config import COMPUTE_WARPGROUP_COUNTS
 
 HW_NAMED_BARRIERS = 16  # per thread block, sm90
 WARPGROUP_THREADS = 128
 # Compute warpgroups of a launch: two everywhere, three in the forward's
-# Config(compute_warpgroups=3) (kernel/config.py).
+# Config(compute_warpgroups=3) (kernel/tiling/config.py).
 COMPUTE_WARPGROUPS = 2
 MEMORY_WARPGROUPS = 1
 NUM_WARPGROUPS = COMPUTE_WARPGROUPS + MEMORY_WARPGROUPS

@@ -29,8 +29,8 @@ import json
 import re
 from pathlib import Path
 
-from kernel import heuristics, plan
-from kernel.config import Config
+from kernel.tiling import heuristics, plan
+from kernel.tiling.config import Config
 
 CACHE_PATH = Path(__file__).with_name("autotune_cache.json")
 
@@ -167,7 +167,7 @@ def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config
 
   The heuristic runs a causal problem one tile per block, in the grid's
   order; longest-first starts the tiles with the most key blocks first
-  (kernel/schedule.py: the causal triangle and a local window), so the
+  (kernel/tiling/schedule.py: the causal triangle and a local window), so the
   short ones fill the end.  Measured on the H200, forward, config=None
   against the heuristic's round-robin (2026-12-02, d128 bf16, 16 heads):
   seven packed documents causal at 16k 0.424 against 0.460 ms, four

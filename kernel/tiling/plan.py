@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from kernel import barriers
-from kernel.config import Config, SMEM_LIMIT_BYTES
+from kernel.sync import barriers
+from kernel.tiling.config import Config, SMEM_LIMIT_BYTES
 
 MBARRIER_BYTES = 8
 SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns the scratch region to this
@@ -284,7 +284,7 @@ class ScratchLayout:
     runs past the queries into the keys' bytes: where the value head dim
     is wider than the queries' (or m and l follow an output as long as
     the queries).  Then the epilogue's stores land on key slots, which is
-    what epilogue_sync orders (kernel/barriers.py)."""
+    what epilogue_sync orders (kernel/sync/barriers.py)."""
     if not self.overlay_qk_with_output:
       return False
     return (sum(_allocated(b) for b in (self.o, self.m, self.l) if b is not None)

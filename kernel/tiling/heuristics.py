@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from kernel import plan
-from kernel.config import COMPUTE_WARPGROUP_COUNTS, Config
+from kernel.tiling import plan
+from kernel.tiling.config import COMPUTE_WARPGROUP_COUNTS, Config
 
 BLOCK_Q_CANDIDATES = (64, 128)
 BLOCK_KV_CANDIDATES = (64, 128, 256)
@@ -61,7 +61,7 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   only when the key length rounds up to at least that; a non-persistent block
   with more stages than key blocks would only hold empty slots, so it is
   skipped.  Under a causal mask, where tiles do unequal work, each config
-  also comes with the longest-first schedule (kernel/schedule.py); without
+  also comes with the longest-first schedule (kernel/tiling/schedule.py); without
   one each persistent config also comes with the split tail (its last
   waves cut evenly over the SMs).  At head
   dims up to 64 the block_q 64, block_kv 128, two-stage configs also come

@@ -8,7 +8,7 @@ index at ``num_stages`` and flips the phase on the wrap.
 The kernel never derives a slot inline: it builds a state from the *global*
 block count (``prev_iters`` plus the tile-local step, so the ring keeps its
 phase across the persistent grid loop) and hands it to the verbs of
-:class:`kernel.ring.Ring`, which read ``index`` (and :attr:`refills`).
+:class:`kernel.sync.ring.Ring`, which read ``index`` (and :attr:`refills`).
 
 Mosaic GPU tracks mbarrier parity implicitly (one bit per barrier, flipped by
 every wait), so the kernel only reads ``index``; the bit it waits on equals

@@ -7,7 +7,7 @@ backward's streamed blocks (q, dO and the residual rows, or k and v).  Per
 slot and buffer there is one "produced" mbarrier, completed by the TMA copy
 that fills it; per slot one "consumed" mbarrier, on which every consumer
 warpgroup arrives once it is done with the slot (its arrival count is the
-number of consumers: kernel/plan.py declares both).  Like CUTLASS's
+number of consumers: kernel/tiling/plan.py declares both).  Like CUTLASS's
 ``PipelineTmaAsync``, a kernel sees role verbs only, never a barrier array,
 so each protocol step has a name that a reader and the extractor
 (harness/proofs/extract.py, which names barrier arrays after the ring and buffer a
@@ -16,7 +16,7 @@ verb's call names) can find:
 producer (the memory warpgroup's copy warp), at position ``st``:
   ``producer_acquire(st)``: wait until every consumer released the slot;
       skipped for the first ``num_stages`` fills, which find fresh slots
-      (:attr:`kernel.pipeline.PipelineState.refills`).
+      (:attr:`kernel.sync.pipeline.PipelineState.refills`).
   ``producer_copy(src, st, buffer)``: TMA ``src`` into the slot's buffer;
       the copy itself completes the buffer's produced barrier, so it is also
       CUTLASS's ``producer_commit``.
@@ -25,7 +25,7 @@ consumer (each compute warpgroup):
   ``slot(st, buffer)``: the slot's buffer, to read;
   ``consumer_release(st)``: done with every buffer of the slot.
 
-Positions are :class:`kernel.pipeline.PipelineState` values built from the
+Positions are :class:`kernel.sync.pipeline.PipelineState` values built from the
 global block count (:meth:`Ring.position`): a persistent kernel carries the
 count across tiles (``prev_iters``), so the ring keeps its phase.  Mosaic GPU
 keeps the wait parity itself (one bit per barrier, flipped by each wait), so
@@ -51,7 +51,7 @@ from typing import Any, Mapping
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from kernel.pipeline import PipelineState
+from kernel.sync.pipeline import PipelineState
 
 
 def _name(buffers, buffer):
@@ -80,7 +80,7 @@ class Ring:
   produced mbarriers), in the order the producer fills them; the first is
   the ring's default ``buffer``.  ``consumed``: one mbarrier per slot.
   ``copy_views``: name -> the view of that buffer's bytes its TMA copies
-  write, where it is not the ref the consumers read (kernel.plan's untiled
+  write, where it is not the ref the consumers read (kernel.tiling.plan's untiled
   copies)."""
 
   num_stages: int

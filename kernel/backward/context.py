@@ -1,0 +1,88 @@
+"""What both backward kernels share: the launch context (:class:`_Launch`),
+the memory warpgroup that fills their rings, and scratch allocation from the
+plan's buffer descriptions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from kernel import common
+from kernel.common import Logits, smem
+from kernel.sync import barriers, ring as ring_lib
+from kernel.tiling import schedule as schedule_lib
+from kernel.tiling.backward_plan import BackwardBlocks
+
+
+CW = barriers.COMPUTE_WARPGROUPS
+
+
+# The backward specialises on the logits alone (no threshold, residuals or
+# staging switches of the forward's Features).
+BackwardFeatures = Logits
+
+
+def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring):
+  """The memory warpgroup of both kernels: 40 registers; its warp 0 issues
+  the stationary tiles' copies, then fills ring step t in [start, stop) at
+  position ``stream.position(t)`` with ``fill(t, st)``.  Steps 0..S-1 find
+  fresh slots; every later one first waits for both compute warpgroups to
+  release the slot (the forward's rule; harness/proofs/extracted_proof.py checks it
+  on the traced kernels)."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  @plgpu.warp_map
+  def _(warp):
+    @pl.when(warp == 0)
+    def _():
+      load_stationary()
+
+      @pl.loop(start, stop)
+      def _(t):
+        st = stream.position(t)
+        stream.producer_acquire(st)
+        fill(t, st)
+
+
+def _barrier_refs(plan):
+  return tuple(plgpu.Barrier(num_arrivals=b.num_arrivals, num_barriers=b.num_barriers)
+               for b in plan)
+
+
+def _allocate(buffers):
+  """Scratch refs for buffer descriptions (None stays None: an unused slot)."""
+  return tuple(None if b is None else smem(b) for b in buffers)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Launch(common.OperandRefs):
+  """What the roles of both kernels read (keywords; a kernel's own fields
+  come first): the launch's sizes, and inside the kernel the operands as
+  refs, the grid point, the rings."""
+
+  f: BackwardFeatures
+  blocks: BackwardBlocks
+  head_dim: int
+  dtype: Any
+  num_kv_heads: int
+  group: int                # query heads per key/value head
+  s_pad: int
+  # The grid's launch order (None: the grid's own, head by head).
+  order: schedule_lib.LaunchOrder | None = None
+  # Inside the kernel (beside common.OperandRefs): the grid point, the
+  # backward's own operands, and the dS staging.
+  b: Any = None
+  hk: Any = None
+  do_ref: Any = None
+  rows_ref: Any = None      # per query row: the base-2 log-sum-exp and delta
+  dq_ref: Any = None
+  dq_scales_ref: Any = None  # fused dQ in fixed point: per query row, its c_i (2^e)
+  qlo_ref: Any = None       # dK/dV: per key tile, the query blocks that see it
+  qhi_ref: Any = None
+  inner_lo: Any = None      # dK/dV: the tile's query blocks [inner_lo, inner_hi) wholly
+  inner_hi: Any = None      # inside every row's key range (None: no table)
+  ds_st: Any = None
+  exchange: Any = None      # the head split's exchange buffers (dK/dV: P^T and dS^T)

@@ -1,0 +1,396 @@
+"""The dQ kernel (where the fused dQ does not apply).
+
+A block owns ``2 * block_q`` query rows of one head (Q, dO, lse, delta
+stationary) and streams the (K, V) blocks of the forward's key range:
+S, P, dP, dS as in the dK/dV kernel and dQ += dS K; with a bias it also
+writes dS (the logits gradient, which is dbias before the sum over
+broadcast dimensions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from kernel.common import ROW, WGMMA, kv_block_range, load_broadcast, tile_key_bounds, window_tile_keys
+from kernel.sync import barriers, ring as ring_lib
+from kernel.tiling import schedule as schedule_lib
+from kernel.backward.context import BackwardFeatures, CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
+from kernel.backward.head_split import _shared_slot, exchange_buffer
+from kernel.backward.scores import KeysBelow, _step_scores
+from kernel.tiling.backward_plan import BackwardBlocks, dq_buffers, dq_mbarriers
+
+
+def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: int,
+                       window: tuple[int, int] | None = None) -> list[int]:
+  """Per rank of the dQ kernel's launch order (rank r: query tile
+  ``tiles - 1 - r``), the key blocks it streams: the dQ kernel's own
+  :func:`kernel.common.kv_block_range`, with the keys a local ``window``
+  lets the tile's rows see (:func:`kernel.common.window_tile_keys`)."""
+  tile = blocks.dq_tile
+  weights = []
+  for qi in reversed(range(t_pad // tile)):
+    start = end = None
+    if window is not None:
+      start, end = window_tile_keys(qi, tile, window, seq_q=f.seq_q, seq_kv=f.seq_kv)
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=blocks.dq_stream_kv,
+                            seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
+                            k_start_min=start, k_end_max=end)
+    weights.append(ub - lb)
+  return weights
+
+
+@dataclasses.dataclass(frozen=True)
+class DqKernel(_Launch):
+  """One dQ launch: its own switch (set by :func:`dq_call`) and, inside the
+  kernel, its grid point (set by :func:`_dq_kernel`)."""
+
+  want_ds: bool             # also write dS (the logits gradient)
+  num_tiles: int = 0        # query tiles of the grid
+  # Inside the kernel:
+  qi: Any = None            # the query tile
+  h: Any = None
+  lb: Any = None            # the tile's key blocks [lb, ub)
+  ub: Any = None
+  k_start_max: Any = None   # the tile's key-range bounds (None: no ranges)
+  k_end_min: Any = None
+  ds_ref: Any = None
+  stationary: ring_lib.WarpgroupSlots | None = None   # q, dO, rows per compute warpgroup
+  stream: ring_lib.Ring | None = None                  # k, v per key block
+
+  # Query rows per warpgroup (stationary), keys per streamed block, S's shape.
+  bq = property(lambda self: self.blocks.rows)
+  bkv = property(lambda self: self.blocks.dq_stream_kv)
+  shape = property(lambda self: (self.bq, self.bkv))
+
+
+def dq_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
+                    num_heads: int, group: int, t_pad: int, s_pad: int,
+                    head_dims: tuple[int, int], dtype, num_sms: int,
+                    window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
+  """The dQ grid's launch order under causal (None: head by head): see
+  :func:`dq_call`.  A unit is one query head; the heads of a group,
+  adjacent in a section, read the same K and V.  Under a local ``window``
+  only where the sections repay (as in :func:`dkv_launch_order`)."""
+  if not f.is_causal:
+    return None
+  order = schedule_lib.LaunchOrder.for_grid(
+      batch * num_heads, t_pad // blocks.dq_tile, num_sms=num_sms,
+      unit_bytes=s_pad * sum(head_dims) * jnp.dtype(dtype).itemsize // group)
+  if window is not None and not schedule_lib.sections_repay(
+      order, query_tile_weights(f, blocks, t_pad=t_pad, window=window), num_sms):
+    return None
+  return order
+
+
+def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
+            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool,
+            num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
+            window: tuple[int, int] | None = None):
+  """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
+
+  Same arguments as :func:`dkv_call`, with bias and mask in their own
+  orientation, and k_range_tiles the per-tile key-range bounds for this
+  kernel's tiles of 2 * 64 query rows (kernel.padding.key_ranges).
+  Returns dq (B, Tp, N, D) and ds (B, N, Tp, Sp) f32 or None; ds blocks
+  outside the tile's key range are not written (the caller zeroes them).
+  Under causal the query tiles launch in
+  sections of (batch, head) units, heaviest first across a section, as in
+  :func:`dkv_call`; a section's units re-read their kv heads' K and V.
+  """
+  batch, t_pad, num_heads, head_dim = q.shape
+  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  dtype = q.dtype
+  group = num_heads // num_kv_heads
+  order = dq_launch_order(f, blocks, batch=batch, num_heads=num_heads, group=group,
+                          t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
+                          dtype=dtype, num_sms=num_sms, window=window)
+  kernel = DqKernel(f=f, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
+                    num_kv_heads=num_kv_heads, group=group, s_pad=s_pad,
+                    num_tiles=t_pad // blocks.dq_tile, order=order)
+
+  def body(*refs):
+    _dq_kernel(kernel, *refs)
+
+  scratch = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
+  out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim), dtype)]
+  if want_ds:
+    out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
+  results = plgpu.kernel(
+      body, out_type=out_type, scratch_types=[scratch, _barrier_refs(dq_mbarriers(blocks))],
+      # Mosaic GPU launches the last grid dimension fastest: the query
+      # tiles, so that the blocks in flight at once are one head's tiles,
+      # which read the same K and V; under causal _dq_kernel walks them
+      # heaviest first, so that each head's last blocks are its short tiles.
+      # Forward + backward, bf16, ms, measured on the H200 in one process
+      # (2026-12-04) against the query tiles slowest, walked heaviest first
+      # at head dims over 128 only (cuDNN): d128 causal 4k B4 N16 2.273 vs 2.402
+      # (2.215), 16k B1 8.060 vs 8.532 (7.420), GQA 16/4 8k B2 4.438 vs 4.478
+      # (4.065), T=S=3000 B5 GQA 16/4 1.857 vs 1.906 (1.624); d256 causal
+      # 16k B1 9.702 vs 9.865 (9.409), d256 4k B4 5.064 vs 5.181 (4.744);
+      # d64 4k B4 deterministic=True (then this kernel) 5.071 vs 5.331.
+      # Walked lightest first, the same grid took 2.332 and 8.161 ms at
+      # d128 causal 4k and 16k.  Under causal _dq_kernel remaps the launch
+      # index through kernel.order (sections of heads, heaviest first across
+      # them: dkv_call has the measurements).
+      grid=(batch, num_heads, t_pad // blocks.dq_tile), grid_names=("batch", "heads", "q_tiles"),
+      num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+  )(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles)
+  return (results[0], results[1]) if want_ds else (results[0], None)
+
+
+def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref,
+               ke_ref, tiles_ref, dq_ref, *rest):
+  """The dQ kernel's entry: its rings over the scratch, the query tile of
+  this grid point and its key blocks, each warpgroup's role."""
+  ds_ref = rest[0] if c.want_ds else None
+  (q_st, do_st, rows_st, k_ring, v_ring, exchange, ds_st), bars = (
+      rest[1:] if c.want_ds else rest)
+  q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
+  # Q, dO and the residual rows stationary, one tile per compute warpgroup;
+  # each step streams a key block's k and v.
+  stationary = ring_lib.WarpgroupSlots(
+      {"q": (q_st, q_stat), "do": (do_st, do_stat), "rows": (rows_st, rows_stat)})
+  stream = ring_lib.Ring(c.blocks.num_stages, {"k": (k_ring, k_prod), "v": (v_ring, v_prod)},
+                         consumed)
+  wg = lax.axis_index("wg")
+  qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
+  if c.order is not None:
+    # The grid launches q_tiles fastest, then heads, then batch: unit
+    # u = b * heads + h, and rank r is the r-th heaviest query tile.
+    heads = jnp.int32(q_ref.shape[2])
+    unit, rank = c.order.locate((b * heads + h) * jnp.int32(c.num_tiles) + qi)
+    b, h = lax.div(unit, heads), lax.rem(unit, heads)
+    qi = jnp.int32(c.num_tiles - 1) - rank
+  elif c.f.is_causal:
+    # The last query tiles see the most keys: they go first (dq_call).
+    qi = jnp.int32(c.num_tiles - 1) - qi
+  hk = lax.div(h, jnp.int32(c.group))
+  f = c.f
+  start_max = end_min = None
+  tile = c.blocks.dq_tile
+  if tiles_ref is None:
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=c.bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal)
+  else:
+    start_min, start_max, end_min, end_max = tile_key_bounds(tiles_ref, b, h, qi)
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=c.bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal, k_start_min=start_min,
+                            k_end_max=end_max)
+  c = dataclasses.replace(
+      c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, k_start_max=start_max,
+      k_end_min=end_min, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
+      do_ref=do_ref, rows_ref=rows_ref, bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref,
+      ke_ref=ke_ref, dq_ref=dq_ref, ds_ref=ds_ref, ds_st=ds_st, exchange=exchange,
+      stationary=stationary, stream=stream)
+  split = c.blocks.head_split
+  pl.when(wg < CW)(functools.partial(_wide_dq_compute if split else _dq_compute, c))
+  pl.when(wg == CW)(lambda: _memory_warpgroup(
+      functools.partial(_wide_dq_load_stationary if split else _dq_load_stationary, c),
+      functools.partial(_dq_fill, c), 0, ub - lb, stream))
+
+
+def _dq_load_stationary(c: DqKernel):
+  for w in range(CW):
+    rows_w = pl.ds((CW * c.qi + w) * c.bq, c.bq)
+    c.stationary.producer_copy(c.q_ref.at[c.b, rows_w, c.h], w, "q")
+    c.stationary.producer_copy(c.do_ref.at[c.b, rows_w, c.h], w, "do")
+    c.stationary.producer_copy(c.rows_ref.at[c.b, c.h, :, rows_w], w, "rows")
+
+
+def _dq_fill(c: DqKernel, t, st):
+  keys = pl.ds((c.lb + t) * c.bkv, c.bkv)
+  stream = c.stream
+  stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k")
+  stream.producer_copy(c.v_ref.at[c.b, keys, c.hk], st, "v")
+
+
+def _dq_compute(c: DqKernel):
+  """A compute warpgroup: its 64 query rows' dQ over the tile's key
+  blocks, then staged in its query tile and stored."""
+  plgpu.set_max_registers(232, action="increase")
+  wg = c.wg
+  q_base = (CW * c.qi + wg) * c.bq
+  rows = pl.ds(q_base, c.bq)
+  lse2, delta, ks, ke = _dq_row_inputs(c, wg, rows)
+  step = functools.partial(_dq_step, c, q_base, rows, lse2, delta, ks, ke)
+  dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, c.head_dim), jnp.float32), WGMMA)
+  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
+  # q is no longer read: it stages dQ.
+  q_st = c.stationary.slot(wg, "q")
+  q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _dq_row_inputs(c: DqKernel, slot, rows):
+  """(lse2, delta, k_start, k_end) of the stationary query rows ``rows``,
+  per row (ROW layout; the key-range bounds None without ranges), once
+  stationary slot ``slot``'s q, dO and rows have landed: both dQ kernels'
+  compute warpgroups read them before their key loop."""
+  for name in ("q", "do", "rows"):
+    c.stationary.consumer_wait(slot, name)
+  lse2 = plgpu.load(c.stationary.slot(slot, "rows", 0), layout=ROW, optimized=False)
+  delta = plgpu.load(c.stationary.slot(slot, "rows", 1), layout=ROW, optimized=False)
+  per_row = lambda ref: None if ref is None else load_broadcast(ref, (c.b, c.h, rows), (c.bq,),
+                                                                 ROW)
+  return lse2, delta, per_row(c.ks_ref), per_row(c.ke_ref)
+
+
+def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
+  """(edge_terms, terms, interior) of a dQ step's (queries x keys) tile
+  (:func:`_step_scores`), for the streamed key block at ``k_base``.  With
+  key ranges, only the key blocks that hold a padded key or cross a row's
+  range bound (from the tile's largest start to its smallest end) apply the
+  range and padded-key terms (_masked_terms); without ranges the padded-key
+  term stays on every step, as in the dK/dV kernel."""
+  f = c.f
+  edge_terms, terms = [], []
+  if ks is not None:
+    edge_terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
+  if ke is not None:
+    edge_terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
+  padded_keys = bool(f.seq_kv % c.bkv or c.s_pad != f.seq_kv)
+  if padded_keys:
+    (edge_terms if edge_terms else terms).append(KeysBelow(f.seq_kv))
+
+  def interior():
+    inside = (c.k_start_max <= k_base) & (k_base + c.bkv <= c.k_end_min)
+    return inside & (k_base + c.bkv <= f.seq_kv) if padded_keys else inside
+
+  if c.mask_ref is not None:
+    terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
+  return edge_terms, terms, interior
+
+
+def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
+  """Key block ki against this warpgroup's query rows: P and dS
+  (:func:`_step_scores`), dQ += dS K, and dS stored where wanted."""
+  f, wg, b, h, stream, shape = c.f, c.wg, c.b, c.h, c.stream, c.shape
+  st = stream.position(ki - c.lb)
+  k_base = ki * c.bkv
+  stream.consumer_wait(st, "k")
+  stream.consumer_wait(st, "v")
+  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  tile = (b, h, rows, pl.ds(k_base, c.bkv))
+  edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
+  _, ds = _step_scores(
+      f, shape, s_ops=(c.stationary.slot(wg, "q"), k_slot),
+      dp_ops=(c.stationary.slot(wg, "do"), v_slot), paired=c.blocks.schedule == "paired",
+      want_ds=True,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
+                                                                     WGMMA),
+      terms=terms, key_dim=1, key_base=k_base, num_keys=c.bkv, query_base=q_base,
+      lse2_of=lambda: lse2, delta_of=lambda: delta, edge_terms=edge_terms,
+      interior=interior)
+
+  def dsk(acc):
+    plgpu.wgmma(acc, ds.astype(c.dtype), k_slot)
+
+  dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+  stream.consumer_release(st)
+  if c.want_ds:
+    # The previous block's dS copy must have read the staging buffer.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    c.ds_st.at[wg][...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(k_base, c.bkv)])
+  return dq_acc
+
+
+# The head-split dQ kernel (head dims over 128), the dK/dV launch's split
+# turned around: one block owns ONE tile of 64 query rows (Q, dO, lse,
+# delta stationary, 64-byte swizzled) for both compute warpgroups and
+# streams key blocks of 64 through a two-stage ring.  Warpgroup w forms S
+# and dP of the tile against its 32 keys of the block (64 queries x 32 keys),
+# dS, and stages dS in the compute dtype into columns [32 w, 32 w + 32) of
+# the step's exchange buffer; after the rendezvous (barriers.halves_ready)
+# it forms its half of dQ's head dim, dQ[:, cols] += dS K[:, cols], over all
+# 64 keys.  Exchange buffers as in the dK/dV launch (step t uses t % 2).
+
+
+def _wide_dq_load_stationary(c: DqKernel):
+  rows = pl.ds(c.qi * c.bq, c.bq)
+  c.stationary.producer_copy(c.q_ref.at[c.b, rows, c.h], 0, "q")
+  c.stationary.producer_copy(c.do_ref.at[c.b, rows, c.h], 0, "do")
+  c.stationary.producer_copy(c.rows_ref.at[c.b, c.h, :, rows], 0, "rows")
+
+
+def _wide_dq_compute(c: DqKernel):
+  """A compute warpgroup of the head-split dQ kernel: its half of dQ's head
+  dim over the tile's key blocks, staged in the Q tile, stored by
+  warpgroup 0."""
+  plgpu.set_max_registers(232, action="increase")
+  wg = c.wg
+  shared = _shared_slot(c)
+  q_base = c.qi * c.bq
+  rows = pl.ds(q_base, c.bq)
+  lse2, delta, ks, ke = _dq_row_inputs(c, shared, rows)
+  cols = c.head_dim // CW
+  step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
+  dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, cols), jnp.float32), WGMMA)
+  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
+  q_st = c.stationary.slot(shared, "q")
+  # Q is free to stage dQ: each step's last read of it (S) precedes its
+  # rendezvous, which both warpgroups passed.
+  q_st.at[:, pl.ds(wg * cols, cols)][...] = (dq_acc * c.f.scale).astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.epilogue_sync()  # both halves staged before the copy reads them
+
+  @pl.when(wg == 0)
+  def _():
+    plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
+  """Key block ki of the head-split dQ kernel (the notes above)."""
+  f, wg, b, h, stream = c.f, c.wg, c.b, c.h, c.stream
+  t = ki - c.lb
+  st = stream.position(t)
+  k_base = ki * c.bkv
+  stream.consumer_wait(st, "k")
+  stream.consumer_wait(st, "v")
+  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  half = c.bkv // CW
+  mine = pl.ds(wg * half, half)
+  my_base = k_base + wg * half
+  shape = (c.bq, half)
+  tile = (b, h, rows, pl.ds(my_base, half))
+  # interior() judges the whole key block (both halves).
+  edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
+  _, ds = _step_scores(
+      f, shape, s_ops=(c.stationary.slot(shared, "q"), k_slot.at[mine]),
+      dp_ops=(c.stationary.slot(shared, "do"), v_slot.at[mine]),
+      paired=c.blocks.schedule == "paired", want_ds=True,
+      bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
+                                                                     WGMMA),
+      terms=terms, key_dim=1, key_base=my_base, num_keys=half, query_base=q_base,
+      lse2_of=lambda: lse2, delta_of=lambda: delta, edge_terms=edge_terms,
+      interior=interior)
+  x = exchange_buffer(t)
+  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)
+  plgpu.commit_smem()
+  barriers.halves_ready()
+  cols = pl.ds(wg * dq_acc.shape[1], dq_acc.shape[1])
+
+  def dsk(acc):
+    plgpu.wgmma(acc, c.exchange.at[x], k_slot.at[:, cols])
+
+  dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+  stream.consumer_release(st)
+  if c.want_ds:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    c.ds_st.at[wg][...] = ds
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(my_base, half)])
+  return dq_acc

@@ -1,0 +1,177 @@
+"""dQ accumulated inside the dK/dV kernel (the fused dQ): each block
+reduce-adds its part of dQ into global memory, in float32, or in int32
+fixed point where ``deterministic=True`` asks for bits that do not depend on
+the order of the adds."""
+
+from __future__ import annotations
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kernel.backward.context import CW
+from kernel.tiling.backward_plan import DS_BUFFERS
+
+
+# The fused dQ.  dQ_i = scale * sum_j dS_ij K_j sums over every key tile, and
+# the key tiles live in different blocks: each block adds its part (one
+# streamed query block x head_dim, f32) into a zeroed f32 array in global
+# memory with a TMA reduce-add, and one XLA cast finishes it.  Within a block,
+# both warpgroups' dS^T tiles (64 keys x the block's queries each) go through
+# shared memory so that ONE warpgroup forms the block's whole part, dS_i,tile
+# K_tile, over all 128 keys of the tile: half the reduce-add traffic of a part
+# per warpgroup.  The warpgroups take that turn alternately (step t: its owner,
+# warpgroup t % 2): right after storing its own dS^T, the owner waits on the
+# named barrier ds_ready_<owner> until the other warpgroup, which only
+# arrives there right after its store, has stored its dS^T too
+# (barriers.ds_ready); the owner's product follows its dK/dV products.  Two
+# dS^T buffers (step t uses t % 2): the buffer of
+# step t is written again at step t + 2, by the owner of step t itself (in
+# program order after its product completed) and by the other warpgroup only
+# after it passed its own wait of step t + 1, which needs the owner of step t
+# to arrive there, which it does at step t + 1, after its product of step t
+# completed.
+# Taking turns beats splitting every step's part by columns (both warpgroups
+# form half of its columns over all 128 keys after a sync on both staged dS^T
+# tiles, the split FlashAttention-3 uses): forward + backward, d128, bf16,
+# TFLOP/s, turns vs columns, measured on the H100 in one process (6424e59,
+# 2026-12-05): 1k B16 N16 428.0 vs 392.5, 4k B4 500.8 vs 462.0, 16k B1 544.0
+# vs 511.1, GQA 16/4 T=S=3000 B5 444.5 vs 405.5; with three stages, which
+# the halved f32 staging leaves room for, 360.2, 434.4, 447.2, 363.3.  Under
+# causal (the fused dQ there: kernel.experiments' "pallas-fused-causal") at
+# 16k, turns vs columns 475.4 vs 498.3 (N16) and 504.6 vs 492.4 (GQA 32/8),
+# the dQ kernel 480.5 and 478.3, cuDNN 526.7 and 525.6.  The turns let the
+# warpgroups run offset, one on its products while the other forms its part.
+# Order across blocks is not fixed, so a float32 dQ is not bitwise
+# reproducible (dK, dV are); properties/test_gradients_gpu.py bounds the
+# difference.  deterministic=True sums the same parts in fixed point instead
+# (below), where the order does not matter.
+
+
+# The fused dQ in fixed point (deterministic=True).  Integer addition is
+# associative, so int32 reduce-adds give the same bits in any order.  Row i
+# of dQ / scale is sum_j dS_ij K_j over the keys, and
+#
+#   |sum_j dS_ij K_jd| <= sum_j P_ij |dP_ij - delta_i| |K_jd|
+#                      <= (|dO_i| max_j |V_j| + |delta_i|) max_jd |K_jd| = U_i
+#
+# (dP_ij = dO_i . V_j, Cauchy-Schwarz, and sum_j P_ij <= 1), for every subset
+# of the keys too, so every partial sum of row i's parts is bounded by U_i.
+# fixed_point_scales gives row i the power of two c_i <= 2^FIXED_POINT_BITS
+# / U_i (and > half of it); the step's owner adds c_i * part rounded to an
+# integer (to_fixed_point: to the nearest up to head dim 64, truncated over
+# it), exact but for at most one unit per part, and the sum never leaves
+# int32: |sum| <= 2^FIXED_POINT_BITS (times 1 + the float32 and bfloat16
+# roundings of P and dS^T) < 2^31.  dq = sum / c_i * scale.  A part is
+# resolved to 2^-FIXED_POINT_BITS of U_i, an a-priori bound that exceeds
+# max_d |dq_id| by the cancellation of the sum (about 300 at 1k keys and
+# 2000 at 16k with random normal inputs): in a float64 model of the sum over
+# 128-key tiles the error reached 2.9e-6 of max|dq| at 1k keys, 7.7e-5 at
+# 16k (d64) and 1.1e-4 (d128), under bfloat16's 2^-9 and float16's 2^-11
+# relative rounding of the result.  On the H200 at 16k keys (d64), dq
+# differed from the float32 sum's by at most one bfloat16 ulp of max|dq|, as
+# the dQ kernel's does (2026-12-04).  A
+# non-finite U_i (a NaN or infinity in dO_i, delta_i, or any key or value of
+# the head, or a norm beyond float32's range) makes c_i NaN, and the row's dq
+# NaN at the division.
+FIXED_POINT_BITS = 29
+
+
+def fixed_point_scales(k, v, do, rows, group: int):
+  """(B, N, Tp) f32: c_i, the power of two each query row's dQ parts are
+  multiplied by before their int32 reduce-adds (notes above), from the padded
+  k (B, Sp, K, D), v, do (B, Tp, N, Dv) and the residual rows' delta."""
+  f32 = jnp.float32
+  # Each key's max |k| and |v|^2 first (row reductions over the head dim,
+  # in one pass over K and V), fenced so that XLA keeps them, then the max
+  # over keys of those (B, S, K) arrays.  Measured on the H100 in one
+  # process against one reduction over (S, D) for K and the norms' max over
+  # S for V (2026-12-05), the same bits, ms: d128 4k B4 N16 0.059 vs 0.074,
+  # 16k B1 0.059 vs 0.070, d64 1k B16 N32 0.061 vs 0.070.
+  k_row = jnp.max(jnp.abs(k.astype(f32)), axis=3)                            # (B, S, K)
+  v_row = jnp.sum(jnp.square(v.astype(f32)), axis=3)
+  k_row, v_row = lax.optimization_barrier((k_row, v_row))
+  k_max = jnp.max(k_row, axis=1)                                             # (B, K)
+  v_norm = jnp.sqrt(jnp.max(v_row, axis=1))
+  do_norm = jnp.swapaxes(jnp.sqrt(jnp.sum(jnp.square(do.astype(f32)), axis=3)), 1, 2)
+  per_head = lambda x: jnp.repeat(x, group, axis=1)[:, :, None]             # (B, N, 1)
+  bound = (do_norm * per_head(v_norm) + jnp.abs(rows[:, :, 1])) * per_head(k_max)
+  # bound = 0 (padded rows, dO_i = 0): no part is nonzero; the largest exponent.
+  exponent = jnp.clip(jnp.floor(FIXED_POINT_BITS - jnp.log2(bound)), -126.0, 126.0)
+  # A bound that is not finite leaves no scale to sum in: NaN, so that the
+  # row's dq comes out NaN, never a finite value from saturated parts.
+  return jnp.where(jnp.isfinite(bound), jnp.exp2(exponent), jnp.nan).astype(f32)
+
+
+def to_fixed_point(part, scales):
+  """c_i * part as int32: ``scales`` (the part's rows, ROW layout) are powers
+  of two, so y = c_i * part is exact and |y| <= 2^FIXED_POINT_BITS.
+
+  Up to head dim 64, y is rounded to the nearest integer by float adds
+  (:func:`_round_by_adds`); wider parts are converted (truncated) by cvt,
+  whose unit runs at a quarter of the float rate on sm90 and is the one the
+  exponentials use.  Forward + backward with deterministic=True over the
+  default, bf16, measured on the H200 in one process (2026-12-04), adds vs
+  cvt: d64 1k B16 0.909 vs 0.899, 16k B1 0.923 vs 0.915, causal 4k B4 0.939
+  vs 0.920, causal 16k B1 0.968 vs 0.939, causal GQA 32/8 T=S=3000 B5 0.914
+  vs 0.894; d128 4k B4 0.905 vs 0.931, GQA 16/4 T=S=3000 B5 0.874 vs 0.913
+  (the adds' temporaries beside a 128-column part)."""
+  y = part * lax.broadcast_in_dim(scales, part.shape, [0])
+  if part.shape[1] > 64:
+    return y.astype(jnp.int32)
+  return _round_by_adds(y)
+
+
+def _round_by_adds(y):
+  """round(y) as int32 for |y| < 2^30, without a conversion instruction.
+  Adding 1.5 * 2^31 rounds y to a multiple of 2^8, and the sum's bits less
+  the constant's count those multiples; the remainder r = y - h (exact,
+  |r| <= 128) is rounded likewise with 1.5 * 2^23.  It needs float adds
+  evaluated as written: Mosaic GPU allows contraction only (x * c + M is
+  one fma, exact here); XLA's CPU compiler reassociates them under jit."""
+  t = y + HI_MAGIC
+  r = y - (t - HI_MAGIC)
+  u = r + LO_MAGIC
+  bits = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+  return bits(t) * 256 + (bits(u) - MAGIC_BITS)
+
+
+HI_MAGIC = np.float32(1.5 * 2.0 ** 31)
+
+
+LO_MAGIC = np.float32(1.5 * 2.0 ** 23)
+
+
+# (bits(HI_MAGIC) << 8) + bits(LO_MAGIC), wrapped to int32 as the kernel's sum is
+MAGIC_BITS = np.uint32(((int(HI_MAGIC.view(np.uint32)) << 8) + int(LO_MAGIC.view(np.uint32)))
+                       % (1 << 32)).view(np.int32)
+
+
+def ds_buffer(t):
+  return t % DS_BUFFERS
+
+
+def dq_owner(t):
+  return t % CW
+
+
+def _dq_product(ds_st, buf, k_st):
+  """dS_i,tile K_tile (f32, unscaled): the contraction runs over both
+  warpgroups' 64 keys, from their dS^T tiles staged in buffer ``buf`` of
+  ``ds_st`` (buffers, CW, keys, queries) and the stationary K tiles."""
+  def product(acc):
+    for w in range(CW):
+      plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
+    return acc[...]
+  return pl.run_scoped(product, plgpu.ACC((ds_st.shape[3], k_st.shape[2]), jnp.float32))
+
+
+def _dq_reduce_add(part, staging, dq_dst):
+  """TMA reduce-add of one dQ part through this warpgroup's f32 staging tile."""
+  # The previous reduce-add from this staging tile has read it.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  staging[...] = part
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(staging, dq_dst, reduction_op="add")

@@ -1,0 +1,193 @@
+"""The sm90 backward: two warp-specialised Pallas Mosaic GPU kernels.
+
+Both kernels have the forward's shape: three warpgroups along ``wg``;
+warpgroups 0 and 1 compute at 232 registers, each on its own 64-row slice of
+a stationary tile; warpgroup 2 (40 registers) issues every TMA copy, first
+the stationary tiles, then the streamed blocks into a ``num_stages``-deep
+ring, through the forward's ring verbs (kernel/sync/ring.py): each slot has
+one "produced" mbarrier per streamed buffer and one "consumed" mbarrier
+that both compute warpgroups arrive on; the producer waits on it before
+every refill but the first ``num_stages``.
+
+The kernels are kernel/backward/dkv.py (dK and dV, and dQ where it is
+fused: kernel/backward/fused_dq.py) and kernel/backward/dq.py; head dims
+over 128 take the head split (kernel/backward/head_split.py); their tiling
+is kernel/tiling/backward_plan.py's.
+
+The residuals are the forward's natural-log m and l: ``lse`` (base 2, what
+exp2 needs) is formed here as ``m * log2(e) + log2(l)``; a row with l = 0
+(fully masked) gets lse = +inf, so its P is exactly 0.  A forward that
+stored m in base 2 would yield wrong gradients here (seed 000)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.experimental.pallas as pl
+import jax.numpy as jnp
+from jax import lax
+
+from kernel import padding
+from kernel.common import LOG2E, kv_block_range
+from kernel.tiling import plan as plan_lib, schedule as schedule_lib
+from kernel.backward.context import BackwardFeatures
+from kernel.backward.dkv import dkv_call
+from kernel.backward.dq import dq_call
+from kernel.backward.fused_dq import fixed_point_scales
+from kernel.tiling.backward_plan import BackwardBlocks, blocks_for, fuses_dq, smem_estimates
+
+
+# Gradients summed across thread blocks in float32 in no fixed order (the
+# fused dQ's reduce-adds, unless deterministic=True sums them in fixed
+# point): their bits may differ from run to run, within
+# harness.numerics.tolerance.run_to_run_bound.  Every other output is bitwise
+# reproducible.
+ORDER_DEPENDENT_GRADIENTS = ("dq",)
+
+
+def residual_rows(m, l, out, d_out, t_pad: int):
+  """(B, N, 2, Tp) f32, the per-row inputs the kernels stream: lse in base 2
+  from the forward's natural-log residuals (+inf where l = 0, a fully masked
+  row, and in padded rows) and delta = rowsum(dO * O) (0 in padded rows)."""
+  t = m.shape[2]
+  live = l > 0
+  lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
+  # delta in the inputs' own (B, T, N) order, fenced off from the transpose
+  # and stack below: XLA fused all three into one kernel that took 0.29 ms
+  # at the headline shape, against 0.05 ms this way (H200, 2026-11-30).
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = jnp.swapaxes(lax.optimization_barrier(delta), 1, 2)
+  lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
+  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
+  return jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
+
+
+def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
+                       *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
+                       fuse_dq=True, fixed_point_dq=False, fuse_dq_causal: bool | None = None,
+                       head_dims=plan_lib.backward_head_dims,
+                       num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
+                       window: tuple[int, int] | None = None):
+  """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
+  residuals, on the sm90 kernels above.  Same contract and arguments as
+  ``kernel.backward.xla.attention_backward`` (its executable specification):
+  inputs in the compute dtype, unpadded; m (natural log) and l (B, N, T).
+
+  dQ is accumulated inside the dK/dV kernel (see the fused dQ notes below) when
+  ``fuse_dq`` and :func:`fuses_dq` allow it, else formed by the dQ kernel.
+  ``fixed_point_dq``: the fused dQ sums in int32 fixed point (bitwise
+  reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
+  float32.  ``fuse_dq_causal``: under causal, fuse dQ wherever it fits
+  (True) or nowhere (False) instead of where :func:`blocks_for` says
+  (kernel.experiments' A/B).  ``head_dims``: the rule of the head dims
+  computed with (kernel.tiling.plan.backward_head_dims; kernel.experiments'
+  "pallas-narrow-rows" takes the forward's).  ``num_sms``: the GPU's SMs,
+  which the causal launch order balances over (kernel.tiling.schedule.LaunchOrder).
+  ``window``: jax.nn's local window (left, right) when the key ranges come
+  from one, which the launch order weighs the tiles by (the kernels read
+  the ranges alone).
+  """
+  dtype = query.dtype
+  batch, t, heads, hd = query.shape
+  s, hdv = key.shape[1], value.shape[3]
+  f = BackwardFeatures(scale=float(scale), is_causal=bool(is_causal),
+                       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                       seq_q=t, seq_kv=s)
+  d, dv_dim = head_dims(hd, hdv)
+  blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
+  if fuse_dq_causal is not None:
+    blocks = dataclasses.replace(blocks, fuse_dq_causal=fuse_dq_causal)
+  for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
+                                  is_causal=f.is_causal, fuse_dq=fuse_dq).items():
+    if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
+      raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
+                       f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
+                       f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
+  t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
+
+  pad = padding.pad_to_multiple
+  q = pad(padding.pad_head_dim(query, d), 1, t_mult)
+  k = pad(padding.pad_head_dim(key, d), 1, s_mult)
+  v = pad(padding.pad_head_dim(value, dv_dim), 1, s_mult)
+  do = pad(padding.pad_head_dim(d_out.astype(dtype), dv_dim), 1, t_mult)
+  t_pad, s_pad = q.shape[1], k.shape[1]
+
+  rows = residual_rows(m, l, out, d_out, t_pad)
+
+  bias4 = None if bias is None else padding.broadcast_operand(bias, dtype, t_mult, s_mult)
+  mask4 = None if mask is None else padding.broadcast_operand(mask, jnp.int8, t_mult, s_mult)
+  tile = blocks.dq_tile
+  ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
+                                     num_tiles=t_pad // tile)
+
+  block_args = dict(seq_kv=s, num_rows=t_pad, block_q=blocks.dkv_stream_q,
+                    key_tile=blocks.dkv_tile, num_key_tiles=s_pad // blocks.dkv_tile,
+                    group=heads // key.shape[2])
+  query_blocks = padding.query_block_ranges(ks, ke, **block_args)
+  inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
+  swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
+  launch = functools.partial(dkv_call, q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke,
+                             f=f, blocks=blocks, query_blocks=query_blocks,
+                             inner_blocks=inner_blocks, num_sms=num_sms, window=window)
+  if fused:
+    # The float32 dQ accumulator is a ref of a state scope of its own
+    # (run_state, which hands back its final value), not a jax.new_ref of
+    # the traced program: custom_partitioning (kernel/sharding.py) cannot
+    # lower a program that holds a mutable array's effect.
+    scales = (fixed_point_scales(k, v, do, rows, heads // key.shape[2])
+              if fixed_point_dq else None)
+
+    def fused_launch(refs):
+      acc, dk, dv = refs
+      got = launch(dq_accum=acc, dq_scales=scales)
+      dk[...], dv[...] = got["dk"], got["dv"]
+
+    acc_dtype = jnp.int32 if fixed_point_dq else jnp.float32
+    dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
+        (jnp.zeros(q.shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
+    dkv = {"dk": dk_pad, "dv": dv_pad}
+    dq = dq_acc.astype(jnp.float32) * f.scale
+    if fixed_point_dq:
+      dq = dq / jnp.swapaxes(scales, 1, 2)[..., None]
+    dq, ds = dq.astype(dtype), None
+  else:
+    dkv = launch()
+    dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
+                     want_ds=bias is not None, num_sms=num_sms, window=window)
+
+  dbias = None
+  if bias is not None:
+    # Blocks the dq kernel skipped (outside a tile's key range) are unwritten;
+    # every logit there is masked, so their gradient is 0.
+    visited = _visited_blocks(ds.shape, tiles, f, blocks)
+    ds = jnp.where(visited, ds, 0.0)[:, :, :t, :s]
+    bias_shape = jnp.shape(bias)
+    full = lax.broadcast_to_rank(jnp.zeros(bias_shape, jnp.float32), 4).shape
+    summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)
+    dbias = summed.reshape(bias_shape).astype(bias.dtype)
+  return (dq[:, :t, :, :hd], dkv["dk"][:, :s, :, :hd], dkv["dv"][:, :s, :, :hdv], dbias)
+
+
+def _visited_blocks(ds_shape, tiles, f: BackwardFeatures, blocks: BackwardBlocks):
+  """(B|1, N|1, Tp, Sp) bool: the dS entries the dq kernel wrote."""
+  _, _, t_pad, s_pad = ds_shape
+  tile, bkv = blocks.dq_tile, blocks.dq_stream_kv
+  qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
+  if tiles is None:
+    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal)
+    lb, ub = (jnp.broadcast_to(x, qi.shape)[None, None] for x in (lb, ub))
+  else:
+    start_min, _, _, end_max = tiles
+    shape = jnp.broadcast_shapes(start_min.shape, end_max.shape)
+    qi3 = jnp.broadcast_to(qi, shape)
+    lb, ub = kv_block_range(qi3, tile_q=tile, block_kv=bkv, seq_q=f.seq_q,
+                            seq_kv=f.seq_kv, is_causal=f.is_causal,
+                            k_start_min=jnp.broadcast_to(start_min, shape),
+                            k_end_max=jnp.broadcast_to(end_max, shape))
+  block = jnp.arange(s_pad, dtype=jnp.int32) // bkv                 # (Sp,)
+  lb = jnp.repeat(lb, tile, axis=2)[..., None]                        # (.., Tp, 1)
+  ub = jnp.repeat(ub, tile, axis=2)[..., None]
+  return (block >= lb) & (block < ub)

@@ -1,0 +1,134 @@
+"""One key block's logits and online softmax, in registers.
+
+Logits are scaled with log2(e) folded into the scale once, exp2 everywhere;
+the running max ``m_i`` is in base 2, the rescale is guarded by
+``rescale_threshold`` with the pending scale ``m_scale``; masked logits are
+-inf, and a "safe base" keeps fully masked rows at out = 0, m = -inf, l = 0.
+The executable model of this arithmetic is
+harness/numerics/online_softmax_model.py."""
+
+from __future__ import annotations
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from kernel.common import LOG2E, NEG_INF, WGMMA, load_broadcast
+from kernel.forward.context import Kernel, Tile, key_position
+
+
+def iota(c: Kernel, dim):
+  return plgpu.broadcasted_iota(jnp.int32, c.bq_kv, dim, layout=WGMMA)
+
+
+def safe(x):
+  # exp2(x - base) with base = -inf would be NaN; rows that have seen no
+  # unmasked key use base 0, where every p is exp2(-inf) = 0.
+  return jnp.where(x == NEG_INF, 0.0, x)
+
+
+def rescaled(acc, factor):
+  """acc with row i times factor[i]: at every key block, whatever
+  ``rescale_threshold``.  Skipping the multiply in every warp whose rows all
+  have a factor of exactly 1 (below threshold 1, most warps after a tile's
+  first blocks) gives the same bits, but the branch (``vote.sync.any`` and
+  an ``scf.if`` over the 64 accumulator registers) cost more than the
+  multiply it saved.  bf16 forward TFLOP/s, multiplied vs skipped, measured
+  on the H100 in one process (2026-12-05): d128 4k B4 N16 at threshold 1.0
+  611.9 vs 570.5, 0.5 584.6 vs 574.5, 0.0 608.6 vs 580.4; 16k B1 633.3 vs
+  601.0 (1.0), 636.2 vs 616.1 (0.0); causal 4k B4 562.2 vs 533.5 (1.0);
+  d64 4k B4 N32 458.2 vs 441.8 (1.0); d256 4k B4 N8 620.7 vs 608.4 (1.0),
+  613.0 vs 623.0 (0.0, the one gain)."""
+  return acc * lax.broadcast_in_dim(factor, acc.shape, [0])
+
+
+def staged_tile(c: Kernel, t: Tile, buffer, ki):
+  """This warpgroup's rows of key block ki's staged bias/mask tile
+  (waited for in wait_staged; released with the keys after this)."""
+  tile = c.keys.slot(key_position(c, t, ki), buffer)
+  rows = lambda w: lambda: plgpu.load(tile.at[pl.ds(w * c.block_q, c.block_q)],
+                                      layout=WGMMA, optimized=False)
+  if c.cw == 2:
+    return lax.cond(c.wg == 0, rows(0), rows(1))
+  return lax.switch(c.wg, [rows(w) for w in range(c.cw)])
+
+
+def logits(c: Kernel, t: Tile, s, ki, *, edge):
+  """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
+  with the true logits being s * sc (deferred so exp2 fuses, where sc > 0:
+  the row max of s * sc is then the row max of s times sc).
+  ``edge``: the block may reach the diagonal or the last (ragged) key."""
+  f, block_kv, bq_kv = c.f, c.block_kv, c.bq_kv
+  k_base = ki * block_kv
+  sc = f.scale
+  if c.stage_bias:
+    bias = staged_tile(c, t, "bias", ki)
+    s, sc = s * sc + bias.astype(jnp.float32), 1.0
+  elif c.bias_ref is not None:
+    bias = load_broadcast(c.bias_ref, (t.b, t.h, t.rows, pl.ds(k_base, block_kv)),
+                          bq_kv, WGMMA)
+    s, sc = s * sc + bias.astype(jnp.float32), 1.0
+  if f.logits_soft_cap is not None:
+    s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
+  sc *= LOG2E
+  if sc > 0 and not (c.masks_any_block or edge):
+    return s, sc
+  s = s * sc
+  key = k_base + iota(c, 1)
+  if edge and f.is_causal:
+    # Index arrays here, not masks.causal_select as in the backward: the
+    # forward has registers to spare and the asm select measured slower on
+    # the H200, causal 16k forward 1.828 vs 1.763 ms (d128) and 1.763 vs
+    # 1.694 ms (d256), d64 within noise (2026-12-03).
+    s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)
+  if edge and c.ragged_kv:
+    s = lax.cond(k_base + block_kv > f.seq_kv,
+                 lambda: jnp.where(key < f.seq_kv, s, NEG_INF), lambda: s)
+  if t.k_start is not None:
+    s = lax.cond(
+        k_base < t.k_start_max,
+        lambda: jnp.where(key >= lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF),
+        lambda: s)
+  if t.k_end is not None:
+    s = lax.cond(
+        k_base + block_kv > t.k_end_min,
+        lambda: jnp.where(key < lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF),
+        lambda: s)
+  if c.stage_mask:
+    keep = staged_tile(c, t, "mask", ki)
+    s = jnp.where(keep != 0, s, NEG_INF)
+  elif c.mask_ref is not None:
+    keep = load_broadcast(c.mask_ref, (t.b, t.h, t.rows, pl.ds(k_base, block_kv)),
+                          bq_kv, WGMMA)
+    s = jnp.where(keep != 0, s, NEG_INF)
+  return s, 1.0
+
+
+def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
+  """Online softmax of key block ki's raw logits s: returns the factor
+  that brings the accumulator (and, already applied, l_i) to the new
+  reference max, p, and the new (m_i, l_i, pending).
+
+  Every exp2 goes to the MUFU unit.  Emulating every n-th one with a cubic
+  on the FMA pipe (as FlashAttention-3 does on Blackwell) measured slower on
+  the H200 at every shape tried (2026-12-03), e.g. d64 4k B4 434.8 (n=0) vs
+  410.7 (n=3) and 419.5 (n=8) TFLOP/s, d128 4k 604.7 vs 550.8 and 594.1:
+  this loop is issue- and latency-bound, not MUFU-bound."""
+  s, sc = logits(c, t, s, ki, edge=edge)
+  m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
+  if c.always_rescale:
+    base = safe(m_ij)
+    factor = jnp.exp2(m_i - base)
+    l_i = l_i * factor
+  else:
+    (m_scale,) = pending
+    alpha = jnp.exp2(m_scale - safe(m_ij))
+    rescale = (alpha < c.threshold) | (m_scale == NEG_INF)
+    factor = jnp.where(rescale, alpha, 1.0)
+    l_i = l_i * factor
+    m_scale = jnp.where(rescale, m_ij, m_scale)
+    pending = [m_scale]
+    base = safe(m_scale)
+  p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
+  return factor, p, m_ij, l_i, pending

@@ -1,0 +1,323 @@
+"""The backward's tiling and shared-memory plan, as data.
+
+:func:`blocks_for` chooses the two kernels' tiling; the buffer and mbarrier
+descriptions here are what kernel/backward/dkv.py and dq.py allocate, so the
+estimate (:func:`smem_estimates`) is computed from the scratch the kernels
+allocate, under the forward's fit predicate (kernel.tiling.plan.fits_in_smem).
+Pure Python, like the forward's plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from kernel.sync.barriers import COMPUTE_WARPGROUPS as CW
+from kernel.tiling import plan as plan_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardBlocks:
+  """Tiling of the two kernels.  Each compute warpgroup owns 64 stationary
+  rows (wgmma's M); the streamed block is the other matmul dimension."""
+
+  dkv_stream_q: int     # query rows per streamed block in dkv
+  dq_stream_kv: int     # key rows per streamed block in dq
+  num_stages: int
+  rows: int = 64        # stationary rows per compute warpgroup
+  # "paired": the two products that need no register operand (S and dP) are
+  # issued together and waited once, and so are the two that update the
+  # accumulators; "serial": each product waited on its own (the first version,
+  # kept to measure the difference in one process).
+  schedule: str = "paired"
+  # Under causal: whether dK/dV's kernel also accumulates dQ (where it fits:
+  # fused_dq_fits).  blocks_for says where it is measured faster.
+  fuse_dq_causal: bool = False
+  # Both kernels' compute warpgroups share ONE stationary tile of 64 rows
+  # and split the head dim of its accumulators (the notes above _wide_step
+  # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
+  # fit in 232 registers.
+  head_split: bool = False
+
+  @property
+  def dq_tile(self) -> int:
+    """Query rows per dQ block (both compute warpgroups; one shared tile
+    under ``head_split``), the tile of the key-range bounds and of the dS
+    blocks the dQ kernel writes."""
+    return self.rows if self.head_split else CW * self.rows
+
+  @property
+  def dkv_tile(self) -> int:
+    """Keys per dK/dV block (both compute warpgroups; one shared tile
+    under ``head_split``)."""
+    return self.rows if self.head_split else CW * self.rows
+
+  @property
+  def query_multiple(self) -> int:
+    """Query rows are padded to a multiple of this: whole dQ tiles and
+    whole streamed blocks of the dK/dV kernel."""
+    return math.lcm(self.dq_tile, self.dkv_stream_q)
+
+  @property
+  def key_multiple(self) -> int:
+    """Keys are padded to a multiple of this: whole dK/dV tiles and whole
+    streamed blocks of the dQ kernel."""
+    return math.lcm(self.dkv_tile, self.dq_stream_kv)
+
+
+def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> BackwardBlocks:
+  """Streamed blocks are 64 rows, but for the dK/dV kernel's at head dims
+  up to 64 without causal (below).  Head dims over 128 take the head split,
+  with two stages in both kernels.
+
+  The dK/dV kernel streams 128 query rows per block at head dims up to 64
+  when not causal: S^T = K Q^T and dP^T = V dO^T, both operands in shared
+  memory, are then wgmma's of N = 128.  At N = 64 an instruction's
+  shared-memory reads take about as long as its tensor-core work, so any
+  other shared-memory traffic stalls the products; at N = 128 they are
+  compute-bound (S^T and dP^T take 64 registers each, dK and dV 32 each:
+  it fits in 232).
+  Forward + backward, bf16, d64 N32, measured on the H200 in one process,
+  128 against 64 query rows (cuDNN): 4k B4 4.188 vs 4.726 ms (4.578), 16k B1
+  16.367 vs 17.876 (17.379), 1k B16 1.239 vs 1.373 (1.432), T=S=3000 B5
+  GQA 32/8 3.374 vs 3.834 (3.528), 12000 B1 GQA 32/8 9.947 vs 10.660
+  (10.170); deterministic=True (then the dQ kernel) at 4k B4 5.244 vs 5.732; a (512, 512) window at
+  8k B2 1.678 vs 1.661 and a (1, 1, T, S) bias at 2k B2 1.291 vs 1.280, both
+  within 1 % (2026-12-03).  Under causal it ran slower, 4k B4 2.999 vs 2.587
+  ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972; the
+  cause was register pressure: ptxas spilled 752 bytes there.  With the
+  causal and key-limit masks of kernel.backward.masks (no index arrays) it spills 192
+  bytes, and 128 rows against 64 measured (2026-12-04): 4k B4 2.525 vs 2.571
+  ms, 16k B1 8.894 vs 9.183, 1k B16 0.882 vs 0.898, deterministic 4k 3.027 vs
+  3.055, but T=S=3000 B5 GQA 32/8 2.335 vs 2.143 and 7000 B2 GQA 32/8 4.386
+  vs 4.014; a 9 % loss at ragged GQA lengths outweighs 2-3 %, so causal stays
+  at 64 rows.  At head dim 128, streaming 128 keys per dQ block instead of
+  64 changed nothing beyond noise (causal 16k B1 8.431 vs 8.323 ms, 4k B4
+  2.314 vs 2.281, deterministic 4k 4.098 vs 4.122).
+  Forward + backward, bf16, d256, measured on the H200 against dK and dV in
+  separate launches and a one-stage dQ kernel, in one process: 4k B4 N8
+  4.992 vs 6.701 ms (cuDNN 4.579), causal 2.643 vs 3.910 (2.601), causal
+  16k B1 9.123 vs 13.130 (9.112), causal GQA 8/2 4k B4 2.773 vs 4.447
+  (2.607) (2026-12-03).  The kernels alone at 4k B4 causal: dK/dV 1.264 ms
+  with two stages, 1.731 with one, 1.999 as two launches; dQ 0.891 against
+  1.322.  Accumulating dQ in the dK/dV launch as well (whose f32 staging
+  leaves room for one stage only) took 2.971 ms, more than the head-split
+  dK/dV and dQ kernels together: it is not offered there.
+
+  Under causal, head dims up to 64 fuse dQ into the dK/dV kernel: forward +
+  backward, bf16, measured on the H200 with the dQ kernel vs fused: 16k B1
+  10.850 vs 9.132 ms, 4k B4 3.022 vs 2.721, 1k B16 1.022 vs 0.945, GQA 32/8
+  at 12017 tokens 6.539 vs 6.384 (2026-12-02).  At head dim 128 the fused dQ
+  loses under causal (16k B1 8.367 vs 8.547 ms, 4k B4 2.259 vs 2.588): its
+  per-step reduce-adds weigh more there against the dQ kernel's recomputed S
+  and dP.  Re-measured with the causal launch order (below), dQ kernel vs
+  fused, ms (2026-12-04): 1k B16 0.738 vs 0.855, 4k B4 2.234 vs 2.371, 8k B2
+  4.224 vs 4.287, 16k B1 8.241 vs 7.899, GQA 16/4 T=S=3000 B5 1.766 vs
+  1.788, 12017 B1 4.869 vs 5.086: the fused dQ wins at 16k B1 alone, so the
+  dQ kernel stays.  On the H100, dQ kernel vs fused (kernel.experiments'
+  "pallas-fused-causal"), forward + backward, ms (93989d6, 2026-12-05): 1k
+  B16 0.813 vs 0.960, 4k B4 2.216 vs 2.503, 8k B2 4.188 vs 4.529, 12017 B1
+  4.466 vs 5.312, 16k B1 8.115 vs 8.084, 32k B1 31.665 vs 31.005, GQA 32/8
+  16k B1 16.251 vs 15.438 (cuDNN 1.013, 2.290, 3.961, -, 7.402, 28.327,
+  14.734); deterministic=True, the dQ kernel vs the fused dQ in fixed point,
+  lost 8-25 % fused at every one of them.  The fused dQ gains at 16k keys and
+  more, by 0.4-5 %, and loses 16 % at 12017: no rule by length is kept
+  without knowing why.
+
+  Under causal both kernels' grids launch in sections of heads, heaviest
+  tiles first across a section (:func:`dkv_launch_order`,
+  :func:`dq_launch_order`; :func:`dkv_call` has the measurements; the fused
+  dQ, and any grid under a local window, only where the dealing model
+  predicts a gain)."""
+  width = max(head_dim, head_dim_out)
+  wide = width > 128
+  return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
+                        dq_stream_kv=64, num_stages=2,
+                        fuse_dq_causal=width <= 64, head_split=wide)
+
+
+def _mbarriers(kind: str, stages: int, streamed: tuple[str, ...],
+               stationary: tuple[str, ...], *,
+               stationary_tiles: int = CW) -> tuple[plan_lib.MBarrier, ...]:
+  """The backward's mbarrier plan, in the forward's vocabulary (plan.MBarrier)."""
+  mb = [plan_lib.MBarrier(f"{n}_stationary", stationary_tiles, 1,
+                          f"{kind}: TMA of a stationary {n} tile landed")
+        for n in stationary]
+  mb += [plan_lib.MBarrier(f"{n}_produced", stages, 1, f"{kind}: TMA of {n} into a slot landed")
+         for n in streamed]
+  mb.append(plan_lib.MBarrier("consumed", stages, CW,
+                              f"{kind}: both warpgroups finished with a slot"))
+  return tuple(mb)
+
+
+def dkv_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
+  """The dK/dV kernel's mbarriers, allocated by :func:`dkv_call` (and
+  counted by :func:`launch_smem_bytes`)."""
+  return _mbarriers("dkv", blocks.num_stages, ("q", "do", "rows"), ("k", "v"),
+                    stationary_tiles=1 if blocks.head_split else CW)
+
+
+def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
+  """The dQ kernel's mbarriers (see :func:`dkv_mbarriers`)."""
+  return _mbarriers("dq", blocks.num_stages, ("k", "v"), ("q", "do", "rows"),
+                    stationary_tiles=1 if blocks.head_split else CW)
+
+
+def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
+             is_causal: bool = True,
+             fuse_dq: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
+  """Every kernel launch of one backward, with its mbarrier plan, in order
+  (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`,
+  or ``fuse_dq`` is False: kernel.experiments' "pallas-two-kernel").  The
+  defaults give every
+  launch kind there is."""
+  blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
+  out = [("dkv", dkv_mbarriers(blocks))]
+  if fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
+    return out
+  return out + [("dq", dq_mbarriers(blocks))]
+
+
+def fused_dq_fits(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
+  """Whether the dK/dV kernel can accumulate dQ at all: not under the head
+  split (its f32 staging would leave room for one stage only, and that ran
+  slower than the dQ kernel: :func:`blocks_for`), nor with a bias, whose
+  gradient needs the f32 dS that the dQ kernel writes."""
+  return not blocks.head_split and not with_bias
+
+
+def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> bool:
+  """Whether the backward accumulates dQ in the dK/dV kernel: where it fits
+  (:func:`fused_dq_fits`), and under causal only where ``blocks`` says so
+  (:func:`blocks_for` has the measurements).  Non-causal at the headline
+  shape, forward + backward ran at 518.2 TFLOP/s fused against 458.5 with
+  the dQ kernel, in one process on the H200 (2026-11-30)."""
+  return fused_dq_fits(blocks, with_bias=with_bias) and (not is_causal or blocks.fuse_dq_causal)
+
+
+def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
+                fused: bool, dq_dtype=np.float32) -> tuple:
+  """The dK/dV kernel's shared memory, as :func:`dkv_call` allocates it
+  (and :func:`launch_smem_bytes` counts it)."""
+  bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
+  B, dt = plan_lib.Buffer, np.dtype(dtype)
+  if blocks.head_split:
+    return _wide_buffers(blocks, head_dim, head_dim_out, dtype)
+  return (B("k", (CW, bkv, head_dim), dt),
+          B("v", (CW, bkv, head_dim_out), dt),
+          B("q", (stages, bq, head_dim), dt),
+          B("do", (stages, bq, head_dim_out), dt),
+          B("rows", (stages, 2, bq), np.dtype(np.float32), swizzled=False),
+          *(_fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype) if fused else (None, None)))
+
+
+def dq_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
+               want_ds: bool) -> tuple:
+  """The dQ kernel's shared memory, as :func:`dq_call` allocates it: the
+  stationary tiles, the ring, the head split's exchange buffers (None
+  without it) and the f32 staging of dS."""
+  bq, bkv, stages = blocks.rows, blocks.dq_stream_kv, blocks.num_stages
+  B, dt, f32 = plan_lib.Buffer, np.dtype(dtype), np.dtype(np.float32)
+  if blocks.head_split:
+    W = functools.partial(B, swizzle=WIDE_SWIZZLE)
+    return (W("q", (1, bq, head_dim), dt), W("do", (1, bq, head_dim_out), dt),
+            B("rows", (1, 2, bq), f32, swizzled=False),
+            W("k", (stages, bkv, head_dim), dt), W("v", (stages, bkv, head_dim_out), dt),
+            W("ds_exchange", (EXCHANGE_BUFFERS, bq, bkv), dt),
+            B("ds", (CW, bq, bkv // CW), f32) if want_ds else None)
+  return (B("q", (CW, bq, head_dim), dt), B("do", (CW, bq, head_dim_out), dt),
+          B("rows", (CW, 2, bq), f32, swizzled=False),
+          B("k", (stages, bkv, head_dim), dt),
+          B("v", (stages, bkv, head_dim_out), dt), None,
+          B("ds", (CW, bq, bkv), f32) if want_ds else None)
+
+
+def launch_smem_bytes(buffers, mbarriers) -> int:
+  """Shared memory of one launch from the descriptions it allocates: every
+  buffer at a SMEM_ALIGNMENT boundary, then the mbarriers (the forward's
+  rule, kernel.tiling.plan.estimate_smem_bytes, without its reduction scratch: the
+  backward reduces nothing across warps)."""
+  pad = lambda n: -(-n // plan_lib.SMEM_ALIGNMENT) * plan_lib.SMEM_ALIGNMENT
+  total = pad(sum(pad(b.nbytes) for b in buffers if b is not None))
+  return total + plan_lib.MBARRIER_BYTES * sum(b.num_barriers for b in mbarriers)
+
+
+def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
+                   with_bias: bool, is_causal: bool, fuse_dq: bool = True) -> dict[str, int]:
+  """Bytes of shared memory of every launch of one backward (padded head
+  dims), keyed as :func:`launches` names them."""
+  blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
+  out = {}
+  for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias,
+                                  is_causal=is_causal, fuse_dq=fuse_dq):
+    if name == "dq":
+      bufs = dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=with_bias)
+    else:
+      bufs = dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused)
+    out[name] = launch_smem_bytes(bufs, mbarriers)
+  return out
+
+
+# The fused dQ's schedule: step t stages dS^T in buffer ds_buffer(t) and is
+# owned by warpgroup dq_owner(t).  Both work on ints and traced int32 alike
+# (t >= 0); the extracted proof checks the handoff they schedule.
+DS_BUFFERS = 2
+
+
+def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype):
+  """The fused dQ's shared memory: DS_BUFFERS dS^T staging buffers of both
+  warpgroups' tiles, and per warpgroup a staging tile for its reduce-add
+  (f32, or int32 in fixed point: the same bytes)."""
+  # dS^T meets the K tiles in the dQ product, both from shared memory: one
+  # swizzle, K's (64 bytes where its rows are 96 or 32 columns).
+  k_swizzle = plan_lib.row_swizzle_bytes(head_dim, np.dtype(dtype).itemsize)
+  return (plan_lib.Buffer("ds", (DS_BUFFERS, CW, bkv, bq), np.dtype(dtype),
+                          swizzle=k_swizzle if k_swizzle < 128 else None),
+          plan_lib.Buffer("dq", (CW, bq, head_dim), np.dtype(dq_dtype)))
+
+
+# The head-split dK/dV launch (head dims over 128).  One block owns ONE tile
+# of 64 keys; both compute warpgroups work on it, so that each holds half of
+# the head dim of dK and of dV (64 keys x D/2 each, f32: 64 registers per
+# thread each at D = 256, where a whole dK and dV would take 256).  The work
+# of a step is split too, with nothing computed twice:
+#
+# * warpgroup w forms S^T and dP^T of the tile against its own 32 queries of
+#   the step's block (64 keys x 32 queries: wgmma's N = 32), then P^T and
+#   dS^T, and stages them, in the compute dtype, into columns [32 w, 32 w +
+#   32) of the step's exchange buffers ``pt`` and ``ds`` (64 keys x 64
+#   queries);
+# * the rendezvous (barriers.halves_ready: both warpgroups sync) makes both
+#   halves visible;
+# * warpgroup w forms its columns of dV += P^T dO and dK += dS^T Q over all
+#   64 queries.
+#
+# Four products per step, against five with dK and dV in separate launches
+# (each recomputed S^T); dQ is the head-split dQ kernel's (notes above
+# _wide_dq_step), and the ring has two stages, which a one-stage ring with
+# the fused dQ's f32 staging beside it did not reach (blocks_for).  wgmma
+# takes both shared-memory operands of a product in one swizzle, and the
+# exchange buffers' halves are 32 columns (64 bytes) wide: every tile of
+# this launch is 64-byte swizzled.
+# Two exchange buffers, step t uses t % 2: warpgroup w writes buffer t % 2
+# again at step t + 2 only after the rendezvous of step t + 1, which the
+# other warpgroup reaches only after its products of step t (which read the
+# buffer) completed.
+EXCHANGE_BUFFERS = 2
+
+
+WIDE_SWIZZLE = 64
+
+
+def _wide_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype) -> tuple:
+  """The head-split launch's shared memory (same order as dkv_buffers)."""
+  bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
+  dt, f32 = np.dtype(dtype), np.dtype(np.float32)
+  B = functools.partial(plan_lib.Buffer, swizzle=WIDE_SWIZZLE)
+  return (B("k", (1, bkv, head_dim), dt), B("v", (1, bkv, head_dim_out), dt),
+          B("q", (stages, bq, head_dim), dt), B("do", (stages, bq, head_dim_out), dt),
+          plan_lib.Buffer("rows", (stages, 2, bq), f32, swizzled=False),
+          B("pt", (EXCHANGE_BUFFERS, bkv, bq), dt), B("ds", (EXCHANGE_BUFFERS, bkv, bq), dt))

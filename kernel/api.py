@@ -1,13 +1,12 @@
 """Public entry point: an extension of ``jax.nn.dot_product_attention``.
 
 Layout (B, T, N, H) like ``jax.nn.dot_product_attention``; switching is one
-line.  Everything the kernel cannot take directly is handled here: f32 inputs
-are cast to bf16 (the output is cast back), head dims are zero-padded to a
-multiple of 32 of at least 64 (of 64 where either is over 128:
-kernel.tiling.plan.padded_head_dims; the backward pads its own:
-kernel.tiling.plan.backward_head_dims), sequence lengths are padded to whole tiles
-(padded keys are masked in the kernel, padded query rows are sliced off),
-broadcast bias and mask are passed un-materialised.
+line.  A call becomes one record (kernel.call.Call), validated once; its
+lengths, window and segments become key ranges (kernel/key_ranges.py); its
+static facts become one Problem (kernel.tiling.plan.Problem), tiled by the
+config ``config=None`` picks or the caller gives; the forward runs under a
+``jax.custom_vjp`` whose backward reads the forward's own residuals, both
+passes padded and cut back by kernel/padding.py.
 
 Contract for a fully masked query row (no key survives mask, causal, key
 range): output 0, m = -inf, l = 0, and no NaN.  NaN in an input propagates to
@@ -22,47 +21,19 @@ import functools
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kernel import padding
-from kernel.tiling import plan as plan_lib
-from kernel import sharding
-from kernel import key_ranges as variants
-from kernel.tiling.config import Config
+from kernel import key_ranges, padding, sharding
+from kernel.backward import attention_backward as pallas_backward
+from kernel.backward.xla import attention_backward as xla_backward
+from kernel.call import DEFAULT_ALLOWED_DTYPES, Call
 from kernel.common import is_2d
-from kernel.forward import Features, flash_attention_forward
-from kernel.validation import validate_attention_args
-from kernel import backward as backward_pallas
+from kernel.forward import flash_attention_forward
+from kernel.tiling import plan as plan_lib
+from kernel.tiling.config import Config
+from kernel.variant import SHIPPED, Variant
 
-# The custom_vjp's backward: the sm90 kernels of kernel/backward.py.  Where
-# the dK/dV kernel sums dq across thread blocks (the fused dQ), the default
-# adds in float32 (one ulp from run to run) and deterministic=True adds the
-# same parts in int32 fixed point, whose sum does not depend on the order
-# (the notes above kernel.backward.FIXED_POINT_BITS).  Forward + backward,
-# bf16, ms, measured on the H200 in one process (2026-12-04), default /
-# fixed point / the dQ kernel, which deterministic=True took before: d64 1k
-# B16 1.279 / 1.407 / 1.412, 16k B1 16.461 / 17.826 / 19.726; d64 causal 4k
-# B4 2.594 / 2.762 / 2.965, 16k B1 9.217 / 9.524 / 10.473, GQA 32/8 T=S=3000
-# B5 2.158 / 2.360 / 2.261; d128 4k B4 3.726 / 4.004 / 4.036, GQA 16/4
-# T=S=3000 B5 2.846 / 3.117 / 3.118.
-# Also measured and not kept: the fused dQ's float32 reduce-adds in a fixed
-# order (key tile by key tile, each block's owner warpgroup waiting on a
-# semaphore in global memory per (batch, head, query block) until the tiles
-# before it had added), bitwise reproducible but slower than the dQ kernel
-# at 6 of 8 shapes (d64 4k B4 6.208 vs 5.375 ms, 16k B1 19.482 vs 20.215;
-# d64 causal 4k B4 3.613 vs 3.049; d128 4k B4 4.621 vs 4.245), likely the
-# semaphore's wait on the owner's path at every step.  Nor ‖dO_i‖ reduced in
-# residual_rows' pass over dO beside delta instead of in a pass of its own:
-# d64 1k B16 1.409 vs 1.390 ms, 4k B4 4.698 vs 4.670, 16k B1 17.747 vs
-# 17.791, d128 1k-16k within 0.1 % (2026-12-04).  Where the rest goes, from
-# `python -m harness.tools.bench --backward-parts` at d64 1k B16 N32: the
-# scales 0.046 ms (they read K and V whole), the fixed-point dK/dV launch
-# 0.917 ms against 0.819 for the float32 one (the scaling and rounding of
-# every part).
-SHIPPED_BACKWARD = backward_pallas.attention_backward
-REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward,
-                                          fixed_point_dq=True)
+BACKWARDS = {"pallas": pallas_backward, "xla": xla_backward}
 
 _state = threading.local()
 
@@ -124,51 +95,72 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132)
 
 
-def _problem(query, key, value, bias, mask, *, is_causal, return_residuals, stage_2d):
+def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: bool = True,
+               deterministic: bool = False, variant: Variant = SHIPPED) -> plan_lib.Problem:
+  """The call's static facts, as both passes and the tiling read them: a
+  2-D bias or mask staged through the ring where ``staged``; the window,
+  its ranges and the poisoned rows as ``routed`` made them (None: the
+  call's own, unrouted)."""
+  shapes = call.shapes
+  problem = plan_lib.problem_for(
+      (shapes.B, shapes.T, shapes.N, shapes.H), (shapes.B, shapes.S, shapes.K, shapes.H),
+      (shapes.B, shapes.S, shapes.K, shapes.Hv), np.dtype(call.query.dtype),
+      is_causal=call.is_causal, return_residuals=bool(
+          routed.kernel_residuals if routed is not None else call.return_residuals))
   return dataclasses.replace(
-      plan_lib.problem_for(query.shape, key.shape, value.shape, jnp.dtype(query.dtype),
-                           is_causal=is_causal, return_residuals=return_residuals),
-      bias_2d=stage_2d and is_2d(bias),
-      mask_2d=stage_2d and is_2d(mask))
+      problem,
+      bias_2d=staged and is_2d(call.bias),
+      mask_2d=staged and is_2d(routed.mask if routed is not None else call.mask),
+      untiled_copies=variant.untiled_copies,
+      scale=float(shapes.H ** -0.5 if call.scale is None else call.scale),
+      logits_soft_cap=None if call.logits_soft_cap is None else float(call.logits_soft_cap),
+      rescale_threshold=_effective_threshold(float(call.rescale_threshold), problem.dtype),
+      normalize_output=bool(call.normalize_output),
+      window=routed.window if routed is not None else call.window,
+      window_only=bool(routed is not None and routed.window_only),
+      poisons_rows=bool(routed is not None and routed.poisoned is not None),
+      deterministic=bool(deterministic))
 
 
-def resolve(query, key, value, bias=None, mask=None, *, is_causal=False,
-            return_residuals=False, k_start=None, k_end=None, config=None,
-            stage_2d=True) -> tuple[plan_lib.Problem, Config]:
-  """The (problem, config) ``dot_product_attention`` runs for these
-  arguments (arrays or ShapeDtypeStructs), resolved once: a 2-D bias or mask
-  is staged through the ring with the keys where the config (given, or the
-  one ``config=None`` picks for the staged problem) fits with it, else read
-  from global memory, with the config picked for that problem (head dims of
-  256 with both a 2-D bias and mask, say; the results are the same bits
-  either way, properties/test_forward_gpu.py).  Raises if the config does not
-  fit."""
+def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Config | None = None,
+            variant: Variant = SHIPPED,
+            deterministic: bool = False) -> tuple[plan_lib.Problem, Config]:
+  """The (problem, config) ``dot_product_attention`` runs for ``call``,
+  resolved once: a 2-D bias or mask is staged through the ring with the
+  keys where the config (given, or the one ``config=None`` picks for the
+  staged problem) fits with it, else read from global memory, with the
+  config picked for that problem (head dims of 256 with both a 2-D bias and
+  mask, say; the results are the same bits either way,
+  properties/test_forward_gpu.py).  Raises if the config does not fit."""
   def problem_for(staged):
-    return _problem(query, key, value, bias, mask, is_causal=is_causal,
-                    return_residuals=return_residuals, stage_2d=staged)
+    return problem_of(call, routed, staged=staged, deterministic=deterministic, variant=variant)
 
-  def config_for(staged):
+  def config_for(problem):
     if config is not None:
       return config
-    return _chosen_config(query, key, value, bias, mask, is_causal=is_causal,
-                          k_start=k_start, k_end=k_end, device_kind=None, stage_2d=staged)
+    return _chosen_config(call, problem, routed, device_kind=None)
 
-  if bool(stage_2d) and (is_2d(bias) or is_2d(mask)):
+  if variant.stage_2d and (is_2d(call.bias) or is_2d(routed.mask if routed else call.mask)):
     problem = problem_for(True)
     try:
-      chosen = config_for(True)   # the heuristic refuses a problem nothing fits
+      chosen = config_for(problem)   # the heuristic refuses a problem nothing fits
       if plan_lib.config_fits(problem, chosen):
         return problem, chosen
     except ValueError:
       pass
-  problem, chosen = problem_for(False), config_for(False)
+  problem = problem_for(False)
+  chosen = config_for(problem)
   plan_lib.check_fits(problem, chosen)
   return problem, chosen
 
 
-def resolved_problem(query, key, value, bias=None, mask=None, **kwargs) -> plan_lib.Problem:
-  """The problem of :func:`resolve`."""
-  return resolve(query, key, value, bias, mask, **kwargs)[0]
+def resolved_problem(query, key, value, bias=None, mask=None, *, config: Config | None = None,
+                     stage_2d: bool = True, **call) -> plan_lib.Problem:
+  """The problem :func:`resolve` runs for these arguments (arrays or
+  ShapeDtypeStructs; ``call``: the rest of kernel.call.Call's arguments)."""
+  c = Call(query, key, value, bias, mask, **call)
+  variant = dataclasses.replace(SHIPPED, stage_2d=stage_2d)
+  return resolve(c, key_ranges.route(c), config=config, variant=variant)[0]
 
 
 def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
@@ -176,33 +168,36 @@ def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
   """The config ``dot_product_attention(..., config=None)`` runs for these
   arguments (arrays or ShapeDtypeStructs): the autotuner's cached best for
   this device and signature, else the nearest tuned signature's
-  (kernel.tiling.autotune.nearest), else the heuristic.  ``device_kind`` defaults
-  to the sm90 GPU of this process (none: the heuristic)."""
-  return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
-                        k_end=k_end, device_kind=device_kind, stage_2d=True)
+  (kernel.tiling.autotune.nearest), else the heuristic.  ``device_kind``
+  defaults to the sm90 GPU of this process (none: the heuristic)."""
+  return chosen_config_source(query, key, value, bias, mask, is_causal=is_causal,
+                              k_start=k_start, k_end=k_end, device_kind=device_kind)[0]
 
 
 def chosen_config_source(query, key, value, bias=None, mask=None, *, is_causal=False,
-                         k_start=None, k_end=None,
-                         device_kind: str | None = None) -> tuple[Config, str]:
+                         k_start=None, k_end=None, device_kind: str | None = None,
+                         variant: Variant = SHIPPED) -> tuple[Config, str]:
   """:func:`chosen_config` and where it came from (kernel.tiling.autotune.choice:
   "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic")."""
-  return _chosen_config(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start,
-                        k_end=k_end, device_kind=device_kind, stage_2d=True, with_source=True)
+  call = Call(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start, k_end=k_end,
+              dtypes=(np.dtype(query.dtype),))
+  problem = problem_of(call, staged=variant.stage_2d, variant=variant)
+  return _chosen_config(call, problem, None, device_kind=device_kind, with_source=True)
 
 
-def _chosen_config(query, key, value, bias, mask, *, is_causal, k_start, k_end,
-                   device_kind, stage_2d, with_source=False):
+def _chosen_config(call: Call, problem: plan_lib.Problem, routed, *, device_kind,
+                   with_source=False):
   from kernel.tiling import autotune
-  problem = autotune.selection_problem(_problem(
-      query, key, value, bias, mask, is_causal=is_causal, return_residuals=False,
-      stage_2d=stage_2d))
   if device_kind is None and not getattr(_state, "lowering_only", False):
     device = sm90_device()
     device_kind = None if device is None else device.device_kind
-  config, source = autotune.choice(problem, device_kind, has_bias=bias is not None,
-                                   has_mask=mask is not None,
-                                   has_key_ranges=k_start is not None or k_end is not None)
+  k_start = routed.k_start if routed is not None else call.k_start
+  k_end = routed.k_end if routed is not None else call.k_end
+  mask = routed.mask if routed is not None else call.mask
+  layout = dataclasses.replace(problem, return_residuals=False)
+  config, source = autotune.choice(
+      autotune.selection_problem(layout), device_kind, has_bias=call.bias is not None,
+      has_mask=mask is not None, has_key_ranges=k_start is not None or k_end is not None)
   return (config, source) if with_source else config
 
 
@@ -235,125 +230,92 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   (kernel/key_ranges.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
   are refused: add the batch axis.
 
+  ``config``: a kernel.Config, or None for the tuned or heuristic one
+  (:func:`chosen_config` says which).
+
   ``deterministic``: True makes the gradients bitwise reproducible from run
   to run on every path.  Where the backward sums dq across thread blocks
   (the fused dQ: head dims up to 128 without causal, up to 64 with it; no
   bias) it then adds in int32 fixed point, each row scaled by a power of
-  two from an a-priori bound of its sum (``kernel.backward.FIXED_POINT_BITS``):
-  within the same float64 tolerance as the default, at 0.86-0.96 of its
-  forward + backward speed on that path in the backward grid on the H200
-  (docs/backward, commit 3c295eb, 2026-12-04; the note above
-  SHIPPED_BACKWARD has more shapes), as fast elsewhere.  False (the
-  default) adds in float32, and dq may differ by one ulp between runs
+  two from an a-priori bound of its sum (kernel/backward/fused_dq.py),
+  within the same float64 tolerance as the default; docs/backward has its
+  speed beside the default's.  False (the default) adds in float32, and dq
+  may differ by one ulp between runs
   (``harness.numerics.tolerance.run_to_run_bound``).
   With True, on the fused path, a NaN or infinity in any key or value of a
   head (or a cotangent whose norm overflows float32) makes that head's
   (that row's) dq NaN, not only where the logits touch it.  The
   forward is bitwise reproducible either way.
   """
-  return _attention(**locals(), backward=SHIPPED_BACKWARD,
-                    reproducible_backward=REPRODUCIBLE_BACKWARD, stage_2d=True)
+  call = Call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+              k_start=k_start, k_end=k_end, query_seq_lengths=query_seq_lengths,
+              key_value_seq_lengths=key_value_seq_lengths,
+              local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+              kv_segment_ids=kv_segment_ids, segment_layout=segment_layout,
+              logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold,
+              normalize_output=normalize_output, return_residuals=return_residuals,
+              return_residual=return_residual, implementation=implementation,
+              dtypes=DEFAULT_ALLOWED_DTYPES)
+  return attend(call, config=config, deterministic=deterministic)
 
 
-def _attention(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-               key_value_seq_lengths, local_window_size, implementation, return_residual,
-               q_segment_ids, kv_segment_ids, segment_layout, k_start, k_end,
-               logits_soft_cap, rescale_threshold, normalize_output, return_residuals,
-               config, deterministic, backward, reproducible_backward, stage_2d: bool,
-               segment_bounds: str = variants.SHIPPED_SEGMENT_BOUNDS,
-               even_sections: bool = True, defer_light: bool | None = None,
-               untiled_copies: bool = False):
-  """dot_product_attention with the variants kept for measurement and tests
-  (kernel/experiments.py): ``backward`` the custom_vjp's backward,
-  ``reproducible_backward`` the one ``deterministic=True`` takes instead
-  (None: ``backward`` itself), ``stage_2d`` False reads 2-D bias and mask
-  from global memory, ``segment_bounds`` how segments' key ranges are found
-  (kernel.key_ranges.SEGMENT_BOUNDS), ``even_sections`` False keeps the
-  longest-first order's L2 sections filled, ``defer_light`` True or False
-  runs its light tiles last always or never, None where the schedule's
-  model predicts that it pays, ``untiled_copies`` True copies q, k, v and
-  the output through untiled views, in column parts (kernel.tiling.plan.copy_parts;
-  kernel.forward.Features)."""
-  routed = variants.route(
-      query, key, value, bias, mask, k_start, k_end, query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      segment_layout=segment_layout, implementation=implementation,
-      return_residual=return_residual, return_residuals=return_residuals,
-      segment_bounds_method=segment_bounds)
-  mask, k_start, k_end = routed.mask, routed.k_start, routed.k_end
-  return_residuals = routed.kernel_residuals
-  shapes = validate_attention_args(
-      query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
-      logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold)
-  if shapes.H > plan_lib.MAX_HEAD_DIM:
-    raise ValueError(f"query: head_dim {shapes.H} is over the limit {plan_lib.MAX_HEAD_DIM}")
-  if shapes.Hv > plan_lib.MAX_HEAD_DIM:
-    raise ValueError(f"value: head_dim {shapes.Hv} is over the limit {plan_lib.MAX_HEAD_DIM}")
-  for name, flag in (("is_causal", is_causal), ("normalize_output", normalize_output),
-                     ("return_residuals", return_residuals), ("deterministic", deterministic)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise ValueError(f"{name}: expected a bool, got {flag!r}")
+def attend(call: Call, *, config: Config | None = None, deterministic: bool = False,
+           variant: Variant = SHIPPED):
+  """Attention for a validated call (:func:`dot_product_attention`'s
+  results); ``variant``: kernel.experiments' switches."""
+  for name, dim in (("query", call.shapes.H), ("value", call.shapes.Hv)):
+    if dim > plan_lib.MAX_HEAD_DIM:
+      raise ValueError(f"{name}: head_dim {dim} is over the limit {plan_lib.MAX_HEAD_DIM}")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
   if config is not None and not isinstance(config, Config):
-    raise ValueError(f"config: expected kernel.tiling.config.Config or None, got {type(config).__name__}")
+    raise ValueError(f"config: expected kernel.tiling.config.Config or None, "
+                     f"got {type(config).__name__}")
+  routed = key_ranges.route(call, variant.segment_bounds)
   _check_device()
-
-  problem, config = resolve(query, key, value, bias, mask, is_causal=is_causal,
-                            return_residuals=return_residuals, k_start=k_start, k_end=k_end,
-                            config=config, stage_2d=stage_2d)
-  stage_2d = problem.bias_2d or problem.mask_2d
-  features = Features(
-      scale=float(shapes.H ** -0.5 if scale is None else scale),
-      is_causal=bool(is_causal),
-      logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      rescale_threshold=_effective_threshold(float(rescale_threshold), problem.dtype),
-      normalize_output=bool(normalize_output),
-      return_residuals=bool(return_residuals),
-      seq_q=shapes.T, seq_kv=shapes.S,
-      stage_2d=stage_2d,
-      window=routed.window if config.schedule == "longest-first" else None,
-      poisons_rows=routed.poisoned is not None,
-      window_ranges=routed.window_only and config.schedule == "longest-first",
-      even_sections=bool(even_sections),
-      defer_light=None if defer_light is None else bool(defer_light),
-      untiled_copies=bool(untiled_copies))
-  if deterministic and reproducible_backward is not None:
-    backward = reproducible_backward
-  attention = _differentiable(features, config, jnp.dtype(problem.dtype), _num_sms(), problem,
-                              backward, window=routed.window)
-  out, residuals = attention(query, key, value, bias, mask, k_start, k_end)
+  problem, config = resolve(call, routed, config=config, variant=variant,
+                            deterministic=deterministic)
+  attention = _differentiable(problem, config, variant, _num_sms())
+  out, residuals = attention(call.query, call.key, call.value, call.bias, routed.mask,
+                             routed.k_start, routed.k_end)
   return routed.finish(out, residuals)
 
 
-def _differentiable(features: Features, config: Config, dtype, num_sms: int,
-                    problem: plan_lib.Problem, attention_backward, *,
-                    window: tuple[int, int] | None = None):
-  """The forward kernel under a custom_vjp whose backward reads the kernel's
-  own residuals (out, and m in natural log, l): ``attention_backward``, one
-  of kernel.experiments.BACKWARDS.  ``window``: jax.nn's local window the key
-  ranges come from, for the backward's launch order (whatever the forward's
-  schedule)."""
+def launch_problem(problem: plan_lib.Problem, config: Config) -> plan_lib.Problem:
+  """The problem the forward's launch is compiled for: the window and its
+  ranges only where the longest-first order weighs tiles by them, so that
+  the window's value keys no other compile."""
+  if config.schedule == "longest-first":
+    return problem
+  return dataclasses.replace(problem, window=None, window_only=False)
 
-  def run(f, q, k, v, bias, mask, ks, ke):
+
+def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant, num_sms: int):
+  """The forward kernel under a custom_vjp whose backward reads the kernel's
+  own residuals (out, and m in natural log, l): the variant's backward
+  (:data:`BACKWARDS`), for the same problem."""
+  forward_problem = launch_problem(problem, config)
+
+  def run(p, q, k, v, bias, mask, ks, ke):
     def local(q, k, v, bias, mask, ks, ke):   # on one device's batch/head shard
-      out, res = _forward(q, k, v, bias, mask, ks, ke, features=f, config=config,
-                          dtype=dtype, num_sms=num_sms)
+      out, res = _forward(q, k, v, bias, mask, ks, ke, problem=p, config=config,
+                          variant=variant, num_sms=num_sms)
       return out.astype(q.dtype), res
     return sharding.forward(local, q, k, v, bias, mask, ks, ke,
-                            residuals=f.return_residuals)
+                            residuals=p.return_residuals)
 
   @jax.custom_vjp
   def attention(q, k, v, bias, mask, ks, ke):
-    return run(features, q, k, v, bias, mask, ks, ke)
+    return run(forward_problem, q, k, v, bias, mask, ks, ke)
 
   def fwd(q, k, v, bias, mask, ks, ke):
-    if not features.normalize_output:
+    if not problem.normalize_output:
       raise NotImplementedError(
           "normalize_output: gradients are defined for the normalised output only")
-    plan_lib.check_fits(dataclasses.replace(problem, return_residuals=True), config)
-    with_res = dataclasses.replace(features, return_residuals=True)
+    with_res = dataclasses.replace(forward_problem, return_residuals=True)
+    plan_lib.check_fits(with_res, config)
     out, (m, l) = run(with_res, q, k, v, bias, mask, ks, ke)
-    primal = (out, (m, l) if features.return_residuals else None)
+    primal = (out, (m, l) if problem.return_residuals else None)
     return primal, (q, k, v, bias, mask, ks, ke, out, m, l)
 
   def bwd(saved, cotangents):
@@ -367,13 +329,10 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     # rounding noise in dP - delta.  The cotangent too: dP = dO V^T is
     # formed from dO in the compute dtype, so delta = rowsum(dO * O) must be,
     # else a row that sees one key (dP - delta exactly 0) keeps dO's
-    # rounding, seen as dq, dk and dbias at 2.2-4.3x the float64 bound for
-    # float32 inputs on the H200 (2026-12-02).
-    low = lambda x: None if x is None else x.astype(dtype)
-    local = functools.partial(attention_backward, scale=features.scale,
-                              is_causal=features.is_causal,
-                              logits_soft_cap=features.logits_soft_cap, num_sms=num_sms,
-                              window=window)
+    # rounding in dq, dk and dbias (properties/test_gradients_gpu.py).
+    low = lambda x: None if x is None else x.astype(problem.dtype)
+    local = functools.partial(BACKWARDS[variant.backward], problem=problem, variant=variant,
+                              num_sms=num_sms)
     dq, dk, dv, dbias = sharding.backward(
         local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
     back = lambda g, like: None if g is None else g.astype(like.dtype)
@@ -383,62 +342,13 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
   return attention
 
 
-@functools.partial(jax.jit, static_argnames=("features", "config", "dtype", "num_sms"))
-def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config, dtype,
+@functools.partial(jax.jit, static_argnames=("problem", "config", "variant", "num_sms"))
+def _forward(query, key, value, bias, mask, k_start, k_end, *, problem, config, variant,
              num_sms):
-  f = features
-  tile, block_kv = config.tile_q, config.block_kv
-  t, s, hv = query.shape[1], key.shape[1], value.shape[3]
-  pad = padding.pad_to_multiple
-  # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
-  # axes are padded only where a copy is made anyway (a head dim computed
-  # wider: kernel.tiling.plan.padded_head_dims), where the length is shorter than
-  # one tile, or where it is no multiple of the 8-row tiling Mosaic GPU's
-  # TMA descriptors need (jax 0.11.2: a copy that indexes one head moves
-  # that axis first, so the staging buffers' (8, 64) tiling falls on
-  # (sequence, head dim), and the descriptor refuses a sequence length that
-  # is no multiple of 8 -- "dimension 2 must have size smaller or a multiple
-  # of its tiling 8").
-  # Those copies cost: measured on the H100 at B1 N16 d128 (2026-12-05,
-  # ad4f30e, bench --grid --seqs 12016,12017): 613.7 TFLOP/s at 12016
-  # tokens, 560.6 at 12017; causal 555.9 and 512.8.
-  # Measured on the H200 at seq 1000, causal, d128: the padded copies took
-  # about 40 % of the call.  Features.untiled_copies copies through views
-  # with the swizzle alone, which take any length, each buffer in column
-  # parts of one swizzle atom (kernel.tiling.plan.copy_parts says why); it is
-  # kernel.experiments' untiled_copies until it has run against float64 on
-  # a GPU.  RefUnion's docstring allows reading only through the member that
-  # wrote, so the union's layout is checked on the CPU
-  # (properties/test_lowering.py); the tiled view cannot simply be dropped:
-  # buffers with the swizzle alone fail Mosaic GPU's layout inference as
-  # wgmma operands (jax 0.11.2, 2026-12-05).
-  d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
-
-  # Untiled copies (kernel.tiling.plan.copy_parts) take any length.
-  tiling = 1 if f.untiled_copies else 8
-
-  def operand(x, width, multiple):
-    x = x.astype(dtype)
-    if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling:
-      x = pad(padding.pad_head_dim(x, width), 1, multiple)
-    return x
-  q, k, v = (operand(query, d, tile), operand(key, d, block_kv),
-             operand(value, dv, block_kv))
-  if k.shape[1] != v.shape[1]:  # one of them was padded: both, so they agree
-    k, v = pad(k, 1, block_kv), pad(v, 1, block_kv)
-  num_tiles = -(-t // tile)
-  if bias is not None:
-    bias = padding.broadcast_operand(bias, dtype, tile, block_kv)
-  if mask is not None:
-    mask = padding.broadcast_operand(mask, jnp.int8, tile, block_kv)
-  k_start, k_end, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
-                                             num_tiles=num_tiles)
-
+  q, k, v, bias, mask, k_start, k_end, tiles = padding.forward_inputs(
+      query, key, value, bias, mask, k_start, k_end, problem=problem, config=config)
   out, residuals = flash_attention_forward(
-      q, k, v, bias, mask, k_start, k_end, tiles, features=f, config=config,
-      num_sms=num_sms)
-  out = out[:, :t, :, :hv]
-  if residuals is not None:
-    m, l = residuals
-    residuals = (m[:, :, :t], l[:, :, :t])
-  return out, residuals
+      q, k, v, bias, mask, k_start, k_end, tiles, problem=problem, config=config,
+      variant=variant, num_sms=num_sms)
+  return padding.forward_results(out, residuals, seq_q=query.shape[1],
+                                 head_dim_out=value.shape[3])

@@ -18,19 +18,6 @@ import numpy as np
 from kernel.tiling import plan as plan_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class Logits:
-  """What both passes specialise the logits on (static, hashable): the
-  scale, the causal mask, the soft cap and the unpadded lengths.  The
-  forward's Features add its own switches; the backward takes this as is."""
-
-  scale: float
-  is_causal: bool
-  logits_soft_cap: float | None
-  seq_q: int          # unpadded
-  seq_kv: int         # unpadded
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OperandRefs:
   """The inputs both passes' kernels read, as the kernel's refs, and the

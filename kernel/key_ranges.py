@@ -56,8 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernel.common import POISONED_START
-from kernel.validation import (SEGMENT_LAYOUTS, AttentionShapes, validate_attention_args,
-                               validate_variant_args)
+from kernel.call import AttentionShapes, Call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,36 +253,18 @@ def _reduce(op, xs):
   return out
 
 
-def _check_flag(name, flag):
-  if not isinstance(flag, (bool, np.bool_)):
-    raise ValueError(f"{name}: expected a bool, got {flag!r}")
-
-
-def route(query, key, value, bias, mask, k_start, k_end, *, query_seq_lengths=None,
-          key_value_seq_lengths=None, local_window_size=None, q_segment_ids=None,
-          kv_segment_ids=None, segment_layout="contiguous", implementation=None,
-          return_residual=False, return_residuals=False,
-          segment_bounds_method=SHIPPED_SEGMENT_BOUNDS) -> Routed:
-  """Validate the call's jax.nn and segment arguments and turn them into the
-  kernel's mask and key ranges (see the module docstring).
-  ``segment_bounds_method``: :data:`SEGMENT_BOUNDS` (kernel/experiments.py)."""
-  shapes = validate_attention_args(query, key, value, bias, mask, k_start=k_start,
-                                   k_end=k_end)
-  window = validate_variant_args(
-      shapes, query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-  if implementation is not None:
-    raise ValueError(
-        f"implementation: this kernel is its own implementation; expected None, got "
-        f"{implementation!r} (call jax.nn.dot_product_attention for 'xla' or 'cudnn')")
-  if segment_layout not in SEGMENT_LAYOUTS:
-    raise ValueError(f"segment_layout: expected one of {list(SEGMENT_LAYOUTS)}, "
-                     f"got {segment_layout!r}")
-  _check_flag("return_residual", return_residual)
-  _check_flag("return_residuals", return_residuals)
-  routed = Routed(mask, k_start, k_end, bool(return_residuals or return_residual),
-                  bool(return_residuals), bool(return_residual))
+def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
+  """The kernel's mask and key ranges for ``call``'s jax.nn and segment
+  arguments (see the module docstring).
+  ``segment_bounds_method``: one of :data:`SEGMENT_BOUNDS` (None: the
+  shipped one; kernel.variant.Variant.segment_bounds)."""
+  segment_bounds_method = segment_bounds_method or SHIPPED_SEGMENT_BOUNDS
+  mask, k_start, k_end = call.mask, call.k_start, call.k_end
+  query_seq_lengths, key_value_seq_lengths = call.query_seq_lengths, call.key_value_seq_lengths
+  q_segment_ids, kv_segment_ids = call.q_segment_ids, call.kv_segment_ids
+  shapes, window, segment_layout = call.shapes, call.window, call.segment_layout
+  routed = Routed(mask, k_start, k_end, bool(call.return_residuals or call.return_residual),
+                  bool(call.return_residuals), bool(call.return_residual))
   if (query_seq_lengths is None and key_value_seq_lengths is None and window is None
       and q_segment_ids is None):
     return routed

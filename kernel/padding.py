@@ -1,11 +1,12 @@
-"""Padding the public API's arrays to whole kernel tiles.
+"""Padding the call's arrays to what the kernels take, and back: the one
+place both passes pad (:func:`forward_inputs`, :func:`forward_results`,
+:func:`backward_inputs`, :func:`backward_masks`, :func:`backward_results`).
 
-Shared by the forward's wrapper (``kernel/api.py``) and the backward's
-(``kernel/backward.py``), so both kernels see inputs padded by one rule:
-sequence axes to whole tiles with zeros (padded keys are masked in the
-kernels, padded query rows sliced off), broadcast axes of bias and mask left
-at size 1 (the kernels read them at index 0), and per-row key ranges padded
-with the last real row's range.
+One rule for both: head dims zero-padded to the width the pass computes
+with, sequence axes to whole tiles with zeros (padded keys are masked in
+the kernels, padded query rows sliced off), broadcast axes of bias and mask
+left at size 1 (the kernels read them at index 0), and per-row key ranges
+padded with the last real row's range.
 """
 
 from __future__ import annotations
@@ -154,3 +155,78 @@ def query_block_inner_bounds(k_start, k_end, *, seq_kv: int, num_rows: int, bloc
   found = lo < nq
   lo, hi = jnp.where(found, lo, 0), jnp.where(found, hi, 0)
   return jnp.stack([lo, hi], axis=-2).astype(jnp.int32)
+
+
+def forward_inputs(query, key, value, bias, mask, k_start, k_end, *, problem, config):
+  """The forward kernel's operands from the call's arrays: q, k, v in the
+  compute dtype at the problem's head dims; bias and mask broadcast to rank
+  4 and padded to whole tiles; the key ranges with their per-tile table.
+  Returns (q, k, v, bias, mask, k_start, k_end, tiles)."""
+  dtype = problem.dtype
+  tile, block_kv = config.tile_q, config.block_kv
+  s = key.shape[1]
+  # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
+  # axes are padded only where a copy is made anyway (a head dim computed
+  # wider), where the length is shorter than one tile, or where it is no
+  # multiple of the 8-row tiling Mosaic GPU's tiled TMA descriptors need
+  # (jax 0.11.2: "dimension 2 must have size smaller or a multiple of its
+  # tiling 8"); untiled copies (kernel.tiling.plan.copy_parts) take any length.
+  tiling = 1 if problem.untiled_copies else 8
+
+  def operand(x, width, multiple):
+    x = x.astype(dtype)
+    if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling:
+      x = pad_to_multiple(pad_head_dim(x, width), 1, multiple)
+    return x
+  q, k, v = (operand(query, problem.head_dim, tile), operand(key, problem.head_dim, block_kv),
+             operand(value, problem.head_dim_out, block_kv))
+  if k.shape[1] != v.shape[1]:  # one of them was padded: both, so they agree
+    k, v = pad_to_multiple(k, 1, block_kv), pad_to_multiple(v, 1, block_kv)
+  num_tiles = -(-query.shape[1] // tile)
+  if bias is not None:
+    bias = broadcast_operand(bias, dtype, tile, block_kv)
+  if mask is not None:
+    mask = broadcast_operand(mask, jnp.int8, tile, block_kv)
+  k_start, k_end, tiles = key_ranges(k_start, k_end, seq_kv=s, tile=tile, num_tiles=num_tiles)
+  return q, k, v, bias, mask, k_start, k_end, tiles
+
+
+def forward_results(out, residuals, *, seq_q: int, head_dim_out: int):
+  """The forward kernel's out (B, T, N, Dv) and residuals (m, l) cut back
+  to the call's length and value head dim."""
+  out = out[:, :seq_q, :, :head_dim_out]
+  if residuals is not None:
+    m, l = residuals
+    residuals = (m[:, :, :seq_q], l[:, :, :seq_q])
+  return out, residuals
+
+
+def backward_inputs(query, key, value, d_out, *, head_dims, blocks):
+  """q, k, v and dO padded to the backward's head dims and to whole tiles
+  of its tiling (kernel.tiling.backward_plan.BackwardBlocks), dO in the
+  compute dtype."""
+  d, dv = head_dims
+  t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
+  q = pad_to_multiple(pad_head_dim(query, d), 1, t_mult)
+  k = pad_to_multiple(pad_head_dim(key, d), 1, s_mult)
+  v = pad_to_multiple(pad_head_dim(value, dv), 1, s_mult)
+  do = pad_to_multiple(pad_head_dim(d_out.astype(query.dtype), dv), 1, t_mult)
+  return q, k, v, do
+
+
+def backward_masks(bias, mask, k_start, k_end, *, dtype, seq_kv: int, t_pad: int, blocks):
+  """The backward's bias and mask (rank 4, padded to whole tiles) and key
+  ranges with the dQ tiles' table: (bias4, mask4, k_start, k_end, tiles)."""
+  t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
+  bias4 = None if bias is None else broadcast_operand(bias, dtype, t_mult, s_mult)
+  mask4 = None if mask is None else broadcast_operand(mask, jnp.int8, t_mult, s_mult)
+  tile = blocks.dq_tile
+  k_start, k_end, tiles = key_ranges(k_start, k_end, seq_kv=seq_kv, tile=tile,
+                                     num_tiles=t_pad // tile)
+  return bias4, mask4, k_start, k_end, tiles
+
+
+def backward_results(dq, dk, dv, *, seq_q: int, seq_kv: int, head_dim: int, head_dim_out: int):
+  """dq, dk, dv cut back to the call's lengths and head dims."""
+  return (dq[:, :seq_q, :, :head_dim], dk[:, :seq_kv, :, :head_dim],
+          dv[:, :seq_kv, :, :head_dim_out])

@@ -311,7 +311,8 @@ def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch)
   assert api.chosen_config_source(q, kv, kv, device_kind="NVIDIA H100") == (
       tuned, "autotune cache (NVIDIA H200)")
   # Another feature set is another signature: not tuned, so the heuristic.
-  assert api.chosen_config(q, kv, kv, mask=q, device_kind="NVIDIA H200") != tuned
+  assert api.chosen_config(q, kv, kv, mask=jax.ShapeDtypeStruct((2, 1, 1000, 1000), jnp.bool_),
+                            device_kind="NVIDIA H200") != tuned
   # Once the H100 has entries of its own it reads only those: this signature
   # from its entry, another one (with a mask) not from the H200's.
   own = Config(64, 128, 2, persistent=False)
@@ -319,7 +320,8 @@ def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch)
   assert api.chosen_config_source(q, kv, kv, device_kind="NVIDIA H100") == (
       own, "autotune cache")
   assert api.chosen_config(q, kv, kv, device_kind="NVIDIA H200") == tuned
-  masked = api.chosen_config_source(q, kv, kv, mask=q, device_kind="NVIDIA H100")
+  masked = api.chosen_config_source(q, kv, kv, mask=jax.ShapeDtypeStruct((2, 1, 1000, 1000), jnp.bool_),
+                                    device_kind="NVIDIA H100")
   assert masked[1] != "autotune cache (NVIDIA H200)"
 
 

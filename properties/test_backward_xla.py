@@ -14,6 +14,7 @@ from hypothesis import given, note, settings, strategies as st
 from harness.numerics import strategies as hs
 from harness.numerics.conformance import compute_dtype, gradient_reports
 from harness.numerics.reference import attention_reference
+from kernel import api
 from kernel.backward.xla import attention_backward
 
 
@@ -27,15 +28,13 @@ def _grads(case, m_transform=lambda m: m, chunk=64):
   ref = attention_reference(*rounded, **kw)
   out = ref.out.astype(dt)  # the kernel stores out in its dtype, m and l in f32
   m = m_transform(ref.m).astype(np.float32)
-  scale = kw["scale"] if kw["scale"] is not None else case.query.shape[-1] ** -0.5
   j = lambda x: None if x is None else jnp.asarray(x)
   low = lambda x: None if x is None else jnp.asarray(x).astype(dt)  # as the API does
   return attention_backward(
       low(case.query), low(case.key), low(case.value), low(case.bias), j(case.mask),
       j(case.k_start), j(case.k_end), jnp.asarray(out), jnp.asarray(m),
       jnp.asarray(ref.l.astype(np.float32)), jnp.asarray(case.d_out, jnp.float32),
-      scale=scale, is_causal=kw["is_causal"], logits_soft_cap=kw["logits_soft_cap"],
-      chunk=chunk)
+      problem=api.problem_of(case.call), chunk=chunk)
 
 
 

@@ -22,12 +22,7 @@ from harness.numerics.reference import (
   naive_attention,
 )
 from kernel import api
-from kernel.validation import (
-  AttentionShapes,
-  bfloat16,
-  broadcastable_to,
-  validate_attention_args,
-)
+from kernel.call import AttentionShapes, bfloat16, broadcastable_to, validate_attention_args
 
 CASES = [pytest.param(c, id=c.description) for c in BAD_INPUT_CASES]
 REFERENCE_CASES = [pytest.param(c, id=c.description)

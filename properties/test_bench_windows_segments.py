@@ -21,7 +21,7 @@ from harness.tools import bench_grid as bg
 from harness.tools import bench_windows_segments as ws
 from harness.numerics import reference as ref_lib
 from kernel import api
-from kernel.validation import AttentionShapes
+from kernel.call import AttentionShapes, Call
 
 SMALL = {
     "window": ws.Problem("window", 128, 512, False, window=100, batch_override=1,
@@ -46,7 +46,7 @@ def _visibility(problem: ws.Problem, *, variant=True) -> np.ndarray:
   if variant and p.kind == "packed":
     ids = np.broadcast_to(np.repeat(np.arange(len(p.documents)), p.documents), (p.batch, p.seq))
     kw = dict(q_segment_ids=ids, kv_segment_ids=ids)
-  return ref_lib.key_visibility(shapes, is_causal=p.causal, **kw)
+  return ref_lib.key_visibility(Call.of_shapes(shapes, is_causal=p.causal, **kw))
 
 
 def test_the_problems_are_issue_20s():

@@ -14,23 +14,20 @@ import pytest
 from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
-from harness.numerics.conformance import (ForwardCase, check_forward, poison_device_memory,
+from harness.numerics.conformance import (check_forward, poison_device_memory,
                                           run_kernel)
 from harness.tools.device_check import extra_cases, fixed_cases, problem_of
+from kernel.call import Call
 from kernel.tiling import heuristics, plan
 
 pytestmark = pytest.mark.gpu
 
 
-def _forward_case(case: hs.AttentionCase, threshold: float, normalize: bool) -> ForwardCase:
-  return ForwardCase(
-      query=case.query, key=case.key, value=case.value, bias=case.bias, mask=case.mask,
-      scale=case.spec.scale, is_causal=case.spec.is_causal, k_start=case.k_start,
-      k_end=case.k_end, logits_soft_cap=case.spec.logits_soft_cap,
-      rescale_threshold=threshold, normalize_output=normalize)
+def _forward_case(case: hs.AttentionCase, threshold: float, normalize: bool) -> Call:
+  return case.call.replace(rescale_threshold=threshold, normalize_output=normalize)
 
 
-def _configs(fc: ForwardCase):
+def _configs(fc: Call):
   """Every config the heuristics and the autotuner could hand this case."""
   problem = problem_of(fc)
   configs = {heuristics.get_heuristics_config(problem)}
@@ -78,10 +75,10 @@ def test_fully_masked_rows_follow_the_contract(persistent):
   rng = np.random.default_rng(7)
   from harness.numerics.conformance import random_case
   fc = random_case(rng, batch=2, seq_q=200, seq_kv=300, heads=2, kv_heads=1, head_dim=64)
-  fc.mask = rng.random((2, 1, 200, 300)) < 0.6
+  fc = fc.replace(mask=rng.random((2, 1, 200, 300)) < 0.6)
   fc.mask[:, :, ::7, :] = False
-  fc.k_start = np.full((2, 2, 200), 0, np.int32)
-  fc.k_end = np.full((2, 2, 200), 300, np.int32)
+  fc = fc.replace(k_start=np.full((2, 2, 200), 0, np.int32))
+  fc = fc.replace(k_end=np.full((2, 2, 200), 300, np.int32))
   fc.k_end[:, :, 3::11] = 0  # empty key ranges too
   cfg = dataclasses.replace(heuristics.get_heuristics_config(problem_of(fc)),
                             persistent=persistent)

@@ -32,8 +32,7 @@ CORPUS = tuple(s for s in golden.CORPUS if s.name in (
 
 def reference_runner(spec):
   case = spec.build()
-  ref = attention_reference(case.query, case.key, case.value, case.bias, case.mask,
-                            **case.reference_kwargs())
+  ref = attention_reference(case)
   out = ref.out
   if not case.normalize_output:
     out = out * np.transpose(ref.l, (0, 2, 1))[..., None]
@@ -41,8 +40,7 @@ def reference_runner(spec):
   rounded = lambda x: x.astype(compute_dtype(out_dtype)).astype(out_dtype)
   result = {"out": rounded(out), "m": ref.m.astype(np.float32), "l": ref.l.astype(np.float32)}
   if spec.has_gradients:
-    grads = attention_reference_vjp(case.query, case.key, case.value, case.bias, case.mask,
-                                    spec.d_out().astype(np.float64), **case.reference_kwargs())
+    grads = attention_reference_vjp(case, spec.d_out().astype(np.float64))
     for name in spec.arrays()[3:]:
       result[name] = rounded(getattr(grads, name))
   return result
@@ -229,7 +227,7 @@ def test_the_corpus_has_each_variant():
 
 @pytest.mark.parametrize("spec", VARIANT_CASES, ids=lambda s: s.name)
 def test_a_variant_case_builds_what_the_reference_reads(spec):
-  """The spec's variants land in ForwardCase.variants under the reference's
+  """The spec's variants land in the call's variants under the reference's
   names, with its segment layout, without moving the other arrays (the same
   seed without variants draws the same inputs); gradients are stored."""
   case = spec.build()
@@ -239,10 +237,8 @@ def test_a_variant_case_builds_what_the_reference_reads(spec):
   assert np.array_equal(case.query, plain.query) and np.array_equal(case.value, plain.value)
   assert spec.arrays() == ("out", "m", "l", "dq", "dk", "dv")
   # The reference sees fewer keys than without the variants: they reached it.
-  ref = attention_reference(case.query, case.key, case.value, case.bias, case.mask,
-                            **case.reference_kwargs())
-  ref_plain = attention_reference(plain.query, plain.key, plain.value, plain.bias, plain.mask,
-                                  **plain.reference_kwargs())
+  ref = attention_reference(case)
+  ref_plain = attention_reference(plain)
   assert ref.visible.sum() < ref_plain.visible.sum()
 
 

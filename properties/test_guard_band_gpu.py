@@ -20,22 +20,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.numerics.conformance import ForwardCase, random_case, run_kernel
+from harness.numerics.conformance import random_case, run_kernel
+from kernel.call import Call
 from kernel.tiling.config import Config
 from kernel.tiling import plan
 
 GUARD_ROWS = 40   # any positive count catches a write one row past the end
 
 
-def _api_launch(fc: ForwardCase, config: Config):
-  """The features, config, dtype and SM count ``dot_product_attention``
+def _api_launch(fc: Call, config: Config):
+  """The problem, config, variant and SM count ``dot_product_attention``
   resolves for this case (its own code, up to the launch)."""
   from unittest import mock
   from kernel import api
   got = {}
 
-  def record(features, config, dtype, num_sms, problem, backward, *, window=None):
-    got.update(features=features, config=config, dtype=dtype, num_sms=num_sms)
+  def record(problem, config, variant, num_sms):
+    got.update(problem=api.launch_problem(problem, config), config=config, variant=variant,
+               num_sms=num_sms)
     return lambda *args: (None, (None, None))  # (out, (m, l)), never used
 
   with mock.patch.object(api, "_differentiable", record), api.lowering_only():
@@ -49,7 +51,7 @@ def _api_launch(fc: ForwardCase, config: Config):
   return got
 
 
-def _padded_call(fc: ForwardCase, config: Config, guard: int):
+def _padded_call(fc: Call, config: Config, guard: int):
   """A function of (q, k, v, bias, mask, k_start, k_end) returning the
   guarded (out, m, l) buffers whole, and the padded lengths (Tp, Dv_pad).
 
@@ -88,7 +90,7 @@ def _padded_call(fc: ForwardCase, config: Config, guard: int):
   return call, t_pad, dv_pad
 
 
-def _arrays(fc: ForwardCase):
+def _arrays(fc: Call):
   import jax.numpy as jnp
   j = lambda x: None if x is None else jnp.asarray(x)
   return (j(fc.query), j(fc.key), j(fc.value), j(fc.bias), j(fc.mask), j(fc.k_start),
@@ -113,9 +115,9 @@ def _cases():
     c = random_case(rng, batch=2, seq_q=200, seq_kv=328, heads=2, head_dim=128)
     out.append((f"unpadded-200x328-d128-{p}", c, Config(64, 128, 2, persistent)))
     c = random_case(rng, batch=2, seq_q=300, seq_kv=384, heads=2, kv_heads=1, head_dim=64)
-    c.k_start = rng.integers(0, 384, (2, 2, 300)).astype(np.int32)
-    c.k_end = (c.k_start + rng.integers(-20, 384, (2, 2, 300))).astype(np.int32)
-    c.mask = rng.random((2, 1, 300, 384)) < 0.7
+    c = c.replace(k_start=rng.integers(0, 384, (2, 2, 300)).astype(np.int32))
+    c = c.replace(k_end=(c.k_start + rng.integers(-20, 384, (2, 2, 300))).astype(np.int32))
+    c = c.replace(mask=rng.random((2, 1, 300, 384)) < 0.7)
     out.append((f"key-ranges-2d-mask-{p}", c, Config(64, 128, 2, persistent)))
   c = random_case(rng, seq_q=200, seq_kv=150, head_dim=256, dtype="float16")
   out.append(("d256-f16-nonpersistent", c, Config(64, 64, 2, False)))
@@ -126,8 +128,8 @@ def _cases():
     p = "persistent" if persistent else "nonpersistent"
     c = random_case(rng, batch=2, seq_q=1000, seq_kv=777, heads=4, kv_heads=2, head_dim=64,
                     is_causal=True)
-    c.k_start = rng.integers(0, 400, (2, 4, 1000)).astype(np.int32)
-    c.k_end = (c.k_start + rng.integers(-50, 777, (2, 4, 1000))).astype(np.int32)
+    c = c.replace(k_start=rng.integers(0, 400, (2, 4, 1000)).astype(np.int32))
+    c = c.replace(k_end=(c.k_start + rng.integers(-50, 777, (2, 4, 1000))).astype(np.int32))
     out.append((f"three-warpgroups-causal-1000x777-gqa-ranges-{p}", c,
                 Config(*plan.THREE_WARPGROUP_TILING, persistent, compute_warpgroups=3)))
   return out

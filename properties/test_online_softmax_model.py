@@ -47,7 +47,7 @@ from harness.numerics.strategies import (
   thresholds,
 )
 from harness.numerics.tolerance import ToleranceReport, check_tolerance
-from kernel.validation import AttentionShapes, bfloat16, float16, float32
+from kernel.call import AttentionShapes, bfloat16, float16, float32
 
 MODEL_CASES = attention_cases(max_seq=300, max_head_dim=128, max_logits=1_000_000)
 

@@ -25,7 +25,7 @@ from harness.numerics.reference import (
   naive_attention_vjp,
 )
 from harness.numerics.strategies import AttentionCase, attention_cases
-from kernel.validation import AttentionShapes, bfloat16, float16, float32
+from kernel.call import AttentionShapes, Call, bfloat16, float16, float32
 
 # ---------------------------------------------------------------------------
 # Helpers.
@@ -170,8 +170,8 @@ def test_residual_identity(case):
     u = u + bias
   cap = case.spec.logits_soft_cap
   s = u if cap is None else cap * np.tanh(u / cap)
-  visible = key_visibility(sh, mask, is_causal=case.spec.is_causal,
-                           k_start=case.k_start, k_end=case.k_end)
+  visible = key_visibility(Call.of_shapes(sh, mask=mask, is_causal=case.spec.is_causal,
+                                          k_start=case.k_start, k_end=case.k_end))
   s = np.where(visible, s, -np.inf)
   live = np.isfinite(ref.m)
   note(f"live rows: {int(live.sum())} of {live.size}")

@@ -12,12 +12,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import example, given, note, settings, strategies as st
 
 from kernel import common
 from kernel.tiling import schedule
+from kernel.tiling.plan import Problem
 
 
 @st.composite
@@ -340,13 +342,12 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
   """The backward's grids take the sectioned order under causal where it
   was measured faster (kernel.backward.dkv_call's notes), never without
   causal, and the orders cover their grids."""
-  from kernel.backward import context as bwd_context
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   for causal in (False, True):
-    f = bwd_context.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
-                                  seq_q=seq, seq_kv=seq)
+    f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=causal,
+                  scale=0.1)
     blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=causal)
     fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=causal)
     common_args = dict(batch=batch, group=heads // kv_heads, t_pad=seq, s_pad=seq,
@@ -387,16 +388,15 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
   from kernel.common.kv_block_range, for every rank of the launch order."""
   import jax.numpy as jnp
   from kernel import padding, key_ranges as variants
-  from kernel.backward import context as bwd_context
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
-  from kernel.validation import AttentionShapes
+  from kernel.call import AttentionShapes
   blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=causal)
   whole = lambda n, m: -(-n // m) * m
   t_pad, s_pad = whole(seq_q, blocks.query_multiple), whole(seq_kv, blocks.key_multiple)
-  f = bwd_context.BackwardFeatures(scale=0.1, is_causal=causal, logits_soft_cap=None,
-                                seq_q=seq_q, seq_kv=seq_kv)
+  f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq_q, seq_kv, is_causal=causal,
+                  scale=0.1)
   shapes = AttentionShapes(B=1, T=seq_q, S=seq_kv, N=group, K=1, H=head_dim, Hv=head_dim)
   ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
   ks, ke, (start_min, _, _, end_max) = padding.key_ranges(
@@ -429,12 +429,11 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
   """Under a local window the tiles' work is even (but near the ends), so
   sections cannot repay their spread and both grids launch head by head;
   the same causal shape without the window keeps its sectioned orders."""
-  from kernel.backward import context as bwd_context
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
-  f = bwd_context.BackwardFeatures(scale=0.1, is_causal=True, logits_soft_cap=None,
-                                seq_q=seq, seq_kv=seq)
+  f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=True,
+                  scale=0.1)
   blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=True)
   fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=True)
   args = dict(batch=batch, group=1, t_pad=seq, s_pad=seq, head_dims=(head_dim, head_dim),
@@ -460,7 +459,6 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
   from kernel import api
-  from kernel.backward import context as bwd_context
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
 
@@ -489,8 +487,8 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
       jax.export.export(jax.jit(toy), platforms=["cuda"])()
     assert grids == [(5, 3, 2)] and reads == {"a": "z", "b": "y", "c": "x"}
     grids.clear()
-    f = bwd_context.BackwardFeatures(scale=0.1, is_causal=False, logits_soft_cap=None,
-                                  seq_q=512, seq_kv=768)
+    f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 512, 768, is_causal=False,
+                  scale=0.1)
     blocks = backward_plan.blocks_for(64, 64, is_causal=False)
     sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
     dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None,

@@ -261,11 +261,9 @@ def test_the_split_tail_refuses_guarded_outputs_by_name():
   import jax
   from kernel import forward
   q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-  features = forward.Features(scale=0.125, is_causal=False, logits_soft_cap=None,
-                              rescale_threshold=1.0, normalize_output=True,
-                              return_residuals=False, seq_q=256, seq_kv=256)
+  problem = plan.Problem(np.dtype(jnp.bfloat16), 64, 64, 256, 256, scale=0.125)
   out = jax.new_ref(jnp.zeros((1, 384, 2, 64), jnp.bfloat16))
   with pytest.raises(ValueError, match="^outputs: the split-tail schedule"):
-    forward.flash_attention_forward(q, q, q, None, None, None, None, None, features=features,
+    forward.flash_attention_forward(q, q, q, None, None, None, None, None, problem=problem,
                                     config=Config(64, 128, 2, True, "split-tail"),
                                     outputs=(out,))

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given, note, settings
 
 from harness.numerics import strategies as hs
-from harness.numerics.conformance import (ForwardCase, check_forward, gradient_reports,
+from harness.numerics.conformance import (check_forward, gradient_reports,
                                           poison_device_memory, run_kernel)
 from kernel import api, experiments
 from kernel.tiling import heuristics
@@ -45,10 +45,7 @@ def test_split_tail_forward_matches_float64(case):
   config = _split_tail_config(case)
   assume(config is not None and not case.variant_kwargs)
   note(f"{case.describe()} config={config}")
-  fc = ForwardCase(query=case.query, key=case.key, value=case.value, bias=case.bias,
-                   mask=case.mask, scale=case.spec.scale, is_causal=case.spec.is_causal,
-                   k_start=case.k_start, k_end=case.k_end,
-                   logits_soft_cap=case.spec.logits_soft_cap)
+  fc = case.call
   poison_device_memory(4 * fc.query.nbytes)
   report = check_forward(fc, *run_kernel(fc, config=config))
   note(report.summary())

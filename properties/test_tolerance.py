@@ -15,7 +15,7 @@ from harness.numerics.tolerance import (
   noise_floor,
   rtol_for,
 )
-from kernel.validation import bfloat16, float16, float32
+from kernel.call import bfloat16, float16, float32
 
 DTYPES = (bfloat16, float16, float32)
 

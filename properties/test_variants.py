@@ -31,7 +31,7 @@ from hypothesis import given, note, settings, strategies as st
 from harness.numerics import reference as ref_lib
 from harness.numerics import strategies as hs
 from kernel import api, key_ranges as variants
-from kernel.validation import AttentionShapes, validate_attention_args
+from kernel.call import AttentionShapes, Call, validate_attention_args
 
 # ---------------------------------------------------------------------------
 # The signature.
@@ -110,8 +110,7 @@ def test_without_the_new_arguments_the_call_is_unchanged():
   mask and key ranges, untouched (the same objects)."""
   q, k, v = _arrays()
   mask, ks, ke = np.ones((1, 1, T, S), bool), np.zeros((B, N, T), np.int32), None
-  routed = variants.route(q, k, v, None, mask, ks, ke, implementation=None,
-                          return_residual=False, local_window_size=None)
+  routed = variants.route(Call(q, k, v, None, mask, k_start=ks, k_end=ke))
   assert routed.mask is mask and routed.k_start is ks and routed.k_end is None
   assert routed.poisoned is None and not routed.kernel_residuals
 
@@ -217,10 +216,10 @@ def test_reference_segments_are_the_dense_equality_mask(shapes, causal, seed, co
 def _seen_by_route(shapes: AttentionShapes, routed) -> np.ndarray:
   """(B, N, T, S) bool: the keys the kernel lets row i see from what
   route() hands it (key ranges and mask; causal is the kernel's own)."""
-  return ref_lib.key_visibility(
-      shapes, None if routed.mask is None else np.asarray(routed.mask),
+  return ref_lib.key_visibility(Call.of_shapes(
+      shapes, mask=None if routed.mask is None else np.asarray(routed.mask),
       k_start=None if routed.k_start is None else np.asarray(routed.k_start),
-      k_end=None if routed.k_end is None else np.asarray(routed.k_end))
+      k_end=None if routed.k_end is None else np.asarray(routed.k_end)))
 
 
 @st.composite
@@ -256,9 +255,9 @@ def test_key_ranges_see_exactly_the_keys_of_the_definition(case):
   kw = spec.build()
   ks, ke = (None, None) if user is None else user.build()
   note(f"{shapes} {spec} user={user}")
-  routed = variants.route(*_qkv(shapes), None, None, ks, ke,
-                          segment_layout=spec.segment_layout, **kw)
-  want = ref_lib.key_visibility(shapes, k_start=ks, k_end=ke, **kw)
+  routed = variants.route(Call(*_qkv(shapes), None, None, k_start=ks, k_end=ke,
+                               segment_layout=spec.segment_layout, **kw))
+  want = ref_lib.key_visibility(Call.of_shapes(shapes, k_start=ks, k_end=ke, **kw))
   got = _seen_by_route(shapes, routed)
   poisoned = (np.zeros((shapes.B, shapes.T), bool) if routed.poisoned is None
               else np.asarray(routed.poisoned))
@@ -274,8 +273,8 @@ def test_key_ranges_see_exactly_the_keys_of_the_definition(case):
       holes[b, i] = where.size > 0 and where[-1] - where[0] + 1 > where.size
   assert np.array_equal(poisoned, holes)
   if spec.segment_layout == "any" and routed.k_start is not None:
-    hull = ref_lib.key_visibility(shapes, k_start=np.asarray(routed.k_start),
-                                  k_end=np.asarray(routed.k_end))
+    hull = ref_lib.key_visibility(Call.of_shapes(shapes, k_start=np.asarray(routed.k_start),
+                                                 k_end=np.asarray(routed.k_end)))
     assert not (want & ~hull).any()
 
 
@@ -404,7 +403,7 @@ def test_validation_reads_shapes_only():
   """The well-formed variant arguments pass as ShapeDtypeStructs too."""
   shapes = validate_attention_args(*_bad_arrays())
   sds = jax.ShapeDtypeStruct
-  from kernel.validation import validate_variant_args
+  from kernel.call import validate_variant_args
   assert validate_variant_args(
       shapes, query_seq_lengths=sds((2,), jnp.int32), key_value_seq_lengths=sds((2,), jnp.int8),
       local_window_size=np.int64(3), q_segment_ids=sds((2, 8), jnp.int32),
@@ -425,8 +424,7 @@ def _visited_blocks(T, S, kw, *, is_causal):
   dQ kernel reads the same)."""
   from kernel import common, padding
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  routed = variants.route(sds(1, T, 1, 64), sds(1, S, 1, 64), sds(1, S, 1, 64), None, None,
-                          None, None, **kw)
+  routed = variants.route(Call(sds(1, T, 1, 64), sds(1, S, 1, 64), sds(1, S, 1, 64), **kw))
   tile = 2 * _SKIP_BLOCK_Q
   num_tiles = -(-T // tile)
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=S, tile=tile,
@@ -518,7 +516,7 @@ def test_packed_segments_visit_only_their_documents_blocks(T, docs, is_causal):
 
 def _schedule(T, S, window, is_causal, *, heads=1):
   from kernel.forward import order as fwd_order
-  from kernel.validation import normalize_window
+  from kernel.call import normalize_window
   tile = 2 * _SKIP_BLOCK_Q
   return fwd_order.tile_schedule(
       batch=1, num_heads=heads, num_kv_heads=heads, num_tiles=-(-T // tile),
@@ -584,8 +582,7 @@ def test_the_launch_ranks_tiles_by_the_blocks_the_kernel_visits(T, kw, is_causal
     kw = dict(key_value_seq_lengths=jnp.asarray(kw["key_value_seq_lengths"], jnp.int32))
   visited = _visited_blocks(T, T, kw, is_causal=is_causal)
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  routed = variants.route(sds(1, T, 1, 64), sds(1, T, 1, 64), sds(1, T, 1, 64), None, None,
-                          None, None, **kw)
+  routed = variants.route(Call(sds(1, T, 1, 64), sds(1, T, 1, 64), sds(1, T, 1, 64), **kw))
   tile = 2 * _SKIP_BLOCK_Q
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=T, tile=tile,
                                    num_tiles=-(-T // tile))
@@ -661,14 +658,14 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
                                                  block_kv):
   """Where the key ranges are a local window's alone, the route computes
   them at trace time (NumPy), and the launch is not re-ranked on the device
-  (Features.window_ranges): the static longest-first order, weighed by the
+  (Problem.window_only): the static longest-first order, weighed by the
   window, IS the order ``Schedule.reranked`` gives by the key blocks each
   tile visits under those ranges, at any lengths."""
   from kernel import padding
   from kernel.forward import order as fwd_order
   sds = lambda n: jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
-  routed = variants.route(sds(seq_q), sds(seq_kv), sds(seq_kv), None, None, None, None,
-                          local_window_size=(left, right))
+  routed = variants.route(Call(sds(seq_q), sds(seq_kv), sds(seq_kv),
+                               local_window_size=(left, right)))
   assert routed.window_only
   assert isinstance(routed.k_start, np.ndarray) and isinstance(routed.k_end, np.ndarray)
   block_q = 64
@@ -691,18 +688,18 @@ def test_poisoned_rows_without_key_ranges_are_refused_by_name():
   to poison rows without one is refused at trace time, not run silently."""
   import dataclasses
   from kernel import forward
+  from kernel.tiling import plan
   from kernel.tiling.config import Config
-  features = forward.Features(scale=0.125, is_causal=True, logits_soft_cap=None,
-                              rescale_threshold=1.0, normalize_output=True,
-                              return_residuals=False, seq_q=256, seq_kv=256)
+  problem = plan.Problem(np.dtype(jnp.bfloat16), 64, 64, 256, 256, is_causal=True,
+                         scale=0.125)
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  call = lambda f: jax.make_jaxpr(lambda q, k, v: forward.flash_attention_forward(
-      q, k, v, None, None, None, None, None, features=f, config=Config()))(
+  call = lambda p: jax.make_jaxpr(lambda q, k, v: forward.flash_attention_forward(
+      q, k, v, None, None, None, None, None, problem=p, config=Config()))(
       sds(1, 256, 1, 64), sds(1, 256, 1, 64), sds(1, 256, 1, 64))
   with api.lowering_only():
-    call(features)
+    call(problem)
     with pytest.raises(ValueError, match="poisons_rows"):
-      call(dataclasses.replace(features, poisons_rows=True))
+      call(dataclasses.replace(problem, poisons_rows=True))
 
 
 def test_the_api_hands_the_window_to_the_longest_first_schedule_only(monkeypatch):

@@ -32,7 +32,7 @@ from harness.numerics import tolerance
 from harness.numerics.conformance import check_gradients, compute_dtype
 from kernel import api
 from kernel.tiling.config import Config
-from kernel.validation import AttentionShapes
+from kernel.call import AttentionShapes
 
 LONGEST_FIRST = Config(64, 128, 2, persistent=True, schedule="longest-first")
 VARIANT_EXAMPLES = int(os.environ.get("VARIANT_EXAMPLES", "12"))

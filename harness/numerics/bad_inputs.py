@@ -1,4 +1,4 @@
-"""Malformed attention calls, one per rule of kernel/validation.py.
+"""Malformed attention calls, one per rule of kernel/call.py.
 
 Each :class:`BadInputCase` builds the arguments of one call that must raise
 ``ValueError`` with a message starting ``"<argument>: "``. The same list is
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kernel.validation import bfloat16
+from kernel.call import bfloat16
 
 __all__ = ["BadInputCase", "BAD_INPUT_CASES", "base_call", "BASE_SHAPES"]
 

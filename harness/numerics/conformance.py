@@ -16,47 +16,7 @@ import numpy as np
 
 from harness.numerics import reference as ref_lib
 from harness.numerics import tolerance
-
-
-@dataclasses.dataclass
-class ForwardCase:
-  """One call of the kernel: arrays (NumPy, in the input dtype) and kwargs."""
-
-  query: np.ndarray
-  key: np.ndarray
-  value: np.ndarray
-  bias: np.ndarray | None = None
-  mask: np.ndarray | None = None
-  scale: float | None = None
-  is_causal: bool = False
-  k_start: np.ndarray | None = None
-  k_end: np.ndarray | None = None
-  logits_soft_cap: float | None = None
-  rescale_threshold: float = 1.0
-  normalize_output: bool = True
-  # jax.nn's lengths and window, segment ids (harness.numerics.reference.VARIANT_ARGS),
-  # given to the reference and the kernel alike; the segment layout is the
-  # kernel's alone.
-  variants: dict = dataclasses.field(default_factory=dict)
-  segment_layout: str = "contiguous"
-
-  def describe(self) -> str:
-    parts = [f"q{self.query.shape} k{self.key.shape} v{self.value.shape} {self.query.dtype}"]
-    for name in ("bias", "mask", "k_start", "k_end"):
-      x = getattr(self, name)
-      if x is not None:
-        parts.append(f"{name}{np.shape(x)}")
-    parts.append(f"scale={self.scale} causal={self.is_causal} cap={self.logits_soft_cap} "
-                 f"threshold={self.rescale_threshold} normalize={self.normalize_output}")
-    for name, x in self.variants.items():
-      parts.append(f"{name}={x if np.ndim(x) < 1 or np.size(x) <= 8 else np.shape(x)}")
-    if "q_segment_ids" in self.variants:
-      parts.append(f"segment_layout={self.segment_layout}")
-    return " ".join(parts)
-
-  def reference_kwargs(self) -> dict:
-    return dict(scale=self.scale, is_causal=self.is_causal, k_start=self.k_start,
-                k_end=self.k_end, logits_soft_cap=self.logits_soft_cap, **self.variants)
+from kernel.call import Call
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -68,17 +28,18 @@ def compute_dtype(dtype) -> np.dtype:
 
 def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, heads=2,
                 kv_heads=1, head_dim=64, head_dim_out=None, dtype="bfloat16",
-                **kwargs) -> ForwardCase:
+                **kwargs) -> Call:
+  """A call of normal inputs of these sizes; ``kwargs`` are the call's own."""
   import ml_dtypes
   dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   hv = head_dim if head_dim_out is None else head_dim_out
   q = rng.standard_normal((batch, seq_q, heads, head_dim)).astype(dt)
   k = rng.standard_normal((batch, seq_kv, kv_heads, head_dim)).astype(dt)
   v = rng.standard_normal((batch, seq_kv, kv_heads, hv)).astype(dt)
-  return ForwardCase(q, k, v, **kwargs)
+  return Call(q, k, v, **kwargs)
 
 
-def run_kernel(case: ForwardCase, *, config=None, return_residuals=True, stage_2d=True,
+def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
                untiled_copies=False):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
@@ -160,14 +121,12 @@ class ForwardReport:
         for r in (self.out, self.m, self.l) if r is not None)
 
 
-def check_forward(case: ForwardCase, out, m=None, l=None) -> ForwardReport:
-  """Compare kernel results with the float64 reference under the rule."""
-  kw = case.reference_kwargs()
-  ref = ref_lib.attention_reference(case.query, case.key, case.value, case.bias,
-                                    case.mask, **kw)
+def check_forward(case: Call, out, m=None, l=None) -> ForwardReport:
+  """Compare kernel results for ``case`` with the float64 reference under
+  the rule."""
+  ref = ref_lib.attention_reference(case)
   dt = compute_dtype(case.query.dtype)
-  n_out, n_m, n_l = ref_lib.naive_attention(case.query, case.key, case.value, case.bias,
-                                            case.mask, dtype=dt, **kw)
+  n_out, n_m, n_l = ref_lib.naive_attention(case, dtype=dt)
   rtol = tolerance.rtol_for(case.logits_soft_cap)
   ref_out = ref.out
   if not case.normalize_output:
@@ -184,18 +143,18 @@ def check_forward(case: ForwardCase, out, m=None, l=None) -> ForwardReport:
 def gradient_reports(case, grads) -> list[tolerance.ToleranceReport]:
   """(dq, dk, dv, dbias) of a strategies.AttentionCase against float64 under
   the rule (see :func:`check_gradients`)."""
-  return check_gradients(case.args, case.kwargs, case.d_out, grads, rtol=case.rtol)
+  return check_gradients(case.call, case.d_out, grads, rtol=case.rtol)
 
 
-def check_gradients(args, kwargs, d_out, grads, *, rtol) -> list[tolerance.ToleranceReport]:
-  """Gradients ``grads`` = (dq, dk, dv, dbias) of sum(out * d_out) at
-  ``args`` = (query, key, value, bias, mask) against float64 under the rule,
-  with ref_lib.naive_gradient_yardstick as the naive side; dbias is skipped
+def check_gradients(call: Call, d_out, grads, *, rtol) -> list[tolerance.ToleranceReport]:
+  """Gradients ``grads`` = (dq, dk, dv, dbias) of sum(out * d_out) for
+  ``call`` against float64 under the rule, with
+  ref_lib.naive_gradient_yardstick as the naive side; dbias is skipped
   where it is cancellation noise (ref_lib.dbias_is_noise)."""
-  want = ref_lib.attention_reference_vjp(*args, d_out, **kwargs)
-  dt = compute_dtype(args[0].dtype)
-  naive = ref_lib.naive_gradient_yardstick(*args, d_out, dtype=dt, **kwargs)
-  bias = args[3]
+  want = ref_lib.attention_reference_vjp(call, d_out)
+  dt = compute_dtype(call.query.dtype)
+  naive = ref_lib.naive_gradient_yardstick(call, d_out, dtype=dt)
+  bias = call.bias
   reports = []
   for name, got in zip(("dq", "dk", "dv", "dbias"), grads):
     ref = getattr(want, name)

@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.numerics.reference import REFERENCE_DTYPES, key_visibility
-from kernel.validation import bfloat16, float16, float32, validate_attention_args
+from harness.numerics.reference import key_visibility
+from kernel.call import Call, bfloat16, float16, float32
 
 __all__ = ["LOG2E", "online_softmax_attention"]
 
@@ -58,26 +58,19 @@ def _safe(x: np.ndarray) -> np.ndarray:
 
 
 def online_softmax_attention(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any = None,
-  mask: Any = None,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
+  *call: Any,
   block_kv: int = 128,
-  rescale_threshold: float = 1.0,
-  normalize_output: bool = True,
   dtype: Any = bfloat16,
   _residual_m_base2: bool = False,
   _residual_l_pending: bool = False,
   _stats: dict | None = None,
+  **kwargs: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Blocked online-softmax attention; returns (out, m, l) as float64 arrays.
+  """Blocked online-softmax attention of ``call`` (a kernel.call.Call, or its
+  arguments, as harness.numerics.reference.attention_reference takes it);
+  returns (out, m, l) as float64 arrays.  Reads the call's
+  ``rescale_threshold`` and ``normalize_output`` as the kernel does;
+  ``block_kv`` and ``dtype`` are the kernel's key block and compute dtype.
 
   The private flags are deliberate bugs, kept so that tests can show they
   catch them: ``_residual_m_base2`` stores m in base 2 (seed 000's bug);
@@ -89,10 +82,11 @@ def online_softmax_attention(
   multiplied by alpha < 1), ``deferred`` (row-blocks where the max moved but
   the rescale was skipped), ``blocks``.
   """
-  shapes = validate_attention_args(
-    query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
-    logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold,
-    allowed_dtypes=REFERENCE_DTYPES)
+  call = Call.of(*call, **kwargs)
+  shapes = call.shapes
+  query, key, value, bias = call.query, call.key, call.value, call.bias
+  scale, logits_soft_cap = call.scale, call.logits_soft_cap
+  rescale_threshold, normalize_output = call.rescale_threshold, call.normalize_output
   if isinstance(block_kv, bool) or not isinstance(block_kv, (int, np.integer)) \
       or block_kv <= 0:
     raise ValueError(f"block_kv: must be a positive int, got {block_kv!r}")
@@ -111,8 +105,7 @@ def online_softmax_attention(
   bias32 = None
   if bias is not None:
     bias32 = np.broadcast_to(np.asarray(bias).astype(np.float32), (B, N, T, S))
-  visible = key_visibility(shapes, mask, is_causal=is_causal, k_start=k_start,
-                           k_end=k_end)
+  visible = key_visibility(call)
 
   scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
   log2e = np.float32(LOG2E)

@@ -1,6 +1,6 @@
 """Float64 NumPy reference for attention, its residuals and its gradients.
 
-Semantics (the letters and layout are those of ``kernel/validation.py``)::
+Semantics (the letters and layout are those of ``kernel/call.py``)::
 
   u[b, n, i, j] = scale * <query[b, i, n], key[b, j, n // G]> + bias[b, n, i, j]
   s = cap * tanh(u / cap)      if logits_soft_cap (= cap) is set, else s = u
@@ -75,19 +75,10 @@ from typing import Any
 
 import numpy as np
 
-from kernel.validation import (
-  AttentionShapes,
-  bfloat16,
-  float16,
-  float32,
-  float64,
-  validate_attention_args,
-  validate_variant_args,
-)
+from kernel.call import EVERY_DTYPE, AttentionShapes, Call, bfloat16, float16, float32
 
-# jax.nn.dot_product_attention's arguments beyond this module's own, and the
-# packed-sequence segment ids: every public function here takes them as
-# keyword arguments and only key_visibility reads them.
+# jax.nn.dot_product_attention's arguments beyond the logits', and the
+# packed-sequence segment ids: only key_visibility reads them.
 VARIANT_ARGS = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size",
                 "q_segment_ids", "kv_segment_ids")
 
@@ -106,7 +97,17 @@ __all__ = [
 ]
 
 # The reference also takes float64 inputs (finite differences need them).
-REFERENCE_DTYPES = (float16, bfloat16, float32, float64)
+REFERENCE_DTYPES = EVERY_DTYPE
+
+
+def _split(args: tuple, kwargs: dict, trailing: int) -> tuple[Call, tuple]:
+  """The call of ``args`` and ``kwargs`` (a kernel.call.Call, or the
+  arguments of one) and the ``trailing`` positional arguments after it."""
+  head, tail = (args[:len(args) - trailing], args[len(args) - trailing:]) if trailing \
+    else (args, ())
+  if len(tail) != trailing:
+    raise TypeError(f"expected the call and {trailing} more positional arguments")
+  return Call.of(*head, **kwargs), tuple(tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,32 +159,20 @@ def _f64(x: Any) -> np.ndarray:
   return np.asarray(x).astype(np.float64)
 
 
-def key_visibility(
-  shapes: AttentionShapes,
-  mask: Any = None,
-  *,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  query_seq_lengths: Any = None,
-  key_value_seq_lengths: Any = None,
-  local_window_size: Any = None,
-  q_segment_ids: Any = None,
-  kv_segment_ids: Any = None,
-) -> np.ndarray:
-  """(B, N, T, S) bool: key j takes part in row i (mask, causal, key range,
-  and the VARIANT_ARGS, each straight from its definition):
+def key_visibility(call: Call) -> np.ndarray:
+  """(B, N, T, S) bool: key j takes part in row i of ``call`` (mask, causal,
+  key range, and the VARIANT_ARGS, each straight from its definition):
 
   * query_seq_lengths (B,): row i takes part only if i < len[b];
   * key_value_seq_lengths (B,): key j only if j < len[b];
   * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right;
   * q_segment_ids (B, T), kv_segment_ids (B, S): q_ids[b, i] == kv_ids[b, j].
   """
-  B, N, T, S = shapes.logits_shape
-  window = validate_variant_args(
-    shapes, query_seq_lengths=query_seq_lengths,
-    key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  B, N, T, S = call.shapes.logits_shape
+  mask, is_causal, k_start, k_end, window = (call.mask, call.is_causal, call.k_start,
+                                             call.k_end, call.window)
+  query_seq_lengths, key_value_seq_lengths = call.query_seq_lengths, call.key_value_seq_lengths
+  q_segment_ids, kv_segment_ids = call.q_segment_ids, call.kv_segment_ids
   visible = np.ones((B, N, T, S), dtype=bool)
   if mask is not None:
     visible &= np.broadcast_to(np.asarray(mask, dtype=bool), visible.shape)
@@ -255,12 +244,11 @@ class _Logits:
   cap: float | None
 
 
-def _logits(query, key, value, bias, mask, *, scale, is_causal, k_start, k_end,
-            logits_soft_cap, **variants) -> _Logits:
-  shapes = validate_attention_args(
-    query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
-    logits_soft_cap=logits_soft_cap, allowed_dtypes=REFERENCE_DTYPES)
-  scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
+def _logits(call: Call) -> _Logits:
+  shapes = call.shapes
+  query, key, value, bias = call.query, call.key, call.value, call.bias
+  logits_soft_cap = call.logits_soft_cap
+  scale = 1.0 / math.sqrt(shapes.H) if call.scale is None else float(call.scale)
   g = shapes.group_size
   q = _heads_first(_f64(query))
   k = _expand_kv(_f64(key), g)
@@ -274,8 +262,7 @@ def _logits(query, key, value, bias, mask, *, scale, is_causal, k_start, k_end,
       u = u + b
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     s = u if cap is None else cap * np.tanh(u / cap)
-  visible = key_visibility(shapes, mask, is_causal=is_causal, k_start=k_start,
-                           k_end=k_end, **variants)
+  visible = key_visibility(call)
   return _Logits(shapes, scale, q, k, v, u, s, visible, bias_shape, cap)
 
 
@@ -306,27 +293,15 @@ def _active_matmul(a: np.ndarray, b: np.ndarray, active: np.ndarray) -> np.ndarr
 # Forward.
 
 
-def attention_reference(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any = None,
-  mask: Any = None,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
-  **variants: Any,
-) -> Reference:
-  """Attention in float64 with residuals m, l (natural log, (B, N, T)).
+def attention_reference(*call: Any, **kwargs: Any) -> Reference:
+  """Attention in float64 with residuals m, l (natural log, (B, N, T)), for
+  ``call``: a kernel.call.Call, or its arguments (query, key, value, bias,
+  mask, then keywords).
 
   Inputs of any dtype in ``REFERENCE_DTYPES`` are converted exactly to float64.
   See the module docstring for the semantics and the fully masked row contract.
   """
-  lg = _logits(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap, **variants)
+  lg = _logits(_split(call, kwargs, 0)[0])
   with np.errstate(invalid="ignore", over="ignore"):
     logits = np.where(lg.visible, lg.s, -np.inf)
     m = logits.max(axis=-1)  # NaN propagates through max
@@ -381,61 +356,32 @@ def _backward(lg: _Logits, out, m, l, d_out) -> Gradients:
   return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
-def backward_from_residuals(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any,
-  mask: Any,
-  out: Any,
-  m: Any,
-  l: Any,
-  d_out: Any,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
-  **variants: Any,
-) -> Gradients:
-  """Float64 gradients of sum(out * d_out) recomputed from GIVEN residuals.
+def backward_from_residuals(*args: Any, **kwargs: Any) -> Gradients:
+  """Float64 gradients of sum(out * d_out) recomputed from GIVEN residuals:
+  ``backward_from_residuals(call..., out, m, l, d_out)``, the call as
+  :func:`attention_reference` takes it.
 
   This is what a flash-attention backward kernel does: P = exp(s - m) / l from
   the stored m, l (natural log, (B, N, T)) and delta = rowsum(d_out * out) from
   the stored output. Rows with l == 0 are treated as fully masked. Wrong
   residuals (e.g. m left in base 2) give wrong gradients.
   """
-  lg = _logits(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-               k_start=k_start, k_end=k_end, logits_soft_cap=logits_soft_cap, **variants)
+  call, (out, m, l, d_out) = _split(args, kwargs, 4)
+  lg = _logits(call)
   return _backward(lg, out, m, l, d_out)
 
 
-def attention_reference_vjp(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any,
-  mask: Any,
-  d_out: Any,
-  *,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
-  **variants: Any,
-) -> Gradients:
-  """Float64 gradients of sum(out * d_out) w.r.t. query, key, value and bias.
+def attention_reference_vjp(*args: Any, **kwargs: Any) -> Gradients:
+  """Float64 gradients of sum(out * d_out) w.r.t. query, key, value and bias:
+  ``attention_reference_vjp(call..., d_out)``.
 
   dk, dv are summed over the query heads that share a key/value head; dbias is
   summed down to bias's own shape. Equals :func:`backward_from_residuals`
   applied to the reference's own residuals.
   """
-  kw = dict(scale=scale, is_causal=is_causal, k_start=k_start, k_end=k_end,
-            logits_soft_cap=logits_soft_cap, **variants)
-  ref = attention_reference(query, key, value, bias, mask, **kw)
-  lg = _logits(query, key, value, bias, mask, **kw)
+  call, (d_out,) = _split(args, kwargs, 1)
+  ref = attention_reference(call)
+  lg = _logits(call)
   return _backward(lg, ref.out, ref.m, ref.l, d_out)
 
 
@@ -473,11 +419,10 @@ class _NaiveForward:
   shapes: AttentionShapes
 
 
-def _naive_forward(query, key, value, bias, mask, *, dtype, scale, is_causal,
-                   k_start, k_end, logits_soft_cap, **variants) -> _NaiveForward:
-  shapes = validate_attention_args(
-    query, key, value, bias, mask, scale=scale, k_start=k_start, k_end=k_end,
-    logits_soft_cap=logits_soft_cap, allowed_dtypes=REFERENCE_DTYPES)
+def _naive_forward(call: Call, dtype) -> _NaiveForward:
+  shapes = call.shapes
+  query, key, value, bias = call.query, call.key, call.value, call.bias
+  scale, logits_soft_cap = call.scale, call.logits_soft_cap
   r = _rounder(dtype)
   g = shapes.group_size
   scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
@@ -498,8 +443,7 @@ def _naive_forward(query, key, value, bias, mask, *, dtype, scale, is_causal,
       cap = r(logits_soft_cap)
       t = r(np.tanh(r(u / cap)))
       s = r(cap * t)
-    visible = key_visibility(shapes, mask, is_causal=is_causal,
-                             k_start=k_start, k_end=k_end, **variants)
+    visible = key_visibility(call)
     s = np.where(visible, s, -np.inf).astype(np.float32)
     m = s.max(axis=-1)
     empty = m == -np.inf
@@ -513,22 +457,10 @@ def _naive_forward(query, key, value, bias, mask, *, dtype, scale, is_causal,
                        bias_shape, shapes)
 
 
-def naive_attention(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any = None,
-  mask: Any = None,
-  *,
-  dtype: Any,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
-  **variants: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The textbook computation in ``dtype``: (out (B,T,N,Hv), m, l (B,N,T)), float64.
+def naive_attention(*call: Any, dtype: Any, **kwargs: Any
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The textbook computation of ``call`` (as :func:`attention_reference`
+  takes it) in ``dtype``: (out (B,T,N,Hv), m, l (B,N,T)), float64.
 
   Inputs are rounded to ``dtype``; each op computes in float32 (matrix
   products accumulate in float32, as tensor cores do) and rounds its result to
@@ -536,36 +468,19 @@ def naive_attention(
   rounded sum of the rounded exponentials. Follows the fully masked row
   contract. For the tolerance rule only.
   """
-  f = _naive_forward(query, key, value, bias, mask, dtype=dtype, scale=scale,
-                     is_causal=is_causal, k_start=k_start, k_end=k_end,
-                     logits_soft_cap=logits_soft_cap, **variants)
+  f = _naive_forward(_split(call, kwargs, 0)[0], dtype)
   return (_heads_first(f.out).astype(np.float64), f.m.astype(np.float64),
           f.l.astype(np.float64))
 
 
-def naive_attention_vjp(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any,
-  mask: Any,
-  d_out: Any,
-  *,
-  dtype: Any,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
-  **variants: Any,
-) -> Gradients:
-  """Textbook backward in ``dtype`` (every op rounded), returned in float64.
+def naive_attention_vjp(*args: Any, dtype: Any, **kwargs: Any) -> Gradients:
+  """Textbook backward in ``dtype`` (every op rounded), returned in float64:
+  ``naive_attention_vjp(call..., d_out, dtype=...)``.
 
   The yardstick of the tolerance rule for dq, dk, dv, dbias.
   """
-  f = _naive_forward(query, key, value, bias, mask, dtype=dtype, scale=scale,
-                     is_causal=is_causal, k_start=k_start, k_end=k_end,
-                     logits_soft_cap=logits_soft_cap, **variants)
+  call, (d_out,) = _split(args, kwargs, 1)
+  f = _naive_forward(call, dtype)
   r = _rounder(dtype)
   sh = f.shapes
   g = sh.group_size
@@ -590,24 +505,10 @@ def naive_attention_vjp(
                    dbias=dbias)
 
 
-def naive_gradient_yardstick(
-  query: Any,
-  key: Any,
-  value: Any,
-  bias: Any,
-  mask: Any,
-  d_out: Any,
-  *,
-  dtype: Any,
-  scale: float | None = None,
-  is_causal: bool = False,
-  k_start: Any = None,
-  k_end: Any = None,
-  logits_soft_cap: float | None = None,
-  **variants: Any,
-) -> dict[str, np.ndarray]:
+def naive_gradient_yardstick(*args: Any, dtype: Any, **kwargs: Any) -> dict[str, np.ndarray]:
   """The tolerance rule's "naive" gradients for a backward fed with stored
-  residuals, per gradient name: the worse (against float64) of
+  residuals, per gradient name (``naive_gradient_yardstick(call..., d_out,
+  dtype=...)``): the worse (against float64) of
 
   (a) the float64 backward fed with the naive same-dtype forward's residuals
       (out rounded to ``dtype``, m, l) -- the error that storing the residuals
@@ -617,12 +518,11 @@ def naive_gradient_yardstick(
 
   Either alone was seen to be a few float32 ulps too tight in rare cases.
   """
-  kw = dict(scale=scale, is_causal=is_causal, k_start=k_start, k_end=k_end,
-            logits_soft_cap=logits_soft_cap, **variants)
-  want = attention_reference_vjp(query, key, value, bias, mask, d_out, **kw)
-  out, m, l = naive_attention(query, key, value, bias, mask, dtype=dtype, **kw)
-  fed = backward_from_residuals(query, key, value, bias, mask, out, m, l, d_out, **kw)
-  naive = naive_attention_vjp(query, key, value, bias, mask, d_out, dtype=dtype, **kw)
+  call, (d_out,) = _split(args, kwargs, 1)
+  want = attention_reference_vjp(call, d_out)
+  out, m, l = naive_attention(call, dtype=dtype)
+  fed = backward_from_residuals(call, out, m, l, d_out)
+  naive = naive_attention_vjp(call, d_out, dtype=dtype)
   picked = {}
   for name in ("dq", "dk", "dv", "dbias"):
     ref = getattr(want, name)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from kernel.validation import AttentionShapes, bfloat16, float16, float32
+from kernel.call import AttentionShapes, Call, bfloat16, float16, float32
 
 __all__ = [
   "SEQ_LENGTHS",
@@ -339,6 +339,12 @@ class AttentionCase:
     self.variant_kwargs = {} if spec.variants is None else spec.variants.build()
     self.segment_layout = "contiguous" if spec.variants is None \
       else spec.variants.segment_layout
+    # The call itself, validated once: what the reference, the model and
+    # the kernel read.
+    self.call = Call(self.query, self.key, self.value, self.bias, self.mask,
+                     scale=spec.scale, is_causal=spec.is_causal, k_start=self.k_start,
+                     k_end=self.k_end, logits_soft_cap=spec.logits_soft_cap,
+                     segment_layout=self.segment_layout, **self.variant_kwargs)
 
   @property
   def shapes(self) -> AttentionShapes:
@@ -346,15 +352,16 @@ class AttentionCase:
 
   @property
   def args(self) -> tuple:
-    """(query, key, value, bias, mask) positional arguments."""
-    return (self.query, self.key, self.value, self.bias, self.mask)
+    """(query, key, value, bias, mask): the call's positional arguments."""
+    return self.call.arrays
 
   @property
   def kwargs(self) -> dict[str, Any]:
-    """Keyword arguments shared by the reference, the model and the kernel."""
-    return dict(scale=self.spec.scale, is_causal=self.spec.is_causal,
-                k_start=self.k_start, k_end=self.k_end,
-                logits_soft_cap=self.spec.logits_soft_cap, **self.variant_kwargs)
+    """The call's keyword arguments that the reference, the model and the
+    kernel share."""
+    c = self.call
+    return dict(scale=c.scale, is_causal=c.is_causal, k_start=c.k_start, k_end=c.k_end,
+                logits_soft_cap=c.logits_soft_cap, **c.variants)
 
   @property
   def rtol(self) -> float:

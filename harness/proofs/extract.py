@@ -964,7 +964,7 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
 # Tracing the shipped kernels
 # ---------------------------------------------------------------------------
 
-def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
+def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
                   head_dim=64, head_dim_out=None, bias=False, mask=False, key_ranges=True,
                   num_sms=1, module=None):
   """The closed jaxpr of ``kernel.forward.flash_attention_forward`` and its
@@ -991,7 +991,7 @@ def trace_forward(features, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=
     rows, tiles = None, None
 
   def fn(q, k, v, b, m, ks, ke, tl):
-    return forward.flash_attention_forward(q, k, v, b, m, ks, ke, tl, features=features,
+    return forward.flash_attention_forward(q, k, v, b, m, ks, ke, tl, problem=problem,
                                            config=config, num_sms=num_sms)
 
   with api.lowering_only():

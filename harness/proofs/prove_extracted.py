@@ -274,29 +274,25 @@ def trace_case(case: ForwardCase, *, modules=None):
     # so every probed block ends its tiles with pieces (SplitTail).
     num_tiles += PROBE_SMS // 2
   seq_q = num_tiles * case.tile_q
-  features = modules.forward.Features(
-      scale=0.125, is_causal=case.causal, logits_soft_cap=None, rescale_threshold=1.0,
-      normalize_output=True, return_residuals=case.residuals, seq_q=seq_q,
-      seq_kv=kv_blocks * case.block_kv, stage_2d=case.bias or case.mask,
-      untiled_copies=case.untiled_copies)
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=config_stages, persistent=case.persistent,
                              schedule=case.schedule,
                              compute_warpgroups=case.compute_warpgroups)
   traced = plan_lib.Problem(
       dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
-      seq_q=seq_q, seq_kv=features.seq_kv, is_causal=case.causal, bias_2d=case.bias,
-      mask_2d=case.mask, return_residuals=case.residuals, untiled_copies=case.untiled_copies)
+      seq_q=seq_q, seq_kv=kv_blocks * case.block_kv, is_causal=case.causal,
+      bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
+      untiled_copies=case.untiled_copies, scale=0.125)
   layout = plan_lib.scratch_layout(traced, config)
   if (layout.overlay_q_with_output, layout.output_reaches_keys) != (case.overlay_q,
                                                                     case.output_over_keys):
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
-  closed, kernel = ex.trace_forward(features, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
+  closed, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
                                     head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                     bias=case.bias, mask=case.mask,
                                     module=modules.forward, num_sms=PROBE_SMS)
-  return closed, kernel, features
+  return closed, kernel, traced
 
 
 def _split_tail_table(consts: dict, case: ForwardCase):
@@ -321,10 +317,10 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None) -> rp.Launc
   round that walks many contexts (and several again), then one probe per
   context the learned tables still lack (:meth:`harness.proofs.role_programs.Learner.missing`)."""
   modules = modules or shipped_modules()
-  closed, kernel, features = traced or trace_case(case, modules=modules)
+  closed, kernel, problem = traced or trace_case(case, modules=modules)
   ring = _ring(case.num_stages)
   consts = _const_values(closed, kernel)
-  num_tiles = features.seq_q // case.tile_q
+  num_tiles = problem.seq_q // case.tile_q
   tables = _range_tables(kernel, consts, num_tiles)
   consts.update(_reranked_order(kernel, consts, case, num_tiles))
   split = _split_tail_table(consts, case)
@@ -334,7 +330,7 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None) -> rp.Launc
     """The key blocks the kernel visits for a requested range (the causal
     bound may cut it), by the kernel's own rule."""
     lo, hi = modules.common.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv,
-                                   seq_q=features.seq_q, seq_kv=features.seq_kv,
+                                   seq_q=problem.seq_q, seq_kv=problem.seq_kv,
                                    is_causal=case.causal, k_start_min=lb * bkv,
                                    k_end_max=(lb + n) * bkv)
     return lo, hi - lo
@@ -442,6 +438,8 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   import jax
   import jax.numpy as jnp
   from kernel import api
+  from kernel.tiling import plan as plan_lib
+  from kernel.variant import Variant
   modules = modules or shipped_modules()
   sds = jax.ShapeDtypeStruct
   q = sds((1, seq_q, 1, head_dim), jnp.bfloat16)
@@ -450,10 +448,13 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   b = sds((1, 1, seq_q, seq_kv), jnp.bfloat16) if bias else None
   kr = sds((1, 1, seq_q), jnp.int32) if ranges else None
 
+  problem = plan_lib.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
+                             is_causal=causal, scale=0.125, deterministic=fixed_point)
+  variant = Variant(fuse_dq=fuse_dq)
+
   def fn(q, k, v, b, ks, ke, o, m, l, do):
-    return modules.backward.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do, scale=0.125,
-                                     is_causal=causal, fuse_dq=fuse_dq,
-                                     fixed_point_dq=fixed_point)
+    return modules.backward.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do,
+                                               problem=problem, variant=variant)
 
   with api.lowering_only():
     closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)

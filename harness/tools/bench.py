@@ -198,14 +198,13 @@ def backward_part_fns(shape: BenchShape) -> dict:
   import math
   from kernel import api, padding
   from kernel.backward import launch as bwd_launch
-  from kernel.backward import context as bwd_context
   from kernel.tiling import backward_plan
   from kernel.backward import fused_dq
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   from kernel.tiling import plan as plan_lib
-  f = bwd_context.BackwardFeatures(scale=1.0 / math.sqrt(shape.head_dim), is_causal=shape.causal,
-                           logits_soft_cap=None, seq_q=shape.seq, seq_kv=shape.seq)
+  f = plan_lib.Problem(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim, shape.seq, shape.seq,
+                       is_causal=shape.causal, scale=1.0 / math.sqrt(shape.head_dim))
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, is_causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,

@@ -84,35 +84,35 @@ def extra_cases(rng):
   b, t, s, n = 2, 256, 384, 2
   base = dict(batch=b, seq_q=t, seq_kv=s, heads=n, kv_heads=1, head_dim=64)
   c = random_case(rng, **base)
-  c.bias = rng.standard_normal((b, n, t, s)).astype(c.query.dtype)
+  c = c.replace(bias=rng.standard_normal((b, n, t, s)).astype(c.query.dtype))
   out.append(("bias-full", c, None))
   c = random_case(rng, **base)
-  c.bias = rng.standard_normal((1, 1, 1, s)).astype(np.float32)
+  c = c.replace(bias=rng.standard_normal((1, 1, 1, s)).astype(np.float32))
   out.append(("bias-row-f32", c, None))
   c = random_case(rng, **base)
-  c.bias = rng.standard_normal((b, 1, t, 1)).astype(c.query.dtype)
+  c = c.replace(bias=rng.standard_normal((b, 1, t, 1)).astype(c.query.dtype))
   out.append(("bias-col", c, None))
   c = random_case(rng, **base)
-  c.mask = rng.random((b, 1, t, s)) < 0.7
+  c = c.replace(mask=rng.random((b, 1, t, s)) < 0.7)
   c.mask[:, :, 5, :] = False  # a fully masked row
   out.append(("mask-2d-with-empty-row", c, None))
   c = random_case(rng, **base)
-  c.mask = rng.random((s,)) < 0.5
+  c = c.replace(mask=rng.random((s,)) < 0.5)
   out.append(("mask-keys-only", c, None))
   c = random_case(rng, **base)
-  c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
-  c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
+  c = c.replace(k_start=rng.integers(0, s, (b, n, t)).astype(np.int32))
+  c = c.replace(k_end=(c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32))  # some empty
   out.append(("key-ranges-with-empty", c, None))
   from kernel.tiling.config import Config
   c = random_case(rng, **base)
-  c.k_start = rng.integers(0, s, (b, n, t)).astype(np.int32)
-  c.k_end = (c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32)  # some empty
+  c = c.replace(k_start=rng.integers(0, s, (b, n, t)).astype(np.int32))
+  c = c.replace(k_end=(c.k_start + rng.integers(-20, s, (b, n, t))).astype(np.int32))  # some empty
   out.append(("split-tail-key-ranges-with-empty", c, Config(64, 64, 2, True, "split-tail")))
   c = random_case(rng, **base, is_causal=True)
-  c.k_end = np.array([200], np.int32)
-  c.bias = rng.standard_normal((b, n, t, s)).astype(c.query.dtype)
-  c.logits_soft_cap = 10.0
-  c.rescale_threshold = 0.25
+  c = c.replace(k_end=np.array([200], np.int32))
+  c = c.replace(bias=rng.standard_normal((b, n, t, s)).astype(c.query.dtype))
+  c = c.replace(logits_soft_cap=10.0)
+  c = c.replace(rescale_threshold=0.25)
   out.append(("causal-kend-bias-softcap-threshold", c, None))
   return out
 

@@ -48,7 +48,8 @@ from typing import Callable
 
 import numpy as np
 
-from harness.numerics.conformance import ForwardCase, check_forward, check_gradients
+from harness.numerics.conformance import check_forward, check_gradients
+from kernel.call import Call
 from harness.numerics.strategies import SegmentSpec, VariantSpec
 from harness.numerics.tolerance import rtol_for, run_to_run_bound
 
@@ -104,33 +105,32 @@ class GoldenSpec:
     shape = (self.batch, self.seq_q, self.heads, hv)
     return rng.standard_normal(shape).astype(case.query.dtype)
 
-  def build(self) -> ForwardCase:
+  def build(self) -> Call:
     import ml_dtypes
     rng = np.random.default_rng(self.seed)
     dt = np.dtype(ml_dtypes.bfloat16) if self.dtype == "bfloat16" else np.dtype(self.dtype)
     b, t, s, n, kh = self.batch, self.seq_q, self.seq_kv, self.heads, self.kv_heads
     hv = self.head_dim if self.head_dim_out is None else self.head_dim_out
     normal = lambda shape: rng.standard_normal(shape).astype(dt)
-    case = ForwardCase(normal((b, t, n, self.head_dim)), normal((b, s, kh, self.head_dim)),
-                       normal((b, s, kh, hv)), is_causal=self.is_causal,
-                       logits_soft_cap=self.logits_soft_cap,
-                       rescale_threshold=self.rescale_threshold,
-                       normalize_output=self.normalize_output)
+    arrays = dict(query=normal((b, t, n, self.head_dim)), key=normal((b, s, kh, self.head_dim)),
+                  value=normal((b, s, kh, hv)))
     bias_shapes = {"full": (b, n, t, s), "row": (1, 1, 1, s), "col": (b, 1, t, 1)}
     if self.bias:
-      case.bias = rng.standard_normal(bias_shapes[self.bias]).astype(dt)
+      arrays["bias"] = rng.standard_normal(bias_shapes[self.bias]).astype(dt)
     if self.mask == "full":
-      case.mask = rng.random((b, 1, t, s)) < 0.7
-      case.mask[:, :, 3, :] = False  # a fully masked row
+      arrays["mask"] = rng.random((b, 1, t, s)) < 0.7
+      arrays["mask"][:, :, 3, :] = False  # a fully masked row
     elif self.mask == "keys":
-      case.mask = rng.random((s,)) < 0.6
+      arrays["mask"] = rng.random((s,)) < 0.6
     if self.key_range:
-      case.k_start = rng.integers(0, s // 2, (b, n, t)).astype(np.int32)
-      case.k_end = (case.k_start + rng.integers(-8, s, (b, n, t))).astype(np.int32)
+      arrays["k_start"] = rng.integers(0, s // 2, (b, n, t)).astype(np.int32)
+      arrays["k_end"] = (arrays["k_start"] + rng.integers(-8, s, (b, n, t))).astype(np.int32)
+    variants = {}
     if self.variants is not None:  # plain values: no draw from rng, so the arrays above stay
-      case.variants = self.variants.build()
-      case.segment_layout = self.variants.segment_layout
-    return case
+      variants = dict(self.variants.build(), segment_layout=self.variants.segment_layout)
+    return Call(**arrays, is_causal=self.is_causal, logits_soft_cap=self.logits_soft_cap,
+                rescale_threshold=self.rescale_threshold,
+                normalize_output=self.normalize_output, **variants)
 
   def resolved_config(self):
     from kernel.tiling.config import Config
@@ -183,7 +183,7 @@ CORPUS: tuple[GoldenSpec, ...] = (
                variants=VariantSpec(local_window_size=40)),
     GoldenSpec("window-pair-ragged", 23, seq_q=300, seq_kv=421,
                variants=VariantSpec(local_window_size=(150, 17))),
-    # The window reaches the longest-first schedule (Features.window).
+    # The window reaches the longest-first schedule (Problem.window).
     GoldenSpec("window-pair-causal-longest-first", 24, seq_q=512, seq_kv=512, is_causal=True,
                config=(64, 128, 2, True, "longest-first"),
                variants=VariantSpec(local_window_size=(130, 64))),
@@ -284,13 +284,11 @@ def run_kernel_for(spec: GoldenSpec) -> dict[str, np.ndarray]:
           for k, x in arrays.items()}
 
 
-def _kernel_mask_and_ranges(case: ForwardCase):
+def _kernel_mask_and_ranges(case: Call):
   """The mask and key ranges the API hands the kernel for ``case``: its own,
   with the variants mapped onto them (kernel/key_ranges.py)."""
-  from kernel import key_ranges as variants
-  routed = variants.route(case.query, case.key, case.value, case.bias, case.mask,
-                          case.k_start, case.k_end, segment_layout=case.segment_layout,
-                          **case.variants)
+  from kernel import key_ranges
+  routed = key_ranges.route(case)
   return routed.mask, routed.k_start, routed.k_end
 
 
@@ -369,9 +367,8 @@ def classify(spec: GoldenSpec, new: dict[str, np.ndarray],
   reports = [r for r in (report.out, report.m, report.l) if r is not None]
   if spec.has_gradients:
     grads = [new.get(k) for k in GRADIENT_ARRAYS]
-    reports += check_gradients((case.query, case.key, case.value, case.bias, case.mask),
-                               case.reference_kwargs(), spec.d_out().astype(np.float64),
-                               grads, rtol=rtol_for(case.logits_soft_cap))
+    reports += check_gradients(case, spec.d_out().astype(np.float64), grads,
+                               rtol=rtol_for(case.logits_soft_cap))
   ratio = max(r.ratio for r in reports)
   failed = [r for r in reports if not r.passed]
   if failed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 
@@ -127,7 +128,7 @@ def jaxpr_text(shapes, kwargs, operands, gradients) -> str:
 
 
 def _guarded(args, kwargs):
-  """The API's own launch (features, config, dtype, SM count as
+  """The API's own launch (problem, config, variant, SM count as
   ``dot_product_attention`` resolves them), replaced by one into mutable
   outputs 16 rows longer than the padded query length, as
   properties/test_guard_band_gpu.py does."""
@@ -138,8 +139,9 @@ def _guarded(args, kwargs):
   from kernel.forward import flash_attention_forward
   got = {}
 
-  def record(features, config, dtype, num_sms, problem, backward, *, window=None):
-    got.update(features=features, config=config, dtype=dtype, num_sms=num_sms)
+  def record(problem, config, variant, num_sms):
+    got.update(problem=api.launch_problem(problem, config), config=config, variant=variant,
+               num_sms=num_sms)
     return lambda *a: (None, (None, None))
 
   with mock.patch.object(api, "_differentiable", record), api.lowering_only():
@@ -166,6 +168,19 @@ def _guarded(args, kwargs):
   return call
 
 
+# The sharding rule's static argument prints the backward's Python call
+# (a functools.partial and its keywords: the call record's fields); the
+# program it makes is the traced jaxpr beside it, which is compared whole.
+_BACKWARD_CALL = re.compile(r"(Local\(fn=functools\.partial\(<function \w+) at 0x[0-9A-Fa-fX]+>, .*?\),"
+                            r" kind=")
+
+
+def comparable(text: str) -> str:
+  """``text`` without what is not the traced program: the keywords of the
+  backward's Python call (:data:`_BACKWARD_CALL`)."""
+  return _BACKWARD_CALL.sub(r"\1>, ...), kind=", text)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness.tools.jaxpr_texts")
   parser.add_argument("paths", nargs="+", help="OUT.json, or with --compare: A.json B.json")
@@ -174,7 +189,7 @@ def main(argv=None) -> int:
   if args.compare:
     if len(args.paths) != 2:
       parser.error("--compare: expected two files")
-    a, b = (json.load(open(p)) for p in args.paths)
+    a, b = ({k: comparable(v) for k, v in json.load(open(p)).items()} for p in args.paths)
     differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     print(f"{len(a.keys() & b.keys()) - len([k for k in differ if k in a and k in b])} of "
           f"{len(a.keys() | b.keys())} jaxprs identical; differ: {differ or 'none'}")

@@ -65,8 +65,7 @@ def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
   q = jax.ShapeDtypeStruct((point.batch, seq, point.heads, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((point.batch, seq, point.kv_heads, head_dim), jnp.bfloat16)
   with api.lowering_only():
-    config = api._chosen_config(q, k, k, None, None, is_causal=causal, k_start=None,
-                                k_end=None, device_kind=device_kind, stage_2d=True)
+    config = api.chosen_config(q, k, k, is_causal=causal, device_kind=device_kind)
   out = dict(head_dim=head_dim, seq=seq, causal=causal, gqa=gqa, batch=point.batch,
              heads=point.heads, config=config, shipped=None, filled=None)
   if config.schedule != "longest-first":
@@ -90,7 +89,6 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
   is not fused), its launch order's sections (None: head by head) and the
   tail kernel.tiling.schedule.predicted_makespan deals it, beside head by head's."""
   import jax.numpy as jnp
-  from kernel.backward import context as bwd_context
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
@@ -99,8 +97,7 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
   point = bg.Point(head_dim, seq, True, gqa)
   d = plan.backward_head_dims(head_dim, head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, is_causal=True)
-  f = bwd_context.BackwardFeatures(scale=1.0, is_causal=True, logits_soft_cap=None, seq_q=seq,
-                           seq_kv=seq)
+  f = plan.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq, seq, is_causal=True)
   t_pad = -(-seq // blocks.query_multiple) * blocks.query_multiple
   s_pad = -(-seq // blocks.key_multiple) * blocks.key_multiple
   fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=True)

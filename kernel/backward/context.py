@@ -11,18 +11,14 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from kernel import common
-from kernel.common import Logits, smem
+from kernel.common import smem
 from kernel.sync import barriers, ring as ring_lib
 from kernel.tiling import schedule as schedule_lib
 from kernel.tiling.backward_plan import BackwardBlocks
+from kernel.tiling.plan import Problem
 
 
 CW = barriers.COMPUTE_WARPGROUPS
-
-
-# The backward specialises on the logits alone (no threshold, residuals or
-# staging switches of the forward's Features).
-BackwardFeatures = Logits
 
 
 def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring):
@@ -63,7 +59,7 @@ class _Launch(common.OperandRefs):
   come first): the launch's sizes, and inside the kernel the operands as
   refs, the grid point, the rings."""
 
-  f: BackwardFeatures
+  f: Problem
   blocks: BackwardBlocks
   head_dim: int
   dtype: Any

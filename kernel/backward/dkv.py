@@ -25,11 +25,13 @@ from jax import lax
 from kernel.common import COL, ROW, WGMMA, batch_head, load_broadcast
 from kernel.sync import barriers, ring as ring_lib
 from kernel.tiling import schedule as schedule_lib
-from kernel.backward.context import BackwardFeatures, CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
-from kernel.backward.fused_dq import _dq_product, _dq_reduce_add, dq_owner, ds_buffer, to_fixed_point
+from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
+from kernel.backward.fused_dq import (_dq_product, _dq_reduce_add, dq_owner, ds_buffer,
+                                      to_fixed_point)
 from kernel.backward.head_split import _shared_slot, exchange_buffer
 from kernel.backward.scores import KeysBelow, _step_scores
 from kernel.tiling.backward_plan import BackwardBlocks, dkv_buffers, dkv_mbarriers
+from kernel.tiling.plan import Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ def _visible_blocks(first: int, last: int, block: int, count: int) -> int:
   return max(0, last // block - first // block + 1) if last >= first else 0
 
 
-def key_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, group: int, t_pad: int,
+def key_tile_weights(f: Problem, blocks: BackwardBlocks, *, group: int, t_pad: int,
                      s_pad: int, window: tuple[int, int] | None = None) -> list[int]:
   """Per key tile, the query blocks the dK/dV kernel streams for it (times
   the group's query heads): key j is seen by the rows i >= j under causal,
@@ -97,7 +99,7 @@ def key_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, group: int,
   return weights
 
 
-def dkv_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
+def dkv_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
                      num_kv_heads: int, group: int, t_pad: int, s_pad: int,
                      head_dims: tuple[int, int], dtype, fused: bool, num_sms: int,
                      window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
@@ -118,7 +120,7 @@ def dkv_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
   return order
 
 
-def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: BackwardFeatures,
+def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: Problem,
              blocks: BackwardBlocks, dq_accum=None, dq_scales=None, query_blocks=None,
              inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
              window: tuple[int, int] | None = None):

@@ -18,16 +18,18 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from kernel.common import ROW, WGMMA, kv_block_range, load_broadcast, tile_key_bounds, window_tile_keys
+from kernel.common import (ROW, WGMMA, kv_block_range, load_broadcast, tile_key_bounds,
+                           window_tile_keys)
 from kernel.sync import barriers, ring as ring_lib
 from kernel.tiling import schedule as schedule_lib
-from kernel.backward.context import BackwardFeatures, CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
+from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
 from kernel.backward.head_split import _shared_slot, exchange_buffer
 from kernel.backward.scores import KeysBelow, _step_scores
 from kernel.tiling.backward_plan import BackwardBlocks, dq_buffers, dq_mbarriers
+from kernel.tiling.plan import Problem
 
 
-def query_tile_weights(f: BackwardFeatures, blocks: BackwardBlocks, *, t_pad: int,
+def query_tile_weights(f: Problem, blocks: BackwardBlocks, *, t_pad: int,
                        window: tuple[int, int] | None = None) -> list[int]:
   """Per rank of the dQ kernel's launch order (rank r: query tile
   ``tiles - 1 - r``), the key blocks it streams: the dQ kernel's own
@@ -70,7 +72,7 @@ class DqKernel(_Launch):
   shape = property(lambda self: (self.bq, self.bkv))
 
 
-def dq_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
+def dq_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
                     num_heads: int, group: int, t_pad: int, s_pad: int,
                     head_dims: tuple[int, int], dtype, num_sms: int,
                     window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
@@ -90,7 +92,7 @@ def dq_launch_order(f: BackwardFeatures, blocks: BackwardBlocks, *, batch: int,
 
 
 def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
-            f: BackwardFeatures, blocks: BackwardBlocks, want_ds: bool,
+            f: Problem, blocks: BackwardBlocks, want_ds: bool,
             num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
             window: tuple[int, int] | None = None):
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.

@@ -21,7 +21,6 @@ stored m in base 2 would yield wrong gradients here (seed 000)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.experimental.pallas as pl
@@ -31,11 +30,12 @@ from jax import lax
 from kernel import padding
 from kernel.common import LOG2E, kv_block_range
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
-from kernel.backward.context import BackwardFeatures
 from kernel.backward.dkv import dkv_call
 from kernel.backward.dq import dq_call
 from kernel.backward.fused_dq import fixed_point_scales
-from kernel.tiling.backward_plan import BackwardBlocks, blocks_for, fuses_dq, smem_estimates
+from kernel.tiling.backward_plan import (BackwardBlocks, backward_head_dims, choose, fuses_dq,
+                                         smem_estimates)
+from kernel.variant import SHIPPED, Variant
 
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
@@ -64,62 +64,45 @@ def residual_rows(m, l, out, d_out, t_pad: int):
 
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
-                       *, scale, is_causal=False, logits_soft_cap=None, schedule="paired",
-                       fuse_dq=True, fixed_point_dq=False, fuse_dq_causal: bool | None = None,
-                       head_dims=plan_lib.backward_head_dims,
-                       num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
-                       window: tuple[int, int] | None = None):
+                       *, problem: plan_lib.Problem, variant: Variant = SHIPPED,
+                       num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
-  residuals, on the sm90 kernels above.  Same contract and arguments as
-  ``kernel.backward.xla.attention_backward`` (its executable specification):
-  inputs in the compute dtype, unpadded; m (natural log) and l (B, N, T).
+  residuals, on the sm90 kernels, for ``problem`` (the call's static facts:
+  its scale, causal mask, soft cap, lengths, window and ``deterministic``).
+  Same contract as ``kernel.backward.xla.attention_backward`` (its
+  executable specification): inputs in the compute dtype, unpadded; m
+  (natural log) and l (B, N, T).
 
-  dQ is accumulated inside the dK/dV kernel (see the fused dQ notes below) when
-  ``fuse_dq`` and :func:`fuses_dq` allow it, else formed by the dQ kernel.
-  ``fixed_point_dq``: the fused dQ sums in int32 fixed point (bitwise
-  reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
-  float32.  ``fuse_dq_causal``: under causal, fuse dQ wherever it fits
-  (True) or nowhere (False) instead of where :func:`blocks_for` says
-  (kernel.experiments' A/B).  ``head_dims``: the rule of the head dims
-  computed with (kernel.tiling.plan.backward_head_dims; kernel.experiments'
-  "pallas-narrow-rows" takes the forward's).  ``num_sms``: the GPU's SMs,
-  which the causal launch order balances over (kernel.tiling.schedule.LaunchOrder).
-  ``window``: jax.nn's local window (left, right) when the key ranges come
-  from one, which the launch order weighs the tiles by (the kernels read
-  the ranges alone).
+  dQ is accumulated inside the dK/dV kernel where
+  kernel.tiling.backward_plan.fuses_dq allows it (and ``variant.fuse_dq``),
+  else formed by the dQ kernel; with ``problem.deterministic`` the fused dQ
+  sums in int32 fixed point (bitwise reproducible: kernel/backward/fused_dq.py)
+  instead of float32.  The tiling is kernel.tiling.backward_plan.choose's
+  for the variant.  ``num_sms``: the GPU's SMs, which the causal launch
+  order balances over (kernel.tiling.schedule.LaunchOrder); ``problem.window``,
+  jax.nn's local window the key ranges came from, weighs its tiles.
   """
+  f = problem
+  fuse_dq, fixed_point_dq, window = variant.fuse_dq, problem.deterministic, problem.window
   dtype = query.dtype
   batch, t, heads, hd = query.shape
   s, hdv = key.shape[1], value.shape[3]
-  f = BackwardFeatures(scale=float(scale), is_causal=bool(is_causal),
-                       logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                       seq_q=t, seq_kv=s)
-  d, dv_dim = head_dims(hd, hdv)
-  blocks = dataclasses.replace(blocks_for(d, dv_dim, is_causal=f.is_causal), schedule=schedule)
-  if fuse_dq_causal is not None:
-    blocks = dataclasses.replace(blocks, fuse_dq_causal=fuse_dq_causal)
+  d, dv_dim = backward_head_dims(hd, hdv, variant)
+  blocks = choose(d, dv_dim, is_causal=f.is_causal, variant=variant)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
                        f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
-  t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
-
-  pad = padding.pad_to_multiple
-  q = pad(padding.pad_head_dim(query, d), 1, t_mult)
-  k = pad(padding.pad_head_dim(key, d), 1, s_mult)
-  v = pad(padding.pad_head_dim(value, dv_dim), 1, s_mult)
-  do = pad(padding.pad_head_dim(d_out.astype(dtype), dv_dim), 1, t_mult)
+  q, k, v, do = padding.backward_inputs(query, key, value, d_out, head_dims=(d, dv_dim),
+                                        blocks=blocks)
   t_pad, s_pad = q.shape[1], k.shape[1]
 
   rows = residual_rows(m, l, out, d_out, t_pad)
 
-  bias4 = None if bias is None else padding.broadcast_operand(bias, dtype, t_mult, s_mult)
-  mask4 = None if mask is None else padding.broadcast_operand(mask, jnp.int8, t_mult, s_mult)
-  tile = blocks.dq_tile
-  ks, ke, tiles = padding.key_ranges(k_start, k_end, seq_kv=s, tile=tile,
-                                     num_tiles=t_pad // tile)
+  bias4, mask4, ks, ke, tiles = padding.backward_masks(bias, mask, k_start, k_end, dtype=dtype,
+                                                       seq_kv=s, t_pad=t_pad, blocks=blocks)
 
   block_args = dict(seq_kv=s, num_rows=t_pad, block_q=blocks.dkv_stream_q,
                     key_tile=blocks.dkv_tile, num_key_tiles=s_pad // blocks.dkv_tile,
@@ -167,10 +150,11 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
     full = lax.broadcast_to_rank(jnp.zeros(bias_shape, jnp.float32), 4).shape
     summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)
     dbias = summed.reshape(bias_shape).astype(bias.dtype)
-  return (dq[:, :t, :, :hd], dkv["dk"][:, :s, :, :hd], dkv["dv"][:, :s, :, :hdv], dbias)
+  return (*padding.backward_results(dq, dkv["dk"], dkv["dv"], seq_q=t, seq_kv=s, head_dim=hd,
+                                    head_dim_out=hdv), dbias)
 
 
-def _visited_blocks(ds_shape, tiles, f: BackwardFeatures, blocks: BackwardBlocks):
+def _visited_blocks(ds_shape, tiles, f: plan_lib.Problem, blocks: BackwardBlocks):
   """(B|1, N|1, Tp, Sp) bool: the dS entries the dq kernel wrote."""
   _, _, t_pad, s_pad = ds_shape
   tile, bkv = blocks.dq_tile, blocks.dq_stream_kv

@@ -14,10 +14,10 @@ from jax import lax
 
 from kernel.backward import masks
 from kernel.common import LOG2E, WGMMA
-from kernel.backward.context import BackwardFeatures
+from kernel.tiling.plan import Problem
 
 
-def _scaled_logits(s, f: BackwardFeatures, bias):
+def _scaled_logits(s, f: Problem, bias):
   """(s_final, dsdu): the logits after scale, bias and soft cap, and the soft
   cap's derivative d s_final / d u (None without a cap)."""
   u = s * f.scale
@@ -144,7 +144,7 @@ def _product(shape, a, b):
   return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
-def _step_scores(f: BackwardFeatures, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
+def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
                  terms, key_dim, key_base, num_keys, query_base, lse2_of, delta_of,
                  edge_terms=(), interior=None):
   """The step both kernels share, on tiles transposed to each other: S (and,

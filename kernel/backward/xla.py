@@ -4,7 +4,7 @@ It reads exactly what the forward kernel stores — ``out``, ``m`` (the row max
 in NATURAL-log space) and ``l`` — and recomputes P = exp(s - m) / l one key
 chunk at a time, so its memory is O(T * chunk) per head rather than O(T * S).
 It is the executable specification of the Pallas backward kernels
-(``kernel/backward.py``; ``kernel.experiments.dot_product_attention(..., backward="xla")`` runs
+(kernel/backward/; ``kernel.experiments.dot_product_attention(..., backward="xla")`` runs
 it instead of them): a forward that leaves ``m`` in base 2 gives wrong gradients
 here exactly as it would there.
 
@@ -31,12 +31,13 @@ def _pad_keys(x, axis, size):
 
 
 def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
-                       *, scale, is_causal=False, logits_soft_cap=None, chunk=CHUNK,
-                       num_sms=None, window=None):
+                       *, problem, variant=None, num_sms=None, chunk=CHUNK):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out); dbias is None
-  without a bias.  Shapes as in kernel/validation.py; m, l are (B, N, T).
-  ``num_sms`` and ``window`` are accepted for the kernels' signature and
-  unused (XLA schedules its own launches; the ranges carry the window)."""
+  without a bias.  Shapes as in kernel/call.py; m, l are (B, N, T).  Reads
+  the problem's scale, causal mask and soft cap (kernel.tiling.plan.Problem);
+  ``variant`` and ``num_sms`` are taken for the kernels' signature and
+  unused (XLA schedules its own launches)."""
+  scale, is_causal, logits_soft_cap = problem.scale, problem.is_causal, problem.logits_soft_cap
   f32 = jnp.float32
   batch, t, heads, _ = query.shape
   s_len, kv_heads = key.shape[1], key.shape[2]

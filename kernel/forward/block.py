@@ -18,7 +18,8 @@ from kernel.common import smem
 from kernel.sync import barriers, ring as ring_lib
 from kernel.forward.context import COMPUTE_REGISTERS, Kernel, for_each_tile
 from kernel.forward.epilogue import epilogue
-from kernel.forward.mainloop import key_loop, pass_token_for_the_last_time, tile_prologue, tile_start
+from kernel.forward.mainloop import (key_loop, pass_token_for_the_last_time, tile_prologue,
+                                     tile_start)
 from kernel.forward.producer import memory_warpgroup
 
 

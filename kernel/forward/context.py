@@ -1,8 +1,8 @@
-"""What every role of one forward launch reads: the call's static switches
-(:class:`Features`), the launch's sizes and, inside the kernel, its refs and
-rings (:class:`Kernel`), one warpgroup's part of a query tile (:class:`Tile`),
-and the tile walk and ring positions every role computes the same way
-(:func:`for_each_tile`, :func:`ring_state`)."""
+"""What every role of one forward launch reads: the call's static facts
+(kernel.tiling.plan.Problem), the launch's sizes and, inside the kernel, its
+refs and rings (:class:`Kernel`), one warpgroup's part of a query tile
+(:class:`Tile`), and the tile walk and ring positions every role computes
+the same way (:func:`for_each_tile`, :func:`ring_state`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernel import common
-from kernel.common import Logits, kv_block_range, piece_block_range, tile_key_bounds
+from kernel.common import kv_block_range, piece_block_range, tile_key_bounds
 from kernel.sync import barriers, ring as ring_lib
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.tiling.config import Config
@@ -26,59 +26,9 @@ from kernel.tiling.config import Config
 # each, as FlashAttention-3's 192-row tiles do; the memory warpgroup's two
 # copy-issuing warps then keep 32.
 COMPUTE_REGISTERS = {2: 232, 3: 160}
-
-
 MEMORY_REGISTERS = {2: 40, 3: 32}
-
-
 assert all(barriers.WARPGROUP_THREADS * (MEMORY_REGISTERS[cw] + cw * COMPUTE_REGISTERS[cw])
            <= 65536 for cw in COMPUTE_REGISTERS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Features(Logits):
-  """Static, hashable description of everything the kernel specialises on:
-  the logits (:class:`kernel.common.Logits`) and the forward's switches."""
-
-  rescale_threshold: float
-  normalize_output: bool
-  return_residuals: bool
-  # A bias or mask that varies along both T and S goes through the stage
-  # ring (TMA, with the keys) instead of being read from global memory by
-  # the compute warpgroups, where a config fits with it.
-  stage_2d: bool = False
-  # jax.nn's local window (left, right), for the longest-first schedule's
-  # tile weights only: the kernel reads the window from the key ranges,
-  # which are traced and so hidden from the schedule (computed at trace
-  # time).  None elsewhere, so the window's value keys no other compile.
-  window: tuple[int, int] | None = None
-  # Rows whose key range starts at common.POISONED_START are written NaN
-  # (out, m and l): the rows kernel/key_ranges.py cannot serve with one range
-  # (a segment id in several runs).  Done in the epilogue, where it costs a
-  # select per row, not a pass over the output after the kernel (measured on
-  # the H200: seven packed documents at 16k, d128, the pass took 0.037 of
-  # 0.553 ms, 2026-12-04).
-  poisons_rows: bool = False
-  # The key ranges are a local window's alone (kernel/key_ranges.py computes
-  # them at trace time): the longest-first order, weighed by ``window``,
-  # already ranks the tiles by the key blocks they visit, so a
-  # non-persistent launch is not re-ranked on the device (a sort before
-  # every call for the order it already has).
-  window_ranges: bool = False
-  # The longest-first order may even its L2 sections where dealing predicts
-  # that it pays (kernel/tiling/schedule.py's longest_first); False keeps them
-  # filled to the byte bound, the last one the rest (kernel.experiments'
-  # A/B of the two).
-  even_sections: bool = True
-  # The longest-first order with its light tiles deferred after every
-  # section's heavy ones (kernel/tiling/schedule.py's deferred_light): None where
-  # schedule.light_last_gain predicts that it pays, True or False always
-  # or never (kernel.experiments' defer_light, the A/B).
-  defer_light: bool | None = None
-  # The copies of q, k, v and the output go through untiled views of their
-  # buffers, in column parts (kernel.tiling.plan.copy_parts), so that a length no
-  # multiple of 8 needs no padded copy (kernel.experiments' untiled_copies).
-  untiled_copies: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +37,7 @@ class Kernel(common.OperandRefs):
   :func:`flash_attention_forward`) and, inside the kernel, its refs, rings
   and warpgroup index (set by :func:`_dispatch`)."""
 
-  f: Features
+  f: plan_lib.Problem        # the call's static facts, as the kernel runs them
   config: Config
   batch: int
   num_heads: int

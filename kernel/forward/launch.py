@@ -16,7 +16,6 @@ and epilogue.py (normalise and store)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,12 +23,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from kernel.common import is_2d
 from kernel.sync import barriers
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
+from kernel.variant import SHIPPED, Variant
 from kernel.forward.block import _kernel
-from kernel.forward.context import Features, Kernel
+from kernel.forward.context import Kernel
 from kernel.forward.order import _schedule, merge_pieces
 
 
@@ -42,21 +41,22 @@ def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
 # -- the launch ----------------------------------------------------------------
 
 def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
-                            *, features: Features, config: Config, num_sms: int = 132,
-                            outputs=None):
-  """Launch the kernel on padded, validated inputs.
+                            *, problem: plan_lib.Problem, config: Config,
+                            variant: Variant = SHIPPED, num_sms: int = 132, outputs=None):
+  """Launch the kernel on padded, validated inputs, for ``problem`` (the
+  call's static facts, kernel.api.problem_of) tiled by ``config``.
 
-  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv as
-  kernel.tiling.plan.padded_head_dims computes them, T at least one tile
-  (config.tile_q rows) and S at least block_kv, multiples of 8 (Mosaic
-  GPU's tiled TMA; any length with ``features.untiled_copies``) of any
-  length beyond: the TMA reads rows past the end as zeros (padded keys are
-  masked, padded query rows never stored) and clips the stores of the last
-  tile, so a ragged length costs no padded copy.  bias (rank 4, dims 1 or
-  full, T and S padded to whole tiles), mask int8 likewise, k_start/k_end
-  int32 (rank 3, (B|1, N|1, Tp|1), Tp the padded query length),
-  k_range_tiles: None or (start_min, start_max, end_min, end_max) each
-  (B|1, N|1, num_tiles) int32.
+  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv): D, Dv the problem's
+  (kernel.tiling.plan.padded_head_dims), T at least one tile (config.tile_q
+  rows) and S at least block_kv, multiples of 8 (Mosaic GPU's tiled TMA;
+  any length with ``problem.untiled_copies``) of any length beyond: the TMA
+  reads rows past the end as zeros (padded keys are masked, padded query
+  rows never stored) and clips the stores of the last tile, so a ragged
+  length costs no padded copy.  bias (rank 4, dims 1 or full, T and S
+  padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank 3,
+  (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
+  (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
+  ``variant``: the longest-first order's switches (kernel.variant).
   Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, Tp)
   f32, Tp = T rounded up to whole tiles.
 
@@ -67,30 +67,29 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   fresh output cannot show a write past its end, which the TMA unit drops).
   Returns (None, None) then.
   """
-  f = wanted = features
+  wanted = problem
   batch, seq_q, num_heads, head_dim = q.shape
   _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
+  if (np.dtype(dtype), head_dim, head_dim_out) != (np.dtype(problem.dtype), problem.head_dim,
+                                                   problem.head_dim_out):
+    raise ValueError(f"q, v: {np.dtype(dtype).name} with head dims {head_dim}, {head_dim_out}, "
+                     f"but the problem is {np.dtype(problem.dtype).name} with "
+                     f"{problem.head_dim}, {problem.head_dim_out}")
   num_tiles, s_pad = launch_extent(config, seq_q, seq_kv)
-  problem = plan_lib.Problem(
-      dtype=np.dtype(dtype), head_dim=head_dim, head_dim_out=head_dim_out,
-      seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
-      bias_2d=f.stage_2d and is_2d(bias), mask_2d=f.stage_2d and is_2d(mask),
-      return_residuals=f.return_residuals, untiled_copies=f.untiled_copies)
   # The split tail's pieces are weighed by their (m, l) in the merge, so the
   # kernel may return residuals the caller did not ask for.
-  problem = plan_lib.kernel_problem(problem, config)
-  f = dataclasses.replace(f, return_residuals=problem.return_residuals)
+  f = problem = plan_lib.kernel_problem(problem, config)
   plan_lib.check_fits(problem, config)
   if f.poisons_rows and k_start is None:
-    raise ValueError("features.poisons_rows: the rows to poison are marked in k_start, "
+    raise ValueError("problem.poisons_rows: the rows to poison are marked in k_start, "
                      "and none was given")
   pipe = plan_lib.pipeline_plan(problem, config)
   if config.schedule == "split-tail" and outputs is not None:
     raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
                      "into fresh arrays; run it without outputs")
   order, schedule_tables = _schedule(
-      f, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      f, config, variant, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
       num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
       itemsize=np.dtype(dtype).itemsize, k_range_tiles=k_range_tiles, num_sms=num_sms)
   kernel = Kernel(
@@ -145,7 +144,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   return out, None
 
 
-def _out_type(f: Features, config: Config, order, *, batch, seq_q, num_heads, num_tiles,
+def _out_type(f: plan_lib.Problem, config: Config, order, *, batch, seq_q, num_heads, num_tiles,
               out_row, dtype) -> list:
   """The kernel's outputs: out, then m and l with residuals, then the
   split tail's pieces (out, m, l per slot); an output row's shape is

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernel.common import NEG_INF, kv_block_range, window_tile_keys
-from kernel.tiling import schedule as schedule_lib
+from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.tiling.config import Config
-from kernel.forward.context import Features
+from kernel.variant import Variant
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
@@ -73,8 +73,8 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   return ub - lb
 
 
-def _schedule(f: Features, config: Config, *, batch, num_heads, num_kv_heads, num_tiles,
-              s_pad, head_dim, head_dim_out, itemsize, k_range_tiles, num_sms):
+def _schedule(f: plan_lib.Problem, config: Config, variant: Variant, *, batch, num_heads,
+              num_kv_heads, num_tiles, s_pad, head_dim, head_dim_out, itemsize, k_range_tiles, num_sms):
   """(order, tables): the launch's tile order (kernel/tiling/schedule.py: the
   split tail's, the longest-first one, or None for the round-robin grid)
   and the int32 tables the kernel reads it from (None, or the order or
@@ -91,8 +91,8 @@ def _schedule(f: Features, config: Config, *, batch, num_heads, num_kv_heads, nu
     return order, (jnp.asarray(order.table()), jnp.asarray(order.counts))
   if config.schedule != "longest-first":
     return None, None
-  light_last = f.defer_light
-  if light_last is None and k_range_tiles is not None and not f.window_ranges:
+  light_last = variant.defer_light
+  if light_last is None and k_range_tiles is not None and not f.window_only:
     # Key ranges known only on the device: the static weights are upper
     # bounds, so the model's case for deferring does not hold.
     light_last = False
@@ -101,11 +101,11 @@ def _schedule(f: Features, config: Config, *, batch, num_heads, num_kv_heads, nu
       s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out, itemsize=itemsize,
       tile_q=tile_q, block_kv=block_kv, seq_q=f.seq_q, seq_kv=f.seq_kv,
       is_causal=f.is_causal, window=f.window, num_sms=num_sms,
-      even_sections=f.even_sections, light_last=light_last)
+      even_sections=variant.even_sections, light_last=light_last)
   if config.persistent:
     dealt, counts = order.assign(min(num_sms, order.total))
     return order, (jnp.asarray(dealt), jnp.asarray(counts))
-  if k_range_tiles is not None and not f.window_ranges:
+  if k_range_tiles is not None and not f.window_only:
     return order, (order.reranked(range_tile_blocks(
         k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv,
         seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)

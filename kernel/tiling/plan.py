@@ -81,20 +81,40 @@ def backward_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """The static facts about one call that decide the kernel's layout."""
+  """The static facts of one call that the tilings and both passes'
+  kernels specialise on, made once by the API (kernel.api.problem_of) from
+  the call record (kernel.call.Call).  The tiling reads the layout facts
+  (the first ten); the kernels read them all.  Hashable: the jitted
+  launches take it as a static argument."""
 
   dtype: np.dtype          # bf16 or f16 (f32 inputs are cast before)
   head_dim: int            # padded: padded_head_dims
   head_dim_out: int        # padded likewise
-  seq_q: int
-  seq_kv: int
+  seq_q: int               # unpadded
+  seq_kv: int              # unpadded
   is_causal: bool = False
   bias_2d: bool = False    # bias varies along both T and S (staged through the ring)
   mask_2d: bool = False    # mask varies along both T and S
   return_residuals: bool = False
   # The TMA copies of q, k, v and the output use views of their buffers
-  # without the tiling, each buffer in copy_parts' parts.
+  # without the tiling, each buffer in copy_parts' parts
+  # (kernel.variant.Variant.untiled_copies).
   untiled_copies: bool = False
+  scale: float = 1.0       # the logits' scale, resolved (1 / sqrt(H) by default)
+  logits_soft_cap: float | None = None
+  # The forward's rescale threshold, as it runs (kernel.api raises it for
+  # float16, where deferred probabilities could overflow).
+  rescale_threshold: float = 1.0
+  normalize_output: bool = True
+  # jax.nn's local window (left, right): the longest-first order and the
+  # backward's launch order weigh tiles by it (the kernels read the key
+  # ranges it became, which are traced and so hidden from a schedule).
+  window: tuple[int, int] | None = None
+  window_only: bool = False  # the key ranges are the window's alone
+  # Rows whose key range starts at kernel.common.POISONED_START are written
+  # NaN (out, m and l): rows kernel/key_ranges.py cannot serve with one range.
+  poisons_rows: bool = False
+  deterministic: bool = False  # the backward sums dq in int32 fixed point
 
   @property
   def itemsize(self) -> int:

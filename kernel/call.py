@@ -1,11 +1,13 @@
-"""Argument checking shared by the float64 reference and the public kernel API.
+"""One attention call as a record (:class:`Call`), and the rules it is
+validated by.
 
-One function, :func:`validate_attention_args`, decides whether a call is
-well formed. The reference (``harness/numerics/reference.py``), the executable model of
-the kernel (``harness/numerics/online_softmax_model.py``) and the kernel's public entry
-point all call it, so a malformed call is rejected with the same message by all
-three, and a conformance test can hold each of them to the same list of bad
-inputs (``harness/numerics/bad_inputs.py``).
+A :class:`Call` holds the arrays and the static arguments of one call of
+``dot_product_attention``, checked once when it is made.  The public API
+(``kernel/api.py``), the float64 reference (``harness/numerics/reference.py``),
+the executable model of the kernel (``harness/numerics/online_softmax_model.py``)
+and the Hypothesis strategies all read a Call, so a malformed call is rejected
+with the same message by each of them, and a conformance test can hold each
+to the same list of bad inputs (``harness/numerics/bad_inputs.py``).
 
 Layout, with the letters of ``jax.nn.dot_product_attention``::
 
@@ -39,7 +41,9 @@ import numpy as np
 
 __all__ = [
   "AttentionShapes",
+  "Call",
   "DEFAULT_ALLOWED_DTYPES",
+  "EVERY_DTYPE",
   "validate_attention_args",
   "broadcastable_to",
 ]
@@ -49,7 +53,10 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
 
+# What the kernel takes (float32 is computed in bfloat16); the float64
+# reference and the NumPy model take float64 too.
 DEFAULT_ALLOWED_DTYPES = (float16, bfloat16, float32)
+EVERY_DTYPE = (float16, bfloat16, float32, float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,3 +330,129 @@ def validate_variant_args(
     _check_int_array("q_segment_ids", q_segment_ids, (B, T), "(B, T)")
     _check_int_array("kv_segment_ids", kv_segment_ids, (B, S), "(B, S)")
   return normalize_window(local_window_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shaped:
+  """An array's shape and dtype, standing in for it where nothing else is read."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
+def _check_flag(name: str, flag: Any) -> None:
+  if not isinstance(flag, (bool, np.bool_)):
+    raise ValueError(f"{name}: expected a bool, got {flag!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+  """One call of ``dot_product_attention``: its arrays and static arguments,
+  with jax.nn's meaning and defaults, validated when the record is made.
+
+  ``dtypes``: the input dtypes accepted (:data:`EVERY_DTYPE`, which the
+  float64 reference and the NumPy model take; the API asks for the
+  kernel's, :data:`DEFAULT_ALLOWED_DTYPES`).
+  Derived: ``shapes`` (:class:`AttentionShapes`) and ``window``
+  (``local_window_size`` as (left, right), or None).
+  """
+
+  query: Any
+  key: Any
+  value: Any
+  bias: Any = None
+  mask: Any = None
+  scale: Any = None
+  is_causal: bool = False
+  k_start: Any = None
+  k_end: Any = None
+  query_seq_lengths: Any = None
+  key_value_seq_lengths: Any = None
+  local_window_size: Any = None
+  q_segment_ids: Any = None
+  kv_segment_ids: Any = None
+  segment_layout: str = "contiguous"
+  logits_soft_cap: Any = None
+  rescale_threshold: Any = 1.0
+  normalize_output: bool = True
+  return_residuals: bool = False
+  return_residual: bool = False
+  implementation: Any = None
+  dtypes: tuple = dataclasses.field(default=EVERY_DTYPE, repr=False)
+  shapes: AttentionShapes = dataclasses.field(init=False, repr=False)
+  window: tuple[int, int] | None = dataclasses.field(init=False, repr=False)
+
+  def __post_init__(self):
+    shapes = validate_attention_args(
+      self.query, self.key, self.value, self.bias, self.mask, scale=self.scale,
+      k_start=self.k_start, k_end=self.k_end, logits_soft_cap=self.logits_soft_cap,
+      rescale_threshold=self.rescale_threshold, allowed_dtypes=self.dtypes)
+    window = validate_variant_args(
+      shapes, query_seq_lengths=self.query_seq_lengths,
+      key_value_seq_lengths=self.key_value_seq_lengths,
+      local_window_size=self.local_window_size, q_segment_ids=self.q_segment_ids,
+      kv_segment_ids=self.kv_segment_ids)
+    if self.implementation is not None:
+      raise ValueError(
+        f"implementation: this kernel is its own implementation; expected None, got "
+        f"{self.implementation!r} (call jax.nn.dot_product_attention for 'xla' or 'cudnn')")
+    if self.segment_layout not in SEGMENT_LAYOUTS:
+      raise ValueError(f"segment_layout: expected one of {list(SEGMENT_LAYOUTS)}, "
+                       f"got {self.segment_layout!r}")
+    for name in ("return_residual", "return_residuals", "is_causal", "normalize_output"):
+      _check_flag(name, getattr(self, name))
+    object.__setattr__(self, "shapes", shapes)
+    object.__setattr__(self, "window", window)
+
+  @property
+  def arrays(self) -> tuple:
+    """(query, key, value, bias, mask), as the kernels and references take them."""
+    return self.query, self.key, self.value, self.bias, self.mask
+
+  @property
+  def variants(self) -> dict[str, Any]:
+    """jax.nn's lengths and window, and the segment ids, that are set."""
+    names = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size",
+             "q_segment_ids", "kv_segment_ids")
+    return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+  def describe(self) -> str:
+    """One line naming the call's shapes and arguments (for notes and errors)."""
+    parts = [f"q{tuple(self.query.shape)} k{tuple(self.key.shape)} "
+             f"v{tuple(self.value.shape)} {np.dtype(self.query.dtype)}"]
+    for name in ("bias", "mask", "k_start", "k_end"):
+      x = getattr(self, name)
+      if x is not None:
+        parts.append(f"{name}{tuple(np.shape(x))}")
+    parts.append(f"scale={self.scale} causal={self.is_causal} cap={self.logits_soft_cap} "
+                 f"threshold={self.rescale_threshold} normalize={self.normalize_output}")
+    for name, x in self.variants.items():
+      parts.append(f"{name}={x if np.ndim(x) < 1 or np.size(x) <= 8 else np.shape(x)}")
+    if self.q_segment_ids is not None:
+      parts.append(f"segment_layout={self.segment_layout}")
+    return " ".join(parts)
+
+  def replace(self, **changes) -> "Call":
+    """This call with ``changes``, validated again."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+    return Call(**{**fields, **changes})
+
+  @classmethod
+  def of_shapes(cls, shapes: AttentionShapes, dtype: Any = bfloat16, **kwargs) -> "Call":
+    """A call of these sizes whose query, key and value are placeholders
+    (only their shapes and dtype are read): for the readers of its masks and
+    ranges alone (harness.numerics.reference.key_visibility)."""
+    sh = shapes
+    placeholder = lambda *shape: _Shaped(shape, np.dtype(dtype))
+    return cls(placeholder(sh.B, sh.T, sh.N, sh.H), placeholder(sh.B, sh.S, sh.K, sh.H),
+               placeholder(sh.B, sh.S, sh.K, sh.Hv), **kwargs)
+
+  @classmethod
+  def of(cls, *args, **kwargs) -> "Call":
+    """``args[0]`` where it is already a Call, else the Call of these
+    arguments: what every reader of a call takes."""
+    if len(args) == 1 and isinstance(args[0], Call):
+      if kwargs:
+        raise TypeError(f"a Call and arguments {sorted(kwargs)}: pass one or the other")
+      return args[0]
+    return cls(*args, **kwargs)

@@ -55,9 +55,8 @@ class Features(Logits):
   # Rows whose key range starts at common.POISONED_START are written NaN
   # (out, m and l): the rows kernel/key_ranges.py cannot serve with one range
   # (a segment id in several runs).  Done in the epilogue, where it costs a
-  # select per row, not a pass over the output after the kernel (measured on
-  # the H200: seven packed documents at 16k, d128, the pass took 0.037 of
-  # 0.553 ms, 2026-12-04).
+  # select per row, not a pass over the output after the kernel
+  # (docs/decisions/poisoned-rows-in-epilogue.md).
   poisons_rows: bool = False
   # The key ranges are a local window's alone (kernel/key_ranges.py computes
   # them at trace time): the longest-first order, weighed by ``window``,

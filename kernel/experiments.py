@@ -9,7 +9,7 @@ The harness and the benchmark reach the others through this module:
   the A/B of the fused dQ), deterministic=True's ("pallas-fixed-point": the
   fused dQ summed in int32), dQ fused into the dK/dV kernel under causal at
   head dims up to 128 as well ("pallas-fused-causal", the A/B of
-  kernel.backward.blocks_for's causal choice), in the forward's 32-column
+  kernel.tiling.backward_plan.blocks_for's causal choice), in the forward's 32-column
   rows ("pallas-narrow-rows": head dim 96 at 96; kernel.tiling.plan.backward_head_dims
   says why it waits), or the kernels' executable specification in plain JAX
   ("xla", kernel/backward/xla.py), which tests compare them with.

@@ -1,7 +1,7 @@
 """Padding the public API's arrays to whole kernel tiles.
 
 Shared by the forward's wrapper (``kernel/api.py``) and the backward's
-(``kernel/backward.py``), so both kernels see inputs padded by one rule:
+(``kernel/backward/launch.py``), so both kernels see inputs padded by one rule:
 sequence axes to whole tiles with zeros (padded keys are masked in the
 kernels, padded query rows sliced off), broadcast axes of bias and mask left
 at size 1 (the kernels read them at index 0), and per-row key ranges padded

@@ -54,8 +54,8 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   live = l > 0
   lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
   # delta in the inputs' own (B, T, N) order, fenced off from the transpose
-  # and stack below: XLA fused all three into one kernel that took 0.29 ms
-  # at the headline shape, against 0.05 ms this way (H200, 2026-11-30).
+  # and stack below: XLA fused all three into one kernel several times
+  # slower (docs/decisions/delta-fenced.md).
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = jnp.swapaxes(lax.optimization_barrier(delta), 1, 2)
   lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)
@@ -74,10 +74,10 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   ``kernel.backward.xla.attention_backward`` (its executable specification):
   inputs in the compute dtype, unpadded; m (natural log) and l (B, N, T).
 
-  dQ is accumulated inside the dK/dV kernel (see the fused dQ notes below) when
+  dQ is accumulated inside the dK/dV kernel (kernel/backward/fused_dq.py) when
   ``fuse_dq`` and :func:`fuses_dq` allow it, else formed by the dQ kernel.
   ``fixed_point_dq``: the fused dQ sums in int32 fixed point (bitwise
-  reproducible: the notes above :data:`FIXED_POINT_BITS`) instead of
+  reproducible: the notes above :data:`kernel.backward.fused_dq.FIXED_POINT_BITS`) instead of
   float32.  ``fuse_dq_causal``: under causal, fuse dQ wherever it fits
   (True) or nowhere (False) instead of where :func:`blocks_for` says
   (kernel.experiments' A/B).  ``head_dims``: the rule of the head dims

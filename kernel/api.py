@@ -35,31 +35,17 @@ from kernel.forward import Features, flash_attention_forward
 from kernel.validation import validate_attention_args
 from kernel import backward as backward_pallas
 
-# The custom_vjp's backward: the sm90 kernels of kernel/backward.py.  Where
+# The custom_vjp's backward: the sm90 kernels of kernel/backward/.  Where
 # the dK/dV kernel sums dq across thread blocks (the fused dQ), the default
 # adds in float32 (one ulp from run to run) and deterministic=True adds the
 # same parts in int32 fixed point, whose sum does not depend on the order
-# (the notes above kernel.backward.FIXED_POINT_BITS).  Forward + backward,
-# bf16, ms, measured on the H200 in one process (2026-12-04), default /
-# fixed point / the dQ kernel, which deterministic=True took before: d64 1k
-# B16 1.279 / 1.407 / 1.412, 16k B1 16.461 / 17.826 / 19.726; d64 causal 4k
-# B4 2.594 / 2.762 / 2.965, 16k B1 9.217 / 9.524 / 10.473, GQA 32/8 T=S=3000
-# B5 2.158 / 2.360 / 2.261; d128 4k B4 3.726 / 4.004 / 4.036, GQA 16/4
-# T=S=3000 B5 2.846 / 3.117 / 3.118.
-# Also measured and not kept: the fused dQ's float32 reduce-adds in a fixed
-# order (key tile by key tile, each block's owner warpgroup waiting on a
-# semaphore in global memory per (batch, head, query block) until the tiles
-# before it had added), bitwise reproducible but slower than the dQ kernel
-# at 6 of 8 shapes (d64 4k B4 6.208 vs 5.375 ms, 16k B1 19.482 vs 20.215;
-# d64 causal 4k B4 3.613 vs 3.049; d128 4k B4 4.621 vs 4.245), likely the
-# semaphore's wait on the owner's path at every step.  Nor ‖dO_i‖ reduced in
-# residual_rows' pass over dO beside delta instead of in a pass of its own:
-# d64 1k B16 1.409 vs 1.390 ms, 4k B4 4.698 vs 4.670, 16k B1 17.747 vs
-# 17.791, d128 1k-16k within 0.1 % (2026-12-04).  Where the rest goes, from
-# `python -m harness.tools.bench --backward-parts` at d64 1k B16 N32: the
-# scales 0.046 ms (they read K and V whole), the fixed-point dK/dV launch
-# 0.917 ms against 0.819 for the float32 one (the scaling and rounding of
-# every part).
+# (the notes above kernel.backward.fused_dq.FIXED_POINT_BITS), faster than
+# the dQ kernel it took before (docs/decisions/fixed-point-dq.md).
+# Not kept: the fused dQ's float32 reduce-adds in a fixed order (a semaphore
+# per query block), reproducible but slower than the dQ kernel
+# (docs/decisions/fixed-order-dq-rejected.md); ‖dO_i‖ reduced in
+# residual_rows' pass beside delta, no faster than a pass of its own
+# (docs/decisions/do-norms-own-pass.md).
 SHIPPED_BACKWARD = backward_pallas.attention_backward
 REPRODUCIBLE_BACKWARD = functools.partial(backward_pallas.attention_backward,
                                           fixed_point_dq=True)
@@ -239,11 +225,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   to run on every path.  Where the backward sums dq across thread blocks
   (the fused dQ: head dims up to 128 without causal, up to 64 with it; no
   bias) it then adds in int32 fixed point, each row scaled by a power of
-  two from an a-priori bound of its sum (``kernel.backward.FIXED_POINT_BITS``):
-  within the same float64 tolerance as the default, at 0.86-0.96 of its
-  forward + backward speed on that path in the backward grid on the H200
-  (docs/backward, commit 3c295eb, 2026-12-04; the note above
-  SHIPPED_BACKWARD has more shapes), as fast elsewhere.  False (the
+  two from an a-priori bound of its sum
+  (``kernel.backward.fused_dq.FIXED_POINT_BITS``):
+  within the same float64 tolerance as the default, somewhat slower than
+  it on that path (docs/decisions/fixed-point-dq.md), as fast elsewhere.
+  False (the
   default) adds in float32, and dq may differ by one ulp between runs
   (``harness.numerics.tolerance.run_to_run_bound``).
   With True, on the fused path, a NaN or infinity in any key or value of a
@@ -367,8 +353,8 @@ def _differentiable(features: Features, config: Config, dtype, num_sms: int,
     # rounding noise in dP - delta.  The cotangent too: dP = dO V^T is
     # formed from dO in the compute dtype, so delta = rowsum(dO * O) must be,
     # else a row that sees one key (dP - delta exactly 0) keeps dO's
-    # rounding, seen as dq, dk and dbias at 2.2-4.3x the float64 bound for
-    # float32 inputs on the H200 (2026-12-02).
+    # rounding, seen as dq, dk and dbias past the float64 bound for float32
+    # inputs (docs/decisions/cotangent-in-compute-dtype.md).
     low = lambda x: None if x is None else x.astype(dtype)
     local = functools.partial(attention_backward, scale=features.scale,
                               is_causal=features.is_causal,
@@ -399,11 +385,8 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # (sequence, head dim), and the descriptor refuses a sequence length that
   # is no multiple of 8 -- "dimension 2 must have size smaller or a multiple
   # of its tiling 8").
-  # Those copies cost: measured on the H100 at B1 N16 d128 (2026-12-05,
-  # ad4f30e, bench --grid --seqs 12016,12017): 613.7 TFLOP/s at 12016
-  # tokens, 560.6 at 12017; causal 555.9 and 512.8.
-  # Measured on the H200 at seq 1000, causal, d128: the padded copies took
-  # about 40 % of the call.  Features.untiled_copies copies through views
+  # Those copies cost (docs/decisions/untiled-copies.md).
+  # Features.untiled_copies copies through views
   # with the swizzle alone, which take any length, each buffer in column
   # parts of one swizzle atom (kernel.tiling.plan.copy_parts says why); it is
   # kernel.experiments' untiled_copies until it has run against float64 on
@@ -411,7 +394,7 @@ def _forward(query, key, value, bias, mask, k_start, k_end, *, features, config,
   # wrote, so the union's layout is checked on the CPU
   # (properties/test_lowering.py); the tiled view cannot simply be dropped:
   # buffers with the swizzle alone fail Mosaic GPU's layout inference as
-  # wgmma operands (jax 0.11.2, 2026-12-05).
+  # wgmma operands (jax 0.11.2).
   d, dv = plan_lib.padded_head_dims(query.shape[3], value.shape[3])
 
   # Untiled copies (kernel.tiling.plan.copy_parts) take any length.

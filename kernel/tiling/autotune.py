@@ -118,7 +118,7 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
   one's: its configs were tuned under more shared-memory and register
   pressure, and they fit or are passed over.  A narrower head's entries are
   never read (their tiles may not fit, and were not tuned for the
-  pressure).  docs/decisions/autotune-nearest-entry.md."""
+  pressure; docs/decisions/autotune-nearest-entry.md)."""
   want = _SIGNATURE.fullmatch(signature(problem, **features))
   if want is None or want["dtype"] not in SIXTEEN_BIT:
     return None

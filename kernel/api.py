@@ -33,6 +33,12 @@ from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
 from kernel.variant import SHIPPED, Variant
 
+# The custom_vjp's backward by kernel.variant.Variant.backward: the sm90
+# kernels, or their executable specification in plain JAX.  deterministic=True
+# sums the fused dQ's parts in int32 fixed point, whose sum does not depend on
+# the order (docs/decisions/fixed-point-dq.md; not kept: a fixed order of
+# float32 reduce-adds, docs/decisions/fixed-order-dq-rejected.md; the dO norms
+# beside delta, docs/decisions/do-norms-own-pass.md).
 BACKWARDS = {"pallas": pallas_backward, "xla": xla_backward}
 
 _state = threading.local()
@@ -238,9 +244,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   (the fused dQ: head dims up to 128 without causal, up to 64 with it; no
   bias) it then adds in int32 fixed point, each row scaled by a power of
   two from an a-priori bound of its sum (kernel/backward/fused_dq.py),
-  within the same float64 tolerance as the default; docs/backward has its
-  speed beside the default's.  False (the default) adds in float32, and dq
-  may differ by one ulp between runs
+  within the same float64 tolerance as the default, somewhat slower than it
+  on that path (docs/decisions/fixed-point-dq.md), as fast elsewhere.  False
+  (the default) adds in float32, and dq may differ by one ulp between runs
   (``harness.numerics.tolerance.run_to_run_bound``).
   With True, on the fused path, a NaN or infinity in any key or value of a
   head (or a cotangent whose norm overflows float32) makes that head's
@@ -329,7 +335,8 @@ def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant,
     # rounding noise in dP - delta.  The cotangent too: dP = dO V^T is
     # formed from dO in the compute dtype, so delta = rowsum(dO * O) must be,
     # else a row that sees one key (dP - delta exactly 0) keeps dO's
-    # rounding in dq, dk and dbias (properties/test_gradients_gpu.py).
+    # rounding, seen as dq, dk and dbias past the float64 bound for float32
+    # inputs (docs/decisions/cotangent-in-compute-dtype.md).
     low = lambda x: None if x is None else x.astype(problem.dtype)
     local = functools.partial(BACKWARDS[variant.backward], problem=problem, variant=variant,
                               num_sms=num_sms)

@@ -91,8 +91,8 @@ def _rows(x) -> jax.Array:
 
 
 # jnp.searchsorted's default ("scan") is a loop XLA runs one launch per
-# step: at 16384 tokens the two searches took longer than the kernel's
-# forward (0.49 against 0.46 ms, H200, 2026-12-02); unrolled, the steps fuse.
+# step, which at long sequences took longer than the kernel's forward;
+# unrolled, the steps fuse (docs/decisions/searchsorted-unrolled.md).
 SEARCH = "scan_unrolled"
 
 
@@ -100,23 +100,12 @@ SEARCH = "scan_unrolled"
 # key ids and two binary searches, any ids) or "runs" (where the queries'
 # ids equal the keys' (self-attention over packed documents) and a cheap
 # test shows every id is one run: without a sort, each row's run of equal
-# ids; else searched, chosen on the device by a lax.cond).  Measured on
-# the H200, seven packed documents at 16k (d128, N16, causal, 2026-12-04):
-# the searched bounds took 0.082 of the call's 0.580 ms (the sort 0.056).
-# The runs measured within 2 % of them, in one process of `python -m harness
-# bench --grid --sections windows-segments --backward` (H200, 24a4703,
-# 2026-12-05): forward 0.491 vs 0.500 ms, forward + backward 1.838 vs 1.837;
-# on the H100 in the same command (ad652b4, 2026-12-05) 0.500 vs 0.528 and
-# 1.846 vs 1.892.  The API keeps "searched", which takes any ids without a
-# branch (kernel/experiments.py times both).  On the H100 (2026-12-05) the bounds
-# took 0.083 ms alone, "runs" 0.126 (its run bounds 0.064 and its test
-# 0.048: XLA's cumulative max and min are windowed reductions), and the
-# call 0.535 ms against 0.449 for the same call given those ranges as
-# k_start and k_end (seven documents at 16k, d128, N16, causal).
-# The sort is not made cheaper by its key type: a stable sort of one row of
-# 4k or 16k ids took 0.046-0.050 ms as int32 or as uint32 keys and 0.051
-# as one packed uint32 key, and 0.091-0.114 padded to 32768 keys (which XLA
-# hands to CUB's radix sort).
+# ids; else searched, chosen on the device by a lax.cond).  The API keeps
+# "searched", which takes any ids without a branch: "runs" saved nothing
+# worth the branch (XLA's cumulative max and min are windowed reductions),
+# and the sort is not made cheaper by its key type
+# (docs/decisions/segment-bounds-searched.md; kernel/experiments.py times
+# both).
 SEGMENT_BOUNDS = ("searched", "runs")
 SHIPPED_SEGMENT_BOUNDS = "searched"
 

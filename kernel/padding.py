@@ -170,7 +170,8 @@ def forward_inputs(query, key, value, bias, mask, k_start, k_end, *, problem, co
   # wider), where the length is shorter than one tile, or where it is no
   # multiple of the 8-row tiling Mosaic GPU's tiled TMA descriptors need
   # (jax 0.11.2: "dimension 2 must have size smaller or a multiple of its
-  # tiling 8"); untiled copies (kernel.tiling.plan.copy_parts) take any length.
+  # tiling 8"); untiled copies (kernel.tiling.plan.copy_parts) take any
+  # length (docs/decisions/untiled-copies.md).
   tiling = 1 if problem.untiled_copies else 8
 
   def operand(x, width, multiple):

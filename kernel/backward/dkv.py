@@ -136,32 +136,24 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: Problem,
 
   ``dq_accum``: a zeroed (B, Tp, N, D) f32 ref; when given (where
   :func:`fused_dq_fits`), the kernel also adds each key tile's part of
-  dQ / scale into it (see the fused dQ notes below).  With ``dq_scales``
+  dQ / scale into it (kernel/backward/fused_dq.py).  With ``dq_scales``
   ((B, N, Tp) f32, powers of two: :func:`fixed_point_scales`) ``dq_accum``
   is int32 and each part is added in fixed point, times its row's scale
-  (order-independent: the notes above :data:`FIXED_POINT_BITS`).
+  (order-independent: the notes above
+  :data:`kernel.backward.fused_dq.FIXED_POINT_BITS`).
 
   Under causal the key tiles launch in
   sections of (kv head, batch) units, heaviest first across a section
   (:class:`kernel.tiling.schedule.LaunchOrder` for ``num_sms`` SMs); a section's
   units re-read their query heads' Q and dO.  With the fused dQ only where
   the dealing model predicts a gain of MIN_SECTION_GAIN or more
-  (:func:`kernel.tiling.schedule.sections_repay`).  Forward + backward, bf16,
-  causal, measured on the H200 head by head vs sectioned (cuDNN), ms: d128
-  4k B4 N16 2.271 vs 2.221 (2.204), 16k B1 8.226 vs 8.021 (7.371), 1k B16
-  0.765 vs 0.765 (0.868), GQA 16/4 T=S=3000 B5 1.920 vs 1.721 (1.659), 8k B2
-  4.454 vs 4.088 (4.081), 12017 B1 4.975 vs 4.947; d256 1k B16 N8 0.883 vs
-  0.866 (0.990), 4k B4 2.709 vs 2.627 (2.622), 16k B1 9.695 vs 9.699 (9.416);
-  deterministic=True d128 4k B4 2.275 vs 2.228, d64 GQA 32/8 T=S=3000 B5
-  2.378 vs 2.175 (2026-12-04; the d64 fused dQ's in kernel.tiling.schedule).
-  Under a local ``window`` (jax.nn's (left, right), which the key ranges
-  come from) the tiles' work is even but at the ends, and the sections
-  lost: d128 causal, window 1024 at 16k B1 N16 1.389 sectioned vs 1.374 ms
-  head by head, (512, 512) at 4k B4 0.888 vs 0.869; so there they are taken
-  only where the dealing model, weighing each tile by the window
-  (:func:`key_tile_weights`), predicts a gain, as with the fused dQ.
-  Packed documents (ranges the launch cannot see) keep them: seven
-  documents causal at 16k, 1.802 sectioned vs 1.875 head by head (2026-12-04).
+  (:func:`kernel.tiling.schedule.sections_repay`).  Under a local
+  ``window`` (jax.nn's (left, right), which the key ranges come from) the
+  tiles' work is even but at the ends, and the sections lost; so there
+  they are taken only where the dealing model, weighing each tile by the
+  window (:func:`key_tile_weights`), predicts a gain, as with the fused
+  dQ.  Packed documents (ranges the launch cannot see) keep them
+  (docs/decisions/backward-causal-launch-order.md).
   """
   batch, t_pad, num_heads, head_dim = q.shape
   _, s_pad, num_kv_heads, head_dim_out = v.shape
@@ -193,12 +185,10 @@ def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: Problem,
       # Mosaic GPU launches the LAST grid dimension fastest (blockIdx.x):
       # here the key tiles, so that the blocks in flight at once are the
       # tiles of a few heads, which read the same Q and dO, and under causal
-      # each head's tiles with the most query blocks start first.
-      # Measured against (kv_tiles, kv_heads, batch) in one process on the
-      # H200 (2026-11-30), forward + backward at the
-      # headline shape: 496.1 against 468.3 TFLOP/s; causal 323.7 / 313.3.
+      # each head's tiles with the most query blocks start first
+      # (docs/decisions/dkv-grid-key-tiles-fastest.md).
       # Under causal, _at_key_tile remaps a block's launch index through
-      # kernel.order (sections of heads, heaviest first across them).
+      # kernel.tiling.schedule (sections of heads, heaviest first across them).
       grid=(num_kv_heads, batch, s_pad // blocks.dkv_tile),
       grid_names=("kv_heads", "batch", "kv_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
@@ -277,11 +267,8 @@ def _dkv_coords(c: DkvKernel, t):
   blocks in order, so without causal the tiles in flight add their dQ parts
   into the same block at about the same time.  Starting key tile j's walk
   at block j instead (wrapping around), so that they add into different
-  blocks, gained nothing: forward + backward without causal, bf16 TFLOP/s
-  in order vs staggered, measured on the H100 in one process (2026-12-05):
-  d128 16k B1 N16 542.9 vs 547.0, 4k B4 517.1 vs 508.4, 1k B16 430.6 vs
-  422.3, d64 16k B1 N32 487.7 vs 487.5, GQA 16/4 T=S=3000 B5 459.5 vs
-  428.6; the reduce-adds do not wait on each other."""
+  blocks, gained nothing: the reduce-adds do not wait on each other
+  (docs/decisions/dkv-query-walk-in-order.md)."""
   return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)
 
 
@@ -355,8 +342,8 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     # This warpgroup's dS^T into the step's staging buffer, visible to
     # the tensor cores (fence), then the step's rendezvous: right after
     # the store, so that the owner waits for the other warpgroup's
-    # dS^T and not for its dK/dV products as well (3.04 against
-    # 3.21 ms for the kernel at the headline shape, H200, 2026-11-30).
+    # dS^T and not for its dK/dV products as well
+    # (docs/decisions/fused-dq-rendezvous-after-store.md).
     c.ds_st.at[ds_buffer(t), wg][...] = ds.astype(c.dtype)
     plgpu.commit_smem()
     barriers.ds_ready(dq_owner(t), wg)
@@ -406,9 +393,8 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
   # wholly inside every row's range (c.inner_lo, c.inner_hi; the table
   # leaves out tiles with padded keys) apply the range and padded-key terms
   # (_masked_terms).  Without ranges the padded-key term stays on every
-  # step: a branch on the tile holding padded keys instead ran slower, 3.05
-  # against 2.95 ms forward + backward at B5 T=S=3000 N16 D128 on the H200
-  # (2026-12-02).
+  # step: a branch on the tile holding padded keys instead ran slower
+  # (docs/decisions/padded-key-term-every-step.md).
   edge_terms, terms = [], []
   if c.ks_ref is not None:
     edge_terms.append(lambda key: key >= per_query(c.ks_ref))
@@ -472,7 +458,8 @@ def _wide_compute(c: DkvKernel):
 
 
 def _wide_step(c: DkvKernel, t, carry):
-  """Step t of the head-split launch (the notes above)."""
+  """Step t of the head-split launch (the notes above
+  kernel.tiling.backward_plan.EXCHANGE_BUFFERS)."""
   dk_acc, dv_acc = carry
   wg, stream = c.wg, c.stream
   pt_st, ds_st = c.exchange

@@ -129,18 +129,11 @@ def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
       # Mosaic GPU launches the last grid dimension fastest: the query
       # tiles, so that the blocks in flight at once are one head's tiles,
       # which read the same K and V; under causal _dq_kernel walks them
-      # heaviest first, so that each head's last blocks are its short tiles.
-      # Forward + backward, bf16, ms, measured on the H200 in one process
-      # (2026-12-04) against the query tiles slowest, walked heaviest first
-      # at head dims over 128 only (cuDNN): d128 causal 4k B4 N16 2.273 vs 2.402
-      # (2.215), 16k B1 8.060 vs 8.532 (7.420), GQA 16/4 8k B2 4.438 vs 4.478
-      # (4.065), T=S=3000 B5 GQA 16/4 1.857 vs 1.906 (1.624); d256 causal
-      # 16k B1 9.702 vs 9.865 (9.409), d256 4k B4 5.064 vs 5.181 (4.744);
-      # d64 4k B4 deterministic=True (then this kernel) 5.071 vs 5.331.
-      # Walked lightest first, the same grid took 2.332 and 8.161 ms at
-      # d128 causal 4k and 16k.  Under causal _dq_kernel remaps the launch
-      # index through kernel.order (sections of heads, heaviest first across
-      # them: dkv_call has the measurements).
+      # heaviest first, so that each head's last blocks are its short tiles
+      # (docs/decisions/dq-grid-query-tiles-fastest.md).  Under causal
+      # _dq_kernel remaps the launch index through kernel.tiling.schedule
+      # (sections of heads, heaviest first across them:
+      # docs/decisions/backward-causal-launch-order.md).
       grid=(batch, num_heads, t_pad // blocks.dq_tile), grid_names=("batch", "heads", "q_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),

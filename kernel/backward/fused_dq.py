@@ -35,15 +35,9 @@ from kernel.tiling.backward_plan import DS_BUFFERS
 # completed.
 # Taking turns beats splitting every step's part by columns (both warpgroups
 # form half of its columns over all 128 keys after a sync on both staged dS^T
-# tiles, the split FlashAttention-3 uses): forward + backward, d128, bf16,
-# TFLOP/s, turns vs columns, measured on the H100 in one process (6424e59,
-# 2026-12-05): 1k B16 N16 428.0 vs 392.5, 4k B4 500.8 vs 462.0, 16k B1 544.0
-# vs 511.1, GQA 16/4 T=S=3000 B5 444.5 vs 405.5; with three stages, which
-# the halved f32 staging leaves room for, 360.2, 434.4, 447.2, 363.3.  Under
-# causal (the fused dQ there: kernel.experiments' "pallas-fused-causal") at
-# 16k, turns vs columns 475.4 vs 498.3 (N16) and 504.6 vs 492.4 (GQA 32/8),
-# the dQ kernel 480.5 and 478.3, cuDNN 526.7 and 525.6.  The turns let the
-# warpgroups run offset, one on its products while the other forms its part.
+# tiles, the split FlashAttention-3 uses): the turns let the warpgroups run
+# offset, one on its products while the other forms its part
+# (docs/decisions/fused-dq-turns.md).
 # Order across blocks is not fixed, so a float32 dQ is not bitwise
 # reproducible (dK, dV are); properties/test_gradients_gpu.py bounds the
 # difference.  deterministic=True sums the same parts in fixed point instead
@@ -66,14 +60,10 @@ from kernel.tiling.backward_plan import DS_BUFFERS
 # int32: |sum| <= 2^FIXED_POINT_BITS (times 1 + the float32 and bfloat16
 # roundings of P and dS^T) < 2^31.  dq = sum / c_i * scale.  A part is
 # resolved to 2^-FIXED_POINT_BITS of U_i, an a-priori bound that exceeds
-# max_d |dq_id| by the cancellation of the sum (about 300 at 1k keys and
-# 2000 at 16k with random normal inputs): in a float64 model of the sum over
-# 128-key tiles the error reached 2.9e-6 of max|dq| at 1k keys, 7.7e-5 at
-# 16k (d64) and 1.1e-4 (d128), under bfloat16's 2^-9 and float16's 2^-11
-# relative rounding of the result.  On the H200 at 16k keys (d64), dq
-# differed from the float32 sum's by at most one bfloat16 ulp of max|dq|, as
-# the dQ kernel's does (2026-12-04).  A
-# non-finite U_i (a NaN or infinity in dO_i, delta_i, or any key or value of
+# max_d |dq_id| by the cancellation of the sum; the error that leaves stays
+# under bfloat16's 2^-9 and float16's 2^-11 relative rounding of the result
+# (docs/decisions/fixed-point-dq.md has the model's errors and the GPU's).
+# A non-finite U_i (a NaN or infinity in dO_i, delta_i, or any key or value of
 # the head, or a norm beyond float32's range) makes c_i NaN, and the row's dq
 # NaN at the division.
 FIXED_POINT_BITS = 29
@@ -86,10 +76,8 @@ def fixed_point_scales(k, v, do, rows, group: int):
   f32 = jnp.float32
   # Each key's max |k| and |v|^2 first (row reductions over the head dim,
   # in one pass over K and V), fenced so that XLA keeps them, then the max
-  # over keys of those (B, S, K) arrays.  Measured on the H100 in one
-  # process against one reduction over (S, D) for K and the norms' max over
-  # S for V (2026-12-05), the same bits, ms: d128 4k B4 N16 0.059 vs 0.074,
-  # 16k B1 0.059 vs 0.070, d64 1k B16 N32 0.061 vs 0.070.
+  # over keys of those (B, S, K) arrays: the same bits as one reduction over
+  # (S, D), faster (docs/decisions/fixed-point-scales-row-reductions.md).
   k_row = jnp.max(jnp.abs(k.astype(f32)), axis=3)                            # (B, S, K)
   v_row = jnp.sum(jnp.square(v.astype(f32)), axis=3)
   k_row, v_row = lax.optimization_barrier((k_row, v_row))
@@ -112,12 +100,8 @@ def to_fixed_point(part, scales):
   Up to head dim 64, y is rounded to the nearest integer by float adds
   (:func:`_round_by_adds`); wider parts are converted (truncated) by cvt,
   whose unit runs at a quarter of the float rate on sm90 and is the one the
-  exponentials use.  Forward + backward with deterministic=True over the
-  default, bf16, measured on the H200 in one process (2026-12-04), adds vs
-  cvt: d64 1k B16 0.909 vs 0.899, 16k B1 0.923 vs 0.915, causal 4k B4 0.939
-  vs 0.920, causal 16k B1 0.968 vs 0.939, causal GQA 32/8 T=S=3000 B5 0.914
-  vs 0.894; d128 4k B4 0.905 vs 0.931, GQA 16/4 T=S=3000 B5 0.874 vs 0.913
-  (the adds' temporaries beside a 128-column part)."""
+  exponentials use; beside a 128-column part the adds' temporaries cost
+  more than the conversion (docs/decisions/fixed-point-rounding.md)."""
   y = part * lax.broadcast_in_dim(scales, part.shape, [0])
   if part.shape[1] > 64:
     return y.astype(jnp.int32)

@@ -54,8 +54,8 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   live = l > 0
   lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)
   # delta in the inputs' own (B, T, N) order, fenced off from the transpose
-  # and stack below: XLA fused all three into one kernel that took 0.29 ms
-  # at the headline shape, against 0.05 ms this way (H200, 2026-11-30).
+  # and stack below: XLA fused all three into one kernel several times
+  # slower (docs/decisions/delta-fenced.md).
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   delta = jnp.swapaxes(lax.optimization_barrier(delta), 1, 2)
   lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, t_pad - t)), constant_values=jnp.inf)

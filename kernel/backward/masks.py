@@ -4,10 +4,9 @@ index arrays.
 ``jnp.where(key <= query, x, fill)`` with ``key`` and ``query`` built from
 ``broadcasted_iota`` materialises two int32 arrays and a bool array the size
 of the tile: at a 64 x 128 float32 tile that is 64 registers each per thread,
-and a kept bool array lives from the P select to the dS select.  In the
-backward's dK/dV kernel at 128 streamed query rows, head dim 64, causal, ptxas
-spilled 752 bytes at 168 registers (64 rows: none), measured on the H200
-(2026-12-03).
+and a kept bool array lives from the P select to the dS select: the
+backward's dK/dV kernel at 128 streamed query rows, head dim 64, causal,
+spilled (docs/decisions/backward-register-masks.md).
 
 Here the comparison is split into its per-thread part and its per-register
 part.  In the WGMMA layout a thread's element i lies at (t_row + r_i,
@@ -20,19 +19,14 @@ one int32 z per thread and an immediate k_i per element; each element is one
 array outlives its select.  A key limit (``key < limit``) is the same
 comparison with a per-thread key offset alone.
 
-The backward uses both.  Forward + backward, bf16, measured on the H200 in
-one process against the index arrays (2026-12-04), ms: d64 causal N32 4k B4
-2.571 vs 2.656, 16k B1 9.183 vs 9.295, 1k B16 0.898 vs 0.916, T=S=3000 B5
-GQA 32/8 2.143 vs 2.174; ragged without causal (the padded-key limit alone)
-d64 T=S=3000 B5 3.278 vs 3.472, d128 GQA 16/4 2.801 vs 2.929; d128 causal
-4k B4 2.383 vs 2.348, d256 causal T=S=3000 2.184 vs 2.202.  out, dk and dv
-came out bitwise equal on seven ragged, GQA, windowed and deterministic
-cases; dq too but where the fused dQ's reduce-add order varies.  With both
-selects the 128-row causal dK/dV kernel at head dim 64 still spills 192
-bytes (kernel.backward.blocks_for keeps it at 64 rows).
+The backward uses both: faster than the index arrays at most shapes, out,
+dk and dv bitwise equal (docs/decisions/backward-register-masks.md).  With both
+selects the 128-row causal dK/dV kernel at head dim 64 still spills
+(kernel.tiling.backward_plan.blocks_for keeps it at 64 rows).
 
-The forward keeps the index arrays (see forward.logits): it has registers
-to spare there, and this select measured slower in it.
+The forward keeps the index arrays (kernel.forward.softmax.logits): it has
+registers to spare there, and this select was slower in it
+(docs/decisions/forward-index-array-masks.md).
 """
 
 from __future__ import annotations

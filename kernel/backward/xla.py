@@ -4,7 +4,7 @@ It reads exactly what the forward kernel stores — ``out``, ``m`` (the row max
 in NATURAL-log space) and ``l`` — and recomputes P = exp(s - m) / l one key
 chunk at a time, so its memory is O(T * chunk) per head rather than O(T * S).
 It is the executable specification of the Pallas backward kernels
-(kernel/backward/; ``kernel.experiments.dot_product_attention(..., backward="xla")`` runs
+(``kernel/backward/``; ``kernel.experiments.dot_product_attention(..., backward="xla")`` runs
 it instead of them): a forward that leaves ``m`` in base 2 gives wrong gradients
 here exactly as it would there.
 

@@ -154,8 +154,8 @@ def _out_type(f: plan_lib.Problem, config: Config, order, *, batch, seq_q, num_h
   if f.return_residuals:
     # m and l stay padded to whole tiles: a clipped store of the last
     # tile's rows of a (B, N, T) array was seen to land in the next head's
-    # first rows (H200, 2026-12-01, T = 1000: l off by ~T at head 1, row 0),
-    # as if the copy were bounded by the flattened array, not by T.
+    # first rows, as if the copy were bounded by the flattened array, not
+    # by T (docs/decisions/residuals-padded-to-whole-tiles.md).
     out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),
                                       jnp.float32)] * 2
   if config.schedule == "split-tail":

@@ -92,14 +92,9 @@ def plain_blocks(c: Kernel, t: Tile):
   """(lo, hi): the tile's blocks [lo, hi) need no mask: entirely below
   the diagonal for this warpgroup, holding no padded key, and inside
   every row's key range of the super-tile (from its largest start to its
-  smallest end).  Empty (lo >= hi) where every block needs one.
-
-  With key ranges every block once took the masked path.  Measured on the
-  H200, `python -m harness bench --grid --sections windows-segments`,
-  window 1024 at 16k (d128, 16 heads): 0.518 against 0.557 ms non-causal,
-  0.354 against 0.361 ms causal; 7 packed documents unchanged within the
-  run's noise, 0.572 against 0.550 ms with cuDNN 0.411 against 0.399
-  (2026-12-02, 9f26468 against 3944b85, two processes)."""
+  smallest end).  Empty (lo >= hi) where every block needs one.  Under key
+  ranges too, so that the blocks inside every range keep the unmasked path
+  (docs/decisions/forward-plain-blocks-under-key-ranges.md)."""
   block_kv = jnp.int32(c.block_kv)
   lo, hi = t.lb, t.ub
   if c.f.is_causal:
@@ -248,10 +243,9 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
     # The PV still in flight reads this block's p16 from registers, and
     # the register allocator may give the next p16 those very registers:
     # written while the PV runs, ptxas then serialises every wgmma of
-    # the kernel (C7513; measured on the H200, 2026-12-01: d256 causal
-    # forward at half the non-causal TFLOP/s, every HGMMA followed by a
-    # wait).  Cast after the PV completes, no register it reads is
-    # rewritten in flight.
+    # the kernel (warning C7513; docs/decisions/pv-operand-cast-after-pv.md).
+    # Cast after the PV completes, no register it reads is rewritten in
+    # flight.
     p_ref[...] = p
     m_ref_[...] = m_new
     l_ref_[...] = l_new + p.sum(axis=1)

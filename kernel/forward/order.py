@@ -54,18 +54,12 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   num_tiles) int32, traced: the steps ``tile_range`` gives the kernel.
 
   The non-persistent longest-first launch re-ranks its tiles by these
-  (:meth:`kernel.tiling.schedule.Schedule.reranked`), as the static weights cannot
-  see where packed documents or lengths put the work.  Measured on the H200,
-  the forward alone on the key ranges of seven packed documents, causal,
-  16k, d128 (2026-12-04): 0.470 ms in the static order, 0.426 ms in the
-  order of these weights (N16); 0.891 against 0.841 ms with 32 query and 8
-  kv heads.  A persistent launch dealt by these weights (an oracle, computed
-  on the host) ran 0.586 ms: the hardware's dynamic deal of the grid beats
-  it there.  Through the API with segment ids, the ranking included: 0.532
-  against 0.555 ms (N16), 0.980 against 0.982 (32/8 heads); a causal window
-  of 1024 at 16k 0.350 against 0.348, kv lengths at 4k B4 0.295 against
-  0.299; outputs bitwise equal either way.  A window alone is not re-ranked
-  (``Features.window_ranges``): its static order is already this one."""
+  (:meth:`kernel.tiling.schedule.Schedule.reranked`), as the static weights
+  cannot see where packed documents or lengths put the work; the
+  hardware's dynamic deal of the grid in that order beats a persistent
+  deal by the same weights (docs/decisions/forward-reranked-by-device-weights.md).
+  A window alone is not re-ranked (``Features.window_ranges``): its static
+  order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)
   lb, ub = kv_block_range(qi, tile_q=tile_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,

@@ -30,16 +30,10 @@ def safe(x):
 
 def rescaled(acc, factor):
   """acc with row i times factor[i]: at every key block, whatever
-  ``rescale_threshold``.  Skipping the multiply in every warp whose rows all
-  have a factor of exactly 1 (below threshold 1, most warps after a tile's
-  first blocks) gives the same bits, but the branch (``vote.sync.any`` and
-  an ``scf.if`` over the 64 accumulator registers) cost more than the
-  multiply it saved.  bf16 forward TFLOP/s, multiplied vs skipped, measured
-  on the H100 in one process (2026-12-05): d128 4k B4 N16 at threshold 1.0
-  611.9 vs 570.5, 0.5 584.6 vs 574.5, 0.0 608.6 vs 580.4; 16k B1 633.3 vs
-  601.0 (1.0), 636.2 vs 616.1 (0.0); causal 4k B4 562.2 vs 533.5 (1.0);
-  d64 4k B4 N32 458.2 vs 441.8 (1.0); d256 4k B4 N8 620.7 vs 608.4 (1.0),
-  613.0 vs 623.0 (0.0, the one gain)."""
+  ``rescale_threshold``.  Skipping the multiply in warps whose factors are
+  all exactly 1 gives the same bits, but the branch (``vote.sync.any`` and
+  an ``scf.if`` over the accumulator registers) costs more than the
+  multiply (docs/decisions/rescale-every-block.md)."""
   return acc * lax.broadcast_in_dim(factor, acc.shape, [0])
 
 
@@ -78,9 +72,8 @@ def logits(c: Kernel, t: Tile, s, ki, *, edge):
   key = k_base + iota(c, 1)
   if edge and f.is_causal:
     # Index arrays here, not masks.causal_select as in the backward: the
-    # forward has registers to spare and the asm select measured slower on
-    # the H200, causal 16k forward 1.828 vs 1.763 ms (d128) and 1.763 vs
-    # 1.694 ms (d256), d64 within noise (2026-12-03).
+    # forward has registers to spare, and the asm select was slower in it
+    # (docs/decisions/forward-index-array-masks.md).
     s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)
   if edge and c.ragged_kv:
     s = lax.cond(k_base + block_kv > f.seq_kv,
@@ -110,11 +103,10 @@ def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
   that brings the accumulator (and, already applied, l_i) to the new
   reference max, p, and the new (m_i, l_i, pending).
 
-  Every exp2 goes to the MUFU unit.  Emulating every n-th one with a cubic
-  on the FMA pipe (as FlashAttention-3 does on Blackwell) measured slower on
-  the H200 at every shape tried (2026-12-03), e.g. d64 4k B4 434.8 (n=0) vs
-  410.7 (n=3) and 419.5 (n=8) TFLOP/s, d128 4k 604.7 vs 550.8 and 594.1:
-  this loop is issue- and latency-bound, not MUFU-bound."""
+  Every exp2 goes to the MUFU unit: this loop is issue- and latency-bound,
+  not MUFU-bound, so emulating some with a cubic on the FMA pipe (as
+  FlashAttention-3 does on Blackwell) only slows it
+  (docs/decisions/exp2-on-mufu.md)."""
   s, sc = logits(c, t, s, ki, edge=edge)
   m_ij = jnp.maximum(m_i, s.max(axis=1) * sc)
   if c.always_rescale:

@@ -71,7 +71,7 @@ def _declare(compute_warpgroups: int = COMPUTE_WARPGROUPS) -> tuple[NamedBarrier
       # stage dK after the fused dQ's last product read them.
       NamedBarrier("epilogue", first + 0, all_compute,
                    "shared tiles free for the epilogue's staging"),
-      # Backward, fused dQ (kernel/backward.py): step t's dS^T tiles are both
+      # Backward, fused dQ (kernel/backward/fused_dq.py): step t's dS^T tiles are both
       # staged.  One barrier per owner: warpgroup w owns the steps t with
       # t % 2 == w, syncs on ds_ready_w there and arrives on the other's
       # barrier on the other steps, so every generation is one sync and one
@@ -81,7 +81,7 @@ def _declare(compute_warpgroups: int = COMPUTE_WARPGROUPS) -> tuple[NamedBarrier
                    "the dS^T tiles of an even step are staged (fused dQ)"),
       NamedBarrier("ds_ready_wg1", first + 2, both_compute,
                    "the dS^T tiles of an odd step are staged (fused dQ)"),
-      # Backward, head-split dK/dV (kernel/backward.py, head dims over 128):
+      # Backward, head-split dK/dV (kernel/backward/dkv.py, head dims over 128):
       # both warpgroups have staged their halves of a step's P^T and dS^T,
       # which each reads whole.  Both sync: one generation per step.
       NamedBarrier("halves_ready", first + 3, both_compute,

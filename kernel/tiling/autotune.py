@@ -110,25 +110,15 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
   order).  None where no entry qualifies.
 
   Why: a signature the cache lacks otherwise runs the heuristic, which is
-  the tuned winner for no causal signature tuned so far (all of them, head
-  dim 64, 128 and 256, 1k to 16k, chose a persistent longest-first or a
-  longest-first config; the heuristic runs causal round-robin, which ran at
-  0.56-0.75 of cuDNN, H200, 2026-12-01), so the nearest tuned bucket is the
-  better guess for a sequence bucket or dtype not tuned.  A head dim with
-  no entries of its own (96 or 192, or a value head dim unlike the query's) reads
-  a wider one's: its configs were tuned under more shared-memory and
-  register pressure, and they fit or are passed over.  At head dim 256 the
-  heuristic's own tiling (64, 64, 2 stages, one tile per block) ran
-  longest-first in 0.886-0.958 of its round-robin time at every causal
-  bucket from 1k to 16k (this cache's medians, H200), which is what such a
-  call then runs.  Measured on the H100 at head dim 192, causal, forward,
-  this choice against the heuristic's (93989d6, 2026-12-05, ``bench --grid
-  --head-dims 192 --no-ragged --no-example --variants "auto;heuristic"``),
-  TFLOP/s: 1k 371.3 vs 398.8, 2k 469.6 vs 472.0, 4k 538.5 vs 526.2, 8k
-  576.0 vs 556.2, 16k 606.7 vs 572.5 (cuDNN 338.7, 450.6, 496.1, 550.5,
-  564.5); at 1k the H100 ranks the two as it does at head dim 256
-  (:func:`tuned_device_kind`).  A narrower head's entries are never read
-  (their tiles may not fit, and were not tuned for the pressure)."""
+  the tuned winner for no causal signature tuned so far (all of them chose
+  a persistent longest-first or a longest-first config; the heuristic runs
+  causal round-robin), so the nearest tuned bucket is the better guess for
+  a sequence bucket or dtype not tuned.  A head dim with no entries of its
+  own (96 or 192, or a value head dim unlike the query's) reads a wider
+  one's: its configs were tuned under more shared-memory and register
+  pressure, and they fit or are passed over.  A narrower head's entries are
+  never read (their tiles may not fit, and were not tuned for the
+  pressure; docs/decisions/autotune-nearest-entry.md)."""
   want = _SIGNATURE.fullmatch(signature(problem, **features))
   if want is None or want["dtype"] not in SIXTEEN_BIT:
     return None
@@ -167,26 +157,14 @@ def choose(problem: plan.Problem, device_kind: str | None, **features) -> Config
 
   The heuristic runs a causal problem one tile per block, in the grid's
   order; longest-first starts the tiles with the most key blocks first
-  (kernel/tiling/schedule.py: the causal triangle and a local window), so the
-  short ones fill the end.  Measured on the H200, forward, config=None
-  against the heuristic's round-robin (2026-12-02, d128 bf16, 16 heads):
-  seven packed documents causal at 16k 0.424 against 0.460 ms, four
-  documents at 12017 with 4 kv heads 0.470 against 0.532 ms, window 1024
-  causal at 16k 0.334 against 0.338 ms.  A persistent heuristic config
-  (non-causal) is kept: one tile per block, longest-first, ran a window of
-  1024 at 8k and 16k slower (0.520 against 0.484 ms, 0.538 against 0.518
-  ms), though seven packed documents at 16k faster (0.687 against 0.826).
-  Seven packed documents causal at 16k (N16, d128), the kernel alone on
-  precomputed key ranges, ms (H200, 2026-12-04): this choice (64, 128, 2
-  stages, longest-first) 0.456, round-robin 0.487, persistent longest-first
-  0.726, 3 stages 0.556, block_kv 64 0.451, block_q 128 2.259; cuDNN's
-  packed layout 0.405.  The persistent deal weighs tiles by the causal
-  triangle, not by the documents it cannot see: modelled, its busiest SM
-  gets 1.43x the balanced load, against 1.04x for the hardware's deal of
-  the grid in longest-first order.  Dealt by the documents' true work (an
-  oracle, on the host) it still ran 0.586 ms; the non-persistent launch
-  ranked by that work, as kernel.forward.range_tile_blocks now ranks it on
-  the device, ran 0.426 ms (2026-12-04)."""
+  (kernel/tiling/schedule.py: the causal triangle and a local window), so
+  the short ones fill the end.  A persistent heuristic config (non-causal)
+  is kept: one tile per block, longest-first, ran a local window slower
+  (docs/decisions/heuristic-key-ranges-longest-first.md).  The persistent
+  deal weighs tiles by the causal triangle, not by the documents it cannot
+  see; the non-persistent launch ranked by their work on the device
+  (kernel.forward.order.range_tile_blocks) beats it
+  (docs/decisions/no-dynamic-deal.md)."""
   return choice(problem, device_kind, **features)[0]
 
 
@@ -200,13 +178,8 @@ def tuned_device_kind(device_kind: str | None, *, path: Path | None = None) -> s
   kernel runs on sm90 GPUs only (kernel.api refuses others), which share
   the instruction set and the 227 KiB of shared memory per block, so every
   H200 config compiles and fits on an H100; what is the H200's own is the
-  ranking.  Measured on the H100 (97e9107, 2026-12-05, docs/h100/: ``bench
-  --grid --no-example --variants "auto;heuristic"``, the 48 forward points):
-  with the H200's entries the forward ran at a median 1.13 of cuDNN, at
-  least 1.0 at 46 of 48 points; with the heuristic 1.05, 34 of 48 (causal
-  d64 16k: 495.4 against 401.5 TFLOP/s).  Four d256 points ran more than
-  1 % slower with the H200's entries, causal 1024 the most (408.7 against
-  431.1, 5.2 %)."""
+  ranking, and on the H100 it ranked better than the heuristic
+  (docs/decisions/h100-reads-h200-entries.md)."""
   if not device_kind:
     return None
   cache = load_cache(path)

@@ -33,11 +33,12 @@ class BackwardBlocks:
   # kept to measure the difference in one process).
   schedule: str = "paired"
   # Under causal: whether dK/dV's kernel also accumulates dQ (where it fits:
-  # fused_dq_fits).  blocks_for says where it is measured faster.
+  # fused_dq_fits): head dims up to 64 (docs/decisions/fused-dq-causal.md).
   fuse_dq_causal: bool = False
   # Both kernels' compute warpgroups share ONE stationary tile of 64 rows
-  # and split the head dim of its accumulators (the notes above _wide_step
-  # and _wide_dq_step): head dims over 128, whose whole dK and dV would not
+  # and split the head dim of its accumulators (the notes above
+  # EXCHANGE_BUFFERS, and kernel/backward/dq.py's on the head-split dQ
+  # kernel): head dims over 128, whose whole dK and dV would not
   # fit in 232 registers.
   head_split: bool = False
 
@@ -78,59 +79,30 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   shared-memory reads take about as long as its tensor-core work, so any
   other shared-memory traffic stalls the products; at N = 128 they are
   compute-bound (S^T and dP^T take 64 registers each, dK and dV 32 each:
-  it fits in 232).
-  Forward + backward, bf16, d64 N32, measured on the H200 in one process,
-  128 against 64 query rows (cuDNN): 4k B4 4.188 vs 4.726 ms (4.578), 16k B1
-  16.367 vs 17.876 (17.379), 1k B16 1.239 vs 1.373 (1.432), T=S=3000 B5
-  GQA 32/8 3.374 vs 3.834 (3.528), 12000 B1 GQA 32/8 9.947 vs 10.660
-  (10.170); deterministic=True (then the dQ kernel) at 4k B4 5.244 vs 5.732; a (512, 512) window at
-  8k B2 1.678 vs 1.661 and a (1, 1, T, S) bias at 2k B2 1.291 vs 1.280, both
-  within 1 % (2026-12-03).  Under causal it ran slower, 4k B4 2.999 vs 2.587
-  ms, 16k B1 10.186 vs 9.126, deterministic 4k 3.212 vs 2.972; the
-  cause was register pressure: ptxas spilled 752 bytes there.  With the
-  causal and key-limit masks of kernel.backward.masks (no index arrays) it spills 192
-  bytes, and 128 rows against 64 measured (2026-12-04): 4k B4 2.525 vs 2.571
-  ms, 16k B1 8.894 vs 9.183, 1k B16 0.882 vs 0.898, deterministic 4k 3.027 vs
-  3.055, but T=S=3000 B5 GQA 32/8 2.335 vs 2.143 and 7000 B2 GQA 32/8 4.386
-  vs 4.014; a 9 % loss at ragged GQA lengths outweighs 2-3 %, so causal stays
-  at 64 rows.  At head dim 128, streaming 128 keys per dQ block instead of
-  64 changed nothing beyond noise (causal 16k B1 8.431 vs 8.323 ms, 4k B4
-  2.314 vs 2.281, deterministic 4k 4.098 vs 4.122).
-  Forward + backward, bf16, d256, measured on the H200 against dK and dV in
-  separate launches and a one-stage dQ kernel, in one process: 4k B4 N8
-  4.992 vs 6.701 ms (cuDNN 4.579), causal 2.643 vs 3.910 (2.601), causal
-  16k B1 9.123 vs 13.130 (9.112), causal GQA 8/2 4k B4 2.773 vs 4.447
-  (2.607) (2026-12-03).  The kernels alone at 4k B4 causal: dK/dV 1.264 ms
-  with two stages, 1.731 with one, 1.999 as two launches; dQ 0.891 against
-  1.322.  Accumulating dQ in the dK/dV launch as well (whose f32 staging
-  leaves room for one stage only) took 2.971 ms, more than the head-split
-  dK/dV and dQ kernels together: it is not offered there.
+  it fits in 232).  Under causal the 128-row kernel spills (register
+  pressure, even with the masks of kernel.backward.masks), and what it
+  loses at ragged GQA lengths outweighs what it gains elsewhere, so causal
+  stays at 64 rows (docs/decisions/dkv-128-query-rows.md).  The dQ kernel
+  streams 64 keys per block: 128 changed nothing beyond noise
+  (docs/decisions/dq-64-key-blocks.md).
 
-  Under causal, head dims up to 64 fuse dQ into the dK/dV kernel: forward +
-  backward, bf16, measured on the H200 with the dQ kernel vs fused: 16k B1
-  10.850 vs 9.132 ms, 4k B4 3.022 vs 2.721, 1k B16 1.022 vs 0.945, GQA 32/8
-  at 12017 tokens 6.539 vs 6.384 (2026-12-02).  At head dim 128 the fused dQ
-  loses under causal (16k B1 8.367 vs 8.547 ms, 4k B4 2.259 vs 2.588): its
-  per-step reduce-adds weigh more there against the dQ kernel's recomputed S
-  and dP.  Re-measured with the causal launch order (below), dQ kernel vs
-  fused, ms (2026-12-04): 1k B16 0.738 vs 0.855, 4k B4 2.234 vs 2.371, 8k B2
-  4.224 vs 4.287, 16k B1 8.241 vs 7.899, GQA 16/4 T=S=3000 B5 1.766 vs
-  1.788, 12017 B1 4.869 vs 5.086: the fused dQ wins at 16k B1 alone, so the
-  dQ kernel stays.  On the H100, dQ kernel vs fused (kernel.experiments'
-  "pallas-fused-causal"), forward + backward, ms (93989d6, 2026-12-05): 1k
-  B16 0.813 vs 0.960, 4k B4 2.216 vs 2.503, 8k B2 4.188 vs 4.529, 12017 B1
-  4.466 vs 5.312, 16k B1 8.115 vs 8.084, 32k B1 31.665 vs 31.005, GQA 32/8
-  16k B1 16.251 vs 15.438 (cuDNN 1.013, 2.290, 3.961, -, 7.402, 28.327,
-  14.734); deterministic=True, the dQ kernel vs the fused dQ in fixed point,
-  lost 8-25 % fused at every one of them.  The fused dQ gains at 16k keys and
-  more, by 0.4-5 %, and loses 16 % at 12017: no rule by length is kept
-  without knowing why.
+  Head dims over 128 take the head split in both kernels, two stages each:
+  dK and dV in separate launches beside a one-stage dQ kernel ran slower,
+  and so did accumulating dQ in the dK/dV launch as well (whose f32
+  staging leaves room for one stage only), so it is not offered there
+  (docs/decisions/head-split.md).
+
+  Under causal, head dims up to 64 fuse dQ into the dK/dV kernel; at head
+  dim 128 the dQ kernel stays: there the fused dQ's per-step reduce-adds
+  weigh more against the dQ kernel's recomputed S and dP, and it won at too
+  few shapes, with no reason known, for a rule by length
+  (docs/decisions/fused-dq-causal.md).
 
   Under causal both kernels' grids launch in sections of heads, heaviest
   tiles first across a section (:func:`dkv_launch_order`,
-  :func:`dq_launch_order`; :func:`dkv_call` has the measurements; the fused
-  dQ, and any grid under a local window, only where the dealing model
-  predicts a gain)."""
+  :func:`dq_launch_order`; the fused dQ, and any grid under a local
+  window, only where the dealing model predicts a gain:
+  docs/decisions/backward-causal-launch-order.md)."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
   return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
@@ -191,9 +163,8 @@ def fused_dq_fits(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
 def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> bool:
   """Whether the backward accumulates dQ in the dK/dV kernel: where it fits
   (:func:`fused_dq_fits`), and under causal only where ``blocks`` says so
-  (:func:`blocks_for` has the measurements).  Non-causal at the headline
-  shape, forward + backward ran at 518.2 TFLOP/s fused against 458.5 with
-  the dQ kernel, in one process on the H200 (2026-11-30)."""
+  (:func:`blocks_for`).  Without causal it spares the dQ kernel's second
+  pass over S and dP wherever it fits (docs/decisions/fused-dq.md)."""
   return fused_dq_fits(blocks, with_bias=with_bias) and (not is_causal or blocks.fuse_dq_causal)
 
 
@@ -296,8 +267,8 @@ def _fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype):
 #   64 queries.
 #
 # Four products per step, against five with dK and dV in separate launches
-# (each recomputed S^T); dQ is the head-split dQ kernel's (notes above
-# _wide_dq_step), and the ring has two stages, which a one-stage ring with
+# (each recomputed S^T); dQ is the head-split dQ kernel's (notes in
+# kernel/backward/dq.py), and the ring has two stages, which a one-stage ring with
 # the fused dQ's f32 staging beside it did not reach (blocks_for).  wgmma
 # takes both shared-memory operands of a product in one swizzle, and the
 # exchange buffers' halves are 32 columns (64 bytes) wide: every tile of

@@ -24,21 +24,19 @@ class Config:
     ``compute_warpgroups * block_q``: :attr:`tile_q`).
   block_kv: keys per ring slot.
   num_stages: depth of the key/value ring in shared memory.
-  persistent: one block per SM looping over the grid (see kernel/forward.py).
+  persistent: one block per SM looping over the grid (kernel/forward/context.py's
+    for_each_tile).
   schedule: the order tiles run in, one of :data:`SCHEDULES`
     (kernel/tiling/schedule.py; "split-tail" with persistent blocks only, and not
     under a causal mask: kernel/tiling/plan.py's ``schedule_refusal``).
   compute_warpgroups: 2, or 3 (FlashAttention-3's 192-row tiles at head dim
     64, where the softmax is as long as the matrix products and a third
     warpgroup keeps the tensor cores fed while two run theirs); each then
-    gets fewer registers (kernel/forward.py: ``COMPUTE_REGISTERS``), so three
-    run head dims up to 64 in one tiling (kernel/tiling/plan.py:
-    ``warpgroups_refusal``).
-    Measured on the H200, bfloat16 forward at head dim 64, 32 heads (2026-12-05):
-    16k tokens full 4.39 ms with three (block_kv 128, 2 stages, persistent)
-    against 4.91 with two and 4.84 for cuDNN; causal 2.31 against 2.63 and
-    2.56; 5 x 3000 tokens over 8 kv heads full 0.79 against 0.91; but 16 x 1024
-    causal 0.25 against 0.21, so the autotuner decides (kernel/tiling/autotune_cache.json).
+    gets fewer registers (kernel/forward/context.py: ``COMPUTE_REGISTERS``), so
+    three run head dims up to 64 in one tiling (kernel/tiling/plan.py:
+    ``warpgroups_refusal``).  Three win at some shapes and lose at others, so
+    the autotuner decides (kernel/tiling/autotune_cache.json;
+    docs/decisions/three-compute-warpgroups.md).
   """
 
   block_q: int = 64

@@ -2,8 +2,8 @@
 
 One source of truth for three consumers:
 
-* ``kernel/forward.py`` allocates exactly :attr:`ScratchLayout.smem` and
-  :attr:`PipelinePlan.mbarriers` (``ScratchLayout.allocate``), so
+* ``kernel/forward/block.py`` allocates exactly the buffers of
+  :func:`scratch_layout` and :attr:`PipelinePlan.mbarriers`, so
 * the shared-memory estimate (:func:`estimate_smem_bytes`) that the config
   validation, the heuristics and the autotuner consult is computed from the
   very description the kernel allocates, and
@@ -28,7 +28,7 @@ SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns the scratch region to this
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4
 # Head dims are computed padded with zero columns to a multiple of these:
 # 32 (64-byte swizzled rows) where both head dims are at most 128, else 64
-# (the head split halves every tile's columns: kernel/backward.py); never
+# (the head split halves every tile's columns: kernel/backward/head_split.py); never
 # below MIN_HEAD_DIM.
 HEAD_DIM_MULTIPLE = 32
 WIDE_HEAD_DIM_MULTIPLE = 64
@@ -41,14 +41,9 @@ def padded_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
 
   Up to 128 they are whole 32-column (64-byte) rows of at least 64 columns,
   so that head dim 96 (and 72 or 80, padded to 96) runs at 96 columns, not
-  128, and at 96 with no padded copy of q, k and v: the forward, bf16, 16k
-  tokens per batch, 21 heads at 96, 25 at 80, measured on the H100
-  (2026-12-05), TFLOP/s with 64-column rows (2a2405f) and with 32-column
-  rows (2a2405f with this rule's forward), cuDNN in brackets: d96 1k 268.0
-  (412.1) and 480.9 (362.3), 4k 394.9 (450.5) and 534.7 (422.5), 16k 472.6
-  (473.8) and 538.0 (455.3), causal 1k 155.5 (287.6) and 349.9 (283.8); d80
-  1k 228.2 (351.2) and 257.0 (332.4), causal 1k 134.6 (253.7) and 153.0
-  (244.2).  A head dim under 64 keeps 64 columns, and where either is over
+  128, and at 96 with no padded copy of q, k and v
+  (docs/decisions/forward-32-column-head-dims.md).  A head dim under 64
+  keeps 64 columns, and where either is over
   128 both keep whole 64-column rows: the rules the forward was checked
   under against float64 on the GPU there (the backward's head split,
   :func:`backward_head_dims`, halves every tile's columns in 64-byte
@@ -64,15 +59,11 @@ def padded_head_dim(d: int) -> int:
 
 def backward_head_dims(head_dim: int, head_dim_out: int) -> tuple[int, int]:
   """The head dims the backward kernels compute with: whole 64-column rows
-  (kernel/backward.py pads q, k, v and dO itself; the forward's residuals
-  do not depend on its padding).  With :func:`padded_head_dims`' rule the
-  backward lowers for every pair of head dims and ran faster on the H100,
-  forward + backward against cuDNN (2a2405f with both at 32-column rows,
-  2026-12-05): d96 1k B16 N21 392.1 against 306.1 TFLOP/s, 16k B1 513.7
-  against 436.0, causal 16k 437.6 against 395.4 (with 64-column rows,
-  2a2405f: 273.5 against 307.9, 421.5 against 443.2, 351.7 against
-  402.1); it takes that rule once its
-  gradients have been checked against float64 on a GPU
+  (kernel/backward/launch.py pads q, k, v and dO itself; the forward's
+  residuals do not depend on its padding).  With :func:`padded_head_dims`'
+  rule the backward lowers for every pair of head dims and runs faster
+  (docs/decisions/backward-64-column-head-dims.md); it takes that rule once
+  its gradients have been checked against float64 on a GPU
   (kernel.experiments' "pallas-narrow-rows": ``bash
   ci/device/compare-backward.sh OUTDIR pallas-narrow-rows``)."""
   m = WIDE_HEAD_DIM_MULTIPLE
@@ -112,7 +103,8 @@ class Problem:
   window: tuple[int, int] | None = None
   window_only: bool = False  # the key ranges are the window's alone
   # Rows whose key range starts at kernel.common.POISONED_START are written
-  # NaN (out, m and l): rows kernel/key_ranges.py cannot serve with one range.
+  # NaN (out, m and l): rows kernel/key_ranges.py cannot serve with one range;
+  # the epilogue does it (docs/decisions/poisoned-rows-in-epilogue.md).
   poisons_rows: bool = False
   deterministic: bool = False  # the backward sums dq in int32 fixed point
 
@@ -147,7 +139,7 @@ def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
   tiles, so it refuses a sequence axis that is no multiple of 8 (jax
   0.11.2: "dimension 2 must have size smaller or a multiple of its tiling
   8"), and the API pays a padded copy of q, k, v and the output there
-  (kernel/api.py has the measurement).  A copy with the swizzle alone takes
+  (docs/decisions/untiled-copies.md).  A copy with the swizzle alone takes
   any length, and where a buffer's rows are one swizzle atom its (8, atom)
   tiling is the row-major order itself, so the untiled view the copy
   writes and the tiled one wgmma reads are the same bytes
@@ -157,7 +149,7 @@ def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
   QK^T is one wgmma per part into one accumulator (the instructions one
   wgmma over the whole row issues) and PV one per part into an accumulator
   of its own (``columns`` wide, where one wgmma was as wide as the row:
-  unmeasured what that costs)."""
+  what that costs is not yet timed)."""
   columns = row_swizzle_bytes(width, itemsize) // itemsize
   return width // columns, columns
 
@@ -313,7 +305,7 @@ class ScratchLayout:
 
 def kernel_problem(problem: Problem, config: Config) -> Problem:
   """The problem as the kernel runs it: under the split tail its pieces'
-  (m, l) weigh them in the merge (kernel.forward.merge_pieces), so the
+  (m, l) weigh them in the merge (kernel.forward.order.merge_pieces), so the
   kernel returns the residuals whether or not the caller asked.  The scratch
   layout and the shared-memory estimate read this."""
   if config.schedule == "split-tail" and not problem.return_residuals:
@@ -416,19 +408,17 @@ def fits_in_smem(nbytes: int) -> bool:
   return nbytes <= SMEM_LIMIT_BYTES
 
 
-# Three compute warpgroups get 160 registers per thread (kernel/forward.py:
+# Three compute warpgroups get 160 registers per thread (kernel/forward/context.py:
 # COMPUTE_REGISTERS): room for a 64 x 128 logits block, its bf16 P and a
 # 64 x 64 accumulator, not for wider heads' accumulators.  FlashAttention-3
 # runs 192-row tiles at head dim 64 for the same reason: there the softmax
 # takes about as long as the two matrix products.
 THREE_WARPGROUP_HEAD_DIM = 64
-# (block_q, block_kv, num_stages): the one tiling three compute warpgroups run.
-# Measured on the H200 against it (2026-12-05, bf16 forward, head dim 64, 32
-# heads, ms): three stages slower at all 8 points (B4 T4096 1.181 vs 1.148,
-# B1 T16384 4.456 vs 4.393, B5 T3000 over 8 kv heads 0.929 vs 0.787, causal
-# B1 T16384 2.434 vs 2.340, ...), 64-key blocks at all 4 (B4 T4096 1.409 vs
-# 1.148, B1 T16384 5.259 vs 4.393).  Only this tiling is offered to the
-# autotuner, proved and accepted, so no three-warpgroup config runs unproved.
+# (block_q, block_kv, num_stages): the one tiling three compute warpgroups
+# run: faster than three stages or 64-key blocks
+# (docs/decisions/three-warpgroups-one-tiling.md).
+# Only this tiling is offered to the autotuner, proved and accepted, so no
+# three-warpgroup config runs unproved.
 THREE_WARPGROUP_TILING = (64, 128, 2)
 
 

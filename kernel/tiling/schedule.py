@@ -28,14 +28,11 @@ non-persistent launch by the weights the device finds.  A dynamic deal
 (each persistent block taking the next tile from a counter in global
 memory) needs a fetch-and-add, which the primitives of Pallas Mosaic GPU do
 not offer in jax 0.11.2 (``plgpu.atomic_add`` is a store-add that returns
-nothing).  PTX's ``atom.add`` through ``plgpu.inline_mgpu`` does work: on the
-H200, 264 blocks drew the tickets 0..263 once each (2026-12-04).  It was
-not built into the kernel: for seven packed documents at 16k (d128, N16,
-causal, the forward alone on their key ranges) a persistent launch dealt
-by each tile's true work, computed on the host, ran 0.586 ms against 0.470
-for the non-persistent grid in longest-first order and 0.426 in the order
-of the true weights (2026-12-04), so a dynamic deal, which at best matches
-that oracle, would not pay there.  The non-persistent grid, which the
+nothing).  PTX's ``atom.add`` through ``plgpu.inline_mgpu`` does work, but
+it was not built into the kernel: a persistent launch dealt by each tile's
+true work, computed on the host (the best a dynamic deal can match), ran
+slower than the non-persistent grid in longest-first order
+(docs/decisions/no-dynamic-deal.md).  The non-persistent grid, which the
 hardware deals dynamically in launch order, is the dynamic schedule.  The
 kernel reads both from small int32 tables in global memory, and
 ``properties/test_schedule.py`` checks that every tile is dealt exactly once.
@@ -62,21 +59,13 @@ TILE_OVERHEAD_BLOCKS = 2
 EVEN_SECTIONS_MIN_GAIN = 0.02
 # The forward defers a longest-first order's light tiles where
 # light_last_gain predicts at least this.  The model under-predicts what
-# deferring gains (measured on the H100, 2026-12-05, causal B1, TFLOP/s
-# deferred vs in order, with the gain predicted: d256 6000 B2 630.8 vs
-# 600.0, +0.024; 13000 645.7 vs 625.1, +0.019; 20000 661.7 vs 625.1,
-# +0.034; d128 9000 628.7 vs 601.5, +0.008; d128 20000 GQA 16/4 647.3 vs
-# 637.5, +0.006; d128 10000 606.9 vs 604.3, +0.005; and at a predicted
-# loss, d128 13000 619.3 vs 629.5, -0.005), so the margin is small.
-# With it (d30aa9e, ``bench --grid --causal-only --head-dims 128,256
-# --seqs 9000,13000 --variants "auto;auto,lo"``, H100, 2026-12-05):
-# config=None against in order, d128 9000 593.1 vs 581.5, d256 9000 624.6
-# vs 543.1, d256 13000 641.5 vs 623.0; d128 13000, the same order both
-# ways, 619.8 vs 632.6 (the spread between runs).
+# deferring gains, so the margin is small
+# (docs/decisions/defer-light-min-gain.md).
 DEFER_LIGHT_MIN_GAIN = 0.005
-# FLOPs the forward computes in the time HBM delivers a byte: about 600
-# TFLOP/s over about 4 TB/s on the H200 (the module docstring's ~167 is the
-# peak ratio); light_last_gain prices a re-read byte with it.
+# FLOPs the forward computes in the time HBM delivers a byte: the forward's
+# rate over the H200's HBM bandwidth, below the peak ratio of the module
+# docstring (docs/decisions/light-tiles-last.md); light_last_gain prices a
+# re-read byte with it.
 FLOPS_PER_HBM_BYTE = 150
 
 
@@ -193,19 +182,7 @@ def longest_first(*, batch: int, num_heads: int, num_kv_heads: int, num_tiles: i
   ``min(num_sms, tiles)`` blocks is predicted at least
   :data:`EVEN_SECTIONS_MIN_GAIN` faster (:meth:`Schedule.makespan`).  Why:
   a last section of few units starts its heaviest tiles when every SM is
-  nearly done, and they make the tail.  At 12017 tokens, causal, B1, on
-  132 SMs: d128 (16 heads, 128-row tiles) in sections of 5, 5, 5 and 1
-  heads deals a largest load of 620 key blocks against a mean of 564, in
-  four of 4 heads 566; d64 (32 heads, 192-row tiles) 10, 10, 10, 2: 809
-  against 767, in four of 8: 771.  Those are the only causal points of
-  ``bench --grid`` (MHA and GQA 4) whose order this changes; the H200 ran
-  them at 0.96 of cuDNN with the filled sections (docs/performance.md,
-  3547abc, 2026-12-05).  Measured on the H100 (2026-12-05, ``bench --grid
-  --causal-only --seqs 12017 --variants "auto;auto,fs"``): evened 350.1
-  and 500.4 TFLOP/s, filled 348.3 and 500.8 (d64, d128): no loss, and no
-  gain seen either.  What the d128 point loses is the padded copies of q,
-  k, v and the output that a length no multiple of 8 needs (kernel/api.py
-  has the measurement), not the deal.
+  nearly done, and they make the tail (docs/decisions/even-sections.md).
   """
   for name, value in (("batch", batch), ("num_heads", num_heads),
                       ("num_kv_heads", num_kv_heads), ("num_tiles", num_tiles)):
@@ -255,17 +232,9 @@ def light_last_gain(schedule: Schedule, *, num_sms: int, kv_bytes_per_head: int,
   last section's are still in L2), in key blocks of one SM's compute at
   :data:`FLOPS_PER_HBM_BYTE`.
 
-  Why the re-read counts: measured on the H100 (d256 causal, 64x64 tiles,
-  non-persistent; 2026-12-05, ``bench --grid --variants
-  "64,64,2,lf;64,64,2,lf,lt"``): at 9522 tokens (B1, predicted +0.12)
-  480.2 -> 538.0 TFLOP/s, at 12017 (+0.04) 547.1 -> 571.4, but at 1024
-  tokens (B16: 128 heads' K/V, 8 % of the launch re-read against a tail
-  0.03 shorter) 395.8 -> 348.6.  With this rule, at a first margin of
-  0.02 (ad4f30e, ``--variants
-  "64,64,2,lf;64,64,2,lf,lo"``, the same device and day), light tiles last
-  where it predicts a gain against in order: 546.2 vs 499.4 at 9522, 571.2
-  vs 549.7 at 12017; at 1000 to 16384 tokens, where the order is the same,
-  the two differ by at most 3 % either way (run-to-run noise)."""
+  Why the re-read counts: where many heads' K/V are re-read for a small
+  gain in balance (short sequences, large batches), deferring lost
+  (docs/decisions/light-tiles-last.md)."""
   blocks = min(num_sms, schedule.total)
   deferred = deferred_light(schedule)
   before, after = schedule.makespan(blocks), deferred.makespan(blocks)
@@ -312,7 +281,7 @@ def _sectioned(batch: int, num_heads: int, num_kv_heads: int, num_tiles: int,
 # A run covers the end of one tile, whole tiles, the start of another: a
 # part of a tile is a *piece*, which computes the tile's rows over its key
 # blocks [lo, hi) only and writes its normalised output and natural-log
-# (m, l) to a slot of its own; kernel.forward.merge_pieces combines a
+# (m, l) to a slot of its own; kernel.forward.order.merge_pieces combines a
 # tile's pieces after the kernel (a log-sum-exp weighting).  Keeping two
 # waves for the runs when there are (T >= 2 S) makes every run at least a
 # tile long, so no tile has more than two pieces.  With fewer tiles than
@@ -419,14 +388,11 @@ def split_tail(*, batch: int, num_heads: int, num_tiles: int, num_blocks: int,
 # query blocks the later its keys; a query tile fewer key blocks the
 # earlier its rows), so a grid walked head by head, each head heaviest
 # first, starts the next head's heaviest tiles just as the last head's light
-# ones finish, and its last head's heaviest tiles run alone at the end.  A
-# model of that dealing (one block per SM, 132 SMs) puts the makespan at
-# 1.03-1.07x the balanced one for causal 1k-4k MHA and 1.13-1.31x with
-# grouped kv heads (whose dK/dV tiles stream every head of the group),
-# 1.01x or less at 16k.  Interleaving the tiles of several heads, heaviest
-# first across them, brings it within 1.01-1.03x at most shapes (1.07-1.12x
-# where a few grouped heads' tiles are heavy: GQA 16/4 at 7000-12000 tokens
-# B1-B2).  Measured: kernel.backward.dkv_call's notes.
+# ones finish, and its last head's heaviest tiles run alone at the end,
+# worst with grouped kv heads (whose dK/dV tiles stream every head of the
+# group).  Interleaving the tiles of several heads, heaviest first across
+# them, evens the tail out (docs/decisions/backward-causal-launch-order.md:
+# the dealing model's numbers and the measurements).
 
 # SMs of the H100 SXM and H200, the count a launch order assumes when it is
 # not told (lowering without a GPU).
@@ -515,13 +481,8 @@ class LaunchOrder:
 
 # The sectioned order spreads the blocks in flight over several heads; where
 # those blocks also reduce-add into a per-head accumulator (the fused dQ),
-# that cost is only repaid by a large gain in balance.  Measured on the H200,
-# forward + backward, bf16, causal, d64 (fused dQ), head by head vs
-# sectioned: MHA 1k B16 N32 0.894 vs 0.905 ms, 16k B1 9.083 vs 9.429, GQA
-# 32/8 16k B1 9.385 vs 9.449; GQA 32/8 T=S=3000 B5 2.165 vs 1.991, 7000 B2
-# 4.079 vs 3.784 (2026-12-04).  The dealing model predicts the head-by-head
-# makespan 2-3 % over the sectioned one for the first three and 9-13 % for
-# the last two.
+# that cost is only repaid by a large gain in balance
+# (docs/decisions/backward-sections-min-gain.md).
 MIN_SECTION_GAIN = 0.05
 
 

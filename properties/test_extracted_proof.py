@@ -60,8 +60,7 @@ def test_kernel_mutant_fails_prove(mutant):
   stopping at the first failure) fails with a trace of the mutated file."""
   rc, out = _run_prove("--mutant", mutant.name, "--fail-fast")
   assert rc == 1, out
-  stem = mutant.kernel[:-3]
-  assert f"kernel/{stem}.mutant_{mutant.name}.py:" in out, out
+  assert any(f"{path}:" in out for path in pmut.mutant_files(mutant)), out
 
 
 def test_a_deadlock_that_needs_three_tiles_is_found():
@@ -161,15 +160,6 @@ def test_the_search_runs_every_unit(shipped_programs):
     assert r.ok
     missed = [(role, e.src, e.describe()) for role, e in r.unexecuted]
     assert not missed, missed[:5]
-
-
-def test_mutant_edits_match_the_kernel_once():
-  # mutated_source raises unless every edit matches exactly once and keeps
-  # the line count; a kernel edit that moves a mutated line fails here first.
-  for m in pmut.MUTANTS + pmut.BACKWARD_MUTANTS + pmut.SAFE:
-    original = open(f"{pmut.KERNEL_DIR}/{m.file}").read()
-    src = pmut.mutated_source(m)
-    assert src != original and src.count("\n") == original.count("\n"), m.name
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])

@@ -646,7 +646,7 @@ def _modules(mutant):
     from harness.proofs import protocol_mutants
     m = protocol_mutants.BY_NAME[mutant]
     mod = protocol_mutants.load(m)
-    _MUTANTS[mutant] = (mod, backward) if m.kernel == "forward.py" else (forward, mod)
+    _MUTANTS[mutant] = (mod, backward) if m.kernel == "forward" else (forward, mod)
   return _MUTANTS[mutant]
 
 

@@ -62,9 +62,49 @@ def test_every_mutant_finds_its_place_and_changes_its_function(key):
       assert text.count("\n") == tree.sources[path].count(b"\n"), (key, path)
 
 
+# A small kernel with what loses places: a pattern twice in one function,
+# a name defined in two modules and in two functions.
+_SMALL = {
+    "kernel/forward.py": textwrap.dedent('''\
+        def ring_state(keys, prev_iters, lb, ki):
+          return keys.position(prev_iters + (ki - lb))
+
+
+        def logits(s, keep, staged):
+          if staged:
+            s = jnp.where(keep != 0, s, NEG_INF)
+          else:
+            s = jnp.where(keep != 0, s, NEG_INF)
+          return s
+        '''),
+    "kernel/backward.py": textwrap.dedent('''\
+        def attention_backward(dq, scale):
+          dq = dq * scale
+          return dq
+
+
+        def _dkv_step(t):
+          def grads(refs):
+            return refs["dk"]
+          return grads
+
+
+        def _wide_step(t):
+          def grads(refs):
+            return refs["dv"]
+          return grads
+        '''),
+    "kernel/backward_xla.py": "def attention_backward(dq, scale):\n  return dq\n",
+}
+
+
+def _small(root: Path = Path("/small")) -> anchors.Tree:
+  return anchors.Tree(root, sources={Path(p): text for p, text in _SMALL.items()})
+
+
 def _message(function, pattern, occurrence=0):
   with pytest.raises(anchors.AnchorError) as err:
-    anchors.locate(anchors.Anchor(function, pattern, occurrence), _tree())
+    anchors.locate(anchors.Anchor(function, pattern, occurrence), _small())
   return str(err.value)
 
 
@@ -72,35 +112,40 @@ def test_a_lost_anchor_says_which_function_and_why():
   """The four ways to lose a place, each named with what is there instead."""
   gone = _message("ring_stat", "return keys.position(ki)")
   assert "no def or class named 'ring_stat'" in gone and "nearest names: ring_state" in gone
-  twice = _message("attention_backward", "dq = dq * 2")
+  twice = _message("attention_backward", "dq = dq * scale")
   assert "'attention_backward' is defined 2 times" in twice, twice
-  assert "kernel/backward.py:" in twice and "kernel/backward_xla.py:" in twice
+  assert "kernel/backward.py:1" in twice and "kernel/backward_xla.py:1" in twice
   none = _message("ring_state", "return keys.position(prev_iters + (ki - lb) + 1)")
-  assert "function ring_state (kernel/" in none and "matched 0 times" in none
-  assert "nearest there:" in none and "return keys.position(prev_iters + (ki - lb))" in none
+  assert none.startswith("function ring_state (kernel/forward.py:1): the pattern matched 0 times")
+  assert "nearest there:\n      line 2: return keys.position(prev_iters + (ki - lb))" in none
   many = _message("logits", "s = jnp.where(keep != 0, s, NEG_INF)")
-  assert "matched 2 times (lines " in many and "give the occurrence" in many
+  assert "matched 2 times (lines 7, 9)" in many and "give the occurrence" in many
   beyond = _message("logits", "s = jnp.where(keep != 0, s, NEG_INF)", occurrence=3)
   assert "occurrence 3 asked, the pattern matched 2 times" in beyond
+  assert anchors.locate(anchors.Anchor("logits", "s = jnp.where(keep != 0, s, NEG_INF)", 2),
+                        _small()).nodes[0].lineno == 9
 
 
-def test_both_catalogues_name_the_mutant_that_lost_its_place():
+def test_both_catalogues_name_the_mutant_that_lost_its_place(tmp_path):
+  for rel, text in _SMALL.items():
+    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / rel).write_text(text)
   lost = anchors.edit("ring_state", "return keys.position(prev_iters - lb)", "pass")
   numeric = mutants.Mutant("lost-carry", "test", (lost,), ("t",))
-  assert mutants.check(mutants=(numeric,)) == [
+  assert mutants.check(tmp_path, mutants=(numeric,)) == [
       f"lost-carry: edit 0: {_message('ring_state', lost.anchor.pattern)}"]
   protocol = pmut.Mutant("lost_carry", "test", (lost,))
   with pytest.raises(anchors.AnchorError, match=r"^protocol mutant lost_carry: edit 0: "
-                                                 r"function ring_state \(kernel/"):
-    pmut.mutated_sources(protocol, _tree())
+                                                 r"function ring_state \(kernel/forward.py:1\)"):
+    pmut.mutated_sources(protocol, anchors.Tree(tmp_path))
 
 
 def test_a_qualified_name_picks_one_definition():
   """``backward.attention_backward``: the one inside the module named
   backward, not backward_xla's; ``_wide_step.grads``: the one inside it."""
-  tree = _tree()
+  tree = _small()
   assert tree.find("backward.attention_backward").path == Path("kernel/backward.py")
-  assert tree.find("_wide_step.grads").qualified.endswith("_wide_step.grads")
+  assert tree.find("_wide_step.grads").qualified == "kernel.backward._wide_step.grads"
   with pytest.raises(anchors.AnchorError, match="defined 2 times"):
     tree.find("grads")
   with pytest.raises(anchors.AnchorError, match="none of them inside forward"):

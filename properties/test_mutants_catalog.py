@@ -48,18 +48,18 @@ def test_every_killer_is_a_test_that_exists():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_a_patch_that_does_not_find_one_place_is_refused():
-  gone = mutants.Mutant("gone", "test", (anchors.edit("ring_state", "no_such_call()", "x"),),
-                        ("t",))
-  with pytest.raises(mutants.MutantError, match="gone: edit 0: function ring_state .* "
-                                                "matched 0 times"):
-    mutants.patched_files(gone)
-  # The staged and the loaded mask select alike: two places in logits.
-  twice = dataclasses.replace(gone, edits=(anchors.edit(
-      "logits", "s = jnp.where(keep != 0, s, NEG_INF)", "s = s"),))
+def test_a_patch_that_does_not_find_one_place_is_refused(tmp_path):
+  (tmp_path / "kernel").mkdir()
+  (tmp_path / "kernel" / "k.py").write_text(
+      "def mask(s, keep):\n  s = where(keep, s)\n  s = where(keep, s)\n  return s\n")
+  gone = mutants.Mutant("gone", "test", (anchors.edit("mask", "no_such_call()", "x"),), ("t",))
+  with pytest.raises(mutants.MutantError, match=r"^gone: edit 0: function mask "
+                                                r"\(kernel/k.py:1\): the pattern matched 0 times"):
+    mutants.patched_files(gone, tmp_path)
+  twice = dataclasses.replace(gone, edits=(anchors.edit("mask", "s = where(keep, s)", "s = s"),))
   with pytest.raises(mutants.MutantError, match="matched 2 times"):
-    mutants.patched_files(twice)
-  assert mutants.check(mutants=(gone,))[0].startswith("gone: edit 0: function ring_state")
+    mutants.patched_files(twice, tmp_path)
+  assert mutants.check(tmp_path, mutants=(gone,))[0].startswith("gone: edit 0: function mask")
 
 
 def test_the_shipped_kernel_holds_no_mutant_branch():
@@ -179,10 +179,10 @@ def test_every_mutant_lowers_for_cuda_and_changes_its_probe(chunk):
 _LOWERING_DEFECTS = """
 import ast, dataclasses
 from harness.tools import anchors, mutants, mutant_lowering
-tree = anchors.Tree(mutants.REPO)
-doc = ast.get_docstring(tree.find("ring_state").node, clean=False)
-dead = mutants.Mutant("dead", "test", (anchors.edit("ring_state", repr(doc), repr("edited")),),
-                      ("t",))
+# The docstring of a function a catalogued mutant edits: dead code to every probe.
+carry = mutants.by_name("no-prev-iters-carry").edits[0].anchor.function
+doc = ast.get_docstring(anchors.Tree(mutants.REPO).find(carry).node, clean=False)
+dead = mutants.Mutant("dead", "test", (anchors.edit(carry, repr(doc), repr("edited")),), ("t",))
 broken = mutants.Mutant("broken", "test", (anchors.edit(
     "tile_start", "rows = pl.ds(q_base, c.block_q)", "rows = pl.ds(q_base, c.block_q + 8)"),),
     ("t",))

@@ -1,8 +1,10 @@
 """The mutant catalogue stays applicable, and its runner's verdicts mean what
 they say (CPU; the kills themselves need the GPU: ``python -m harness mutants``).
 
-A patch whose old text no longer occurs exactly once in the current source
-fails here, so the catalogue cannot rot silently as the kernel changes.
+A patch whose anchor no longer finds exactly one place in the current source
+fails here (and, mutant by mutant with the reason, in
+properties/test_mutant_anchors.py), so the catalogue cannot rot silently as
+the kernel changes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tools import mutants, watchdog
+from harness.tools import anchors, mutants, watchdog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,10 +30,10 @@ def test_the_catalogue_has_25_runnable_mutants_forward_and_backward():
   assert len(names) == len(set(names))
   runnable = [m for m in mutants.CATALOG if not m.equivalent]
   assert len(runnable) >= 25
-  passes = {m.path.split("/")[1] for m in runnable}
-  assert passes >= {"forward", "backward"}
+  assert {m.probe.partition("-")[0] for m in runnable} == {"fwd", "grad"}
   for m in mutants.CATALOG:
-    assert m.bug_class and m.edits and all(old and old != new for old, new in m.edits)
+    assert m.bug_class and m.edits
+    assert all(e.anchor.pattern and e.anchor.pattern != e.new for e in m.edits), m.name
     # A runnable mutant names its killers; an equivalent one its argument, no killers.
     assert bool(m.tests) != bool(m.equivalent), m.name
 
@@ -46,14 +48,18 @@ def test_every_killer_is_a_test_that_exists():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_a_patch_that_does_not_apply_exactly_once_is_refused():
-  gone = mutants.Mutant("gone", "test", "kernel/forward/context.py", (("no such text ~~", "x"),), ("t",))
-  with pytest.raises(mutants.MutantError, match="occurs 0 times"):
-    mutants.patched_text(gone, "source")
-  twice = dataclasses.replace(gone, edits=(("a", "b"),))
-  with pytest.raises(mutants.MutantError, match="occurs 2 times"):
-    mutants.patched_text(twice, "a a")
-  assert mutants.check(mutants=(gone,))[0].startswith("gone: MutantError")
+def test_a_patch_that_does_not_find_one_place_is_refused(tmp_path):
+  (tmp_path / "kernel").mkdir()
+  (tmp_path / "kernel" / "k.py").write_text(
+      "def mask(s, keep):\n  s = where(keep, s)\n  s = where(keep, s)\n  return s\n")
+  gone = mutants.Mutant("gone", "test", (anchors.edit("mask", "no_such_call()", "x"),), ("t",))
+  with pytest.raises(mutants.MutantError, match=r"^gone: edit 0: function mask "
+                                                r"\(kernel/k.py:1\): the pattern matched 0 times"):
+    mutants.patched_files(gone, tmp_path)
+  twice = dataclasses.replace(gone, edits=(anchors.edit("mask", "s = where(keep, s)", "s = s"),))
+  with pytest.raises(mutants.MutantError, match="matched 2 times"):
+    mutants.patched_files(twice, tmp_path)
+  assert mutants.check(tmp_path, mutants=(gone,))[0].startswith("gone: edit 0: function mask")
 
 
 def test_the_shipped_kernel_holds_no_mutant_branch():
@@ -90,10 +96,10 @@ def test_a_hang_is_stopped_and_the_test_named(tmp_path):
   limit and reported as a hang naming the test (a source patch of the test
   file stands in for a kernel that hangs)."""
   name = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
-  sleeper = mutants.Mutant("sleeper", "hang", "properties/test_causal_skip.py", ((
-      "def test_the_predicate_sees_the_corners():\n",
-      "def test_the_predicate_sees_the_corners():\n  import time\n  time.sleep(120)\n"),),
-      (name,))
+  first = "assert not bwd.meets_diagonal(0, 64, 63)"
+  sleeper = mutants.Mutant("sleeper", "hang", (anchors.edit(
+      "test_the_predicate_sees_the_corners", first, f"import time\ntime.sleep(120)\n{first}"),),
+      (name,), within="properties/test_causal_skip.py")
   result = mutants.run_mutant(sleeper, timeout=100, test_timeout=3, workdir=tmp_path)
   assert result.verdict == "hang" and result.killed_by == [name], result
   assert result.seconds < 60
@@ -171,13 +177,15 @@ def test_every_mutant_lowers_for_cuda_and_changes_its_probe(chunk):
 
 
 _LOWERING_DEFECTS = """
-import dataclasses
-from harness.tools import mutants, mutant_lowering
-dead = mutants.Mutant("dead", "test", "kernel/forward/context.py", ((
-    "consumers alike: the global block count, carried across tiles.",
-    "consumers alike (edited)."),), ("t",))
-broken = mutants.Mutant("broken", "test", "kernel/forward/mainloop.py", ((
-    "rows = pl.ds(q_base, c.block_q)", "rows = pl.ds(q_base, c.block_q + 8)"),), ("t",))
+import ast, dataclasses
+from harness.tools import anchors, mutants, mutant_lowering
+# The docstring of a function a catalogued mutant edits: dead code to every probe.
+carry = mutants.by_name("no-prev-iters-carry").edits[0].anchor.function
+doc = ast.get_docstring(anchors.Tree(mutants.REPO).find(carry).node, clean=False)
+dead = mutants.Mutant("dead", "test", (anchors.edit(carry, repr(doc), repr("edited")),), ("t",))
+broken = mutants.Mutant("broken", "test", (anchors.edit(
+    "tile_start", "rows = pl.ds(q_base, c.block_q)", "rows = pl.ds(q_base, c.block_q + 8)"),),
+    ("t",))
 equivalent = dataclasses.replace(dead, name="argued", equivalent="a docstring")
 for p in mutant_lowering.check_lowering([dead, broken, equivalent], out=lambda s: None):
   print("PROBLEM", p)

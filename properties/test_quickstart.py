@@ -77,17 +77,20 @@ def test_a_readme_that_shows_the_example_shows_it_verbatim():
   assert f"```python\n{EXAMPLE.read_text().strip()}\n```" in readme
 
 
-def test_the_readme_names_only_paths_and_commands_that_exist():
-  """Every repository path the README names in backticks exists, and every
-  ``python -m harness <command>`` it shows is one the harness has."""
+@pytest.mark.parametrize("doc", ["README.md", "CONTRIBUTING.md"])
+def test_the_readme_names_only_paths_and_commands_that_exist(doc):
+  """Every repository path the README (or CONTRIBUTING.md) names in
+  backticks exists, and every ``python -m harness <command>`` it shows is
+  one the harness has."""
   import contextlib
   import io
   import re
   from harness.__main__ import main as harness_main
   root = EXAMPLE.parent.parent
-  readme = (root / "README.md").read_text()
+  readme = (root / doc).read_text()
   tops = ("kernel/", "harness/", "properties/", "examples/", "golden/", "docs/", "ci/", ".ci/")
-  paths = {m.split("<")[0] for m in re.findall(r"`([^`\s]+)`", readme) if m.startswith(tops)}
+  paths = {m.split("<")[0].split("::")[0] for m in re.findall(r"`([^`\s]+)`", readme)
+           if m.startswith(tops)}
   missing = sorted(p for p in paths
                    if not (any(root.glob(p)) if "*" in p else (root / p).exists()))
   assert paths and not missing, missing

@@ -1,13 +1,18 @@
 """Protocol defects written into a copy of the kernel's source, for the
 extracted proof (:mod:`harness.proofs.prove_extracted`) to refute.
 
-Each mutant is a list of textual edits of one file of the kernel package
-(``file``, relative to kernel/), each edit matching exactly once, that keep
-the line count (two statements joined with ``;`` where one moves), so every
-source line a refutation names is the mutated file's line.  :func:`load`
-loads the package with that file edited beside the shipped one
-(:mod:`harness.proofs.mutated_kernel`), without touching the file on disk or
-the imported ``kernel``.
+Each mutant is a list of anchored edits (:mod:`harness.tools.anchors`: a
+function, found by name in whichever file under ``kernel/`` defines it, and
+a pattern of its code) that keep the file's line count (statements joined
+with ``;`` where one moves, blank lines where code shrinks), so every source
+line a refutation names is the mutated file's line.  :func:`load` compiles
+each edited file as a module of its own (``kernel/forward.mutant_<name>.py``
+beside ``kernel/forward.py``, registered with ``linecache`` so traces print
+the mutated lines) without touching the file on disk or the imported
+modules.  The kernel the proof traces (``kernel``: the forward or the
+backward) is executed afresh over the edited module, and so is every module
+between them that imports it (:func:`reexecuted`): an edit of the ring's
+``PipelineState`` reaches the forward through ``ring``.
 
 :data:`SAFE` are reorderings that keep the protocol correct: the proof must
 still succeed on them (no false alarms from a proof tied to one statement
@@ -16,223 +21,334 @@ order).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import os
+import importlib
+import linecache
+import sys
 import types
+from pathlib import Path
 
-from harness.proofs import extract, mutated_kernel
+from harness.proofs import extract
+from harness.tools import anchors
+from harness.tools.anchors import edit
 
 KERNEL_DIR = extract.KERNEL_DIR
+REPO = Path(KERNEL_DIR).parent
+# The module each kernel's proof traces (harness.proofs.prove_extracted).
+KERNELS = {"forward": "kernel.forward", "backward": "kernel.backward"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Mutant:
   name: str
   what: str
-  edits: tuple            # ((old, new), ...) on ``file``
+  edits: tuple              # anchored edits (harness.tools.anchors.Edit)
   persistent: bool = False  # only a persistent block can show it
-  file: str = "forward/mainloop.py"  # the kernel file edited, relative to kernel/
+  kernel: str = "forward"   # the kernel the proof traces over the edit: forward or backward
   backward: tuple = ()      # (head_dim, causal, bias, fuse_dq): the backward that shows it
-  host: str = ""            # the pass that shows an edit of a module both use
-
-  @property
-  def kernel(self) -> str:
-    """The pass whose kernels show the defect: "forward" or "backward"."""
-    return self.host or ("backward" if self.file.startswith("backward/") else "forward")
 
 
 MUTANTS = (
     Mutant("key_released_before_qk",
            "the first key slot of a tile released before its QK is issued",
-           (("    s = qk(c, t, t.lb)\n",
-             "    c.keys.consumer_release(key_position(c, t, t.lb)); s = qk(c, t, t.lb)\n"),
-            ("    if not c.staged:\n      c.keys.consumer_release(key_position(c, t, t.lb))\n",
-             "    if not c.staged:\n      pass\n")),
-           file="forward/mainloop.py"),
+           (edit("first_qk", "s = qk(c, t, t.lb)",
+                 "c.keys.consumer_release(key_position(c, t, t.lb)); s = qk(c, t, t.lb)"),
+            edit("first_qk", "c.keys.consumer_release(key_position(c, t, t.lb))", "pass"))),
     Mutant("last_value_released_before_pv",
            "the last value slot released right after its PV is issued, before it completes",
-           (("    issue_pv(c, acc_ref, p16, st)\n  acc = pl.run_state(pv)",
-             "    issue_pv(c, acc_ref, p16, st); c.values.consumer_release(st)\n  acc = pl.run_state(pv)"),
-            ("  acc = pl.run_state(pv)(each_part(plgpu.ACC.init, acc))\n  c.values.consumer_release(st)\n",
-             "  acc = pl.run_state(pv)(each_part(plgpu.ACC.init, acc))\n  pass\n")),
-           persistent=True,
-           file="forward/mainloop.py"),  # one tile never refills its last slots
+           (edit("last_pv.pv", "issue_pv(c, acc_ref, p16, st)",
+                 "issue_pv(c, acc_ref, p16, st); c.values.consumer_release(st)"),
+            edit("last_pv", "c.values.consumer_release(st)", "pass")),
+           persistent=True),  # one tile never refills its last slots
     Mutant("value_released_before_pv",
            "in the key loop, a value slot released after its PV is issued, before it completes",
-           (("    wait_staged(c, next_st)\n",
-             "    c.values.consumer_release(st); wait_staged(c, next_st)\n"),
-            ("  c.values.consumer_release(st)\n  c.keys.consumer_release(next_st)\n",
-             "  pass\n  c.keys.consumer_release(next_st)\n")),
-           file="forward/mainloop.py"),
+           (edit("issue_then_softmax", "wait_staged(c, next_st)",
+                 "c.values.consumer_release(st); wait_staged(c, next_st)"),
+            edit("loop_body", "c.values.consumer_release(st)", "pass"))),
     Mutant("producer_first_reuse_wait_skipped",
            "the producer's first wait for a released slot skipped (> for >=)",
-           (("    return self.count >= self.num_stages\n", "    return self.count > self.num_stages\n"),),
-           file="sync/pipeline.py", host="forward"),
+           (edit("PipelineState.refills", "return self.count >= self.num_stages",
+                 "return self.count > self.num_stages"),)),
     Mutant("producer_ring_off_by_one",
            "the producer's ring position one ahead of the consumers'",
-           (("    st = ring_state(keys, prev_iters, lb, ki)\n",
-             "    st = ring_state(keys, prev_iters, lb, ki + 1)\n"),),
-           file="forward/producer.py"),
+           (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",
+                 "st = ring_state(keys, prev_iters, lb, ki + 1)"),)),
     Mutant("producer_ignores_the_piece",
            "under the split tail the memory warpgroup fills a piece's whole tile, "
            "not only the piece's key blocks",
-           (("  lb, ub, _, _ = tile_range(c, qi, b, h, piece)\n",
-             "  lb, ub, _, _ = tile_range(c, qi, b, h)\n"),),
-           persistent=True,
-           file="forward/producer.py"),
+           (edit("produce_tile", "lb, ub, _, _ = tile_range(c, qi, b, h, piece)",
+                 "lb, ub, _, _ = tile_range(c, qi, b, h)"),),
+           persistent=True),
     Mutant("one_warpgroup_drops_prev_iters",
            "compute warpgroup 1 does not carry prev_iters across tiles",
-           (("  return ring_state(c.keys, t.prev_iters, t.lb, ki)\n",
-             "  return ring_state(c.keys, t.prev_iters * (1 - c.wg), t.lb, ki)\n"),),
-           persistent=True,
-           file="forward/context.py"),
+           (edit("key_position", "return ring_state(c.keys, t.prev_iters, t.lb, ki)",
+                 "return ring_state(c.keys, t.prev_iters * (1 - c.wg), t.lb, ki)"),),
+           persistent=True),
     Mutant("pingpong_token_to_wrong_warpgroup",
            "after the first QK, the pingpong token passed to the warpgroup's own barrier",
-           (("    wait_staged(c, st)\n    barriers.schedule_release_other(c.wg, c.cw)\n",
-             "    wait_staged(c, st)\n    barriers.schedule_release_other(1 - c.wg, c.cw)\n"),),
-           file="forward/mainloop.py"),
+           (edit("qk.compute_qk", "barriers.schedule_release_other(c.wg, c.cw)",
+                 "barriers.schedule_release_other(1 - c.wg, c.cw)"),)),
     Mutant("epilogue_on_pingpong_id",
            "the epilogue's sync on the pingpong barrier's id (one id, two purposes)",
-           (("    barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k\n",
-             "    barriers._bar('sync', barriers.schedule_id(0), barriers.BY_NAME['epilogue'].num_threads)\n"),),
-           file="forward/epilogue.py"),
+           (edit("epilogue", "barriers.epilogue_sync(c.cw)",
+                 "barriers._bar('sync', barriers.schedule_id(0), "
+                 "barriers.BY_NAME['epilogue'].num_threads)"),)),
     Mutant("epilogue_without_its_sync",
            "the non-persistent epilogue stages its output over the queries and keys without "
            "waiting for the other warpgroup (no epilogue_sync)",
-           (("    barriers.epilogue_sync(c.cw)  # every compute warpgroup is done with q and k\n",
-             "    pass\n"),),
-           file="forward/epilogue.py"),
+           (edit("epilogue", "barriers.epilogue_sync(c.cw)", "pass"),)),
     Mutant("query_prefetch_before_consumed",
            "the next tile's queries fetched before the second tile waits q_consumed (> 1 for > 0)",
-           (("      c.queries.producer_acquire(w, step > 0)\n",
-             "      c.queries.producer_acquire(w, step > 1)\n"),),
-           persistent=True,
-           file="forward/producer.py"),
+           (edit("prefetch_queries", "c.queries.producer_acquire(w, step > 0)",
+                 "c.queries.producer_acquire(w, step > 1)"),),
+           persistent=True),
     Mutant("missing_commit_smem_before_store",
            "the output tile stored to shared memory and TMA-stored without commit_smem",
-           (("  plgpu.commit_smem()\n  if t.slot is None:",
-             "  pass\n  if t.slot is None:"),),
-           file="forward/epilogue.py"),
-    # Before 0b8ad79 the forward deadlocked only after two tiles without key
-    # blocks in a row (trip counts 0, 0, 0), which no check of two tiles
-    # could show.
+           (edit("epilogue", "plgpu.commit_smem()", "pass"),)),
+    # kernel/forward.py before 0b8ad79: deadlocks only after two tiles
+    # without key blocks in a row (trip counts 0, 0, 0), which no check of
+    # two tiles could show.
     Mutant("empty_tile_skips_token",
            "a persistent tile without key blocks neither passes nor acquires the pingpong token",
-           (("    @pl.when(t.ub == t.lb)\n    def _():\n      barriers.schedule_release_other(c.wg, c.cw)\n"
-             "      barriers.schedule_sync(c.wg, c.cw)\n",
-             "    @pl.when(t.ub == t.lb)\n    def _():\n      pass\n      pass\n"),),
-           persistent=True,
-           file="forward/mainloop.py"),
+           (edit("tile_prologue", "barriers.schedule_release_other(c.wg, c.cw)", "pass"),
+            edit("tile_prologue", "barriers.schedule_sync(c.wg, c.cw)", "pass")),
+           persistent=True),
     # Two compute warpgroups need one extra pass (warpgroup 0's); with three
     # the middle one owes the last one its final pass too.
     Mutant("last_pass_from_warpgroup_0_only",
            "with three compute warpgroups only warpgroup 0 passes the token after its last PV",
-           (("  last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1\n",
-             "  last = c.wg == 0\n"),),
-           file="forward/mainloop.py"),
+           (edit("pass_token_for_the_last_time",
+                 "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),)),
 )
 
 BACKWARD_MUTANTS = (
     Mutant("dq_slot_without_lb",
            "the dQ kernel's ring slot computed from ki instead of ki - lb",
-           (("  st = stream.position(ki - c.lb)\n",
-             "  st = stream.position(ki)\n"),),
-           file="backward/dq.py", backward=(64, False, False, False)),
+           (edit("_dq_step", "st = stream.position(ki - c.lb)", "st = stream.position(ki)"),),
+           kernel="backward", backward=(64, False, False, False)),
     Mutant("backward_producer_first_consumed_wait_skipped",
            "the backward producer's first wait for a released slot skipped (> for >=)",
-           (("    return self.count >= self.num_stages\n", "    return self.count > self.num_stages\n"),),
-           file="sync/pipeline.py", host="backward", backward=(64, False, False, True)),
+           (edit("PipelineState.refills", "return self.count >= self.num_stages",
+                 "return self.count > self.num_stages"),),
+           kernel="backward", backward=(64, False, False, True)),
     Mutant("dkv_slot_released_before_products",
            "a dK/dV ring slot released once dK's product is issued, before it completes",
-           (('      plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)\n',
-             '      plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot); stream.consumer_release(st)\n'),
-            ("  # Every product reading the slot has completed (run_state waits).\n  stream.consumer_release(st)\n",
-             "  # Every product reading the slot has completed (run_state waits).\n  pass\n")),
-           file="backward/dkv.py", backward=(64, False, False, True)),
+           (edit("_dkv_step.grads", 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)',
+                 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot); '
+                 'stream.consumer_release(st)'),
+            edit("_dkv_step", "stream.consumer_release(st)", "pass")),
+           kernel="backward", backward=(64, False, False, True)),
     Mutant("ds_handoff_without_commit_smem",
            "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
-           (("    plgpu.commit_smem()\n    barriers.ds_ready(dq_owner(t), wg)\n",
-             "    pass\n    barriers.ds_ready(dq_owner(t), wg)\n"),),
-           file="backward/dkv.py", backward=(64, False, False, True)),
+           (edit("_dkv_step", "plgpu.commit_smem()", "pass"),),
+           kernel="backward", backward=(64, False, False, True)),
     Mutant("ds_handoff_one_buffer",
            "every step of the fused dQ stages its dS^T in the same buffer",
-           (("def ds_buffer(t):\n  return t % DS_BUFFERS\n",
-             "def ds_buffer(t):\n  return 0 * t\n"),),
-           file="backward/fused_dq.py", backward=(64, False, False, True)),
+           (edit("ds_buffer", "return t % DS_BUFFERS", "return 0 * t"),),
+           kernel="backward", backward=(64, False, False, True)),
     Mutant("ds_owner_skips_wait",
            "the fused dQ's rendezvous: neither warpgroup waits, the step's owner reads the "
            "other's dS^T unsynchronised",
-           (("    barriers.ds_ready(dq_owner(t), wg)\n",
-             "    barriers.ds_ready(1 - wg, wg)\n"),),
-           file="backward/dkv.py", backward=(64, False, False, True)),
+           (edit("_dkv_step", "barriers.ds_ready(dq_owner(t), wg)",
+                 "barriers.ds_ready(1 - wg, wg)"),),
+           kernel="backward", backward=(64, False, False, True)),
     Mutant("dk_staged_before_dq_products_end",
            "the fused dQ's K tiles overwritten with dK without the epilogue barrier",
-           (("  if c.fused:  # the last dQ product has read both K tiles before they stage dK\n"
-             "    barriers.epilogue_sync()\n",
-             "  if c.fused:  # the last dQ product has read both K tiles before they stage dK\n"
-             "    pass\n"),),
-           file="backward/dkv.py", backward=(64, False, False, True)),
+           (edit("_dkv_compute", "barriers.epilogue_sync()", "pass"),),
+           kernel="backward", backward=(64, False, False, True)),
     # The head split (head dims over 128): the exchange of P^T and dS^T
     # halves between the two compute warpgroups, and the epilogue that
     # overwrites the shared K and V tiles.
     Mutant("halves_read_before_rendezvous",
            "the head split's dK/dV products read the other warpgroup's halves of P^T and "
            "dS^T without the rendezvous",
-           (("  plgpu.commit_smem()\n  barriers.halves_ready()\n  dk_cols = ",
-             "  plgpu.commit_smem()\n  pass\n  dk_cols = "),),
-           file="backward/dkv.py", backward=(256, False, False, False)),
+           (edit("_wide_step", "barriers.halves_ready()", "pass"),),
+           kernel="backward", backward=(256, False, False, False)),
     Mutant("halves_one_exchange_buffer",
            "every step of the head split stages its halves in the same exchange buffer",
-           (("def exchange_buffer(t):\n  return t % EXCHANGE_BUFFERS\n",
-             "def exchange_buffer(t):\n  return 0 * t\n"),),
-           file="backward/head_split.py", backward=(256, False, False, False)),
+           (edit("exchange_buffer", "return t % EXCHANGE_BUFFERS", "return 0 * t"),),
+           kernel="backward", backward=(256, False, False, False)),
     Mutant("wide_dk_stored_before_both_halves",
            "the head split's dK tile copied out before the other warpgroup staged its half",
-           (("  barriers.epilogue_sync()  # both halves staged before the copy reads them\n"
-             "  keys = pl.ds(c.j * c.bkv, c.bkv)\n",
-             "  pass\n  keys = pl.ds(c.j * c.bkv, c.bkv)\n"),),
-           file="backward/dkv.py", backward=(256, False, False, False)),
+           (edit("_wide_compute", "barriers.epilogue_sync()", "pass"),),
+           kernel="backward", backward=(256, False, False, False)),
 )
 
 SAFE = (
     Mutant("release_key_after_qk_wait",
            "the next key slot released inside the loop body as soon as its QK retired "
            "(wait_n=1), before the PV completes",
-           (("    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)\n",
-             "    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1); c.keys.consumer_release(next_st)\n"),
-            ("  c.values.consumer_release(st)\n  c.keys.consumer_release(next_st)\n",
-             "  c.values.consumer_release(st)\n  pass\n")),
-           file="forward/mainloop.py"),
+           (edit("issue_then_softmax", "s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)",
+                 "s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1); "
+                 "c.keys.consumer_release(next_st)"),
+            edit("loop_body", "c.keys.consumer_release(next_st)", "pass"))),
     Mutant("releases_swapped",
            "the loop's two releases in the other order (key slot, then value slot)",
-           (("  c.values.consumer_release(st)\n  c.keys.consumer_release(next_st)\n",
-             "  c.keys.consumer_release(next_st)\n  c.values.consumer_release(st)\n"),),
-           file="forward/mainloop.py"),
+           (edit("loop_body", "c.values.consumer_release(st)\nc.keys.consumer_release(next_st)",
+                 "c.keys.consumer_release(next_st)\nc.values.consumer_release(st)"),)),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS + BACKWARD_MUTANTS + SAFE}
 
 
-def mutated_source(mutant: Mutant) -> str:
-  path = os.path.join(KERNEL_DIR, mutant.file)
-  with open(path) as f:
-    src = f.read()
-  for old, new in mutant.edits:
-    if src.count(old) != 1:
-      raise ValueError(f"mutant {mutant.name}: the edit's text occurs {src.count(old)} times "
-                       f"in kernel/{mutant.file}, not once: {old!r}")
-    if old.count("\n") != new.count("\n"):
-      raise ValueError(f"mutant {mutant.name}: an edit must keep the line count")
-    src = src.replace(old, new)
-  return src
+def mutated_sources(mutant: Mutant, tree: anchors.Tree | None = None) -> dict[Path, str]:
+  """{path from the repository: edited text} of the files ``mutant`` edits,
+  each with its line count kept; AnchorError names the mutant and why."""
+  tree = tree or anchors.Tree(REPO)
+  try:
+    return anchors.splice(mutant.edits, tree, keep_lines=True)
+  except anchors.AnchorError as err:
+    raise anchors.AnchorError(f"protocol mutant {mutant.name}: {err}") from None
 
 
-# The modules the proof traces a mutant through.
-TRACED = ("kernel.forward", "kernel.backward", "kernel.common", "kernel.tiling.backward_plan")
+def module_name(path: Path) -> str:
+  """kernel/forward.py -> kernel.forward; kernel/sync/__init__.py -> kernel.sync."""
+  return ".".join(anchors._module_scope(Path(path)))
 
 
-def load(mutant: Mutant | str) -> types.SimpleNamespace:
-  """The kernel package with ``mutant``'s edits: its modules :data:`TRACED`,
-  as ``forward``, ``backward``, ``common`` and ``backward_plan``."""
+def mutant_path(path: Path, name: str) -> Path:
+  """Where a module executed for mutant ``name`` says it lives (beside its file)."""
+  return Path(path).with_name(f"{Path(path).stem}.mutant_{name}.py")
+
+
+def imports(tree: anchors.Tree) -> dict[str, set[str]]:
+  """Each module of ``tree``: the modules of ``tree`` it binds names from
+  when executed (imports at module level, not inside functions)."""
+  paths = {module_name(p): p for p in tree.modules}
+  out = {}
+  for name, path in paths.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out[name] = set()
+    for node in _module_level(tree.modules[path]):
+      if isinstance(node, ast.Import):
+        out[name] |= {a.name for a in node.names if a.name in paths}
+      elif isinstance(node, ast.ImportFrom):
+        base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+        source = ".".join(base + ([node.module] if node.module else []))
+        for alias in node.names:
+          sub = f"{source}.{alias.name}"
+          out[name] |= {sub} if sub in paths else ({source} if source in paths else set())
+  return out
+
+
+def _module_level(module: ast.Module):
+  stack = list(module.body)
+  while stack:
+    node = stack.pop()
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      continue
+    yield node
+    stack.extend(ast.iter_child_nodes(node))
+
+
+def reexecuted(edited: set[str], host: str, graph: dict[str, set[str]]) -> list[str]:
+  """The modules to execute afresh, dependencies first, the host last: the
+  edited ones and every module the host imports (or is) that imports one
+  of them."""
+  if host not in graph:
+    raise anchors.AnchorError(f"no module {host} in the kernel's tree")
+
+  def below(m, seen):
+    for d in graph[m] - seen:
+      seen.add(d)
+      below(d, seen)
+    return seen
+
+  under = {m: below(m, set()) for m in graph}
+  between = {m for m in under[host] | {host} if m in edited or under[m] & edited}
+  lost = edited - between
+  if lost:
+    raise anchors.AnchorError(f"{host} does not import {', '.join(sorted(lost))}: an edit "
+                              "there cannot reach the kernel the proof traces")
+  order: list[str] = []
+
+  def visit(m):
+    if m not in order:
+      for d in sorted(graph[m] & between):
+        visit(d)
+      order.append(m)
+
+  visit(host)
+  return order
+
+
+def _module(name: str, src: str, filename: str, package: bool) -> types.ModuleType:
+  linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+  module = types.ModuleType(name)
+  module.__file__ = filename
+  module.__package__ = name if package else name.rpartition(".")[0]
+  if package:
+    module.__path__ = list(sys.modules[name].__path__)
+  exec(compile(src, filename, "exec"), module.__dict__)  # noqa: S102 -- the kernel's own source
+  return module
+
+
+def _host(tree: anchors.Tree, mutant: Mutant) -> Path:
+  for path in tree.modules:
+    if module_name(path) == KERNELS[mutant.kernel]:
+      return path
+  raise anchors.AnchorError(f"protocol mutant {mutant.name}: no module "
+                            f"{KERNELS[mutant.kernel]} in the kernel's tree")
+
+
+def mutant_files(mutant: Mutant | str, tree: anchors.Tree | None = None) -> list[str]:
+  """The files, from the repository, whose lines the mutant's traces may
+  name under its name: the edited ones and the kernel the proof traces."""
   mutant = BY_NAME[mutant] if isinstance(mutant, str) else mutant
-  return mutated_kernel.load({mutant.file: mutated_source(mutant)}, mutant.name, TRACED)
+  tree = tree or anchors.Tree(REPO)
+  paths = dict.fromkeys([*mutated_sources(mutant, tree), _host(tree, mutant)])
+  return [mutant_path(p, mutant.name).as_posix() for p in paths]
+
+
+def load(mutant: Mutant | str) -> types.ModuleType:
+  """The kernel the proof traces, executed afresh over ``mutant``'s edits,
+  as a fresh module; the imported modules are left as they were."""
+  mutant = BY_NAME[mutant] if isinstance(mutant, str) else mutant
+  tree = anchors.Tree(REPO)
+  return execute(mutated_sources(mutant, tree), module_name(_host(tree, mutant)), tree,
+                 mutant.name)
+
+
+def modules(mutant: Mutant | str) -> types.SimpleNamespace:
+  """The kernel modules the proof traces (harness.proofs.prove_extracted's
+  ``forward``, ``backward``, ``common``, ``backward_plan``), with the traced
+  kernel executed afresh over ``mutant``'s edits (:func:`load`)."""
+  from kernel import backward, common, forward
+  from kernel.tiling import backward_plan
+  mutant = BY_NAME[mutant] if isinstance(mutant, str) else mutant
+  shipped = dict(forward=forward, backward=backward, common=common,
+                 backward_plan=backward_plan)
+  return types.SimpleNamespace(**{**shipped, mutant.kernel: load(mutant)})
+
+
+def execute(edited: dict[Path, str], host: str, tree: anchors.Tree, name: str
+            ) -> types.ModuleType:
+  """Module ``host`` of ``tree`` executed afresh over the ``edited`` texts
+  of some of its files, and with it every module between them
+  (:func:`reexecuted`); the edited files and the host are named
+  ``<file>.mutant_<name>.py`` in tracebacks, the others by their own file.
+  ``sys.modules`` is as it was afterwards."""
+  paths = {module_name(p): p for p in tree.modules}
+  texts = {module_name(p): text for p, text in edited.items()}
+  chain = reexecuted(set(texts), host, imports(tree))
+  for module in chain:  # the shipped modules, imported before any is swapped
+    importlib.import_module(module)
+  fresh, saved = {}, {}
+  try:
+    for module in chain:
+      path = paths[module]
+      shown = mutant_path(path, name) if module in texts or module == host else path
+      text = texts.get(module, tree.sources[path].decode())
+      fresh[module] = _module(module, text, str(tree.root / shown), path.name == "__init__.py")
+      # What the next module's imports bind: this fresh one.
+      parent, _, leaf = module.rpartition(".")
+      saved.setdefault(module, (sys.modules[module], getattr(sys.modules[parent], leaf)))
+      sys.modules[module] = fresh[module]
+      setattr(sys.modules[parent], leaf, fresh[module])
+  finally:
+    for module, (shipped, attr) in saved.items():
+      sys.modules[module] = shipped
+      parent, _, leaf = module.rpartition(".")
+      setattr(sys.modules[parent], leaf, attr)
+  return fresh[host]

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     from harness.proofs import protocol_mutants
     if args.mutant not in protocol_mutants.BY_NAME:
       parser.error(f"--mutant: {args.mutant!r} is none of {sorted(protocol_mutants.BY_NAME)}")
-    first = "forward" if protocol_mutants.BY_NAME[args.mutant].kernel == "forward" else "backward"
+    first = protocol_mutants.BY_NAME[args.mutant].kernel
   elif args.fail_fast:
     first = "forward"
   cache = None

@@ -636,7 +636,7 @@ _MUTANTS: dict = {}   # mutant name -> its kernel modules, per process
 
 def shipped_modules():
   """The shipped kernel modules the proof traces, as
-  harness.proofs.protocol_mutants.load gives a mutant's."""
+  harness.proofs.protocol_mutants.modules gives a mutant's."""
   import types
   from kernel import backward, common, forward
   from kernel.tiling import backward_plan
@@ -651,7 +651,7 @@ def _modules(mutant):
     return shipped_modules()
   if mutant not in _MUTANTS:
     from harness.proofs import protocol_mutants
-    _MUTANTS[mutant] = protocol_mutants.load(mutant)
+    _MUTANTS[mutant] = protocol_mutants.modules(mutant)
   return _MUTANTS[mutant]
 
 

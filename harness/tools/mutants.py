@@ -1,7 +1,9 @@
 """Kernel mutants as source patches, and the runner that measures the harness.
 
 A mutant is a small, named edit of the kernel's source that stands for one
-class of bug kernel engineers make (../shared/GUIDE.md, issue 18).  It is
+class of bug kernel engineers make (../shared/GUIDE.md, issue 18), anchored
+on the function it edits and a pattern of that function's code
+(harness/tools/anchors.py), not on a file or its exact text.  It is
 applied to a temporary copy of the package, never to the shipped kernel, and
 the tests expected to kill it run in a child process whose ``PYTHONPATH``
 and working directory are that copy, under a time limit: a hang is reported
@@ -20,7 +22,9 @@ started in time are listed as "not started" and fail the run.
 Without an sm90 GPU it says so and runs only the CPU part, ``--lower``
 (harness/tools/mutant_lowering.py): each patch applies, lowers for CUDA and
 changes the traced program of its probe.  ``--check`` only applies every
-patch and compiles the result.  properties/test_mutants_catalog.py runs both.
+patch and compiles the result.  properties/test_mutants_catalog.py runs both;
+properties/test_mutant_anchors.py names each mutant that no longer finds its
+place, and why.
 
 Verdicts: killed (a selected test failed or crashed), hang (the per-test
 watchdog of properties/conftest.py or the child's time limit fired), survived
@@ -33,6 +37,7 @@ selected test was skipped: no sm90 GPU here).  Score = (killed + hang) /
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import json
@@ -47,26 +52,13 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness.tools import watchdog
+from harness.tools import anchors, watchdog
 
 REPO = Path(__file__).resolve().parents[2]
 # What a child needs: the package, the harness, the properties and the
 # goldens (the golden check is one of the killers), and pytest's settings.
 COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
 
-# The kernel files the catalog edits.
-API = "kernel/api.py"
-FORWARD_CONTEXT = "kernel/forward/context.py"
-FORWARD_LAUNCH = "kernel/forward/launch.py"
-FORWARD_PRODUCER = "kernel/forward/producer.py"
-FORWARD_MAINLOOP = "kernel/forward/mainloop.py"
-FORWARD_SOFTMAX = "kernel/forward/softmax.py"
-FORWARD_EPILOGUE = "kernel/forward/epilogue.py"
-BACKWARD_LAUNCH = "kernel/backward/launch.py"
-BACKWARD_SCORES = "kernel/backward/scores.py"
-BACKWARD_DKV = "kernel/backward/dkv.py"
-BACKWARD_DQ = "kernel/backward/dq.py"
-SYNC_PIPELINE = "kernel/sync/pipeline.py"  # the ring positions every kernel's ring verbs read
 FWD_T = "properties/test_forward_gpu.py"
 GRAD_T = "properties/test_gradients_gpu.py"
 GUARD_T = "properties/test_guard_band_gpu.py"
@@ -93,232 +85,241 @@ MASKED_ROWS = (f"{FWD_T}::test_fully_masked_rows_follow_the_contract[False]",
 
 @dataclasses.dataclass(frozen=True)
 class Mutant:
-  """One defect: ``edits`` are (old, new) exact-text replacements in
-  ``path`` (relative to the repository root), each old text occurring
-  exactly once; ``tests`` the pytest node ids expected to kill it, run in
-  order with ``-x``; ``equivalent``, where set, the one-line argument that no
-  test can kill it (it is then listed, not run); ``probe``, the lowering
-  (harness/tools/mutant_lowering.py) whose program the patch must change on the
-  CPU: "grad" for the backward, "fwd" for the forward, unless named."""
+  """One defect: ``edits`` are anchored edits (harness/tools/anchors.py) of
+  the source under ``within`` (relative to the repository root), each
+  anchor matching exactly once, whichever file holds its function;
+  ``tests`` the pytest node ids expected to kill it, run in order with
+  ``-x``; ``equivalent``, where set, the one-line argument that no test can
+  kill it (it is then listed, not run); ``probe``, the lowering
+  (harness/tools/mutant_lowering.py) whose program the patch must change on
+  the CPU."""
 
   name: str
   bug_class: str
-  path: str
-  edits: tuple[tuple[str, str], ...]
+  edits: tuple[anchors.Edit, ...]
   tests: tuple[str, ...] = ()
   equivalent: str = ""
-  probe: str = ""
+  probe: str = "fwd"
+  within: str = "kernel"
 
-  def __post_init__(self):
-    if not self.probe:
-      object.__setattr__(self, "probe", "grad" if self.path.startswith("kernel/backward/") else "fwd")
+  @property
+  def functions(self) -> str:
+    return ", ".join(dict.fromkeys(e.anchor.function for e in self.edits))
 
 
-def _m(name, bug_class, path, old, new, tests, equivalent="", probe=""):
-  return Mutant(name, bug_class, path, ((old, new),), tuple(tests), equivalent, probe)
+def _m(name, bug_class, function, old, new, tests, equivalent="", probe="fwd"):
+  return Mutant(name, bug_class, (anchors.edit(function, old, new),), tuple(tests), equivalent,
+                probe)
+
+
+def _b(name, bug_class, function, old, new, tests, probe="grad"):
+  """A mutant of the backward: its probe takes the gradients."""
+  return _m(name, bug_class, function, old, new, tests, probe=probe)
 
 
 CATALOG: tuple[Mutant, ...] = (
     # -- forward: arithmetic of the online softmax --------------------------------
-    _m("residual-m-base2", "residual in the wrong base (seed 000)", FORWARD_EPILOGUE,
+    _m("residual-m-base2", "residual in the wrong base (seed 000)", "epilogue",
        "m_smems.at[wg][...] = m_i * (1.0 / LOG2E)", "m_smems.at[wg][...] = m_i",
        named("heuristic-basic-d64")),
-    _m("exp2-without-log2e", "exp2 without the log2(e) fold", FORWARD_SOFTMAX,
-       "  sc *= LOG2E\n", "", named("heuristic-basic-d64")),
-    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", FORWARD_SOFTMAX,
+    _m("exp2-without-log2e", "exp2 without the log2(e) fold", "logits",
+       "sc *= LOG2E", "", named("heuristic-basic-d64")),
+    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", "rescaled",
        "return acc * lax.broadcast_in_dim(factor, acc.shape, [0])", "return acc",
        named("heuristic-d128-gqa", "heuristic-threshold-0")),
-    _m("l-not-rescaled", "l not rescaled when the max moves", FORWARD_SOFTMAX,
-       "factor = jnp.exp2(m_i - base)\n    l_i = l_i * factor\n",
-       "factor = jnp.exp2(m_i - base)\n", named("heuristic-d128-gqa"), probe="fwd-threshold-1"),
-    _m("threshold-branch-skips-l", "rescale below the threshold applied to acc, not l", FORWARD_SOFTMAX,
-       "factor = jnp.where(rescale, alpha, 1.0)\n    l_i = l_i * factor\n",
-       "factor = jnp.where(rescale, alpha, 1.0)\n",
+    _m("l-not-rescaled", "l not rescaled when the max moves", "softmax",
+       "factor = jnp.exp2(m_i - base)\nl_i = l_i * factor",
+       "factor = jnp.exp2(m_i - base)", named("heuristic-d128-gqa"), probe="fwd-threshold-1"),
+    _m("threshold-branch-skips-l", "rescale below the threshold applied to acc, not l",
+       "softmax", "factor = jnp.where(rescale, alpha, 1.0)\nl_i = l_i * factor",
+       "factor = jnp.where(rescale, alpha, 1.0)",
        named("heuristic-threshold-0.5-unnormalised", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-from-l", "the pending scale dropped when the threshold is below 1",
-       FORWARD_EPILOGUE, "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
+       "epilogue", "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
        named("heuristic-threshold-0", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-unnormalised",
-       "the pending scale dropped from the unnormalised output", FORWARD_EPILOGUE,
+       "the pending scale dropped from the unnormalised output", "epilogue",
        "out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)",
        "out = acc", named("heuristic-threshold-0.5-unnormalised"), probe="fwd-unnormalised"),
     Mutant("pv-operand-rewritten-in-flight",
            "a register an in-flight wgmma reads rewritten before its wait (ptxas then "
-           "serialises every wgmma of the kernel)", FORWARD_MAINLOOP, (
-               ("p_ref[...] = p\n    m_ref_", "p_ref[...] = p.astype(c.dtype)\n    m_ref_"),
-               ("  p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)\n",
-                "  p_init = p16\n")),
+           "serialises every wgmma of the kernel)", (
+               anchors.edit("issue_then_softmax", "p_ref[...] = p", "p_ref[...] = p.astype(c.dtype)"),
+               anchors.edit("loop_body",
+                            "p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)",
+                            "p_init = p16")),
            ("properties/test_ptxas_report.py::"
             "test_no_shipped_kernel_has_its_wgmmas_serialised[fwd-d256-causal]",)),
-    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", FORWARD_CONTEXT,
+    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", "always_rescale",
        "return self.threshold == 1.0", "return self.threshold >= 0.999", (),
        equivalent="rescaling at every block is what the threshold branch does when alpha < "
                   "0.999, and otherwise keeps acc and l relative to one max either way: same "
                   "values up to rounding, only speed differs"),
-    _m("f16-threshold-guard-dropped", "float16 overflow of deferred probabilities", API,
-       "  if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:\n"
-       "    return F16_MIN_THRESHOLD\n  return threshold",
-       "  return threshold",
+    _m("f16-threshold-guard-dropped", "float16 overflow of deferred probabilities",
+       "_effective_threshold",
+       "if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:\n"
+       "  return F16_MIN_THRESHOLD\nreturn threshold",
+       "return threshold",
        (f"{FWD_T}::test_float16_deferred_rescale_does_not_overflow",), probe="fwd-f16"),
-    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", FORWARD_SOFTMAX,
+    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", "safe",
        "return jnp.where(x == NEG_INF, 0.0, x)", "return x", MASKED_ROWS),
-    _m("normalise-without-tiny", "0/0 for a fully masked row", FORWARD_EPILOGUE,
+    _m("normalise-without-tiny", "0/0 for a fully masked row", "epilogue",
        "inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))", "inv = 1.0 / l_i", MASKED_ROWS),
-    _m("default-scale-from-padded-head-dim", "default scale from the padded head dim", API,
-       "scale=float(shapes.H ** -0.5 if scale is None else scale)",
-       "scale=float(plan_lib.padded_head_dim(shapes.H) ** -0.5 if scale is None else scale)",
+    _m("default-scale-from-padded-head-dim", "default scale from the padded head dim",
+       "problem_of", "float(shapes.H ** -0.5 if call.scale is None else call.scale)",
+       "float(plan_lib.padded_head_dim(shapes.H) ** -0.5 if call.scale is None else call.scale)",
        named("heuristic-ragged-113x203-d72-dv96"), probe="fwd-d72"),
     # -- forward: masks, bias, soft cap ------------------------------------------
-    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", FORWARD_SOFTMAX,
+    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", "logits",
        "s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)",
        "s = jnp.where(t.q_base + iota(c, 0) > key, s, NEG_INF)", named("heuristic-causal-1024")),
-    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left", FORWARD_SOFTMAX,
+    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left", "logits",
        "s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)",
        "s = jnp.where(t.q_base + iota(c, 0) + (f.seq_kv - f.seq_q) >= key, s, NEG_INF)",
        named("heuristic-ragged-1023x1024-causal")
        + feature("causal-kend-bias-softcap-threshold")),
-    _m("k-end-inclusive", "k_end treated as inclusive", FORWARD_SOFTMAX,
+    _m("k-end-inclusive", "k_end treated as inclusive", "logits",
        "jnp.where(key < lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF)",
        "jnp.where(key <= lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF)",
        feature("key-ranges-with-empty")),
-    _m("k-start-exclusive", "k_start treated as exclusive", FORWARD_SOFTMAX,
+    _m("k-start-exclusive", "k_start treated as exclusive", "logits",
        "jnp.where(key >= lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF)",
        "jnp.where(key > lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF)",
        feature("key-ranges-with-empty")),
-    _m("staged-mask-ignored", "the staged mask ignored", FORWARD_SOFTMAX,
-       "keep = staged_tile(c, t, \"mask\", ki)\n    s = jnp.where(keep != 0, s, NEG_INF)\n",
-       "keep = staged_tile(c, t, \"mask\", ki)\n", feature("mask-2d-with-empty-row"),
+    _m("staged-mask-ignored", "the staged mask ignored", "logits",
+       "keep = staged_tile(c, t, \"mask\", ki)\ns = jnp.where(keep != 0, s, NEG_INF)",
+       "keep = staged_tile(c, t, \"mask\", ki)", feature("mask-2d-with-empty-row"),
        probe="fwd-staged"),
-    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", FORWARD_SOFTMAX,
+    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", "logits",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
     # -- forward: data movement and the ring protocol ----------------------------
-    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", FORWARD_PRODUCER,
+    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", "produce_tile",
        "hk = lax.div(h, jnp.int32(c.group))",
        "hk = lax.rem(h, jnp.int32(c.num_heads // c.group))",
        named("heuristic-d128-gqa")),
-    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", FORWARD_MAINLOOP,
-       "def pv(acc_ref):\n    issue_pv(c, acc_ref, p16, st)",
-       "def pv(acc_ref):\n    plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
+    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", "last_pv.pv",
+       "issue_pv(c, acc_ref, p16, st)", "plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
-       FORWARD_PRODUCER, "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
+       "prefetch_queries", "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
        "rows = pl.ds((c.cw * qi + c.cw - 1 - w) * c.block_q, c.block_q)",
        named("heuristic-basic-d64")),
     _m("no-prev-iters-carry", "ring phase not carried across persistent tiles (tilelang #2674)",
-       FORWARD_CONTEXT, "return keys.position(prev_iters + (ki - lb))",
+       "ring_state", "return keys.position(prev_iters + (ki - lb))",
        "return keys.position(ki - lb)", CARRY),
-    # The refill rule is the ring's (kernel/sync/pipeline.py, read by
-    # kernel/sync/ring.py's producer_acquire), one for every kernel: the same
-    # patch twice, against the forward's tests and against the backward's.
-    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release", SYNC_PIPELINE,
-       "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
-       named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1], probe="fwd"),
-    _m("query-released-one-block-early", "a consumer released its slot one block early", FORWARD_MAINLOOP,
-       "pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
+    # The refill rule is the ring's (PipelineState.refills, read by the
+    # ring's producer_acquire), one for every kernel: the same patch twice,
+    # against the forward's tests and against the backward's.
+    _m("producer-skips-first-reuse-wait", "producer refills a slot before its release",
+       "PipelineState.refills", "return self.count >= self.num_stages",
+       "return self.count >= self.num_stages + 1",
+       named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1]),
+    _m("query-released-one-block-early", "a consumer released its slot one block early",
+       "release_query_after", "pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
        "pl.when(ki + 2 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
        CARRY[:1] + named("persistent-d128-gqa")),
     _m("empty-tile-keeps-query-slot", "an empty tile never releases its query slot (deadlock)",
-       FORWARD_EPILOGUE, "pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))", "None",
+       "epilogue", "pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))", "None",
        CARRY[3:]),
     _m("empty-tile-skips-token-pass", "an empty tile skips the pingpong token (Z3-found deadlock)",
-       FORWARD_MAINLOOP, "    @pl.when(t.ub == t.lb)\n    def _():\n"
-       "      barriers.schedule_release_other(c.wg, c.cw)\n      barriers.schedule_sync(c.wg, c.cw)\n",
-       "    pass\n", CARRY[3:]),
+       "tile_prologue", "@pl.when(t.ub == t.lb)\ndef _():\n"
+       "  barriers.schedule_release_other(c.wg, c.cw)\n  barriers.schedule_sync(c.wg, c.cw)",
+       "pass", CARRY[3:]),
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
-       FORWARD_LAUNCH, "return -(-seq_q // config.tile_q), ",
-       "return -(-seq_q // config.tile_q) + 1, ", GUARD),
+       "launch_extent", "-(-seq_q // config.tile_q)", "-(-seq_q // config.tile_q) + 1", GUARD),
     _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
-       "H200 2026-12-01: the last tile's rows spilled into the next head)", FORWARD_LAUNCH,
-       "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"
-       "                                      jnp.float32)] * 2\n",
-       "    out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2\n",
+       "H200 2026-12-01: the last tile's rows spilled into the next head)", "_out_type",
+       "out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"
+       "                                  jnp.float32)] * 2",
+       "out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2",
        named("heuristic-ragged-1000-causal-gqa", "heuristic-ragged-776x1304-d64") + GUARD,
        probe="fwd-unpadded"),
-    _m("l-store-one-row-late", "a store one row past its tile (one row past the end)", FORWARD_EPILOGUE,
-       "lambda: c.l_ref.at[t.b, t.h, t.rows])",
-       "lambda: c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, c.block_q)])",
-       GUARD),
+    _m("l-store-one-row-late", "a store one row past its tile (one row past the end)",
+       "into_output", "c.l_ref.at[t.b, t.h, t.rows]",
+       "c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, c.block_q)]", GUARD),
     # -- backward ------------------------------------------------------------------
-    _m("lse-base-e", "the backward reading lse in base e", BACKWARD_LAUNCH,
+    _b("lse-base-e", "the backward reading lse in base e", "residual_rows",
        "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",
        "lse2 = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), jnp.inf)",
        ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
-    _m("delta-in-bf16", "delta formed in bf16", BACKWARD_LAUNCH,
+    _b("delta-in-bf16", "delta formed in bf16", "residual_rows",
        "delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)",
        "delta = jnp.sum(d_out.astype(out.dtype) * out, axis=-1).astype(jnp.float32)",
        ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
-    _m("fused-dq-missing-scale", "dq missing the scale (fused dQ)", BACKWARD_LAUNCH,
-       "dq = dq_acc.astype(jnp.float32) * f.scale\n",
-       "dq = dq_acc.astype(jnp.float32)\n", grads("gqa-d128"), probe="grad-fused"),
-    _m("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", BACKWARD_DQ,
+    # backward_xla defines an attention_backward too: "backward." names the Pallas one.
+    _b("fused-dq-missing-scale", "dq missing the scale (fused dQ)",
+       "launch.attention_backward", "dq = dq_acc.astype(jnp.float32) * f.scale",
+       "dq = dq_acc.astype(jnp.float32)", grads("gqa-d128"), probe="grad-fused"),
+    _b("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", "_dq_compute",
        "q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)",
        "q_st[...] = dq_acc.astype(c.dtype)", grads("ragged-causal-d72-dv96"), probe="grad-causal"),
-    _m("dk-missing-scale", "dk missing the scale", BACKWARD_DKV,
-       "    if name == \"dk\":\n      acc = acc * c.f.scale\n", "", grads("gqa-d128")),
-    _m("dk-dv-swapped", "dk and dv swapped (joint launch)", BACKWARD_DKV,
+    _b("dk-missing-scale", "dk missing the scale", "_dkv_compute",
+       "if name == \"dk\":\n  acc = acc * c.f.scale", "", grads("gqa-d128")),
+    _b("dk-dv-swapped", "dk and dv swapped (joint launch)", "_dkv_compute",
        'results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}',
        'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)}', grads("gqa-d128")),
-    _m("backward-causal-diagonal-masked", "causal off by one in the backward", BACKWARD_SCORES,
-       "masks.causal_select(x, key_base=self.key_base, query_base=self.query_base,",
-       "masks.causal_select(x, key_base=self.key_base, query_base=self.query_base - 1,",
+    _b("backward-causal-diagonal-masked", "causal off by one in the backward", "_Keep.select",
+       "self.query_base", "self.query_base - 1",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
-    _m("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it", BACKWARD_SCORES,
-       "return key_base + num_keys - 1 > query_base",
+    _b("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it",
+       "meets_diagonal", "return key_base + num_keys - 1 > query_base",
        "return key_base + num_keys - 1 > query_base + 1",
        ("properties/test_causal_skip.py::test_the_predicate_sees_the_corners",)
        + grads("ragged-causal-d72-dv96"), probe="grad-causal"),
-    _m("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
-       BACKWARD_DKV,
+    _b("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
+       "_at_key_tile",
        "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)",
        "lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) + 1 if c.f.is_causal "
        "else jnp.int32(0)",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
-    _m("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", BACKWARD_DKV,
+    _b("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", "_dkv_coords",
        "return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        "return c.hk + c.num_kv_heads * lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        grads("gqa-d128")),
-    _m("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", BACKWARD_DQ,
-       "  hk = lax.div(h, jnp.int32(c.group))\n  f = c.f\n  start_max = end_min = None",
-       "  hk = lax.rem(h, jnp.int32(c.num_kv_heads))\n  f = c.f\n  start_max = end_min = None",
+    _b("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", "_dq_kernel",
+       "hk = lax.div(h, jnp.int32(c.group))", "hk = lax.rem(h, jnp.int32(c.num_kv_heads))",
        grads("gqa-causal-dq-kernel"), probe="grad-causal"),
-    Mutant("bias-after-softcap", "bias added after the soft cap", BACKWARD_SCORES, ((
-        "  if bias is not None:\n    u = u + bias.astype(jnp.float32)\n"
-        "  if f.logits_soft_cap is None:\n    return u, None\n"
-        "  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
-        "  return t * f.logits_soft_cap, 1.0 - t * t\n",
-        "  late = 0.0 if bias is None else bias.astype(jnp.float32)\n"
-        "  if f.logits_soft_cap is None:\n    return u + late, None\n"
-        "  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
-        "  return t * f.logits_soft_cap + late, 1.0 - t * t\n"),),
-        grads("bias-full-softcap")),
-    _m("softcap-derivative-wrong", "the soft cap's derivative without its square", BACKWARD_SCORES,
-       "return t * f.logits_soft_cap, 1.0 - t * t", "return t * f.logits_soft_cap, 1.0 - t",
+    _b("bias-after-softcap", "bias added after the soft cap", "_scaled_logits",
+       "if bias is not None:\n  u = u + bias.astype(jnp.float32)\n"
+       "if f.logits_soft_cap is None:\n  return u, None\n"
+       "t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
+       "return t * f.logits_soft_cap, 1.0 - t * t",
+       "late = 0.0 if bias is None else bias.astype(jnp.float32)\n"
+       "if f.logits_soft_cap is None:\n  return u + late, None\n"
+       "t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
+       "return t * f.logits_soft_cap + late, 1.0 - t * t",
        grads("bias-full-softcap")),
-    _m("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum", BACKWARD_LAUNCH,
-       "summed = jnp.sum(ds, axis=", "summed = jnp.mean(ds, axis=", grads("bias-row-neg-inf")),
-    _m("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", BACKWARD_SCORES,
+    _b("softcap-derivative-wrong", "the soft cap's derivative without its square",
+       "_scaled_logits", "return t * f.logits_soft_cap, 1.0 - t * t",
+       "return t * f.logits_soft_cap, 1.0 - t", grads("bias-full-softcap")),
+    _b("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum",
+       "launch.attention_backward",
+       "summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)",
+       "summed = jnp.mean(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)",
+       grads("bias-row-neg-inf")),
+    _b("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", "_masked_to_zero",
        "return ds if keep is None else keep.select(ds)", "return ds",
-       (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",), probe="grad-causal"),
-    _m("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early", SYNC_PIPELINE,
-       "return self.count >= self.num_stages", "return self.count >= self.num_stages + 1",
-       grads("gqa-d128", "d256-head-split"), probe="grad"),
+       (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",),
+       probe="grad-causal"),
+    _b("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early",
+       "PipelineState.refills", "return self.count >= self.num_stages",
+       "return self.count >= self.num_stages + 1", grads("gqa-d128", "d256-head-split")),
     Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
-           "products reading it completed", BACKWARD_DKV, (
-               ("  stream.consumer_release(st)\n  if c.fused:\n",
-                "  if c.fused:\n"),
-               ("  # dV += P^T dO and dK += dS^T Q: issued together, waited once.\n",
-                "  stream.consumer_release(st)\n")),
-           grads("gqa-d128", "d256-head-split")),
+           "products reading it completed", (
+               anchors.edit("_dkv_step", "stream.consumer_release(st)", ""),
+               anchors.edit("_dkv_step", 'accs = {"dv": dv_acc, "dk": dk_acc}',
+                            'stream.consumer_release(st)\naccs = {"dv": dv_acc, "dk": dk_acc}')),
+           grads("gqa-d128", "d256-head-split"), probe="grad"),
     # -- backward: the head split (head dims over 128) -------------------------
-    _m("head-split-dv-other-half", "a warpgroup's dV half formed from the other half of dO",
-       BACKWARD_DKV, "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
+    _b("head-split-dv-other-half", "a warpgroup's dV half formed from the other half of dO",
+       "_wide_step.grads", "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
        "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, pl.ds((1 - wg) * "
        "dv_acc.shape[1], dv_acc.shape[1])])",
        grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
-    _m("head-split-ds-halves-swapped", "the dQ kernel's dS halves staged in each other's "
-       "columns", BACKWARD_DQ, "  c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
-       "  c.exchange.at[x, :, pl.ds((1 - wg) * half, half)][...] = ds.astype(c.dtype)",
+    _b("head-split-ds-halves-swapped", "the dQ kernel's dS halves staged in each other's "
+       "columns", "_wide_dq_step", "c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
+       "c.exchange.at[x, :, pl.ds((1 - wg) * half, half)][...] = ds.astype(c.dtype)",
        grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
 )
 
@@ -334,16 +335,15 @@ def by_name(name: str) -> Mutant:
   raise MutantError(f"unknown mutant {name!r}; known: {', '.join(m.name for m in CATALOG)}")
 
 
-def patched_text(mutant: Mutant, source: str) -> str:
-  """``source`` with the mutant's edits applied; each old text must occur
-  exactly once (else the catalogue has rotted: MutantError names it)."""
-  for i, (old, new) in enumerate(mutant.edits):
-    n = source.count(old)
-    if n != 1:
-      raise MutantError(f"{mutant.name}: edit {i} of {mutant.path}: the old text occurs "
-                        f"{n} times (expected exactly once): {old[:80]!r}")
-    source = source.replace(old, new)
-  return source
+def patched_files(mutant: Mutant, root: Path = REPO, tree: anchors.Tree | None = None
+                  ) -> dict[Path, str]:
+  """{path relative to ``root``: patched text} of the files the mutant's
+  edits change; an anchor that does not find exactly one place means the
+  catalogue has rotted: MutantError names the mutant, the function and why."""
+  try:
+    return anchors.splice(mutant.edits, tree or anchors.Tree(root, mutant.within))
+  except anchors.AnchorError as err:
+    raise MutantError(f"{mutant.name}: {err}") from None
 
 
 def copy_tree(dest: Path, root: Path = REPO) -> Path:
@@ -358,11 +358,13 @@ def copy_tree(dest: Path, root: Path = REPO) -> Path:
   return dest
 
 
-def apply(mutant: Mutant, root: Path) -> Path:
-  """Patch the copy under ``root`` in place; returns the patched file."""
-  path = root / mutant.path
-  path.write_text(patched_text(mutant, path.read_text()))
-  return path
+def apply(mutant: Mutant, root: Path) -> list[Path]:
+  """Patch the copy under ``root`` in place; returns the patched files."""
+  out = []
+  for rel, text in patched_files(mutant, root).items():
+    (root / rel).write_text(text)
+    out.append(root / rel)
+  return out
 
 
 def child_env(root: Path, test_timeout: float | None) -> dict:
@@ -548,15 +550,23 @@ def select(names: str | None, shard: str | None) -> list[Mutant]:
 
 
 def check(root: Path = REPO, mutants=CATALOG) -> list[str]:
-  """Problems with the catalogue against the source under ``root``: a patch
-  that does not apply exactly once, or whose result does not compile."""
-  problems = []
+  """Problems with the catalogue against the source under ``root``: an
+  anchor that does not find exactly one place, a patched file that does not
+  compile, or a patch that leaves the program as it was."""
+  problems, trees = [], {}
   for m in mutants:
+    if m.within not in trees:
+      trees[m.within] = anchors.Tree(root, m.within)
+    tree = trees[m.within]
     try:
-      text = patched_text(m, (root / m.path).read_text())
-      compile(text, m.path, "exec")
-    except (MutantError, SyntaxError) as err:
-      problems.append(f"{m.name}: {type(err).__name__}: {err}")
+      for rel, text in patched_files(m, root, tree).items():
+        if ast.dump(ast.parse(text)) == ast.dump(tree.modules[rel]):
+          problems.append(f"{m.name}: the patch leaves {rel.as_posix()} the same program")
+        compile(text, rel.as_posix(), "exec")
+    except MutantError as err:
+      problems.append(str(err))
+    except SyntaxError as err:
+      problems.append(f"{m.name}: SyntaxError: {err}")
   return problems
 
 
@@ -631,7 +641,7 @@ def main(argv=None) -> int:
   parser.add_argument("--no-control", action="store_true")
   parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
   parser.add_argument("--check", action="store_true",
-                      help="only apply and compile every patch (no tests)")
+                      help="only anchor, apply and compile every patch (no tests)")
   parser.add_argument("--lower", action="store_true",
                       help="CPU: every patch applies, lowers for CUDA and changes its probe's "
                            "traced program (harness/tools/mutant_lowering.py)")
@@ -642,11 +652,11 @@ def main(argv=None) -> int:
     parser.error(str(err))
   if args.list:
     for m in chosen:
-      print(f"{m.name:44s} {m.path:20s} {m.bug_class}")
+      print(f"{m.name:44s} {m.functions:28s} {m.bug_class}")
     return 0
   if args.check:
     problems = check(mutants=chosen)
-    print("\n".join(problems) or f"{len(chosen)} patches apply exactly once and compile")
+    print("\n".join(problems) or f"{len(chosen)} patches find their places and compile")
     return 1 if problems else 0
   device = None
   if not args.lower:

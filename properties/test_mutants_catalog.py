@@ -96,7 +96,7 @@ def test_a_hang_is_stopped_and_the_test_named(tmp_path):
   limit and reported as a hang naming the test (a source patch of the test
   file stands in for a kernel that hangs)."""
   name = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
-  first = "assert not bwd.meets_diagonal(0, 64, 63)"
+  first = "assert not bwd_scores.meets_diagonal(0, 64, 63)"
   sleeper = mutants.Mutant("sleeper", "hang", (anchors.edit(
       "test_the_predicate_sees_the_corners", first, f"import time\ntime.sleep(120)\n{first}"),),
       (name,), within="properties/test_causal_skip.py")

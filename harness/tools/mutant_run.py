@@ -44,8 +44,9 @@ def carry_cases():
   # block it falls in, all masked, and is no empty tile).
   tile_len[:, :, ::3] = 0
   tile_start[:, :, ::3] = 128 * rng.integers(0, 8, tile_start[:, :, ::3].shape)
-  c.k_start = np.repeat(tile_start, 128, axis=2).astype(np.int32)
-  c.k_end = np.repeat(np.minimum(tile_start + tile_len, 1024), 128, axis=2).astype(np.int32)
+  c = c.replace(k_start=np.repeat(tile_start, 128, axis=2).astype(np.int32),
+                k_end=np.repeat(np.minimum(tile_start + tile_len, 1024), 128,
+                                axis=2).astype(np.int32))
   cases.append(("key-ranges-with-empty-tiles", c, Config(64, 128, 2, True)))
   return cases
 

@@ -183,7 +183,7 @@ def window_tile_keys(qi: int, tile: int, window: tuple[int, int], *, seq_q: int,
 
 
 # A key range starting here marks a row the forward kernel writes NaN
-# (kernel.forward.Features.poisons_rows; kernel.key_ranges sets it on the rows
+# (kernel.tiling.plan.Problem.poisons_rows; kernel.key_ranges sets it on the rows
 # one range cannot serve, where every served start is at least 0).
 POISONED_START = -1
 

@@ -24,7 +24,7 @@ and skips the blocks it excludes:
   occurs in several runs of ``kv_segment_ids`` cannot be served by one
   interval: its output, m, l and log-sum-exp are NaN (never a silently wrong
   value), and so are the gradients it reaches.  The kernel writes the NaN
-  itself (``Features.poisons_rows``): such a row's range starts at
+  itself (``Problem.poisons_rows``): such a row's range starts at
   ``kernel.common.POISONED_START`` (-1; every served start is at least 0
   there, the segment's start being in their maximum), so it visits keys
   from 0 and its epilogue selects NaN.  ``segment_layout="any"`` takes any

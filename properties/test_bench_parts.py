@@ -34,7 +34,7 @@ def _abstract_inputs(shape: bench.BenchShape):
 def test_every_part_lowers_for_cuda(shape):
   fns = bench.backward_part_fns(shape)
   # The fused kernel is timed wherever it can run; the shipped backward
-  # takes it under causal only up to head dim 64 (kernel.backward.blocks_for).
+  # takes it under causal only up to head dim 64 (kernel.tiling.backward_plan.blocks_for).
   assert ("dkv+fused dQ" in fns) == (shape.head_dim <= 128)
   # and so is deterministic=True's fixed point, with the scales it needs
   for part in ("rows+scales", "dkv+fixed-point dQ", "forward+backward deterministic"):

@@ -1,5 +1,5 @@
 """The backward kernels apply the causal mask only on the steps whose tile
-meets the diagonal (kernel.backward.meets_diagonal); every other step runs
+meets the diagonal (kernel.backward.scores.meets_diagonal); every other step runs
 without it.  That is right only if a step the predicate lets through has no
 pair the mask would drop.  CPU: the predicate is index arithmetic the kernels
 trace, checked here on Python ints and on traced int32 against every pair of

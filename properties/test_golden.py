@@ -275,7 +275,7 @@ def test_a_variant_case_reaches_the_api_and_lowers_for_cuda(spec, monkeypatch):
 
 def _key_blocks_visited(spec) -> tuple[int, int]:
   """(visited, plain): key blocks the forward's loop runs over every query
-  tile of every batch row and head (kernel.forward.kv_block_range on the
+  tile of every batch row and head (kernel.common.kv_block_range on the
   ranges kernel/key_ranges.py makes, with the config the case runs on this
   host), and the same count for the call without the case's variants."""
   from kernel import common, padding

@@ -66,7 +66,7 @@ def test_gradients_match_float64(shard, case):
 @settings(max_examples=hs.per_shard(12))
 def test_deterministic_gradients_match_float64(shard, case):
   """deterministic=True's backward (the fused dQ summed in int32 fixed point
-  where it applies: kernel.backward.FIXED_POINT_BITS) within the tolerance
+  where it applies: kernel.backward.fused_dq.FIXED_POINT_BITS) within the tolerance
   rule of float64 too."""
   note(case.describe())
   for r in gradient_reports(case, kernel_grads(case, backward="pallas-fixed-point")):
@@ -105,7 +105,7 @@ def _named_gradient_specs():
       shapes=S(B=1, T=113, N=2, H=72, S=203, K=1, Hv=96), dtype="bfloat16", seed=22,
       is_causal=True)
   # GQA through the dQ kernel (causal takes it over head dim 64:
-  # kernel.backward.blocks_for): the group's heads share a key/value head there too.
+  # kernel.tiling.backward_plan.blocks_for): the group's heads share a key/value head there too.
   yield "gqa-causal-dq-kernel", hs.CaseSpec(shapes=S(B=1, T=192, N=4, H=128, S=256, K=2, Hv=128),
                                             dtype="bfloat16", seed=33, is_causal=True)
   yield "causal-kv-longer", hs.CaseSpec(shapes=S(B=1, T=100, N=2, H=64, S=300, K=2, Hv=64),
@@ -129,7 +129,7 @@ def _named_gradient_specs():
       shapes=S(B=1, T=256, N=2, H=256, S=384, K=2, Hv=256), dtype="bfloat16", seed=37,
       logits_soft_cap=10.0, key_range=hs.KeyRangeSpec((1, 2, 256), 384, 13))
   # Head dims up to 64 without causal stream 128 query rows per dK/dV block
-  # (kernel.backward.blocks_for): the fused dQ with GQA at lengths no
+  # (kernel.tiling.backward_plan.blocks_for): the fused dQ with GQA at lengths no
   # multiple of 128, and with key ranges (their edge terms) as well.
   yield "d64-gqa-ragged-stream-128", hs.CaseSpec(
       shapes=S(B=1, T=300, N=4, H=64, S=200, K=2, Hv=64), dtype="bfloat16", seed=38)

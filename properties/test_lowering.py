@@ -352,7 +352,7 @@ def test_the_backward_lowers_with_key_ranges_of_every_shape(shape, causal):
 @pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
 @pytest.mark.parametrize("path", ["fused-dq", "bias", "causal"])
 def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):
-  """kernel.backward.smem_estimates, computed from the buffer descriptions
+  """kernel.tiling.backward_plan.smem_estimates, computed from the buffer descriptions
   the backward kernels allocate, is never below what the lowering counts for
   its launch and within SMEM_MARGIN_BYTES above it, on each dQ path (fused
   where it fits; the dQ kernel with a bias and under causal)."""

@@ -1,4 +1,4 @@
-"""The per-row inputs the backward kernels stream (kernel.backward.residual_rows):
+"""The per-row inputs the backward kernels stream (kernel.backward.launch.residual_rows):
 lse in base 2 from the forward's natural-log m and l, and delta = rowsum(dO * O),
 against float64, with padded and fully masked rows.  CPU: the function is
 plain JAX that runs before the kernels."""

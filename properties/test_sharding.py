@@ -84,7 +84,7 @@ def test_each_device_launches_the_kernels_of_its_local_shape(report, name):
   and result shapes of the single-device program run on one device's shard
   (batch and heads divided by their shard counts, broadcast axes whole), and
   there are as many launches: forward, and the backward's (dK/dV, and the
-  dQ kernel where the fused dQ does not apply: kernel.backward.launches)."""
+  dQ kernel where the fused dQ does not apply: kernel.tiling.backward_plan.launches)."""
   case = report["cases"][name]
   launches = sorted(case["launches"], key=json.dumps)
   local = sorted(case["local_launches"], key=json.dumps)

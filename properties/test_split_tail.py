@@ -4,7 +4,7 @@ the CPU: its deal exactly, its merge against float64, its refusals.
 The deal is a finite table computed from static shapes, checked whole:
 every key block of every tile runs exactly once, on one block, and the
 tail's runs are balanced to a block.  The merge
-(``kernel.forward.merge_pieces``) is checked on pieces computed in float64
+(``kernel.forward.order.merge_pieces``) is checked on pieces computed in float64
 the way the kernel computes them (each over its key blocks only, its
 output normalised by its own l, or left relative to exp(m) when not
 normalised): merged, they give the whole rows' output, m and l.  The

@@ -149,7 +149,7 @@ class BackwardCase:
 
 def backward_cases() -> list[BackwardCase]:
   """Every launch kind kernel/backward.py makes: with and without the fused
-  dQ, and where it applies (kernel.backward.fuses_dq) its fixed-point sum
+  dQ, and where it applies (kernel.tiling.backward_plan.fuses_dq) its fixed-point sum
   as well."""
   from kernel.tiling import backward_plan
   plain = [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)

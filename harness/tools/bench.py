@@ -263,7 +263,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
 
 def shipped_parts(shape: BenchShape) -> tuple[str, ...]:
   """The parts of backward_part_fns(shape) that the shipped forward +
-  backward runs at ``shape`` (kernel.backward.fuses_dq decides): their sum
+  backward runs at ``shape`` (kernel.tiling.backward_plan.fuses_dq decides): their sum
   against "forward+backward" shows what the parts leave out."""
   from kernel.tiling import backward_plan
   from kernel.tiling import plan as plan_lib

@@ -59,7 +59,7 @@ def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
       "grad": (base, dict(logits_soft_cap=10.0), dict(bias_shape=(1, 4, 300, 500)), True),
       # Non-causal without a bias: dQ accumulated in the dK/dV kernel.
       "grad-fused": (base, {}, {}, True),
-      # Causal at head dim 128 (the dQ kernel: kernel.backward.blocks_for), GQA.
+      # Causal at head dim 128 (the dQ kernel: kernel.tiling.backward_plan.blocks_for), GQA.
       "grad-causal": (dict(base, H=128, Hv=128), dict(is_causal=True), {}, True),
       # Head dim 256, causal, GQA: the head split of both backward kernels.
       "grad-d256": (dict(base, H=256, Hv=256), dict(is_causal=True), {}, True),

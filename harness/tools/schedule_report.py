@@ -19,7 +19,7 @@ head is not in it.
 
 ``--backward`` reports the backward's causal grids instead: the dK/dV
 kernel's launch order and, where dQ is not fused, the dQ kernel's
-(kernel.backward.dkv_launch_order and dq_launch_order), each dealt by
+(kernel.backward.dkv.dkv_launch_order and dq_launch_order), each dealt by
 ``kernel.tiling.schedule.predicted_makespan`` beside the head-by-head order.
 """
 
@@ -39,7 +39,7 @@ def order_of(config, *, batch: int, num_heads: int, num_kv_heads: int, head_dim:
              seq: int, causal: bool, **choices):
   """The longest-first order the forward runs for ``config`` at T = S =
   ``seq`` in bf16 on :data:`kernel.tiling.schedule.DEFAULT_NUM_SMS` SMs
-  (kernel.forward.tile_schedule); ``choices``: its ``even_sections`` and
+  (kernel.forward.order.tile_schedule); ``choices``: its ``even_sections`` and
   ``light_last``."""
   from kernel.forward import order as fwd_order
   from kernel.forward import launch as fwd_launch

@@ -58,7 +58,7 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   cannot see where packed documents or lengths put the work; the
   hardware's dynamic deal of the grid in that order beats a persistent
   deal by the same weights (docs/decisions/forward-reranked-by-device-weights.md).
-  A window alone is not re-ranked (``Features.window_ranges``): its static
+  A window alone is not re-ranked (``Problem.window_only``): its static
   order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)

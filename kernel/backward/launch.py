@@ -33,8 +33,9 @@ from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.backward.dkv import dkv_call
 from kernel.backward.dq import dq_call
 from kernel.backward.fused_dq import fixed_point_scales
-from kernel.tiling.backward_plan import (BackwardBlocks, backward_head_dims, choose, fuses_dq,
+from kernel.tiling.backward_plan import (BackwardBlocks, backward_head_dims, fuses_dq,
                                          smem_estimates)
+from kernel.tiling.heuristics import get_backward_config
 from kernel.variant import SHIPPED, Variant
 
 
@@ -77,7 +78,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   kernel.tiling.backward_plan.fuses_dq allows it (and ``variant.fuse_dq``),
   else formed by the dQ kernel; with ``problem.deterministic`` the fused dQ
   sums in int32 fixed point (bitwise reproducible: kernel/backward/fused_dq.py)
-  instead of float32.  The tiling is kernel.tiling.backward_plan.choose's
+  instead of float32.  The tiling is kernel.tiling.heuristics.get_backward_config's
   for the variant.  ``num_sms``: the GPU's SMs, which the causal launch
   order balances over (kernel.tiling.schedule.LaunchOrder); ``problem.window``,
   jax.nn's local window the key ranges came from, weighs its tiles.
@@ -88,7 +89,7 @@ def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l,
   batch, t, heads, hd = query.shape
   s, hdv = key.shape[1], value.shape[3]
   d, dv_dim = backward_head_dims(hd, hdv, variant)
-  blocks = choose(d, dv_dim, is_causal=f.is_causal, variant=variant)
+  blocks = get_backward_config(d, dv_dim, is_causal=f.is_causal, variant=variant)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were

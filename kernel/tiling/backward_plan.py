@@ -300,14 +300,3 @@ def backward_head_dims(head_dim: int, head_dim_out: int, variant) -> tuple[int, 
   variant's ``narrow_rows`` (kernel.tiling.plan.padded_head_dims)."""
   rule = plan_lib.padded_head_dims if variant.narrow_rows else plan_lib.backward_head_dims
   return rule(head_dim, head_dim_out)
-
-
-def choose(head_dim: int, head_dim_out: int, *, is_causal: bool, variant) -> BackwardBlocks:
-  """The backward's tiling for these (padded) head dims: :func:`blocks_for`'s,
-  with the variant's product schedule and causal dQ fusion
-  (kernel.variant.Variant)."""
-  blocks = dataclasses.replace(blocks_for(head_dim, head_dim_out, is_causal=is_causal),
-                               schedule=variant.backward_schedule)
-  if variant.fuse_dq_causal is not None:
-    blocks = dataclasses.replace(blocks, fuse_dq_causal=variant.fuse_dq_causal)
-  return blocks

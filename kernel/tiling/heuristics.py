@@ -1,4 +1,5 @@
-"""Which tiling to run: the default config and the autotuner's candidates.
+"""Which tiling to run: the forward's default config and the autotuner's
+candidates, and the backward's tiling (:func:`get_backward_config`).
 
 One predicate decides both, as in the seed: does the shared-memory plan fit,
 ``plan.config_fits(problem, config)``.  Nothing is
@@ -13,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from kernel.tiling import plan
+from kernel.tiling import backward_plan, plan
 from kernel.tiling.config import COMPUTE_WARPGROUP_COUNTS, Config
 
 BLOCK_Q_CANDIDATES = (64, 128)
@@ -90,3 +91,19 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
               if plan.config_fits(problem, config):
                 configs.append(config)
   return tuple(configs)
+
+
+def get_backward_config(head_dim: int, head_dim_out: int, *, is_causal: bool,
+                        variant=None) -> backward_plan.BackwardBlocks:
+  """The backward's tiling for these (padded) head dims:
+  kernel.tiling.backward_plan.blocks_for's rule, with the variant's product
+  schedule and causal dQ fusion (kernel.variant.Variant; None: the shipped
+  one).  Every tiling it returns fits shared memory (backward_plan's
+  estimate, checked again at the launch)."""
+  blocks = backward_plan.blocks_for(head_dim, head_dim_out, is_causal=is_causal)
+  if variant is None:
+    return blocks
+  blocks = dataclasses.replace(blocks, schedule=variant.backward_schedule)
+  if variant.fuse_dq_causal is not None:
+    blocks = dataclasses.replace(blocks, fuse_dq_causal=variant.fuse_dq_causal)
+  return blocks

@@ -130,7 +130,7 @@ def _check_case(case: hs.AttentionCase, config) -> None:
              tolerance.check_tolerance(lse, want_lse, naive_lse, dt, name="lse")]
   # The gradients are of sum(out * d_out) with d_out rounded as it was fed.
   d_out = np.asarray(jnp.asarray(case.d_out, jnp.bfloat16).astype(jnp.float32), np.float64)
-  reports += check_gradients(case.args, kw, d_out, list(grads) + [None], rtol=case.rtol)
+  reports += check_gradients(case.call, d_out, list(grads) + [None], rtol=case.rtol)
   # Every report in the message: a failing array is read beside the others.
   assert all(r.passed for r in reports), "\n".join(str(r) for r in reports)
 

@@ -3,8 +3,9 @@
 Two kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
 ``HARNESS_PROVE_CACHE`` names another folder, ``--no-cache`` skips it):
 
-* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`)
-  and the list of cases, under a digest of everything that decides them:
+* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`),
+  with Z3's proof of their premise, and the list of cases, under a digest
+  of everything that decides them:
   every file of ``kernel/`` (the autotuner's cache included), the extraction and learning modules of
   ``harness/`` (and the protocol mutants), the versions of Python, JAX,
   jaxlib, NumPy and ml_dtypes, and the ``JAX_*`` / ``XLA_*`` environment.
@@ -34,7 +35,8 @@ ENV = "HARNESS_PROVE_CACHE"
 # What the learned programs are made from (paths relative to the repository).
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
                  "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
-                 "harness/proofs/prove.py",
+                 "harness/proofs/prove.py", "harness/proofs/symbolic.py",
+                 "harness/proofs/terms.py", "harness/proofs/premise.py",
                  "harness/proofs/protocol_mutants.py", "harness/proofs/prove_cache.py")
 # What a check's verdict is made from.
 CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",

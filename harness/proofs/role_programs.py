@@ -251,6 +251,12 @@ class LaunchProgram:
   barriers: tuple       # ((name, num_arrivals, slots), ...)
   overlaps: tuple       # ((buffer, (buffers sharing bytes...)), ...)
   word: str | None = None   # one environment only (:func:`concrete`)
+  # raw buffer name -> its source name, as the units have them (for
+  # harness/proofs/premise.py, which names the symbolic events alike)
+  labels: tuple = dataclasses.field(default=(), compare=False)
+  # what proving (P) for it took (harness/proofs/premise.py's Stats.summary);
+  # empty where it was not proved
+  z3: tuple = dataclasses.field(default=(), compare=False)
 
   def key(self):
     """Two launches with equal keys are the same transition system."""
@@ -522,7 +528,8 @@ class Learner:
       word = "|".join("B" * n for n in trips) + "$"
       roles = [dataclasses.replace(r, reads="all") for r in roles]
     return LaunchProgram(self.name, self.ring, self.persistent, self.min_blocks,
-                         self.max_blocks, tuple(roles), barriers, overlaps, word)
+                         self.max_blocks, tuple(roles), barriers, overlaps, word,
+                         tuple(sorted(self.labels.items())))
 
   def _named(self, roles):
     """Buffers and barriers under the kernel source's names (one name per
@@ -534,6 +541,7 @@ class Learner:
           label = label if label not in taken else f"{label}#{raw}"
           names[raw] = label
           taken.add(label)
+    self.labels = names   # the symbolic extraction's events are named alike
     n = lambda b: names.get(b, b)
     cache: dict = {}
 

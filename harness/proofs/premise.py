@@ -288,6 +288,7 @@ class _Launch:
     self._sigma_memo: dict = {}
     self._gen: dict = {}
     self._gen_memo: dict = {}
+    self._nonneg: dict = {}
     self._dom_sig = repr((prog.ring, prog.persistent, prog.min_blocks, prog.max_blocks))
 
   # -- structure ----------------------------------------------------------------------
@@ -322,7 +323,7 @@ class _Launch:
     self.ref = ref.name
     lo, hi, _ = self.merged[ref.name]
     self.n_def = tm.sub(hi, lo)
-    if not tm.nonneg(self.n_def):  # a sum of max(0, .) terms needs no solver
+    if not tm.nonneg(self.n_def, memo=self._nonneg):  # a sum of max(0, .) terms needs no solver
       prove(f"{ref.name}'s key loop never runs backwards ([{lo!r}, {hi!r}))", ref.name,
             "loop", lambda full: tm.lt(self.n_def, 0))
     self.sigma = _solve_for(self.n_def)
@@ -361,7 +362,8 @@ class _Launch:
       if a.hi != b.lo:
         raise PremiseFailure(f"{self.prog.name}: {name}'s key loops at {a.src} and {b.src} "
                              f"are not consecutive ranges ({a.hi!r} against {b.lo!r})")
-    if len(loops) > 1 and not all(tm.nonneg(tm.sub(L.hi, L.lo)) for L in loops):
+    if len(loops) > 1 and not all(tm.nonneg(tm.sub(L.hi, L.lo), memo=self._nonneg)
+                                  for L in loops):
       prove(f"{name}'s key loops at {', '.join(L.src for L in loops)} are ordered ranges",
             name, "loop", lambda full: tm.or_(*(tm.lt(L.hi, L.lo) for L in loops)))
     return loops[0].lo, loops[-1].hi, bodies[0]

@@ -352,6 +352,7 @@ def _proved(learner, kernels, learn, realise) -> rp.LaunchProgram:
   caller checks one by one for a trace)."""
   from harness.proofs import premise, symbolic
   tried: set = set()
+  found: list = []   # Z3's counterexamples so far, each probed in turn
   prog = learn()
   while True:
     stats = premise.Stats()
@@ -361,18 +362,20 @@ def _proved(learner, kernels, learn, realise) -> rp.LaunchProgram:
       return dataclasses.replace(prog, z3=stats.summary())
     except premise.PremiseFailure as f:
       ctx = f.context
+      found.append(str(f))
+      so_far = "\n".join(found)
       key = tuple(ctx.get(k) for k in ("role", "kind", "t", "G", "n", "j", "GT"))
       if "n" not in ctx or key in tried or len(tried) >= MAX_COUNTEREXAMPLES:
-        raise rp.PremiseError(str(f), learner.seen[-1:] if key in tried else []) from None
+        raise rp.PremiseError(so_far, learner.seen[-1:] if key in tried else []) from None
       tried.add(key)
       try:
         realise(ctx)
       except ex.ExtractionError as err:
-        raise rp.PremiseError(f"{f}\n  no probe could show that environment: {err}") from None
+        raise rp.PremiseError(f"{so_far}\n  no probe could show that environment: {err}") from None
       try:
         prog = learn()
       except rp.PremiseError as err:
-        raise rp.PremiseError(f"{f}\n  probed there: {err}", err.probes) from None
+        raise rp.PremiseError(f"{so_far}\n  probed there: {err}", err.probes) from None
 
 
 class _ForwardProber:

@@ -185,6 +185,10 @@ class _SymInterp(ex._Interp):
             "ge": tm.ge}[name](a, b)
 
   def eqn_(self, eqn, name, ins, prog):
+    if name in ex.PURE and any(_int_aval(v.aval) for v in eqn.outvars):
+      why = next((x for x in ins if isinstance(x, Unexpressed)), None)
+      if why is not None:  # what it was made from cannot be expressed: nor can it
+        return [why] * len(eqn.outvars)
     if any(type(x) in _SYM for x in ins):
       if name == "convert_element_type":
         (x,) = ins

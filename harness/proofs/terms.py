@@ -722,6 +722,79 @@ def _eval_atom(a, values, reads):
 
 # -- Z3 --------------------------------------------------------------------------
 
+def smt2(query) -> str:
+  """``query`` (a Bool term) as an SMT-LIB 2 script of declarations and
+  assertions, for a solver to parse (faster than building its terms one
+  call at a time): every div / rem atom as a quotient and a remainder with
+  linear constraints, reads as uninterpreted functions."""
+  decls: dict = {}
+  side: list = []
+  memo: dict = {}
+
+  def num(c):
+    return str(c) if c >= 0 else f"(- {-c})"
+
+  def name(v):
+    return "|" + v.replace("|", "/") + "|"
+
+  def term(x):
+    t = type(x)
+    if t is bool:
+      return "true" if x else "false"
+    if t is int:
+      return num(x)
+    hit = memo.get(x)
+    if hit is not None:
+      return hit
+    if t is Lin:
+      parts = [atom(a) if c == 1 else f"(* {num(c)} {atom(a)})" for a, c in x.mono]
+      if x.const:
+        parts.append(num(x.const))
+      out = parts[0] if len(parts) == 1 else "(+ " + " ".join(parts) + ")"
+    elif t is Atom:
+      out = atom(x)
+    else:
+      args = [term(a) for a in x.args]
+      out = {"lt0": lambda: f"(< {args[0]} 0)", "le0": lambda: f"(<= {args[0]} 0)",
+             "eq0": lambda: f"(= {args[0]} 0)", "not": lambda: f"(not {args[0]})",
+             "and": lambda: "(and " + " ".join(args) + ")",
+             "or": lambda: "(or " + " ".join(args) + ")"}[x.op]()
+    memo[x] = out
+    return out
+
+  def atom(a):
+    hit = memo.get(a)
+    if hit is not None:
+      return hit
+    if a.op == "var":
+      out = name(a.args[0])
+      decls[out] = f"(declare-const {out} Int)"
+    elif a.op == "pos":
+      v = term(a.args[0])
+      out = f"(ite (> {v} 0) {v} 0)"
+    elif a.op == "ite":
+      out = f"(ite {term(a.args[0])} {term(a.args[1])} {term(a.args[2])})"
+    elif a.op == "read":
+      buf, idx = a.args
+      f = name(f"read.{buf}.{len(idx)}")
+      decls[f] = f"(declare-fun {f} ({' '.join(['Int'] * len(idx))}) Int)"
+      out = f"({f} {' '.join(term(i) for i in idx)})" if idx else f
+    else:  # div / rem by a positive constant, truncating toward zero
+      v, c = term(a.args[0]), a.args[1]
+      k = len(decls)
+      q, r = f"|q.{k}|", f"|r.{k}|"
+      decls[q], decls[r] = f"(declare-const {q} Int)", f"(declare-const {r} Int)"
+      side.append(f"(assert (= {v} (+ (* {c} {q}) {r})))")
+      side.append(f"(assert (=> (>= {v} 0) (and (>= {r} 0) (< {r} {c}))))")
+      side.append(f"(assert (=> (< {v} 0) (and (<= {r} 0) (> {r} (- {c})))))")
+      out = q if a.op == "div" else r
+    memo[a] = out
+    return out
+
+  body = term(query)
+  return "\n".join([*decls.values(), *side, f"(assert {body})"])
+
+
 class Z3Terms:
   """Terms as Z3 expressions, within one solver: every div / rem atom gets
   a quotient and a remainder bound by linear constraints (kept in

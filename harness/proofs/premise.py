@@ -27,7 +27,8 @@ whose features no entry has is a failure too (coverage).  With it, the
 events at x and at x + M (x >= S) are equal, and are decided by the
 features the search uses, for every x at once.
 
-The statement rests on four facts Z3 proves first, from the same terms:
+The statement rests on four facts, proved first from the same terms (by Z3
+where their form does not already show them):
 
 * the key loops of a tile are consecutive ranges of one body (the
   forward's plain and masked loops), so iteration j has counter lo + j;
@@ -38,16 +39,26 @@ The statement rests on four facts Z3 proves first, from the same terms:
   at 0 and grows by n per tile, so at tile t it is G (by induction);
 * every persistent role walks the same tiles (the same loop bounds).
 
+The trip count is free in every claim: it stands for the producer's
+range wherever that appears, so the traced problem's few key blocks do not
+bound it.
+
 Each query reads "exists a context and an environment where the claim
 fails": unsat is the proof.  Queries are built over terms and written in
-a canonical form first -- the trip count substituted for the producer's
-range wherever it appears, every other value that depends on none of t,
-G, n, j, G_T generalised to a fresh variable (which only widens what is
-checked) -- so that the many launches whose claims are equal up to those
-values share one Z3 call.  Where the general form has a model, the query
-is asked again without the generalisation; a model of that one is a
-counterexample: :class:`PremiseFailure` names the role, the unit, the
-position and trip counts, and both event lists as kernel source lines.
+a canonical form first -- every value that depends on none of t, G, n, j,
+G_T (or on them only through a read from memory) generalised to a fresh
+variable, which only widens what is checked -- so that the many launches
+whose claims are equal up to those values share one Z3 call.  Where the
+general form has a model, the query is asked again without the
+generalisation; a model of that one is a counterexample:
+:class:`PremiseFailure` names the role, the unit, the position and trip
+counts, and both event lists as kernel source lines.  The facts of the
+order of a tile's loop bounds are first tried by the sound syntactic rules
+of :func:`harness.proofs.terms.nonneg` (most hold by the form of their
+maxima), the rest go to Z3.
+
+:func:`harness.proofs.prove_extracted._proved` probes each counterexample
+and learns the tables again, until Z3 proves them or the probes disagree.
 """
 
 from __future__ import annotations
@@ -241,14 +252,6 @@ def table_claim(table: rp.Table, feats: dict, items):
 
 # -- the launch -----------------------------------------------------------------------
 
-@dataclasses.dataclass
-class _Query:
-  what: str
-  role: str
-  kind: str
-  build: object            # full: bool -> (query, domain, items, table, feats)
-
-
 def _relabel(items, labels):
   if not labels:
     return items
@@ -272,11 +275,6 @@ def _first_src(items):
   return "?"
 
 
-def _describe(items) -> str:
-  return "; ".join(f"{it.event.src} {it.event.describe()}" +
-                   ("" if it.guard is True else f" [if {it.guard!r}]") for it in items)
-
-
 class _Launch:
   """The obligations of one launch (module docstring), built from its
   symbolic roles and learned program."""
@@ -292,7 +290,6 @@ class _Launch:
           f"but no probe showed it do so")
     self.units = {name: sy.units(name, _relabel(launch.roles.get(name, []), labels),
                                  persistent=self.persistent) for name in self.roles}
-    self.queries: list = []
     self.sigma: dict = {}
     self.n_def = None
     self._memos: dict = {}

@@ -212,6 +212,9 @@ def main(argv=None) -> int:
       shows = protocol_mutants.BY_NAME[args.mutant].backward
       own = [it for it in listed if it[0] == "backward" and shows
              and it[1] == cases.BackwardCase(*shows)]
+      if protocol_mutants.BY_NAME[args.mutant].persistent:
+        # only a persistent block can show it: those first, smallest first
+        own += [it for it in listed if it[0] == "forward" and it[1].persistent]
       listed[:] = own + [it for it in listed if it not in own]
     return listed
 

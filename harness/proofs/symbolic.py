@@ -104,10 +104,6 @@ def _int_aval(aval) -> bool:
   return ex._int_scalar(aval)
 
 
-def _is_bool_aval(aval) -> bool:
-  return getattr(aval, "dtype", None) == np.bool_
-
-
 def _items_events(items):
   for it in items:
     if isinstance(it, Ev):

@@ -8,12 +8,16 @@ The configs are those :func:`kernel.heuristics.get_heuristics_config` and
 sequence lengths), reduced to the forward protocols they differ in
 (:func:`harness.proofs.cases.forward_cases`); the backward's are every
 launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
-programs are learned from probe environments and proved for every number
-of tiles and key blocks (:mod:`harness.proofs.prove_extracted`,
-:mod:`harness.proofs.role_programs`, :mod:`harness.proofs.extracted_proof`); launches
-whose programs are equal up to the names of their buffers and barriers
-share one check.  A failure prints its trace in
-kernel source lines and the environment that shows it.
+programs are learned from probe environments, Z3 proves that they are the
+kernel's events under every environment (the premise of
+:mod:`harness.proofs.role_programs`; :mod:`harness.proofs.premise`, from the jaxpr
+read with symbolic integers, :mod:`harness.proofs.symbolic`), and the search
+proves them for every number of tiles and key blocks
+(:mod:`harness.proofs.prove_extracted`, :mod:`harness.proofs.extracted_proof`);
+launches whose programs are equal up to the names of their buffers and
+barriers share one check.  A failure prints its trace in kernel source
+lines and the environment that shows it.  ``docs/proof.md`` says what is
+proved and what is not.
 
 The run keeps what passed in ``.cache/prove/`` (:mod:`harness.proofs.prove_cache`:
 the learned programs under a digest of the kernel and extraction sources,
@@ -23,7 +27,10 @@ and checks everything anew, as a fresh clone does.
 
 ``--mutant NAME`` proves a protocol defect of ``harness/proofs/protocol_mutants.py``
 written into a copy of the kernel's source instead (the command must fail;
-it never uses the cache, nor does ``--fail-fast``).
+it never uses the cache, nor does ``--fail-fast``).  ``--probes-only``
+tests the premise with the probes alone, as before Z3 proved it, for
+comparison; the command then fails, as nothing beyond the probed trip
+counts is proved.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ every launch kind of ``kernel/backward.py``
 kernel on the CPU, reads every role's events out of the jaxpr
 (:mod:`harness.proofs.extract`) under *probe* environments, learns each role's
 program from them (:mod:`harness.proofs.role_programs`, which states the premise
-that makes the proof unbounded and tests it on every probe) and checks it
+that makes the proof unbounded and tests it on every probe), has Z3 prove
+that premise for the traced kernel (:mod:`harness.proofs.premise`, each
+counterexample probed in turn: :func:`_proved`) and checks the program
 for every environment (:func:`harness.proofs.extracted_proof.check`: every number
 of tiles, every trip count per tile, zero included, every interleaving).
 Launches whose programs are equal up to the names of their buffers and
@@ -29,7 +31,9 @@ its tile's range the same way; the dK/dV kernels' streams are as long as
 the traced shapes make them, so they are traced at two query lengths (and,
 causal, every key tile of them, whose streams start further in).
 
-A case whose units break the premise is reported with the two probes that
+A case whose units break the premise (seen by the probes, or by Z3 and then
+by the probe of its counterexample, a longer trace where the environment
+needs more key blocks or tiles) is reported with the two probes that
 disagree, each checked under its own environment (its trace, if it has a
 violation, is the failure shown).
 """

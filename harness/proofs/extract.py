@@ -513,7 +513,7 @@ class _Interp:
     self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
     self.site = None                     # the kernel line of the cond whose branch runs
 
-  def _buffer(self, aval, space_hint=None, var=None):
+  def _buffer(self, aval, var, space_hint=None):
     inner = getattr(aval, "inner_aval", aval)
     dtype = getattr(inner, "dtype", None)
     space = str(getattr(aval, "memory_space", space_hint or "")).lower()
@@ -526,14 +526,9 @@ class _Interp:
       kind = "smem"
     else:
       kind = "regs"
-    key = id(var) if var is not None else None
-    number = self._names.get(key) if key is not None else None
+    number = self._names.get(id(var))
     if number is None:
-      number = len(self._names) + 1
-      if key is not None:
-        self._names[key] = number
-      else:
-        self._names[object()] = number
+      number = self._names[id(var)] = len(self._names) + 1
     return Buffer(f"{kind}{number}", kind, tuple(getattr(inner, "shape", ())), int(arrivals))
 
   def _emit(self, ev: Event):
@@ -641,7 +636,7 @@ class _Interp:
     sub = eqn.params["jaxpr"]
     args = []
     for v in sub.invars:
-      buf = self._buffer(v.aval, var=v)
+      buf = self._buffer(v.aval, v)
       self.buffers[buf.name] = buf
       groups = _mirror_groups(getattr(v.aval, "refs", None))
       if groups:
@@ -656,7 +651,7 @@ class _Interp:
       if isinstance(a, RefV):
         args.append(a)
       else:  # a value run_state turns into a fresh ref (an accumulator)
-        buf = self._buffer(v.aval, "regs", var=v)
+        buf = self._buffer(v.aval, v, "regs")
         self.cells[buf.name] = a
         args.append(RefV(buf))
     self.run(sub, args)

@@ -513,7 +513,7 @@ class _ForwardProber:
         self._retrace(n + 3, None)
       return self.planned([n])
     later = ctx.get("t", 0) >= 1 or g > 0
-    for attempt in range(2):
+    for _ in range(2):
       chooser = _Realiser(g, n, self.cap, later)
       try:
         self.probe(chooser, self.wide[0])
@@ -521,19 +521,15 @@ class _ForwardProber:
         chooser.placed = False
       if chooser.placed:
         return
-      # longer tiles and more of them
-      self._retrace(max(n, 2) + 3, g // max(1, min(n, 4)) + 8)
-    raise ex.ExtractionError(f"no probe of {learner_name(self)} reaches ring position {g} "
+      # a tile long enough for n, and enough tiles for G even one block each
+      self._retrace(max(n, 2) + 3, g + 4)
+    raise ex.ExtractionError(f"no probe of {self.learner.name} reaches ring position {g} "
                              f"with a tile of {n} key blocks")
 
   def _retrace(self, kv_blocks, tiles):
     self._use(trace_case(self.case, module=self.module,
                          kv_blocks=max(kv_blocks, self.features.seq_kv // self.case.block_kv),
                          tiles=tiles))
-
-
-def learner_name(prober) -> str:
-  return prober.learner.name
 
 
 class _Realiser:

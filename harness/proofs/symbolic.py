@@ -321,7 +321,9 @@ class _SymInterp(ex._Interp):
     p = eqn.params
     cc, bc = p["cond_nconsts"], p["body_nconsts"]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-    if not (ex._has_sync(bj.jaxpr) or ex._has_sync(cj.jaxpr)):
+    if ex._has_sync(cj.jaxpr):  # its events would run once per iteration, unmodelled here
+      raise ex.ExtractionError(f"{src}: a while loop whose condition synchronises")
+    if not ex._has_sync(bj.jaxpr):
       return super().p_while(eqn, ins, src)
     cconsts, bconsts, carry = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
     cjc, bjc = [ex._const(c) for c in cj.consts], [ex._const(c) for c in bj.consts]

@@ -62,12 +62,11 @@ def _h(x) -> int:
   return x.h
 
 
-class Atom:
-  """op: var (name), div / rem (Lin, positive int), pos (Lin), ite (Bool, term,
-  term), read (buffer name, index terms).  One object per term: equal terms
-  are the same object."""
+class _Term:
+  """One object per term (hash-consed): equal terms are the same object,
+  compared by identity, hashed by ``h`` (the same in every process)."""
 
-  __slots__ = ("op", "args", "h", "one", "__weakref__")
+  __slots__ = ("h", "__weakref__")
 
   def __hash__(self):
     return self.h
@@ -75,6 +74,13 @@ class Atom:
   @property
   def key(self):
     return self
+
+
+class Atom(_Term):
+  """op: var (name), div / rem (Lin, positive int), pos (Lin), ite (Bool, term,
+  term), read (buffer name, index terms)."""
+
+  __slots__ = ("op", "args", "one")
 
   def __repr__(self):
     a = self.args
@@ -89,17 +95,10 @@ class Atom:
     return f"{a[0]}[{', '.join(map(repr, a[1]))}]"
 
 
-class Lin:
+class Lin(_Term):
   """const + sum(coef * atom), monomials in a fixed order."""
 
-  __slots__ = ("const", "mono", "h", "__weakref__")
-
-  def __hash__(self):
-    return self.h
-
-  @property
-  def key(self):
-    return self
+  __slots__ = ("const", "mono")
 
   def __repr__(self):
     parts = [("" if c == 1 else "-" if c == -1 else f"{c}*") + repr(a) for a, c in self.mono]
@@ -108,18 +107,11 @@ class Lin:
     return " + ".join(parts).replace("+ -", "- ")
 
 
-class Bool:
+class Bool(_Term):
   """op: lt0 / le0 / eq0 (Lin: x < 0, x <= 0, x == 0), not (Bool), and / or
   (tuple of Bool)."""
 
-  __slots__ = ("op", "args", "h", "__weakref__")
-
-  def __hash__(self):
-    return self.h
-
-  @property
-  def key(self):
-    return self
+  __slots__ = ("op", "args")
 
   def __repr__(self):
     if self.op in ("lt0", "le0", "eq0"):

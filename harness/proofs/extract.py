@@ -488,6 +488,9 @@ def _mirror_groups(groups) -> dict[int, int]:
   return mirrors
 
 
+_ALLOC_NAMES: dict = {}  # id(kernel eqn) -> (kernel eqn, {id(jaxpr var): number})
+
+
 class _Interp:
   def __init__(self, kernel_eqn, env: Callable, axes: dict):
     self.eqn = kernel_eqn
@@ -497,15 +500,20 @@ class _Interp:
     self.event_loops: dict[str, list] = {}
     self.role = None
     self.buffers: dict[str, Buffer] = {}
-    self._alloc = 0
+    # Allocations are named per kernel by the jaxpr variable that holds them,
+    # so that every run over one trace (concrete or symbolic, whichever
+    # branches it takes) gives a buffer the same name.
+    hit = _ALLOC_NAMES.get(id(kernel_eqn))
+    if hit is None or hit[0] is not kernel_eqn:
+      hit = _ALLOC_NAMES[id(kernel_eqn)] = (kernel_eqn, {})
+    self._names = hit[1]
     self.cells: dict[str, Any] = {}     # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
     self.mirrors: dict[str, dict] = {}  # union allocation -> its _mirror_groups
     self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
     self.site = None                     # the kernel line of the cond whose branch runs
 
-  def _buffer(self, aval, space_hint=None):
-    self._alloc += 1
+  def _buffer(self, aval, var, space_hint=None):
     inner = getattr(aval, "inner_aval", aval)
     dtype = getattr(inner, "dtype", None)
     space = str(getattr(aval, "memory_space", space_hint or "")).lower()
@@ -518,7 +526,10 @@ class _Interp:
       kind = "smem"
     else:
       kind = "regs"
-    return Buffer(f"{kind}{self._alloc}", kind, tuple(getattr(inner, "shape", ())), int(arrivals))
+    number = self._names.get(id(var))
+    if number is None:
+      number = self._names[id(var)] = len(self._names) + 1
+    return Buffer(f"{kind}{number}", kind, tuple(getattr(inner, "shape", ())), int(arrivals))
 
   def _emit(self, ev: Event):
     self.events.setdefault(self.role, []).append(ev)
@@ -625,7 +636,7 @@ class _Interp:
     sub = eqn.params["jaxpr"]
     args = []
     for v in sub.invars:
-      buf = self._buffer(v.aval)
+      buf = self._buffer(v.aval, v)
       self.buffers[buf.name] = buf
       groups = _mirror_groups(getattr(v.aval, "refs", None))
       if groups:
@@ -640,7 +651,7 @@ class _Interp:
       if isinstance(a, RefV):
         args.append(a)
       else:  # a value run_state turns into a fresh ref (an accumulator)
-        buf = self._buffer(v.aval, "regs")
+        buf = self._buffer(v.aval, v, "regs")
         self.cells[buf.name] = a
         args.append(RefV(buf))
     self.run(sub, args)
@@ -817,6 +828,11 @@ class _Interp:
     self._emit(Event("wgmma_wait", self.role, src, n=int(eqn.params["wait_n"])))
     return [OPAQUE]
 
+  def _barrier_id(self, bid, src):
+    if type(bid) is not int:
+      raise ExtractionError(f"{src}: named barrier id is not an integer the extractor can evaluate")
+    return (bid,)
+
   def p_inline_mgpu_p(self, eqn, ins, src):
     fn = eqn.params["mgpu_fn"]
     if _is_register_select(fn):
@@ -831,9 +847,7 @@ class _Interp:
     kind, threads = closure["kind"], int(closure["num_threads"])
     if kind not in ("sync", "arrive"):
       raise UnknownPrimitive(f"{src}: named barrier operation bar.{kind}")
-    (bid,) = ins
-    if type(bid) is not int:
-      raise ExtractionError(f"{src}: named barrier id is not an integer the extractor can evaluate")
+    (bid,) = self._barrier_id(ins[0], src)
     self._emit(Event("bar_" + kind, self.role, src, bar_id=bid, threads=threads,
                      family=_barrier_family(eqn.source_info)))
     return []

@@ -488,6 +488,8 @@ class _Search:
     self.prog = st.prog
     self.ring = st.ring
     self.window = 4 * (st.ring.stages + AHEAD_CAP) + 16
+    if st.prog.word is not None:  # one environment: roles drift at most its length apart
+      self.window = max(self.window, len(st.prog.word) + 16)
     self.rotate_states = reduce
 
   # -- the environment ------------------------------------------------------

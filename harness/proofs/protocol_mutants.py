@@ -70,6 +70,15 @@ MUTANTS = (
            "the producer's first wait for a released slot skipped (> for >=)",
            (edit("PipelineState.refills", "return self.count >= self.num_stages",
                  "return self.count > self.num_stages"),)),
+    # Past every position a probe reaches: the refill test on a ring
+    # position kept in a 6-bit counter skips the producer's wait for a
+    # release at positions 64 .. 64 + S - 1 (and every 64 on).  Probes of a
+    # few ring periods never see it; Z3 does (properties/test_premise.py).
+    Mutant("refill_test_on_a_6_bit_position",
+           "the producer's refill test reads the ring position modulo 64, so it skips the "
+           "wait for a release once the position wraps 64",
+           (edit("PipelineState.refills", "return self.count >= self.num_stages",
+                 "return _rem(self.count, 64) >= self.num_stages"),)),
     Mutant("producer_ring_off_by_one",
            "the producer's ring position one ahead of the consumers'",
            (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",

@@ -8,12 +8,16 @@ The configs are those :func:`kernel.tiling.heuristics.get_heuristics_config` and
 sequence lengths), reduced to the forward protocols they differ in
 (:func:`harness.proofs.cases.forward_cases`); the backward's are every
 launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
-programs are learned from probe environments and proved for every number
-of tiles and key blocks (:mod:`harness.proofs.prove_extracted`,
-:mod:`harness.proofs.role_programs`, :mod:`harness.proofs.extracted_proof`); launches
-whose programs are equal up to the names of their buffers and barriers
-share one check.  A failure prints its trace in
-kernel source lines and the environment that shows it.
+programs are learned from probe environments, Z3 proves that they are the
+kernel's events under every environment (the premise of
+:mod:`harness.proofs.role_programs`; :mod:`harness.proofs.premise`, from the jaxpr
+read with symbolic integers, :mod:`harness.proofs.symbolic`), and the search
+proves them for every number of tiles and key blocks
+(:mod:`harness.proofs.prove_extracted`, :mod:`harness.proofs.extracted_proof`);
+launches whose programs are equal up to the names of their buffers and
+barriers share one check.  A failure prints its trace in kernel source
+lines and the environment that shows it.  ``docs/proof.md`` says what is
+proved and what is not.
 
 The run keeps what passed in ``.cache/prove/`` (:mod:`harness.proofs.prove_cache`:
 the learned programs under a digest of the kernel and extraction sources,
@@ -23,7 +27,10 @@ and checks everything anew, as a fresh clone does.
 
 ``--mutant NAME`` proves a protocol defect of ``harness/proofs/protocol_mutants.py``
 written into a copy of the kernel's source instead (the command must fail;
-it never uses the cache, nor does ``--fail-fast``).
+it never uses the cache, nor does ``--fail-fast``).  ``--probes-only``
+tests the premise with the probes alone, as before Z3 proved it, for
+comparison; the command then fails, as nothing beyond the probed trip
+counts is proved.
 """
 
 from __future__ import annotations
@@ -125,13 +132,22 @@ def _listed_aside(first, experiments=False):
   return wait
 
 
+def _premise_column(r) -> str:
+  """How (P) stands for the launch programs a result covers: proved by Z3
+  for all of them, or tested by the probes only."""
+  if not r.ok and not r.z3:
+    return "-"
+  proved = sum(bool(z) for z in r.z3)
+  return f"Z3 {proved}/{len(r.z3)}" if proved else "probes"
+
+
 def format_results(results) -> str:
-  lines = [f"{'launch program':<72} {'status':<10} {'cases':>5} {'configs':>7} "
+  lines = [f"{'launch program':<66} {'status':<10} {'(P)':>8} {'cases':>5} {'configs':>7} "
            f"{'states':>8} {'time':>6}"]
   for r in results:
     status = "proven" if r.ok else "VIOLATION" if r.violation else "PREMISE"
-    lines.append(f"{r.name[:72]:<72} {status:<10} {len(r.cases):>5} {r.configs:>7} "
-                 f"{r.states:>8} {r.seconds:5.1f}s")
+    lines.append(f"{r.name[:66]:<66} {status:<10} {_premise_column(r):>8} {len(r.cases):>5} "
+                 f"{r.configs:>7} {r.states:>8} {r.seconds:5.1f}s")
   for r in results:
     if r.ok:
       continue
@@ -159,8 +175,22 @@ def main(argv=None) -> int:
   parser.add_argument("--experiments", action="store_true",
                       help="also every problem with the forward's copies through untiled views "
                       "(kernel.experiments' untiled_copies), before that switch ships")
+  parser.add_argument("--probes-only", action="store_true",
+                      help="test the premise (P) with the probes alone, without Z3: the proof "
+                      "as it stood before Z3 proved (P), for comparison; it covers the probed "
+                      "trip counts only, and the command then always fails")
   args = parser.parse_args(argv)
   start = time.perf_counter()
+  premise = not args.probes_only
+  if premise:
+    try:
+      import z3  # noqa: F401  (the premise's prover: CPU hosts have it, GPU runners need not)
+    except ImportError:
+      print("python -m harness prove needs z3-solver to prove the premise (P) of "
+            "harness/proofs/role_programs.py: pip install z3-solver (the proof runs on CPU "
+            "hosts; --probes-only tests (P) without it, which proves nothing beyond the "
+            "probed trip counts)")
+      return 2
   first = None
   if args.mutant is not None:
     from harness.proofs import protocol_mutants
@@ -189,37 +219,59 @@ def main(argv=None) -> int:
       shows = protocol_mutants.BY_NAME[args.mutant].backward
       own = [it for it in listed if it[0] == "backward" and shows
              and it[1] == cases.BackwardCase(*shows)]
+      if protocol_mutants.BY_NAME[args.mutant].persistent:
+        # only a persistent block can show it: those first, smallest first
+        own += [it for it in listed if it[0] == "forward" and it[1].persistent]
       listed[:] = own + [it for it in listed if it not in own]
     return listed
 
-  if args.fail_fast or args.jobs <= 1:
-    results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
-                       cache=cache)
-  else:
-    # The backward's cases need no heuristics: the workers start on them
-    # while the forward's are listed (all of them: the listing takes about
-    # as long as the workers take for the first six).
-    early = [("backward", c) for c in cases.backward_cases()]
-    with pe.workers(args.jobs, fork=True) as pool:
-      results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool, cache=cache,
-                         early=early)
+  try:
+    if args.fail_fast or args.jobs <= 1:
+      results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
+                         cache=cache, premise=premise)
+    else:
+      # The backward's cases need no heuristics: the workers start on them
+      # while the forward's are listed (all of them: the listing takes about
+      # as long as the workers take for the first six).
+      early = [("backward", c) for c in cases.backward_cases()]
+      with pe.workers(args.jobs, fork=True) as pool:
+        results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
+                           cache=cache, early=early, premise=premise)
+  except (pe.ex.UnknownPrimitive, pe.ex.ExtractionError) as err:
+    # a kernel the proof cannot read is a failure, named where it happens
+    print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
+    return 1
   items = listed
   print(format_results(results))
   proven = sum(r.ok for r in results)
   forward = sum(kind == "forward" for kind, _, _ in items)
   configs = sum(n for _, _, n in items)
   wall = time.perf_counter() - start
+  launches = sum(len(r.z3) for r in results)
+  by_z3 = sum(bool(z) for r in results for z in r.z3)
+  every = premise and by_z3 == launches
   print(f"\n{proven}/{len(results)} proven: every launch program of {forward} forward "
         f"protocols ({configs} emitted configs) and {len(items) - forward} backward "
-        f"launch kinds, for every number of tiles and key blocks"
+        f"launch kinds, "
+        + ("for every trip count: every number of tiles and key blocks" if every else
+           "for the trip counts the probes showed (the premise (P) not proved)")
         + (f" ({args.mutant})" if args.mutant else "")
         + (" (with kernel.experiments' untiled copies)" if args.experiments else ""))
+  stats = [z for r in results for z in r.z3 if z]
+  if premise:
+    print(f"(P) proved by Z3 for {by_z3} of {launches} launch programs, the premise that "
+          f"makes the search cover every trip count ({sum(z[0] for z in stats)} claims, "
+          f"{sum(z[1] for z in stats)} of them sent to Z3, the others equal to one sent "
+          f"before; {sum(z[2] for z in stats):.1f} s in Z3)")
+  else:
+    print("(P) tested by the probes only (--probes-only): nothing is proved beyond the "
+          "probed trip counts")
   if cache is not None and (cache.hits["learned"] or cache.hits["checked"]):
     print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
           f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "
           f"{cache.hits['checked']} of {len(results)} checks")
   print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
-  return 0 if proven == len(results) else 1
+  return 0 if proven == len(results) and every else 1
 
 
 if __name__ == "__main__":

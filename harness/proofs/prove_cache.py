@@ -3,11 +3,13 @@
 Two kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
 ``HARNESS_PROVE_CACHE`` names another folder, ``--no-cache`` skips it):
 
-* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`)
-  and the list of cases, under a digest of everything that decides them:
-  every file of ``kernel/`` (the autotuner's cache included), the extraction and learning modules of
-  ``harness/`` (and the protocol mutants), the versions of Python, JAX,
-  jaxlib, NumPy and ml_dtypes, and the ``JAX_*`` / ``XLA_*`` environment.
+* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`),
+  with Z3's proof of their premise, and the list of cases, under a digest
+  of everything that decides them:
+  every file of ``kernel/`` (the autotuner's cache included), the extraction,
+  learning and premise modules of ``harness/`` (and the protocol mutants), the
+  versions of Python, JAX, jaxlib, NumPy, ml_dtypes and Z3, and the ``JAX_*`` /
+  ``XLA_*`` environment.
 * **checked**: a proof (:func:`harness.proofs.extracted_proof.check`) of one program
   shape (:meth:`harness.proofs.role_programs.LaunchProgram.shape`), under a digest of
   the checker's sources only, so that a kernel edit that leaves a launch's
@@ -34,7 +36,8 @@ ENV = "HARNESS_PROVE_CACHE"
 # What the learned programs are made from (paths relative to the repository).
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
                  "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
-                 "harness/proofs/prove.py",
+                 "harness/proofs/prove.py", "harness/proofs/symbolic.py",
+                 "harness/proofs/terms.py", "harness/proofs/premise.py",
                  "harness/proofs/protocol_mutants.py", "harness/proofs/prove_cache.py")
 # What a check's verdict is made from.
 CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",
@@ -54,7 +57,7 @@ def _files(paths):
 def _versions() -> str:
   from importlib import metadata
   out = [sys.version]
-  for dist in ("jax", "jaxlib", "numpy", "ml_dtypes"):
+  for dist in ("jax", "jaxlib", "numpy", "ml_dtypes", "z3-solver"):
     try:
       out.append(f"{dist}={metadata.version(dist)}")
     except metadata.PackageNotFoundError:

@@ -9,7 +9,9 @@ every launch kind of ``kernel/backward.py``
 kernel on the CPU, reads every role's events out of the jaxpr
 (:mod:`harness.proofs.extract`) under *probe* environments, learns each role's
 program from them (:mod:`harness.proofs.role_programs`, which states the premise
-that makes the proof unbounded and tests it on every probe) and checks it
+that makes the proof unbounded and tests it on every probe), has Z3 prove
+that premise for the traced kernel (:mod:`harness.proofs.premise`, each
+counterexample probed in turn: :func:`_proved`) and checks the program
 for every environment (:func:`harness.proofs.extracted_proof.check`: every number
 of tiles, every trip count per tile, zero included, every interleaving).
 Launches whose programs are equal up to the names of their buffers and
@@ -29,7 +31,9 @@ its tile's range the same way; the dK/dV kernels' streams are as long as
 the traced shapes make them, so they are traced at two query lengths (and,
 causal, every key tile of them, whose streams start further in).
 
-A case whose units break the premise is reported with the two probes that
+A case whose units break the premise (seen by the probes, or by Z3 and then
+by the probe of its counterexample, a longer trace where the environment
+needs more key blocks or tiles) is reported with the two probes that
 disagree, each checked under its own environment (its trace, if it has a
 violation, is the failure shown).
 """
@@ -258,17 +262,25 @@ def _kv_blocks(ring: rp.Ring) -> int:
   return max(_probe_trips(ring), ring.classes + rp.AHEAD_CAP) + 2
 
 
-def trace_case(case: ForwardCase, *, modules=None):
+def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
   """The closed jaxpr and kernel eqn of ``case`` traced on the CPU: a
   persistent grid of PROBE_SMS blocks and probe_tiles tiles each, or enough
-  query tiles that the probed block's causal bound allows every probe."""
+  query tiles that the probed block's causal bound allows every probe
+  (``kv_blocks``, ``tiles``: more key blocks, and more tiles per block,
+  for a probe of longer trip counts)."""
   from kernel.tiling import config as config_lib, plan as plan_lib
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
   config_stages = case.config_stages or case.num_stages
   # effective stages = min(config, key blocks): fewer stages means that few keys
-  kv_blocks = _kv_blocks(ring) if config_stages == case.num_stages else case.num_stages
-  num_tiles = PROBE_SMS * probe_tiles(ring) if case.persistent else _probe_trips(ring) + 1
+  few = config_stages != case.num_stages
+  kv_blocks = case.num_stages if few else max(kv_blocks or 0, _kv_blocks(ring))
+  if case.persistent:
+    num_tiles = PROBE_SMS * max(tiles or 0, probe_tiles(ring))
+  else:
+    num_tiles = _probe_trips(ring) + 1
+    if kv_blocks > _kv_blocks(ring):  # the last tile's causal bound reaches every key block
+      num_tiles = max(num_tiles, -(-kv_blocks * case.block_kv // case.tile_q) + 1)
   if case.schedule == "split-tail":
     # Half a wave more: the last one and a half waves are cut into pieces,
     # so every probed block ends its tiles with pieces (SplitTail).
@@ -297,7 +309,7 @@ def trace_case(case: ForwardCase, *, modules=None):
 
 def _split_tail_table(consts: dict, case: ForwardCase):
   """The split tail's entry table (blocks, 4, entries) among the traced
-  constants (kernel.tiling.schedule.SplitTail.table), or None for other schedules."""
+  constants (kernel.schedule.SplitTail.table), or None for other schedules."""
   if case.schedule != "split-tail":
     return None
   found = [v for v in consts.values() if v.ndim == 3 and v.shape[1] == 4]
@@ -312,103 +324,232 @@ def probe_tiles(ring: rp.Ring) -> int:
   return ring.classes + 2
 
 
-def forward_program(case: ForwardCase, *, modules=None, traced=None) -> rp.LaunchProgram:
+def forward_program(case: ForwardCase, *, modules=None, traced=None,
+                    premise: bool = True) -> rp.LaunchProgram:
   """The role programs of ``case``'s blocks, learned from probes: a first
   round that walks many contexts (and several again), then one probe per
-  context the learned tables still lack (:meth:`harness.proofs.role_programs.Learner.missing`)."""
-  modules = modules or shipped_modules()
-  closed, kernel, problem = traced or trace_case(case, modules=modules)
-  ring = _ring(case.num_stages)
-  consts = _const_values(closed, kernel)
-  num_tiles = problem.seq_q // case.tile_q
-  tables = _range_tables(kernel, consts, num_tiles)
-  consts.update(_reranked_order(kernel, consts, case, num_tiles))
-  split = _split_tail_table(consts, case)
-  bkv = case.block_kv
+  context the learned tables still lack (:meth:`harness.proofs.role_programs.Learner.missing`);
+  with ``premise``, then (P) proved by Z3 for the traced kernel
+  (:func:`_proved`), each of its counterexamples probed until it holds or
+  a probe shows the kernel's events disagree with themselves."""
+  prober = _ForwardProber(case, modules, traced)
+  prog = prober.learn()
+  if not premise:
+    return prog
+  return _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
 
-  def actual(qi, lb, n):
+
+MAX_COUNTEREXAMPLES = 8   # probes of Z3's counterexamples before a failure is final
+
+
+def _proved(learner, kernels, learn, realise) -> rp.LaunchProgram:
+  """The program ``learn()`` gives once Z3 proves (P) for it on each traced
+  kernel (:mod:`harness.proofs.premise`).  Each counterexample Z3 finds is
+  probed (``realise(context)``) and the program learned again: a table
+  that generalised too far from its probes gets the probe it lacked, and a
+  kernel whose events disagree with themselves fails with the probes that
+  disagree (:class:`harness.proofs.role_programs.PremiseError`, which the
+  caller checks one by one for a trace)."""
+  from harness.proofs import premise, symbolic
+  tried: set = set()
+  found: list = []   # Z3's counterexamples so far, each probed in turn
+  prog = learn()
+  while True:
+    stats = premise.Stats()
+    try:
+      for kernel in kernels:
+        stats.add(premise.prove(prog, symbolic.extract_symbolic(kernel)))
+      return dataclasses.replace(prog, z3=stats.summary())
+    except premise.PremiseFailure as f:
+      ctx = f.context
+      found.append(str(f))
+      so_far = "\n".join(found)
+      key = tuple(ctx.get(k) for k in ("role", "kind", "t", "G", "n", "j", "GT"))
+      if "n" not in ctx or key in tried or len(tried) >= MAX_COUNTEREXAMPLES:
+        raise rp.PremiseError(so_far, learner.seen[-1:] if key in tried else []) from None
+      tried.add(key)
+      try:
+        realise(ctx)
+      except ex.ExtractionError as err:
+        raise rp.PremiseError(f"{so_far}\n  no probe could show that environment: {err}") from None
+      try:
+        prog = learn()
+      except rp.PremiseError as err:
+        raise rp.PremiseError(f"{so_far}\n  probed there: {err}", err.probes) from None
+
+
+class _ForwardProber:
+  """The probes of one forward case: its trace, its learner, and a probe of
+  any trip counts (retracing a longer problem where the trace is too short
+  for them)."""
+
+  def __init__(self, case: ForwardCase, modules, traced):
+    self.case, self.modules = case, modules or shipped_modules()
+    self.ring = _ring(case.num_stages)
+    # A config with more stages than key blocks runs with as many stages as
+    # blocks: its problems have no more key blocks than that.
+    self.few = (case.config_stages or case.num_stages) != case.num_stages
+    self.learner = rp.Learner(f"forward {case.describe()}", self.ring,
+                              persistent=case.persistent,
+                              max_blocks=case.num_stages if self.few else None)
+    self._use(traced or trace_case(case, modules=self.modules))
+    # blocks whose tiles' causal bounds are the widest
+    self.wide = [PROBE_SMS - 1 - k if case.schedule == "round-robin" else k
+                 for k in range(PROBED_BLOCKS)]
+    case, ring = self.case, self.ring
+    if case.persistent:
+      seen: dict = {}
+      for k, first in enumerate((0, 2)):
+        self.probe(_Chooser(ring, self.cap, first=first, seen=seen, lb=not self.few),
+                   self.wide[k])
+    else:
+      for n in sorted({0, 1, 2, 3, _probe_trips(ring)}):
+        if not self.few or n <= case.num_stages:
+          self.planned([n])
+
+  def _use(self, traced):
+    case = self.case
+    self.closed, self.kernel, self.problem = traced
+    self.consts = _const_values(self.closed, self.kernel)
+    self.num_tiles = self.problem.seq_q // case.tile_q
+    self.tables = _range_tables(self.kernel, self.consts, self.num_tiles)
+    self.consts.update(_reranked_order(self.kernel, self.consts, case, self.num_tiles))
+    self.split = _split_tail_table(self.consts, case)
+
+  def actual(self, qi, lb, n):
     """The key blocks the kernel visits for a requested range (the causal
     bound may cut it), by the kernel's own rule."""
-    lo, hi = modules.common.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv,
-                                   seq_q=problem.seq_q, seq_kv=problem.seq_kv,
-                                   is_causal=case.causal, k_start_min=lb * bkv,
-                                   k_end_max=(lb + n) * bkv)
+    case, f, bkv = self.case, self.problem, self.case.block_kv
+    lo, hi = self.modules.common.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv, seq_q=f.seq_q,
+                                        seq_kv=f.seq_kv, is_causal=case.causal,
+                                        k_start_min=lb * bkv, k_end_max=(lb + n) * bkv)
     return lo, hi - lo
 
-  def cut(sm, entry, lo, n):
+  def cap(self, qi):
+    return self.actual(qi, 0 if self.few else 1, 1 << 20)[1]
+
+  def cut(self, sm, entry, lo, n):
     """A split tail's piece visits its tile's blocks inside [lo, hi) of its
     entry only, by the kernel's rule (kernel.common.piece_block_range)."""
-    if split is None:
+    if self.split is None:
       return lo, n
-    first, end = modules.common.piece_block_range(lo, lo + n, int(split[sm, 1, entry]),
-                                          int(split[sm, 2, entry]))
+    first, end = self.modules.common.piece_block_range(lo, lo + n, int(self.split[sm, 1, entry]),
+                                               int(self.split[sm, 2, entry]))
     return first, end - first
 
-  # A config with more stages than key blocks runs with as many stages as
-  # blocks: its problems have no more key blocks than that.
-  few = (case.config_stages or case.num_stages) != case.num_stages
-  learner = rp.Learner(f"forward {case.describe()}", ring, persistent=case.persistent,
-                       max_blocks=case.num_stages if few else None)
-  grid0 = {"batch": 0, "heads": 0, "q_tiles": 0, "tiles": 0, "sm": 0}
-
-  def probe(choose, sm=None):
-    env = _Env(tables, consts, bkv, choose)
+  def probe(self, choose, sm=None):
+    case = self.case
+    grid0 = {"batch": 0, "heads": 0, "q_tiles": 0, "tiles": 0, "sm": 0}
+    env = _Env(self.tables, self.consts, case.block_kv, choose)
     if case.persistent:
-      launch = ex.extract_kernel(kernel, env=env, grid={**grid0, "sm": sm},
+      launch = ex.extract_kernel(self.kernel, env=env, grid={**grid0, "sm": sm},
                                  name=f"forward block {sm}")
     else:
       # the last query tile: its causal bound the widest (the longest-first
       # order's grid point 0 runs its heaviest tile)
-      launch = ex.extract_kernel(kernel, env=env, grid={**grid0, "q_tiles": num_tiles - 1},
+      launch = ex.extract_kernel(self.kernel, env=env,
+                                 grid={**grid0, "q_tiles": self.num_tiles - 1},
                                  name="forward block")
     trips = []
     for entry, qi in enumerate(env.order):
       lb, n = env.ranges[qi]
-      lo, m = actual(qi, lb, n)
-      if few and m < n:
+      lo, m = self.actual(qi, lb, n)
+      if self.few and m < n:
         raise ex.ExtractionError(f"tile {qi}: {n} key blocks asked of a problem with fewer")
       if (lo, m) != (lb, n):
         raise ex.ExtractionError(f"tile {qi}: asked for key blocks [{lb}, {lb + n}), the "
                                  f"kernel visits [{lo}, {lo + m})")
-      trips.append(cut(sm, entry, lo, m)[1])
-    learner.observe(launch, trips, where=("block " + str(sm) + ", tiles" if case.persistent
-                                          else "one tile") + f" of {trips} key blocks")
+      trips.append(self.cut(sm, entry, lo, m)[1])
+    self.learner.observe(launch, trips, where=("block " + str(sm) + ", tiles"
+                                               if case.persistent else "one tile")
+                         + f" of {trips} key blocks")
+    return trips
 
-  def planned(trips, sm=None):
+  def planned(self, trips, sm=None):
     order = []
 
     def choose(qi):
       t = len(order)
       order.append(qi)
       n = trips[t] if t < len(trips) else 0
-      return (t % 2 if actual(qi, 1, n)[1] == n else 0, n)
-    probe(choose, sm)
+      return (t % 2 if self.actual(qi, 1, n)[1] == n else 0, n)
+    return self.probe(choose, sm)
 
-  # blocks whose tiles' causal bounds are the widest
-  wide = [PROBE_SMS - 1 - k if case.schedule == "round-robin" else k
-          for k in range(PROBED_BLOCKS)]
-  if case.persistent:
-    seen: dict = {}
-    for k, first in enumerate((0, 2)):
-      chooser = _Chooser(ring, lambda qi: actual(qi, 0, 1 << 20)[1] if few else
-                         actual(qi, 1, 1 << 20)[1], first=first, seen=seen, lb=not few)
-      probe(chooser, wide[k])
-  else:
-    for n in sorted({0, 1, 2, 3, _probe_trips(ring)}):
-      if not few or n <= case.num_stages:
-        planned([n])
-  for _ in range(4):
-    prog = learner.program()
-    missing = learner.missing(prog)
-    if not missing:
-      return prog
-    done = set()
-    for role, kind, ctx in missing:
-      trips = _realise(ring, kind, ctx, persistent=case.persistent)
-      if trips not in done:
-        done.add(trips)
-        planned(list(trips), wide[0])
-  raise rp.CoverageError(f"{learner.name}: probes do not cover {missing[:3]}")
+  def learn(self) -> rp.LaunchProgram:
+    """The program of the probes so far, after a probe of every context the
+    search may ask for and the tables lack."""
+    learner = self.learner
+    for _ in range(4):
+      prog = learner.program()
+      missing = learner.missing(prog)
+      if not missing:
+        return prog
+      done = set()
+      for role, kind, ctx in missing:
+        trips = _realise(self.ring, kind, ctx, persistent=self.case.persistent)
+        if trips not in done:
+          done.add(trips)
+          self.planned(list(trips), self.wide[0])
+    raise rp.CoverageError(f"{learner.name}: probes do not cover {missing[:3]}")
+
+  def realise(self, ctx: dict):
+    """A probe of the environment of a counterexample of (P): a tile of
+    ctx["n"] key blocks from ring position ctx["G"] (and, persistent, after
+    ctx["t"] >= 1 earlier tiles), or ctx["GT"] blocks in all before the
+    events after the tile loop; traced anew, longer, where this trace is
+    too short for it."""
+    case = self.case
+    n, g = ctx.get("n", 0), ctx.get("G", 0)
+    if ctx.get("kind") == "post":
+      n, g = 0, ctx.get("GT", 0)
+    if not case.persistent:
+      if (n + 2 > self.problem.seq_kv // case.block_kv
+              or self.actual(self.num_tiles - 1, 1, n)[1] != n):
+        self._retrace(n + 3, None)
+      return self.planned([n])
+    later = ctx.get("t", 0) >= 1 or g > 0
+    for _ in range(2):
+      chooser = _Realiser(g, n, self.cap, later)
+      try:
+        self.probe(chooser, self.wide[0])
+      except ex.ExtractionError:
+        chooser.placed = False
+      if chooser.placed:
+        return
+      # a tile long enough for n, and enough tiles for G even one block each
+      self._retrace(max(n, 2) + 3, g + 4)
+    raise ex.ExtractionError(f"no probe of {self.learner.name} reaches ring position {g} "
+                             f"with a tile of {n} key blocks")
+
+  def _retrace(self, kv_blocks, tiles):
+    self._use(trace_case(self.case, modules=self.modules,
+                         kv_blocks=max(kv_blocks, self.problem.seq_kv // self.case.block_kv),
+                         tiles=tiles))
+
+
+class _Realiser:
+  """The trip counts of a persistent probe that reaches ring position ``g``
+  (after at least one tile where ``later``), each tile taking as many of
+  the blocks left as its causal bound allows, then a tile of ``n``
+  blocks, then empty tiles."""
+
+  def __init__(self, g, n, cap, later):
+    self.left, self.n, self.cap, self.later = g, n, cap, later
+    self.t, self.placed = 0, False
+
+  def __call__(self, qi):
+    cap = self.cap(qi)
+    self.t += 1
+    if self.placed:
+      return (0, 0)
+    if self.left > 0 or (self.later and self.t == 1):
+      take = min(self.left, cap)
+      self.left -= take
+      return (0, take)
+    if self.n <= cap:
+      self.placed = True
+      return (0, self.n)
+    return (0, 0)   # this tile is too short for the one wanted: the next
 
 
 def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
@@ -482,7 +623,7 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
   """The dQ kernel's grid point whose block reads the last query tile's
   range (the one whose causal bound leaves room for the longest stream): the
   grid's last point, or its first where the kernel walks its tiles heaviest
-  first (under causal: kernel.backward.dq._dq_kernel)."""
+  first (under causal: kernel.backward._dq_kernel)."""
   for at in (num_tiles - 1, 0):
     env = _Env(tables, consts, blocks.dq_stream_kv, lambda qi: (0, 0))
     ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at}, name="dq")
@@ -493,7 +634,7 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
 
 def backward_stages(case: BackwardCase, *, modules=None) -> list[int]:
   """The ring depth of each launch of one backward, in launch order, from
-  the mbarrier plans kernel.tiling.backward_plan.launches gives (its "consumed"
+  the mbarrier plans kernel.backward.launches gives (its "consumed"
   barriers, one per slot): the launches of one backward may differ."""
   modules = modules or shipped_modules()
   plans = modules.backward_plan.launches(case.head_dim, case.head_dim, with_bias=case.bias,
@@ -501,11 +642,12 @@ def backward_stages(case: BackwardCase, *, modules=None) -> list[int]:
   return [next(b.num_barriers for b in plan if b.name == "consumed") for _, plan in plans]
 
 
-def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProgram]:
+def backward_programs(case: BackwardCase, *, modules=None,
+                      premise: bool = True) -> list[rp.LaunchProgram]:
   """The role programs of every launch of one backward, learned from probes.
 
   The dK/dV kernels stream the query blocks (``blocks.dkv_stream_q`` rows,
-  as kernel.tiling.backward_plan.blocks_for chooses them) of the band their
+  as kernel.backward.blocks_for chooses them) of the band their
   key tile reads from its tables, under causal from key tile j's first key
   on: with the whole length as band, one causal trace shows streams of
   every even length from its longest down to 0 (non-causal: a long trace
@@ -513,7 +655,9 @@ def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProg
   long trace is probed with bands of n = 0, 1, 2, 3 and S + M + 3 blocks,
   and each context the learned tables still lack.  The dQ kernel's tile
   reads its key range from the tables: probed at the long trace's last tile
-  for the same n, then for each missing context likewise."""
+  for the same n, then for each missing context likewise.  With
+  ``premise``, (P) is then proved by Z3 on every traced kernel of each
+  launch (:func:`_proved`)."""
   modules = modules or shipped_modules()
   blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
   rings = [_ring(s) for s in backward_stages(case, modules=modules)]
@@ -525,6 +669,7 @@ def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProg
   shapes = (seq_long,) if case.causal else (seq_long, blocks.dkv_stream_q)
   learners: list = []
   probes: dict = {}     # id(learner) -> probe(n), for launches that read their range
+  traced: dict = {}     # id(learner) -> its kernel at every traced length
   for seq_q in shapes:
     closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
                                      fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
@@ -532,7 +677,7 @@ def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProg
     if not learners:
       if len(rings) != len(kernels):
         raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "
-                                 f"kernel.tiling.backward_plan.launches names {len(rings)}")
+                                 f"kernel.backward.launches names {len(rings)}")
       learners = [rp.Learner(f"{case.describe()}, launch {i + 1} of {len(kernels)}", ring,
                              persistent=False) for i, ring in enumerate(rings)]
     elif len(learners) != len(kernels):
@@ -540,6 +685,7 @@ def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProg
                                f"{len(learners)} at another")
     grid = {"batch": 0, "heads": 0, "q_tiles": 0, "kv_tiles": 0, "kv_heads": 0}
     for learner, kernel in zip(learners, kernels):
+      traced.setdefault(id(learner), []).append(kernel)
       consts = _const_values(closed, kernel)
       found = _tables_of(kernel, consts)
       if found is not None:
@@ -595,17 +741,28 @@ def backward_programs(case: BackwardCase, *, modules=None) -> list[rp.LaunchProg
   for learner in learners:
     lengths = [t for _, trips, _ in learner.seen for t in trips]
     learner.min_blocks = min(lengths)   # no shorter stream exists
-    prog = learner.program()
     probe = probes.get(id(learner))
-    for _ in range(4):
-      missing = learner.missing(prog) if probe else []
-      if not missing:
-        break
-      for n in sorted({_realise(learner.ring, kind, ctx, persistent=False)[0]
-                       for _, kind, ctx in missing}):
-        probe(n)
+
+    def learn(learner=learner, probe=probe):
       prog = learner.program()
-    programs.append(prog)
+      for _ in range(4):
+        missing = learner.missing(prog) if probe else []
+        if not missing:
+          break
+        for n in sorted({_realise(learner.ring, kind, ctx, persistent=False)[0]
+                         for _, kind, ctx in missing}):
+          probe(n)
+        prog = learner.program()
+      return prog
+
+    def realise(ctx, probe=probe):
+      if probe is None:
+        raise ex.ExtractionError("this launch streams as many blocks as its traced shapes "
+                                 "make it, so no probe chooses its trip count")
+      probe(ctx["n"])
+
+    programs.append(_proved(learner, traced[id(learner)], learn, realise) if premise
+                    else learn())
   return programs
 
 
@@ -625,10 +782,18 @@ class Result:
   violation: xp.Violation | None = None
   premise: str | None = None       # the premise's failure, when no trace was found
   probes: int = 0
+  # per launch program it covers: what proving (P) by Z3 took (premise.Stats'
+  # summary), or () where (P) was only tested by the probes
+  z3: list = dataclasses.field(default_factory=list)
 
   @property
   def ok(self) -> bool:
     return self.violation is None and self.premise is None
+
+  @property
+  def premise_proved(self) -> bool:
+    """Whether Z3 proved (P) for every launch program it covers."""
+    return bool(self.z3) and all(self.z3)
 
 
 _MUTANTS: dict = {}   # mutant name -> its kernel modules, per process
@@ -656,20 +821,23 @@ def _modules(mutant):
 
 
 def _programs_of(item):
-  """((kind, case), mutant) -> ([(name, LaunchProgram)], premise failure or None, seconds)."""
-  (kind, case), mutant = item
+  """((kind, case), mutant[, premise]) -> ([(name, LaunchProgram)], premise
+  failure or None, seconds); ``premise`` False: (P) tested by the probes
+  alone, not proved (the path before Z3 proved it, for comparison)."""
+  (kind, case), mutant, *rest = item
   with xp.collector_paused():
-    return _learn(kind, case, mutant)
+    return _learn(kind, case, mutant, premise=rest[0] if rest else True)
 
 
-def _learn(kind, case, mutant):
+def _learn(kind, case, mutant, premise=True):
   modules = _modules(mutant)
   start = time.perf_counter()
   try:
     if kind == "forward":
-      progs = [(case.describe(), forward_program(case, modules=modules))]
+      progs = [(case.describe(), forward_program(case, modules=modules, premise=premise))]
     else:
-      progs = [(p.name, p) for p in backward_programs(case, modules=modules)]
+      progs = [(p.name, p) for p in backward_programs(case, modules=modules,
+                                                      premise=premise)]
     return progs, None, time.perf_counter() - start
   except rp.PremiseError as err:
     if kind == "forward":
@@ -696,7 +864,7 @@ def _check(prog):
 
 
 def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
-          pool=None, cache=None, early=()) -> list[Result]:
+          pool=None, cache=None, early=(), premise: bool = True) -> list[Result]:
   """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
   ("backward", BackwardCase, 0)), check each distinct one, and return one
   Result per check (premise failures included).  ``items`` may be a callable
@@ -715,7 +883,7 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   if fail_fast:
     results = []
     for w in work:
-      learned = _programs_of((w, mutant))
+      learned = _programs_of((w, mutant, premise))
       new = _collect([w], [learned], configs, distinct)
       results += new
       for prog, result in list(distinct.values()):
@@ -725,28 +893,29 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
         break
     return results
   if pool is not None:
-    return _prove_pooled(pool, jobs, items, early, mutant, cache)
+    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise)
   if jobs > 1:
     with workers(jobs) as pool:
-      return _prove_pooled(pool, jobs, items, early, mutant, cache)
-  learned = [_learned(w, mutant, cache) for w in work]
+      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise)
+  learned = [_learned(w, mutant, cache, premise) for w in work]
   results = _collect(work, learned, configs, distinct)
   for key, (prog, result) in distinct.items():
     _record(result, _checked(key, prog, result, cache))
   return results
 
 
-def _learn_key(w, mutant) -> str:
-  return repr((w, mutant))
+def _learn_key(w, mutant, premise=True) -> str:
+  return repr((w, mutant)) if premise else repr((w, mutant, "probes only"))
 
 
-def _learned(w, mutant, cache):
+def _learned(w, mutant, cache, premise=True):
   """_programs_of, through the cache (a case whose premise failed is not kept)."""
-  hit = cache.get("learned", _learn_key(w, mutant)) if cache is not None else None
+  key = _learn_key(w, mutant, premise)
+  hit = cache.get("learned", key) if cache is not None else None
   if hit is None:
-    hit = _programs_of((w, mutant))
+    hit = _programs_of((w, mutant, premise))
     if cache is not None and hit[1] is None:
-      cache.put("learned", _learn_key(w, mutant), hit)
+      cache.put("learned", key, hit)
   return hit
 
 
@@ -806,7 +975,7 @@ def _warm_up():
   return 0
 
 
-def _prove_pooled(pool, jobs, items, early, mutant, cache) -> list[Result]:
+def _prove_pooled(pool, jobs, items, early, mutant, cache, premise=True) -> list[Result]:
   """Learn and check on the pool as results come: a worker that frees up
   takes a pending check first (the costliest cases are learned first, so
   their checks start early), else the next case to learn; what the cache
@@ -846,11 +1015,12 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache) -> list[Result]:
       if w in taken:
         continue
       taken.add(w)
-      hit = cache.get("learned", _learn_key(w, mutant)) if cache is not None else None
+      hit = (cache.get("learned", _learn_key(w, mutant, premise)) if cache is not None
+             else None)
       if hit is not None:
         learnt(w, hit)
       else:
-        running[pool.submit(_programs_of, (w, mutant))] = ("learn", w)
+        running[pool.submit(_programs_of, (w, mutant, premise))] = ("learn", w)
     if listed is None:
       listed = items() if callable(items) else items
       queue += [(kind, case) for kind, case, _ in listed]
@@ -869,7 +1039,7 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache) -> list[Result]:
           cache.put("checked", repr(what), answer)
         continue
       if cache is not None and answer[1] is None:
-        cache.put("learned", _learn_key(what, mutant), answer)
+        cache.put("learned", _learn_key(what, mutant, premise), answer)
       learnt(what, answer)
   # The results named and ordered as a run in one process would have them.
   work = [(kind, case) for kind, case, _ in listed]
@@ -904,9 +1074,11 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
         r.cases.append(case.describe() if kind == "forward" else name)
         r.configs += configs.get(id(case), 0)
         r.seconds += seconds / len(progs)
+        r.z3.append(prog.z3)
         continue
       r = Result(name, [case.describe() if kind == "forward" else name],
-                 configs.get(id(case), 0), seconds=seconds / len(progs), premise=premise)
+                 configs.get(id(case), 0), seconds=seconds / len(progs), premise=premise,
+                 z3=[prog.z3] if premise is None else [])
       results.append(r)
       distinct[key if premise is None else (key, kind, case, i)] = (prog, r)
   return results

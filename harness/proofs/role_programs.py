@@ -47,14 +47,18 @@ exhaustive search covers every number of key blocks and of tiles, zero
 included: the ring position and the mbarrier parities carried across tiles
 of any trip count (``prev_iters``) are part of every state it explores.
 
-**What is tested, not proved.**  (P) itself: the probes
-(:mod:`harness.proofs.prove_extracted`) show every context the search can ask for
-under the learned features, most of them several times, at positions that
-differ by M and with other key ranges, and every instance must agree with
-its table; a context the search needs and no probe showed is a
-:class:`CoverageError`.  A kernel whose events depended on, say, G mod 2M,
-or on a feature only one probe shows, would go unseen only if no probe
-showed the difference.  Both errors fail ``python -m harness prove``.
+**How (P) is proved.**  The probes (:mod:`harness.proofs.prove_extracted`)
+show every context the search can ask for under the learned features, and
+every instance must agree with its table; a context the search needs and no
+probe showed is a :class:`CoverageError`.  That tests (P) at the probed
+positions only: a kernel whose events depended on, say, G mod 64 would
+agree with every probe.  :mod:`harness.proofs.premise` proves it: from the
+kernel's jaxpr read with symbolic integers (:mod:`harness.proofs.symbolic`),
+Z3 shows that every unit equals its table's entry for every ring position,
+trip count and tile, and that the features take only keys the tables
+have; each counterexample is probed, and the tables learned again, until
+Z3 proves them or the probes disagree (a :class:`PremiseError`).  Both
+errors fail ``python -m harness prove``.
 
 Roles that read only part of the word (:attr:`RoleProgram.reads`): a role
 whose units are all per key block (the producer, which does not see tile
@@ -251,6 +255,12 @@ class LaunchProgram:
   barriers: tuple       # ((name, num_arrivals, slots), ...)
   overlaps: tuple       # ((buffer, (buffers sharing bytes...)), ...)
   word: str | None = None   # one environment only (:func:`concrete`)
+  # raw buffer name -> its source name, as the units have them (for
+  # harness/proofs/premise.py, which names the symbolic events alike)
+  labels: tuple = dataclasses.field(default=(), compare=False)
+  # what proving (P) for it took (harness/proofs/premise.py's Stats.summary);
+  # empty where it was not proved
+  z3: tuple = dataclasses.field(default=(), compare=False)
 
   def key(self):
     """Two launches with equal keys are the same transition system."""
@@ -522,7 +532,8 @@ class Learner:
       word = "|".join("B" * n for n in trips) + "$"
       roles = [dataclasses.replace(r, reads="all") for r in roles]
     return LaunchProgram(self.name, self.ring, self.persistent, self.min_blocks,
-                         self.max_blocks, tuple(roles), barriers, overlaps, word)
+                         self.max_blocks, tuple(roles), barriers, overlaps, word,
+                         tuple(sorted(self.labels.items())))
 
   def _named(self, roles):
     """Buffers and barriers under the kernel source's names (one name per
@@ -534,6 +545,7 @@ class Learner:
           label = label if label not in taken else f"{label}#{raw}"
           names[raw] = label
           taken.add(label)
+    self.labels = names   # the symbolic extraction's events are named alike
     n = lambda b: names.get(b, b)
     cache: dict = {}
 

@@ -270,6 +270,7 @@ def main(argv=None) -> int:
     print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
           f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "
           f"{cache.hits['checked']} of {len(results)} checks")
+  # What a cold run costs and where it goes: docs/decisions/premise-proof-time.md.
   print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
   return 0 if proven == len(results) and every else 1
 

@@ -1,0 +1,153 @@
+"""FP8 on the CPU: how P's registers meet V^T's keys, the V^T the API
+makes, the descales, and the FP8 arguments refused by name.
+
+The relabelling of P's registers (kernel.forward.fp8.relabel) and the key
+order V^T is stored in (kernel.tiling.plan.fp8_key_order) must agree
+element for element, or the PV product pairs each probability with another
+key's values: here both are read from Mosaic GPU's own layout definitions
+(its accumulator layout and its 8-bit A layout, jax 0.11.2), thread by
+thread, without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernel.tiling import plan
+
+F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def thread_elements(layout, shape) -> dict:
+  """{(warp, lane): {(register index, element): (row, col)}} of a Mosaic GPU
+  TiledLayout over ``shape``, computed as its ``thread_idxs`` computes them
+  (the warp's and lane's offsets along the tiled dims, plus each register's
+  and each vector element's)."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  contig = tuple(mgpu_utils.get_contiguous_strides(shape))
+  strides = layout.tiling.tile_strides(contig)
+  tiled = layout.tiled_tiling_shape
+  dyn = strides[-layout.tiled_tiling_rank:]
+
+  def delinearize(index, dims):
+    sizes = tuple(d.times if isinstance(d, fa.Replicated) else tiled[d] for d in dims)
+    full = [0] * len(tiled)
+    for d, stride, size in zip(dims, mgpu_utils.get_contiguous_strides(sizes), sizes):
+      if not isinstance(d, fa.Replicated):
+        full[d] = (index // stride) % size
+    return full
+
+  out = {}
+  for warp, lane in itertools.product(range(4), range(32)):
+    base = (sum(i * s for i, s in zip(delinearize(warp, layout.warp_dims), dyn))
+            + sum(i * s for i, s in zip(delinearize(lane, layout.lane_dims), dyn)))
+    elements = {}
+    for reg in np.ndindex(*layout.registers_shape(shape)):
+      first = base + sum(i * s for i, s in zip(reg, strides))
+      for e in range(layout.vector_length):
+        elements[reg, e] = divmod(first + e * strides[layout.vector_dim], shape[1])
+    out[warp, lane] = elements
+  return out
+
+
+@pytest.mark.parametrize("keys", [64, 128, 256])
+def test_relabelled_p_meets_the_keys_v_transposed_holds(keys):
+  """Every thread's e4m3 P element at 8-bit A column j of a 16-key group
+  is the probability of key fp8_key_order()[j] of that group, in the same
+  row: so the key order V^T is stored in makes PV the product of P and V."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from kernel.forward import fp8
+  shape = (64, keys)
+  accumulator = thread_elements(fa.WGMMA_LAYOUT, shape)
+  operand = thread_elements(fa.WGMMA_LAYOUT_8BIT, shape)
+  order = plan.fp8_key_order()
+  pairs = fp8.register_pairs(shape)
+  seen = set()
+  for thread, elements in operand.items():
+    for (reg, j), (row, col) in elements.items():
+      # relabel: element j of the joined register is element j % 2 of its
+      # (j // 2)-th accumulator register
+      source = pairs[reg][j // 2]
+      src_row, src_col = accumulator[thread][source, j % 2]
+      group = col // plan.FP8_KEY_GROUP
+      assert src_row == row, (thread, reg, j)
+      assert src_col == group * plan.FP8_KEY_GROUP + order[col % plan.FP8_KEY_GROUP], (
+          thread, reg, j, col, src_col)
+      seen.add((row, col))
+  assert len(seen) == 64 * keys
+
+
+def test_the_key_order_is_a_permutation_within_each_group():
+  order = plan.fp8_key_order()
+  assert sorted(order) == list(range(plan.FP8_KEY_GROUP)) and order != tuple(range(16))
+
+
+@pytest.mark.parametrize("seq,dv,pad_to", [(300, 64, 128), (256, 128, 256), (17, 96, 64)])
+def test_v_transposed_holds_each_block_in_the_key_order(seq, dv, pad_to):
+  """kernel.padding.values_transposed: V^T (B, K, Dv, S'), S' whole key
+  blocks of zeros past S, each 16 keys in fp8_key_order, the head dim
+  padded with zeros."""
+  import jax.numpy as jnp
+  from kernel import padding
+  rng = np.random.default_rng(seq)
+  v = rng.standard_normal((2, seq, 3, dv - 8)).astype(np.float32)
+  vt = np.asarray(padding.values_transposed(jnp.asarray(v), head_dim_out=dv, block_kv=pad_to))
+  s_pad = -(-seq // pad_to) * pad_to
+  assert vt.shape == (2, 3, dv, s_pad)
+  full = np.zeros((2, s_pad, 3, dv), np.float32)
+  full[:, :seq, :, :dv - 8] = v
+  order = np.array(plan.fp8_key_order())
+  keys = (np.arange(s_pad) // 16) * 16 + order[np.arange(s_pad) % 16]
+  np.testing.assert_array_equal(vt, np.transpose(full[:, keys], (0, 2, 3, 1)))
+
+
+@pytest.mark.parametrize("layout", ["tensor", "head"])
+def test_descales_operand(layout):
+  from kernel import padding
+  qd, kd, vd = (np.float32(2.0), np.float32(0.25), np.float32(3.0)) if layout == "tensor" else (
+      np.arange(1, 7, dtype=np.float32).reshape(2, 3), np.float32(0.5),
+      np.full((2, 3), 4.0, np.float32))
+  got = np.asarray(padding.fp8_descales(qd, kd, vd, layout=layout, batch=2, kv_heads=3))
+  shape = (1, 1) if layout == "tensor" else (2, 3)
+  assert got.shape == shape + (2,) and got.dtype == np.float32
+  np.testing.assert_array_equal(got[..., 0], np.broadcast_to(qd * kd, shape))
+  np.testing.assert_array_equal(got[..., 1], np.broadcast_to(vd, shape))
+
+
+def _gap_case(seq: int, gap: float):
+  """One query row, a top key and seq - 1 keys ``gap`` nats below it, whose
+  values are 1 (the top key's 0): the output is their share of the row."""
+  from kernel.call import Call
+  h = 64
+  q = np.zeros((1, 1, 1, h), np.float32)
+  q[..., 0] = 1
+  k = np.zeros((1, seq, 1, h), np.float32)
+  k[0, 1:, 0, 0] = -gap
+  v = np.zeros((1, seq, 1, h), np.float32)
+  v[0, 1:] = 1.0
+  one = np.float32(1)
+  return Call(q.astype(F8), (k * 16).astype(F8), v.astype(F8), q_descale=one,
+              k_descale=np.float32(1 / 16), v_descale=one, scale=1.0)
+
+
+@pytest.mark.parametrize("seq", [256, 4096])
+@pytest.mark.parametrize("gap", [5.0, 7.0])
+def test_p_scale_keeps_probabilities_far_below_the_max(seq, gap, monkeypatch):
+  """P at 2^8 times its value (kernel.tiling.plan.FP8_P_SCALE_LOG2) keeps the
+  keys 5 and 7 nats below the max within 2 % in the NumPy model of the
+  kernel, where P at scale 1 loses 10 % to all of them to e4m3's subnormals
+  (docs/decisions/fp8-p-scale.md)."""
+  from harness.numerics import online_softmax_model as model
+  from harness.numerics.reference import attention_reference
+  call = _gap_case(seq, gap)
+  ref = attention_reference(call).out
+  error = lambda: np.abs(model.online_softmax_attention(call, dtype=F8)[0] - ref).max()
+  scaled = error() / np.abs(ref).max()
+  monkeypatch.setattr(model, "FP8_P_SCALE_LOG2", 0)
+  unscaled = error() / np.abs(ref).max()
+  print(f"seq {seq} gap {gap}: scale 1 {unscaled:.2e}, 2^8 {scaled:.2e}")
+  assert scaled < 0.02 and unscaled > 0.1

@@ -269,7 +269,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   m and l as for every dtype.  Every other argument works as it does for
   bfloat16, but a ``rescale_threshold`` below 0.625 is raised to it (P must
   stay within e4m3's range) and gradients are refused (NotImplementedError
-  naming ``query``).
+  naming ``query``).  The logits (with the descales) must stay below 2^24
+  in magnitude: past it float32 cannot hold P's 2^8 offset beside the row's
+  max, and the results are unspecified.
   """
   call = Call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
               k_start=k_start, k_end=k_end, query_seq_lengths=query_seq_lengths,

@@ -151,3 +151,75 @@ def test_p_scale_keeps_probabilities_far_below_the_max(seq, gap, monkeypatch):
   unscaled = error() / np.abs(ref).max()
   print(f"seq {seq} gap {gap}: scale 1 {unscaled:.2e}, 2^8 {scaled:.2e}")
   assert scaled < 0.02 and unscaled > 0.1
+
+
+# -- bad FP8 calls, refused by name by the API, the reference and the model --
+
+from harness.numerics.bad_inputs import FP8_BAD_INPUT_CASES, fp8_base_call  # noqa: E402
+
+FP8_CASES = [pytest.param(c, id=c.description) for c in FP8_BAD_INPUT_CASES]
+
+
+def _split_call(kwargs):
+  kw = dict(kwargs)
+  return [kw.pop(n) for n in ("query", "key", "value", "bias", "mask")], kw
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_bad_fp8_calls_are_refused_by_name(case):
+  """The API (lowering only, so nothing runs), the float64 reference and the
+  NumPy model refuse each bad FP8 call with a ValueError naming the
+  argument."""
+  import re
+  from harness.numerics.online_softmax_model import online_softmax_attention
+  from harness.numerics.reference import attention_reference
+  from kernel import api
+  args, kw = _split_call({**fp8_base_call(), **case.changes()})
+  match = f"^{re.escape(case.argument)}: "
+  with pytest.raises(ValueError, match=match), api.lowering_only():
+    api.dot_product_attention(*args, **kw)
+  with pytest.raises(ValueError, match=match):
+    attention_reference(*args, **kw)
+  with pytest.raises(ValueError, match=match):
+    online_softmax_attention(*args, dtype=F8, **kw)
+
+
+def test_the_fp8_base_call_is_accepted():
+  """The call every bad FP8 case changes one thing of: the reference and the
+  model take it, and the API lowers it for CUDA."""
+  import jax
+  from harness.numerics.online_softmax_model import online_softmax_attention
+  from harness.numerics.reference import attention_reference
+  from kernel import api
+  args, kw = _split_call(fp8_base_call())
+  attention_reference(*args, **kw)
+  online_softmax_attention(*args, dtype=F8, **kw)
+  with api.lowering_only():
+    jax.export.export(jax.jit(lambda *a: api.dot_product_attention(*a, **kw)),
+                      platforms=["cuda"])(*args)
+
+
+@pytest.mark.parametrize("descales", [
+    dict(q_descale=float("inf")), dict(v_descale=np.float32(-1))], ids=["inf", "negative"])
+def test_a_concrete_bad_descale_under_jit_is_refused_too(descales):
+  """A descale whose value is known (a concrete jax array) is checked even
+  when the API is called inside jax.jit with it as a closed-over constant."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  args, kw = _split_call(fp8_base_call())
+  kw.update({n: jnp.asarray(x, jnp.float32) for n, x in descales.items()})
+  (name,) = descales
+  with pytest.raises(ValueError, match=f"^{name}: must be finite and > 0"), api.lowering_only():
+    jax.jit(lambda *a: api.dot_product_attention(*a, **kw)).lower(*args)
+
+
+def test_an_fp8_gradient_is_refused_naming_the_query():
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  args, kw = _split_call(fp8_base_call())
+  loss = lambda q: jnp.sum(api.dot_product_attention(q, *args[1:], **kw).astype(jnp.float32))
+  with pytest.raises(NotImplementedError, match="^query: float8_e4m3fn attention has no "
+                                                 "gradient"), api.lowering_only():
+    jax.jit(jax.grad(loss)).lower(args[0])

@@ -223,3 +223,50 @@ def test_an_fp8_gradient_is_refused_naming_the_query():
   with pytest.raises(NotImplementedError, match="^query: float8_e4m3fn attention has no "
                                                  "gradient"), api.lowering_only():
     jax.jit(jax.grad(loss)).lower(args[0])
+
+
+# -- the named FP8 cases of the GPU tests ----------------------------------
+
+from harness.numerics.fp8_cases import FP8_NAMED, fp8_case  # noqa: E402
+
+# The NumPy model and the float64 reference of the larger cases take too
+# long for the CPU suite; those are built only.
+SMALL = 2 ** 19
+
+
+@pytest.mark.parametrize("name", list(FP8_NAMED))
+def test_named_fp8_cases_build_and_the_model_meets_the_rule(name):
+  """Each named FP8 case is a valid call with its descales; where small, the
+  NumPy model of the kernel's FP8 arithmetic meets the tolerance rule on it
+  (with both a 64- and a 128-key block, at the threshold the API runs), as
+  the kernel must on the GPU."""
+  from harness.numerics.conformance import check_forward
+  from harness.numerics.online_softmax_model import online_softmax_attention
+  from kernel import api
+  call = fp8_case(name, **FP8_NAMED[name])
+  assert call.fp8 and call.descales in ("tensor", "head")
+  sh = call.shapes
+  if sh.B * sh.N * sh.T * sh.S > SMALL:
+    pytest.skip("large: built only on the CPU")
+  runs = call.replace(rescale_threshold=api.problem_of(call).rescale_threshold)
+  for block_kv in (64, 128):
+    report = check_forward(call, *online_softmax_attention(runs, block_kv=block_kv, dtype=F8))
+    assert report.passed, (block_kv, report.summary())
+
+
+def test_the_fp8_threshold_floor_keeps_deferred_p_within_e4m3():
+  """At rescale_threshold 0 a deferred P of FP8 goes past e4m3's 448 and
+  saturates (the NumPy model breaks the rule); at the 0.625 the API runs
+  it stays below (kernel.forward.fp8.MIN_THRESHOLD)."""
+  from harness.numerics.conformance import check_forward
+  from harness.numerics.online_softmax_model import online_softmax_attention
+  from kernel import api
+  call = fp8_case("threshold-0-unnormalised", **FP8_NAMED["threshold-0-unnormalised"])
+  assert call.rescale_threshold == 0.0 and api.problem_of(call).rescale_threshold == 0.625
+  stats = {}
+  raw = online_softmax_attention(call, dtype=F8, _stats=stats)
+  assert stats["max_p"] > 448 and not check_forward(call, *raw).passed
+  floored = call.replace(rescale_threshold=0.625)
+  stats = {}
+  ok = online_softmax_attention(floored, dtype=F8, _stats=stats)
+  assert stats["max_p"] <= 448 and check_forward(call, *ok).passed

@@ -399,13 +399,14 @@ class AttentionCase:
     self.dtype = np.dtype(spec.dtype)
     rng = np.random.default_rng(spec.seed)
 
-    def normal(shape):
-      return (rng.standard_normal(shape) * spec.input_std).astype(self.dtype)
-
     fp8 = {}
     if spec.fp8 is not None:  # its own stream: the draws below stay as they were
       fp8 = spec.fp8.build(sh, spec.seed, spec.scale)
-      normal = lambda shape: rng.standard_normal(shape).astype(bfloat16)
+    # FP8's q, k, v replace these below (drawn all the same, for d_out's sake).
+    drawn = bfloat16 if fp8 else self.dtype
+
+    def normal(shape):
+      return (rng.standard_normal(shape) * spec.input_std).astype(drawn)
     self.query = normal((sh.B, sh.T, sh.N, sh.H))
     self.key = normal((sh.B, sh.S, sh.K, sh.H))
     self.value = normal((sh.B, sh.S, sh.K, sh.Hv))

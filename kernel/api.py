@@ -90,12 +90,12 @@ F16_MIN_THRESHOLD = 2.0 ** -14
 
 
 def _effective_threshold(threshold: float, dtype) -> float:
-  if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:
-    return F16_MIN_THRESHOLD
   # FP8's P, scaled to 2^8 and deferred up to 1 / threshold, must stay
   # within e4m3's 448 (kernel.forward.fp8.MIN_THRESHOLD).
   if np.dtype(dtype).itemsize == 1 and threshold < fp8_lib.MIN_THRESHOLD:
     return fp8_lib.MIN_THRESHOLD
+  if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:
+    return F16_MIN_THRESHOLD
   return threshold
 
 

@@ -190,9 +190,12 @@ def chosen_config_source(query, key, value, bias=None, mask=None, *, is_causal=F
                          k_start=None, k_end=None, device_kind: str | None = None,
                          variant: Variant = SHIPPED) -> tuple[Config, str]:
   """:func:`chosen_config` and where it came from (kernel.tiling.autotune.choice:
-  "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic")."""
+  "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic").
+  FP8 arrays are taken with unit descales: no tiling reads their values."""
+  unit = ({n: 1.0 for n in ("q_descale", "k_descale", "v_descale")}
+          if np.dtype(query.dtype).itemsize == 1 else {})
   call = Call(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start, k_end=k_end,
-              dtypes=(np.dtype(query.dtype),))
+              dtypes=(np.dtype(query.dtype),), **unit)
   problem = problem_of(call, staged=variant.stage_2d, variant=variant)
   return _chosen_config(call, problem, None, device_kind=device_kind, with_source=True)
 

@@ -270,3 +270,19 @@ def test_the_fp8_threshold_floor_keeps_deferred_p_within_e4m3():
   stats = {}
   ok = online_softmax_attention(floored, dtype=F8, _stats=stats)
   assert stats["max_p"] <= 448 and check_forward(call, *ok).passed
+
+
+@pytest.mark.parametrize("name", [s.name for s in __import__(
+    "harness.tools.golden", fromlist=["CORPUS"]).CORPUS if s.fp8 is not None])
+def test_fp8_golden_cases_await_their_first_golden_and_lower(name, monkeypatch):
+  """The FP8 corpus cases are listed as awaiting the H200's first golden
+  (harness.tools.golden.AWAITING_FIRST_GOLDEN: the GPU writes them), store
+  the forward only, and the call the golden tool runs lowers for CUDA."""
+  import jax
+  from harness.tools import golden
+  from kernel import api
+  spec = next(s for s in golden.CORPUS if s.name == name)
+  assert name in golden.AWAITING_FIRST_GOLDEN and spec.arrays() == golden.FORWARD_ARRAYS
+  f, args = golden.kernel_function(spec)
+  with api.lowering_only():
+    jax.export.export(jax.jit(f), platforms=["cuda"])(*args)

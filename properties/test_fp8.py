@@ -286,3 +286,23 @@ def test_fp8_golden_cases_await_their_first_golden_and_lower(name, monkeypatch):
   f, args = golden.kernel_function(spec)
   with api.lowering_only():
     jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+
+
+def test_the_jaxpr_comparison_lists_new_cases_and_fails_a_lost_or_changed_one(tmp_path, capsys):
+  """harness.tools.jaxpr_texts --compare: a case only the newer dump holds
+  (the FP8 ones, added beside the 16-bit ones) is listed as new and passes;
+  a changed or a lost case fails."""
+  import json
+  from harness.tools import jaxpr_texts
+  old, new = tmp_path / "old.json", tmp_path / "new.json"
+  old.write_text(json.dumps({"a": "x", "b": "y"}))
+  new.write_text(json.dumps({"a": "x", "b": "y", "fp8-c": "z"}))
+  assert jaxpr_texts.main(["--compare", str(old), str(new)]) == 0
+  assert "2 of 2 jaxprs identical; differ: none; new in" in capsys.readouterr().out
+  assert jaxpr_texts.main(["--compare", str(new), str(old)]) == 1
+  new.write_text(json.dumps({"a": "x", "b": "w", "fp8-c": "z"}))
+  assert jaxpr_texts.main(["--compare", str(old), str(new)]) == 1
+  assert "differ: ['b']" in capsys.readouterr().out
+  assert {n for n in jaxpr_texts.cases() if n.startswith("fp8-")} == {
+      "fp8-d128-p-plain", "fp8-d128-np-causal-threshold-head",
+      "fp8-d64-p-bkv256-bias-mask-ranges", "fp8-d256-np-f16-out"}

@@ -306,3 +306,35 @@ def test_the_jaxpr_comparison_lists_new_cases_and_fails_a_lost_or_changed_one(tm
   assert {n for n in jaxpr_texts.cases() if n.startswith("fp8-")} == {
       "fp8-d128-p-plain", "fp8-d128-np-causal-threshold-head",
       "fp8-d64-p-bkv256-bias-mask-ranges", "fp8-d256-np-f16-out"}
+
+
+@pytest.mark.parametrize("shape,want", [((4, 2, 2), ("data", "model", None)),
+                                        ((1, 1, 2), (None, None, None))],
+                         ids=["per-head", "per-tensor"])
+def test_the_descales_shard_with_their_batch_and_kv_heads(shape, want):
+  """On a mesh (kernel/sharding.py), FP8's (B|1, K|1, 2) descales follow the
+  query's batch and kv-head sharding where full, and stay replicated where
+  broadcast (per tensor); their last axis is never sharded."""
+  from jax.sharding import PartitionSpec
+  from kernel import sharding
+  layout = sharding.Layout(mesh=None, batch=("data",), heads=("model",), shapes={
+      "query": (4, 128, 8, 64), "key": (4, 128, 2, 64), "descales": shape})
+  assert layout.spec("descales") == PartitionSpec(*want)
+  assert "descales" in sharding.FORWARD_OPERANDS and "descales" not in sharding.BACKWARD_OPERANDS
+
+
+def test_fp8_under_vmap_and_jit_lowers_for_cuda():
+  """jax.vmap over a leading axis of FP8 inputs and their per-head
+  descales, under jax.jit, lowers for CUDA (the per-device computation is
+  vmapped whole, kernel/sharding.py)."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  sds = jax.ShapeDtypeStruct
+  f8 = jnp.float8_e4m3fn
+  q, kv = sds((3, 1, 200, 2, 64), f8), sds((3, 1, 150, 1, 64), f8)
+  d = sds((3, 1, 1), jnp.float32)
+  f = lambda q, k, v, dq, dk, dv: api.dot_product_attention(
+      q, k, v, is_causal=True, q_descale=dq, k_descale=dk, v_descale=dv, return_residuals=True)
+  with api.lowering_only():
+    jax.export.export(jax.jit(jax.vmap(f)), platforms=["cuda"])(q, kv, kv, d, d, d)

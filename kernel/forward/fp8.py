@@ -46,7 +46,8 @@ def relabel(p8):
   """The e4m3 values of ``p8`` (accumulator layout: a thread holds keys 2q,
   2q + 1 and 8 + 2q, 9 + 2q of every 16 in two registers of two bytes) as
   one four-byte register per 16 keys in the 8-bit A layout, which reads
-  them as keys 4q .. 4q + 3: no instruction, only names.  The keys come out
+  them as keys 4q .. 4q + 3: no shuffle between threads, each thread's two
+  halves packed into one register.  The keys come out
   in kernel.tiling.plan.fp8_key_order, the order V^T is stored in."""
   shape = p8.shape
 

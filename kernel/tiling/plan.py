@@ -210,7 +210,7 @@ FP8_P_SCALE_LOG2 = 8
 # P leaves the softmax in wgmma's accumulator layout, which gives a thread
 # keys (2q, 2q + 1, 8 + 2q, 9 + 2q) of every 16, and enters PV as its 8-bit
 # A operand, which reads them as keys 4q .. 4q + 3: the registers are
-# relabelled, not moved (kernel.forward.fp8.p_operand), and V^T's keys are
+# relabelled, not moved between threads (kernel.forward.fp8.p_operand), and V^T's keys are
 # stored in the matching order.
 FP8_KEY_GROUP = 16
 

@@ -338,3 +338,54 @@ def test_fp8_under_vmap_and_jit_lowers_for_cuda():
       q, k, v, is_causal=True, q_descale=dq, k_descale=dk, v_descale=dv, return_residuals=True)
   with api.lowering_only():
     jax.export.export(jax.jit(jax.vmap(f)), platforms=["cuda"])(q, kv, kv, d, d, d)
+
+
+# -- tiling: heuristics, candidates, the estimate, the cache ----------------
+
+def _fp8_problem(head_dim, seq=4096, causal=False, dtype=F8):
+  shape = (1, seq, 8, head_dim)
+  from kernel.tiling import autotune
+  return autotune.selection_problem(plan.problem_for(shape, shape, shape, dtype,
+                                                     is_causal=causal))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_tilings_fit_and_one_byte_rows_make_room(head_dim, causal):
+  """Every FP8 config the heuristics and the autotuner emit fits shared
+  memory; one-byte rows admit at least every bfloat16 candidate, and more
+  (wider key blocks, deeper rings) at head dims 128 and up; up to head dim
+  64 the heuristic starts at 256-key blocks."""
+  from kernel.tiling import heuristics
+  fp8, bf16 = _fp8_problem(head_dim, causal=causal), _fp8_problem(
+      head_dim, causal=causal, dtype=np.dtype(ml_dtypes.bfloat16))
+  configs = heuristics.get_autotuning_configs(fp8)
+  assert configs and all(plan.config_fits(fp8, c) for c in configs)
+  assert set(heuristics.get_autotuning_configs(bf16)) <= set(configs)
+  if head_dim >= 128:
+    assert len(configs) > len(heuristics.get_autotuning_configs(bf16))
+  chosen = heuristics.get_heuristics_config(fp8)
+  assert plan.config_fits(fp8, chosen)
+  assert (chosen.block_kv == 256) == (head_dim <= heuristics.FP8_WIDE_KEYS_HEAD_DIM)
+
+
+def test_fp8_cache_entries_serve_fp8_calls_only(tmp_path):
+  """An FP8 entry of the autotune cache answers an FP8 call of its
+  signature, and the nearest FP8 signature another FP8 bucket; a bfloat16
+  call never reads it (FP8's tilings are timed apart: kernel.tiling.autotune.FAMILIES)."""
+  import json
+  from kernel.tiling import autotune
+  from kernel.tiling.config import Config
+  fp8 = _fp8_problem(128)
+  entry = {"config": {"block_q": 64, "block_kv": 128, "num_stages": 3, "persistent": True},
+           "median_ms": {}}
+  path = tmp_path / "cache.json"
+  path.write_text(json.dumps({"NVIDIA H200": {autotune.signature(fp8): entry}}))
+  want = Config(64, 128, 3, persistent=True)
+  assert autotune.lookup(fp8, "NVIDIA H200", path=path) == want
+  assert autotune.signature(fp8).startswith("float8_e4m3fn-d128-dv128-q4096")
+  other_bucket = _fp8_problem(128, seq=8192)
+  assert autotune.nearest(other_bucket, "NVIDIA H200", path=path) == (
+      autotune.signature(fp8), want)
+  bf16 = _fp8_problem(128, dtype=np.dtype(ml_dtypes.bfloat16))
+  assert autotune.nearest(bf16, "NVIDIA H200", path=path) is None

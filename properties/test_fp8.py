@@ -185,18 +185,16 @@ def test_bad_fp8_calls_are_refused_by_name(case):
 
 
 def test_the_fp8_base_call_is_accepted():
-  """The call every bad FP8 case changes one thing of: the reference and the
-  model take it, and the API lowers it for CUDA."""
-  import jax
+  """The call every bad FP8 case changes one thing of: the API's record
+  (its dtypes), the reference and the model take it (test_lowering lowers
+  such calls for CUDA)."""
   from harness.numerics.online_softmax_model import online_softmax_attention
   from harness.numerics.reference import attention_reference
-  from kernel import api
+  from kernel.call import DEFAULT_ALLOWED_DTYPES, Call
   args, kw = _split_call(fp8_base_call())
+  assert Call(*args, **kw, dtypes=DEFAULT_ALLOWED_DTYPES).descales == "head"
   attention_reference(*args, **kw)
   online_softmax_attention(*args, dtype=F8, **kw)
-  with api.lowering_only():
-    jax.export.export(jax.jit(lambda *a: api.dot_product_attention(*a, **kw)),
-                      platforms=["cuda"])(*args)
 
 
 @pytest.mark.parametrize("descales", [
@@ -238,8 +236,8 @@ SMALL = 2 ** 19
 def test_named_fp8_cases_build_and_the_model_meets_the_rule(name):
   """Each named FP8 case is a valid call with its descales; where small, the
   NumPy model of the kernel's FP8 arithmetic meets the tolerance rule on it
-  (with both a 64- and a 128-key block, at the threshold the API runs), as
-  the kernel must on the GPU."""
+  (64-key blocks, at the threshold the API runs), as the kernel must on the
+  GPU."""
   from harness.numerics.conformance import check_forward
   from harness.numerics.online_softmax_model import online_softmax_attention
   from kernel import api
@@ -249,9 +247,8 @@ def test_named_fp8_cases_build_and_the_model_meets_the_rule(name):
   if sh.B * sh.N * sh.T * sh.S > SMALL:
     pytest.skip("large: built only on the CPU")
   runs = call.replace(rescale_threshold=api.problem_of(call).rescale_threshold)
-  for block_kv in (64, 128):
-    report = check_forward(call, *online_softmax_attention(runs, block_kv=block_kv, dtype=F8))
-    assert report.passed, (block_kv, report.summary())
+  report = check_forward(call, *online_softmax_attention(runs, block_kv=64, dtype=F8))
+  assert report.passed, report.summary()
 
 
 def test_the_fp8_threshold_floor_keeps_deferred_p_within_e4m3():
@@ -272,18 +269,18 @@ def test_the_fp8_threshold_floor_keeps_deferred_p_within_e4m3():
   assert stats["max_p"] <= 448 and check_forward(call, *ok).passed
 
 
-@pytest.mark.parametrize("name", [s.name for s in __import__(
-    "harness.tools.golden", fromlist=["CORPUS"]).CORPUS if s.fp8 is not None])
-def test_fp8_golden_cases_await_their_first_golden_and_lower(name, monkeypatch):
+def test_fp8_golden_cases_await_their_first_golden_and_lower():
   """The FP8 corpus cases are listed as awaiting the H200's first golden
-  (harness.tools.golden.AWAITING_FIRST_GOLDEN: the GPU writes them), store
-  the forward only, and the call the golden tool runs lowers for CUDA."""
+  (harness.tools.golden.AWAITING_FIRST_GOLDEN: the GPU writes them) and
+  store the forward only; the call the golden tool runs for the one with
+  the most features lowers for CUDA."""
   import jax
   from harness.tools import golden
   from kernel import api
-  spec = next(s for s in golden.CORPUS if s.name == name)
-  assert name in golden.AWAITING_FIRST_GOLDEN and spec.arrays() == golden.FORWARD_ARRAYS
-  f, args = golden.kernel_function(spec)
+  fp8 = [s for s in golden.CORPUS if s.fp8 is not None]
+  assert len(fp8) == 3 and {s.name for s in fp8} <= set(golden.AWAITING_FIRST_GOLDEN)
+  assert all(s.arrays() == golden.FORWARD_ARRAYS for s in fp8)
+  f, args = golden.kernel_function(next(s for s in fp8 if s.bias and s.mask))
   with api.lowering_only():
     jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
 

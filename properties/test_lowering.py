@@ -156,7 +156,7 @@ def test_split_tail_configs_lower_and_the_estimate_holds(name, cls, feat, cfg):
 # profile: all of them, and the ragged shapes below).  One-byte rows admit
 # configs 16-bit ones cannot (wider key blocks, deeper rings); a lowering
 # with every feature takes several seconds, so the ci profile samples.
-FP8_STRIDE = 16
+FP8_STRIDE = 32
 
 
 def _fp8_grid():
@@ -182,10 +182,10 @@ def test_the_emitted_fp8_configs_lower_and_the_estimate_holds(d, dv, kw, problem
       f"estimate {est} vs lowering {lowered.smem_bytes}")
 
 
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("out_dtype", ["float16"])
 def test_fp8_per_head_descales_and_output_dtypes_lower(out_dtype):
   """Per (batch, kv head) descales over GQA at ragged lengths and padded
-  head dims, and either output dtype."""
+  head dims, and the output dtype other than the default."""
   import jax.numpy as jnp
   lowered = lower_attention(dict(B=2, T=113, N=4, H=72, S=203, K=2, Hv=96),
                             dtype="float8_e4m3fn", descales="head", is_causal=True,

@@ -29,6 +29,7 @@ from kernel.backward.xla import attention_backward as xla_backward
 from kernel.call import DEFAULT_ALLOWED_DTYPES, Call
 from kernel.common import is_2d
 from kernel.forward import flash_attention_forward
+from kernel.forward import fp8 as fp8_lib
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
 from kernel.variant import SHIPPED, Variant
@@ -89,6 +90,10 @@ F16_MIN_THRESHOLD = 2.0 ** -14
 
 
 def _effective_threshold(threshold: float, dtype) -> float:
+  # FP8's P, scaled to 2^8 and deferred up to 1 / threshold, must stay
+  # within e4m3's 448 (kernel.forward.fp8.MIN_THRESHOLD).
+  if np.dtype(dtype).itemsize == 1 and threshold < fp8_lib.MIN_THRESHOLD:
+    return fp8_lib.MIN_THRESHOLD
   if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:
     return F16_MIN_THRESHOLD
   return threshold
@@ -125,7 +130,8 @@ def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: b
       window=routed.window if routed is not None else call.window,
       window_only=bool(routed is not None and routed.window_only),
       poisons_rows=bool(routed is not None and routed.poisoned is not None),
-      deterministic=bool(deterministic))
+      deterministic=bool(deterministic),
+      out_dtype=np.dtype(call.result_dtype) if call.fp8 else None, descales=call.descales)
 
 
 def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Config | None = None,
@@ -184,9 +190,12 @@ def chosen_config_source(query, key, value, bias=None, mask=None, *, is_causal=F
                          k_start=None, k_end=None, device_kind: str | None = None,
                          variant: Variant = SHIPPED) -> tuple[Config, str]:
   """:func:`chosen_config` and where it came from (kernel.tiling.autotune.choice:
-  "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic")."""
+  "autotune cache", "autotune cache, nearest: SIGNATURE" or "heuristic").
+  FP8 arrays are taken with unit descales: no tiling reads their values."""
+  unit = ({n: 1.0 for n in ("q_descale", "k_descale", "v_descale")}
+          if np.dtype(query.dtype).itemsize == 1 else {})
   call = Call(query, key, value, bias, mask, is_causal=is_causal, k_start=k_start, k_end=k_end,
-              dtypes=(np.dtype(query.dtype),))
+              dtypes=(np.dtype(query.dtype),), **unit)
   problem = problem_of(call, staged=variant.stage_2d, variant=variant)
   return _chosen_config(call, problem, None, device_kind=device_kind, with_source=True)
 
@@ -215,7 +224,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           segment_layout="contiguous", k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
                           normalize_output=True, return_residuals=False,
-                          config=None, deterministic=False):
+                          config=None, deterministic=False, q_descale=None, k_descale=None,
+                          v_descale=None, out_dtype=None):
   """Flash attention on sm90.  Returns ``out``, ``(out, (m, l))`` with
   ``return_residuals``, ``(out, lse)`` with ``return_residual``, or
   ``(out, lse, (m, l))`` with both.
@@ -252,6 +262,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   head (or a cotangent whose norm overflows float32) makes that head's
   (that row's) dq NaN, not only where the logits touch it.  The
   forward is bitwise reproducible either way.
+
+  FP8: ``float8_e4m3fn`` query, key and value (all three; mixed with another
+  dtype is a ValueError) stand for their values times ``q_descale``,
+  ``k_descale`` and ``v_descale`` (float32 of shape () per tensor or (B, K)
+  per batch and kv head, finite and > 0; each required).  P is quantised to
+  e4m3 for the PV product at 2^8 times its value (as FlashAttention-3
+  does); the output is ``out_dtype`` (bfloat16 by default, or float16);
+  m and l as for every dtype.  Every other argument works as it does for
+  bfloat16, but a ``rescale_threshold`` below 0.625 is raised to it (P must
+  stay within e4m3's range) and gradients are refused (NotImplementedError
+  naming ``query``).  The logits (with the descales) must stay below 2^24
+  in magnitude: past it float32 cannot hold P's 2^8 offset beside the row's
+  max, and the results are unspecified.
   """
   call = Call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
               k_start=k_start, k_end=k_end, query_seq_lengths=query_seq_lengths,
@@ -261,7 +284,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
               logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold,
               normalize_output=normalize_output, return_residuals=return_residuals,
               return_residual=return_residual, implementation=implementation,
-              dtypes=DEFAULT_ALLOWED_DTYPES)
+              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+              out_dtype=out_dtype, dtypes=DEFAULT_ALLOWED_DTYPES)
   return attend(call, config=config, deterministic=deterministic)
 
 
@@ -282,8 +306,13 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
   problem, config = resolve(call, routed, config=config, variant=variant,
                             deterministic=deterministic)
   attention = _differentiable(problem, config, variant, _num_sms())
+  descales = None
+  if problem.fp8:
+    descales = padding.fp8_descales(call.q_descale, call.k_descale, call.v_descale,
+                                    layout=problem.descales, batch=call.shapes.B,
+                                    kv_heads=call.shapes.K)
   out, residuals = attention(call.query, call.key, call.value, call.bias, routed.mask,
-                             routed.k_start, routed.k_end)
+                             routed.k_start, routed.k_end, descales)
   return routed.finish(out, residuals)
 
 
@@ -302,25 +331,29 @@ def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant,
   (:data:`BACKWARDS`), for the same problem."""
   forward_problem = launch_problem(problem, config)
 
-  def run(p, q, k, v, bias, mask, ks, ke):
-    def local(q, k, v, bias, mask, ks, ke):   # on one device's batch/head shard
-      out, res = _forward(q, k, v, bias, mask, ks, ke, problem=p, config=config,
+  def run(p, q, k, v, bias, mask, ks, ke, descales):
+    def local(q, k, v, bias, mask, ks, ke, *descales):   # on one device's batch/head shard
+      out, res = _forward(q, k, v, bias, mask, ks, ke, *descales, problem=p, config=config,
                           variant=variant, num_sms=num_sms)
-      return out.astype(q.dtype), res
+      return out.astype(p.output_dtype if p.fp8 else q.dtype), res
     return sharding.forward(local, q, k, v, bias, mask, ks, ke,
-                            residuals=p.return_residuals)
+                            residuals=p.return_residuals, descales=descales)
 
   @jax.custom_vjp
-  def attention(q, k, v, bias, mask, ks, ke):
-    return run(forward_problem, q, k, v, bias, mask, ks, ke)
+  def attention(q, k, v, bias, mask, ks, ke, descales):
+    return run(forward_problem, q, k, v, bias, mask, ks, ke, descales)
 
-  def fwd(q, k, v, bias, mask, ks, ke):
+  def fwd(q, k, v, bias, mask, ks, ke, descales):
+    if problem.fp8:
+      raise NotImplementedError(
+          f"query: {np.dtype(problem.dtype).name} attention has no gradient here (FP8 "
+          "training is out of scope); differentiate a bfloat16 call")
     if not problem.normalize_output:
       raise NotImplementedError(
           "normalize_output: gradients are defined for the normalised output only")
     with_res = dataclasses.replace(forward_problem, return_residuals=True)
     plan_lib.check_fits(with_res, config)
-    out, (m, l) = run(with_res, q, k, v, bias, mask, ks, ke)
+    out, (m, l) = run(with_res, q, k, v, bias, mask, ks, ke, descales)
     primal = (out, (m, l) if problem.return_residuals else None)
     return primal, (q, k, v, bias, mask, ks, ke, out, m, l)
 
@@ -343,19 +376,19 @@ def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant,
     dq, dk, dv, dbias = sharding.backward(
         local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
     back = lambda g, like: None if g is None else g.astype(like.dtype)
-    return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None
+    return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None, None
 
   attention.defvjp(fwd, bwd)
   return attention
 
 
 @functools.partial(jax.jit, static_argnames=("problem", "config", "variant", "num_sms"))
-def _forward(query, key, value, bias, mask, k_start, k_end, *, problem, config, variant,
-             num_sms):
+def _forward(query, key, value, bias, mask, k_start, k_end, descales=None, *, problem, config,
+             variant, num_sms):
   q, k, v, bias, mask, k_start, k_end, tiles = padding.forward_inputs(
       query, key, value, bias, mask, k_start, k_end, problem=problem, config=config)
   out, residuals = flash_attention_forward(
       q, k, v, bias, mask, k_start, k_end, tiles, problem=problem, config=config,
-      variant=variant, num_sms=num_sms)
+      variant=variant, num_sms=num_sms, **({} if descales is None else {"descales": descales}))
   return padding.forward_results(out, residuals, seq_q=query.shape[1],
                                  head_dim_out=value.shape[3])

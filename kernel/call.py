@@ -44,6 +44,7 @@ __all__ = [
   "Call",
   "DEFAULT_ALLOWED_DTYPES",
   "EVERY_DTYPE",
+  "FP8_DTYPES",
   "validate_attention_args",
   "broadcastable_to",
 ]
@@ -52,11 +53,17 @@ float16 = np.dtype(np.float16)
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
 
-# What the kernel takes (float32 is computed in bfloat16); the float64
-# reference and the NumPy model take float64 too.
-DEFAULT_ALLOWED_DTYPES = (float16, bfloat16, float32)
-EVERY_DTYPE = (float16, bfloat16, float32, float64)
+# What the kernel takes (float32 is computed in bfloat16; float8_e4m3fn with
+# its descales); the float64 reference and the NumPy model take float64 too.
+DEFAULT_ALLOWED_DTYPES = (float16, bfloat16, float32, float8_e4m3fn)
+EVERY_DTYPE = (float16, bfloat16, float32, float64, float8_e4m3fn)
+# The 8-bit input dtypes, each taken with q_descale, k_descale and v_descale,
+# and the output dtypes such a call may ask for (the first is the default).
+FP8_DTYPES = (float8_e4m3fn,)
+FP8_OUT_DTYPES = (bfloat16, float16)
+DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +347,72 @@ class _Shaped:
   dtype: np.dtype
 
 
+def _concrete(x: Any) -> np.ndarray | None:
+  """``x``'s values where they are known now (NumPy, Python and concrete JAX
+  values), None where only its shape is (a tracer, a ShapeDtypeStruct)."""
+  try:
+    return np.asarray(x, dtype=np.float64)
+  except Exception:  # noqa: BLE001 -- whatever refuses to give values gives none
+    return None
+
+
+def validate_fp8_args(shapes: AttentionShapes, dtype: np.dtype, descales: dict[str, Any],
+                      out_dtype: Any) -> str | None:
+  """Check the FP8 arguments of a call whose query dtype is ``dtype``;
+  return how its descales are laid out: None (no FP8), "tensor" (all three
+  per tensor) or "head" (some per (batch, kv head); the others broadcast).
+
+  ``descales``: {"q_descale": ..., "k_descale": ..., "v_descale": ...}, each
+  the float32 factor that turns the stored 8-bit values into real ones,
+  shape () or (B, K), finite and > 0 (checked where the values are known:
+  under ``jax.jit`` a non-finite one makes the outputs NaN).  ``out_dtype``
+  None (bfloat16) or one of :data:`FP8_OUT_DTYPES`.  A call in another dtype
+  takes none of them."""
+  dtype = np.dtype(dtype)
+  if dtype not in FP8_DTYPES:
+    for name in DESCALES:
+      if descales[name] is not None:
+        raise ValueError(f"{name}: descales go with {_dtype_name(float8_e4m3fn)} query, key "
+                         f"and value; the query is {_dtype_name(dtype)}")
+    if out_dtype is not None:
+      raise ValueError(f"out_dtype: only {_dtype_name(float8_e4m3fn)} inputs take an output "
+                       f"dtype; {_dtype_name(dtype)} inputs return {_dtype_name(dtype)}")
+    return None
+  per_head = (shapes.B, shapes.K)
+  layouts = []
+  for name in DESCALES:
+    x = descales[name]
+    if x is None:
+      raise ValueError(f"{name}: required with {_dtype_name(dtype)} query, key and value: the "
+                       f"float32 factor that turns the stored values into real ones, of shape "
+                       f"() (per tensor) or (B, K) = {per_head} (per batch and kv head)")
+    if isinstance(x, (bool, np.bool_)):
+      raise ValueError(f"{name}: expected a float32 scalar or array, got {x!r}")
+    if isinstance(x, (int, float)):
+      shape, got = (), float32
+    else:
+      shape, got = _shape_and_dtype(x)
+    if got != float32:
+      raise ValueError(f"{name}: expected float32, got {_dtype_name(got)}")
+    if shape not in ((), per_head):
+      raise ValueError(f"{name}: expected shape () (per tensor) or (B, K) = {per_head} (per "
+                       f"batch and kv head), got {shape}")
+    values = _concrete(x)
+    if values is not None and not (np.isfinite(values).all() and (values > 0).all()):
+      bad = values[~(np.isfinite(values) & (values > 0))].ravel()[0]
+      raise ValueError(f"{name}: must be finite and > 0, got {bad}")
+    layouts.append(shape)
+  if out_dtype is not None:
+    try:
+      out = np.dtype(out_dtype)
+    except TypeError:
+      out = None
+    if out not in FP8_OUT_DTYPES:
+      raise ValueError(f"out_dtype: expected None or one of "
+                       f"{[_dtype_name(d) for d in FP8_OUT_DTYPES]}, got {out_dtype!r}")
+  return "tensor" if all(s == () for s in layouts) else "head"
+
+
 def _check_flag(name: str, flag: Any) -> None:
   if not isinstance(flag, (bool, np.bool_)):
     raise ValueError(f"{name}: expected a bool, got {flag!r}")
@@ -353,8 +426,14 @@ class Call:
   ``dtypes``: the input dtypes accepted (:data:`EVERY_DTYPE`, which the
   float64 reference and the NumPy model take; the API asks for the
   kernel's, :data:`DEFAULT_ALLOWED_DTYPES`).
-  Derived: ``shapes`` (:class:`AttentionShapes`) and ``window``
-  (``local_window_size`` as (left, right), or None).
+  Derived: ``shapes`` (:class:`AttentionShapes`), ``window``
+  (``local_window_size`` as (left, right), or None) and ``descales`` (how
+  an FP8 call's descales are laid out, :func:`validate_fp8_args`).
+
+  FP8 (``float8_e4m3fn`` query, key and value): the real inputs are the
+  stored values times ``q_descale``, ``k_descale`` and ``v_descale``
+  (float32, per tensor or per (batch, kv head)); the output is
+  ``out_dtype`` (bfloat16 by default).
   """
 
   query: Any
@@ -378,9 +457,14 @@ class Call:
   return_residuals: bool = False
   return_residual: bool = False
   implementation: Any = None
+  q_descale: Any = None
+  k_descale: Any = None
+  v_descale: Any = None
+  out_dtype: Any = None
   dtypes: tuple = dataclasses.field(default=EVERY_DTYPE, repr=False)
   shapes: AttentionShapes = dataclasses.field(init=False, repr=False)
   window: tuple[int, int] | None = dataclasses.field(init=False, repr=False)
+  descales: str | None = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     shapes = validate_attention_args(
@@ -401,8 +485,25 @@ class Call:
                        f"got {self.segment_layout!r}")
     for name in ("return_residual", "return_residuals", "is_causal", "normalize_output"):
       _check_flag(name, getattr(self, name))
+    descales = validate_fp8_args(shapes, _shape_and_dtype(self.query)[1],
+                                 {n: getattr(self, n) for n in DESCALES}, self.out_dtype)
     object.__setattr__(self, "shapes", shapes)
     object.__setattr__(self, "window", window)
+    object.__setattr__(self, "descales", descales)
+
+  @property
+  def fp8(self) -> bool:
+    """float8_e4m3fn inputs, with their descales."""
+    return np.dtype(self.query.dtype) in FP8_DTYPES
+
+  @property
+  def result_dtype(self) -> np.dtype:
+    """The output's dtype: ``out_dtype`` (bfloat16 by default) for FP8
+    inputs, else the inputs' own (float32 inputs are computed in bfloat16
+    and returned in float32)."""
+    if not self.fp8:
+      return np.dtype(self.query.dtype)
+    return np.dtype(self.out_dtype) if self.out_dtype is not None else FP8_OUT_DTYPES[0]
 
   @property
   def arrays(self) -> tuple:
@@ -430,6 +531,11 @@ class Call:
       parts.append(f"{name}={x if np.ndim(x) < 1 or np.size(x) <= 8 else np.shape(x)}")
     if self.q_segment_ids is not None:
       parts.append(f"segment_layout={self.segment_layout}")
+    if self.fp8:
+      for name in DESCALES:
+        x = getattr(self, name)
+        parts.append(f"{name}={x if np.size(x) <= 4 else np.shape(x)}")
+      parts.append(f"out_dtype={_dtype_name(self.result_dtype)}")
     return " ".join(parts)
 
   def replace(self, **changes) -> "Call":

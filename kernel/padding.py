@@ -157,10 +157,33 @@ def query_block_inner_bounds(k_start, k_end, *, seq_kv: int, num_rows: int, bloc
   return jnp.stack([lo, hi], axis=-2).astype(jnp.int32)
 
 
+def values_transposed(value, *, head_dim_out: int, block_kv: int):
+  """FP8's V^T: (B, S, K, Dv) as (B, K, Dv, S'), the head dim zero-padded to
+  ``head_dim_out``, S' whole key blocks (zero keys past S), and every 16
+  keys in kernel.tiling.plan.fp8_key_order (key 8b + 2a + c at position
+  4a + 2b + c): one XLA transpose, O(S * Dv) bytes
+  (docs/decisions/fp8-values-transposed-in-hbm.md)."""
+  v = pad_to_multiple(pad_head_dim(value, head_dim_out), 1, block_kv)
+  batch, seq, heads, dv = v.shape
+  v = v.reshape(batch, seq // 16, 2, 4, 2, heads, dv)      # keys as (group, b, a, c)
+  v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))              # (B, K, Dv, group, a, b, c)
+  return v.reshape(batch, heads, dv, seq)
+
+
+def fp8_descales(q_descale, k_descale, v_descale, *, layout: str, batch: int, kv_heads: int):
+  """The FP8 forward's (B|1, K|1, 2) float32 operand: q_descale * k_descale
+  and v_descale, per tensor ((1, 1, 2), ``layout`` "tensor") or per (batch,
+  kv head) ("head": each descale broadcast to (B, K))."""
+  shape = (1, 1) if layout == "tensor" else (batch, kv_heads)
+  as_rows = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32), shape)
+  return jnp.stack([as_rows(q_descale) * as_rows(k_descale), as_rows(v_descale)], axis=-1)
+
+
 def forward_inputs(query, key, value, bias, mask, k_start, k_end, *, problem, config):
   """The forward kernel's operands from the call's arrays: q, k, v in the
-  compute dtype at the problem's head dims; bias and mask broadcast to rank
-  4 and padded to whole tiles; the key ranges with their per-tile table.
+  compute dtype at the problem's head dims (FP8: v as V^T,
+  :func:`values_transposed`); bias and mask broadcast to rank 4 and padded
+  to whole tiles; the key ranges with their per-tile table.
   Returns (q, k, v, bias, mask, k_start, k_end, tiles)."""
   dtype = problem.dtype
   tile, block_kv = config.tile_q, config.block_kv
@@ -179,13 +202,17 @@ def forward_inputs(query, key, value, bias, mask, k_start, k_end, *, problem, co
     if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling:
       x = pad_to_multiple(pad_head_dim(x, width), 1, multiple)
     return x
-  q, k, v = (operand(query, problem.head_dim, tile), operand(key, problem.head_dim, block_kv),
-             operand(value, problem.head_dim_out, block_kv))
-  if k.shape[1] != v.shape[1]:  # one of them was padded: both, so they agree
-    k, v = pad_to_multiple(k, 1, block_kv), pad_to_multiple(v, 1, block_kv)
+  if problem.fp8:
+    q, k = operand(query, problem.head_dim, tile), operand(key, problem.head_dim, block_kv)
+    v = values_transposed(value, head_dim_out=problem.head_dim_out, block_kv=block_kv)
+  else:
+    q, k, v = (operand(query, problem.head_dim, tile), operand(key, problem.head_dim, block_kv),
+               operand(value, problem.head_dim_out, block_kv))
+    if k.shape[1] != v.shape[1]:  # one of them was padded: both, so they agree
+      k, v = pad_to_multiple(k, 1, block_kv), pad_to_multiple(v, 1, block_kv)
   num_tiles = -(-query.shape[1] // tile)
   if bias is not None:
-    bias = broadcast_operand(bias, dtype, tile, block_kv)
+    bias = broadcast_operand(bias, problem.bias_dtype, tile, block_kv)
   if mask is not None:
     mask = broadcast_operand(mask, jnp.int8, tile, block_kv)
   k_start, k_end, tiles = key_ranges(k_start, k_end, seq_kv=s, tile=tile, num_tiles=num_tiles)

@@ -64,8 +64,9 @@ from jax.experimental.custom_partitioning import (
 from jax.sharding import NamedSharding, PartitionSpec
 
 # Positions of the operands of the two partitioned calls.
-FORWARD_OPERANDS = ("query", "key", "value", "bias", "mask", "k_start", "k_end")
-BACKWARD_OPERANDS = FORWARD_OPERANDS + ("out", "m", "l", "d_out")
+_INPUTS = ("query", "key", "value", "bias", "mask", "k_start", "k_end")
+FORWARD_OPERANDS = _INPUTS + ("descales",)
+BACKWARD_OPERANDS = _INPUTS + ("out", "m", "l", "d_out")
 
 # Axis roles of each operand, right-aligned for the broadcast ones (bias,
 # mask, key ranges may have a lower rank).
@@ -77,6 +78,8 @@ _ROLES = {
     "mask": ("batch", "heads", "seq_q", "seq_kv"),
     "k_start": ("batch", "heads", "seq_q"),
     "k_end": ("batch", "heads", "seq_q"),
+    # FP8: (B|1, K|1, 2), q_descale * k_descale and v_descale per kv head.
+    "descales": ("batch", "kv_heads", "descale"),
     "out": ("batch", "seq_q", "heads", "head_dim"),
     "m": ("batch", "heads", "seq_q"),
     "l": ("batch", "heads", "seq_q"),
@@ -100,11 +103,13 @@ def _present(names, values):
   return tuple(n for n, v in zip(names, values) if v is not None)
 
 
-def forward(local_fn, query, key, value, bias, mask, k_start, k_end, *, residuals: bool):
-  """``local_fn(q, k, v, bias, mask, k_start, k_end) -> (out, (m, l) | None)``
-  run on each device's batch/head shard (the whole call where there is one
-  device)."""
-  args = (query, key, value, bias, mask, k_start, k_end)
+def forward(local_fn, query, key, value, bias, mask, k_start, k_end, *, residuals: bool,
+            descales=None):
+  """``local_fn(q, k, v, bias, mask, k_start, k_end[, descales]) -> (out,
+  (m, l) | None)`` run on each device's batch/head shard (the whole call
+  where there is one device); ``descales`` FP8's, passed only where given."""
+  args = (query, key, value, bias, mask, k_start, k_end) + (
+      () if descales is None else (descales,))
   local = Local(local_fn, "forward", _present(FORWARD_OPERANDS, args),
                 ("out", "m", "l") if residuals else ("out",))
   return _dispatch(local, args)
@@ -386,6 +391,8 @@ def _sharding_rule(local: Local, mesh, value_types, result_types):
     for role, size in zip(roles, shape):
       if role == "head_dim":
         dims.append("hv" if name in _VALUE_LIKE else "h")
+      elif role not in full:   # the descales' pair: never sharded
+        dims.append(f"x{next(unique)}")
       elif size == full[role]:
         dims.append(factor[role])
       else:

@@ -101,3 +101,20 @@ def test_compare_forward_names_a_modifier_and_tests_that_exist():
         text=True)
     selected = [l for l in run.stdout.splitlines() if "::" in l]
     assert selected, run.stdout + run.stderr
+
+
+def test_fp8_script_runs_the_fp8_tests_goldens_and_page_within_ten_minutes():
+  """ci/device/fp8.sh: the FP8 GPU properties, the corpus's FP8 goldens, and
+  the FP8 page by its bench command, each step under a time limit, their
+  limits together under a device call's 10 minutes."""
+  text = (ROOT / "ci" / "device" / "fp8.sh").read_text().replace("\\\n", " ")
+  steps = re.findall(r"^step (\S+) (\d+) (.*)$", text, flags=re.M)
+  assert [name for name, _, _ in steps] == ["fp8-tests", "fp8-golden", "fp8-page"]
+  assert sum(int(limit) for _, limit, _ in steps) < 600
+  commands = {name: shlex.split(command) for name, _, command in steps}
+  assert "properties/test_fp8_gpu.py" in commands["fp8-tests"]
+  assert commands["fp8-golden"][-4:-1] == ["golden", "update", "--select"]
+  page = _normalised(commands["fp8-page"], out_dir="$out/page")
+  assert page == ("-m", "harness", "bench", "--grid", "--dtype", "float8_e4m3fn", "--out-dir",
+                  "OUTDIR", "--commit", "COMMIT")
+  assert (ROOT / "harness" / "tools" / "bench_fp8.py").exists()

@@ -391,14 +391,18 @@ def shipped_cases():
 
 def test_an_output_overlay_over_the_keys_is_a_case_of_its_own(shipped_cases):
   """Where the value head dim is wider than the queries' (or m and l
-  follow an output as long as the queries), the non-persistent block's
-  output overlay reaches the keys: the proof's cases keep such layouts
-  apart and trace them at their own head dims and residuals."""
+  follow an output as long as the queries, or FP8's two-byte output
+  follows its one-byte queries), the non-persistent block's output overlay
+  reaches the keys: the proof's cases keep such layouts apart and trace
+  them at their own head dims, residuals and dtype."""
   from kernel.tiling import plan as plan_lib
   found = [c for c, _ in shipped_cases if c.output_over_keys]
   assert found and all(not c.persistent for c in found)
-  assert all(c.head_dim_out > c.head_dim or c.residuals for c in found)
+  assert all(c.head_dim_out > c.head_dim or c.residuals or c.dtype == "float8_e4m3fn"
+             for c in found)
   assert any(c.head_dim_out > c.head_dim for c in found)
+  assert any(c.head_dim_out == c.head_dim and not c.residuals for c in found
+             if c.dtype == "float8_e4m3fn")
   problem = plan_lib.Problem(np.dtype(ml_dtypes.bfloat16), 64, 256, 1000, 1000)
   assert plan_lib.scratch_layout(problem, Config(64, 64, 2)).output_reaches_keys
   assert not plan_lib.scratch_layout(dataclasses.replace(problem, head_dim_out=64),

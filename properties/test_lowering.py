@@ -75,19 +75,22 @@ def _features(T, S, N=2):
   }
 
 
-def _problem(q_shape, k_shape, v_shape, kw):
+def _problem(q_shape, k_shape, v_shape, kw, dtype="bfloat16"):
   """The problem the API runs for these arguments (kernel.api.resolved_problem):
-  2-D bias and mask staged through the ring where a config fits with them."""
+  2-D bias and mask staged through the ring where a config fits with them;
+  an FP8 ``dtype`` with per-tensor descales and a bfloat16 bias."""
   import jax
   import jax.numpy as jnp
   from kernel import api
   sds = lambda shape, dt=jnp.bfloat16: None if shape is None else jax.ShapeDtypeStruct(shape, dt)
+  dt = jnp.dtype(dtype)
+  fp8 = ({n: 1.0 for n in ("q_descale", "k_descale", "v_descale")} if dt.itemsize == 1 else {})
   return api.resolved_problem(
-      sds(q_shape), sds(k_shape), sds(v_shape), sds(kw.get("bias_shape")),
+      sds(q_shape, dt), sds(k_shape, dt), sds(v_shape, dt), sds(kw.get("bias_shape")),
       sds(kw.get("mask_shape"), jnp.bool_), is_causal=kw.get("is_causal", False),
       return_residuals=kw.get("return_residuals", False),
       k_start=sds(kw.get("k_range_shape"), jnp.int32), k_end=sds(kw.get("k_range_shape"), jnp.int32),
-      stage_2d=kw.get("stage_2d", True))
+      stage_2d=kw.get("stage_2d", True), **fp8)
 
 
 def _cfg_tag(cfg) -> str:
@@ -148,14 +151,58 @@ def test_split_tail_configs_lower_and_the_estimate_holds(name, cls, feat, cfg):
       f"estimate {est} vs lowering {lowered.smem_bytes}")
 
 
+# FP8: the heuristic's config of each problem of the grid and, for the
+# plain features, every FP8_STRIDE-th of the autotuner's (the thorough
+# profile: all of them, and the ragged shapes below).  One-byte rows admit
+# configs 16-bit ones cannot (wider key blocks, deeper rings); a lowering
+# with every feature takes several seconds, so the ci profile samples.
+FP8_STRIDE = 32
+
+
+def _fp8_grid():
+  for cls, (d, dv) in SHAPE_CLASSES.items():
+    for feat, kw in _features(SEQ, SEQ).items():
+      problem = _problem((1, SEQ, 2, d), (1, SEQ, 1, d), (1, SEQ, 1, dv), kw,
+                         dtype="float8_e4m3fn")
+      chosen = {heuristics.get_heuristics_config(problem)}
+      others = sorted(set(heuristics.get_autotuning_configs(problem)) - chosen, key=str)
+      sample = others if THOROUGH else others[::FP8_STRIDE] if feat == "plain" else []
+      for cfg in sorted(chosen | set(sample), key=str):
+        yield pytest.param(d, dv, kw, problem, cfg, id=f"fp8-{cls}-{feat}-{_cfg_tag(cfg)}")
+
+
+@pytest.mark.parametrize("d,dv,kw,problem,cfg", list(_fp8_grid()))
+def test_the_emitted_fp8_configs_lower_and_the_estimate_holds(d, dv, kw, problem, cfg):
+  """FP8 (float8_e4m3fn, V^T in the value slots, a bfloat16 output staged)
+  lowers for CUDA with every config emitted for it, within the estimate."""
+  shapes = dict(B=1, T=SEQ, N=2, H=d, S=SEQ, K=1, Hv=dv)
+  lowered = lower_attention(shapes, dtype="float8_e4m3fn", config=cfg, **kw)
+  est = plan.estimate_smem_bytes(problem, cfg)
+  assert lowered.smem_bytes <= est <= lowered.smem_bytes + SMEM_MARGIN_BYTES, (
+      f"estimate {est} vs lowering {lowered.smem_bytes}")
+
+
+@pytest.mark.parametrize("out_dtype", ["float16"])
+def test_fp8_per_head_descales_and_output_dtypes_lower(out_dtype):
+  """Per (batch, kv head) descales over GQA at ragged lengths and padded
+  head dims, and the output dtype other than the default."""
+  import jax.numpy as jnp
+  lowered = lower_attention(dict(B=2, T=113, N=4, H=72, S=203, K=2, Hv=96),
+                            dtype="float8_e4m3fn", descales="head", is_causal=True,
+                            return_residuals=True, out_dtype=jnp.dtype(out_dtype))
+  assert lowered.smem_bytes > 0
+
+
 RAGGED = [(113, 203), (239, 1), (1, 1), (1023, 1024), (300, 77)]
 
 
-# Every dtype with every feature, and the plain features in bfloat16; the
-# thorough profile adds the plain features in float16 and float32.
-_RAGGED_KINDS = [(dtype, feat) for dtype in ("bfloat16", "float16", "float32")
+# Every 16-bit and 32-bit dtype with every feature, and the plain features in
+# bfloat16; the thorough profile adds the plain features in float16 and
+# float32, and FP8 with both.
+_RAGGED_KINDS = [(dtype, feat) for dtype in ("bfloat16", "float16", "float32", "float8_e4m3fn")
                  for feat in ("plain", "everything")
-                 if THOROUGH or dtype == "bfloat16" or feat == "everything"]
+                 if THOROUGH or (dtype == "bfloat16" or feat == "everything")
+                 and dtype != "float8_e4m3fn"]
 
 
 @pytest.mark.parametrize("T,S", RAGGED)

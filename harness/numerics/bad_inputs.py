@@ -18,7 +18,8 @@ import numpy as np
 
 from kernel.call import bfloat16
 
-__all__ = ["BadInputCase", "BAD_INPUT_CASES", "base_call", "BASE_SHAPES"]
+__all__ = ["BadInputCase", "BAD_INPUT_CASES", "FP8_BAD_INPUT_CASES", "base_call", "fp8_base_call",
+           "BASE_SHAPES"]
 
 B, T, N, H, S, K, Hv = 1, 8, 4, 64, 16, 2, 64
 BASE_SHAPES = dict(B=B, T=T, N=N, H=H, S=S, K=K, Hv=Hv)
@@ -173,4 +174,57 @@ BAD_INPUT_CASES: tuple[BadInputCase, ...] = (
                lambda: dict(rescale_threshold=1.5), reference=False),
   BadInputCase("NaN rescale_threshold", "rescale_threshold",
                lambda: dict(rescale_threshold=float("nan")), reference=False),
+)
+
+
+# ---------------------------------------------------------------------------
+# FP8 calls: float8_e4m3fn inputs with their descales.  Run by the API, the
+# float64 reference and the NumPy model (properties/test_fp8.py).
+
+def fp8_base_call() -> dict[str, Any]:
+  """A well-formed FP8 call: e4m3 query, key and value, per-tensor q and k
+  descales, a per (batch, kv head) v descale, a bfloat16 bias."""
+  from kernel.call import float8_e4m3fn
+  call = base_call()
+  for name in ("query", "key", "value"):
+    call[name] = call[name].astype(np.float32).astype(float8_e4m3fn)
+  return dict(call, q_descale=np.float32(0.5), k_descale=2.0,
+              v_descale=np.full((B, K), 0.25, np.float32))
+
+
+def _fp8_as(name: str, dtype) -> Callable[[], dict[str, Any]]:
+  return lambda: {name: fp8_base_call()[name].astype(np.float32).astype(dtype)}
+
+
+FP8_BAD_INPUT_CASES: tuple[BadInputCase, ...] = (
+  BadInputCase("FP8 query with a bfloat16 key", "key", _fp8_as("key", bfloat16)),
+  BadInputCase("FP8 query with a bfloat16 value", "value", _fp8_as("value", bfloat16)),
+  BadInputCase("bfloat16 query with FP8 key and value", "key", _fp8_as("query", bfloat16)),
+  BadInputCase("float8_e5m2 inputs", "query",
+               lambda: {n: fp8_base_call()[n].astype(np.float32).astype(
+                   __import__("ml_dtypes").float8_e5m2) for n in ("query", "key", "value")}),
+  BadInputCase("missing q_descale", "q_descale", lambda: dict(q_descale=None)),
+  BadInputCase("missing k_descale", "k_descale", lambda: dict(k_descale=None)),
+  BadInputCase("missing v_descale", "v_descale", lambda: dict(v_descale=None)),
+  BadInputCase("infinite q_descale", "q_descale", lambda: dict(q_descale=np.float32(np.inf))),
+  BadInputCase("NaN k_descale", "k_descale", lambda: dict(k_descale=float("nan"))),
+  BadInputCase("a non-finite entry of a per-head v_descale", "v_descale",
+               lambda: dict(v_descale=np.array([[0.25, np.inf]], np.float32))),
+  BadInputCase("zero v_descale", "v_descale", lambda: dict(v_descale=0.0)),
+  BadInputCase("negative k_descale", "k_descale", lambda: dict(k_descale=-1.0)),
+  BadInputCase("float64 q_descale", "q_descale",
+               lambda: dict(q_descale=np.array(0.5, np.float64))),
+  BadInputCase("q_descale per query head", "q_descale",
+               lambda: dict(q_descale=np.ones((B, N), np.float32))),
+  BadInputCase("bool k_descale", "k_descale", lambda: dict(k_descale=True)),
+  BadInputCase("float32 out_dtype", "out_dtype", lambda: dict(out_dtype=np.float32)),
+  BadInputCase("FP8 out_dtype", "out_dtype",
+               lambda: dict(out_dtype=__import__("ml_dtypes").float8_e4m3fn)),
+  BadInputCase("a descale with bfloat16 inputs", "q_descale",
+               lambda: dict({n: base_call()[n] for n in ("query", "key", "value")},
+                            k_descale=None, v_descale=None)),
+  BadInputCase("out_dtype with bfloat16 inputs", "out_dtype",
+               lambda: dict({n: base_call()[n] for n in ("query", "key", "value")},
+                            q_descale=None, k_descale=None, v_descale=None,
+                            out_dtype=bfloat16)),
 )

@@ -39,6 +39,15 @@ def random_case(rng: np.random.Generator, *, batch=1, seq_q=256, seq_kv=256, hea
   return Call(q, k, v, **kwargs)
 
 
+def _descale_kwargs(case: Call) -> dict:
+  """An FP8 call's descales and output dtype as the API takes them."""
+  if not case.fp8:
+    return {}
+  import jax.numpy as jnp
+  return dict({n: jnp.asarray(getattr(case, n), jnp.float32)
+               for n in ("q_descale", "k_descale", "v_descale")}, out_dtype=case.out_dtype)
+
+
 def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
                untiled_copies=False):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
@@ -60,7 +69,7 @@ def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
       config=config, stage_2d=stage_2d, untiled_copies=untiled_copies,
-      segment_layout=case.segment_layout,
+      segment_layout=case.segment_layout, **_descale_kwargs(case),
       **{name: x if name == "local_window_size" else jnp.asarray(x)
          for name, x in case.variants.items()})
   result = jax.block_until_ready(result)
@@ -125,8 +134,8 @@ def check_forward(case: Call, out, m=None, l=None) -> ForwardReport:
   """Compare kernel results for ``case`` with the float64 reference under
   the rule."""
   ref = ref_lib.attention_reference(case)
-  dt = compute_dtype(case.query.dtype)
-  n_out, n_m, n_l = ref_lib.naive_attention(case, dtype=dt)
+  n_out, n_m, n_l = ref_lib.naive_attention(case, dtype=compute_dtype(case.query.dtype))
+  dt = tolerance.floor_dtype(compute_dtype(case.query.dtype), case.result_dtype)
   rtol = tolerance.rtol_for(case.logits_soft_cap)
   ref_out = ref.out
   if not case.normalize_output:

@@ -30,7 +30,14 @@ choices can be tested on a CPU before (and independently of) the kernel:
   private flag ``_residual_m_base2`` leaves it in base 2, the bug that a
   forward-only test cannot see (seed 000); ``_residual_l_pending`` is the
   sibling bug of forgetting alpha on l;
-* fully masked rows (see ``harness/numerics/reference.py``): out 0, l 0, m -inf.
+* fully masked rows (see ``harness/numerics/reference.py``): out 0, l 0, m -inf;
+* FP8 (``dtype`` float8_e4m3fn, an FP8 call): q.k of the stored values (exact
+  in float32) times ``scale * q_descale * k_descale``; ``p = exp2(s2 - base +
+  8)`` (2^8 times its value, kernel.tiling.plan.FP8_P_SCALE_LOG2), rounded to
+  e4m3 with saturation for ``acc += p8 @ v`` (the stored values), ``l_i`` the
+  sum of the unrounded p; the epilogue multiplies the output by
+  ``v_descale`` (and, unnormalised, divides it by 2^8) and stores ``l``
+  divided by 2^8; the output is rounded to the call's output dtype.
 
 The output is rounded to ``dtype``; m and l are float32 (as the kernel stores
 them). Everything is returned as float64 arrays: out (B, T, N, Hv), m and l
@@ -44,8 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from harness.numerics.reference import key_visibility
-from kernel.call import Call, bfloat16, float16, float32
+from harness.numerics.reference import head_descales, key_visibility, quantise_e4m3
+from kernel.call import FP8_DTYPES, Call, bfloat16, float16, float32
+from kernel.tiling.plan import FP8_P_SCALE_LOG2
 
 __all__ = ["LOG2E", "online_softmax_attention"]
 
@@ -91,28 +99,42 @@ def online_softmax_attention(
       or block_kv <= 0:
     raise ValueError(f"block_kv: must be a positive int, got {block_kv!r}")
   dtype = np.dtype(dtype)
-  if dtype not in (float16, bfloat16, float32):
-    raise ValueError(f"dtype: must be float16, bfloat16 or float32, got {dtype}")
+  if dtype not in (float16, bfloat16, float32, *FP8_DTYPES):
+    raise ValueError(f"dtype: must be float16, bfloat16, float32 or float8_e4m3fn, got {dtype}")
+  fp8 = dtype in FP8_DTYPES
+  if fp8 != call.fp8:
+    raise ValueError(f"dtype: {dtype} for a {np.dtype(call.query.dtype)} call; an FP8 call is "
+                     "modelled in float8_e4m3fn, others in a 16- or 32-bit dtype")
+  # FP8: inputs are exact in float32, P is rounded to e4m3, the output to
+  # the call's output dtype.
+  stored = np.dtype(call.result_dtype) if fp8 else dtype
 
   def rnd(x):
-    return np.asarray(x, dtype=np.float32).astype(dtype).astype(np.float32)
+    return np.asarray(x, dtype=np.float32).astype(stored).astype(np.float32)
+
+  rnd_in = (lambda x: np.asarray(x, np.float32)) if fp8 else rnd
+  rnd_p = quantise_e4m3 if fp8 else rnd
 
   B, N, T, S = shapes.logits_shape
   g = shapes.group_size
-  q = rnd(np.swapaxes(np.asarray(query).astype(np.float32), 1, 2))
-  k = rnd(np.repeat(np.swapaxes(np.asarray(key).astype(np.float32), 1, 2), g, axis=1))
-  v = rnd(np.repeat(np.swapaxes(np.asarray(value).astype(np.float32), 1, 2), g, axis=1))
+  q = rnd_in(np.swapaxes(np.asarray(query).astype(np.float32), 1, 2))
+  k = rnd_in(np.repeat(np.swapaxes(np.asarray(key).astype(np.float32), 1, 2), g, axis=1))
+  v = rnd_in(np.repeat(np.swapaxes(np.asarray(value).astype(np.float32), 1, 2), g, axis=1))
   bias32 = None
   if bias is not None:
     bias32 = np.broadcast_to(np.asarray(bias).astype(np.float32), (B, N, T, S))
   visible = key_visibility(call)
 
   scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
+  descales = head_descales(call)
+  if fp8:  # per (batch, head): float32 (B, N, 1, 1)
+    scale = (np.float32(scale) * (descales["q_descale"] * descales["k_descale"]).astype(
+        np.float32))[..., None, None]
   log2e = np.float32(LOG2E)
   if logits_soft_cap is None:
-    scale2 = np.float32(scale * LOG2E)
+    scale2 = np.asarray(scale * LOG2E, np.float32)
   else:
-    scale32 = np.float32(scale)
+    scale32 = np.asarray(scale, np.float32)
     inv_cap = np.float32(1.0 / float(logits_soft_cap))
     cap2 = np.float32(float(logits_soft_cap) * LOG2E)
 
@@ -151,9 +173,9 @@ def online_softmax_attention(
       m_scale = np.where(rescale, m_ij, m_scale)
       m_i = m_ij
 
-      p = np.exp2(s2 - _safe(m_scale)[..., None])
+      p = np.exp2(s2 - (_safe(m_scale) - np.float32(FP8_P_SCALE_LOG2 if fp8 else 0))[..., None])
       l_i = l_i + p.sum(axis=-1, dtype=np.float32)
-      acc = acc + rnd(p) @ v[:, :, j0:j1]
+      acc = acc + rnd_p(p) @ v[:, :, j0:j1]
 
       live = np.isfinite(m_ij)
       stats["blocks"] += 1
@@ -170,6 +192,11 @@ def online_softmax_attention(
     else:
       out = np.where(empty[..., None], np.float32(0), acc * alpha[..., None])
     l_out = np.where(empty, np.float32(0), l_out)
+    if fp8:
+      p_scale = np.float32(2.0 ** FP8_P_SCALE_LOG2)
+      v_descale = descales["v_descale"].astype(np.float32)[..., None, None]
+      out = out * (v_descale if normalize_output else v_descale / p_scale)
+      l_out = l_out / p_scale
     m_out = m_i if _residual_m_base2 else m_i * np.float32(1.0 / LOG2E)
 
   if _stats is not None:

@@ -18,6 +18,11 @@ Semantics (the letters and layout are those of ``kernel/call.py``)::
 ``G = N // K`` query heads share a key/value head; ``scale`` defaults to
 ``1 / sqrt(H)``; the causal mask is aligned top-left, as in
 ``jax.nn.dot_product_attention`` (row i sees keys 0..i whatever T and S are).
+FP8 (``float8_e4m3fn``) inputs stand for their values times their descales
+(``q_descale``, ``k_descale``, ``v_descale``, per tensor or per (batch, kv
+head)): the reference computes on those dequantised values
+(:func:`dequantised`), in float64 as for every dtype.
+
 The lengths and the window are jax.nn.dot_product_attention's (an int window
 w means (w, w)); the segment ids are packed sequences' (Flax, tokamax).
 They are applied here as the elementwise conditions above, with no key
@@ -75,7 +80,9 @@ from typing import Any
 
 import numpy as np
 
-from kernel.call import EVERY_DTYPE, AttentionShapes, Call, bfloat16, float16, float32
+from kernel.call import (EVERY_DTYPE, FP8_DTYPES, AttentionShapes, Call, bfloat16, float16,
+                         float32)
+from kernel.tiling.plan import FP8_P_SCALE_LOG2
 
 # jax.nn.dot_product_attention's arguments beyond the logits', and the
 # packed-sequence segment ids: only key_visibility reads them.
@@ -92,6 +99,8 @@ __all__ = [
   "naive_attention",
   "naive_attention_vjp",
   "key_visibility",
+  "dequantised",
+  "quantise_e4m3",
   "reduce_to_shape",
   "VARIANT_ARGS",
 ]
@@ -203,6 +212,39 @@ def key_visibility(call: Call) -> np.ndarray:
   return visible
 
 
+def head_descales(call: Call) -> dict[str, np.ndarray] | None:
+  """FP8: each descale as float64 (B, N) (a query head reads its kv head's);
+  None for other dtypes."""
+  if not call.fp8:
+    return None
+  sh = call.shapes
+  per_kv = lambda x: np.broadcast_to(np.asarray(x, np.float64), (sh.B, sh.K))
+  return {name: np.repeat(per_kv(getattr(call, name)), sh.group_size, axis=1)
+          for name in ("q_descale", "k_descale", "v_descale")}
+
+
+def dequantised(call: Call) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(query, key, value) as float64 in the call's layout: FP8's stored
+  values times their descales (exact in float64), other dtypes as they are."""
+  q, k, v = (_f64(x) for x in (call.query, call.key, call.value))
+  d = head_descales(call)
+  if d is None:
+    return q, k, v
+  g = call.shapes.group_size
+  kv = lambda name: d[name][:, ::g][:, None, :, None]   # (B, 1, K, 1)
+  return q * d["q_descale"][:, None, :, None], k * kv("k_descale"), v * kv("v_descale")
+
+
+E4M3_MAX = 448.0
+
+
+def quantise_e4m3(x: np.ndarray) -> np.ndarray:
+  """``x`` rounded to float8_e4m3fn as the GPU's ``cvt.rn.satfinite`` does
+  (to nearest even, beyond +-448 to +-448, NaN kept), back in float32."""
+  x = np.asarray(x, np.float32)
+  return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPES[0]).astype(np.float32)
+
+
 def reduce_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
   """Sum ``x`` over the axes that broadcasting ``shape`` to ``x.shape`` added."""
   shape = tuple(shape)
@@ -250,9 +292,10 @@ def _logits(call: Call) -> _Logits:
   logits_soft_cap = call.logits_soft_cap
   scale = 1.0 / math.sqrt(shapes.H) if call.scale is None else float(call.scale)
   g = shapes.group_size
-  q = _heads_first(_f64(query))
-  k = _expand_kv(_f64(key), g)
-  v = _expand_kv(_f64(value), g)
+  query, key, value = dequantised(call)
+  q = _heads_first(query)
+  k = _expand_kv(key, g)
+  v = _expand_kv(value, g)
   with np.errstate(invalid="ignore", over="ignore"):
     u = scale * (q @ np.swapaxes(k, -1, -2))
     bias_shape = None
@@ -419,17 +462,26 @@ class _NaiveForward:
   shapes: AttentionShapes
 
 
-def _naive_forward(call: Call, dtype) -> _NaiveForward:
+def _naive_forward(call: Call, dtype, running_max: bool = False) -> _NaiveForward:
   shapes = call.shapes
   query, key, value, bias = call.query, call.key, call.value, call.bias
   scale, logits_soft_cap = call.scale, call.logits_soft_cap
-  r = _rounder(dtype)
+  # FP8: what the textbook computation holds in 8 bits is what the kernel
+  # does (the inputs, and P for the PV product, quantised at 2^8 times its
+  # value against the row's max, or with ``running_max`` against the max of
+  # the keys up to it); the rest is float32, as tensor cores accumulate,
+  # and the output is rounded to the call's output dtype.
+  fp8 = np.dtype(dtype) in FP8_DTYPES
+  r = (lambda x: np.asarray(x, np.float32)) if fp8 else _rounder(dtype)
   g = shapes.group_size
   scale = 1.0 / math.sqrt(shapes.H) if scale is None else float(scale)
   scale32 = r(scale)
   q = r(_heads_first(np.asarray(query).astype(np.float32)))
   k = r(_expand_kv(np.asarray(key).astype(np.float32), g))
   v = r(_expand_kv(np.asarray(value).astype(np.float32), g))
+  if fp8:
+    d = head_descales(call)
+    scale32 = r(scale * d["q_descale"] * d["k_descale"])[..., None, None]   # (B, N, 1, 1)
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
     u = r(r(q @ np.swapaxes(k, -1, -2)) * scale32)
     bias_shape = None
@@ -452,7 +504,25 @@ def _naive_forward(call: Call, dtype) -> _NaiveForward:
     l = r(e.sum(axis=-1, dtype=np.float32))
     probs = np.where(empty[..., None], np.float32(0),
                      r(e / np.where(empty, np.float32(1), l)[..., None]))
-    out = r(probs @ v)
+    if fp8:
+      # P at 2^8 times its value, saturated to e4m3 (e <= 1: P <= 256), its
+      # sum l unquantised; V's descale and P's scale after the product.
+      p_scale = np.float32(2.0 ** FP8_P_SCALE_LOG2)
+      if running_max:
+        # each key's P against the max so far, brought to the row's max
+        # after its rounding (the online softmax one key at a time)
+        m_run = np.maximum.accumulate(s, axis=-1)
+        m_run = np.where(m_run == -np.inf, np.float32(0), m_run)
+        weights = (quantise_e4m3(np.exp(s - m_run) * p_scale)
+                   * np.exp(m_run - m_safe[..., None]).astype(np.float32))
+      else:
+        weights = quantise_e4m3(e * p_scale)
+      acc = weights @ v
+      unit = d["v_descale"][..., None] / (np.where(empty, np.float32(1), l) * p_scale)
+      r_out = _rounder(call.result_dtype)
+      out = np.where(empty[..., None], np.float32(0), r_out(acc * unit[..., None]))
+    else:
+      out = r(probs @ v)
   return _NaiveForward(q, k, v, u, t, visible, probs, out, m, l, scale32,
                        bias_shape, shapes)
 
@@ -467,10 +537,28 @@ def naive_attention(*call: Any, dtype: Any, **kwargs: Any
   ``dtype``. m is the row max of the rounded logits (natural log), l the
   rounded sum of the rounded exponentials. Follows the fully masked row
   contract. For the tolerance rule only.
+
+  ``dtype`` float8_e4m3fn (an FP8 call): what the computation holds in 8
+  bits, the inputs and P for the PV product, as the kernel holds it (P =
+  exp(s - m) at 2^8 times its value, rounded to e4m3 with saturation,
+  :func:`quantise_e4m3`), everything else in float32, the output rounded to
+  the call's output dtype.  Its output is the worse, against float64, of
+  two realisations of P's rounding: against the row's max, and against the
+  max of the keys up to each (the online softmax one key at a time).  The
+  kernel's running max places P's scale block by block, between the two;
+  one realisation alone can be luckily small where few values are rounded
+  (one row, two key blocks).
   """
-  f = _naive_forward(_split(call, kwargs, 0)[0], dtype)
-  return (_heads_first(f.out).astype(np.float64), f.m.astype(np.float64),
-          f.l.astype(np.float64))
+  call, _ = _split(call, kwargs, 0)
+  f = _naive_forward(call, dtype)
+  out = _heads_first(f.out).astype(np.float64)
+  if np.dtype(dtype) in FP8_DTYPES:
+    ref = attention_reference(call).out
+    with np.errstate(invalid="ignore"):
+      error = lambda x: np.nanmax(np.abs(np.where(np.isfinite(x), x, ref) - ref), initial=0.0)
+    other = _heads_first(_naive_forward(call, dtype, running_max=True).out).astype(np.float64)
+    out = other if error(other) > error(out) else out
+  return out, f.m.astype(np.float64), f.l.astype(np.float64)
 
 
 def naive_attention_vjp(*args: Any, dtype: Any, **kwargs: Any) -> Gradients:

@@ -9,6 +9,9 @@ Small composable strategies, each named for what it draws:
 * :func:`masks`, :func:`biases`, :func:`key_ranges` for a given shape, in every
   broadcast shape (B|1, N|1, T|1, S|1);
 * :func:`attention_cases` -- a whole call as an :class:`AttentionCase`;
+* :func:`fp8_specs`, :func:`fp8_cases` -- FP8 calls: e4m3 values with
+  outliers up to e4m3's largest, descales over many orders of magnitude,
+  per tensor or per (batch, kv head) (:class:`Fp8Spec`);
 * :func:`seq_lengths`, :func:`local_windows`, :func:`segment_specs`,
   :func:`variant_specs` -- jax.nn.dot_product_attention's lengths and
   windows and packed-sequence segment ids (:class:`VariantSpec`);
@@ -32,7 +35,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from kernel.call import AttentionShapes, Call, bfloat16, float16, float32
+from kernel.call import AttentionShapes, Call, bfloat16, float8_e4m3fn, float16, float32
 
 __all__ = [
   "SEQ_LENGTHS",
@@ -61,6 +64,9 @@ __all__ = [
   "key_range_specs",
   "key_ranges",
   "attention_cases",
+  "Fp8Spec",
+  "fp8_specs",
+  "fp8_cases",
   "SegmentSpec",
   "VariantSpec",
   "seq_lengths",
@@ -294,6 +300,73 @@ def key_ranges(shapes: AttentionShapes
 # Whole cases.
 
 
+# FP8 logits stay below this in magnitude (kernel/api.py's FP8 contract).
+FP8_LOGIT_LIMIT = 2.0 ** 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+  """How an FP8 case's stored values and descales are made (from the case's
+  seed, on a stream of their own).
+
+  Stored values: normal, of standard deviation ``stored_std``, a fraction
+  ``outliers`` of them pushed to between 100 and 448 in magnitude, rounded
+  to e4m3 with saturation.  Descales: for q and k, ``2 ** (u - log2(stored_std))``
+  (a real standard deviation of 2^u), for v ``2 ** u``, each u drawn in
+  [-``spread``, ``spread``] around ``log2_q``, ``log2_k``, ``log2_v``; per
+  tensor, or per (batch, kv head) (``layout`` "head").  A float16 output
+  keeps v's descale at most 2^6, so the real values fit it.  q's and k's
+  descales are lowered where the logits could reach
+  :data:`FP8_LOGIT_LIMIT` (the FP8 contract's range, kernel/api.py)."""
+
+  layout: str = "tensor"
+  stored_std: float = 16.0
+  outliers: float = 0.0
+  log2_q: float = 0.0
+  log2_k: float = 0.0
+  log2_v: float = 0.0
+  spread: float = 0.0
+  out_dtype: str = "bfloat16"
+
+  def build(self, shapes: AttentionShapes, seed: int, scale: float | None = None
+            ) -> dict[str, Any]:
+    """query, key, value (e4m3) and the call's FP8 arguments (``scale``: the
+    call's, None for 1 / sqrt(H))."""
+    from harness.numerics.reference import quantise_e4m3
+    rng = np.random.default_rng([seed, 8])
+    sh = shapes
+
+    def stored(shape):
+      x = rng.standard_normal(shape) * self.stored_std
+      if self.outliers:
+        hit = rng.random(shape) < self.outliers
+        x = np.where(hit, np.sign(x + 0.5) * rng.uniform(100.0, 448.0, shape), x)
+      return quantise_e4m3(x).astype(float8_e4m3fn)
+
+    def descale(center, relative):
+      size = () if self.layout == "tensor" else (sh.B, sh.K)
+      u = center + rng.uniform(-self.spread, self.spread, size)
+      if relative:
+        u = u - np.log2(self.stored_std)
+      if self.out_dtype == "float16" and not relative:
+        u = np.minimum(u, 6.0)
+      return np.asarray(2.0 ** u, np.float32)
+
+    q, k = stored((sh.B, sh.T, sh.N, sh.H)), stored((sh.B, sh.S, sh.K, sh.H))
+    v = stored((sh.B, sh.S, sh.K, sh.Hv))
+    qd, kd = descale(self.log2_q, True), descale(self.log2_k, True)
+    # |q.k| <= |q| |k|: the largest logit the descales allow, within the limit.
+    norm = lambda x: float(np.sqrt((x.astype(np.float32) ** 2).sum(-1)).max())
+    scale = sh.H ** -0.5 if scale is None else abs(scale)
+    reach = scale * float(np.max(qd)) * float(np.max(kd)) * norm(q) * norm(k)
+    if reach > FP8_LOGIT_LIMIT:
+      shrink = np.float32(np.sqrt(FP8_LOGIT_LIMIT / reach))
+      qd, kd = qd * shrink, kd * shrink
+    return dict(query=q, key=k, value=v, q_descale=qd, k_descale=kd,
+                v_descale=descale(self.log2_v, False),
+                out_dtype=np.dtype(bfloat16 if self.out_dtype == "bfloat16" else float16))
+
+
 @dataclasses.dataclass(frozen=True)
 class CaseSpec:
   """Everything that determines an :class:`AttentionCase` (see build_case)."""
@@ -309,6 +382,7 @@ class CaseSpec:
   key_range: KeyRangeSpec | None = None
   input_std: float = 1.0
   variants: "VariantSpec | None" = None
+  fp8: Fp8Spec | None = None      # FP8 inputs (dtype float8_e4m3fn)
 
 
 class AttentionCase:
@@ -325,14 +399,23 @@ class AttentionCase:
     self.dtype = np.dtype(spec.dtype)
     rng = np.random.default_rng(spec.seed)
 
-    def normal(shape):
-      return (rng.standard_normal(shape) * spec.input_std).astype(self.dtype)
+    fp8 = {}
+    if spec.fp8 is not None:  # its own stream: the draws below stay as they were
+      fp8 = spec.fp8.build(sh, spec.seed, spec.scale)
+    # FP8's q, k, v replace these below (drawn all the same, for d_out's sake).
+    drawn = bfloat16 if fp8 else self.dtype
 
+    def normal(shape):
+      return (rng.standard_normal(shape) * spec.input_std).astype(drawn)
     self.query = normal((sh.B, sh.T, sh.N, sh.H))
     self.key = normal((sh.B, sh.S, sh.K, sh.H))
     self.value = normal((sh.B, sh.S, sh.K, sh.Hv))
     self.d_out = rng.standard_normal((sh.B, sh.T, sh.N, sh.Hv))
-    self.bias = None if spec.bias is None else spec.bias.build(self.dtype)
+    if fp8:
+      self.query, self.key, self.value = fp8.pop("query"), fp8.pop("key"), fp8.pop("value")
+    # A bias is drawn in the compute dtype (bfloat16 beside FP8 inputs).
+    self.bias = None if spec.bias is None else spec.bias.build(
+        bfloat16 if fp8 else self.dtype)
     self.mask = None if spec.mask is None else spec.mask.build()
     self.k_start, self.k_end = (None, None) if spec.key_range is None \
       else spec.key_range.build()
@@ -341,10 +424,11 @@ class AttentionCase:
       else spec.variants.segment_layout
     # The call itself, validated once: what the reference, the model and
     # the kernel read.
+    self.fp8_kwargs = fp8
     self.call = Call(self.query, self.key, self.value, self.bias, self.mask,
                      scale=spec.scale, is_causal=spec.is_causal, k_start=self.k_start,
                      k_end=self.k_end, logits_soft_cap=spec.logits_soft_cap,
-                     segment_layout=self.segment_layout, **self.variant_kwargs)
+                     segment_layout=self.segment_layout, **self.variant_kwargs, **fp8)
 
   @property
   def shapes(self) -> AttentionShapes:
@@ -361,7 +445,7 @@ class AttentionCase:
     kernel share."""
     c = self.call
     return dict(scale=c.scale, is_causal=c.is_causal, k_start=c.k_start, k_end=c.k_end,
-                logits_soft_cap=c.logits_soft_cap, **c.variants)
+                logits_soft_cap=c.logits_soft_cap, **c.variants, **self.fp8_kwargs)
 
   @property
   def rtol(self) -> float:
@@ -382,6 +466,8 @@ class AttentionCase:
     ]
     if s.variants is not None:
       parts.append(f"variants={s.variants!r}")
+    if s.fp8 is not None:
+      parts.append(f"fp8={s.fp8!r}")
     return "; ".join(parts)
 
   def __repr__(self) -> str:
@@ -416,7 +502,8 @@ def attention_cases(
   """A whole attention call.
 
   ``allow_fully_masked=False`` guarantees every row sees at least key 0 (it
-  also turns off key ranges and -inf biases). ``same_head_dims`` forces
+  also turns off key ranges and -inf biases).  A float8_e4m3fn ``dtype``
+  draws an :class:`Fp8Spec` too. ``same_head_dims`` forces
   Hv == H (as jax.nn.dot_product_attention needs). ``max_logits`` bounds
   B*N*T*S so that CPU examples stay fast.
   """
@@ -445,8 +532,35 @@ def attention_cases(
     key_range = draw(st.one_of(st.none(), key_range_specs(shapes)))
   spec = CaseSpec(shapes=shapes, dtype=str(dt), seed=seed, scale=scale,
                   is_causal=is_causal, logits_soft_cap=cap, mask=mask,
-                  bias=bias, key_range=key_range)
+                  bias=bias, key_range=key_range,
+                  fp8=draw(fp8_specs()) if dt == float8_e4m3fn else None)
   return build_case(spec)
+
+
+# ---------------------------------------------------------------------------
+# FP8.
+
+
+@st.composite
+def fp8_specs(draw) -> Fp8Spec:
+  """Stored values using little or all of e4m3's range, with outliers or
+  not; descales per tensor or per (batch, kv head), their logits' scale
+  anywhere from 2^-8 to 2^8 (near-uniform rows to one-hot ones), v's from
+  2^-12 to 2^12; a bfloat16 or float16 output."""
+  out_dtype = draw(st.sampled_from(("bfloat16", "bfloat16", "float16")))
+  return Fp8Spec(
+      layout=draw(st.sampled_from(("tensor", "head"))),
+      stored_std=draw(st.sampled_from((0.5, 4.0, 16.0, 64.0, 200.0))),
+      outliers=draw(st.sampled_from((0.0, 0.0, 0.001, 0.02))),
+      log2_q=draw(st.floats(-4.0, 4.0)), log2_k=draw(st.floats(-4.0, 4.0)),
+      log2_v=draw(st.floats(-12.0, 12.0)),
+      spread=draw(st.sampled_from((0.0, 1.0, 4.0))), out_dtype=out_dtype)
+
+
+def fp8_cases(**case_kwargs) -> st.SearchStrategy[AttentionCase]:
+  """:func:`attention_cases` (``case_kwargs``) in float8_e4m3fn, each with
+  an :class:`Fp8Spec` (:func:`fp8_specs`)."""
+  return attention_cases(dtype=float8_e4m3fn, **case_kwargs)
 
 
 # ---------------------------------------------------------------------------

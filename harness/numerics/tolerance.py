@@ -18,6 +18,12 @@ the bound above zero where the naive computation happens to be exact).
 ``RTOL = 2.0``; ``RTOL_SOFT_CAP = 3.0`` when a logits soft cap is used (tanh
 adds rounding that the naive computation does not mirror op for op).
 
+FP8 (float8_e4m3fn inputs, FlashAttention-3's rule for its FP8 forward):
+``ref`` is the float64 computation on the dequantised inputs, ``naive``
+the textbook one that quantises P to e4m3 as the kernel does (at 2^8 times
+its value, saturating) with every other op rounded to the output dtype,
+and the floor is evaluated in the output dtype (:func:`floor_dtype`).
+
 Non-finite values:
 
 * where ``ref`` is +inf or -inf (e.g. m = -inf on fully masked rows),
@@ -48,6 +54,7 @@ __all__ = [
   "check_tolerance",
   "assert_within_tolerance",
   "rtol_for",
+  "floor_dtype",
 ]
 
 RTOL = 2.0
@@ -59,6 +66,13 @@ FLOAT32_FLOOR_ULPS = 4
 def rtol_for(logits_soft_cap: float | None) -> float:
   """The rtol of the rule for a call with or without a soft cap."""
   return RTOL if logits_soft_cap is None else RTOL_SOFT_CAP
+
+
+def floor_dtype(compute_dtype: Any, result_dtype: Any) -> np.dtype:
+  """The dtype the floor is evaluated in: the compute dtype, but an 8-bit
+  one's outputs are written in their output dtype (bfloat16 or float16)."""
+  compute_dtype = np.dtype(compute_dtype)
+  return np.dtype(result_dtype) if compute_dtype.itemsize == 1 else compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +110,8 @@ class ToleranceReport:
 
 
 def _round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-  return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
+  with np.errstate(over="ignore"):  # past the dtype's range: inf, left out by the callers
+    return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
 
 
 def _ulps_at(x: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -47,6 +47,10 @@ class ForwardCase:
   # traced at head dims 64 and 64 only, where the output lies over the
   # queries alone.
   output_over_keys: bool = False
+  # The input dtype it is traced in: FP8's launch copies V^T and reads its
+  # descales (kernel.forward.fp8); a launch whose program equals a 16-bit
+  # one's up to names shares its check (prove_extracted).
+  dtype: str = "bfloat16"
 
   @property
   def parts(self) -> tuple[int, int]:
@@ -61,7 +65,7 @@ class ForwardCase:
   def key(self):
     return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
             self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
-            self.output_over_keys, self.parts)
+            self.output_over_keys, self.parts, self.dtype)
 
   @property
   def tile_q(self) -> int:
@@ -94,6 +98,8 @@ class ForwardCase:
       words.append("untiled copies in %dx%d parts" % self.parts)
     if self.compute_warpgroups != 2:
       words.append(f"{self.compute_warpgroups} compute warpgroups")
+    if self.dtype != "bfloat16":
+      words.append(self.dtype)
     return " ".join(words)
 
 
@@ -122,7 +128,8 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
                          p.head_dim, (overlay or reach) and p.return_residuals,
-                         c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach)
+                         c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach,
+                         "float8_e4m3fn" if p.fp8 else "bfloat16")
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

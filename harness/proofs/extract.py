@@ -313,13 +313,20 @@ copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_de
 run_state swap""".split())
 
 
+# inline_mgpu functions on registers alone (no ref operand, no barrier), so
+# they neither synchronise nor touch memory: kernel/backward/masks.py's
+# selects (a setp and a selp per element) and kernel/forward/fp8.py's
+# relabelling of P's registers (within each thread).
+_REGISTER_ONLY = ((("kernel", "backward", "masks.py"), "_split_select.<locals>.select"),
+                  (("kernel", "forward", "fp8.py"), "relabel.<locals>.regroup"))
+
+
 def _is_register_select(fn) -> bool:
-  """kernel/backward/masks.py's selects (causal, key limit): an inline_mgpu on registers alone (its
-  asm is a setp and a selp per element, no ref operand, no barrier), so it
-  neither synchronises nor touches memory."""
+  """One of :data:`_REGISTER_ONLY`'s inline_mgpu functions."""
   code = getattr(fn, "__code__", None)
-  return (code is not None and code.co_filename.endswith(os.path.join("kernel", "backward", "masks.py"))
-          and fn.__qualname__ == "_split_select.<locals>.select")
+  return code is not None and any(
+      code.co_filename.endswith(os.path.join(*path)) and fn.__qualname__ == name
+      for path, name in _REGISTER_ONLY)
 
 
 def _has_sync(jaxpr) -> bool:
@@ -991,12 +998,15 @@ def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3
   sds = jax.ShapeDtypeStruct
   tile = config.tile_q
   t_pad, s_pad = num_tiles * tile, kv_blocks * config.block_kv
-  dt = jnp.bfloat16
+  dt = jnp.dtype(problem.dtype)
+  dv = head_dim if head_dim_out is None else head_dim_out
   q = sds((batch, t_pad, heads, head_dim), dt)
   k = sds((batch, s_pad, heads, head_dim), dt)
-  v = sds((batch, s_pad, heads, head_dim if head_dim_out is None else head_dim_out), dt)
+  # FP8 takes V^T and its descales (kernel.forward.launch.flash_attention_forward).
+  v = sds((batch, heads, dv, s_pad) if problem.fp8 else (batch, s_pad, heads, dv), dt)
+  fp8 = {"descales": sds((1, 1, 2), jnp.float32)} if problem.fp8 else {}
   args = [q, k, v]
-  b_ = sds((1, 1, t_pad, s_pad), dt) if bias else None
+  b_ = sds((1, 1, t_pad, s_pad), jnp.dtype(problem.bias_dtype)) if bias else None
   m_ = sds((1, 1, t_pad, s_pad), jnp.int8) if mask else None
   if key_ranges:
     rows = sds((1, 1, t_pad), jnp.int32)
@@ -1004,11 +1014,11 @@ def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3
   else:
     rows, tiles = None, None
 
-  def fn(q, k, v, b, m, ks, ke, tl):
+  def fn(q, k, v, b, m, ks, ke, tl, **descales):
     return forward.flash_attention_forward(q, k, v, b, m, ks, ke, tl, problem=problem,
-                                           config=config, num_sms=num_sms)
+                                           config=config, num_sms=num_sms, **descales)
 
   with api.lowering_only():
-    closed = jax.make_jaxpr(fn)(*args, b_, m_, rows, rows, tiles)
+    closed = jax.make_jaxpr(fn)(*args, b_, m_, rows, rows, tiles, **fp8)
   (kernel,) = find_kernels(closed.jaxpr)
   return closed, kernel

@@ -49,7 +49,9 @@ from kernel.tiling import plan as plan_lib
 # 192: a head dim the cache has no entries of, which reads the wider 256's;
 # 96: 32-column rows (kernel.tiling.plan.padded_head_dims), which read 128's.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+# float8_e4m3fn: the FP8 forward's configs (its protocols equal to 16-bit
+# ones up to names share their checks).
+DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn))
 # (seq_q, seq_kv): one key block, a partial block, a few blocks, many blocks.
 SEQ_LENGTHS = ((1, 1), (100, 64), (128, 200), (1000, 1000), (8192, 8192))
 
@@ -66,7 +68,8 @@ def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
     head_dim_out = head_dim if same_out else 64 if head_dim != 64 else 256
     p = plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
                          bias_2d=bias, mask_2d=mask, return_residuals=residuals)
-    out += [p, dataclasses.replace(p, untiled_copies=True)] if experiments else [p]
+    untiled = experiments and not p.fp8   # the FP8 forward copies whole rows
+    out += [p, dataclasses.replace(p, untiled_copies=True)] if untiled else [p]
   return out
 
 

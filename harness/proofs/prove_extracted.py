@@ -291,7 +291,7 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
                              schedule=case.schedule,
                              compute_warpgroups=case.compute_warpgroups)
   traced = plan_lib.Problem(
-      dtype=np.dtype("bfloat16"), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
+      dtype=np.dtype(case.dtype), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
       seq_q=seq_q, seq_kv=kv_blocks * case.block_kv, is_causal=case.causal,
       bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
       untiled_copies=case.untiled_copies, scale=0.125)

@@ -9,7 +9,9 @@ that ``kernel/tiling/autotune.py`` reads for ``config=None``, under the signatur
 :data:`COMMON_SHAPES` and writes ``kernel/tiling/autotune_cache.json``;
 ``--causal-grid`` tunes the causal points of ``bench --grid`` instead, and
 ``--coverage`` the whole set of :func:`coverage_jobs`: every head dim, sequence
-bucket, mask and dtype the shipped cache is meant to answer for.
+bucket, mask and dtype the shipped cache is meant to answer for
+(``--dtypes float8_e4m3fn``: the same set for FP8, whose entries only FP8
+calls read).
 
 The cache is written after every signature, so a run cut short keeps what it
 finished.  ``--resume`` (the default with ``--coverage``) skips a signature the
@@ -150,7 +152,7 @@ COVERAGE_SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 COVERAGE_DTYPES = ("bfloat16", "float16")
 
 
-def coverage_jobs() -> list[Job]:
+def coverage_jobs(dtypes=COVERAGE_DTYPES) -> list[Job]:
   """The signatures the shipped cache is meant to cover on a device: head
   dims 64, 96, 128, 192, 256 (head_dim_out = head_dim), sequence buckets 512
   to 32k with seq_q = seq_kv, causal and not, bfloat16 and float16: 5 * 7 * 2
@@ -169,7 +171,7 @@ def coverage_jobs() -> list[Job]:
   from harness.tools import bench_grid
   return [Job(max(1, bench_grid.TOKENS // seq), seq, bench_grid.heads_for(d), d, causal, dtype)
           for d in COVERAGE_HEAD_DIMS for seq in COVERAGE_SEQS
-          for causal in (False, True) for dtype in COVERAGE_DTYPES]
+          for causal in (False, True) for dtype in dtypes]
 
 
 # --order likely: the calls most models make come first, so a cache filled
@@ -369,7 +371,7 @@ def run_plan(planned: list[Planned], device_kind: str, make_run, *, cache_path: 
 
 def _jobs(args) -> list[Job]:
   if args.coverage:
-    jobs = coverage_jobs()
+    jobs = coverage_jobs(tuple(d.strip() for d in args.dtypes.split(",")))
   elif args.causal_grid:
     from harness.tools.bench_grid import grid_points
     jobs = [Job(p.batch, p.seq, p.heads, p.head_dim, True)
@@ -407,9 +409,13 @@ def _gpu_run_maker():
     inputs = _inputs(BenchShape(job.batch, job.seq, job.heads, job.head_dim, job.causal,
                                 job.dtype), 3)
 
+    # FP8 is timed with unit descales (their values cost nothing).
+    unit = ({n: 1.0 for n in ("q_descale", "k_descale", "v_descale")}
+            if job.problem().fp8 else {})
+
     def run(config):
       fn = jax.jit(lambda q, k, v: api.dot_product_attention(q, k, v, is_causal=job.causal,
-                                                             config=config))
+                                                             config=config, **unit))
       return time_fns({"x": fn}, inputs, trials=5, burst=10)["x"]
     return run
   return make_run
@@ -429,8 +435,11 @@ def _gpu_verify_maker():
   from harness.numerics.conformance import check_forward, random_case, run_kernel
 
   def make_verify(job: Job):
+    # FP8: its normal values as they are, with descales unlike 1
+    fp8 = (dict(q_descale=np.float32(0.5), k_descale=np.float32(0.25),
+                v_descale=np.float32(2.0)) if job.problem().fp8 else {})
     case = random_case(np.random.default_rng(job.seq), head_dim=job.head_dim, dtype=job.dtype,
-                       is_causal=job.causal, **VERIFY_SHAPE)
+                       is_causal=job.causal, **VERIFY_SHAPE, **fp8)
 
     def verify(config):
       try:
@@ -455,6 +464,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--coverage", action="store_true",
                  help="tune coverage_jobs(): head dim 64/96/128/192/256, seq 512-32k, "
                       "causal and not, bf16 and f16 (140 jobs); resumes by default")
+  p.add_argument("--dtypes", default=",".join(COVERAGE_DTYPES),
+                 help="comma-separated dtypes of --coverage's jobs (float8_e4m3fn: FP8's "
+                      "entries, timed with unit descales)")
   p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                  help="skip signatures the cache holds for this device, tuned over the "
                       "candidates this run would time (default: on with --coverage)")

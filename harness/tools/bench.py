@@ -4,7 +4,8 @@ cuDNN, in one process; with --backward-parts, where the backward's time goes.
 ``python -m harness.tools.bench [--shapes default|headline|headline-both] [--backward] [--backward-parts] [--out results.json]``;
 ``python -m harness bench --grid [--backward] [--sections dense,windows-segments] --out-dir docs``
 times the whole grid (harness/tools/bench_grid.py) and local windows / packed
-segments (harness/tools/bench_windows_segments.py).
+segments (harness/tools/bench_windows_segments.py); ``--grid --dtype
+float8_e4m3fn`` the FP8 page (harness/tools/bench_fp8.py).
 
 Method (METHOD.md of the device notes): random normal inputs (never zeros),
 several input sets rotated so repeated calls do not measure the L2 cache,
@@ -384,10 +385,21 @@ def main(argv=None) -> int:
                          "windows and packed segments beside the dense-mask route and cuDNN, "
                          "harness/tools/bench_windows_segments.py); --out-dir keeps the parts of an "
                          "existing performance.json this run does not time")
+  grid.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn"),
+                    help="float8_e4m3fn: the FP8 page, ours in FP8 beside ours in bfloat16 and "
+                         "cuDNN's FP8 attention, and the V^T transpose alone "
+                         "(harness/tools/bench_fp8.py; the forward grid only)")
   grid.add_argument("--section-head-dims", default=None,
                     help="comma-separated head dims of the windows-segments section "
                          "(default: bench_windows_segments.HEAD_DIMS, 128)")
   args = parser.parse_args(argv)
+  if args.grid and args.dtype != "bfloat16":
+    if args.backward or args.forward_only_backward or args.sections != "dense":
+      parser.error("--dtype float8_e4m3fn times the forward grid only (no --backward, "
+                   "--backward-only or --sections)")
+    from harness.tools import bench_fp8
+    args.raw_argv = list(argv if argv is not None else sys.argv[1:])
+    return bench_fp8.main(args)
   if args.grid:
     from harness.tools import bench_grid, bench_windows_segments
     sections = {bench_windows_segments.NAME: bench_windows_segments}

@@ -50,7 +50,7 @@ import numpy as np
 
 from harness.numerics.conformance import check_forward, check_gradients
 from kernel.call import Call
-from harness.numerics.strategies import SegmentSpec, VariantSpec
+from harness.numerics.strategies import Fp8Spec, SegmentSpec, VariantSpec
 from harness.numerics.tolerance import rtol_for, run_to_run_bound
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,10 +82,13 @@ class GoldenSpec:
   gradients: bool = True           # store dq, dk, dv (dbias) too (normalised output only)
   # jax.nn's lengths and window, segment ids and their layout; None: none.
   variants: VariantSpec | None = None
+  # FP8 (dtype float8_e4m3fn): how its e4m3 values and descales are made
+  # (harness.numerics.strategies.Fp8Spec, from the seed); forward only.
+  fp8: Fp8Spec | None = None
 
   @property
   def has_gradients(self) -> bool:
-    return self.gradients and self.normalize_output
+    return self.gradients and self.normalize_output and self.fp8 is None
 
   def arrays(self) -> tuple[str, ...]:
     """The arrays stored for this case."""
@@ -111,9 +114,16 @@ class GoldenSpec:
     dt = np.dtype(ml_dtypes.bfloat16) if self.dtype == "bfloat16" else np.dtype(self.dtype)
     b, t, s, n, kh = self.batch, self.seq_q, self.seq_kv, self.heads, self.kv_heads
     hv = self.head_dim if self.head_dim_out is None else self.head_dim_out
+    fp8 = {}
+    if self.fp8 is not None:  # e4m3 values and descales from a stream of their own
+      from kernel.call import AttentionShapes
+      shapes = AttentionShapes(B=b, T=t, N=n, H=self.head_dim, S=s, K=kh, Hv=hv)
+      fp8 = self.fp8.build(shapes, self.seed)
+      dt = np.dtype(ml_dtypes.bfloat16)  # the bias's dtype beside FP8 inputs
     normal = lambda shape: rng.standard_normal(shape).astype(dt)
     arrays = dict(query=normal((b, t, n, self.head_dim)), key=normal((b, s, kh, self.head_dim)),
                   value=normal((b, s, kh, hv)))
+    arrays.update(fp8)
     bias_shapes = {"full": (b, n, t, s), "row": (1, 1, 1, s), "col": (b, 1, t, 1)}
     if self.bias:
       arrays["bias"] = rng.standard_normal(bias_shapes[self.bias]).astype(dt)
@@ -210,6 +220,18 @@ CORPUS: tuple[GoldenSpec, ...] = (
     # (600 = 3 x 192 + 24) nor of the key block.
     GoldenSpec("cfg-three-warpgroups-causal-gqa", 28, batch=2, seq_q=600, seq_kv=600, heads=4,
                kv_heads=2, is_causal=True, config=(64, 128, 2, True, "longest-first", 3)),
+    # FP8 (forward only): per (batch, kv head) descales over GQA; causal at
+    # a ragged length with a float16 output and outliers; head dim 256
+    # with a 2-D bias and mask and a soft cap.
+    GoldenSpec("fp8-d128-gqa-head-descales", 29, batch=2, seq_q=512, seq_kv=512, heads=4,
+               kv_heads=2, head_dim=128, dtype="float8_e4m3fn",
+               fp8=Fp8Spec(layout="head", spread=2.0, log2_v=-2.0)),
+    GoldenSpec("fp8-causal-ragged-f16-outliers", 30, seq_q=1000, seq_kv=1000, is_causal=True,
+               dtype="float8_e4m3fn",
+               fp8=Fp8Spec(stored_std=64.0, outliers=0.01, log2_q=1.0, out_dtype="float16")),
+    GoldenSpec("fp8-d256-mask-bias-softcap", 31, seq_q=256, seq_kv=384, head_dim=256,
+               dtype="float8_e4m3fn", bias="full", mask="full", logits_soft_cap=10.0,
+               fp8=Fp8Spec(log2_q=2.0, log2_k=1.0)),
 )
 
 
@@ -218,7 +240,8 @@ CORPUS: tuple[GoldenSpec, ...] = (
 # (`python -m harness golden update --select NAMES` on an H200 writes them).
 # The CPU suite checks that none of them has a golden yet: once written and
 # committed, this tuple must be emptied, so no case stays here unnoticed.
-AWAITING_FIRST_GOLDEN: tuple[str, ...] = ()
+AWAITING_FIRST_GOLDEN: tuple[str, ...] = (
+    "fp8-d128-gqa-head-descales", "fp8-causal-ragged-f16-outliers", "fp8-d256-mask-bias-softcap")
 
 
 def kernel_source_hash() -> str:
@@ -248,13 +271,19 @@ def kernel_function(spec: GoldenSpec) -> tuple[Callable, tuple]:
   variant_kwargs = {name: x if name == "local_window_size" else jnp.asarray(x)
                     for name, x in case.variants.items()}
 
+  fp8_kwargs = {}
+  if case.fp8:
+    fp8_kwargs = dict({n: jnp.asarray(getattr(case, n), jnp.float32)
+                       for n in ("q_descale", "k_descale", "v_descale")},
+                      out_dtype=case.out_dtype)
+
   def attention(q, k, v, bias):
     return api.dot_product_attention(
         q, k, v, bias, j(case.mask), is_causal=case.is_causal, k_start=j(case.k_start),
         k_end=j(case.k_end), logits_soft_cap=case.logits_soft_cap,
         rescale_threshold=case.rescale_threshold, normalize_output=case.normalize_output,
         return_residuals=True, config=spec.resolved_config(),
-        segment_layout=case.segment_layout, **variant_kwargs)
+        segment_layout=case.segment_layout, **variant_kwargs, **fp8_kwargs)
 
   args = (j(case.query), j(case.key), j(case.value), j(case.bias))
   if not spec.has_gradients:

@@ -4,7 +4,9 @@
 (made under ``kernel.api.lowering_only()``, no GPU needed);
 ``python -m harness.tools.jaxpr_texts --compare A.json B.json`` says which differ.
 Used to show that a refactor of the kernel's Python leaves the traced
-kernels unchanged: dump at the commit before, dump after, compare.
+kernels unchanged: dump at the commit before, dump after, compare.  A case
+only the newer file holds (one added since) is listed as new, not as a
+difference; one only the older holds (a case lost) fails the comparison.
 """
 
 from __future__ import annotations
@@ -93,6 +95,24 @@ def cases() -> dict[str, dict]:
   # The guarded launch (outputs as mutable operands: no fresh outputs).
   c["d128-p-guarded-outputs"] = (d128, dict(config=Config(64, 128, 2, True),
                                             return_residuals=True, _guarded=True), {}, False)
+  # FP8 (float8_e4m3fn with its descales): per tensor and per (batch, kv
+  # head), persistent and not, causal with a threshold, staged operands and
+  # key ranges, 256-key blocks, head dim 256, a float16 output.
+  fp8 = dict(dtype="float8_e4m3fn")
+  head = dict(fp8, descales="head")
+  c["fp8-d128-p-plain"] = (d128, dict(config=Config(64, 128, 2, True), return_residuals=True),
+                           fp8, False)
+  c["fp8-d128-np-causal-threshold-head"] = (
+      d128, dict(config=Config(64, 128, 2, False), is_causal=True, rescale_threshold=0.7,
+                 return_residuals=True), head, False)
+  c["fp8-d64-p-bkv256-bias-mask-ranges"] = (
+      dict(B=2, T=300, N=4, H=64, S=500, K=2, Hv=64),
+      dict(config=Config(64, 256, 2, True), logits_soft_cap=20.0, normalize_output=False),
+      dict(fp8, bias_shape=(1, 4, 300, 500), mask_shape=(2, 1, 300, 500),
+           k_range_shape=(2, 4, 300)), False)
+  c["fp8-d256-np-f16-out"] = (dict(B=2, T=300, N=4, H=256, S=500, K=2, Hv=256),
+                              dict(config=Config(64, 128, 2, False), out_dtype="float16"),
+                              head, False)
   return c
 
 
@@ -101,13 +121,19 @@ def jaxpr_text(shapes, kwargs, operands, gradients) -> str:
   import jax.numpy as jnp
   from kernel import api, experiments
   sds = jax.ShapeDtypeStruct
-  dt = jnp.bfloat16
+  dt = jnp.dtype(operands.get("dtype", "bfloat16"))
   B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
   args = [sds((B, T, N, H), dt), sds((B, S, K, H), dt), sds((B, S, K, Hv), dt)]
   names = []
-  for name, key, adt in (("bias", "bias_shape", dt), ("mask", "mask_shape", jnp.bool_),
+  fp8 = dt.itemsize == 1
+  if fp8:  # the descales as operands: per tensor, or per (batch, kv head)
+    descale = () if operands.get("descales", "tensor") == "tensor" else (B, K)
+    operands = dict(operands, **{n: descale for n in ("q_descale", "k_descale", "v_descale")})
+  for name, key, adt in (("bias", "bias_shape", jnp.bfloat16 if fp8 else dt),
+                         ("mask", "mask_shape", jnp.bool_),
                          ("k_start", "k_range_shape", jnp.int32),
-                         ("k_end", "k_range_shape", jnp.int32)):
+                         ("k_end", "k_range_shape", jnp.int32),
+                         *((n, n, jnp.float32) for n in ("q_descale", "k_descale", "v_descale"))):
     if key in operands:
       args.append(sds(operands[key], adt))
       names.append(name)
@@ -190,10 +216,13 @@ def main(argv=None) -> int:
     if len(args.paths) != 2:
       parser.error("--compare: expected two files")
     a, b = ({k: comparable(v) for k, v in json.load(open(p)).items()} for p in args.paths)
-    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    print(f"{len(a.keys() & b.keys()) - len([k for k in differ if k in a and k in b])} of "
-          f"{len(a.keys() | b.keys())} jaxprs identical; differ: {differ or 'none'}")
-    return 1 if differ else 0
+    shared = a.keys() & b.keys()
+    differ = sorted(k for k in shared if a[k] != b[k])
+    lost, new = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+    print(f"{len(shared) - len(differ)} of {len(shared)} jaxprs identical; differ: "
+          f"{differ or 'none'}" + (f"; only in {args.paths[0]}: {lost}" if lost else "")
+          + (f"; new in {args.paths[1]}: {new}" if new else ""))
+    return 1 if differ or lost else 0
   (path,) = args.paths
   out = {name: jaxpr_text(*spec) for name, spec in cases().items()}
   with open(path, "w") as fh:

@@ -43,11 +43,14 @@ def _count_smem(record: list):
 
 
 def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_shape=None,
-                    k_range_shape=None, gradients=False, **kwargs) -> Lowered:
+                    k_range_shape=None, gradients=False, descales="tensor", **kwargs) -> Lowered:
   """Export ``kernel.api.dot_product_attention`` for CUDA with abstract inputs.
 
   ``shapes``: dict with B, T, N, H, S, K, Hv.  ``kwargs`` go to the API
-  (config, is_causal, logits_soft_cap, ...).  With ``gradients``, export
+  (config, is_causal, logits_soft_cap, ...).  An FP8 ``dtype`` takes its
+  three descales as abstract float32 inputs, per tensor (``descales``
+  "tensor") or per (batch, kv head) ("head"), and a bfloat16 bias.  With
+  ``gradients``, export
   ``jax.grad`` of the output's sum with respect to q, k, v (and bias): the
   forward and the backward kernels; ``smem_bytes`` is then the largest of the
   kernels.
@@ -58,9 +61,14 @@ def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_sha
   B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
   args = [sds((B, T, N, H), dt), sds((B, S, K, H), dt), sds((B, S, K, Hv), dt)]
   names = []
-  for name, shape, adt in (("bias", bias_shape, dt), ("mask", mask_shape, jnp.bool_),
+  fp8 = dt.itemsize == 1
+  descale_shape = () if descales == "tensor" else (B, K)
+  for name, shape, adt in (("bias", bias_shape, jnp.bfloat16 if fp8 else dt),
+                           ("mask", mask_shape, jnp.bool_),
                            ("k_start", k_range_shape, jnp.int32),
-                           ("k_end", k_range_shape, jnp.int32)):
+                           ("k_end", k_range_shape, jnp.int32),
+                           *((n, descale_shape, jnp.float32)
+                             for n in (("q_descale", "k_descale", "v_descale") if fp8 else ()))):
     if shape is not None:
       args.append(sds(tuple(shape), adt))
       names.append(name)

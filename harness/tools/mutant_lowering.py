@@ -54,6 +54,10 @@ def _probe_specs() -> dict[str, tuple[dict, dict, dict, bool]]:
       "fwd-f16": (base, dict(config=Config(64, 128, 2, False), rescale_threshold=0.0,
                              dtype="float16"), {}, False),
       "fwd-d72": (dict(base, H=72, Hv=96), dict(config=Config(64, 128, 2, False)), {}, False),
+      # FP8: per-tensor descales, persistent, causal, residuals.
+      "fwd-fp8": (base, dict(config=Config(64, 128, 2, True), is_causal=True,
+                             return_residuals=True, dtype="float8_e4m3fn", q_descale=0.5,
+                             k_descale=2.0, v_descale=0.25), {}, False),
       # A bias broadcast over the batch with its gradient (the dQ kernel,
       # which writes dS), a soft cap, GQA.
       "grad": (base, dict(logits_soft_cap=10.0), dict(bias_shape=(1, 4, 300, 500)), True),

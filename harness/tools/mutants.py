@@ -62,6 +62,7 @@ COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
 FWD_T = "properties/test_forward_gpu.py"
 GRAD_T = "properties/test_gradients_gpu.py"
 GUARD_T = "properties/test_guard_band_gpu.py"
+FP8_T = "properties/test_fp8_gpu.py"
 
 
 def named(*ids: str) -> tuple[str, ...]:
@@ -70,6 +71,14 @@ def named(*ids: str) -> tuple[str, ...]:
 
 def feature(*ids: str) -> tuple[str, ...]:
   return tuple(f"{FWD_T}::test_named_feature_cases[{i}]" for i in ids)
+
+
+# The CPU test of V^T's layout, which kills V^T's mutants before any GPU test.
+FP8_VT = ("properties/test_fp8.py::test_v_transposed_holds_each_block_in_the_key_order",)
+
+
+def fp8_named(*ids: str) -> tuple[str, ...]:
+  return tuple(f"{FP8_T}::test_fp8_named_cases[{i}]" for i in ids)
 
 
 def grads(*ids: str) -> tuple[str, ...]:
@@ -238,6 +247,24 @@ CATALOG: tuple[Mutant, ...] = (
     _m("l-store-one-row-late", "a store one row past its tile (one row past the end)",
        "into_output", "c.l_ref.at[t.b, t.h, t.rows]",
        "c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, c.block_q)]", GUARD),
+    # -- forward: FP8 ----------------------------------------------------------------
+    _m("fp8-qk-descale-twice", "a descale applied twice (q_descale * k_descale squared)",
+       "logits", "sc = sc * t.descales[0]", "sc = sc * t.descales[0] * t.descales[0]",
+       fp8_named("heuristic-basic-d64", "heuristic-d128-gqa-head-descales"), probe="fwd-fp8"),
+    _m("fp8-p-scale-dropped", "P quantised at its own value, not at 2^8 (e4m3 subnormals)",
+       "softmax", "base = base - fp8.P_SCALE_LOG2", "base = base",
+       fp8_named("heuristic-basic-d64", "heuristic-broad-rows-4096"), probe="fwd-fp8"),
+    _m("fp8-v-read-untransposed", "V read untransposed (its bytes taken for V^T's)",
+       "values_transposed", "v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))",
+       "v = v.reshape(batch, heads, dv, seq // 16, 4, 2, 2)",
+       FP8_VT + fp8_named("heuristic-basic-d64", "heuristic-d128-gqa-head-descales"),
+       probe="fwd-fp8"),
+    _m("fp8-keys-in-natural-order", "V^T's keys in natural order against P's relabelled "
+       "registers (each 16 keys paired with the wrong probabilities)", "values_transposed",
+       "v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))",
+       "v = jnp.transpose(v, (0, 5, 6, 1, 2, 3, 4))",
+       FP8_VT + fp8_named("heuristic-basic-d64", "heuristic-ragged-113x203-d72-dv96"),
+       probe="fwd-fp8"),
     # -- backward ------------------------------------------------------------------
     _b("lse-base-e", "the backward reading lse in base e", "residual_rows",
        "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",

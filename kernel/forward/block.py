@@ -24,9 +24,11 @@ from kernel.forward.producer import memory_warpgroup
 
 
 def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref,
-            tiles_ref, sched_ref, counts_ref, out_ref, *residual_refs):
+            tiles_ref, sched_ref, counts_ref, *rest):
   """The kernel's entry: allocate the scratch of kernel/tiling/plan.py's layout and
-  mbarrier plan, build the rings over it, and dispatch the warpgroups."""
+  mbarrier plan, build the rings over it, and dispatch the warpgroups.  After
+  the inputs, FP8's descales; then the outputs."""
+  descale_ref, (out_ref, *residual_refs) = (rest[0], rest[1:]) if c.f.fp8 else (None, rest)
   m_ref, l_ref = residual_refs[:2] if residual_refs else (None, None)
   piece_refs = tuple(residual_refs[2:]) or None   # split tail: the pieces' out, m, l
   layout = c.layout
@@ -51,7 +53,8 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
   staged = lambda buf: None if buf is None else smem(buf)
   refs = dict(q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, bias_ref=bias_ref, mask_ref=mask_ref,
               ks_ref=ks_ref, ke_ref=ke_ref, tiles_ref=tiles_ref, sched_ref=sched_ref,
-              counts_ref=counts_ref, out_ref=out_ref, m_ref=m_ref, l_ref=l_ref,
+              counts_ref=counts_ref, descale_ref=descale_ref, out_ref=out_ref, m_ref=m_ref,
+              l_ref=l_ref,
               piece_refs=piece_refs)
   v_alloc = plgpu.RefUnion(*v) if untiled else smem(layout.v)
   pl.run_scoped(

@@ -61,6 +61,7 @@ class Kernel(common.OperandRefs):
   sched_ref: Any = None      # longest-first: the tile order (or each SM's tiles);
                              # split tail: each SM's entries (SplitTail.table)
   counts_ref: Any = None     # persistent longest-first or split tail: tiles per SM
+  descale_ref: Any = None    # FP8: (B|1, K|1, 2) float32 (kernel.forward.fp8.tile_descales)
   queries: ring_lib.WarpgroupSlots | None = None
   keys: ring_lib.Ring | None = None      # k, and the staged bias/mask tiles
   values: ring_lib.Ring | None = None
@@ -94,6 +95,11 @@ class Kernel(common.OperandRefs):
   @property
   def bq_kv(self) -> tuple[int, int]:
     return (self.config.block_q, self.config.block_kv)
+
+  @property
+  def out_dtype(self):
+    """The output's dtype: the inputs', or FP8's (Problem.output_dtype)."""
+    return self.f.output_dtype if self.f.fp8 else self.dtype
 
   @property
   def threshold(self) -> float:
@@ -148,6 +154,8 @@ class Tile:
   # Split tail: the piece slot the tile's rows go to (< 0: the output
   # itself); None under the other schedules.
   slot: Any = None
+  # FP8: (q_descale * k_descale, v_descale) of the tile's heads; else None.
+  descales: Any = None
 
 
 # -- the tile walk and ring positions, shared by every role ---------------------

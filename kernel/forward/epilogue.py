@@ -12,6 +12,7 @@ from jax import lax
 
 from kernel.common import LOG2E, POISONED_START
 from kernel.sync import barriers
+from kernel.forward import fp8
 from kernel.forward.context import Kernel, Tile
 from kernel.forward.mainloop import each_part, pass_token_for_the_last_time
 from kernel.forward.softmax import safe
@@ -41,6 +42,13 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   else:
     alpha = jnp.exp2(m_scale - safe(m_i))
     out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
+  if f.fp8:
+    # V was stored over v_descale, P at P_SCALE times its value (which
+    # the normalised output's l_i cancels).
+    v_descale = t.descales[1]
+    unit = v_descale if f.normalize_output else v_descale * (1.0 / fp8.P_SCALE)
+    out = each_part(lambda a: a * unit, out)
+    l_res = l_res * (1.0 / fp8.P_SCALE)
 
   if f.poisons_rows:
     poisoned = t.k_start == POISONED_START
@@ -63,9 +71,9 @@ def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
   o_smem, o_copied = o_smems.at[wg], c.o_copy_smems.at[wg]
   if isinstance(out, tuple):  # untiled copies: the output's column parts
     for part, o in enumerate(out):
-      o_smem.at[part][...] = o.astype(c.dtype)
+      o_smem.at[part][...] = o.astype(c.out_dtype)
   else:
-    o_smem[...] = out.astype(c.dtype)
+    o_smem[...] = out.astype(c.out_dtype)
   if f.return_residuals:
     m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
     l_smems.at[wg][...] = l_res

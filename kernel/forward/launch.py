@@ -42,7 +42,8 @@ def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
 
 def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             *, problem: plan_lib.Problem, config: Config,
-                            variant: Variant = SHIPPED, num_sms: int = 132, outputs=None):
+                            variant: Variant = SHIPPED, num_sms: int = 132, outputs=None,
+                            descales=None):
   """Launch the kernel on padded, validated inputs, for ``problem`` (the
   call's static facts, kernel.api.problem_of) tiled by ``config``.
 
@@ -57,6 +58,11 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
   (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
   ``variant``: the longest-first order's switches (kernel.variant).
+  FP8 (``problem.fp8``): q and k float8_e4m3fn, v the values transposed,
+  (B, K, Dv, S) with S whole key blocks, each block's keys in
+  kernel.tiling.plan.fp8_key_order; ``descales`` (B|1, K|1, 2) float32, per
+  (batch, kv head) q_descale * k_descale and v_descale
+  (kernel.padding.forward_inputs makes both).
   Returns out (B, T, N, Dv) and, with return_residuals, m and l (B, N, Tp)
   f32, Tp = T rounded up to whole tiles.
 
@@ -69,7 +75,13 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
   """
   wanted = problem
   batch, seq_q, num_heads, head_dim = q.shape
-  _, seq_kv, num_kv_heads, head_dim_out = v.shape
+  if problem.fp8:
+    _, num_kv_heads, head_dim_out, seq_kv = v.shape
+    if descales is None or descales.ndim != 3 or descales.shape[2] != 2:
+      raise ValueError(f"descales: the FP8 forward takes (B|1, K|1, 2) float32 descales, "
+                       f"got {None if descales is None else descales.shape}")
+  else:
+    _, seq_kv, num_kv_heads, head_dim_out = v.shape
   dtype = q.dtype
   if (np.dtype(dtype), head_dim, head_dim_out) != (np.dtype(problem.dtype), problem.head_dim,
                                                    problem.head_dim_out):
@@ -112,7 +124,8 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
     q, k, v = in_parts(q), in_parts(k), in_parts(v)
     out_row = plan_lib.copy_parts(head_dim_out, np.dtype(dtype).itemsize)
   out_type = _out_type(f, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
-                       num_tiles=num_tiles, out_row=out_row, dtype=dtype)
+                       num_tiles=num_tiles, out_row=out_row,
+                       dtype=f.output_dtype if f.fp8 else dtype)
   grid, grid_names = _grid(config, order, batch=batch, num_heads=num_heads,
                            num_tiles=num_tiles, num_sms=num_sms)
   launch = functools.partial(
@@ -120,7 +133,7 @@ def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
       num_threads=config.compute_warpgroups + barriers.MEMORY_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True))
   operands = (q, k, v, bias, mask, k_start, k_end, k_range_tiles,
-              *(schedule_tables or (None, None)))
+              *(schedule_tables or (None, None))) + ((descales,) if f.fp8 else ())
   if outputs is not None:
     _check_guarded_outputs(outputs, out_type)
     # Operands after the inputs and schedule tables: kernel_body takes them

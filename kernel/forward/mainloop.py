@@ -18,6 +18,7 @@ from jax import lax
 
 from kernel.common import NEG_INF, ROW, WGMMA, load_broadcast
 from kernel.sync import barriers
+from kernel.forward import fp8
 from kernel.forward.context import Kernel, Tile, key_position, tile_range
 from kernel.forward.softmax import rescaled, softmax
 
@@ -39,7 +40,8 @@ def tile_start(c: Kernel, b, h, qi, prev_iters, piece=None):
       ref, (b, h, rows), (c.block_q,), ROW)
   t = Tile(b, h, qi, prev_iters, lb, ub, k_start_max, k_end_min, q_base, rows,
            k_start=row_values(c.ks_ref), k_end=row_values(c.ke_ref),
-           slot=None if piece is None else piece[2])
+           slot=None if piece is None else piece[2],
+           descales=fp8.tile_descales(c.descale_ref, b, h, c.group) if c.f.fp8 else None)
   m_i = plgpu.layout_cast(jnp.full((c.block_q,), NEG_INF, jnp.float32), ROW)
   l_i = plgpu.layout_cast(jnp.zeros((c.block_q,), jnp.float32), ROW)
   zeros = lambda cols: plgpu.layout_cast(jnp.zeros((c.block_q, cols), jnp.float32), WGMMA)
@@ -147,13 +149,19 @@ def issue_qk(c: Kernel, s_ref, st):
 
 def issue_pv(c: Kernel, acc_ref, p16, st):
   """wgmma of p16 by the values in ring slot ``st`` into ``acc_ref``: under
-  untiled copies a tuple of accumulators, one per column part."""
+  untiled copies a tuple of accumulators, one per column part; FP8's slot
+  holds V^T, read K-major as FP8 wgmma must."""
   v = c.values.slot(st)
   if not c.layout.untiled_copies:
-    plgpu.wgmma(acc_ref, p16, v)
+    plgpu.wgmma(acc_ref, p16, v.T if c.f.fp8 else v)
     return
   for part, ref in enumerate(acc_ref):
     plgpu.wgmma(ref, p16, v.at[part])
+
+
+def pv_operand(c: Kernel, p):
+  """P as the PV product reads it: in the input dtype, or FP8's A operand."""
+  return fp8.p_operand(p) if c.f.fp8 else p.astype(c.dtype)
 
 
 def each_part(fn, acc):
@@ -181,7 +189,7 @@ def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, plain):
     _, p, m, l, pend = softmax(c, t, s0, lb, m_i, l_i, pending, edge=edge)
     if c.staged:  # its staged tiles are read: release the key-phase slot
       c.keys.consumer_release(key_position(c, t, lb))
-    return p.astype(c.dtype), m, l + p.sum(axis=1), pend
+    return pv_operand(c, p), m, l + p.sum(axis=1), pend
 
   if c.has_edge:
     is_plain = lambda: lb < ub_plain if t.k_start is None else (lo_plain <= lb) & (lb < ub_plain)
@@ -191,7 +199,10 @@ def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, plain):
   else:
     first = functools.partial(first_softmax, False)
 
-  p16 = plgpu.layout_cast(jnp.zeros(c.bq_kv, c.dtype), WGMMA)
+  if c.f.fp8:
+    p16 = fp8.p_zeros(c.bq_kv)
+  else:
+    p16 = plgpu.layout_cast(jnp.zeros(c.bq_kv, c.dtype), WGMMA)
   p16, m, l, pend = lax.cond(ub > lb, first, lambda: (p16, m_i, l_i, pending))
   carry = (acc, p16, m, l, *pend)
   last = lax.max(lb, ub - 1)
@@ -258,7 +269,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
   acc, _, factor, p, m_i, l_i, *pending = pl.run_state(issue_then_softmax)(
       (each_part(plgpu.ACC.init, acc), plgpu.ACC.init(jnp.zeros(c.bq_kv, jnp.float32)),
        m_i, p_init, m_i, l_i, *pending))
-  p16 = p.astype(c.dtype)
+  p16 = pv_operand(c, p)
   # Releases: v of block ki, then k
   # (and a staged tile, read by the softmax) of block ki + 1, then the
   # queries after a persistent tile's last QK.

@@ -56,7 +56,10 @@ def produce_tile(c: Kernel, b, h, qi, prev_iters, piece=None):
     if c.stage_mask:
       keys.producer_copy(staged_src(c.mask_ref), st, "mask")
     values.producer_acquire(st)
-    values.producer_copy(c.v_ref.at[b, kb, hk], st)
+    if c.f.fp8:  # V^T: (Dv, block_kv), keys fastest
+      values.producer_copy(c.v_ref.at[b, hk, :, kb], st)
+    else:
+      values.producer_copy(c.v_ref.at[b, kb, hk], st)
 
   pl.loop(lb, ub)(fill)
   return prev_iters + (ub - lb)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernel.common import LOG2E, NEG_INF, WGMMA, load_broadcast
+from kernel.forward import fp8
 from kernel.forward.context import Kernel, Tile, key_position
 
 
@@ -56,6 +57,10 @@ def logits(c: Kernel, t: Tile, s, ki, *, edge):
   f, block_kv, bq_kv = c.f, c.block_kv, c.bq_kv
   k_base = ki * block_kv
   sc = f.scale
+  # Descales are > 0 (kernel.call), so sc's sign is known while tracing.
+  positive = f.scale > 0 or c.bias_ref is not None or f.logits_soft_cap is not None
+  if t.descales is not None:  # FP8: q.k of the stored values
+    sc = sc * t.descales[0]
   if c.stage_bias:
     bias = staged_tile(c, t, "bias", ki)
     s, sc = s * sc + bias.astype(jnp.float32), 1.0
@@ -66,7 +71,7 @@ def logits(c: Kernel, t: Tile, s, ki, *, edge):
   if f.logits_soft_cap is not None:
     s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
   sc *= LOG2E
-  if sc > 0 and not (c.masks_any_block or edge):
+  if positive and not (c.masks_any_block or edge):
     return s, sc
   s = s * sc
   key = k_base + iota(c, 1)
@@ -122,5 +127,7 @@ def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
     m_scale = jnp.where(rescale, m_ij, m_scale)
     pending = [m_scale]
     base = safe(m_scale)
+  if c.f.fp8:  # P in [0, 2^8] for e4m3
+    base = base - fp8.P_SCALE_LOG2
   p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
   return factor, p, m_ij, l_i, pending

@@ -91,18 +91,25 @@ def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
 
 # signature()'s parts, read back (properties/test_autotune.py checks that it
 # reads every signature signature() writes).
-_SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9]+)-(?P<head>d\d+-dv\d+)-q(?P<q>\d+)-kv(?P<kv>\d+)"
+_SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9_]+)-(?P<head>d\d+-dv\d+)-q(?P<q>\d+)-kv(?P<kv>\d+)"
                         r"-(?P<rest>.+)")
 # Tiling behaves alike for the two 16-bit dtypes (same bytes per element, same
-# tensor-core rate): one's entries stand in for the other's.
+# tensor-core rate): one's entries stand in for the other's.  FP8's stand
+# only for FP8's (half the bytes, twice the rate: other tilings win).
 SIXTEEN_BIT = ("bfloat16", "float16")
+FAMILIES = (SIXTEEN_BIT, ("float8_e4m3fn",))
+
+
+def _family(dtype: str) -> tuple[str, ...]:
+  return next((f for f in FAMILIES if dtype in f), ())
 
 
 def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
             **features) -> tuple[str, Config] | None:
   """(signature, config): the cached entry nearest to ``problem``'s own
   signature among those of the same device, mask and features (``-bias``,
-  ``-mask``, ``-ranges``) and a 16-bit dtype, whose config fits the problem.
+  ``-mask``, ``-ranges``) and dtype family (the 16-bit dtypes; FP8),
+  whose config fits the problem.
   Nearest: entries of the same head dims first, then those of wider head
   dims (query and value both at least the problem's), the narrowest first;
   within that, the fewest doublings between the sequence buckets (query
@@ -120,13 +127,14 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
   never read (their tiles may not fit, and were not tuned for the
   pressure; docs/decisions/autotune-nearest-entry.md)."""
   want = _SIGNATURE.fullmatch(signature(problem, **features))
-  if want is None or want["dtype"] not in SIXTEEN_BIT:
+  family = () if want is None else _family(want["dtype"])
+  if not family:
     return None
   want_dims = _head_dims(want["head"])
   ranked = []
   for sig, entry in load_cache(path).get(device_kind, {}).items():
     got = _SIGNATURE.fullmatch(sig)
-    if got is None or got["dtype"] not in SIXTEEN_BIT or got["rest"] != want["rest"]:
+    if got is None or got["dtype"] not in family or got["rest"] != want["rest"]:
       continue
     dims = _head_dims(got["head"])
     if any(d < w for d, w in zip(dims, want_dims)):

@@ -26,18 +26,31 @@ def _next_pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# FP8 at head dims up to this starts from 256-key blocks: its matrix products
+# take half the time of bf16's, so wider blocks amortise the softmax's
+# per-block work, as FlashAttention-3's FP8 tiles do (hopper/tile_size.h:
+# 160 keys at head dim 64 against 128 for bf16).  Wider heads keep 128: a
+# 64 x 256 float32 logits tile beside the accumulator would not stay in
+# registers.  The autotuner times every candidate either way.
+FP8_WIDE_KEYS_HEAD_DIM = 64
+
+
 def get_heuristics_config(problem: plan.Problem) -> Config:
   """The config to run when the caller gives none.
 
-  block_q 64, block_kv 128, 2 stages, persistent unless causal (a causal mask
-  makes per-tile work vary too much for a static schedule).  If that does not
-  fit, halve block_kv; if that still does not fit, drop persistence, which lets
-  the output overlay the query/key region.
+  block_q 64, block_kv 128 (FP8 at head dims up to
+  :data:`FP8_WIDE_KEYS_HEAD_DIM`: 256 first), 2 stages, persistent unless
+  causal (a causal mask makes per-tile work vary too much for a static
+  schedule).  If that does not fit, halve block_kv; if that still does not
+  fit, drop persistence, which lets the output overlay the query/key region.
   """
   config = Config(block_q=64, block_kv=128, num_stages=2,
                   persistent=not problem.is_causal)
   tried = []
-  for fallback in (lambda c: c,
+  wide = []
+  if problem.fp8 and max(problem.head_dim, problem.head_dim_out) <= FP8_WIDE_KEYS_HEAD_DIM:
+    wide = [lambda c: dataclasses.replace(c, block_kv=256)]
+  for fallback in (*wide, lambda c: c,
                    lambda c: dataclasses.replace(c, block_kv=64),
                    lambda c: dataclasses.replace(c, persistent=False)):
     config = fallback(config)

@@ -78,7 +78,7 @@ class Problem:
   (the first ten); the kernels read them all.  Hashable: the jitted
   launches take it as a static argument."""
 
-  dtype: np.dtype          # bf16 or f16 (f32 inputs are cast before)
+  dtype: np.dtype          # bf16, f16 or float8_e4m3fn (f32 inputs are cast before)
   head_dim: int            # padded: padded_head_dims
   head_dim_out: int        # padded likewise
   seq_q: int               # unpadded
@@ -107,10 +107,35 @@ class Problem:
   # the epilogue does it (docs/decisions/poisoned-rows-in-epilogue.md).
   poisons_rows: bool = False
   deterministic: bool = False  # the backward sums dq in int32 fixed point
+  # FP8 (dtype float8_e4m3fn): the dtype the output is written in (None:
+  # bfloat16), and the descales' layout, "tensor" or "head" (per batch and
+  # kv head; kernel.call.validate_fp8_args).
+  out_dtype: np.dtype | None = None
+  descales: str | None = None
 
   @property
   def itemsize(self) -> int:
     return np.dtype(self.dtype).itemsize
+
+  @property
+  def fp8(self) -> bool:
+    """One-byte inputs: V reaches the kernel transposed (:func:`fp8_key_order`),
+    P is quantised for the PV product, the descales scale the logits and the
+    output."""
+    return self.itemsize == 1
+
+  @property
+  def output_dtype(self) -> np.dtype:
+    """What the kernel writes out in: the inputs' dtype, or FP8's output dtype."""
+    if not self.fp8:
+      return np.dtype(self.dtype)
+    import ml_dtypes
+    return np.dtype(self.out_dtype or ml_dtypes.bfloat16)
+
+  @property
+  def bias_dtype(self) -> np.dtype:
+    """A bias is added to float32 logits in the compute dtype, bfloat16 for FP8."""
+    return self.output_dtype if self.fp8 else np.dtype(self.dtype)
 
   def num_kv_blocks(self, block_kv: int) -> int:
     return -(-self.seq_kv // block_kv)
@@ -157,15 +182,43 @@ def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
 def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
                 return_residuals=False) -> Problem:
   """The Problem of a call with these (B, T, N, H)/(B, S, K, H)/(B, S, K, Hv)
-  shapes; ``dtype`` is the input dtype (f32 is computed in bf16)."""
+  shapes; ``dtype`` is the input dtype (f32 is computed in bf16; FP8 gets
+  per-tensor descales and a bfloat16 output: kernel.api.problem_of sets
+  the call's own)."""
   import ml_dtypes
   dt = np.dtype(dtype)
   if dt == np.float32:
     dt = np.dtype(ml_dtypes.bfloat16)
   head_dim, head_dim_out = padded_head_dims(query_shape[-1], value_shape[-1])
+  fp8 = dt.itemsize == 1
   return Problem(dtype=dt, head_dim=head_dim, head_dim_out=head_dim_out, seq_q=query_shape[1],
                  seq_kv=key_shape[1], is_causal=bool(is_causal),
-                 return_residuals=bool(return_residuals))
+                 return_residuals=bool(return_residuals),
+                 out_dtype=np.dtype(ml_dtypes.bfloat16) if fp8 else None,
+                 descales="tensor" if fp8 else None)
+
+
+# FP8's P enters the PV product as e4m3 at 2^FP8_P_SCALE_LOG2 times its
+# value, exp2(s - m + 8) in [0, 256] (docs/decisions/fp8-p-scale.md): the
+# kernel (kernel.forward.fp8), the float64 reference's naive yardstick and
+# the NumPy model read it here.
+FP8_P_SCALE_LOG2 = 8
+
+# FP8 wgmma reads both operands K-major, so PV needs V with the keys
+# fastest: V^T, made once in HBM before the kernel (O(S * D) bytes beside
+# the kernel's O(T * S * D) flops; docs/decisions/fp8-values-transposed-in-hbm.md).
+# P leaves the softmax in wgmma's accumulator layout, which gives a thread
+# keys (2q, 2q + 1, 8 + 2q, 9 + 2q) of every 16, and enters PV as its 8-bit
+# A operand, which reads them as keys 4q .. 4q + 3: the registers are
+# relabelled, not moved between threads (kernel.forward.fp8.p_operand), and V^T's keys are
+# stored in the matching order.
+FP8_KEY_GROUP = 16
+
+
+def fp8_key_order() -> tuple[int, ...]:
+  """Position j of every 16 keys of a V^T block holds key fp8_key_order()[j]:
+  the key P's relabelled registers pair with column j of the A operand."""
+  return tuple(2 * (j // 4) + (j % 2) + 8 * ((j % 4) // 2) for j in range(FP8_KEY_GROUP))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,13 +368,15 @@ def kernel_problem(problem: Problem, config: Config) -> Problem:
 
 def overlays_query_with_output(problem: Problem, config: Config) -> bool:
   """Whether a persistent block stages each warpgroup's output in its query
-  slot: only where the query and output tiles have one shape and separate
+  slot: only where the query and output tiles have one shape and dtype
+  (never for FP8, whose output is wider than its queries) and separate
   buffers would not fit (head dim 256 with 64-row tiles, where otherwise only
   the non-persistent block fits; deeper rings or wider tiles at smaller head
   dims, which the autotuner then measures).  Everywhere else the query slot
   is refilled as soon as the tile's last QK completes, while the output
   drains; here the next tile's query load waits for the output copy."""
-  if not config.persistent or problem.head_dim != problem.head_dim_out:
+  if (not config.persistent or problem.head_dim != problem.head_dim_out
+      or problem.output_dtype != np.dtype(problem.dtype)):
     return False
   problem = kernel_problem(problem, config)
   return not fits_in_smem(_estimate(_layout(problem, config, overlay_q=False), problem, config))
@@ -346,14 +401,18 @@ def _layout(problem: Problem, config: Config, *, overlay_q: bool) -> ScratchLayo
     return (parts, n, columns)
 
   d, dv = problem.head_dim, problem.head_dim_out
+  if problem.fp8 and problem.untiled_copies:
+    raise ValueError("untiled_copies: the FP8 forward copies whole rows (V transposed)")
+  out_dt = problem.output_dtype
   return ScratchLayout(
       q=Buffer("q", (cw, *rows(d, bq)), dt),
       k=Buffer("k", (s, *rows(d, bkv)), dt),
-      v=Buffer("v", (s, *rows(dv, bkv)), dt),
-      o=None if overlay_q else Buffer("o", (cw, *rows(dv, bq)), dt),
+      # FP8: each slot holds V^T, keys fastest (fp8_key_order).
+      v=Buffer("v", (s, dv, bkv) if problem.fp8 else (s, *rows(dv, bkv)), dt),
+      o=None if overlay_q else Buffer("o", (cw, *rows(dv, bq)), out_dt),
       m=Buffer("m", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       l=Buffer("l", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
-      bias=Buffer("bias", (s, cw * bq, bkv), dt) if problem.bias_2d else None,
+      bias=Buffer("bias", (s, cw * bq, bkv), problem.bias_dtype) if problem.bias_2d else None,
       mask=Buffer("mask", (s, cw * bq, bkv), np.dtype(np.int8)) if problem.mask_2d else None,
       # Persistent blocks prefetch the next tile's queries while the output
       # drains, so only the non-persistent path may overlay them.

@@ -1,0 +1,138 @@
+"""GPU properties of the FP8 forward (marker ``gpu``; skipped, visibly, elsewhere).
+
+float8_e4m3fn query, key and value with their descales, against the float64
+reference on the dequantised inputs under the tolerance rule, whose naive
+yardstick quantises P as the kernel does (harness/numerics/tolerance.py):
+Hypothesis draws (e4m3 values with outliers, descales over orders of
+magnitude, every feature) and named cases under every schedule.  The CPU
+half is properties/test_fp8.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, note, settings, strategies as st
+
+from harness.numerics import strategies as hs
+from harness.numerics.conformance import check_forward, poison_device_memory, run_kernel
+from harness.numerics.fp8_cases import FP8_NAMED, fp8_case
+from harness.tools.device_check import problem_of
+from kernel.call import Call
+from kernel.tiling import heuristics, plan
+from kernel.tiling.config import Config
+
+pytestmark = pytest.mark.gpu
+
+def _configs(call: Call):
+  """Every config the heuristics and the autotuner could hand this call."""
+  problem = problem_of(call)
+  configs = {heuristics.get_heuristics_config(problem)}
+  configs.update(heuristics.get_autotuning_configs(problem))
+  return sorted(configs, key=str)
+
+
+gpu_cases = hs.fp8_cases(max_batch=2, max_seq=1100, max_head_dim=256, max_kv_heads=2, big=True,
+                         max_logits=None)
+
+
+@pytest.mark.parametrize("shard", range(hs.GPU_SHARDS))
+@settings(max_examples=hs.per_shard(settings.default.max_examples))
+@given(case=gpu_cases, threshold=hs.thresholds(), normalize=st.booleans(), data=st.data())
+def test_fp8_forward_matches_float64(shard, case, threshold, normalize, data):
+  """FP8 output and natural-log residuals (m, l) are within the tolerance
+  rule of float64 on the dequantised inputs, for any drawn shape, feature
+  mix, descales, threshold and emitted config."""
+  call = case.call.replace(rescale_threshold=threshold, normalize_output=normalize)
+  cfg = data.draw(st.sampled_from(_configs(call)), label="config")
+  note(f"{case.describe()} threshold={threshold} normalize={normalize} config={cfg}")
+  poison_device_memory(4 * call.query.nbytes)
+  out, m, l = run_kernel(call, config=cfg)
+  report = check_forward(call, out, m, l)
+  note(report.summary())
+  assert report.passed, report.summary()
+
+
+@given(case=gpu_cases, data=st.data())
+@settings(max_examples=10)
+def test_fp8_forward_is_bitwise_deterministic(case, data):
+  """Two runs on the same inputs give bit-identical output and residuals."""
+  cfg = data.draw(st.sampled_from(_configs(case.call)), label="config")
+  note(f"{case.describe()} config={cfg}")
+  first = run_kernel(case.call, config=cfg)
+  poison_device_memory(4 * case.call.query.nbytes)
+  second = run_kernel(case.call, config=cfg)
+  for a, b, name in zip(first, second, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{name} differs between runs"
+
+
+_NAMED = list(FP8_NAMED)
+
+
+@pytest.mark.parametrize("name", _NAMED, ids=_NAMED)
+@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
+                                                 (True, "round-robin"), (True, "longest-first")],
+                         ids=["heuristic", "nonpersistent", "persistent", "persistent-lf"])
+def test_fp8_named_cases(name, persistent, schedule):
+  """The named FP8 cases against float64, under every schedule."""
+  call = fp8_case(name, **FP8_NAMED[name])
+  cfg = None
+  if persistent is not None:
+    base = heuristics.get_heuristics_config(problem_of(call))
+    cfg = dataclasses.replace(base, persistent=persistent, schedule=schedule)
+    if not plan.config_fits(problem_of(call), cfg):
+      pytest.skip(f"{cfg} does not fit for this case")
+  poison_device_memory(4 * call.query.nbytes)
+  out, m, l = run_kernel(call, config=cfg)
+  report = check_forward(call, out, m, l)
+  assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("block_kv,num_stages", [(64, 4), (128, 3), (256, 2), (256, 3)])
+def test_fp8_wide_key_blocks_and_deep_rings(block_kv, num_stages):
+  """The tilings one-byte rows make room for (wider key blocks, more
+  stages) at head dim 64 and 128, persistent, against float64."""
+  for head_dim in (64, 128):
+    call = fp8_case(f"wide-{head_dim}", seq_q=512, seq_kv=2048, head_dim=head_dim)
+    cfg = Config(64, block_kv, num_stages, persistent=True)
+    if not plan.config_fits(problem_of(call), cfg):
+      continue
+    out, m, l = run_kernel(call, config=cfg)
+    report = check_forward(call, out, m, l)
+    assert report.passed, (head_dim, report.summary())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_fp8_fully_masked_rows_follow_the_contract(persistent):
+  """A row that sees no key: output 0, m = -inf, l = 0, and no NaN anywhere."""
+  call = fp8_case("masked-rows", batch=2, seq_q=200, seq_kv=300, mask=(2, 1, 200, 300),
+                  key_range=(2, 2, 200))
+  mask = call.mask.copy()
+  mask[:, :, ::7, :] = False
+  call = call.replace(mask=mask)
+  cfg = dataclasses.replace(heuristics.get_heuristics_config(problem_of(call)),
+                            persistent=persistent)
+  out, m, l = run_kernel(call, config=cfg)
+  assert not np.isnan(out).any() and not np.isnan(m).any() and not np.isnan(l).any()
+  empty = m == -np.inf
+  assert empty[:, :, ::7].all()
+  assert np.all(np.transpose(out, (0, 2, 1, 3))[empty] == 0) and np.all(l[empty] == 0)
+  report = check_forward(call, out, m, l)
+  assert report.passed, report.summary()
+
+
+def test_fp8_per_head_descales_reach_their_heads():
+  """Per (batch, kv head) descales: scaling one kv head's v_descale by 2
+  doubles exactly that head group's output and leaves the others' bits."""
+  call = fp8_case("per-head", batch=2, heads=4, kv_heads=2,
+                  fp8=hs.Fp8Spec(layout="head", spread=1.0))
+  out, _, _ = run_kernel(call)
+  v_descale = np.array(call.v_descale, np.float32)
+  v_descale[1, 0] *= 2
+  doubled, _, _ = run_kernel(call.replace(v_descale=v_descale))
+  heads = np.arange(4) // 2
+  for b in range(2):
+    for h in range(4):
+      want = 2 * out[b, :, h] if (b, heads[h]) == (1, 0) else out[b, :, h]
+      assert np.array_equal(doubled[b, :, h], want), (b, h)

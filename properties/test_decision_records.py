@@ -37,9 +37,9 @@ def _kernel_files() -> list[Path]:
 
 
 def _naming_files() -> list[Path]:
-  """Where a record may be named: the kernel, the harness, the README, ci/."""
+  """Where a record may be named: the kernel, the harness, the README and docs/ pages, ci/."""
   files = _kernel_files() + sorted((ROOT / "harness").rglob("*.py"))
-  files += [ROOT / "README.md"]
+  files += [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
   files += sorted(p for p in (ROOT / "ci").rglob("*") if p.is_file())
   return files
 

@@ -176,7 +176,7 @@ def test_named_gradient_cases(name, spec):
 
 
 def test_causal_rows_padded_by_the_caller_match_the_unpadded_problem():
-  """The README's tip for lengths that are no multiple of 8: under causal
+  """docs/contracts.md's tip for lengths that are no multiple of 8: under causal
   self-attention a caller who appends zero rows to q, k and v (cotangent 0
   on the padded rows) gets, for the real rows and keys, out, dq, dk and dv
   within the tolerance rule of the unpadded problem's float64 reference,

@@ -137,7 +137,7 @@ def compute_warpgroup(c: Kernel):
   # every warpgroup but 0, and the one pass after the last loop (before the
   # epilogue of a non-persistent block) of every warpgroup but the last,
   # not one per tile.
-  # Two compute warpgroups keep the conditions they were measured and
+  # Two compute warpgroups keep the conditions they were timed and
   # proved with (wg == 1, the other one); three take the general ones.
   if c.cw == 2:
     pl.when(c.wg == 1)(lambda: barriers.schedule_sync(c.wg))

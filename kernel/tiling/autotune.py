@@ -19,7 +19,7 @@ those fields are read alike.
 
 Timing the candidates and writing the cache is the harness's job
 (``python -m harness autotune``, ``harness/tools/autotune.py``): the kernel package
-only reads what was measured.
+only reads what the autotuner timed.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ candidates, and the backward's tiling (:func:`get_backward_config`).
 
 One predicate decides both, as in the seed: does the shared-memory plan fit,
 ``plan.config_fits(problem, config)``.  Nothing is
-compiled or measured here; the estimate is computed from the scratch layout the
+compiled or timed here; the estimate is computed from the scratch layout the
 kernel allocates, so a config these functions emit is one the kernel can
 allocate.
 """

@@ -496,7 +496,7 @@ def warpgroups_refusal(problem: Problem, config: Config) -> str | None:
   if tiling != THREE_WARPGROUP_TILING:
     want = dict(zip(("block_q", "block_kv", "num_stages"), THREE_WARPGROUP_TILING))
     got = dict(zip(want, tiling))
-    return (f"{n} compute warpgroups run {_fields(want)} only (measured fastest, and proved); "
+    return (f"{n} compute warpgroups run {_fields(want)} only (the fastest timed, and proved); "
             f"got {_fields(got)}")
   return None
 

@@ -67,13 +67,16 @@ def key_ranges(k_start, k_end, *, seq_kv: int, tile: int, num_tiles: int):
   return (ks if k_start is not None else None, ke if k_end is not None else None, tiles)
 
 
-def _per_query_block(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int,
-                     caller: str):
-  """(shape, nq, per_block) for the per-key-tile tables below: the ranges'
-  broadcast (B|1, N|1, num_rows), the query blocks, and ``per_block(which,
-  reduce)``, the starts ("start") or ends ("end") reduced over each block's
-  rows, (B|1, N|1, nq).  Ranges are clipped to the keys there are: a range
-  reaching past them sees none there."""
+def _per_query_block(k_start, k_end, reduce, caller: str, seq_kv: int, num_rows: int,
+                     block_q: int, key_tile: int, num_key_tiles: int):
+  """(shape, nq, starts, ends, tile_lo) for the per-key-tile tables below
+  (None where neither range is given): the ranges' broadcast (B|1, N|1,
+  num_rows), the query blocks, the starts and the ends each reduced over
+  each block's rows by ``reduce`` = (its reduction for the starts, for the
+  ends), (B|1, N|1, nq), and each key tile's first key.  Ranges are clipped
+  to the keys there are: a range reaching past them sees none there."""
+  if k_start is None and k_end is None:
+    return None
   rows = lambda x: lax.broadcast_to_rank(jnp.asarray(x).astype(jnp.int32), 3)
   ranges = {"start": jnp.clip(rows(0 if k_start is None else k_start), 0, seq_kv),
             "end": jnp.clip(rows(seq_kv if k_end is None else k_end), 0, seq_kv)}
@@ -88,7 +91,8 @@ def _per_query_block(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int
     x = jnp.broadcast_to(ranges[which], shape)
     return reduce(x.reshape(*shape[:2], nq, block_q), axis=-1)
 
-  return shape, nq, per_block
+  starts, ends = per_block("start", reduce[0]), per_block("end", reduce[1])
+  return shape, nq, starts, ends, jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile
 
 
 def query_block_ranges(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: int,
@@ -106,12 +110,11 @@ def query_block_ranges(k_start, k_end, *, seq_kv: int, num_rows: int, block_q: i
   served, and ranges that move with the row (a local window, packed
   documents) give each tile the band of blocks that reach it.
   """
-  if k_start is None and k_end is None:
+  blocks = _per_query_block(k_start, k_end, (jnp.min, jnp.max), "query_block_ranges", seq_kv, num_rows,
+                            block_q, key_tile, num_key_tiles)
+  if blocks is None:
     return None
-  shape, nq, per_block = _per_query_block(k_start, k_end, seq_kv=seq_kv, num_rows=num_rows,
-                                          block_q=block_q, caller="query_block_ranges")
-  first, end = per_block("start", jnp.min), per_block("end", jnp.max)  # (B|1, N|1, nq)
-  tile_lo = jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile       # (tiles,)
+  shape, nq, first, end, tile_lo = blocks
   seen = ((first[..., None] < tile_lo + key_tile) & (end[..., None] > tile_lo)
           & (end > first)[..., None])                                 # (.., nq, tiles)
   if shape[1] != 1:   # the hull over each kv head's group of query heads
@@ -136,14 +139,12 @@ def query_block_inner_bounds(k_start, k_end, *, seq_kv: int, num_rows: int, bloc
   The run is the first one from the lowest inside block, so any layout of
   ranges is served (a block inside but outside the run only takes the
   masked path); a local window or packed documents give one run per tile.
-  Arguments as :func:`query_block_ranges`.
-  """
-  if k_start is None and k_end is None:
+  Arguments as :func:`query_block_ranges`."""
+  blocks = _per_query_block(k_start, k_end, (jnp.max, jnp.min), "query_block_inner_bounds", seq_kv, num_rows,
+                            block_q, key_tile, num_key_tiles)
+  if blocks is None:
     return None
-  shape, nq, per_block = _per_query_block(k_start, k_end, seq_kv=seq_kv, num_rows=num_rows,
-                                          block_q=block_q, caller="query_block_inner_bounds")
-  start_max, end_min = per_block("start", jnp.max), per_block("end", jnp.min)  # (B|1, N|1, nq)
-  tile_lo = jnp.arange(num_key_tiles, dtype=jnp.int32) * key_tile        # (tiles,)
+  shape, nq, start_max, end_min, tile_lo = blocks
   tile_hi = tile_lo + key_tile
   # Ends are clipped to seq_kv: a tile holding padded keys is inside no range.
   inside = (start_max[..., None] <= tile_lo) & (end_min[..., None] >= tile_hi)  # (.., nq, tiles)

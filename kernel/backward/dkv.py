@@ -318,19 +318,26 @@ def _dkv_compute(c: DkvKernel):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv_step(c: DkvKernel, kv_base, t, carry):
-  """Step t: query block i of query head h against this warpgroup's keys:
-  P^T and dS^T (:func:`_step_scores`), dV += P^T dO and dK += dS^T Q, and
-  with the fused dQ this block's part of dQ by the step's owner."""
-  dk_acc, dv_acc = carry
-  wg, b, stream = c.wg, c.b, c.stream
+def _step_operands(c: DkvKernel, t):
+  """Step t's ring position, query head h, query block i, its first row, and
+  its q and dO slots, once the block's q, rows and dO have landed."""
+  stream = c.stream
   st = stream.position(t)
   h, i = _dkv_coords(c, t)
   q_base = i * c.bq
   stream.consumer_wait(st, "q")
   stream.consumer_wait(st, "rows")
   stream.consumer_wait(st, "do")
-  q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
+  return st, h, i, q_base, stream.slot(st, "q"), stream.slot(st, "do")
+
+
+def _dkv_step(c: DkvKernel, kv_base, t, carry):
+  """Step t: query block i of query head h against this warpgroup's keys:
+  P^T and dS^T (:func:`_step_scores`), dV += P^T dO and dK += dS^T Q, and
+  with the fused dQ this block's part of dQ by the step's owner."""
+  dk_acc, dv_acc = carry
+  wg, b, stream = c.wg, c.b, c.stream
+  st, h, i, q_base, q_slot, do_slot = _step_operands(c, t)
   scales = None
   if c.dq_scales_ref is not None:  # loaded early: the owner needs it last
     scales = load_broadcast(c.dq_scales_ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), ROW)
@@ -463,13 +470,7 @@ def _wide_step(c: DkvKernel, t, carry):
   dk_acc, dv_acc = carry
   wg, stream = c.wg, c.stream
   pt_st, ds_st = c.exchange
-  st = stream.position(t)
-  h, i = _dkv_coords(c, t)
-  q_base = i * c.bq
-  stream.consumer_wait(st, "q")
-  stream.consumer_wait(st, "rows")
-  stream.consumer_wait(st, "do")
-  q_slot, do_slot = stream.slot(st, "q"), stream.slot(st, "do")
+  st, h, i, q_base, q_slot, do_slot = _step_operands(c, t)
   half = c.bq // CW
   mine = pl.ds(wg * half, half)
   kv_base = c.j * c.bkv

@@ -291,14 +291,20 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
     plgpu.wgmma(acc, ds.astype(c.dtype), k_slot)
 
   dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
-  stream.consumer_release(st)
+  _release_and_store_ds(c, st, ds, rows, pl.ds(k_base, c.bkv))
+  return dq_acc
+
+
+def _release_and_store_ds(c: DqKernel, st, ds, rows, keys):
+  """Hands the step's ring slot back, then (want_ds) copies this warpgroup's
+  dS of ``rows`` x ``keys`` out through its staging buffer."""
+  c.stream.consumer_release(st)
   if c.want_ds:
     # The previous block's dS copy must have read the staging buffer.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    c.ds_st.at[wg][...] = ds
+    c.ds_st.at[c.wg][...] = ds
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(k_base, c.bkv)])
-  return dq_acc
+    plgpu.copy_smem_to_gmem(c.ds_st.at[c.wg], c.ds_ref.at[c.b, c.h, rows, keys])
 
 
 # The head-split dQ kernel (head dims over 128), the dK/dV launch's split
@@ -382,10 +388,5 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
     plgpu.wgmma(acc, c.exchange.at[x], k_slot.at[:, cols])
 
   dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
-  stream.consumer_release(st)
-  if c.want_ds:
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    c.ds_st.at[wg][...] = ds
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(c.ds_st.at[wg], c.ds_ref.at[b, h, rows, pl.ds(my_base, half)])
+  _release_and_store_ds(c, st, ds, rows, pl.ds(my_base, half))
   return dq_acc

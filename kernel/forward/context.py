@@ -75,26 +75,12 @@ class Kernel(common.OperandRefs):
   out_smems: tuple[Any, Any, Any] | None = None
   o_copy_smems: Any = None
 
-  @property
-  def block_q(self) -> int:
-    return self.config.block_q
-
-  @property
-  def cw(self) -> int:
-    """Compute warpgroups (Config.compute_warpgroups)."""
-    return self.config.compute_warpgroups
-
-  @property
-  def tile_q(self) -> int:
-    return self.config.tile_q
-
-  @property
-  def block_kv(self) -> int:
-    return self.config.block_kv
-
-  @property
-  def bq_kv(self) -> tuple[int, int]:
-    return (self.config.block_q, self.config.block_kv)
+  # The config's fields the roles read most, under short names.
+  block_q = property(lambda self: self.config.block_q)
+  block_kv = property(lambda self: self.config.block_kv)
+  tile_q = property(lambda self: self.config.tile_q)
+  cw = property(lambda self: self.config.compute_warpgroups)   # compute warpgroups
+  bq_kv = property(lambda self: (self.config.block_q, self.config.block_kv))
 
   @property
   def out_dtype(self):

@@ -501,6 +501,7 @@ def attention_cases(
   ``shape_limits`` (``max_batch``, ``max_seq``, ``max_head_dim``,
   ``max_kv_heads``) and ``big`` go to :func:`attention_shapes` unless
   ``shapes`` is given.
+
   ``allow_fully_masked=False`` guarantees every row sees at least key 0 (it
   also turns off key ranges and -inf biases).  A float8_e4m3fn ``dtype``
   draws an :class:`Fp8Spec` too. ``same_head_dims`` forces

@@ -483,10 +483,6 @@ def build_case(spec: CaseSpec) -> AttentionCase:
 def attention_cases(
   draw,
   *,
-  max_batch: int = 2,
-  max_seq: int = 300,
-  max_head_dim: int = 128,
-  max_kv_heads: int = 2,
   big: bool = False,
   dtype: Any = None,
   shapes: AttentionShapes | None = None,
@@ -498,8 +494,13 @@ def attention_cases(
   allow_fully_masked: bool = True,
   same_head_dims: bool = False,
   max_logits: int | None = 2_000_000,
+  **shape_limits: int,
 ) -> AttentionCase:
   """A whole attention call.
+
+  ``shape_limits`` (``max_batch``, ``max_seq``, ``max_head_dim``,
+  ``max_kv_heads``) and ``big`` go to :func:`attention_shapes` unless
+  ``shapes`` is given.
 
   ``allow_fully_masked=False`` guarantees every row sees at least key 0 (it
   also turns off key ranges and -inf biases).  A float8_e4m3fn ``dtype``
@@ -508,9 +509,7 @@ def attention_cases(
   B*N*T*S so that CPU examples stay fast.
   """
   if shapes is None:
-    shapes = draw(attention_shapes(max_batch=max_batch, max_seq=max_seq,
-                                   max_head_dim=max_head_dim,
-                                   max_kv_heads=max_kv_heads, big=big))
+    shapes = draw(attention_shapes(big=big, **shape_limits))
   if same_head_dims and shapes.Hv != shapes.H:
     shapes = dataclasses.replace(shapes, Hv=shapes.H)
   if max_logits is not None and not big:

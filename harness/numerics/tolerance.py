@@ -237,17 +237,15 @@ def assert_within_tolerance(
   reference_f64: Any,
   naive: Any,
   dtype: Any,
-  *,
-  rtol: float = RTOL,
-  name: str = "out",
+  **options: Any,
 ) -> ToleranceReport:
-  """:func:`check_tolerance`, raising ``AssertionError`` when it fails.
+  """:func:`check_tolerance` (``options``: its ``rtol`` and ``name``),
+  raising ``AssertionError`` when it fails.
 
   The message names the array, the max error, the bound and its parts, the
   ratio, the worst index and the values there.
   """
-  report = check_tolerance(actual, reference_f64, naive, dtype, rtol=rtol,
-                           name=name)
+  report = check_tolerance(actual, reference_f64, naive, dtype, **options)
   if not report.passed:
     message = str(report)
     if report.worst_index is not None:

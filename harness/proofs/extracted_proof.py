@@ -1040,12 +1040,11 @@ class _Search:
           raise _Fail("overwrite before release", f"a copy into {e.buf}[{e.slot}] issued "
                       f"while the previous one is still in flight")
         self.check_no_async_reader(roles, si, f"a copy into {e.buf}[{e.slot}] issued")
-        for w in st.clobbers[si]:
-          self.check_no_async_reader(roles, w, f"a copy into {e.buf}[{e.slot}], which shares "
-                                     f"bytes with {st.smem_slots[w][0]}, issued", "overlay")
-          if any(st.tma_smem[c] == w for c, _ in tma):
-            raise _Fail("overlay", f"a copy into {e.buf}[{e.slot}] issued while a copy into "
-                        f"{st.smem_slots[w][0]}, which shares bytes with it, is in flight")
+        self.check_overlays(
+            roles, tma, si,
+            lambda b: f"a copy into {e.buf}[{e.slot}], which shares bytes with {b}, issued",
+            lambda b: f"a copy into {e.buf}[{e.slot}] issued while a copy into {b}, which "
+                      f"shares bytes with it, is in flight")
         for rj, other in enumerate(roles):
           if rj != ri:
             self.check_pending_read(rj, other, ci, n)
@@ -1104,12 +1103,11 @@ class _Search:
         if any(st.tma_smem[c] == si for c, _ in tma):
           raise _Fail("overwrite before release", f"{name} stores into {e.buf}[{e.slot}] "
                       f"while a TMA load into it is in flight")
-        for w in st.clobbers[si]:
-          self.check_no_async_reader(roles, w, f"{name} stores into {e.buf}, which shares "
-                                     f"bytes with {st.smem_slots[w][0]}", "overlay")
-          if any(st.tma_smem[c] == w for c, _ in tma):
-            raise _Fail("overlay", f"{name} stores into {e.buf}, which shares bytes with "
-                        f"{st.smem_slots[w][0]}, while a TMA load into it is in flight")
+        self.check_overlays(
+            roles, tma, si,
+            lambda b: f"{name} stores into {e.buf}, which shares bytes with {b}",
+            lambda b: f"{name} stores into {e.buf}, which shares bytes with {b}, while a TMA "
+                      f"load into it is in flight")
         content = _set(content, si, (C_GEN, ri, self.anchor(ri, r)))
         for w in st.clobbers[si]:
           content = _set(content, w, (C_CLOB,))
@@ -1223,6 +1221,17 @@ class _Search:
       if si in other[8]:
         raise _Fail(kind, f"{what} while a TMA store of {st.names[rj]} still reads "
                     f"{b}[{s}]")
+
+  def check_overlays(self, roles, tma, si, writes, in_flight):
+    """A write into slot si: no slot sharing bytes with it may still be read
+    asynchronously or loaded by a TMA in flight; ``writes`` and ``in_flight``
+    word either failure, given the other slot's buffer."""
+    st = self.st
+    for w in st.clobbers[si]:
+      b = st.smem_slots[w][0]
+      self.check_no_async_reader(roles, w, writes(b), "overlay")
+      if any(st.tma_smem[c] == w for c, _ in tma):
+        raise _Fail("overlay", in_flight(b))
 
   def check_pending_read(self, rj, other, ci, n):
     """A copy n into slot ci is issued: is role rj still to read copy n - 1

@@ -49,6 +49,12 @@ class Mutant:
   backward: tuple = ()      # (head_dim, causal, bias, fuse_dq): the backward that shows it
 
 
+def backward_mutants(backward: tuple, *mutants: Mutant) -> tuple[Mutant, ...]:
+  """``mutants`` as edits of the backward kernel that the backward of
+  ``backward`` (head_dim, causal, bias, fuse_dq) shows."""
+  return tuple(dataclasses.replace(m, kernel="backward", backward=backward) for m in mutants)
+
+
 MUTANTS = (
     Mutant("key_released_before_qk",
            "the first key slot of a tile released before its QK is issued",
@@ -132,56 +138,49 @@ MUTANTS = (
 )
 
 BACKWARD_MUTANTS = (
-    Mutant("dq_slot_without_lb",
-           "the dQ kernel's ring slot computed from ki instead of ki - lb",
-           (edit("_dq_step", "st = stream.position(ki - c.lb)", "st = stream.position(ki)"),),
-           kernel="backward", backward=(64, False, False, False)),
-    Mutant("backward_producer_first_consumed_wait_skipped",
-           "the backward producer's first wait for a released slot skipped (> for >=)",
-           (edit("PipelineState.refills", "return self.count >= self.num_stages",
-                 "return self.count > self.num_stages"),),
-           kernel="backward", backward=(64, False, False, True)),
-    Mutant("dkv_slot_released_before_products",
-           "a dK/dV ring slot released once dK's product is issued, before it completes",
-           (edit("_dkv_step.grads", 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)',
-                 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot); '
-                 'stream.consumer_release(st)'),
-            edit("_dkv_step", "stream.consumer_release(st)", "pass")),
-           kernel="backward", backward=(64, False, False, True)),
-    Mutant("ds_handoff_without_commit_smem",
-           "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
-           (edit("_dkv_step", "plgpu.commit_smem()", "pass"),),
-           kernel="backward", backward=(64, False, False, True)),
-    Mutant("ds_handoff_one_buffer",
-           "every step of the fused dQ stages its dS^T in the same buffer",
-           (edit("ds_buffer", "return t % DS_BUFFERS", "return 0 * t"),),
-           kernel="backward", backward=(64, False, False, True)),
-    Mutant("ds_owner_skips_wait",
-           "the fused dQ's rendezvous: neither warpgroup waits, the step's owner reads the "
-           "other's dS^T unsynchronised",
-           (edit("_dkv_step", "barriers.ds_ready(dq_owner(t), wg)",
-                 "barriers.ds_ready(1 - wg, wg)"),),
-           kernel="backward", backward=(64, False, False, True)),
-    Mutant("dk_staged_before_dq_products_end",
-           "the fused dQ's K tiles overwritten with dK without the epilogue barrier",
-           (edit("_dkv_compute", "barriers.epilogue_sync()", "pass"),),
-           kernel="backward", backward=(64, False, False, True)),
-    # The head split (head dims over 128): the exchange of P^T and dS^T
-    # halves between the two compute warpgroups, and the epilogue that
-    # overwrites the shared K and V tiles.
-    Mutant("halves_read_before_rendezvous",
-           "the head split's dK/dV products read the other warpgroup's halves of P^T and "
-           "dS^T without the rendezvous",
-           (edit("_wide_step", "barriers.halves_ready()", "pass"),),
-           kernel="backward", backward=(256, False, False, False)),
-    Mutant("halves_one_exchange_buffer",
-           "every step of the head split stages its halves in the same exchange buffer",
-           (edit("exchange_buffer", "return t % EXCHANGE_BUFFERS", "return 0 * t"),),
-           kernel="backward", backward=(256, False, False, False)),
-    Mutant("wide_dk_stored_before_both_halves",
-           "the head split's dK tile copied out before the other warpgroup staged its half",
-           (edit("_wide_compute", "barriers.epilogue_sync()", "pass"),),
-           kernel="backward", backward=(256, False, False, False)),
+    *backward_mutants((64, False, False, False),
+      Mutant("dq_slot_without_lb",
+             "the dQ kernel's ring slot computed from ki instead of ki - lb",
+             (edit("_dq_step", "st = stream.position(ki - c.lb)", "st = stream.position(ki)"),))),
+    *backward_mutants((64, False, False, True),
+      Mutant("backward_producer_first_consumed_wait_skipped",
+             "the backward producer's first wait for a released slot skipped (> for >=)",
+             (edit("PipelineState.refills", "return self.count >= self.num_stages",
+                   "return self.count > self.num_stages"),)),
+      Mutant("dkv_slot_released_before_products",
+             "a dK/dV ring slot released once dK's product is issued, before it completes",
+             (edit("_dkv_step.grads", 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)',
+                   'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot); '
+                   'stream.consumer_release(st)'),
+              edit("_dkv_step", "stream.consumer_release(st)", "pass"))),
+      Mutant("ds_handoff_without_commit_smem",
+             "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
+             (edit("_dkv_step", "plgpu.commit_smem()", "pass"),)),
+      Mutant("ds_handoff_one_buffer",
+             "every step of the fused dQ stages its dS^T in the same buffer",
+             (edit("ds_buffer", "return t % DS_BUFFERS", "return 0 * t"),)),
+      Mutant("ds_owner_skips_wait",
+             "the fused dQ's rendezvous: neither warpgroup waits, the step's owner reads the "
+             "other's dS^T unsynchronised",
+             (edit("_dkv_step", "barriers.ds_ready(dq_owner(t), wg)",
+                   "barriers.ds_ready(1 - wg, wg)"),)),
+      Mutant("dk_staged_before_dq_products_end",
+             "the fused dQ's K tiles overwritten with dK without the epilogue barrier",
+             (edit("_dkv_compute", "barriers.epilogue_sync()", "pass"),))),
+    *backward_mutants((256, False, False, False),
+      # The head split (head dims over 128): the exchange of P^T and dS^T
+      # halves between the two compute warpgroups, and the epilogue that
+      # overwrites the shared K and V tiles.
+      Mutant("halves_read_before_rendezvous",
+             "the head split's dK/dV products read the other warpgroup's halves of P^T and "
+             "dS^T without the rendezvous",
+             (edit("_wide_step", "barriers.halves_ready()", "pass"),)),
+      Mutant("halves_one_exchange_buffer",
+             "every step of the head split stages its halves in the same exchange buffer",
+             (edit("exchange_buffer", "return t % EXCHANGE_BUFFERS", "return 0 * t"),)),
+      Mutant("wide_dk_stored_before_both_halves",
+             "the head split's dK tile copied out before the other warpgroup staged its half",
+             (edit("_wide_compute", "barriers.epilogue_sync()", "pass"),))),
 )
 
 SAFE = (

@@ -291,23 +291,24 @@ def _simpler(a, b) -> bool:
   return _lead(sub(b, a)) > 0
 
 
-def max_(a, b):
-  d = sub(b, a)
+def _extreme(a, b, d, combine):
+  """combine(a, pos(d)) = combine(b, pos(-d)), in the orientation _simpler
+  picks; b if d > 0 else a where d is a number."""
   if type(d) is int:
     return b if d > 0 else a
   if _simpler(a, b):
-    return add(a, pos(d))
-  return add(b, pos(neg(d)))
+    return combine(a, pos(d))
+  return combine(b, pos(neg(d)))
+
+
+def max_(a, b):
+  # max(a, b) = a + pos(b - a) = b + pos(a - b)
+  return _extreme(a, b, sub(b, a), add)
 
 
 def min_(a, b):
   # min(a, b) = a - pos(a - b) = b - pos(b - a)
-  d = sub(a, b)
-  if type(d) is int:
-    return b if d > 0 else a
-  if _simpler(a, b):
-    return sub(a, pos(d))
-  return sub(b, pos(neg(d)))
+  return _extreme(a, b, sub(a, b), sub)
 
 
 def _cmp0(op, x):

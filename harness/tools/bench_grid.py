@@ -359,6 +359,17 @@ def _cell(result: dict | None) -> str:
   return f"{result['tflops']:.1f}" if "tflops" in result else "error"
 
 
+def markdown_row(*groups) -> str:
+  """A Markdown table's row: the cells of each group in turn (an empty group
+  still takes one empty cell)."""
+  return "| " + " | ".join(" | ".join(f"{c}" for c in g) for g in groups) + " |"
+
+
+def markdown_header(fixed: tuple, cols: list) -> list[str]:
+  """A Markdown table's header and rule: the ``fixed`` columns, then ``cols``."""
+  return [markdown_row(fixed, cols), "|---" * len(fixed) + "|" + "---|" * len(cols)]
+
+
 def render_rows(rows: list[dict], header: bool = True) -> str:
   """Markdown: one line per point, TFLOP/s per implementation and each of
   ours over cuDNN."""
@@ -368,9 +379,8 @@ def render_rows(rows: list[dict], header: bool = True) -> str:
   ours = [n for n in names if n.startswith("ours")]
   lines = []
   if header:
-    cols = names + [f"{n} / cudnn" for n in ours]
-    lines += ["| pass | D | seq | causal | B | N/K | " + " | ".join(cols) + " |",
-              "|---|---|---|---|---|---|" + "---|" * len(cols)]
+    lines += markdown_header(("pass", "D", "seq", "causal", "B", "N/K"),
+                             names + [f"{n} / cudnn" for n in ours])
   for r in rows:
     res = r["results"]
     cudnn = res.get("cudnn", {}).get("tflops")
@@ -378,9 +388,9 @@ def render_rows(rows: list[dict], header: bool = True) -> str:
     for n in ours:
       t = res.get(n, {}).get("tflops")
       ratios.append(f"{t / cudnn:.2f}" if t and cudnn else "-")
-    lines.append(f"| {r['pass_']} | {r['head_dim']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | "
-                 f"{r['batch']} | {r['heads']}/{r['kv_heads']} | "
-                 + " | ".join(_cell(res.get(n)) for n in names) + " | " + " | ".join(ratios) + " |")
+    lines.append(markdown_row(
+        (r["pass_"], r["head_dim"], r["seq"], "yes" if r["causal"] else "no", r["batch"],
+         f"{r['heads']}/{r['kv_heads']}"), [_cell(res.get(n)) for n in names], ratios))
   return "\n".join(lines)
 
 

@@ -401,18 +401,16 @@ def render_table(rows: list[dict], header: bool = True) -> str:
   others = [n for n in names if n != OURS]
   lines = []
   if header:
-    cols = names + [f"{n} ÷ ours" for n in others]
-    lines += ["| pass | D | problem | seq | causal | B | N | " + " | ".join(cols) + " |",
-              "|---|---|---|---|---|---|---|" + "---|" * len(cols)]
+    lines += bg.markdown_header(("pass", "D", "problem", "seq", "causal", "B", "N"),
+                                names + [f"{n} ÷ ours" for n in others])
   for r in rows:
     ratios = []
     for n in others:
       x = speedup(r, n)
       ratios.append("-" if x is None else f"{x:.2f}")
-    lines.append(f"| {r['pass_']} | {r['head_dim']} | {_problem_cell(r)} | {r['seq']} | "
-                 f"{'yes' if r['causal'] else 'no'} | {r['batch']} | {r['heads']} | "
-                 + " | ".join(_cell(r["results"].get(n)) for n in names) + " | "
-                 + " | ".join(ratios) + " |")
+    lines.append(bg.markdown_row(
+        (r["pass_"], r["head_dim"], _problem_cell(r), r["seq"], "yes" if r["causal"] else "no",
+         r["batch"], r["heads"]), [_cell(r["results"].get(n)) for n in names], ratios))
   return "\n".join(lines)
 
 

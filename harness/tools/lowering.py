@@ -42,6 +42,32 @@ def _count_smem(record: list):
     mgpu_core._smem_tree_size = original
 
 
+def abstract_call(attention, shapes: dict, dt, operands, kwargs: dict, gradients: bool):
+  """(target, args): ``attention`` (a ``dot_product_attention``) over
+  abstract q, k, v of ``shapes`` (B, T, N, H, S, K, Hv) and dtype ``dt``,
+  then the ``operands`` ((name, shape, dtype) each; a None shape is left
+  out) it takes by name, with ``kwargs``; with ``gradients``, ``jax.grad``
+  of the output's sum with respect to q, k, v (and bias)."""
+  sds = jax.ShapeDtypeStruct
+  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
+  args = [sds((B, T, N, H), dt), sds((B, S, K, H), dt), sds((B, S, K, Hv), dt)]
+  names = []
+  for name, shape, adt in operands:
+    if shape is not None:
+      args.append(sds(tuple(shape), adt))
+      names.append(name)
+
+  def fn(q, k, v, *rest):
+    extra = dict(zip(names, rest))
+    return attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
+                     **extra, **kwargs)
+
+  if not gradients:
+    return fn, args
+  float_args = (0, 1, 2) + ((3,) if "bias" in names else ())
+  return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=float_args), args
+
+
 def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_shape=None,
                     k_range_shape=None, gradients=False, descales="tensor", **kwargs) -> Lowered:
   """Export ``kernel.api.dot_product_attention`` for CUDA with abstract inputs.
@@ -56,32 +82,18 @@ def lower_attention(shapes: dict, *, dtype="bfloat16", bias_shape=None, mask_sha
   kernels.
   """
   from kernel import api, experiments
-  sds = jax.ShapeDtypeStruct
   dt = jnp.dtype(dtype)
-  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
-  args = [sds((B, T, N, H), dt), sds((B, S, K, H), dt), sds((B, S, K, Hv), dt)]
-  names = []
   fp8 = dt.itemsize == 1
-  descale_shape = () if descales == "tensor" else (B, K)
-  for name, shape, adt in (("bias", bias_shape, jnp.bfloat16 if fp8 else dt),
-                           ("mask", mask_shape, jnp.bool_),
-                           ("k_start", k_range_shape, jnp.int32),
-                           ("k_end", k_range_shape, jnp.int32),
-                           *((n, descale_shape, jnp.float32)
-                             for n in (("q_descale", "k_descale", "v_descale") if fp8 else ()))):
-    if shape is not None:
-      args.append(sds(tuple(shape), adt))
-      names.append(name)
-
-  def fn(q, k, v, *rest):
-    extra = dict(zip(names, rest))
-    return experiments.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
-                                     **extra, **kwargs)
-
-  target = fn
-  if gradients:
-    float_args = (0, 1, 2) + ((3,) if "bias" in names else ())
-    target = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=float_args)
+  descale_shape = () if descales == "tensor" else (shapes["B"], shapes["K"])
+  target, args = abstract_call(
+      experiments.dot_product_attention, shapes, dt,
+      (("bias", bias_shape, jnp.bfloat16 if fp8 else dt),
+       ("mask", mask_shape, jnp.bool_),
+       ("k_start", k_range_shape, jnp.int32),
+       ("k_end", k_range_shape, jnp.int32),
+       *((n, descale_shape, jnp.float32)
+         for n in (("q_descale", "k_descale", "v_descale") if fp8 else ()))),
+      kwargs, gradients)
   record: list[int] = []
   start = time.perf_counter()
   with api.lowering_only(), _count_smem(record):

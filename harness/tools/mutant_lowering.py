@@ -77,30 +77,17 @@ def probe_text(name: str) -> str:
   differs between two lowerings of the same source."""
   import jax
   import jax.numpy as jnp
+  from harness.tools import lowering
   from kernel import api
   shapes, kwargs, operands, gradients = _probe_specs()[name]
   kwargs = dict(kwargs)
   dt = jnp.dtype(kwargs.pop("dtype", "bfloat16"))
-  sds = jax.ShapeDtypeStruct
-  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
-  args = [sds((B, T, N, H), dt), sds((B, S, K, H), dt), sds((B, S, K, Hv), dt)]
-  names = []
-  for arg, key, adt in (("bias", "bias_shape", dt), ("mask", "mask_shape", jnp.bool_),
-                        ("k_start", "k_range_shape", jnp.int32),
-                        ("k_end", "k_range_shape", jnp.int32)):
-    if key in operands:
-      args.append(sds(operands[key], adt))
-      names.append(arg)
-
-  def fn(q, k, v, *rest):
-    extra = dict(zip(names, rest))
-    return api.dot_product_attention(q, k, v, extra.pop("bias", None), extra.pop("mask", None),
-                                     **extra, **kwargs)
-
-  target = fn
-  if gradients:
-    argnums = (0, 1, 2) + ((3,) if "bias" in names else ())
-    target = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums)
+  target, args = lowering.abstract_call(
+      api.dot_product_attention, shapes, dt,
+      (("bias", operands.get("bias_shape"), dt), ("mask", operands.get("mask_shape"), jnp.bool_),
+       ("k_start", operands.get("k_range_shape"), jnp.int32),
+       ("k_end", operands.get("k_range_shape"), jnp.int32)),
+      kwargs, gradients)
   with api.lowering_only():
     traced = jax.jit(target).trace(*args)
     lowered = traced.lower(lowering_platforms=("cuda",)).as_text()

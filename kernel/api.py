@@ -24,23 +24,15 @@ import jax
 import numpy as np
 
 from kernel import key_ranges, padding, sharding
-from kernel.backward import attention_backward as pallas_backward
-from kernel.backward.xla import attention_backward as xla_backward
+from kernel.backward.launch import attention_backward
+from kernel.backward.xla import xla_backward
 from kernel.call import DEFAULT_ALLOWED_DTYPES, Call
 from kernel.common import is_2d
-from kernel.forward import flash_attention_forward
+from kernel.forward.launch import flash_attention_forward
 from kernel.forward import fp8 as fp8_lib
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
 from kernel.variant import SHIPPED, Variant
-
-# The custom_vjp's backward by kernel.variant.Variant.backward: the sm90
-# kernels, or their executable specification in plain JAX.  deterministic=True
-# sums the fused dQ's parts in int32 fixed point, whose sum does not depend on
-# the order (docs/decisions/fixed-point-dq.md; not kept: a fixed order of
-# float32 reduce-adds, docs/decisions/fixed-order-dq-rejected.md; the dO norms
-# beside delta, docs/decisions/do-norms-own-pass.md).
-BACKWARDS = {"pallas": pallas_backward, "xla": xla_backward}
 
 _state = threading.local()
 
@@ -276,7 +268,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   in magnitude: past it float32 cannot hold P's 2^8 offset beside the row's
   max, and the results are unspecified.
   """
-  call = Call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+  return attend(Call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
               k_start=k_start, k_end=k_end, query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths,
               local_window_size=local_window_size, q_segment_ids=q_segment_ids,
@@ -285,8 +277,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
               normalize_output=normalize_output, return_residuals=return_residuals,
               return_residual=return_residual, implementation=implementation,
               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-              out_dtype=out_dtype, dtypes=DEFAULT_ALLOWED_DTYPES)
-  return attend(call, config=config, deterministic=deterministic)
+              out_dtype=out_dtype, dtypes=DEFAULT_ALLOWED_DTYPES),
+                config=config, deterministic=deterministic)
 
 
 def attend(call: Call, *, config: Config | None = None, deterministic: bool = False,
@@ -316,32 +308,29 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
   return routed.finish(out, residuals)
 
 
-def launch_problem(problem: plan_lib.Problem, config: Config) -> plan_lib.Problem:
+def launch_problem(problem: plan_lib.Problem, config: Config, *,
+                   residuals: bool = False) -> plan_lib.Problem:
   """The problem the forward's launch is compiled for: the window and its
   ranges only where the longest-first order weighs tiles by them, so that
-  the window's value keys no other compile."""
-  if config.schedule == "longest-first":
-    return problem
-  return dataclasses.replace(problem, window=None, window_only=False)
+  the window's value keys no other compile; with m and l where the
+  gradient (``residuals``) wants them, refused if they do not fit."""
+  if config.schedule != "longest-first":
+    problem = dataclasses.replace(problem, window=None, window_only=False)
+  if residuals:
+    problem = dataclasses.replace(problem, return_residuals=True)
+    plan_lib.check_fits(problem, config)
+  return problem
 
 
 def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant, num_sms: int):
   """The forward kernel under a custom_vjp whose backward reads the kernel's
   own residuals (out, and m in natural log, l): the variant's backward
-  (:data:`BACKWARDS`), for the same problem."""
-  forward_problem = launch_problem(problem, config)
-
-  def run(p, q, k, v, bias, mask, ks, ke, descales):
-    def local(q, k, v, bias, mask, ks, ke, *descales):   # on one device's batch/head shard
-      out, res = _forward(q, k, v, bias, mask, ks, ke, *descales, problem=p, config=config,
-                          variant=variant, num_sms=num_sms)
-      return out.astype(p.output_dtype if p.fp8 else q.dtype), res
-    return sharding.forward(local, q, k, v, bias, mask, ks, ke,
-                            residuals=p.return_residuals, descales=descales)
+  (:func:`_sharded_backward`), for the same problem."""
 
   @jax.custom_vjp
   def attention(q, k, v, bias, mask, ks, ke, descales):
-    return run(forward_problem, q, k, v, bias, mask, ks, ke, descales)
+    return _sharded_forward(problem, config, variant, num_sms,
+                            q, k, v, bias, mask, ks, ke, descales)
 
   def fwd(q, k, v, bias, mask, ks, ke, descales):
     if problem.fp8:
@@ -351,44 +340,74 @@ def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant,
     if not problem.normalize_output:
       raise NotImplementedError(
           "normalize_output: gradients are defined for the normalised output only")
-    with_res = dataclasses.replace(forward_problem, return_residuals=True)
-    plan_lib.check_fits(with_res, config)
-    out, (m, l) = run(with_res, q, k, v, bias, mask, ks, ke, descales)
+    out, (m, l) = _sharded_forward(problem, config, variant, num_sms,
+                                   q, k, v, bias, mask, ks, ke, descales, residuals=True)
     primal = (out, (m, l) if problem.return_residuals else None)
     return primal, (q, k, v, bias, mask, ks, ke, out, m, l)
 
   def bwd(saved, cotangents):
-    # Cotangents of m and l are not propagated: the residuals are outputs
-    # for the backward kernel, not differentiable quantities (documented).
-    q, k, v, bias, mask, ks, ke, out, m, l = saved
-    d_out, _ = cotangents
-    # Differentiate the function the kernel computed: of the inputs rounded
-    # to the compute dtype (f32 inputs run in bf16), as the forward saw them;
-    # mixing unrounded values with the rounded forward's output would leave
-    # rounding noise in dP - delta.  The cotangent too: dP = dO V^T is
-    # formed from dO in the compute dtype, so delta = rowsum(dO * O) must be,
-    # else a row that sees one key (dP - delta exactly 0) keeps dO's
-    # rounding, seen as dq, dk and dbias past the float64 bound for float32
-    # inputs (docs/decisions/cotangent-in-compute-dtype.md).
-    low = lambda x: None if x is None else x.astype(problem.dtype)
-    local = functools.partial(BACKWARDS[variant.backward], problem=problem, variant=variant,
-                              num_sms=num_sms)
-    dq, dk, dv, dbias = sharding.backward(
-        local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
-    back = lambda g, like: None if g is None else g.astype(like.dtype)
-    return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None, None
+    return _sharded_backward(problem, variant, num_sms, saved, cotangents)
 
   attention.defvjp(fwd, bwd)
   return attention
 
 
-@functools.partial(jax.jit, static_argnames=("problem", "config", "variant", "num_sms"))
-def _forward(query, key, value, bias, mask, k_start, k_end, descales=None, *, problem, config,
-             variant, num_sms):
+def _sharded_forward(problem: plan_lib.Problem, config: Config, variant: Variant, num_sms: int,
+                     q, k, v, bias, mask, ks, ke, descales, *, residuals: bool = False):
+  """The forward on each device's batch/head shard (kernel.sharding), with
+  m and l where the call or (``residuals``) the gradient wants them."""
+  problem = launch_problem(problem, config, residuals=residuals)
+
+  def local(q, k, v, bias, mask, ks, ke, descales=None):
+    out, res = _forward(problem, config, variant, num_sms, q, k, v, bias, mask, ks, ke,
+                        descales)
+    return out.astype(problem.output_dtype if problem.fp8 else q.dtype), res
+  return sharding.forward(local, q, k, v, bias, mask, ks, ke,
+                          residuals=problem.return_residuals, descales=descales)
+
+
+def _sharded_backward(problem: plan_lib.Problem, variant: Variant, num_sms: int, saved,
+                      cotangents):
+  """The custom_vjp's backward: the variant's backward on each device's
+  shard, gradients in the inputs' dtypes."""
+  # Cotangents of m and l are not propagated: the residuals are outputs
+  # for the backward kernel, not differentiable quantities (documented).
+  q, k, v, bias, mask, ks, ke, out, m, l = saved
+  d_out, _ = cotangents
+  # Differentiate the function the kernel computed: of the inputs rounded
+  # to the compute dtype (f32 inputs run in bf16), as the forward saw them;
+  # mixing unrounded values with the rounded forward's output would leave
+  # rounding noise in dP - delta.  The cotangent too: dP = dO V^T is
+  # formed from dO in the compute dtype, so delta = rowsum(dO * O) must be,
+  # else a row that sees one key (dP - delta exactly 0) keeps dO's
+  # rounding, seen as dq, dk and dbias past the float64 bound for float32
+  # inputs (docs/decisions/cotangent-in-compute-dtype.md).
+  low = lambda x: None if x is None else x.astype(problem.dtype)
+
+  def local(q, k, v, bias, mask, ks, ke, out, m, l, d_out):
+    # The sm90 kernels, or their executable specification in plain JAX.
+    # deterministic=True sums the fused dQ's parts in int32 fixed point, whose
+    # sum does not depend on the order (docs/decisions/fixed-point-dq.md; not
+    # kept: a fixed order of float32 reduce-adds,
+    # docs/decisions/fixed-order-dq-rejected.md; the dO norms beside delta,
+    # docs/decisions/do-norms-own-pass.md).
+    if variant.backward == "xla":
+      return xla_backward(problem, variant, q, k, v, bias, mask, ks, ke, out, m, l, d_out)
+    return attention_backward(problem, variant, q, k, v, bias, mask, ks, ke, out, m, l, d_out,
+                              num_sms=num_sms)
+  dq, dk, dv, dbias = sharding.backward(
+      local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
+  back = lambda g, like: None if g is None else g.astype(like.dtype)
+  return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None, None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _forward(problem, config, variant, num_sms, query, key, value, bias, mask, k_start, k_end,
+             descales=None):
   q, k, v, bias, mask, k_start, k_end, tiles = padding.forward_inputs(
       query, key, value, bias, mask, k_start, k_end, problem=problem, config=config)
   out, residuals = flash_attention_forward(
-      q, k, v, bias, mask, k_start, k_end, tiles, problem=problem, config=config,
-      variant=variant, num_sms=num_sms, **({} if descales is None else {"descales": descales}))
+      problem, config, variant, q, k, v, bias, mask, k_start, k_end, tiles, num_sms=num_sms,
+      **({} if descales is None else {"descales": descales}))
   return padding.forward_results(out, residuals, seq_q=query.shape[1],
                                  head_dim_out=value.shape[3])

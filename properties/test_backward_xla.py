@@ -15,7 +15,7 @@ from harness.numerics import strategies as hs
 from harness.numerics.conformance import compute_dtype, gradient_reports
 from harness.numerics.reference import attention_reference
 from kernel import api
-from kernel.backward.xla import attention_backward
+from kernel.backward.xla import xla_backward
 
 
 def _grads(case, m_transform=lambda m: m, chunk=64):
@@ -30,11 +30,10 @@ def _grads(case, m_transform=lambda m: m, chunk=64):
   m = m_transform(ref.m).astype(np.float32)
   j = lambda x: None if x is None else jnp.asarray(x)
   low = lambda x: None if x is None else jnp.asarray(x).astype(dt)  # as the API does
-  return attention_backward(
-      low(case.query), low(case.key), low(case.value), low(case.bias), j(case.mask),
+  return xla_backward(
+      api.problem_of(case.call), None, low(case.query), low(case.key), low(case.value), low(case.bias), j(case.mask),
       j(case.k_start), j(case.k_end), jnp.asarray(out), jnp.asarray(m),
-      jnp.asarray(ref.l.astype(np.float32)), jnp.asarray(case.d_out, jnp.float32),
-      problem=api.problem_of(case.call), chunk=chunk)
+      jnp.asarray(ref.l.astype(np.float32)), jnp.asarray(case.d_out, jnp.float32), chunk=chunk)
 
 
 

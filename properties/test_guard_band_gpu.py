@@ -73,18 +73,19 @@ def _padded_call(fc: Call, config: Config, guard: int):
   def call(q, k, v, bias, mask, k_start, k_end):
     whole = []
 
-    def guarded_launch(q, k, v, *rest, **kw):
+    def guarded_launch(problem, config, variant, q, k, v, *rest, **kw):
       B, _, N, _ = q.shape
       rows = t_pad + guard
       refs = (jax.new_ref(jnp.full((B, rows, N, v.shape[3]), jnp.nan, q.dtype)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
-      flash_attention_forward(q, k, v, *rest, outputs=refs, **kw)
+      flash_attention_forward(problem, config, variant, q, k, v, *rest, outputs=refs, **kw)
       whole.extend(r[...] for r in refs)
       return whole[0], tuple(whole[1:])
 
     with mock.patch.object(api, "flash_attention_forward", guarded_launch):
-      api._forward.__wrapped__(q, k, v, bias, mask, k_start, k_end, **launch_kw)
+      api._forward.__wrapped__(launch_kw["problem"], launch_kw["config"], launch_kw["variant"],
+                               launch_kw["num_sms"], q, k, v, bias, mask, k_start, k_end)
     return tuple(whole)
 
   return call, t_pad, dv_pad

@@ -508,6 +508,8 @@ def attention_cases(
   Hv == H (as jax.nn.dot_product_attention needs). ``max_logits`` bounds
   B*N*T*S so that CPU examples stay fast.
   """
+  if shapes is not None and shape_limits:
+    raise TypeError(f"attention_cases: {sorted(shape_limits)} limit drawn shapes; got shapes=")
   if shapes is None:
     shapes = draw(attention_shapes(big=big, **shape_limits))
   if same_head_dims and shapes.Hv != shapes.H:

@@ -594,8 +594,8 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   variant = Variant(fuse_dq=fuse_dq)
 
   def fn(q, k, v, b, ks, ke, o, m, l, do):
-    return modules.backward.attention_backward(q, k, v, b, None, ks, ke, o, m, l, do,
-                                               problem=problem, variant=variant)
+    return modules.backward.attention_backward(problem, variant, q, k, v, b, None, ks, ke, o, m,
+                                               l, do)
 
   with api.lowering_only():
     closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)

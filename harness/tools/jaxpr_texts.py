@@ -176,35 +176,37 @@ def _guarded(args, kwargs):
   def call(q, k, v):
     whole = []
 
-    def guarded_launch(q, k, v, *rest, **kw):
+    def guarded_launch(problem, config, variant, q, k, v, *rest, **kw):
       B, _, N, _ = q.shape
-      tile = 2 * kw["config"].block_q
+      tile = 2 * config.block_q
       rows = -(-q.shape[1] // tile) * tile + 16
       refs = (jax.new_ref(jnp.full((B, rows, N, v.shape[3]), jnp.nan, q.dtype)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
-      flash_attention_forward(q, k, v, *rest, outputs=refs, **kw)
+      flash_attention_forward(problem, config, variant, q, k, v, *rest, outputs=refs, **kw)
       whole.extend(r[...] for r in refs)
       return whole[0], tuple(whole[1:])
 
     with mock.patch.object(api, "flash_attention_forward", guarded_launch):
-      api._forward.__wrapped__(q, k, v, None, None, None, None, **got)
+      api._forward.__wrapped__(got["problem"], got["config"], got["variant"], got["num_sms"],
+                               q, k, v, None, None, None, None)
     return tuple(whole)
 
   return call
 
 
-# The sharding rule's static argument prints the backward's Python call
-# (a functools.partial and its keywords: the call record's fields); the
-# program it makes is the traced jaxpr beside it, which is compared whole.
-_BACKWARD_CALL = re.compile(r"(Local\(fn=functools\.partial\(<function \w+) at 0x[0-9A-Fa-fX]+>, .*?\),"
-                            r" kind=")
+# The sharding rule's static argument prints the per-shard Python function it
+# runs (a closure's qualified name, or a functools.partial with its keywords:
+# the call record's fields); the program it makes is the traced jaxpr beside
+# it, which is compared whole.
+_LOCAL_FN = re.compile(r"Local\(fn=(?:functools\.partial\(<function \w+ at 0x[0-9A-Fa-fX]+>, .*?\)"
+                       r"|<function [\w.<>]+ at 0x[0-9A-Fa-fX]+>), kind=")
 
 
 def comparable(text: str) -> str:
-  """``text`` without what is not the traced program: the keywords of the
-  backward's Python call (:data:`_BACKWARD_CALL`)."""
-  return _BACKWARD_CALL.sub(r"\1>, ...), kind=", text)
+  """``text`` without what is not the traced program: the Python function
+  the sharding rule's static argument names (:data:`_LOCAL_FN`)."""
+  return _LOCAL_FN.sub("Local(fn=..., kind=", text)
 
 
 def main(argv=None) -> int:

@@ -36,7 +36,7 @@ from kernel.backward.fused_dq import fixed_point_scales
 from kernel.tiling.backward_plan import (BackwardBlocks, backward_head_dims, fuses_dq,
                                          smem_estimates)
 from kernel.tiling.heuristics import get_backward_config
-from kernel.variant import SHIPPED, Variant
+from kernel.variant import Variant
 
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
@@ -64,13 +64,13 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   return jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
 
 
-def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
-                       *, problem: plan_lib.Problem, variant: Variant = SHIPPED,
-                       num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
+def attention_backward(problem: plan_lib.Problem, variant: Variant,
+                       query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
+                       *, num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
   residuals, on the sm90 kernels, for ``problem`` (the call's static facts:
   its scale, causal mask, soft cap, lengths, window and ``deterministic``).
-  Same contract as ``kernel.backward.xla.attention_backward`` (its
+  Same contract as ``kernel.backward.xla.xla_backward`` (its
   executable specification): inputs in the compute dtype, unpadded; m
   (natural log) and l (B, N, T).
 

@@ -30,8 +30,8 @@ def _pad_keys(x, axis, size):
   return jnp.pad(x, widths)
 
 
-def attention_backward(query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
-                       *, problem, variant=None, num_sms=None, chunk=CHUNK):
+def xla_backward(problem, variant, query, key, value, bias, mask, k_start, k_end, out, m,
+                 l, d_out, *, num_sms=None, chunk=CHUNK):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out); dbias is None
   without a bias.  Shapes as in kernel/call.py; m, l are (B, N, T).  Reads
   the problem's scale, causal mask and soft cap (kernel.tiling.plan.Problem);

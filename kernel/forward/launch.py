@@ -26,7 +26,7 @@ import numpy as np
 from kernel.sync import barriers
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
-from kernel.variant import SHIPPED, Variant
+from kernel.variant import Variant
 from kernel.forward.block import _kernel
 from kernel.forward.context import Kernel
 from kernel.forward.order import _schedule, merge_pieces
@@ -40,10 +40,9 @@ def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
 
 # -- the launch ----------------------------------------------------------------
 
-def flash_attention_forward(q, k, v, bias, mask, k_start, k_end, k_range_tiles,
-                            *, problem: plan_lib.Problem, config: Config,
-                            variant: Variant = SHIPPED, num_sms: int = 132, outputs=None,
-                            descales=None):
+def flash_attention_forward(problem: plan_lib.Problem, config: Config, variant: Variant,
+                            q, k, v, bias, mask, k_start, k_end, k_range_tiles,
+                            *, num_sms: int = 132, outputs=None, descales=None):
   """Launch the kernel on padded, validated inputs, for ``problem`` (the
   call's static facts, kernel.api.problem_of) tiled by ``config``.
 

@@ -386,7 +386,7 @@ def test_the_word_ends_with_every_block_the_producer_copied():
 def shipped_cases():
   """The forward's cases of ``python -m harness prove`` (listed once: about
   five seconds)."""
-  return pe.forward_cases(prove_cli.problem_grid())
+  return list(prove_cli.forward_listing())
 
 
 def test_an_output_overlay_over_the_keys_is_a_case_of_its_own(shipped_cases):
@@ -414,7 +414,7 @@ def test_the_experiments_cases_are_proved_on_request(shipped_cases):
   run; ``--experiments`` adds every problem once more with the copies
   through untiled views, in each head dim's column parts."""
   shipped = shipped_cases
-  both = pe.forward_cases(prove_cli.problem_grid(experiments=True))
+  both = list(prove_cli.forward_listing(experiments=True))
   assert not any(c.untiled_copies for c, _ in shipped)
   untiled = [c for c, _ in both if c.untiled_copies]
   assert {c.parts for c in untiled} >= {(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (2, 1)}

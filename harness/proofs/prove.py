@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -73,13 +74,19 @@ def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
   return out
 
 
+@functools.lru_cache(maxsize=2)
+def forward_listing(experiments: bool = False) -> tuple:
+  """``cases.forward_cases`` over :func:`problem_grid`: once per process,
+  however many runs ask (the tests run prove once per mutant)."""
+  return tuple(cases.forward_cases(problem_grid(experiments=experiments)))
+
+
 def work_items(*, first: str | None = None, experiments: bool = False) -> list:
   """Every case to prove: (kind, case, emitted configs it covers).  The
   costliest first (the workers finish together), or with ``first``
   ("forward" / "backward") the smallest cases of that kind first (a
   mutant's failure shows early); ``experiments``: :func:`problem_grid`'s."""
-  forward = [("forward", c, n)
-             for c, n in cases.forward_cases(problem_grid(experiments=experiments))]
+  forward = [("forward", c, n) for c, n in forward_listing(experiments)]
   backward = [("backward", c, 0) for c in cases.backward_cases()]
   if first is None:
     cost = lambda item: (-(item[1].persistent * 10 + item[1].num_stages) if item[0] == "forward"

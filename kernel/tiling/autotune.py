@@ -25,6 +25,7 @@ only reads what the autotuner timed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -68,6 +69,23 @@ def load_cache(path: Path | None = None) -> dict:
   return data
 
 
+def _cache_as_read(path: Path | None) -> dict:
+  """:func:`load_cache` for the lookups, which only read it: parsed once
+  per version of the file (every config=None call and every problem of a
+  grid asks)."""
+  path = CACHE_PATH if path is None else path
+  try:
+    stat = path.stat()
+  except FileNotFoundError:
+    return {}
+  return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: Path, mtime_ns: int, size: int) -> dict:
+  return load_cache(path)
+
+
 def entry_config(entry: dict) -> Config | None:
   """The entry's config, or None where this kernel cannot run it: a field
   or value its ``Config`` does not know (an entry written by another
@@ -81,7 +99,7 @@ def entry_config(entry: dict) -> Config | None:
 def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
            **features) -> Config | None:
   """The cached best config, if it is still a legal candidate for the problem."""
-  entry = load_cache(path).get(device_kind, {}).get(signature(problem, **features))
+  entry = _cache_as_read(path).get(device_kind, {}).get(signature(problem, **features))
   config = None if entry is None else entry_config(entry)
   # A cache written for another shape in the same bucket must still fit.
   if config is None or not plan.config_fits(problem, config):
@@ -132,7 +150,7 @@ def nearest(problem: plan.Problem, device_kind: str, *, path: Path | None = None
     return None
   want_dims = _head_dims(want["head"])
   ranked = []
-  for sig, entry in load_cache(path).get(device_kind, {}).items():
+  for sig, entry in _cache_as_read(path).get(device_kind, {}).items():
     got = _SIGNATURE.fullmatch(sig)
     if got is None or got["dtype"] not in family or got["rest"] != want["rest"]:
       continue
@@ -190,7 +208,7 @@ def tuned_device_kind(device_kind: str | None, *, path: Path | None = None) -> s
   (docs/decisions/h100-reads-h200-entries.md)."""
   if not device_kind:
     return None
-  cache = load_cache(path)
+  cache = _cache_as_read(path)
   return device_kind if cache.get(device_kind) else REFERENCE_DEVICE_KIND
 
 

@@ -292,16 +292,22 @@ def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
   """``local_window_size`` as jax.nn.dot_product_attention reads it: None,
   an int w meaning (w, w), or a pair (left, right) of ints.  Python or NumPy
   integers only (the window shapes the kernel's block range, so it is
-  static); any sign, as jax.nn accepts any."""
+  static), each at least 0: a negative side shuts out the diagonal, and
+  a negative int every key of every row, which jax.nn accepts silently."""
   if local_window_size is None:
     return None
   single = _window_int(local_window_size)
+  pair = None
   if single is not None:
-    return single, single
-  if isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
+    pair = single, single
+  elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2:
     pair = tuple(_window_int(w) for w in local_window_size)
-    if None not in pair:
-      return pair
+  if pair is not None and None not in pair:
+    if min(pair) < 0:
+      raise ValueError(
+        f"local_window_size: each side must be >= 0 (a negative side sees not even the "
+        f"diagonal), got {local_window_size!r}")
+    return pair
   raise ValueError(
     "local_window_size: expected None, an int or a pair (left, right) of ints, "
     f"got {local_window_size!r}")

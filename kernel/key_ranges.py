@@ -210,9 +210,8 @@ def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
   starts, ends, single_run = [], [], None
   i = np.arange(T, dtype=np.int32)[None, None, :]
   if window is not None:
-    # Beyond T + S a window is everything (or, negative, nothing); clipping
-    # keeps i +- w inside int32.
-    left, right = (int(np.clip(w, -(T + S + 2), T + S + 2)) for w in window)
+    # Beyond T + S a window is everything; clipping keeps i +- w inside int32.
+    left, right = (int(min(w, T + S + 2)) for w in window)
     starts.append(i - np.int32(left))
     ends.append(i + np.int32(right + 1))
   if key_value_seq_lengths is not None:

@@ -213,8 +213,8 @@ _DRAWN_SHAPES = (AttentionShapes(B=2, T=300, N=2, H=64, S=333, K=1, Hv=64),
 @settings(max_examples=VARIANT_EXAMPLES, deadline=None)
 @given(data=st.data())
 def test_drawn_variants_match_float64(data):
-  """Any lengths (0, ragged, full, past the end), window (0, negative,
-  wider than the sequences, one-sided) and segment layout (one-token and
+  """Any lengths (0, ragged, full, past the end), window (0, wider than
+  the sequences, one-sided) and segment layout (one-token and
   empty segments, ids the keys lack; contiguous ids, or any ids through the
   dense-mask layout), forward and gradients, within the rule."""
   shapes = data.draw(st.sampled_from(_DRAWN_SHAPES), label="shapes")

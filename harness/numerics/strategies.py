@@ -619,10 +619,9 @@ def seq_lengths(draw, batch: int, length: int) -> tuple[int, ...]:
 
 @st.composite
 def local_windows(draw, T: int, S: int) -> int | tuple[int, int]:
-  """An int or a (left, right) window: 0 (the diagonal only), small, as
-  wide as or wider than the sequences, or negative (jax.nn accepts it: no
-  key on that side, even the diagonal)."""
-  side = st.one_of(st.sampled_from((0, 0, 1, T + S, T + S + 7, -1)),
+  """An int or a (left, right) window: 0 (the diagonal only), small, or as
+  wide as or wider than the sequences (a negative side is refused)."""
+  side = st.one_of(st.sampled_from((0, 0, 1, T + S, T + S + 7)),
                    st.integers(0, max(T, S)))
   if draw(st.booleans()):
     return draw(side)

@@ -533,7 +533,7 @@ def _schedule(T, S, window, is_causal, *, heads=1):
     (16384, 16384, (1024, 0), True),
     (16384, 16384, 1024, False),
     (1000, 777, (100, 300), False),
-    (1000, 1000, (-3, 50), True),
+    (1000, 1000, (3, 50), True),
 ])
 def test_longest_first_weighs_window_tiles_by_the_blocks_they_visit(T, S, window, is_causal):
   """Each tile's weight is the length of the key loop the kernel runs for

@@ -491,8 +491,8 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
                   scale=0.1)
     blocks = backward_plan.blocks_for(64, 64, is_causal=False)
     sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
-    dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None,
-                                                      None, f=f, blocks=blocks)
+    dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None,
+                                                      None, None)
     with api.lowering_only():
       jax.export.export(jax.jit(dkv), platforms=["cuda"])(
           sds(512, 4), sds(768, 2), sds(768, 2), sds(512, 4),

@@ -215,8 +215,8 @@ def backward_part_fns(shape: BenchShape) -> dict:
                                                               **kw)
 
   def dkv(q, k, v, do, rows, acc=None):
-    return bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
-                        dq_accum=acc)
+    return bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None, None, None,
+                            dq_accum=acc)
 
   def fused(q, k, v, do, rows):
     acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
@@ -234,8 +234,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
       "scale+cast": lambda *a: (a[-1] * f.scale).astype(dtype),
       "dkv": lambda q, k, v, do, out, m, l, rows, acc: dkv(q, k, v, do, rows),
       "dq kernel": lambda q, k, v, do, out, m, l, rows, acc: bwd_dq.dq_call(
-          q, k, v, do, rows, None, None, None, None, tiles, f=f, blocks=blocks,
-          want_ds=False)[0],
+          f, blocks, q, k, v, do, rows, None, None, None, None, tiles, want_ds=False)[0],
   }
   # The fused kernel is timed wherever it can run (causal too), so that the
   # path the backward does not take shows too; so is deterministic=True's
@@ -249,8 +248,8 @@ def backward_part_fns(shape: BenchShape) -> dict:
 
     def fixed_point(q, k, v, do, rows, c):
       acc = jax.new_ref(jnp.zeros(q.shape, jnp.int32))
-      return bwd_dkv.dkv_call(q, k, v, do, rows, None, None, None, None, f=f, blocks=blocks,
-                          dq_accum=acc, dq_scales=c), acc[...]
+      return bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None, None, None,
+                              dq_accum=acc, dq_scales=c), acc[...]
 
     fns["rows+scales"] = lambda q, k, v, do, out, m, l, *_: scales(k, v, do, out, m, l)
     # Scales of 1 take the launch's every instruction, as real scales do.

@@ -120,8 +120,8 @@ def dkv_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
   return order
 
 
-def dkv_call(q, k, v, do, rows, bias_t, mask_t, k_start, k_end, *, f: Problem,
-             blocks: BackwardBlocks, dq_accum=None, dq_scales=None, query_blocks=None,
+def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask_t, k_start,
+             k_end, *, dq_accum=None, dq_scales=None, query_blocks=None,
              inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
              window: tuple[int, int] | None = None):
   """{"dk": dK, "dv": dV} on padded inputs.

@@ -91,9 +91,8 @@ def dq_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
   return order
 
 
-def dq_call(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles, *,
-            f: Problem, blocks: BackwardBlocks, want_ds: bool,
-            num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
+def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k_start, k_end,
+            k_range_tiles, *, want_ds: bool, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
             window: tuple[int, int] | None = None):
   """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
 

@@ -21,7 +21,6 @@ stored m in base 2 would yield wrong gradients here (seed 000)."""
 
 from __future__ import annotations
 
-import functools
 
 import jax.experimental.pallas as pl
 import jax.numpy as jnp
@@ -112,9 +111,12 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
   inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
-  launch = functools.partial(dkv_call, q, k, v, do, rows, swap(bias4), swap(mask4), ks, ke,
-                             f=f, blocks=blocks, query_blocks=query_blocks,
-                             inner_blocks=inner_blocks, num_sms=num_sms, window=window)
+  bias_t, mask_t = swap(bias4), swap(mask4)
+
+  def launch(dq_accum=None, dq_scales=None):
+    return dkv_call(f, blocks, q, k, v, do, rows, bias_t, mask_t, ks, ke,
+                    dq_accum=dq_accum, dq_scales=dq_scales, query_blocks=query_blocks,
+                    inner_blocks=inner_blocks, num_sms=num_sms, window=window)
   if fused:
     # The float32 dQ accumulator is a ref of a state scope of its own
     # (run_state, which hands back its final value), not a jax.new_ref of
@@ -138,7 +140,7 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
     dq, ds = dq.astype(dtype), None
   else:
     dkv = launch()
-    dq, ds = dq_call(q, k, v, do, rows, bias4, mask4, ks, ke, tiles, f=f, blocks=blocks,
+    dq, ds = dq_call(f, blocks, q, k, v, do, rows, bias4, mask4, ks, ke, tiles,
                      want_ds=bias is not None, num_sms=num_sms, window=window)
 
   dbias = None

@@ -67,8 +67,10 @@ def test_the_fp8_calls_it_times_lower_for_cuda():
   fns = fp8.implementations(point)
   args = fp8._inputs(point, 1)[0]
   with api.lowering_only():
-    for name in (fp8.OURS, fp8.TRANSPOSE):
-      jax.export.export(fns[name], platforms=["cuda"])(*args)
+    lowered = {name: jax.export.export(fns[name], platforms=["cuda"])(*args).mlir_module()
+               for name in (fp8.OURS, fp8.TRANSPOSE)}
+  assert "mosaic_gpu" in lowered[fp8.OURS], "ours lowered to no Mosaic GPU kernel"
+  assert "transpose" in lowered[fp8.TRANSPOSE], "the V^T transpose lowered to no transpose"
 
 
 @pytest.mark.parametrize("flag", [["--backward"], ["--sections", "windows-segments"]])

@@ -15,8 +15,8 @@ from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
 from harness.numerics.conformance import (check_forward, poison_device_memory,
-                                          run_kernel)
-from harness.tools.device_check import extra_cases, fixed_cases, problem_of
+                                          run_and_check_forward, run_kernel)
+from harness.tools.device_check import emitted_configs, extra_cases, fixed_cases, problem_of
 from kernel.call import Call
 from kernel.tiling import heuristics, plan
 
@@ -25,14 +25,6 @@ pytestmark = pytest.mark.gpu
 
 def _forward_case(case: hs.AttentionCase, threshold: float, normalize: bool) -> Call:
   return case.call.replace(rescale_threshold=threshold, normalize_output=normalize)
-
-
-def _configs(fc: Call):
-  """Every config the heuristics and the autotuner could hand this case."""
-  problem = problem_of(fc)
-  configs = {heuristics.get_heuristics_config(problem)}
-  configs.update(heuristics.get_autotuning_configs(problem))
-  return sorted(configs, key=str)
 
 
 gpu_cases = hs.attention_cases(max_batch=2, max_seq=1100, max_head_dim=256,
@@ -46,11 +38,9 @@ def test_forward_matches_float64(shard, case, threshold, normalize, data):
   """Output and natural-log residuals (m, l) are within the tolerance rule of
   float64, for any drawn shape, feature mix, threshold and emitted config."""
   fc = _forward_case(case, threshold, normalize)
-  cfg = data.draw(st.sampled_from(_configs(fc)), label="config")
+  cfg = data.draw(st.sampled_from(emitted_configs(fc)), label="config")
   note(f"{case.describe()} threshold={threshold} normalize={normalize} config={cfg}")
-  poison_device_memory(4 * fc.query.nbytes)
-  out, m, l = run_kernel(fc, config=cfg)
-  report = check_forward(fc, out, m, l)
+  report = run_and_check_forward(fc, config=cfg)
   note(report.summary())
   assert report.passed, report.summary()
 
@@ -60,7 +50,7 @@ def test_forward_matches_float64(shard, case, threshold, normalize, data):
 def test_forward_is_bitwise_deterministic(case, data):
   """Two runs on the same inputs give bit-identical output and residuals."""
   fc = _forward_case(case, 1.0, True)
-  cfg = data.draw(st.sampled_from(_configs(fc)), label="config")
+  cfg = data.draw(st.sampled_from(emitted_configs(fc)), label="config")
   note(f"{case.describe()} config={cfg}")
   first = run_kernel(fc, config=cfg)
   poison_device_memory(4 * fc.query.nbytes)
@@ -119,9 +109,7 @@ def test_persistent_ring_carry_cases(name):
   release)."""
   from harness.tools.mutant_run import carry_cases
   ((_, fc, cfg),) = [c for c in carry_cases() if c[0] == name]
-  poison_device_memory(4 * fc.query.nbytes)
-  out, m, l = run_kernel(fc, config=cfg)
-  report = check_forward(fc, out, m, l)
+  report = run_and_check_forward(fc, config=cfg)
   assert report.passed, report.summary()
 
 

@@ -334,7 +334,11 @@ def test_fp8_under_vmap_and_jit_lowers_for_cuda():
   f = lambda q, k, v, dq, dk, dv: api.dot_product_attention(
       q, k, v, is_causal=True, q_descale=dq, k_descale=dk, v_descale=dv, return_residuals=True)
   with api.lowering_only():
-    jax.export.export(jax.jit(jax.vmap(f)), platforms=["cuda"])(q, kv, kv, d, d, d)
+    exported = jax.export.export(jax.jit(jax.vmap(f)), platforms=["cuda"])(q, kv, kv, d, d, d)
+  out, (m, l) = exported.out_avals[0], exported.out_avals[1:]
+  assert (out.shape, out.dtype) == ((3, 1, 200, 2, 64), jnp.bfloat16)
+  assert m.shape == l.shape == (3, 1, 2, 200)
+  assert "mosaic_gpu" in exported.mlir_module(), "no Mosaic GPU kernel was lowered"
 
 
 # -- tiling: heuristics, candidates, the estimate, the cache ----------------

@@ -16,22 +16,14 @@ import pytest
 from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
-from harness.numerics.conformance import check_forward, poison_device_memory, run_kernel
+from harness.numerics.conformance import (check_forward, poison_device_memory,
+                                          run_and_check_forward, run_kernel)
 from harness.numerics.fp8_cases import FP8_NAMED, fp8_case
-from harness.tools.device_check import problem_of
-from kernel.call import Call
+from harness.tools.device_check import emitted_configs, problem_of
 from kernel.tiling import heuristics, plan
 from kernel.tiling.config import Config
 
 pytestmark = pytest.mark.gpu
-
-def _configs(call: Call):
-  """Every config the heuristics and the autotuner could hand this call."""
-  problem = problem_of(call)
-  configs = {heuristics.get_heuristics_config(problem)}
-  configs.update(heuristics.get_autotuning_configs(problem))
-  return sorted(configs, key=str)
-
 
 gpu_cases = hs.fp8_cases(max_batch=2, max_seq=1100, max_head_dim=256, max_kv_heads=2, big=True,
                          max_logits=None)
@@ -45,11 +37,9 @@ def test_fp8_forward_matches_float64(shard, case, threshold, normalize, data):
   rule of float64 on the dequantised inputs, for any drawn shape, feature
   mix, descales, threshold and emitted config."""
   call = case.call.replace(rescale_threshold=threshold, normalize_output=normalize)
-  cfg = data.draw(st.sampled_from(_configs(call)), label="config")
+  cfg = data.draw(st.sampled_from(emitted_configs(call)), label="config")
   note(f"{case.describe()} threshold={threshold} normalize={normalize} config={cfg}")
-  poison_device_memory(4 * call.query.nbytes)
-  out, m, l = run_kernel(call, config=cfg)
-  report = check_forward(call, out, m, l)
+  report = run_and_check_forward(call, config=cfg)
   note(report.summary())
   assert report.passed, report.summary()
 
@@ -58,7 +48,7 @@ def test_fp8_forward_matches_float64(shard, case, threshold, normalize, data):
 @settings(max_examples=10)
 def test_fp8_forward_is_bitwise_deterministic(case, data):
   """Two runs on the same inputs give bit-identical output and residuals."""
-  cfg = data.draw(st.sampled_from(_configs(case.call)), label="config")
+  cfg = data.draw(st.sampled_from(emitted_configs(case.call)), label="config")
   note(f"{case.describe()} config={cfg}")
   first = run_kernel(case.call, config=cfg)
   poison_device_memory(4 * case.call.query.nbytes)
@@ -83,9 +73,7 @@ def test_fp8_named_cases(name, persistent, schedule):
     cfg = dataclasses.replace(base, persistent=persistent, schedule=schedule)
     if not plan.config_fits(problem_of(call), cfg):
       pytest.skip(f"{cfg} does not fit for this case")
-  poison_device_memory(4 * call.query.nbytes)
-  out, m, l = run_kernel(call, config=cfg)
-  report = check_forward(call, out, m, l)
+  report = run_and_check_forward(call, config=cfg)
   assert report.passed, report.summary()
 
 
@@ -93,14 +81,17 @@ def test_fp8_named_cases(name, persistent, schedule):
 def test_fp8_wide_key_blocks_and_deep_rings(block_kv, num_stages):
   """The tilings one-byte rows make room for (wider key blocks, more
   stages) at head dim 64 and 128, persistent, against float64."""
+  ran = []
   for head_dim in (64, 128):
     call = fp8_case(f"wide-{head_dim}", seq_q=512, seq_kv=2048, head_dim=head_dim)
     cfg = Config(64, block_kv, num_stages, persistent=True)
     if not plan.config_fits(problem_of(call), cfg):
-      continue
+      continue   # (256, 3) at head dim 128: past shared memory even in one byte
+    ran.append(head_dim)
     out, m, l = run_kernel(call, config=cfg)
     report = check_forward(call, out, m, l)
     assert report.passed, (head_dim, report.summary())
+  assert 64 in ran, f"({block_kv}, {num_stages}) no longer fits at head dim 64 in FP8"
 
 
 @pytest.mark.parametrize("persistent", [False, True])

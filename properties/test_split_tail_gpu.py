@@ -17,8 +17,7 @@ import pytest
 from hypothesis import assume, given, note, settings
 
 from harness.numerics import strategies as hs
-from harness.numerics.conformance import (check_forward, gradient_reports,
-                                          poison_device_memory, run_kernel)
+from harness.numerics.conformance import gradient_reports, run_and_check_forward
 from kernel import api, experiments
 from kernel.tiling import heuristics
 
@@ -46,8 +45,7 @@ def test_split_tail_forward_matches_float64(case):
   assume(config is not None and not case.variant_kwargs)
   note(f"{case.describe()} config={config}")
   fc = case.call
-  poison_device_memory(4 * fc.query.nbytes)
-  report = check_forward(fc, *run_kernel(fc, config=config))
+  report = run_and_check_forward(fc, config=config)
   note(report.summary())
   assert report.passed, report.summary()
 

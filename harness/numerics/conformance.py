@@ -149,6 +149,14 @@ def check_forward(case: Call, out, m=None, l=None) -> ForwardReport:
   return ForwardReport(r_out, r_m, r_l)
 
 
+def run_and_check_forward(case: Call, *, config=None) -> ForwardReport:
+  """The kernel's out, m and l for ``case`` on poisoned memory (an element
+  it forgets to write shows as NaN), checked against float64 by
+  :func:`check_forward`."""
+  poison_device_memory(4 * case.query.nbytes)
+  return check_forward(case, *run_kernel(case, config=config))
+
+
 def gradient_reports(case, grads) -> list[tolerance.ToleranceReport]:
   """(dq, dk, dv, dbias) of a strategies.AttentionCase against float64 under
   the rule (see :func:`check_gradients`)."""

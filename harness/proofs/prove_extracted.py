@@ -49,8 +49,7 @@ import numpy as np
 from harness.proofs import extract as ex
 from harness.proofs import extracted_proof as xp
 from harness.proofs import role_programs as rp
-from harness.proofs.cases import (BACKWARD_HEAD_DIMS, BackwardCase, ForwardCase,  # noqa: F401
-                                  backward_cases, forward_cases)
+from harness.proofs.cases import BackwardCase, ForwardCase
 
 PROBE_SMS = 16        # blocks of the traced persistent grid
 PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round

@@ -185,19 +185,20 @@ def render_rows(rows, header: bool = True) -> str:
   cuDNN's FP8, and the transpose's share of the FP8 call."""
   lines = []
   if header:
-    lines += [f"| D | seq | causal | B | N/K | {OURS} | {BF16} | {CUDNN} | {TRANSPOSE} ms | "
-              f"fp8 / bf16 | fp8 / cudnn fp8 | transpose / fp8 call |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += bench_grid.markdown_header(
+        ("D", "seq", "causal", "B", "N/K"),
+        [OURS, BF16, CUDNN, f"{TRANSPOSE} ms", "fp8 / bf16", "fp8 / cudnn fp8",
+         "transpose / fp8 call"])
+  ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"
   for r in rows:
     res = r["results"]
-    ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"
     ours_ms, vt_ms = res.get(OURS, {}).get("ms"), res.get(TRANSPOSE, {}).get("ms")
-    lines.append(f"| {r['head_dim']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | "
-                 f"{r['batch']} | {r['heads']}/{r['kv_heads']} | "
-                 + " | ".join(_cell(res.get(n)) for n in (OURS, BF16, CUDNN, TRANSPOSE))
-                 + f" | {ratio(_tflops(r, OURS), _tflops(r, BF16))} | "
-                   f"{ratio(_tflops(r, OURS), _tflops(r, CUDNN))} | "
-                   f"{ratio(vt_ms, ours_ms)} |")
+    lines.append(bench_grid.markdown_row(
+        (r["head_dim"], r["seq"], "yes" if r["causal"] else "no", r["batch"],
+         f"{r['heads']}/{r['kv_heads']}"),
+        [_cell(res.get(n)) for n in (OURS, BF16, CUDNN, TRANSPOSE)],
+        (ratio(_tflops(r, OURS), _tflops(r, BF16)), ratio(_tflops(r, OURS), _tflops(r, CUDNN)),
+         ratio(vt_ms, ours_ms))))
   return "\n".join(lines)
 
 

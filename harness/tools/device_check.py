@@ -136,6 +136,15 @@ def problem_of(case):
                           case.query.dtype, is_causal=case.is_causal, return_residuals=True)
 
 
+def emitted_configs(call) -> list:
+  """Every config the heuristics and the autotuner could hand this call."""
+  from kernel.tiling import heuristics
+  problem = problem_of(call)
+  configs = {heuristics.get_heuristics_config(problem)}
+  configs.update(heuristics.get_autotuning_configs(problem))
+  return sorted(configs, key=str)
+
+
 def selected(cases, select=()):
   """The (name, ...) cases whose name holds one of ``select``'s substrings
   (every case when ``select`` is empty); refuses a selection that keeps none."""

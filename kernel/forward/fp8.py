@@ -29,6 +29,9 @@ E4M3 = jnp.float8_e4m3fn
 # up to 448, so the API raises an FP8 call's threshold to this
 # (P <= 409.6).
 MIN_THRESHOLD = 0.625
+# The FP8 contract's range of the logits (descales included): past it
+# float32 cannot hold P's 2^P_SCALE_LOG2 offset beside the row's max.
+LOGIT_LIMIT = 2.0 ** 24
 
 
 def p_operand(p):

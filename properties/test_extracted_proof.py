@@ -7,6 +7,7 @@ prove, an unknown primitive is refused, a kernel whose events depend on more
 than the proof's contexts is caught, and the search's reductions lose none of
 the defects an unreduced search finds."""
 
+import collections
 import contextlib
 import dataclasses
 import io
@@ -243,15 +244,20 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   from harness.proofs import prove_cache
   cache = prove_cache.Cache(tmp_path)
   items = [("forward", ONE_TILE, 1)]
-  first = pe.prove(items, jobs=1, cache=cache)
+  spent, spent_again = collections.Counter(), collections.Counter()
+  first = pe.prove(items, jobs=1, cache=cache, spent=spent)
   assert all(r.ok for r in first) and cache.hits == {"learned": 0, "listed": 0, "checked": 0}
+  # the cold run's work by phase; every phase took time, none is negative
+  assert set(spent) == set(pe.PHASES) and all(spent[p] > 0 for p in pe.PHASES), spent
   again = prove_cache.Cache(tmp_path)
-  second = pe.prove(items, jobs=1, cache=again)
+  second = pe.prove(items, jobs=1, cache=again, spent=spent_again)
   assert again.hits["learned"] == 1 and again.hits["checked"] == len(first)
   assert [(r.name, r.ok, r.states) for r in second] == [(r.name, r.ok, r.states) for r in first]
+  assert not spent_again   # what the cache gave cost nothing
   # A failing check is recomputed, not kept.
   prog = pe.forward_program(ONE_TILE, modules=pmut.modules("key_released_before_qk"))
-  failed = pe._checked(prog.shape(), prog, pe.Result(prog.name, []), again)
+  failed = pe._checked(prog.shape(), prog, pe.Result(prog.name, []), again,
+                       collections.Counter())
   assert not failed.ok
   assert again.get("checked", repr(prog.shape())) is None
   # Another checker source is another digest: nothing of the first is found.

@@ -36,6 +36,7 @@ counts is proved.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import itertools
@@ -170,6 +171,19 @@ def format_results(results) -> str:
   return "\n".join(lines)
 
 
+PHASE_NAMES = {"tracing": "JAX traces", "probes": "probes", "premise": "(P) by Z3",
+               "search": "search"}
+
+
+def format_spent(spent) -> str:
+  """The CPU seconds of this run's work by phase, all workers together."""
+  from harness.proofs import prove_extracted as pe
+  if not sum(spent.values()):
+    return "CPU time: none spent learning or searching (all from the cache)"
+  parts = ", ".join(f"{PHASE_NAMES[p]} {spent[p]:.1f} s" for p in pe.PHASES)
+  return f"CPU time by phase, all workers: {parts} (total {sum(spent.values()):.1f} s)"
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness prove", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,10 +249,11 @@ def main(argv=None) -> int:
       listed[:] = own + [it for it in listed if it not in own]
     return listed
 
+  spent: collections.Counter = collections.Counter()
   try:
     if args.fail_fast or args.jobs <= 1:
       results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
-                         cache=cache, premise=premise)
+                         cache=cache, premise=premise, spent=spent)
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed (all of them: the listing takes about
@@ -246,7 +261,7 @@ def main(argv=None) -> int:
       early = [("backward", c) for c in cases.backward_cases()]
       with pe.workers(args.jobs, fork=True) as pool:
         results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
-                           cache=cache, early=early, premise=premise)
+                           cache=cache, early=early, premise=premise, spent=spent)
   except (pe.ex.UnknownPrimitive, pe.ex.ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
@@ -269,6 +284,7 @@ def main(argv=None) -> int:
         + (" (with kernel.experiments' untiled copies)" if args.experiments else ""))
   stats = [z for r in results for z in r.z3 if z]
   if premise:
+    # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.
     print(f"(P) proved by Z3 for {by_z3} of {launches} launch programs, the premise that "
           f"makes the search cover every trip count ({sum(z[0] for z in stats)} claims, "
           f"{sum(z[1] for z in stats)} of them sent to Z3, the others equal to one sent "
@@ -280,7 +296,8 @@ def main(argv=None) -> int:
     print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
           f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "
           f"{cache.hits['checked']} of {len(results)} checks")
-  # What a cold run costs and where it goes: docs/decisions/premise-proof-time.md.
+  print(format_spent(spent))
+  # What a cold run costs and why: docs/decisions/prove-cold-time.md.
   print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
   return 0 if proven == len(results) and every else 1
 

@@ -40,6 +40,8 @@ violation, is the failure shown).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import gc
 import time
@@ -53,6 +55,20 @@ from harness.proofs.cases import BackwardCase, ForwardCase
 
 PROBE_SMS = 16        # blocks of the traced persistent grid
 PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
+
+# What learning costs, by phase (:data:`PHASES`); each learned case reports
+# its share (:func:`_learn`), and ``python -m harness prove`` prints the run's.
+PHASES = ("tracing", "probes", "premise", "search")
+_SPENT: collections.Counter = collections.Counter()   # this process's CPU seconds
+
+
+@contextlib.contextmanager
+def _spending(phase: str):
+  start = time.process_time()
+  try:
+    yield
+  finally:
+    _SPENT[phase] += time.process_time() - start
 
 
 def _const_values(closed, kernel_eqn) -> dict:
@@ -299,10 +315,11 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
                                                                     case.output_over_keys):
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
-  closed, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
-                                    head_dim=case.head_dim, head_dim_out=case.head_dim_out,
-                                    bias=case.bias, mask=case.mask,
-                                    module=modules.forward, num_sms=PROBE_SMS)
+  with _spending("tracing"):
+    closed, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
+                                      head_dim=case.head_dim, head_dim_out=case.head_dim_out,
+                                      bias=case.bias, mask=case.mask,
+                                      module=modules.forward, num_sms=PROBE_SMS)
   return closed, kernel, traced
 
 
@@ -356,8 +373,9 @@ def _proved(learner, kernels, learn, realise) -> rp.LaunchProgram:
   while True:
     stats = premise.Stats()
     try:
-      for kernel in kernels:
-        stats.add(premise.prove(prog, symbolic.extract_symbolic(kernel)))
+      with _spending("premise"):
+        for kernel in kernels:
+          stats.add(premise.prove(prog, symbolic.extract_symbolic(kernel)))
       return dataclasses.replace(prog, z3=stats.summary())
     except premise.PremiseFailure as f:
       ctx = f.context
@@ -596,7 +614,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
     return modules.backward.attention_backward(problem, variant, q, k, v, b, None, ks, ke, o, m,
                                                l, do)
 
-  with api.lowering_only():
+  with api.lowering_only(), _spending("tracing"):
     closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)
   return closed, ex.find_kernels(closed.jaxpr)
 
@@ -821,23 +839,32 @@ def _modules(mutant):
 
 def _programs_of(item):
   """((kind, case), mutant[, premise]) -> ([(name, LaunchProgram)], premise
-  failure or None, seconds); ``premise`` False: (P) tested by the probes
-  alone, not proved (the path before Z3 proved it, for comparison)."""
+  failure or None, seconds, CPU seconds by phase of :data:`PHASES`);
+  ``premise`` False: (P) tested by the probes alone, not proved (the path
+  before Z3 proved it, for comparison)."""
   (kind, case), mutant, *rest = item
   with xp.collector_paused():
     return _learn(kind, case, mutant, premise=rest[0] if rest else True)
 
 
 def _learn(kind, case, mutant, premise=True):
+  start, cpu, before = time.perf_counter(), time.process_time(), _SPENT.copy()
+  progs, failure = _learn_programs(kind, case, mutant, premise)
+  spent = {phase: _SPENT[phase] - before[phase] for phase in ("tracing", "premise")}
+  # the rest of learning: the probes' concrete runs and the tables made of them
+  spent["probes"] = time.process_time() - cpu - sum(spent.values())
+  return progs, failure, time.perf_counter() - start, spent
+
+
+def _learn_programs(kind, case, mutant, premise):
   modules = _modules(mutant)
-  start = time.perf_counter()
   try:
     if kind == "forward":
       progs = [(case.describe(), forward_program(case, modules=modules, premise=premise))]
     else:
       progs = [(p.name, p) for p in backward_programs(case, modules=modules,
                                                       premise=premise)]
-    return progs, None, time.perf_counter() - start
+    return progs, None
   except rp.PremiseError as err:
     if kind == "forward":
       stages, persistent = case.num_stages, case.persistent
@@ -854,8 +881,8 @@ def _learn(kind, case, mutant, premise=True):
         # takes).  That is the failure, with no trace to check.
         why = str(inner)
     if not concrete:
-      return [(case.describe(), None)], why, time.perf_counter() - start
-    return [(c.name, c) for c in concrete], str(err), time.perf_counter() - start
+      return [(case.describe(), None)], why
+    return [(c.name, c) for c in concrete], str(err)
 
 
 def _check(prog):
@@ -863,7 +890,8 @@ def _check(prog):
 
 
 def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
-          pool=None, cache=None, early=(), premise: bool = True) -> list[Result]:
+          pool=None, cache=None, early=(), premise: bool = True,
+          spent: collections.Counter | None = None) -> list[Result]:
   """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
   ("backward", BackwardCase, 0)), check each distinct one, and return one
   Result per check (premise failures included).  ``items`` may be a callable
@@ -873,7 +901,10 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   instead of the shipped one.  ``fail_fast``: one worker, in order,
   stopping at the first failure.  ``cache``: a
   :class:`harness.proofs.prove_cache.Cache` to take learned programs and passed
-  checks from, and to keep new ones in."""
+  checks from, and to keep new ones in.  ``spent``: a Counter that gets the
+  CPU seconds, by phase of :data:`PHASES`, of the work done (what the cache
+  gave cost nothing)."""
+  spent = collections.Counter() if spent is None else spent
   if fail_fast or (pool is None and jobs <= 1):
     items = items() if callable(items) else items
     work = [(kind, case) for kind, case, _ in items]
@@ -883,36 +914,43 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
     results = []
     for w in work:
       learned = _programs_of((w, mutant, premise))
+      spent.update(learned[3])
       new = _collect([w], [learned], configs, distinct)
       results += new
       for prog, result in list(distinct.values()):
         if result in new:
-          _record(result, xp.check(prog))
+          _record(result, _searched(xp.check(prog), spent))
       if any(not r.ok for r in new):
         break
     return results
   if pool is not None:
-    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise)
+    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent)
   if jobs > 1:
     with workers(jobs) as pool:
-      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise)
-  learned = [_learned(w, mutant, cache, premise) for w in work]
+      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent)
+  learned = [_learned(w, mutant, cache, premise, spent) for w in work]
   results = _collect(work, learned, configs, distinct)
   for key, (prog, result) in distinct.items():
-    _record(result, _checked(key, prog, result, cache))
+    _record(result, _checked(key, prog, result, cache, spent))
   return results
+
+
+def _searched(res, spent):
+  spent["search"] += res.seconds
+  return res
 
 
 def _learn_key(w, mutant, premise=True) -> str:
   return repr((w, mutant)) if premise else repr((w, mutant, "probes only"))
 
 
-def _learned(w, mutant, cache, premise=True):
+def _learned(w, mutant, cache, premise, spent):
   """_programs_of, through the cache (a case whose premise failed is not kept)."""
   key = _learn_key(w, mutant, premise)
   hit = cache.get("learned", key) if cache is not None else None
   if hit is None:
     hit = _programs_of((w, mutant, premise))
+    spent.update(hit[3])
     if cache is not None and hit[1] is None:
       cache.put("learned", key, hit)
   return hit
@@ -922,13 +960,13 @@ def _cacheable(key, result) -> bool:
   return result.premise is None   # a premise failure's probes are keyed apart
 
 
-def _checked(key, prog, result, cache):
+def _checked(key, prog, result, cache, spent):
   """The check of one distinct program, through the cache (kept when it passed)."""
   if cache is None or not _cacheable(key, result):
-    return xp.check(prog)
+    return _searched(xp.check(prog), spent)
   hit = cache.get("checked", repr(key))
   if hit is None:
-    hit = xp.check(prog)
+    hit = _searched(xp.check(prog), spent)
     if hit.ok:
       cache.put("checked", repr(key), hit)
   return hit
@@ -974,7 +1012,7 @@ def _warm_up():
   return 0
 
 
-def _prove_pooled(pool, jobs, items, early, mutant, cache, premise=True) -> list[Result]:
+def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent) -> list[Result]:
   """Learn and check on the pool as results come: a worker that frees up
   takes a pending check first (the costliest cases are learned first, so
   their checks start early), else the next case to learn; what the cache
@@ -1033,10 +1071,11 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache, premise=True) -> list
       kind, what = running.pop(fut)
       answer = fut.result()
       if kind == "check":
-        checked[what] = answer
+        checked[what] = _searched(answer, spent)
         if cache is not None and answer.ok and _cacheable(what, distinct[what][1]):
           cache.put("checked", repr(what), answer)
         continue
+      spent.update(answer[3])
       if cache is not None and answer[1] is None:
         cache.put("learned", _learn_key(what, mutant, premise), answer)
       learnt(what, answer)
@@ -1061,7 +1100,7 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
   whose premise failed gets its own results (its probes' programs), marked
   with the failure."""
   results = []
-  for (kind, case), (progs, premise, seconds) in zip(work, learned):
+  for (kind, case), (progs, premise, seconds, _) in zip(work, learned):
     for i, (name, prog) in enumerate(progs):
       if prog is None:   # the premise failed with no program to check (_learn)
         results.append(Result(name, [case.describe() if kind == "forward" else name],

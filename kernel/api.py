@@ -303,8 +303,11 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
     descales = padding.fp8_descales(call.q_descale, call.k_descale, call.v_descale,
                                     layout=problem.descales, batch=call.shapes.B,
                                     kv_heads=call.shapes.K)
+  k_start, k_end = routed.k_start, routed.k_end
+  if variant.ranges_always and k_start is None and k_end is None:
+    k_start, k_end = key_ranges.whole_keys(call.shapes.T, call.shapes.S)
   out, residuals = attention(call.query, call.key, call.value, call.bias, routed.mask,
-                             routed.k_start, routed.k_end, descales)
+                             k_start, k_end, descales)
   return routed.finish(out, residuals)
 
 

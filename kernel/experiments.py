@@ -5,7 +5,7 @@ The public :func:`kernel.api.dot_product_attention` runs the shipped kernels
 through :func:`dot_product_attention`, which takes every argument of the
 public one and the switches of a :class:`kernel.variant.Variant`
 (``stage_2d``, ``segment_bounds``, ``even_sections``, ``defer_light``,
-``untiled_copies``), and ``backward``, a name of :data:`BACKWARDS`:
+``untiled_copies``, ``ranges_always``), and ``backward``, a name of :data:`BACKWARDS`:
 
 * ``"pallas"``: the shipped sm90 backward;
 * ``"pallas-serial"``: each product waited on its own;
@@ -43,7 +43,8 @@ BACKWARDS = {
     "xla": ({"backward": "xla"}, False),
 }
 # The Variant fields this module's dot_product_attention takes by name.
-SWITCHES = ("stage_2d", "segment_bounds", "even_sections", "defer_light", "untiled_copies")
+SWITCHES = ("stage_2d", "segment_bounds", "even_sections", "defer_light", "untiled_copies",
+            "ranges_always")
 
 
 def variant_of(backward: str = "pallas", **switches) -> Variant:

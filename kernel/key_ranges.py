@@ -241,6 +241,13 @@ def _reduce(op, xs):
   return out
 
 
+def whole_keys(seq_q: int, seq_kv: int):
+  """(k_start, k_end) that give every row all ``seq_kv`` keys, as (1, 1,
+  seq_q) int32: one range per query row, the shape the proof traces
+  (kernel.variant.Variant.ranges_always)."""
+  return (jnp.zeros((1, 1, seq_q), jnp.int32), jnp.full((1, 1, seq_q), seq_kv, jnp.int32))
+
+
 def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
   """The kernel's mask and key ranges for ``call``'s jax.nn and segment
   arguments (see the module docstring).

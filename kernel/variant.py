@@ -49,13 +49,18 @@ class Variant:
   # buffers, in column parts (kernel.tiling.plan.copy_parts): no padded copy
   # at lengths that are no multiple of 8.
   untiled_copies: bool = False
+  # A call without lengths, window or segments runs the kernels that read
+  # key ranges, every row's range the whole keys: the kernels
+  # ``python -m harness prove`` traces (docs/proof.md, "What is not proved").
+  ranges_always: bool = False
 
   def __post_init__(self):
     for name, allowed in (("backward", BACKWARD_IMPLEMENTATIONS),
                           ("backward_schedule", BACKWARD_SCHEDULES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
-    for name in ("fuse_dq", "narrow_rows", "stage_2d", "even_sections", "untiled_copies"):
+    for name in ("fuse_dq", "narrow_rows", "stage_2d", "even_sections", "untiled_copies",
+                 "ranges_always"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
     for name in ("fuse_dq_causal", "defer_light"):

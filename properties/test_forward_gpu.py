@@ -224,6 +224,49 @@ _UNTILED = [
 ]
 
 
+# Calls without lengths, window or segments, which the shipped path runs with
+# the kernels that read no key ranges and kernel.experiments' ranges_always
+# with the ones that read them (the kernels the proof traces, docs/proof.md):
+# aligned and ragged lengths, causal, GQA, a staged bias and mask, the
+# head dims' column parts.
+_WHOLE_KEYS = [
+    ("d64-1024", dict(seq_q=1024, seq_kv=1024, heads=2, kv_heads=2)),
+    ("d64-1001x777-causal-gqa", dict(batch=2, seq_q=1001, seq_kv=777, heads=4, kv_heads=2,
+                                     is_causal=True)),
+    ("d128-4001-causal", dict(seq_q=4001, seq_kv=4001, head_dim=128, is_causal=True)),
+    ("d256-300x1999", dict(seq_q=300, seq_kv=1999, head_dim=256)),
+    ("d96-777x1001-f16", dict(seq_q=777, seq_kv=1001, head_dim=96, dtype="float16")),
+    ("d64-dv256-1000", dict(seq_q=1000, seq_kv=1000, head_dim_out=256)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", _WHOLE_KEYS, ids=[n for n, _ in _WHOLE_KEYS])
+@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
+                                                 (True, "longest-first")],
+                         ids=["heuristic", "nonpersistent", "persistent-lf"])
+def test_ranges_always_matches_float64_and_the_plain_path(name, kwargs, persistent, schedule):
+  """kernel.experiments' ranges_always: within the rule of float64, and bit
+  for bit the shipped path's results (the whole keys as every row's range
+  leave every block on the unmasked path the plain kernel takes, and the
+  edge blocks masked as there)."""
+  from harness.numerics.conformance import random_case
+  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
+  cfg = None
+  if persistent is not None:
+    problem = problem_of(fc)
+    cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
+                              persistent=persistent, schedule=schedule)
+    if not plan.config_fits(problem, cfg):
+      pytest.skip(f"{cfg} does not fit for this case")
+  poison_device_memory(4 * fc.query.nbytes)
+  ranged = run_kernel(fc, config=cfg, ranges_always=True)
+  report = check_forward(fc, *ranged)
+  assert report.passed, report.summary()
+  plain = run_kernel(fc, config=cfg)
+  for a, b, what in zip(ranged, plain, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{what}: ranges_always differs from plain"
+
+
 @pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
 @pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
                                                  (True, "longest-first")],

@@ -30,7 +30,9 @@ if BACKWARD not in experiments.BACKWARDS:
                    f"got {BACKWARD!r}")
 
 
-def kernel_grads(case, backward=BACKWARD):
+def kernel_grads(case, backward=BACKWARD, **switches):
+  """(dq, dk, dv, dbias) of ``case`` through the kernels' custom_vjp;
+  ``switches``: kernel.experiments' switches."""
   kw = case.kwargs
   j = lambda x: None if x is None else jnp.asarray(x)
   d_out = jnp.asarray(case.d_out, jnp.float32)
@@ -39,7 +41,7 @@ def kernel_grads(case, backward=BACKWARD):
     out = experiments.dot_product_attention(q, k, v, bias, j(case.mask), scale=kw["scale"],
                                     is_causal=kw["is_causal"], k_start=j(case.k_start),
                                     k_end=j(case.k_end), logits_soft_cap=kw["logits_soft_cap"],
-                                    backward=backward)
+                                    backward=backward, **switches)
     return jnp.sum(out.astype(jnp.float32) * d_out)
 
   argnums = (0, 1, 2, 3) if case.bias is not None else (0, 1, 2)
@@ -56,6 +58,20 @@ def test_gradients_match_float64(shard, case):
   """dq, dk, dv (and dbias) are within the tolerance rule of float64."""
   note(case.describe())
   for r in gradient_reports(case, kernel_grads(case)):
+    note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
+    assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
+
+
+@pytest.mark.parametrize("shard", range(hs.GPU_SHARDS))
+@given(case=hs.attention_cases(max_batch=2, max_seq=700, max_head_dim=256, big=True,
+                               max_logits=None))
+@settings(max_examples=hs.per_shard(12))
+def test_ranges_always_gradients_match_float64(shard, case):
+  """kernel.experiments' ranges_always: a call without key ranges runs the
+  backward kernels that read them (the whole keys as every row's range),
+  within the tolerance rule of float64 as well."""
+  note(case.describe())
+  for r in gradient_reports(case, kernel_grads(case, ranges_always=True)):
     note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 

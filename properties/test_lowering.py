@@ -446,3 +446,42 @@ def test_staged_bias_and_mask_lower_and_the_estimate_holds(d, kw, problem, cfg):
   est = plan.estimate_smem_bytes(problem, cfg)
   assert lowered.smem_bytes <= est <= lowered.smem_bytes + SMEM_MARGIN_BYTES, (
       f"estimate {est} vs lowering {lowered.smem_bytes}")
+
+
+def _kernel_int_operands(**kw):
+  """The integer operands of every Mosaic GPU kernel of one call's forward
+  and backward (their shapes), traced on the CPU."""
+  import jax
+  import jax.numpy as jnp
+  from harness.proofs import extract
+  from kernel import api, experiments
+  sds = jax.ShapeDtypeStruct
+  args = (sds((2, 1000, 4, 64), jnp.bfloat16), sds((2, 1000, 2, 64), jnp.bfloat16),
+          sds((2, 1000, 2, 64), jnp.bfloat16))
+
+  def grads(q, k, v):
+    loss = lambda q, k, v: experiments.dot_product_attention(q, k, v, **kw).astype(
+        jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  with api.lowering_only():
+    closed = jax.make_jaxpr(grads)(*args)
+  return [[tuple(v.aval.shape) for v in kernel.invars if jnp.issubdtype(v.aval.dtype, jnp.integer)]
+          for kernel in extract.find_kernels(closed.jaxpr)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ranges_always_launches_the_kernels_the_proof_traces(causal):
+  """kernel.experiments' ranges_always: a call without lengths, window or
+  segments lowers for CUDA, forward and backward, and each of its kernels
+  reads per-row key ranges, (1, 1, rows) as the kernels ``python -m harness
+  prove`` traces do (harness/proofs/extract.py's trace_forward); the shipped
+  call's kernels read none, and are not the ones proved (docs/proof.md)."""
+  shapes = dict(B=2, T=1000, N=4, H=64, S=1000, K=2, Hv=64)
+  lowered = lower_attention(shapes, gradients=True, is_causal=causal, ranges_always=True)
+  assert all(plan.fits_in_smem(b) for b in lowered.kernel_smem)
+  ranged = _kernel_int_operands(is_causal=causal, ranges_always=True)
+  plain = _kernel_int_operands(is_causal=causal)
+  assert len(ranged) == len(plain) >= 2
+  assert all(ints == [] for ints in plain), plain
+  rows = (1, 1, 1024)   # 1000 query rows, padded to whole tiles
+  assert all(ints[:2] == [rows, rows] for ints in ranged), ranged

@@ -9,6 +9,9 @@
 # properties/test_forward_gpu.py.  The copies through untiled views
 # (kernel.experiments' untiled_copies), at lengths no multiple of 8:
 #   bash ci/device/compare-forward.sh OUTDIR ut untiled 64,128,256 1001,4001,12017
+# A call without key ranges run by the kernels that read them, the ones the
+# proof traces (kernel.experiments' ranges_always; docs/proof.md):
+#   bash ci/device/compare-forward.sh OUTDIR kr ranges_always 64,128,256 1000,3000,12017
 # Every step has its own time limit, so a variant that hangs on the GPU ends
 # the step (exit 124 in steps.txt) instead of the device call; the timing
 # runs only once the tests pass.

@@ -49,12 +49,12 @@ def _descale_kwargs(case: Call) -> dict:
 
 
 def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
-               untiled_copies=False):
+               untiled_copies=False, ranges_always=False):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
   ``stage_2d`` the staging of 2-D bias/mask through the ring (the API's
   default; False reads them from global memory, kernel.experiments' stage_2d);
-  ``untiled_copies`` kernel.experiments' untiled_copies.
+  ``untiled_copies`` and ``ranges_always`` kernel.experiments' switches.
   """
   import jax
   import jax.numpy as jnp
@@ -69,6 +69,7 @@ def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
       logits_soft_cap=case.logits_soft_cap, rescale_threshold=case.rescale_threshold,
       normalize_output=case.normalize_output, return_residuals=return_residuals,
       config=config, stage_2d=stage_2d, untiled_copies=untiled_copies,
+      ranges_always=ranges_always,
       segment_layout=case.segment_layout, **_descale_kwargs(case),
       **{name: x if name == "local_window_size" else jnp.asarray(x)
          for name, x in case.variants.items()})

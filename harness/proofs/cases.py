@@ -51,6 +51,10 @@ class ForwardCase:
   # descales (kernel.forward.fp8); a launch whose program equals a 16-bit
   # one's up to names shares its check (prove_extracted).
   dtype: str = "bfloat16"
+  # Traced at its own config's block sizes and stages, its problem's head
+  # dims and 16-bit dtype, which a case otherwise takes from a representative
+  # (``python -m harness prove --every-config``).
+  exact: bool = False
 
   @property
   def parts(self) -> tuple[int, int]:
@@ -63,9 +67,13 @@ class ForwardCase:
     return (plan_lib.copy_parts(self.head_dim, 2)[0], plan_lib.copy_parts(self.head_dim_out, 2)[0])
 
   def key(self):
-    return (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
-            self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
-            self.output_over_keys, self.parts, self.dtype)
+    key = (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
+           self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
+           self.output_over_keys, self.parts, self.dtype)
+    if self.exact:
+      key += (self.block_q, self.block_kv, self.config_stages, self.layout_head_dim,
+              self.layout_head_dim_out)
+    return key
 
   @property
   def tile_q(self) -> int:
@@ -100,16 +108,21 @@ class ForwardCase:
       words.append(f"{self.compute_warpgroups} compute warpgroups")
     if self.dtype != "bfloat16":
       words.append(self.dtype)
+    if self.exact:
+      words.append(f"blocks {self.block_q}x{self.block_kv} of {self.config_stages} stages, "
+                   f"head dims {self.layout_head_dim}/{self.layout_head_dim_out}")
     return " ".join(words)
 
 
-def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
+def forward_cases(problems, *, every_config: bool = False) -> list[tuple[ForwardCase, int]]:
   """Every distinct forward protocol of the configs the heuristics and the
   autotuner emit for ``problems`` (:func:`harness.proofs.prove.problem_grid`), with
   how many (problem, config) pairs it covers: the heuristic's, the one
   ``config=None`` takes with key ranges (kernel.tiling.autotune.choose), the one it
   takes from the shipped cache on the H200 (its entry, or the nearest
-  entry, perhaps of a wider head dim), and every autotuning candidate."""
+  entry, perhaps of a wider head dim), and every autotuning candidate.
+  ``every_config``: one case per block sizes, stages, head dims and 16-bit
+  dtype as well (:attr:`ForwardCase.exact`), not one representative."""
   from kernel.tiling import autotune, heuristics, plan as plan_lib
   found: dict = {}
   for p in problems:
@@ -129,7 +142,8 @@ def forward_cases(problems) -> list[tuple[ForwardCase, int]]:
                          c.block_q, c.block_kv, c.num_stages, overlay,
                          p.head_dim, (overlay or reach) and p.return_residuals,
                          c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach,
-                         "float8_e4m3fn" if p.fp8 else "bfloat16")
+                         str(p.dtype) if every_config
+                         else "float8_e4m3fn" if p.fp8 else "bfloat16", every_config)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

@@ -76,18 +76,21 @@ def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
 
 
 @functools.lru_cache(maxsize=2)
-def forward_listing(experiments: bool = False) -> tuple:
+def forward_listing(experiments: bool = False, every_config: bool = False) -> tuple:
   """``cases.forward_cases`` over :func:`problem_grid`: once per process,
   however many runs ask (the tests run prove once per mutant)."""
-  return tuple(cases.forward_cases(problem_grid(experiments=experiments)))
+  return tuple(cases.forward_cases(problem_grid(experiments=experiments),
+                                   every_config=every_config))
 
 
-def work_items(*, first: str | None = None, experiments: bool = False) -> list:
+def work_items(*, first: str | None = None, experiments: bool = False,
+               every_config: bool = False) -> list:
   """Every case to prove: (kind, case, emitted configs it covers).  The
   costliest first (the workers finish together), or with ``first``
   ("forward" / "backward") the smallest cases of that kind first (a
-  mutant's failure shows early); ``experiments``: :func:`problem_grid`'s."""
-  forward = [("forward", c, n) for c, n in forward_listing(experiments)]
+  mutant's failure shows early); ``experiments``: :func:`problem_grid`'s;
+  ``every_config``: :func:`cases.forward_cases`'."""
+  forward = [("forward", c, n) for c, n in forward_listing(experiments, every_config)]
   backward = [("backward", c, 0) for c in cases.backward_cases()]
   if first is None:
     cost = lambda item: (-(item[1].persistent * 10 + item[1].num_stages) if item[0] == "forward"
@@ -102,8 +105,8 @@ def work_items(*, first: str | None = None, experiments: bool = False) -> list:
   return ordered[first] + ordered["backward" if first == "forward" else "forward"]
 
 
-def _listed_aside(first, experiments=False):
-  """``work_items(first=first, experiments=experiments)`` computed in a
+def _listed_aside(first, experiments=False, every_config=False):
+  """``work_items(first=first, experiments=experiments, every_config=...)`` computed in a
   process forked before JAX is imported, so that the listing (the
   heuristics over the whole grid, about a second) runs beside this
   process's import of JAX and the kernels: a
@@ -114,7 +117,7 @@ def _listed_aside(first, experiments=False):
   import sys
   import threading
   if "jax" in sys.modules or threading.active_count() != 1 or not hasattr(os, "fork"):
-    return lambda: work_items(first=first, experiments=experiments)
+    return lambda: work_items(first=first, experiments=experiments, every_config=every_config)
   sys.stdout.flush()
   sys.stderr.flush()
   read, write = os.pipe()
@@ -124,7 +127,8 @@ def _listed_aside(first, experiments=False):
     try:
       os.close(read)
       with os.fdopen(write, "wb") as f:
-        f.write(pickle.dumps(work_items(first=first, experiments=experiments),
+        f.write(pickle.dumps(work_items(first=first, experiments=experiments,
+                                        every_config=every_config),
                              protocol=pickle.HIGHEST_PROTOCOL))
       status = 0
     finally:
@@ -137,7 +141,7 @@ def _listed_aside(first, experiments=False):
     _, status = os.waitpid(pid, 0)
     if status != 0:
       # the lister failed: list here (its error shows)
-      return work_items(first=first, experiments=experiments)
+      return work_items(first=first, experiments=experiments, every_config=every_config)
     return pickle.loads(data)
 
   return wait
@@ -199,6 +203,10 @@ def main(argv=None) -> int:
   parser.add_argument("--experiments", action="store_true",
                       help="also every problem with the forward's copies through untiled views "
                       "(kernel.experiments' untiled_copies), before that switch ships")
+  parser.add_argument("--every-config", action="store_true",
+                      help="trace every emitted config at its own block sizes, stages, head dims "
+                      "and 16-bit dtype, not one representative per protocol (what docs/proof.md "
+                      "otherwise assumes; about ten times the cases)")
   parser.add_argument("--probes-only", action="store_true",
                       help="test the premise (P) with the probes alone, without Z3: the proof "
                       "as it stood before Z3 proved (P), for comparison; it covers the probed "
@@ -228,9 +236,9 @@ def main(argv=None) -> int:
     from harness.proofs import prove_cache
     cache = prove_cache.Cache()
   listed: list = []
-  listed_key = repr((first, args.experiments))
+  listed_key = repr((first, args.experiments, args.every_config))
   hit = cache.get("listed", listed_key) if cache is not None else None
-  pending = _listed_aside(first, args.experiments) if hit is None else None
+  pending = _listed_aside(first, args.experiments, args.every_config) if hit is None else None
   from harness.proofs import prove_extracted as pe  # JAX and the kernels, meanwhile
 
   def listing():
@@ -281,7 +289,13 @@ def main(argv=None) -> int:
         + ("for every trip count: every number of tiles and key blocks" if every else
            "for the trip counts the probes showed (the premise (P) not proved)")
         + (f" ({args.mutant})" if args.mutant else "")
-        + (" (with kernel.experiments' untiled copies)" if args.experiments else ""))
+        + (" (with kernel.experiments' untiled copies)" if args.experiments else "")
+        + (" (each config traced at its own block sizes, stages, head dims and dtype)"
+           if args.every_config else ""))
+  # What the launch programs above are not: docs/proof.md, "What is not proved".
+  print("not proved: the kernels a call without lengths, window or segments launches, whose "
+        "key-block count is compiled in (every kernel above reads its key ranges; "
+        "kernel.experiments' ranges_always runs such calls on these)")
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.

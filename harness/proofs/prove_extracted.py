@@ -293,9 +293,8 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
   if case.persistent:
     num_tiles = PROBE_SMS * max(tiles or 0, probe_tiles(ring))
   else:
-    num_tiles = _probe_trips(ring) + 1
-    if kv_blocks > _kv_blocks(ring):  # the last tile's causal bound reaches every key block
-      num_tiles = max(num_tiles, -(-kv_blocks * case.block_kv // case.tile_q) + 1)
+    # enough tiles that the last one's causal bound reaches every key block
+    num_tiles = max(_probe_trips(ring) + 1, -(-kv_blocks * case.block_kv // case.tile_q) + 1)
   if case.schedule == "split-tail":
     # Half a wave more: the last one and a half waves are cut into pieces,
     # so every probed block ends its tiles with pieces (SplitTail).

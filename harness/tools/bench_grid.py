@@ -115,7 +115,9 @@ def parse_variant(text: str):
   (:func:`deferred_light`, kernel.experiments' ``defer_light``), a
   trailing ``,ut`` copies through untiled views, in column parts
   (:func:`untiled_copies`, kernel.experiments' ``untiled_copies``: no padded
-  copy at lengths no multiple of 8);
+  copy at lengths no multiple of 8), a trailing ``,kr`` a call without
+  key ranges run by the kernels that read them (:func:`ranges_always`,
+  kernel.experiments' ``ranges_always``: the kernels the proof traces);
   ``auto,st``
   times the config ``auto`` picks with the split-tail schedule wherever
   that can run it (:func:`split_tail_of`), else as ``auto``; ``heuristic``
@@ -195,8 +197,13 @@ def untiled_copies(text: str) -> bool:
   return "ut" in text.split(",")
 
 
+def ranges_always(text: str) -> bool:
+  """Whether ``text`` ends in ``kr``: the whole keys as every row's key range."""
+  return "kr" in text.split(",")
+
+
 # Trailing flags of a variant that change the call, not the config.
-MODIFIERS = ("det", "fs", "lt", "lo", "ut")
+MODIFIERS = ("det", "fs", "lt", "lo", "ut", "kr")
 
 
 def _config_fields(text: str) -> list[str]:
@@ -237,15 +244,16 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, heuristic, filled, light_last, untiled):
+  def ours(q, k, v, config, det, split, heuristic, filled, light_last, untiled, ranges):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
     if heuristic:
       config = heuristic_of(q, k, v, is_causal=point.causal)
-    if filled or light_last is not None or untiled:
+    if filled or light_last is not None or untiled or ranges:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                                deterministic=det, even_sections=not filled,
-                                               defer_light=light_last, untiled_copies=untiled)
+                                               defer_light=light_last, untiled_copies=untiled,
+                                               ranges_always=ranges)
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -255,7 +263,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
         ours, config=config, det=det, split=splits_auto(text), heuristic=is_heuristic(text),
         filled=filled_sections(text), light_last=deferred_light(text),
-        untiled=untiled_copies(text))))
+        untiled=untiled_copies(text), ranges=ranges_always(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

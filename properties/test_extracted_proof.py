@@ -425,3 +425,28 @@ def test_the_experiments_cases_are_proved_on_request(shipped_cases):
   untiled = [c for c, _ in both if c.untiled_copies]
   assert {c.parts for c in untiled} >= {(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (2, 1)}
   assert len(both) - len(untiled) == len(shipped)
+
+
+def test_the_output_overlays_slots_part_the_cases(shipped_cases):
+  """Block sizes, head dims and residuals move the non-persistent output
+  overlay over other query and key slots (kernel.tiling.plan.ScratchLayout's
+  output_overlaps), and with it the slots the epilogue's stores clobber: the
+  cases keep each placement apart and trace it where it lies.  Two cases
+  alike but for m and l stored over the second warpgroup's query slot learn
+  different programs."""
+  plain = [c for c, _ in shipped_cases if c.output_slots and not c.residuals
+           and not c.output_over_keys and c.num_stages == 2 and c.compute_warpgroups == 2
+           and not (c.bias or c.mask) and c.dtype == "bfloat16"]
+  assert plain, "no non-persistent overlay without residuals among the cases"
+  case = plain[0]
+  with_ml = [c for c, _ in shipped_cases if c.residuals and not c.output_over_keys
+             and len(c.output_slots) == 3 and dataclasses.replace(
+                 c, output_slots=case.output_slots, overlay_residuals=False,
+                 block_q=case.block_q, block_kv=case.block_kv, config_stages=case.config_stages,
+                 layout_head_dim=case.layout_head_dim,
+                 layout_head_dim_out=case.layout_head_dim_out) == case]
+  assert with_ml, f"no case like {case.describe()} with m and l in the overlay"
+  other = with_ml[0]
+  assert {name for name, _ in other.output_slots} == {"o", "m", "l"}
+  a, b = pe.forward_program(case), pe.forward_program(other)
+  assert a.shape() != b.shape()

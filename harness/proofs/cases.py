@@ -51,6 +51,12 @@ class ForwardCase:
   # descales (kernel.forward.fp8); a launch whose program equals a 16-bit
   # one's up to names shares its check (prove_extracted).
   dtype: str = "bfloat16"
+  # Under the non-persistent overlay, the query and key slots each output
+  # buffer shares bytes with (kernel.tiling.plan.ScratchLayout.output_overlaps):
+  # block sizes and head dims move them, and with them the slots the
+  # epilogue's stores clobber (docs/decisions/proof-cases-keep-output-slots.md).
+  # None (a case written by hand): wherever its traced layout puts them.
+  output_slots: tuple | None = None
   # Traced at its own config's block sizes and stages, its problem's head
   # dims and 16-bit dtype, which a case otherwise takes from a representative
   # (``python -m harness prove --every-config``).
@@ -69,7 +75,10 @@ class ForwardCase:
   def key(self):
     key = (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
            self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
-           self.output_over_keys, self.parts, self.dtype)
+           self.output_over_keys, self.parts, self.dtype, self.output_slots,
+           # a ring cut to the key blocks (fewer than the config's stages):
+           # its learned tables see no longer streams
+           (self.config_stages or self.num_stages) != self.num_stages)
     if self.exact:
       key += (self.block_q, self.block_kv, self.config_stages, self.layout_head_dim,
               self.layout_head_dim_out)
@@ -92,7 +101,8 @@ class ForwardCase:
 
   @property
   def residuals(self) -> bool:
-    return (self.overlay_q or self.output_over_keys) and self.overlay_residuals
+    return (self.overlay_q or self.output_over_keys or bool(self.output_slots)) and \
+        self.overlay_residuals
 
   def describe(self) -> str:
     words = [f"stages={self.num_stages}", "persistent" if self.persistent else "one tile",
@@ -102,6 +112,8 @@ class ForwardCase:
                               ("output in the query slot", self.overlay_q),
                               ("output over the keys", self.output_over_keys),
                               ("with residuals", self.residuals)) if on]
+    for name, hit in self.output_slots or ():
+      words.append(f"{name} on " + " ".join(f"{buf}{slot}" for buf, slot in hit))
     if self.untiled_copies:
       words.append("untiled copies in %dx%d parts" % self.parts)
     if self.compute_warpgroups != 2:
@@ -138,12 +150,13 @@ def forward_cases(problems, *, every_config: bool = False) -> list[tuple[Forward
       stages = plan_lib.pipeline_plan(p, c).num_stages
       layout = plan_lib.scratch_layout(p, c)
       overlay, reach = layout.overlay_q_with_output, layout.output_reaches_keys
+      slots = layout.output_overlaps(plan_lib.kernel_problem(p, c).return_residuals)
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
-                         p.head_dim, (overlay or reach) and p.return_residuals,
+                         p.head_dim, (overlay or reach or bool(slots)) and p.return_residuals,
                          c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach,
                          str(p.dtype) if every_config
-                         else "float8_e4m3fn" if p.fp8 else "bfloat16", every_config)
+                         else "float8_e4m3fn" if p.fp8 else "bfloat16", slots, every_config)
       prev = found.get(case.key())
       found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
   return [found[k] for k in sorted(found)]

@@ -310,8 +310,9 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
       bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
       untiled_copies=case.untiled_copies, scale=0.125)
   layout = plan_lib.scratch_layout(traced, config)
-  if (layout.overlay_q_with_output, layout.output_reaches_keys) != (case.overlay_q,
-                                                                    case.output_over_keys):
+  slots = layout.output_overlaps(plan_lib.kernel_problem(traced, config).return_residuals)
+  if (layout.overlay_q_with_output, layout.output_reaches_keys) != (
+          case.overlay_q, case.output_over_keys) or case.output_slots not in (None, slots):
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
   with _spending("tracing"):

@@ -355,6 +355,28 @@ class ScratchLayout:
     return (sum(_allocated(b) for b in (self.o, self.m, self.l) if b is not None)
             > _allocated(self.q))
 
+  def output_overlaps(self, residuals: bool) -> tuple:
+    """Under the non-persistent overlay, the slots of q and k each of the
+    output's buffers (o, then m and l with ``residuals``) shares bytes with,
+    as kernel/forward/block.py's RefUnion lays them out: the slots its
+    stores clobber, which the block sizes and head dims decide.  () without
+    the overlay."""
+    if not self.overlay_qk_with_output:
+      return ()
+    slots, at = [], 0
+    for buf in (self.q, self.k):
+      per = buf.nbytes // buf.shape[0]
+      slots += [(buf.name, s, at + s * per, at + (s + 1) * per) for s in range(buf.shape[0])]
+      at += _allocated(buf)
+    out, at = [], 0
+    for buf in (self.o, self.m, self.l) if residuals else (self.o,):
+      if buf is None:
+        continue
+      hit = tuple((name, s) for name, s, lo, hi in slots if lo < at + buf.nbytes and at < hi)
+      out.append((buf.name, hit))
+      at += _allocated(buf)
+    return tuple(out)
+
 
 def kernel_problem(problem: Problem, config: Config) -> Problem:
   """The problem as the kernel runs it: under the split tail its pieces'

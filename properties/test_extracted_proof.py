@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from harness.proofs import extract
+from harness.proofs import cases, extract
 from harness.proofs import extracted_proof as xp
 from harness.proofs import prove as prove_cli
 from harness.proofs import prove_extracted as pe
@@ -450,3 +450,20 @@ def test_the_output_overlays_slots_part_the_cases(shipped_cases):
   assert {name for name, _ in other.output_slots} == {"o", "m", "l"}
   a, b = pe.forward_program(case), pe.forward_program(other)
   assert a.shape() != b.shape()
+
+
+def test_every_config_lists_each_config_at_its_own_sizes():
+  """``prove --every-config``'s cases: one per emitted config's block sizes,
+  stages, head dims and dtype, each of them a refinement of a default case
+  (the same key, and more), and traced at its own sizes (its description
+  names them)."""
+  grid = prove_cli.problem_grid()[::23]
+  default = {c.key() for c, _ in cases.forward_cases(grid)}
+  exact = cases.forward_cases(grid, every_config=True)
+  assert len(exact) > len(default)
+  assert sum(n for _, n in exact) == sum(n for _, n in cases.forward_cases(grid))
+  for c, _ in exact:
+    assert c.exact and f"blocks {c.block_q}x{c.block_kv}" in c.describe()
+    plain = dataclasses.replace(c, exact=False, dtype=c.dtype if c.dtype.startswith("float8")
+                                else "bfloat16")
+    assert plain.key() in default, c.describe()

@@ -202,6 +202,36 @@ def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
     assert np.array_equal(a, b, equal_nan=True), f"{what}: staged differs from unstaged"
 
 
+# Each switch's test runs the heuristic config, and its tiling one tile per
+# block and persistent (longest-first).
+_LAUNCHES = pytest.mark.parametrize(
+    "persistent,schedule", [(None, None), (False, "round-robin"), (True, "longest-first")],
+    ids=["heuristic", "nonpersistent", "persistent-lf"])
+
+
+def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, **switch):
+  """A case of a kernel.experiments ``switch`` (one of run_kernel's): within
+  the rule of float64, and bit for bit the shipped path's results."""
+  from harness.numerics.conformance import random_case
+  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
+  cfg = None
+  if persistent is not None:
+    # the problem as the switch plans it (untiled copies change the layout)
+    problem = dataclasses.replace(problem_of(fc),
+                                  untiled_copies=switch.get("untiled_copies", False))
+    cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
+                              persistent=persistent, schedule=schedule)
+    if not plan.config_fits(problem, cfg):
+      pytest.skip(f"{cfg} does not fit for this case")
+  poison_device_memory(4 * fc.query.nbytes)
+  switched = run_kernel(fc, config=cfg, **switch)
+  report = check_forward(fc, *switched)
+  assert report.passed, report.summary()
+  shipped = run_kernel(fc, config=cfg)
+  for a, b, what in zip(switched, shipped, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{what}: {switch} differs from the shipped path"
+
+
 # Lengths no multiple of 8, which the shipped path pads (kernel/api.py)
 # and kernel.experiments' untiled_copies reads unpadded, in each head dim's
 # column parts (kernel.tiling.plan.copy_parts): MHA and GQA, causal, the last query
@@ -227,8 +257,8 @@ _UNTILED = [
 # Calls without lengths, window or segments, which the shipped path runs with
 # the kernels that read no key ranges and kernel.experiments' ranges_always
 # with the ones that read them (the kernels the proof traces, docs/proof.md):
-# aligned and ragged lengths, causal, GQA, a staged bias and mask, the
-# head dims' column parts.
+# aligned and ragged lengths, causal, GQA, float16, the head dims' column
+# parts, a value head dim wider than the queries'.
 _WHOLE_KEYS = [
     ("d64-1024", dict(seq_q=1024, seq_kv=1024, heads=2, kv_heads=2)),
     ("d64-1001x777-causal-gqa", dict(batch=2, seq_q=1001, seq_kv=777, heads=4, kv_heads=2,
@@ -241,54 +271,20 @@ _WHOLE_KEYS = [
 
 
 @pytest.mark.parametrize("name,kwargs", _WHOLE_KEYS, ids=[n for n, _ in _WHOLE_KEYS])
-@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
-                                                 (True, "longest-first")],
-                         ids=["heuristic", "nonpersistent", "persistent-lf"])
+@_LAUNCHES
 def test_ranges_always_matches_float64_and_the_plain_path(name, kwargs, persistent, schedule):
   """kernel.experiments' ranges_always: within the rule of float64, and bit
   for bit the shipped path's results (the whole keys as every row's range
   leave every block on the unmasked path the plain kernel takes, and the
   edge blocks masked as there)."""
-  from harness.numerics.conformance import random_case
-  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
-  cfg = None
-  if persistent is not None:
-    problem = problem_of(fc)
-    cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
-                              persistent=persistent, schedule=schedule)
-    if not plan.config_fits(problem, cfg):
-      pytest.skip(f"{cfg} does not fit for this case")
-  poison_device_memory(4 * fc.query.nbytes)
-  ranged = run_kernel(fc, config=cfg, ranges_always=True)
-  report = check_forward(fc, *ranged)
-  assert report.passed, report.summary()
-  plain = run_kernel(fc, config=cfg)
-  for a, b, what in zip(ranged, plain, ("out", "m", "l")):
-    assert np.array_equal(a, b, equal_nan=True), f"{what}: ranges_always differs from plain"
+  _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, ranges_always=True)
 
 
 @pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
-@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
-                                                 (True, "longest-first")],
-                         ids=["heuristic", "nonpersistent", "persistent-lf"])
+@_LAUNCHES
 def test_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent, schedule):
   """kernel.experiments' untiled_copies: within the rule of float64, and
   bit for bit the shipped path's results, which pads q, k and v to whole
   tiles (the same values; each product's wgmma over the parts of a row
   issue the instructions one wgmma over the row does)."""
-  from harness.numerics.conformance import random_case
-  fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
-  cfg = None
-  if persistent is not None:
-    problem = dataclasses.replace(problem_of(fc), untiled_copies=True)
-    cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
-                              persistent=persistent, schedule=schedule)
-    if not plan.config_fits(problem, cfg):
-      pytest.skip(f"{cfg} does not fit for this case")
-  poison_device_memory(4 * fc.query.nbytes)
-  untiled = run_kernel(fc, config=cfg, untiled_copies=True)
-  report = check_forward(fc, *untiled)
-  assert report.passed, report.summary()
-  padded = run_kernel(fc, config=cfg)
-  for a, b, what in zip(untiled, padded, ("out", "m", "l")):
-    assert np.array_equal(a, b, equal_nan=True), f"{what}: untiled copies differ from padded"
+  _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, untiled_copies=True)

@@ -175,16 +175,12 @@ def format_results(results) -> str:
   return "\n".join(lines)
 
 
-PHASE_NAMES = {"tracing": "JAX traces", "probes": "probes", "premise": "(P) by Z3",
-               "search": "search"}
-
-
 def format_spent(spent) -> str:
   """The CPU seconds of this run's work by phase, all workers together."""
   from harness.proofs import prove_extracted as pe
   if not sum(spent.values()):
     return "CPU time: none spent learning or searching (all from the cache)"
-  parts = ", ".join(f"{PHASE_NAMES[p]} {spent[p]:.1f} s" for p in pe.PHASES)
+  parts = ", ".join(f"{label} {spent[p]:.1f} s" for p, label in pe.PHASES.items())
   return f"CPU time by phase, all workers: {parts} (total {sum(spent.values()):.1f} s)"
 
 

@@ -56,9 +56,10 @@ from harness.proofs.cases import BackwardCase, ForwardCase
 PROBE_SMS = 16        # blocks of the traced persistent grid
 PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
 
-# What learning costs, by phase (:data:`PHASES`); each learned case reports
-# its share (:func:`_learn`), and ``python -m harness prove`` prints the run's.
-PHASES = ("tracing", "probes", "premise", "search")
+# What proving costs, by phase (name: what ``python -m harness prove`` calls
+# it when it prints the run's); each learned case reports its share (:func:`_learn`).
+PHASES = {"tracing": "JAX traces", "probes": "probes", "premise": "(P) by Z3",
+          "search": "search"}
 _SPENT: collections.Counter = collections.Counter()   # this process's CPU seconds
 
 

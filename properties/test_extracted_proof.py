@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import io
+import pickle
 
 import ml_dtypes
 import numpy as np
@@ -231,10 +232,12 @@ def test_programs_equal_up_to_names_share_one_check(shipped_programs):
                   for _, evs in t.units for e in evs}) - {""})
   renamed = _renamed(prog, {b: f"other.{b}" for b in bufs})
   assert renamed.key() != prog.key() and renamed.shape() == prog.shape()
+  # the digest the runs group by follows the shape, through a pickle too
+  assert renamed.shape_digest() == pickle.loads(pickle.dumps(prog)).shape_digest()
   a, b = xp.check(prog), xp.check(renamed)
   assert a.ok and b.ok and a.states == b.states
   merged = _renamed(prog, {bufs[1]: bufs[0]})
-  assert merged.shape() != prog.shape()
+  assert merged.shape() != prog.shape() and merged.shape_digest() != prog.shape_digest()
 
 
 def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
@@ -256,10 +259,10 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   assert not spent_again   # what the cache gave cost nothing
   # A failing check is recomputed, not kept.
   prog = pe.forward_program(ONE_TILE, modules=pmut.modules("key_released_before_qk"))
-  failed = pe._checked(prog.shape(), prog, pe.Result(prog.name, []), again,
+  failed = pe._checked(prog.shape_digest(), prog, pe.Result(prog.name, []), again,
                        collections.Counter())
   assert not failed.ok
-  assert again.get("checked", repr(prog.shape())) is None
+  assert again.get("checked", repr(prog.shape_digest())) is None
   # Another checker source is another digest: nothing of the first is found.
   other = prove_cache.Cache(tmp_path)
   other.digests = {k: v + "x" for k, v in other.digests.items()}

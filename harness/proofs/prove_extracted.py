@@ -851,6 +851,9 @@ def _programs_of(item):
 def _learn(kind, case, mutant, premise=True):
   start, cpu, before = time.perf_counter(), time.process_time(), _SPENT.copy()
   progs, failure = _learn_programs(kind, case, mutant, premise)
+  for _, prog in progs:
+    if prog is not None:
+      prog.shape_digest()   # made here, on the worker, and carried by the pickle
   spent = {phase: _SPENT[phase] - before[phase] for phase in ("tracing", "premise")}
   # the rest of learning: the probes' concrete runs and the tables made of them
   spent["probes"] = time.process_time() - cpu - sum(spent.values())
@@ -1028,11 +1031,9 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent) -> li
 
   def learnt(w, answer):
     learned[w] = answer
-    before = set(distinct)
+    before = len(distinct)
     _collect([w], [answer], {}, distinct)
-    for key in distinct:
-      if key in before:
-        continue
+    for key in list(distinct)[before:]:   # the shapes it added (a dict keeps their order)
       hit = (cache.get("checked", repr(key))
              if cache is not None and _cacheable(key, distinct[key][1]) else None)
       if hit is not None:
@@ -1107,7 +1108,7 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
         results.append(Result(name, [case.describe() if kind == "forward" else name],
                               configs.get(id(case), 0), seconds=seconds, premise=premise))
         continue
-      key = prog.shape()
+      key = prog.shape_digest()
       if premise is None and key in distinct:
         r = distinct[key][1]
         r.cases.append(case.describe() if kind == "forward" else name)

@@ -72,6 +72,7 @@ arbitrarily many blocks ahead of the query prefetch.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 
@@ -302,6 +303,16 @@ class LaunchProgram:
                             for a, bs in self.overlaps))
     return (self.ring, self.persistent, self.min_blocks, self.max_blocks, tuple(roles),
             barriers, overlaps, self.word)
+
+  def shape_digest(self) -> str:
+    """A SHA-256 of :meth:`shape`'s repr, kept on the program once made (its
+    pickle carries it), for grouping and caching by shape: hashing the shape
+    itself, a tuple of every event, costs milliseconds each time."""
+    digest = self.__dict__.get("_shape_digest")
+    if digest is None:
+      digest = hashlib.sha256(repr(self.shape()).encode()).hexdigest()
+      object.__setattr__(self, "_shape_digest", digest)
+    return digest
 
 
 class Learner:

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import io
+import os
 import pickle
 
 import ml_dtypes
@@ -453,6 +454,29 @@ def test_the_output_overlays_slots_part_the_cases(shipped_cases):
   assert {name for name, _ in other.output_slots} == {"o", "m", "l"}
   a, b = pe.forward_program(case), pe.forward_program(other)
   assert a.shape() != b.shape()
+
+
+def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, capsys):
+  """Without --jobs the proof runs a worker per CPU this process may use (a
+  bigger runner proves sooner); --jobs 0 is refused by name."""
+  with pytest.raises(SystemExit) as refused:
+    prove_cli.main(["--jobs", "0"])
+  assert refused.value.code == 2 and "--jobs: 0" in capsys.readouterr().err
+  assert 1 <= prove_cli.usable_cpus() <= (os.cpu_count() or 1)
+
+  class Started(Exception):
+    pass
+
+  def workers(jobs, fork=False):
+    asked.append(jobs)
+    raise Started
+
+  asked = []
+  monkeypatch.setattr(prove_cli, "usable_cpus", lambda: 3)
+  monkeypatch.setattr(pe, "workers", workers)
+  with pytest.raises(Started):
+    prove_cli.main(["--no-cache"])
+  assert asked == [3]
 
 
 def test_every_config_lists_each_config_at_its_own_sizes():

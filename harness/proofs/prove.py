@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import os
 import time
 
 import ml_dtypes
@@ -184,10 +185,20 @@ def format_spent(spent) -> str:
   return f"CPU time by phase, all workers: {parts} (total {sum(spent.values()):.1f} s)"
 
 
+def usable_cpus() -> int:
+  """The CPUs this process may run on (its affinity, not the machine's count)."""
+  try:
+    return max(1, len(os.sched_getaffinity(0)))
+  except AttributeError:  # no affinity on this OS
+    return max(1, os.cpu_count() or 1)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness prove", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+  parser.add_argument("--jobs", type=int, default=None,
+                      help="worker processes (default: the CPUs this process may run on, "
+                      f"{usable_cpus()} here)")
   parser.add_argument("--mutant", help="a protocol mutant of harness/proofs/protocol_mutants.py to "
                       "prove instead of the shipped kernel")
   parser.add_argument("--fail-fast", action="store_true",
@@ -208,6 +219,10 @@ def main(argv=None) -> int:
                       "as it stood before Z3 proved (P), for comparison; it covers the probed "
                       "trip counts only, and the command then always fails")
   args = parser.parse_args(argv)
+  if args.jobs is not None and args.jobs < 1:
+    parser.error(f"--jobs: {args.jobs} worker processes; give 1 or more")
+  # the cases are independent: a runner with more cores proves in less time
+  args.jobs = args.jobs or usable_cpus()
   start = time.perf_counter()
   premise = not args.probes_only
   if premise:

@@ -456,6 +456,34 @@ def test_the_output_overlays_slots_part_the_cases(shipped_cases):
   assert a.shape() != b.shape()
 
 
+def test_an_edit_of_the_command_keeps_the_learned_programs(tmp_path, monkeypatch):
+  """The learned programs' digest reads the kernel and the learning code,
+  not the command's module: an edit there lists the cases again but learns
+  nothing again; a kernel edit does both."""
+  import shutil
+  from harness.proofs import prove_cache
+  fake = tmp_path / "repo"
+  for rel in set(prove_cache.LIST_SOURCES + prove_cache.CHECK_SOURCES):
+    src, dst = prove_cache.REPO / rel, fake / rel
+    if src.is_dir():
+      shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    else:
+      dst.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy(src, dst)
+  monkeypatch.setattr(prove_cache, "REPO", fake)
+  digests = lambda: prove_cache.Cache(tmp_path / "cache").digests
+  before = digests()
+  with open(fake / "harness/proofs/prove.py", "a") as f:
+    f.write("# printed otherwise\n")
+  command = digests()
+  assert command["learned"] == before["learned"] and command["listed"] != before["listed"]
+  assert command["checked"] == before["checked"]
+  with open(fake / "kernel/forward/mainloop.py", "a") as f:
+    f.write("# edited\n")
+  kernel = digests()
+  assert kernel["learned"] != command["learned"] and kernel["listed"] != command["listed"]
+
+
 def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, capsys):
   """Without --jobs the proof runs a worker per CPU this process may use (a
   bigger runner proves sooner); --jobs 0 is refused by name."""

@@ -1,15 +1,16 @@
 """An on-disk memo for ``python -m harness prove``, keyed by the sources.
 
-Two kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
+Three kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
 ``HARNESS_PROVE_CACHE`` names another folder, ``--no-cache`` skips it):
 
 * **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`),
-  with Z3's proof of their premise, and the list of cases, under a digest
-  of everything that decides them:
-  every file of ``kernel/`` (the autotuner's cache included), the extraction,
-  learning and premise modules of ``harness/`` (and the protocol mutants), the
+  with Z3's proof of their premise, under a digest of everything that
+  decides them: every file of ``kernel/`` (the autotuner's cache included),
+  the extraction, learning and premise modules of ``harness/``, the
   versions of Python, JAX, jaxlib, NumPy, ml_dtypes and Z3, and the ``JAX_*`` /
   ``XLA_*`` environment.
+* **listed**: the list of cases, under that digest with the problem grid's
+  module (``harness/proofs/prove.py``) too.
 * **checked**: a proof (:func:`harness.proofs.extracted_proof.check`) of one program
   shape (:meth:`harness.proofs.role_programs.LaunchProgram.shape`), under a digest of
   the checker's sources only, so that a kernel edit that leaves a launch's
@@ -33,12 +34,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = REPO / ".cache" / "prove"
 ENV = "HARNESS_PROVE_CACHE"
-# What the learned programs are made from (paths relative to the repository).
+# What the learned programs are made from (paths relative to the repository);
+# not the command's own module, nor the mutants (whose runs skip the cache),
+# so that an edit of what the command prints learns nothing again.
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
                  "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
-                 "harness/proofs/prove.py", "harness/proofs/symbolic.py",
-                 "harness/proofs/terms.py", "harness/proofs/premise.py",
-                 "harness/proofs/protocol_mutants.py", "harness/proofs/prove_cache.py")
+                 "harness/proofs/symbolic.py", "harness/proofs/terms.py",
+                 "harness/proofs/premise.py", "harness/proofs/prove_cache.py")
+# What the list of cases is made from: the heuristics and plans (kernel/) and
+# the problem grid of harness/proofs/prove.py.
+LIST_SOURCES = LEARN_SOURCES + ("harness/proofs/prove.py",)
 # What a check's verdict is made from.
 CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",
                  "harness/proofs/extract.py", "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
@@ -75,13 +80,12 @@ def digest(paths) -> str:
 
 class Cache:
   """``get(kind, key)`` / ``put(kind, key, value)``; kind "learned", "listed"
-  (the list of cases, under the learned programs' digest) or "checked", key
-  a string (a ``repr`` of what the entry is for)."""
+  or "checked", key a string (a ``repr`` of what the entry is for)."""
 
   def __init__(self, root: str | os.PathLike | None = None):
     self.root = Path(root or os.environ.get(ENV) or DEFAULT_DIR)
-    learned = digest(LEARN_SOURCES)
-    self.digests = {"learned": learned, "listed": learned, "checked": digest(CHECK_SOURCES)}
+    self.digests = {"learned": digest(LEARN_SOURCES), "listed": digest(LIST_SOURCES),
+                    "checked": digest(CHECK_SOURCES)}
     self.hits = {kind: 0 for kind in self.digests}
 
   def _path(self, kind: str, key: str) -> Path:

@@ -209,9 +209,11 @@ _LAUNCHES = pytest.mark.parametrize(
     ids=["heuristic", "nonpersistent", "persistent-lf"])
 
 
-def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, **switch):
+def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, bitwise=True,
+                                       **switch):
   """A case of a kernel.experiments ``switch`` (one of run_kernel's): within
-  the rule of float64, and bit for bit the shipped path's results."""
+  the rule of float64, and (``bitwise``) bit for bit the shipped path's
+  results."""
   from harness.numerics.conformance import random_case
   fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
   cfg = None
@@ -227,6 +229,8 @@ def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, **sw
   switched = run_kernel(fc, config=cfg, **switch)
   report = check_forward(fc, *switched)
   assert report.passed, report.summary()
+  if not bitwise:
+    return
   shipped = run_kernel(fc, config=cfg)
   for a, b, what in zip(switched, shipped, ("out", "m", "l")):
     assert np.array_equal(a, b, equal_nan=True), f"{what}: {switch} differs from the shipped path"
@@ -272,12 +276,12 @@ _WHOLE_KEYS = [
 
 @pytest.mark.parametrize("name,kwargs", _WHOLE_KEYS, ids=[n for n, _ in _WHOLE_KEYS])
 @_LAUNCHES
-def test_ranges_always_matches_float64_and_the_plain_path(name, kwargs, persistent, schedule):
-  """kernel.experiments' ranges_always: within the rule of float64, and bit
-  for bit the shipped path's results (the whole keys as every row's range
-  leave every block on the unmasked path the plain kernel takes, and the
-  edge blocks masked as there)."""
-  _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, ranges_always=True)
+def test_ranges_always_matches_float64(name, kwargs, persistent, schedule):
+  """kernel.experiments' ranges_always: within the rule of float64.  Not bit
+  for bit the plain path's: at the non-causal ragged lengths the last bits
+  of out or l differ (docs/decisions/ranges-always-not-shipped.md)."""
+  _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, bitwise=False,
+                                      ranges_always=True)
 
 
 @pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])

@@ -19,7 +19,8 @@ PAGES = {ROOT / "docs" / "performance.md": "$out/docs",
          ROOT / "docs" / "gqa4" / "performance.md": "$out/gqa4",
          ROOT / "docs" / "backward" / "performance.md": "$out/backward",
          ROOT / "docs" / "h100" / "performance.md": "$out/h100",
-         ROOT / "docs" / "h100" / "backward" / "performance.md": "$out/h100-backward"}
+         ROOT / "docs" / "h100" / "backward" / "performance.md": "$out/h100-backward",
+         ROOT / "docs" / "fp8" / "performance.md": "$out/fp8"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -68,7 +69,8 @@ def test_pages_script_runs_the_commands_the_pages_name():
 
 @pytest.mark.parametrize("part,gpu,other", [
     ("forward", "H200", "NVIDIA H100 80GB HBM3"), ("backward", "H200", "NVIDIA H100 80GB HBM3"),
-    ("h100", "H100", "NVIDIA H200"), ("h100-backward", "H100", "NVIDIA H200")])
+    ("h100", "H100", "NVIDIA H200"), ("h100-backward", "H100", "NVIDIA H200"),
+    ("fp8", "H200", "NVIDIA H100 80GB HBM3")])
 def test_pages_script_times_nothing_on_another_gpu(tmp_path, part, gpu, other):
   """Each page is one GPU's: on another (a stand-in nvidia-smi names it)
   pages.sh stops before timing, with a message naming both."""

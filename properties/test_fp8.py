@@ -269,17 +269,19 @@ def test_the_fp8_threshold_floor_keeps_deferred_p_within_e4m3():
   assert stats["max_p"] <= 448 and check_forward(call, *ok).passed
 
 
-def test_fp8_golden_cases_await_their_first_golden_and_lower():
-  """The FP8 corpus cases are listed as awaiting the H200's first golden
-  (harness.tools.golden.AWAITING_FIRST_GOLDEN: the GPU writes them) and
-  store the forward only; the call the golden tool runs for the one with
-  the most features lowers for CUDA."""
+def test_fp8_golden_cases_have_their_goldens_and_lower():
+  """The FP8 corpus cases have goldens written on an H200, of the forward
+  only; the call the golden tool runs for the one with the most features
+  lowers for CUDA."""
   import jax
   from harness.tools import golden
   from kernel import api
   fp8 = [s for s in golden.CORPUS if s.fp8 is not None]
-  assert len(fp8) == 3 and {s.name for s in fp8} <= set(golden.AWAITING_FIRST_GOLDEN)
+  assert len(fp8) == 3 and not {s.name for s in fp8} & set(golden.AWAITING_FIRST_GOLDEN)
   assert all(s.arrays() == golden.FORWARD_ARRAYS for s in fp8)
+  for s in fp8:
+    stored = golden.load_golden(s.name)
+    assert stored is not None and set(stored) == set(golden.FORWARD_ARRAYS), s.name
   f, args = golden.kernel_function(next(s for s in fp8 if s.bias and s.mask))
   with api.lowering_only():
     jax.export.export(jax.jit(f), platforms=["cuda"])(*args)

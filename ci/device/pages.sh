@@ -14,24 +14,27 @@
 #   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR h100-backward (an H100)
 #     OUTDIR/h100-backward/performance.*: the backward page's grid on the H100
 #     (docs/h100/backward).
+#   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR fp8        (an H200)
+#     OUTDIR/fp8/performance.*: ours in FP8 beside ours in bfloat16 and
+#     cuDNN's FP8 route (docs/fp8; ci/device/fp8.sh runs it after the FP8 tests).
 # A part run on a GPU other than its page's times nothing and exits 3.
 # Each starts from the committed page, so what a run does not time keeps its
 # own provenance (bench --grid --out-dir).  Copy OUTDIR/docs/* over docs/,
 # OUTDIR/gqa4/* over docs/gqa4/, OUTDIR/backward/* over docs/backward/ and
 # OUTDIR/h100/* over docs/h100/, OUTDIR/h100-backward/* over docs/h100/backward/,
-# review, commit.  OUTDIR also gets steps.txt
+# OUTDIR/fp8/* over docs/fp8/, review, commit.  OUTDIR also gets steps.txt
 # (the device, each step's exit and seconds) and log.txt; eight files at
 # most, as a device call returns.  FLASH_COMMIT names the measured commit (a
 # copied tree may carry no .git).  properties/test_device_scripts.py checks
 # that these are the commands the committed pages name.
 set -uo pipefail
-usage="usage: pages.sh OUTDIR forward|backward|h100|h100-backward"
+usage="usage: pages.sh OUTDIR forward|backward|h100|h100-backward|fp8"
 out="${1:?$usage}"
 part="${2:?$usage}"
 case "$part" in
-  forward|backward) gpu=H200 ;;
+  forward|backward|fp8) gpu=H200 ;;
   h100|h100-backward) gpu=H100 ;;
-  *) echo "pages.sh: part must be forward, backward, h100 or h100-backward, got '$part'" >&2
+  *) echo "pages.sh: part must be forward, backward, h100, h100-backward or fp8, got '$part'" >&2
      exit 2 ;;
 esac
 commit="${FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -77,6 +80,11 @@ elif [ "$part" = h100-backward ]; then
   fi
   step h100-backward-grid 570 "$py" -m harness bench --grid --backward-only --no-example \
     --no-ragged --seqs 1024,4096,16384 --variants "auto;auto,det" --out-dir "$out/h100-backward" \
+    --commit "$commit"
+elif [ "$part" = fp8 ]; then
+  mkdir -p "$out/fp8" && cp docs/fp8/performance.json docs/fp8/performance.md \
+    docs/fp8/performance.png "$out/fp8/"
+  step fp8-grid 300 "$py" -m harness bench --grid --dtype float8_e4m3fn --out-dir "$out/fp8" \
     --commit "$commit"
 else
   mkdir -p "$out/backward" && cp docs/backward/performance.json docs/backward/performance.md \

@@ -251,6 +251,24 @@ def test_named_fp8_cases_build_and_the_model_meets_the_rule(name):
   assert report.passed, report.summary()
 
 
+def test_the_model_summing_qk_as_fp8_tensor_cores_breaks_the_rule_where_the_h200_did():
+  """Summed to 13 fraction bits per 32 elements of the head dim, as Hopper's
+  FP8 tensor cores are reported to sum, q.k moves the NumPy model's l on
+  ``one-hot-rows`` past its bound, as the H200's kernel did
+  (docs/fp8/accuracy.md); summed to 22 bits it meets the rule: the rule's
+  naive FP8 computation sums q.k exactly."""
+  from harness.numerics.conformance import check_forward
+  from harness.numerics.online_softmax_model import online_softmax_attention
+  from kernel import api
+  call = fp8_case("one-hot-rows", **FP8_NAMED["one-hot-rows"])
+  runs = call.replace(rescale_threshold=api.problem_of(call).rescale_threshold)
+  report = lambda bits: check_forward(call, *online_softmax_attention(
+      runs, block_kv=64, dtype=F8, _qk_sum_bits=bits))
+  wide, cut = report(22), report(13)
+  assert wide.passed, wide.summary()
+  assert not cut.l.passed and cut.m.passed, cut.summary()
+
+
 def test_the_fp8_threshold_floor_keeps_deferred_p_within_e4m3():
   """At rescale_threshold 0 a deferred P of FP8 goes past e4m3's 448 and
   saturates (the NumPy model breaks the rule); at the 0.625 the API runs

@@ -484,13 +484,28 @@ def test_an_edit_of_the_command_keeps_the_learned_programs(tmp_path, monkeypatch
   assert kernel["learned"] != command["learned"] and kernel["listed"] != command["listed"]
 
 
-def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, capsys):
+def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, capsys, tmp_path):
   """Without --jobs the proof runs a worker per CPU this process may use (a
-  bigger runner proves sooner); --jobs 0 is refused by name."""
+  bigger runner proves sooner), within a container's CPU quota; --jobs 0 is
+  refused by name."""
   with pytest.raises(SystemExit) as refused:
     prove_cli.main(["--jobs", "0"])
   assert refused.value.code == 2 and "--jobs: 0" in capsys.readouterr().err
   assert 1 <= prove_cli.usable_cpus() <= (os.cpu_count() or 1)
+  # a container's CPU quota caps them: cgroup v2, then v1, rounded up
+  v2 = tmp_path / "v2"
+  v2.mkdir()
+  (v2 / "cpu.max").write_text("150000 100000\n")
+  assert prove_cli.usable_cpus(str(v2)) == min(2, len(os.sched_getaffinity(0)))
+  (v2 / "cpu.max").write_text("max 100000\n")
+  assert prove_cli.usable_cpus(str(v2)) == len(os.sched_getaffinity(0))
+  v1 = tmp_path / "v1" / "cpu"
+  v1.mkdir(parents=True)
+  (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+  (v1 / "cpu.cfs_period_us").write_text("100000\n")
+  assert prove_cli.usable_cpus(str(v1.parent)) == 1
+  (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+  assert prove_cli.usable_cpus(str(v1.parent)) == len(os.sched_getaffinity(0))
 
   class Started(Exception):
     pass

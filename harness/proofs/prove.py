@@ -185,12 +185,32 @@ def format_spent(spent) -> str:
   return f"CPU time by phase, all workers: {parts} (total {sum(spent.values()):.1f} s)"
 
 
-def usable_cpus() -> int:
-  """The CPUs this process may run on (its affinity, not the machine's count)."""
+def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
+  """The CPUs this process may run on: its affinity, capped by a container's
+  CPU quota (cgroup v2 ``cpu.max``, v1 ``cpu/cpu.cfs_quota_us``), which
+  the affinity does not show: a runner limited to 2 CPUs of a 64-core host
+  gets 2 workers, not 64 workers' memory."""
   try:
-    return max(1, len(os.sched_getaffinity(0)))
+    cpus = len(os.sched_getaffinity(0))
   except AttributeError:  # no affinity on this OS
-    return max(1, os.cpu_count() or 1)
+    cpus = os.cpu_count() or 1
+  quota = None
+  for path, read in ((os.path.join(cgroup, "cpu.max"), lambda t: t.split()),
+                     (os.path.join(cgroup, "cpu", "cpu.cfs_quota_us"), None)):
+    try:
+      with open(path) as f:
+        text = f.read()
+      if read is not None:
+        limit, period = read(text)[:2]
+      else:
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
+          limit, period = text.strip(), f.read().strip()
+      if limit not in ("max", "-1"):
+        quota = -(-int(limit) // int(period))
+      break
+    except (OSError, ValueError):
+      continue
+  return max(1, min(cpus, quota) if quota else cpus)
 
 
 def main(argv=None) -> int:

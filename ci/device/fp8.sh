@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # FP8 on an H200 in one call of under 10 minutes, each step under its own
 # time limit (steps.sh): the FP8 GPU properties against float64
-# (properties/test_fp8_gpu.py), the FP8 goldens written (the corpus's FP8
-# cases, awaiting their first golden: harness/tools/golden.py), then the FP8
+# (properties/test_fp8_gpu.py), the corpus's FP8 goldens updated against
+# the committed ones (harness/tools/golden.py: a regression is reported,
+# not written), then the FP8
 # page, ours in FP8 beside ours in bfloat16 and cuDNN's FP8 route in one
 # process with the V^T transpose timed alone (harness/tools/bench_fp8.py).
 #   FLASH_COMMIT=<commit> bash ci/device/fp8.sh OUTDIR
 # OUTDIR gets steps.txt, device.txt, the page (performance.md/.json/.png:
-# copy them to docs/fp8/, then link the page from the README), golden.tgz
-# (golden/fp8-*.npz and golden/manifest.json: copy them over golden/ and
-# empty golden.AWAITING_FIRST_GOLDEN) and fp8.tgz (every log).
+# copy them over docs/fp8/; pages.sh's fp8 part runs the same command),
+# golden.tgz (golden/fp8-*.npz and golden/manifest.json, for golden/ where
+# a change is meant) and fp8.tgz (every log).
 set -uo pipefail
 dest="${1:?usage: fp8.sh OUTDIR}"
 out="$(mktemp -d)/fp8"

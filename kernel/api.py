@@ -120,7 +120,7 @@ def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: b
       rescale_threshold=_effective_threshold(float(call.rescale_threshold), problem.dtype),
       normalize_output=bool(call.normalize_output),
       window=routed.window if routed is not None else call.window,
-      window_only=bool(routed is not None and routed.window_only),
+      static_ranges=bool(routed is not None and routed.static_ranges),
       poisons_rows=bool(routed is not None and routed.poisoned is not None),
       deterministic=bool(deterministic),
       out_dtype=np.dtype(call.result_dtype) if call.fp8 else None, descales=call.descales)
@@ -297,15 +297,17 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
   _check_device()
   problem, config = resolve(call, routed, config=config, variant=variant,
                             deterministic=deterministic)
+  k_start, k_end = routed.k_start, routed.k_end
+  if variant.ranges_always and k_start is None and k_end is None:
+    k_start, k_end = key_ranges.whole_keys(call.shapes.T, call.shapes.S)
+    # known when tracing: the plain call's static order, not one re-ranked on the device
+    problem = dataclasses.replace(problem, static_ranges=True)
   attention = _differentiable(problem, config, variant, _num_sms())
   descales = None
   if problem.fp8:
     descales = padding.fp8_descales(call.q_descale, call.k_descale, call.v_descale,
                                     layout=problem.descales, batch=call.shapes.B,
                                     kv_heads=call.shapes.K)
-  k_start, k_end = routed.k_start, routed.k_end
-  if variant.ranges_always and k_start is None and k_end is None:
-    k_start, k_end = key_ranges.whole_keys(call.shapes.T, call.shapes.S)
   out, residuals = attention(call.query, call.key, call.value, call.bias, routed.mask,
                              k_start, k_end, descales)
   return routed.finish(out, residuals)
@@ -318,7 +320,7 @@ def launch_problem(problem: plan_lib.Problem, config: Config, *,
   the window's value keys no other compile; with m and l where the
   gradient (``residuals``) wants them, refused if they do not fit."""
   if config.schedule != "longest-first":
-    problem = dataclasses.replace(problem, window=None, window_only=False)
+    problem = dataclasses.replace(problem, window=None, static_ranges=False)
   if residuals:
     problem = dataclasses.replace(problem, return_residuals=True)
     plan_lib.check_fits(problem, config)

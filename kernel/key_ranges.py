@@ -72,7 +72,7 @@ class Routed:
   return_residual: bool         # jax.nn's log-sum-exp
   poisoned: Any = None          # (B, T) bool: rows the kernel writes NaN (contiguous layout)
   window: tuple[int, int] | None = None  # (left, right), static: the schedule weighs tiles by it
-  window_only: bool = False     # the key ranges are the window's alone (NumPy, trace time)
+  static_ranges: bool = False   # the key ranges are the window's alone (NumPy, trace time)
 
   def finish(self, out, residuals):
     """``out``; ``(out, lse)``; ``(out, (m, l))``; or ``(out, lse, (m, l))``
@@ -244,8 +244,9 @@ def _reduce(op, xs):
 def whole_keys(seq_q: int, seq_kv: int):
   """(k_start, k_end) that give every row all ``seq_kv`` keys, as (1, 1,
   seq_q) int32: one range per query row, the shape the proof traces
-  (kernel.variant.Variant.ranges_always)."""
-  return (jnp.zeros((1, 1, seq_q), jnp.int32), jnp.full((1, 1, seq_q), seq_kv, jnp.int32))
+  (kernel.variant.Variant.ranges_always).  NumPy, as a window's are: known
+  when tracing, so their tiles' bounds are too."""
+  return (np.zeros((1, 1, seq_q), np.int32), np.full((1, 1, seq_q), seq_kv, np.int32))
 
 
 def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
@@ -284,8 +285,8 @@ def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
     k_start = jnp.where(poisoned[:, None, :], POISONED_START, k_start)
   if end is not None:
     k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
-  window_only = (window is not None and routed.k_start is None and routed.k_end is None
+  static_ranges = (window is not None and routed.k_start is None and routed.k_end is None
                  and query_seq_lengths is None and key_value_seq_lengths is None
                  and q_segment_ids is None)
   return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,
-                             poisoned=poisoned, window=window, window_only=window_only)
+                             poisoned=poisoned, window=window, static_ranges=static_ranges)

@@ -10,6 +10,7 @@ Mosaic GPU's that the estimate rounds up.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import ml_dtypes
 import numpy as np
@@ -485,3 +486,27 @@ def test_ranges_always_launches_the_kernels_the_proof_traces(causal):
   assert all(ints == [] for ints in plain), plain
   rows = (1, 1, 1024)   # 1000 query rows, padded to whole tiles
   assert all(ints[:2] == [rows, rows] for ints in ranged), ranged
+
+
+def test_ranges_always_keeps_the_plain_calls_static_order():
+  """kernel.experiments' ranges_always: the whole keys are known when
+  tracing (Problem.static_ranges), so a causal call one tile per block
+  keeps the static longest-first order, as the plain call does, where key
+  lengths (known only on the device) re-rank the tiles with a sort."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api, experiments
+  from kernel.tiling.config import Config
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 3000, 4, 64), jnp.bfloat16), sds((2, 3000, 2, 64), jnp.bfloat16)
+  cfg = Config(block_q=64, block_kv=128, num_stages=2, persistent=False,
+               schedule="longest-first")
+
+  def sorts(**kw):
+    f = lambda q, k, v: experiments.dot_product_attention(q, k, v, is_causal=True, config=cfg,
+                                                          **kw)
+    with api.lowering_only():
+      return re.findall(r"\bsort\[", str(jax.make_jaxpr(f)(q, k, k)))  # nested jaxprs too
+
+  assert sorts(key_value_seq_lengths=jnp.full((2,), 2999, jnp.int32))
+  assert not sorts(ranges_always=True)

@@ -662,7 +662,7 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
                                                  block_kv):
   """Where the key ranges are a local window's alone, the route computes
   them at trace time (NumPy), and the launch is not re-ranked on the device
-  (Problem.window_only): the static longest-first order, weighed by the
+  (Problem.static_ranges): the static longest-first order, weighed by the
   window, IS the order ``Schedule.reranked`` gives by the key blocks each
   tile visits under those ranges, at any lengths."""
   from kernel import padding
@@ -670,7 +670,7 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
   sds = lambda n: jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
   routed = variants.route(Call(sds(seq_q), sds(seq_kv), sds(seq_kv),
                                local_window_size=(left, right)))
-  assert routed.window_only
+  assert routed.static_ranges
   assert isinstance(routed.k_start, np.ndarray) and isinstance(routed.k_end, np.ndarray)
   block_q = 64
   num_tiles = -(-seq_q // (2 * block_q))

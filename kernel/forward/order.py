@@ -58,7 +58,8 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   cannot see where packed documents or lengths put the work; the
   hardware's dynamic deal of the grid in that order beats a persistent
   deal by the same weights (docs/decisions/forward-reranked-by-device-weights.md).
-  A window alone is not re-ranked (``Problem.window_only``): its static
+  Ranges known when tracing are not re-ranked (``Problem.static_ranges``: a
+  window alone, or the whole keys): their static
   order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)
@@ -86,7 +87,7 @@ def _schedule(f: plan_lib.Problem, config: Config, variant: Variant, *, batch, n
   if config.schedule != "longest-first":
     return None, None
   light_last = variant.defer_light
-  if light_last is None and k_range_tiles is not None and not f.window_only:
+  if light_last is None and k_range_tiles is not None and not f.static_ranges:
     # Key ranges known only on the device: the static weights are upper
     # bounds, so the model's case for deferring does not hold.
     light_last = False
@@ -99,7 +100,7 @@ def _schedule(f: plan_lib.Problem, config: Config, variant: Variant, *, batch, n
   if config.persistent:
     dealt, counts = order.assign(min(num_sms, order.total))
     return order, (jnp.asarray(dealt), jnp.asarray(counts))
-  if k_range_tiles is not None and not f.window_only:
+  if k_range_tiles is not None and not f.static_ranges:
     return order, (order.reranked(range_tile_blocks(
         k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv,
         seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)

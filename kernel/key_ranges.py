@@ -286,7 +286,7 @@ def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
   if end is not None:
     k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
   static_ranges = (window is not None and routed.k_start is None and routed.k_end is None
-                 and query_seq_lengths is None and key_value_seq_lengths is None
-                 and q_segment_ids is None)
+                   and query_seq_lengths is None and key_value_seq_lengths is None
+                   and q_segment_ids is None)
   return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,
                              poisoned=poisoned, window=window, static_ranges=static_ranges)

@@ -59,8 +59,7 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   hardware's dynamic deal of the grid in that order beats a persistent
   deal by the same weights (docs/decisions/forward-reranked-by-device-weights.md).
   Ranges known when tracing are not re-ranked (``Problem.static_ranges``: a
-  window alone, or the whole keys): their static
-  order is already this one."""
+  window alone, or the whole keys): their static order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)
   lb, ub = kv_block_range(qi, tile_q=tile_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,

@@ -150,7 +150,7 @@ def forward_cases(problems, *, every_config: bool = False) -> list[tuple[Forward
       stages = plan_lib.pipeline_plan(p, c).num_stages
       layout = plan_lib.scratch_layout(p, c)
       overlay, reach = layout.overlay_q_with_output, layout.output_reaches_keys
-      slots = layout.output_overlaps(plan_lib.kernel_problem(p, c).return_residuals)
+      slots = plan_lib.output_slots(p, c)
       case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
                          c.block_q, c.block_kv, c.num_stages, overlay,
                          p.head_dim, (overlay or reach or bool(slots)) and p.return_residuals,

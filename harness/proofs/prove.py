@@ -194,23 +194,21 @@ def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
     cpus = len(os.sched_getaffinity(0))
   except AttributeError:  # no affinity on this OS
     cpus = os.cpu_count() or 1
-  quota = None
-  for path, read in ((os.path.join(cgroup, "cpu.max"), lambda t: t.split()),
-                     (os.path.join(cgroup, "cpu", "cpu.cfs_quota_us"), None)):
+
+  def words(*path):
+    with open(os.path.join(cgroup, *path)) as f:
+      return f.read().split()
+
+  try:
+    limit, period = words("cpu.max")[:2]                                # v2
+  except (OSError, ValueError):
     try:
-      with open(path) as f:
-        text = f.read()
-      if read is not None:
-        limit, period = read(text)[:2]
-      else:
-        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
-          limit, period = text.strip(), f.read().strip()
-      if limit not in ("max", "-1"):
-        quota = -(-int(limit) // int(period))
-      break
-    except (OSError, ValueError):
-      continue
-  return max(1, min(cpus, quota) if quota else cpus)
+      limit, period = words("cpu", "cpu.cfs_quota_us")[0], words("cpu", "cpu.cfs_period_us")[0]
+    except (OSError, IndexError):
+      return max(1, cpus)                                               # no quota files
+  if limit in ("max", "-1") or not (limit.isdigit() and period.isdigit()):
+    return max(1, cpus)                                                 # no quota
+  return max(1, min(cpus, -(-int(limit) // int(period))))
 
 
 def main(argv=None) -> int:

@@ -311,9 +311,9 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
       bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
       untiled_copies=case.untiled_copies, scale=0.125)
   layout = plan_lib.scratch_layout(traced, config)
-  slots = layout.output_overlaps(plan_lib.kernel_problem(traced, config).return_residuals)
   if (layout.overlay_q_with_output, layout.output_reaches_keys) != (
-          case.overlay_q, case.output_over_keys) or case.output_slots not in (None, slots):
+          case.overlay_q, case.output_over_keys) or \
+          case.output_slots not in (None, plan_lib.output_slots(traced, config)):
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
   with _spending("tracing"):
@@ -917,8 +917,7 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   if fail_fast:
     results = []
     for w in work:
-      learned = _programs_of((w, mutant, premise))
-      spent.update(learned[3])
+      learned = _learned(w, mutant, None, premise, spent)
       new = _collect([w], [learned], configs, distinct)
       results += new
       for prog, result in list(distinct.values()):

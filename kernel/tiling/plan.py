@@ -380,6 +380,14 @@ class ScratchLayout:
     return tuple(out)
 
 
+def output_slots(problem: Problem, config: Config) -> tuple:
+  """The query and key slots the output's buffers share bytes with, as the
+  kernel runs ``problem`` (:meth:`ScratchLayout.output_overlaps`, with the
+  residuals the launch stores)."""
+  return scratch_layout(problem, config).output_overlaps(
+      kernel_problem(problem, config).return_residuals)
+
+
 def kernel_problem(problem: Problem, config: Config) -> Problem:
   """The problem as the kernel runs it: under the split tail its pieces'
   (m, l) weigh them in the merge (kernel.forward.order.merge_pieces), so the

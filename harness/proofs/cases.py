@@ -76,13 +76,31 @@ class ForwardCase:
     key = (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
            self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
            self.output_over_keys, self.parts, self.dtype, self.output_slots,
-           # a ring cut to the key blocks (fewer than the config's stages):
            # its learned tables see no longer streams
-           (self.config_stages or self.num_stages) != self.num_stages)
+           self.ring_cut)
     if self.exact:
       key += (self.block_q, self.block_kv, self.config_stages, self.layout_head_dim,
               self.layout_head_dim_out)
     return key
+
+  @property
+  def ring_cut(self) -> bool:
+    """A ring cut to the key blocks, fewer than the config's stages."""
+    return (self.config_stages or self.num_stages) != self.num_stages
+
+  @property
+  def plain_proved(self) -> bool:
+    """Whether the proof reads the kernel a call of this config without key
+    ranges launches too (its key-block count compiled in): traced with the
+    keys' length symbolic (harness.proofs.prove_extracted.trace_plain),
+    which a non-causal round-robin launch allows.  A causal bound, the split
+    tail's pieces and the longest-first order are built on the host from
+    the lengths; a persistent block whose ring is cut runs tiles of one
+    compiled-in length, whose ring position (a multiple of the tile count)
+    the premise does not relate to its tiles (docs/proof.md, "What is not
+    proved")."""
+    return (not self.causal and self.schedule == "round-robin"
+            and not (self.persistent and self.ring_cut))
 
   @property
   def tile_q(self) -> int:

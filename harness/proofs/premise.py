@@ -291,6 +291,8 @@ class _Launch:
     self.units = {name: sy.units(name, _relabel(launch.roles.get(name, []), labels),
                                  persistent=self.persistent) for name in self.roles}
     self.sigma: dict = {}
+    self.sigma_range = True
+    self.ring_vars: dict = {}
     self.n_def = None
     self._memos: dict = {}
     self._sigma_memo: dict = {}
@@ -333,7 +335,9 @@ class _Launch:
     if not self._nonneg(self.n_def):  # a sum of max(0, .) terms needs no solver
       prove(f"{ref.name}'s key loop never runs backwards ([{lo!r}, {hi!r}))", ref.name,
             "loop", lambda full: tm.lt(self.n_def, 0))
-    self.sigma = _solve_for(self.n_def)
+    self.sigma, self.sigma_range = _solve_for(self.n_def)
+    if self.sigma_range is not True:  # n stands for a max(0, .): only where that is >= 0
+      self._dom_sig += tm.serialise(self.sigma_range)
     if not self.sigma:  # the domain then defines n by the producer's range
       self._dom_sig += tm.serialise(self.norm(self.ref, self.n_def, False))
     # the ring position: prev_iters from 0, n more per tile
@@ -396,6 +400,8 @@ class _Launch:
       parts.append(tm.le(N, prog.max_blocks))
     if self.persistent:
       parts += [tm.ge(T, 0), tm.ge(G, 0), tm.or_(tm.ge(T, 1), tm.eq(G, 0)), tm.ge(GT, 0)]
+    if self.sigma_range is not True:
+      parts.append(self.sigma_range)
     if not self.sigma:  # n has no atom of its own to stand for: defined by the range
       parts.append(tm.eq(N, self.norm(self.ref, self.n_def, full)))
     return tm.and_(*parts)
@@ -447,8 +453,10 @@ class _Launch:
         sig = None if full else "count:" + tm.serialise((got, expect, self._dom_sig))
         return tm.and_(self.domain(full), tm.ne(got, expect)), None, sig
 
-      out.append((f"{name} iterates max(0, n - {r.delta}) times per tile"
-                  if r.delta is not None else f"{name} never iterates", name, "count", count))
+      at = f" (its key loops at {', '.join(L.src for L in u.loops)})" if u.loops else ""
+      out.append((f"{name} iterates max(0, n - {r.delta}) times per tile{at}"
+                  if r.delta is not None else f"{name} never iterates{at}", name, "count",
+                  count))
 
       def unit(full, items, table, feats, extra_dom=True, name=name, extra=None):
         if extra is not None:  # the key loop's counter at iteration j
@@ -498,12 +506,13 @@ class _Launch:
     return out
 
 
-def _solve_for(n_def) -> dict:
+def _solve_for(n_def) -> tuple[dict, object]:
   """A substitution that writes the producer's range as the trip count:
   one atom of hi - lo with coefficient +-1 (a max of the range's bounds
-  first) replaced by what n = hi - lo makes it."""
+  first) replaced by what n = hi - lo makes it; and the range of n that
+  substitution holds on (a max(0, .) atom is never negative), else True."""
   if type(n_def) is int:
-    return {}
+    return {}, True
   c, mono = tm.lin(n_def)
   best = None
   for a, k in mono.items():
@@ -512,10 +521,13 @@ def _solve_for(n_def) -> dict:
       if best is None or rank < best[0]:
         best = (rank, a, k)
   if best is None:
-    return {}
+    return {}, True
   _, a, k = best
   rest = tm.sub(n_def, tm.scale(tm.of_atom(a), k))
-  return {a.key: tm.scale(tm.sub(N, rest), k)}
+  value = tm.scale(tm.sub(N, rest), k)
+  if a.op != "pos" or tm.serialise(value) == tm.serialise(N):  # n >= 0 is the domain's
+    return {a.key: value}, True
+  return {a.key: value}, tm.ge(value, 0)
 
 
 def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = None) -> Stats:

@@ -135,6 +135,15 @@ MUTANTS = (
            "with three compute warpgroups only warpgroup 0 passes the token after its last PV",
            (edit("pass_token_for_the_last_time",
                  "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),)),
+    # Only a call without key ranges runs this loop (no causal bound, whole
+    # key blocks): the kernels that read ranges never do, so only the proof
+    # of the plain kernels (prove_extracted.trace_plain) can refute it.
+    Mutant("plain_key_loop_one_block_short",
+           "a call without key ranges runs its unmasked key loop one block short",
+           (edit("key_loop",
+                 "carry = lax.fori_loop(lb, last, functools.partial(body, edge=False), carry)",
+                 "carry = lax.fori_loop(lb, last - 1, functools.partial(body, edge=False), "
+                 "carry)"),)),
 )
 
 BACKWARD_MUTANTS = (

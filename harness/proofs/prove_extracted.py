@@ -284,13 +284,10 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
   query tiles that the probed block's causal bound allows every probe
   (``kv_blocks``, ``tiles``: more key blocks, and more tiles per block,
   for a probe of longer trip counts)."""
-  from kernel.tiling import config as config_lib, plan as plan_lib
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
-  config_stages = case.config_stages or case.num_stages
   # effective stages = min(config, key blocks): fewer stages means that few keys
-  few = config_stages != case.num_stages
-  kv_blocks = case.num_stages if few else max(kv_blocks or 0, _kv_blocks(ring))
+  kv_blocks = case.num_stages if case.ring_cut else max(kv_blocks or 0, _kv_blocks(ring))
   if case.persistent:
     num_tiles = PROBE_SMS * max(tiles or 0, probe_tiles(ring))
   else:
@@ -300,14 +297,27 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
     # Half a wave more: the last one and a half waves are cut into pieces,
     # so every probed block ends its tiles with pieces (SplitTail).
     num_tiles += PROBE_SMS // 2
-  seq_q = num_tiles * case.tile_q
+  config, traced = _traced_problem(case, num_tiles, kv_blocks * case.block_kv)
+  with _spending("tracing"):
+    closed, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
+                                      head_dim=case.head_dim, head_dim_out=case.head_dim_out,
+                                      bias=case.bias, mask=case.mask,
+                                      module=modules.forward, num_sms=PROBE_SMS)
+  return closed, kernel, traced
+
+
+def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv):
+  """(config, problem) of ``case`` traced with ``num_tiles`` query tiles and
+  ``seq_kv`` keys, after checking that it stages the output where the case
+  does."""
+  from kernel.tiling import config as config_lib, plan as plan_lib
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
-                             num_stages=config_stages, persistent=case.persistent,
-                             schedule=case.schedule,
+                             num_stages=case.config_stages or case.num_stages,
+                             persistent=case.persistent, schedule=case.schedule,
                              compute_warpgroups=case.compute_warpgroups)
   traced = plan_lib.Problem(
       dtype=np.dtype(case.dtype), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
-      seq_q=seq_q, seq_kv=kv_blocks * case.block_kv, is_causal=case.causal,
+      seq_q=num_tiles * case.tile_q, seq_kv=seq_kv, is_causal=case.causal,
       bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
       untiled_copies=case.untiled_copies, scale=0.125)
   layout = plan_lib.scratch_layout(traced, config)
@@ -316,12 +326,50 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
           case.output_slots not in (None, plan_lib.output_slots(traced, config)):
     raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
+  return config, traced
+
+
+# The ragged plain trace's keys past its last whole block: the kernel masks
+# them, which is arithmetic; any count from 1 to block_kv - 1 takes the
+# same branches (kernel.forward.context.Kernel.ragged_kv).
+RAGGED_KEYS = 37
+
+
+def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
+  """(kernel eqn, dims) of the kernel a call of ``case``'s config without
+  key ranges launches (its key-block count compiled in), traced with the
+  keys' length a symbolic dimension: ``block_kv * m`` keys (``ragged``: and
+  :data:`RAGGED_KEYS` more) for every m that fills the config's ring, so
+  that :func:`harness.proofs.symbolic.extract_symbolic` reads its trip count
+  as a variable (``dims``: each symbol's lower bound).  A ring cut to fewer
+  key blocks than the config's stages (the case's ``config_stages``) runs
+  exactly ``num_stages`` blocks: traced at that length, ``dims`` empty.
+  Only :attr:`ForwardCase.plain_proved` cases: a causal bound, the split
+  tail's pieces and the longest-first order are built on the host from
+  the lengths."""
+  from jax import export
+  if not case.plain_proved:
+    raise ValueError(f"{case.describe()}: its plain kernel is built from the lengths on "
+                     f"the host and cannot be traced for every length")
+  modules = modules or shipped_modules()
+  ring = _ring(case.num_stages)
+  extra = RAGGED_KEYS if ragged else 0
+  if case.ring_cut:
+    blocks, dims = case.num_stages - (1 if ragged else 0), {}
+  else:
+    # at least the ring's stages of key blocks, the ragged one counted
+    floor = case.num_stages - (1 if ragged else 0)
+    (blocks,) = export.symbolic_shape("m", constraints=(f"m >= {floor}",))
+    dims = {"m": floor}
+  num_tiles = PROBE_SMS * probe_tiles(ring) if case.persistent else _probe_trips(ring) + 1
+  config, traced = _traced_problem(case, num_tiles, blocks * case.block_kv + extra)
   with _spending("tracing"):
-    closed, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles, kv_blocks=kv_blocks,
-                                      head_dim=case.head_dim, head_dim_out=case.head_dim_out,
-                                      bias=case.bias, mask=case.mask,
-                                      module=modules.forward, num_sms=PROBE_SMS)
-  return closed, kernel, traced
+    _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
+                                 kv_blocks=blocks + (1 if ragged else 0),
+                                 head_dim=case.head_dim, head_dim_out=case.head_dim_out,
+                                 bias=case.bias, mask=case.mask, key_ranges=False,
+                                 module=modules.forward, num_sms=PROBE_SMS)
+  return kernel, dims
 
 
 def _split_tail_table(consts: dict, case: ForwardCase):
@@ -353,7 +401,34 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   prog = prober.learn()
   if not premise:
     return prog
-  return _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  prog = _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  return _plain_proved(case, prog, prober.modules) if case.plain_proved else prog
+
+
+# The plain-call kernels of a case (trace_plain's ``ragged``), as named in failures.
+PLAIN_KERNELS = {"whole key blocks": False, "ragged keys": True}
+
+
+def _plain_proved(case: ForwardCase, prog: rp.LaunchProgram, modules) -> rp.LaunchProgram:
+  """``prog``, the program of ``case``'s kernel that reads key ranges,
+  (P) proved, once Z3 proves (P) of the kernels a call without key ranges
+  launches (:func:`trace_plain`, whole key blocks and ragged) against the
+  same tables: each unit of theirs, at every trip count and ring position,
+  is the table's entry, so their launches are environments of ``prog``
+  and its check covers them.  A plain kernel that synchronises otherwise
+  fails, with Z3's position and trip count and both event lists."""
+  from harness.proofs import premise, symbolic
+  stats = premise.Stats()
+  stats.queries, stats.solved, stats.seconds = prog.z3
+  for name, ragged in PLAIN_KERNELS.items():
+    kernel, dims = trace_plain(case, ragged=ragged, modules=modules)
+    try:
+      with _spending("premise"):
+        stats.add(premise.prove(prog, symbolic.extract_symbolic(kernel, dims)))
+    except premise.PremiseFailure as f:
+      raise rp.PremiseError(f"the kernel of a call without key ranges ({name}) does not "
+                            f"synchronise as the kernel that reads them: {f}") from None
+  return dataclasses.replace(prog, z3=stats.summary(), plain=tuple(PLAIN_KERNELS))
 
 
 MAX_COUNTEREXAMPLES = 8   # probes of Z3's counterexamples before a failure is final
@@ -406,7 +481,7 @@ class _ForwardProber:
     self.ring = _ring(case.num_stages)
     # A config with more stages than key blocks runs with as many stages as
     # blocks: its problems have no more key blocks than that.
-    self.few = (case.config_stages or case.num_stages) != case.num_stages
+    self.few = case.ring_cut
     self.learner = rp.Learner(f"forward {case.describe()}", self.ring,
                               persistent=case.persistent,
                               max_blocks=case.num_stages if self.few else None)
@@ -803,6 +878,7 @@ class Result:
   # per launch program it covers: what proving (P) by Z3 took (premise.Stats'
   # summary), or () where (P) was only tested by the probes
   z3: list = dataclasses.field(default_factory=list)
+  plain: int = 0                   # plain-call kernels proved to run its programs
 
   @property
   def ok(self) -> bool:
@@ -1114,10 +1190,11 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
         r.configs += configs.get(id(case), 0)
         r.seconds += seconds / len(progs)
         r.z3.append(prog.z3)
+        r.plain += len(prog.plain)
         continue
       r = Result(name, [case.describe() if kind == "forward" else name],
                  configs.get(id(case), 0), seconds=seconds / len(progs), premise=premise,
-                 z3=[prog.z3] if premise is None else [])
+                 z3=[prog.z3] if premise is None else [], plain=len(prog.plain))
       results.append(r)
       distinct[key if premise is None else (key, kind, case, i)] = (prog, r)
   return results

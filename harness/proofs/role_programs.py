@@ -262,6 +262,9 @@ class LaunchProgram:
   # what proving (P) for it took (harness/proofs/premise.py's Stats.summary);
   # empty where it was not proved
   z3: tuple = dataclasses.field(default=(), compare=False)
+  # the plain-call kernels (no key ranges) Z3 proved to run this program
+  # too (harness/proofs/prove_extracted.py's _plain_proved), by name
+  plain: tuple = dataclasses.field(default=(), compare=False)
 
   def key(self):
     """Two launches with equal keys are the same transition system."""

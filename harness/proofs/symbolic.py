@@ -112,11 +112,73 @@ def _items_events(items):
       yield from _items_events(it.body)
 
 
+class _Linear:
+  """A term standing in for a symbol while jax.export evaluates a symbolic
+  dimension: sums and integer multiples stay terms, anything else (a
+  product of symbols, a division, a max) is refused."""
+
+  __slots__ = ("term",)
+
+  def __init__(self, term):
+    self.term = term
+
+  def __add__(self, other):
+    other = other.term if isinstance(other, _Linear) else _dim_int(other)
+    return _Linear(tm.add(self.term, other))
+
+  __radd__ = __add__
+
+  def __mul__(self, other):
+    if isinstance(other, _Linear):
+      raise _NotLinear
+    return _Linear(tm.mul(self.term, _dim_int(other)))
+
+  __rmul__ = __mul__
+
+  def __getattr__(self, name):
+    raise _NotLinear
+
+
+class _NotLinear(Exception):
+  pass
+
+
+def _dim_int(x) -> int:
+  import operator
+  try:
+    return operator.index(x)
+  except TypeError:
+    raise _NotLinear from None
+
+
+def dim_term(dim, floors: dict, src: str = ""):
+  """A symbolic dimension of the trace (jax.export's: the keys' length of a
+  plain call, :func:`harness.proofs.prove_extracted.trace_plain`) as a
+  term: symbol s is ``floors[s] + max(0, v_s)``, every value from the lower
+  bound the trace was made under up.  Only a linear expression of the
+  symbols is a term."""
+  if isinstance(dim, int):
+    return dim
+  names = sorted(dim._get_vars())
+  missing = [v for v in names if v not in floors]
+  if missing:
+    raise ex.ExtractionError(f"{src}: symbolic dimension {dim} has no lower bound for "
+                             f"{missing[0]}")
+  env = {v: _Linear(tm.add(floors[v], tm.pos(tm.var("dim." + v)))) for v in names}
+  try:
+    out = dim._evaluate(env)
+  except _NotLinear:
+    raise ex.ExtractionError(f"{src}: symbolic dimension {dim} is not linear in its "
+                             f"symbols") from None
+  return out.term if isinstance(out, _Linear) else _dim_int(out)
+
+
 class _SymInterp(ex._Interp):
   """The extractor's interpreter over terms (module docstring)."""
 
-  def __init__(self, kernel_eqn, axes: dict):
+  def __init__(self, kernel_eqn, axes: dict, dims: dict | None = None):
     super().__init__(kernel_eqn, env=None, axes=axes)
+    self.dims = dims or {}   # symbolic dimension -> its lower bound
     self.guard = True
     self.items: list = []
     self.role_items: dict = {}
@@ -181,6 +243,8 @@ class _SymInterp(ex._Interp):
             "ge": tm.ge}[name](a, b)
 
   def eqn_(self, eqn, name, ins, prog):
+    if name == "dim_as_value":
+      return [dim_term(eqn.params["dim"], self.dims, self._src(eqn, prog))]
     if name in ex.PURE and any(_int_aval(v.aval) for v in eqn.outvars):
       why = next((x for x in ins if isinstance(x, Unexpressed)), None)
       if why is not None:  # what it was made from cannot be expressed: nor can it
@@ -526,16 +590,17 @@ def subst_items(items, mapping, memo=None):
   return _subst_items(items, mapping, memo)
 
 
-def extract_symbolic(kernel_eqn) -> SymLaunch:
+def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
   """Every role of one ``mpmd_map`` kernel, read symbolically (grid indices
   are variables, integers read from global memory uninterpreted
-  functions)."""
+  functions, each symbolic dimension of ``dims`` (its lower bound) a
+  variable from that bound up: :func:`dim_term`)."""
   tm.reset()
   mesh = kernel_eqn.params["meshes"][0]
   (body,) = kernel_eqn.params["jaxprs"]
   roles, threads = {}, {}
   for w in range(mesh.num_threads):
-    interp = _SymInterp(kernel_eqn, {mesh.thread_name: w})
+    interp = _SymInterp(kernel_eqn, {mesh.thread_name: w}, dims)
     interp.role = f"wg{w}"
     interp.items = interp.role_items.setdefault(interp.role, [])
     gm = [ex.RefV(ex.Buffer(f"gmem_in{i}", "gmem", tuple(getattr(v.aval, "shape", ()))))

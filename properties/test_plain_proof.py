@@ -1,0 +1,82 @@
+"""The kernels a call without key ranges launches (their key-block count
+compiled in), proved by Z3 to run the launch programs of the kernels that
+read ranges (harness/proofs/prove_extracted.py's trace_plain and
+_plain_proved): traced with the keys' length a symbolic dimension, read
+with its trip count a variable, and held against the ranged program's
+tables at every trip count and ring position."""
+
+import dataclasses
+
+import pytest
+from jax import export
+
+from harness.proofs import extract
+from harness.proofs import prove_extracted as pe
+from harness.proofs import protocol_mutants as pmut
+from harness.proofs import role_programs as rp
+from harness.proofs import symbolic as sy
+from harness.proofs import terms as tm
+
+ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
+PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+SLIP = "plain_key_loop_one_block_short"
+
+
+@pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT], ids=["one tile", "persistent"])
+def test_a_plain_kernel_is_proved_to_run_the_ranged_program(case):
+  prog = pe.forward_program(case)
+  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+  assert prog.z3 and prog.z3[0] > 0
+
+
+def test_the_keys_length_is_a_variable_from_the_ring_up():
+  """The producer's key loop runs to the symbolic key-block count: a
+  variable of the terms, from the ring's stages up (one fewer whole
+  block when the keys are ragged)."""
+  for ragged, floor in ((False, 2), (True, 1)):
+    kernel, dims = pe.trace_plain(ONE_TILE, ragged=ragged)
+    assert dims == {"m": floor}
+    units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
+                     persistent=False)
+    (loop,) = units.loops
+    assert "dim.m" in tm.serialise(loop.hi), loop.hi
+  with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
+    sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0], {})
+
+
+def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop():
+  """The unmasked loop of a call without key ranges (no causal bound, whole
+  blocks) run one block short: the kernel that reads ranges never runs that
+  loop, so its program is learned and (P) proved as the shipped one's; Z3
+  refutes the plain kernel, naming the mutated loop's line."""
+  modules = pmut.modules(pmut.BY_NAME[SLIP])
+  prober = pe._ForwardProber(ONE_TILE, modules, None)
+  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  assert prog.z3 and not prog.plain
+  with pytest.raises(rp.PremiseError, match=r"without key ranges \(whole key blocks\)") as err:
+    pe._plain_proved(ONE_TILE, prog, modules)
+  assert f"kernel/forward/mainloop.mutant_{SLIP}.py:" in str(err.value), err.value
+
+
+def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
+  a, b = export.symbolic_shape("a, b")
+  t = sy.dim_term(3 * a + 2 * b + 5, {"a": 2, "b": 0})
+  # each symbol is its floor plus a variable's positive part
+  assert tm.evaluate(t, {"dim.a": 4, "dim.b": -3}) == 3 * (2 + 4) + 2 * 0 + 5
+  assert sy.dim_term(7, {}) == 7
+  for bad in (a * b, a // 2, a % 3):
+    with pytest.raises(extract.ExtractionError, match="not linear"):
+      sy.dim_term(bad, {"a": 0, "b": 0})
+
+
+def test_which_protocols_have_their_plain_kernel_read():
+  assert ONE_TILE.plain_proved and PERSISTENT.plain_proved
+  assert not dataclasses.replace(ONE_TILE, causal=True).plain_proved
+  assert not dataclasses.replace(PERSISTENT, schedule="split-tail").plain_proved
+  assert not dataclasses.replace(ONE_TILE, schedule="longest-first").plain_proved
+  # a ring cut to fewer key blocks than the config's stages
+  cut = dataclasses.replace(ONE_TILE, num_stages=1, config_stages=2)
+  assert cut.ring_cut and cut.plain_proved
+  assert not dataclasses.replace(cut, persistent=True).plain_proved
+  with pytest.raises(ValueError, match="built from the lengths on the host"):
+    pe.trace_plain(dataclasses.replace(ONE_TILE, causal=True), ragged=False)

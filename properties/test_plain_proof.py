@@ -19,27 +19,39 @@ from harness.proofs import terms as tm
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+CAUSAL = pe.ForwardCase(2, False, "round-robin", False, False, True, 64, 128, 2)
 SLIP = "plain_key_loop_one_block_short"
 
 
-@pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT], ids=["one tile", "persistent"])
+@pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT, CAUSAL],
+                         ids=["one tile", "persistent", "causal"])
 def test_a_plain_kernel_is_proved_to_run_the_ranged_program(case):
   prog = pe.forward_program(case)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
   assert prog.z3 and prog.z3[0] > 0
 
 
+def _producer_loop(kernel, dims):
+  units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
+                   persistent=False)
+  (loop,) = units.loops
+  return tm.serialise(loop.hi)
+
+
 def test_the_keys_length_is_a_variable_from_the_ring_up():
   """The producer's key loop runs to the symbolic key-block count: a
   variable of the terms, from the ring's stages up (one fewer whole
-  block when the keys are ragged)."""
+  block when the keys are ragged); causal, cut at the queries' end, whose
+  tile count is a variable too."""
   for ragged, floor in ((False, 2), (True, 1)):
     kernel, dims = pe.trace_plain(ONE_TILE, ragged=ragged)
     assert dims == {"m": floor}
-    units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
-                     persistent=False)
-    (loop,) = units.loops
-    assert "dim.m" in tm.serialise(loop.hi), loop.hi
+    hi = _producer_loop(kernel, dims)
+    assert "dim.m" in hi and "dim.mq" not in hi, hi
+  kernel, dims = pe.trace_plain(CAUSAL, ragged=True)
+  assert dims == {"m": 1, "mq": 1}
+  hi = _producer_loop(kernel, dims)
+  assert "dim.m" in hi and "dim.mq" in hi, hi
   with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
     sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0], {})
 
@@ -70,13 +82,13 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
 
 
 def test_which_protocols_have_their_plain_kernel_read():
-  assert ONE_TILE.plain_proved and PERSISTENT.plain_proved
-  assert not dataclasses.replace(ONE_TILE, causal=True).plain_proved
+  assert ONE_TILE.plain_proved and PERSISTENT.plain_proved and CAUSAL.plain_proved
+  assert not dataclasses.replace(PERSISTENT, causal=True).plain_proved
   assert not dataclasses.replace(PERSISTENT, schedule="split-tail").plain_proved
-  assert not dataclasses.replace(ONE_TILE, schedule="longest-first").plain_proved
+  assert not dataclasses.replace(CAUSAL, schedule="longest-first").plain_proved
   # a ring cut to fewer key blocks than the config's stages
   cut = dataclasses.replace(ONE_TILE, num_stages=1, config_stages=2)
   assert cut.ring_cut and cut.plain_proved
   assert not dataclasses.replace(cut, persistent=True).plain_proved
   with pytest.raises(ValueError, match="built from the lengths on the host"):
-    pe.trace_plain(dataclasses.replace(ONE_TILE, causal=True), ragged=False)
+    pe.trace_plain(dataclasses.replace(CAUSAL, schedule="longest-first"), ragged=False)

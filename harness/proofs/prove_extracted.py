@@ -343,27 +343,32 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   that :func:`harness.proofs.symbolic.extract_symbolic` reads its trip count
   as a variable (``dims``: each symbol's lower bound).  A ring cut to fewer
   key blocks than the config's stages (the case's ``config_stages``) runs
-  exactly ``num_stages`` blocks: traced at that length, ``dims`` empty.
-  Only :attr:`ForwardCase.plain_proved` cases: a causal bound, the split
-  tail's pieces and the longest-first order are built on the host from
-  the lengths."""
+  exactly ``num_stages`` blocks: traced at that length.  Causal, the query
+  tiles are a symbol too (``tile_q * mq`` queries, mq >= 1), since the
+  causal bound cuts the trip count at the queries' end.  Only
+  :attr:`ForwardCase.plain_proved` cases (its docstring says why)."""
   from jax import export
+  from jax.experimental import pallas as pl
   if not case.plain_proved:
     raise ValueError(f"{case.describe()}: its plain kernel is built from the lengths on "
                      f"the host and cannot be traced for every length")
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
-  extra = RAGGED_KEYS if ragged else 0
-  if case.ring_cut:
-    blocks, dims = case.num_stages - (1 if ragged else 0), {}
-  else:
-    # at least the ring's stages of key blocks, the ragged one counted
-    floor = case.num_stages - (1 if ragged else 0)
-    (blocks,) = export.symbolic_shape("m", constraints=(f"m >= {floor}",))
-    dims = {"m": floor}
-  num_tiles = PROBE_SMS * probe_tiles(ring) if case.persistent else _probe_trips(ring) + 1
-  config, traced = _traced_problem(case, num_tiles, blocks * case.block_kv + extra)
-  with _spending("tracing"):
+  # at least the ring's stages of key blocks, the ragged one counted
+  floor = case.num_stages - (1 if ragged else 0)
+  dims = {} if case.ring_cut else {"m": floor}
+  if case.causal:
+    dims["mq"] = 1
+  names = sorted(dims)
+  symbols = dict(zip(names, export.symbolic_shape(
+      ", ".join(names), constraints=tuple(f"{n} >= {dims[n]}" for n in names)))) if names else {}
+  blocks = symbols.get("m", floor)
+  num_tiles = symbols.get("mq", PROBE_SMS * probe_tiles(ring) if case.persistent
+                          else _probe_trips(ring) + 1)
+  config, traced = _traced_problem(case, num_tiles,
+                                   blocks * case.block_kv + (RAGGED_KEYS if ragged else 0))
+  # a symbolic grid (the query tiles') is Pallas's experimental export
+  with _spending("tracing"), pl.pallas_export_experimental(dynamic_shapes="mq" in dims):
     _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
                                  kv_blocks=blocks + (1 if ragged else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,

@@ -7,6 +7,7 @@ tables at every trip count and ring position."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 from jax import export
 
@@ -20,11 +21,13 @@ from harness.proofs import terms as tm
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
 CAUSAL = pe.ForwardCase(2, False, "round-robin", False, False, True, 64, 128, 2)
+SPLIT = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+LONGEST = pe.ForwardCase(2, True, "longest-first", False, False, True, 64, 128, 2)
 SLIP = "plain_key_loop_one_block_short"
 
 
-@pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT, CAUSAL],
-                         ids=["one tile", "persistent", "causal"])
+@pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT, CAUSAL, SPLIT, LONGEST],
+                         ids=["one tile", "persistent", "causal", "split tail", "longest-first"])
 def test_a_plain_kernel_is_proved_to_run_the_ranged_program(case):
   prog = pe.forward_program(case)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
@@ -56,18 +59,48 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
     sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0], {})
 
 
-def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop():
+@pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
+def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop(case):
   """The unmasked loop of a call without key ranges (no causal bound, whole
   blocks) run one block short: the kernel that reads ranges never runs that
   loop, so its program is learned and (P) proved as the shipped one's; Z3
   refutes the plain kernel, naming the mutated loop's line."""
   modules = pmut.modules(pmut.BY_NAME[SLIP])
-  prober = pe._ForwardProber(ONE_TILE, modules, None)
+  prober = pe._ForwardProber(case, modules, None)
   prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
   assert prog.z3 and not prog.plain
   with pytest.raises(rp.PremiseError, match=r"without key ranges \(whole key blocks\)") as err:
-    pe._plain_proved(ONE_TILE, prog, modules)
+    pe._plain_proved(case, prog, modules)
   assert f"kernel/forward/mainloop.mutant_{SLIP}.py:" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one tile", "persistent"])
+def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
+  """The longest-first order's tables the plain trace stands in (the host
+  builds them from the lengths) have the ranks, the blocks and at least the
+  entries of the host's, and the order's kind and tile count."""
+  from kernel.forward import order as order_lib
+  from kernel.tiling import config as config_lib, plan as plan_lib
+  from kernel.variant import SHIPPED
+  config = config_lib.Config(64, 128, num_stages=2, persistent=persistent,
+                             schedule="longest-first")
+  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 40 * 128, 40 * 128, is_causal=True,
+                       scale=0.125)
+  kw = dict(batch=2, num_heads=2, num_kv_heads=1, num_tiles=40 * 128 // config.tile_q,
+            s_pad=40 * 128, head_dim=64, head_dim_out=64, itemsize=2, k_range_tiles=None,
+            num_sms=16)
+  host_order, host_tables = order_lib._schedule(f, config, SHIPPED, **kw)
+  modules = pe.shipped_modules()
+  with pe._symbolic_schedule(modules, 8 * 128):
+    order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
+        f, config, SHIPPED, **kw)
+  assert type(order) is type(host_order)
+  assert (order.num_tiles, order.total) == (host_order.num_tiles, host_order.total)
+  for mine, host in zip(tables, host_tables, strict=True):
+    assert (mine is None) == (host is None)
+    if host is not None:
+      assert mine.ndim == host.ndim and mine.shape[0] == host.shape[0], (mine.shape, host.shape)
+      assert mine.shape[1:] >= host.shape[1:] and mine.dtype == host.dtype
 
 
 def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
@@ -82,13 +115,12 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
 
 
 def test_which_protocols_have_their_plain_kernel_read():
-  assert ONE_TILE.plain_proved and PERSISTENT.plain_proved and CAUSAL.plain_proved
-  assert not dataclasses.replace(PERSISTENT, causal=True).plain_proved
-  assert not dataclasses.replace(PERSISTENT, schedule="split-tail").plain_proved
-  assert not dataclasses.replace(CAUSAL, schedule="longest-first").plain_proved
+  for case in (ONE_TILE, PERSISTENT, CAUSAL, SPLIT, LONGEST):
+    assert case.plain_proved
   # a ring cut to fewer key blocks than the config's stages
   cut = dataclasses.replace(ONE_TILE, num_stages=1, config_stages=2)
   assert cut.ring_cut and cut.plain_proved
-  assert not dataclasses.replace(cut, persistent=True).plain_proved
-  with pytest.raises(ValueError, match="built from the lengths on the host"):
-    pe.trace_plain(dataclasses.replace(CAUSAL, schedule="longest-first"), ragged=False)
+  persistent_cut = dataclasses.replace(cut, persistent=True)
+  assert not persistent_cut.plain_proved
+  with pytest.raises(ValueError, match="whose ring is cut"):
+    pe.trace_plain(persistent_cut, ragged=False)

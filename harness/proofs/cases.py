@@ -91,18 +91,13 @@ class ForwardCase:
   @property
   def plain_proved(self) -> bool:
     """Whether the proof reads the kernel a call of this config without key
-    ranges launches too (its key-block count compiled in): traced with the
-    keys' length symbolic, and causal the queries' too
-    (harness.proofs.prove_extracted.trace_plain), which a round-robin
-    launch allows.  The split tail's pieces and the longest-first order
-    are tables built on the host from the lengths; a persistent causal
-    block walks its tiles by a remainder by the symbolic tile count, which
-    linear arithmetic cannot express; a persistent block whose ring is cut
-    runs tiles of one compiled-in length, whose ring position (a multiple
-    of the tile count) the premise does not relate to its tiles
-    (docs/proof.md, "What is not proved")."""
-    return self.schedule == "round-robin" and not (
-        self.persistent and (self.causal or self.ring_cut))
+    ranges launches too (its key-block count compiled in), traced with the
+    lengths symbolic (harness.proofs.prove_extracted.trace_plain): every
+    one but a persistent block's whose ring is cut, which runs tiles of one
+    compiled-in length, so that its ring position is a multiple of its tile
+    count, which the premise does not relate to its tiles (docs/proof.md,
+    "What is not proved")."""
+    return not (self.persistent and self.ring_cut)
 
   @property
   def tile_q(self) -> int:

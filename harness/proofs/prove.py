@@ -324,11 +324,10 @@ def main(argv=None) -> int:
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   plain = sum(r.plain for r in results)
   unread = sum(kind == "forward" and not case.plain_proved for kind, case, _ in items)
-  print(f"calls without lengths, a window or segments: {plain} of their kernels, "
-        f"whose key-block count is compiled in, proved by Z3 to run the launch programs "
-        f"above (round-robin launches, persistent ones not causal; whole key blocks and "
-        f"ragged); not proved: those of the other {unread} forward protocols (split tail, "
-        f"longest-first, persistent causal, a persistent ring cut to the key blocks) and the "
+  print(f"calls without lengths, a window or segments: {plain} of their kernels, whose "
+        f"key-block count is compiled in, proved by Z3 to run the launch programs above "
+        f"(whole key blocks and ragged, at every length); not proved: those of the other "
+        f"{unread} forward protocols (a persistent ring cut to the key blocks) and the "
         f"backward's")
   stats = [z for r in results for z in r.z3 if z]
   if premise:

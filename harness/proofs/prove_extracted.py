@@ -344,21 +344,25 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   as a variable (``dims``: each symbol's lower bound).  A ring cut to fewer
   key blocks than the config's stages (the case's ``config_stages``) runs
   exactly ``num_stages`` blocks: traced at that length.  Causal, the query
-  tiles are a symbol too (``tile_q * mq`` queries, mq >= 1), since the
-  causal bound cuts the trip count at the queries' end.  Only
+  tiles are a symbol too (``tile_q * mq`` queries, mq >= 1, persistent
+  mq >= PROBE_SMS), since the causal bound cuts the trip count at the
+  queries' end.  The host's order tables are built from the lengths:
+  :func:`_symbolic_schedule` stands in for them.  Only
   :attr:`ForwardCase.plain_proved` cases (its docstring says why)."""
   from jax import export
   from jax.experimental import pallas as pl
   if not case.plain_proved:
-    raise ValueError(f"{case.describe()}: its plain kernel is built from the lengths on "
-                     f"the host and cannot be traced for every length")
+    raise ValueError(f"{case.describe()}: a persistent block whose ring is cut runs tiles of "
+                     f"one compiled-in length; its plain kernel is not traced")
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
   # at least the ring's stages of key blocks, the ragged one counted
   floor = case.num_stages - (1 if ragged else 0)
   dims = {} if case.ring_cut else {"m": floor}
   if case.causal:
-    dims["mq"] = 1
+    # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
+    # the ranged traces have (min(SMs, tiles) is then decided)
+    dims["mq"] = PROBE_SMS if case.persistent else 1
   names = sorted(dims)
   symbols = dict(zip(names, export.symbolic_shape(
       ", ".join(names), constraints=tuple(f"{n} >= {dims[n]}" for n in names)))) if names else {}
@@ -368,13 +372,52 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   config, traced = _traced_problem(case, num_tiles,
                                    blocks * case.block_kv + (RAGGED_KEYS if ragged else 0))
   # a symbolic grid (the query tiles') is Pallas's experimental export
-  with _spending("tracing"), pl.pallas_export_experimental(dynamic_shapes="mq" in dims):
+  with _spending("tracing"), pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
+          _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv):
     _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
                                  kv_blocks=blocks + (1 if ragged else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=False,
                                  module=modules.forward, num_sms=PROBE_SMS)
   return kernel, dims
+
+
+@contextlib.contextmanager
+def _symbolic_schedule(modules, seq_kv: int):
+  """The launch's order tables (kernel/forward/order.py's ``_schedule``)
+  while a plain kernel is traced with symbolic lengths, from which the host
+  cannot build them.  The proof reads every table the kernel reads from
+  memory as free values (harness/proofs/symbolic.py), so only their shapes
+  and the order's kind matter: a longest-first order of the traced
+  (symbolic) tiles with tables of zeros of the launch's shapes, whose
+  tile ids the kernel unpacks by the symbolic tile count; the split
+  tail's (non-causal: its tiles' key blocks need no query index) as the
+  host builds it for ``seq_kv`` keys; round-robin, none, as on the host.
+  properties/test_plain_proof.py holds the shapes to the host's."""
+  import jax.numpy as jnp
+  from kernel.tiling import schedule as schedule_lib
+  scope = modules.forward.flash_attention_forward.__globals__
+  host = scope["_schedule"]
+
+  def schedule(f, config, variant, *, batch, num_heads, num_tiles, num_sms, **lengths):
+    if config.schedule == "split-tail":
+      return host(dataclasses.replace(f, seq_kv=seq_kv), config, variant, batch=batch,
+                  num_heads=num_heads, num_tiles=num_tiles, num_sms=num_sms, **lengths)
+    if config.schedule != "longest-first":
+      return host(f, config, variant, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
+                  num_sms=num_sms, **lengths)
+    order = schedule_lib.Schedule(batch, num_heads, num_tiles, np.zeros(0, np.int32),
+                                  np.zeros(0, np.int64))
+    total = batch * num_heads * num_tiles
+    if config.persistent:
+      return order, (jnp.zeros((num_sms, total), jnp.int32), jnp.zeros((num_sms,), jnp.int32))
+    return order, (jnp.zeros((total,), jnp.int32), None)
+
+  scope["_schedule"] = schedule
+  try:
+    yield
+  finally:
+    scope["_schedule"] = host
 
 
 def _split_tail_table(consts: dict, case: ForwardCase):

@@ -30,7 +30,10 @@ refused (:class:`harness.proofs.extract.UnknownPrimitive`), and an integer
 that linear arithmetic cannot express (a product of two loop-dependent
 values, a division by one) is opaque; where the protocol depends on an
 opaque value (a slot, a guard, a loop bound, a named barrier id) the run
-fails, naming the primitive and its source line.
+fails, naming the primitive and its source line.  One exception widens
+instead: a division or remainder by a symbolic dimension of a plain trace
+(:func:`dim_term`: a tile count) is an uninterpreted function of its
+operands, any value, equal for equal operands, as a read from memory is.
 """
 
 from __future__ import annotations
@@ -110,6 +113,11 @@ def _items_events(items):
       yield it
     else:
       yield from _items_events(it.body)
+
+
+def _by_dimension(x) -> bool:
+  """Whether the term ``x`` reads a symbolic dimension (:func:`dim_term`)."""
+  return any(a.op == "var" and a.args[0].startswith("dim.") for a in tm.atoms_of(x))
 
 
 class _Linear:
@@ -238,6 +246,11 @@ class _SymInterp(ex._Interp):
       return tm.min_(a, b)
     if name in ("mul", "div", "rem"):
       out = {"mul": tm.mul, "div": tm.div, "rem": tm.rem}[name](a, b)
+      if out is None and name != "mul" and tm.is_int(b) and type(b) is not int \
+              and _by_dimension(b):
+        # by a symbolic dimension (a tile count of a plain trace): a value
+        # of its operands, any value (an uninterpreted function)
+        return tm.read(f"{name} by a dimension", (a, b))
       return self._unexpressed(name, eqn, prog) if out is None else out
     return {"eq": tm.eq, "ne": tm.ne, "lt": tm.lt, "le": tm.le, "gt": tm.gt,
             "ge": tm.ge}[name](a, b)

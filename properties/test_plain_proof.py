@@ -17,6 +17,7 @@ from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
 from harness.proofs import terms as tm
+from harness.tools.anchors import edit
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
 PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
@@ -114,13 +115,22 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
       sy.dim_term(bad, {"a": 0, "b": 0})
 
 
-def test_which_protocols_have_their_plain_kernel_read():
-  for case in (ONE_TILE, PERSISTENT, CAUSAL, SPLIT, LONGEST):
-    assert case.plain_proved
-  # a ring cut to fewer key blocks than the config's stages
-  cut = dataclasses.replace(ONE_TILE, num_stages=1, config_stages=2)
-  assert cut.ring_cut and cut.plain_proved
-  persistent_cut = dataclasses.replace(cut, persistent=True)
-  assert not persistent_cut.plain_proved
-  with pytest.raises(ValueError, match="whose ring is cut"):
-    pe.trace_plain(persistent_cut, ragged=False)
+def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
+  """A config with more stages than key blocks runs as many stages as
+  blocks: its plain kernel is traced at that length; a persistent block's
+  tiles then each take that many blocks, so tile t starts at that many
+  times t (premise's fixed ring), which the proof holds it to."""
+  cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
+  assert cut.ring_cut
+  kernel, dims = pe.trace_plain(cut, ragged=False)
+  assert dims == {}
+  prog = pe.forward_program(cut)
+  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+  # a plain kernel whose producer keeps no ring position across tiles (so
+  # never waits for a release after the first tile), held to the shipped
+  # program
+  m = pmut.Mutant("producer_forgets_the_ring", "the producer's position restarts each tile",
+                  (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",
+                        "st = ring_state(keys, 0 * prev_iters, lb, ki)"),))
+  with pytest.raises(rp.PremiseError, match="without key ranges"):
+    pe._plain_proved(cut, prog, pmut.modules(m))

@@ -89,17 +89,6 @@ class ForwardCase:
     return (self.config_stages or self.num_stages) != self.num_stages
 
   @property
-  def plain_proved(self) -> bool:
-    """Whether the proof reads the kernel a call of this config without key
-    ranges launches too (its key-block count compiled in), traced with the
-    lengths symbolic (harness.proofs.prove_extracted.trace_plain): every
-    one but a persistent block's whose ring is cut, which runs tiles of one
-    compiled-in length, so that its ring position is a multiple of its tile
-    count, which the premise does not relate to its tiles (docs/proof.md,
-    "What is not proved")."""
-    return not (self.persistent and self.ring_cut)
-
-  @property
   def tile_q(self) -> int:
     """The config's query tile (kernel.tiling.config.Config.tile_q)."""
     from kernel.tiling.config import Config

@@ -293,6 +293,7 @@ class _Launch:
     self.sigma: dict = {}
     self.sigma_range = True
     self.ring_vars: dict = {}
+    self.fixed_ring: tuple = ()
     self.n_def = None
     self._memos: dict = {}
     self._sigma_memo: dict = {}
@@ -357,6 +358,19 @@ class _Launch:
         mapping[tm.var(v).mono[0][0].key] = G
         mapping[tm.var(end).mono[0][0].key] = GT
       self.ring_vars[name] = mapping
+    # Every tile of one compiled-in trip count (a plain kernel whose ring is
+    # cut to its key blocks): prev_iters advances by that constant, so the
+    # symbolic run has it as n times the tile counter, no accumulator.  Tile
+    # t then starts at ring position n * t, and the tile loop ends at n
+    # times its tiles.
+    self.fixed_ring = ()
+    if self.persistent and type(self.n_def) is int and tiles and \
+            not any(self.ring_vars.values()):
+      lo, hi = next(iter(tiles.values()))
+      walked = tm.subst(tm.sub(hi, lo), self.tmap.get(self.ref, {}))
+      self.fixed_ring = (tm.eq(G, tm.scale(T, self.n_def)),
+                         tm.eq(GT, tm.scale(walked, self.n_def)))
+      self._dom_sig += repr(self.n_def) + tm.serialise(walked)
 
   def _merge(self, name, loops, prove):
     common = K
@@ -402,6 +416,8 @@ class _Launch:
       parts += [tm.ge(T, 0), tm.ge(G, 0), tm.or_(tm.ge(T, 1), tm.eq(G, 0)), tm.ge(GT, 0)]
     if self.sigma_range is not True:
       parts.append(self.sigma_range)
+    for fact in self.fixed_ring:
+      parts.append(self.norm(self.ref, fact, full))
     if not self.sigma:  # n has no atom of its own to stand for: defined by the range
       parts.append(tm.eq(N, self.norm(self.ref, self.n_def, full)))
     return tm.and_(*parts)

@@ -347,13 +347,9 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   tiles are a symbol too (``tile_q * mq`` queries, mq >= 1, persistent
   mq >= PROBE_SMS), since the causal bound cuts the trip count at the
   queries' end.  The host's order tables are built from the lengths:
-  :func:`_symbolic_schedule` stands in for them.  Only
-  :attr:`ForwardCase.plain_proved` cases (its docstring says why)."""
+  :func:`_symbolic_schedule` stands in for them."""
   from jax import export
   from jax.experimental import pallas as pl
-  if not case.plain_proved:
-    raise ValueError(f"{case.describe()}: a persistent block whose ring is cut runs tiles of "
-                     f"one compiled-in length; its plain kernel is not traced")
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
   # at least the ring's stages of key blocks, the ragged one counted
@@ -450,7 +446,7 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   if not premise:
     return prog
   prog = _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  return _plain_proved(case, prog, prober.modules) if case.plain_proved else prog
+  return _plain_proved(case, prog, prober.modules)
 
 
 # The plain-call kernels of a case (trace_plain's ``ragged``), as named in failures.

@@ -134,3 +134,28 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
                         "st = ring_state(keys, 0 * prev_iters, lb, ki)"),))
   with pytest.raises(rp.PremiseError, match="without key ranges"):
     pe._plain_proved(cut, prog, pmut.modules(m))
+
+
+BACKWARD = pe.BackwardCase(64, True, False, True)   # causal, fused dQ
+
+
+def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
+  progs = pe.backward_programs(BACKWARD)
+  assert progs and all(p.plain == tuple(pe.PLAIN_KERNELS) for p in progs)
+  kernels, dims = pe.trace_plain_backward(BACKWARD, ragged=True)
+  assert dims == {"mq": 1, "mk": 1} and len(kernels) == len(progs)
+  # the causal launch orders the host builds from the lengths are put back
+  from kernel.backward import dkv, dq
+  assert dkv.dkv_call.__globals__["dkv_launch_order"] is dkv.dkv_launch_order
+  assert dq.dq_call.__globals__["dq_launch_order"] is dq.dq_launch_order
+
+
+def test_loads_under_a_branch_on_data_are_events():
+  """The dK/dV step reads its rows (lse, delta) from the stream's slot under
+  the range test, a cond on data the protocol must not depend on: the
+  loads are events of the learned program (each branch makes the same)."""
+  (prog,) = [p for p in pe.backward_programs(pe.BackwardCase(64, False, False, True))]
+  (wg0,) = [r for r in prog.roles if r.name == "wg0"]
+  loads = {e.buf for _, events in wg0.iter.units for e in events if e.kind == "smem_load"}
+  assert any("rows" in prog_label for prog_label in
+             (dict(prog.labels).get(b, b) for b in loads)), loads

@@ -616,7 +616,39 @@ class _Interp:
       raise ExtractionError(
           f"{src}: a cond on a value the extractor cannot evaluate (data) has "
           f"synchronisation in a branch")
-    return [OPAQUE] * len(eqn.outvars)
+    return self._data_cond(branches, ops, src, len(eqn.outvars))
+
+  def _data_cond(self, branches, ops, src, nout):
+    """A cond on data with no synchronisation in its branches: whichever
+    runs, its shared-memory loads and stores are events (the backward's
+    rows, read under its range test), so every branch must make the same
+    ones, emitted once."""
+    role, cells = self.role, dict(self.cells)
+    saved = self.events.get(role, []), self.event_loops.get(role, [])
+    runs = []
+    outer = self.site
+    try:
+      for b in branches:
+        self.events[role], self.event_loops[role], self.cells = [], [], dict(cells)
+        self.site = src
+        self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
+        runs.append((self.events[role], self.event_loops[role]))
+    finally:
+      self.site = outer
+      self.events[role], self.event_loops[role] = saved
+      self.cells = cells
+    first = runs[0][0]
+    for events, _ in runs[1:]:
+      if events != first:
+        diff = next((f"{a.src} {a.describe()} against {b.src} {b.describe()}"
+                     for a, b in zip(first, events) if a != b),
+                    f"{len(first)} events against {len(events)}")
+        raise ExtractionError(f"{src}: a cond on data (which the protocol must not depend "
+                              f"on) whose branches touch shared memory differently ({diff})")
+    for ev, loops in zip(*runs[0]):
+      self.events.setdefault(role, []).append(ev)
+      self.event_loops.setdefault(role, []).append(loops)
+    return [OPAQUE] * nout
 
   def p_while(self, eqn, ins, src):
     p = eqn.params

@@ -324,8 +324,9 @@ def main(argv=None) -> int:
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
-        f"key-block count is compiled in, proved by Z3 to run the forward's launch programs "
-        f"above (whole key blocks and ragged, at every length); the backward's not proved")
+        f"trip counts are compiled in, proved by Z3 to run the launch programs above (whole "
+        f"blocks and ragged, at every length; the backward's causal launches head by head, "
+        f"not in the L2 sections the host may order them in)")
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.

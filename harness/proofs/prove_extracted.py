@@ -900,7 +900,87 @@ def backward_programs(case: BackwardCase, *, modules=None,
 
     programs.append(_proved(learner, traced[id(learner)], learn, realise) if premise
                     else learn())
-  return programs
+  return _plain_backward_proved(case, programs, modules) if premise else programs
+
+
+def trace_plain_backward(case: BackwardCase, *, ragged: bool, modules=None):
+  """(kernels, dims) of the backward a call without key ranges launches
+  (each launch's trip counts compiled in), traced with the queries' and
+  the keys' lengths symbolic dimensions: whole multiples of every tile
+  and block of the launches (``mq``, ``mk`` >= 1), ``ragged``: and
+  :data:`RAGGED_QUERIES` and :data:`RAGGED_KEYS` more.  A causal launch
+  order (its L2 sections) is built on the host from the lengths: the
+  trace takes the launches head by head (:func:`_head_by_head`), an order
+  the host takes too."""
+  import math
+  from jax import export
+  from jax.experimental import pallas as pl
+  modules = modules or shipped_modules()
+  blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
+  whole_q = math.lcm(blocks.dq_tile, blocks.dkv_stream_q)
+  whole_k = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
+  dims = {"mq": 1, "mk": 1}
+  mq, mk = export.symbolic_shape("mq, mk", constraints=("mq >= 1", "mk >= 1"))
+  with pl.pallas_export_experimental(dynamic_shapes=True), _head_by_head(modules):
+    _, kernels = trace_backward(
+        case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
+        seq_q=whole_q * mq + (RAGGED_QUERIES if ragged else 0),
+        seq_kv=whole_k * mk + (RAGGED_KEYS if ragged else 0), ranges=False,
+        modules=modules, fixed_point=case.fixed_point)
+  return kernels, dims
+
+
+# The ragged plain backward's queries past whole tiles (as RAGGED_KEYS).
+RAGGED_QUERIES = 29
+
+
+@contextlib.contextmanager
+def _head_by_head(modules):
+  """The backward's causal launch orders (kernel/backward/dkv.py's
+  ``dkv_launch_order``, dq.py's ``dq_launch_order``: L2 sections the host
+  sizes from the lengths) as head by head (None), the order they take
+  wherever sections do not repay, while a plain backward is traced with
+  symbolic lengths."""
+  scope = modules.backward.attention_backward.__globals__
+  patched = [(scope["dkv_call"].__globals__, "dkv_launch_order"),
+             (scope["dq_call"].__globals__, "dq_launch_order")]
+  hosts = [g[name] for g, name in patched]
+  for g, name in patched:
+    g[name] = lambda *args, **kwargs: None
+  try:
+    yield
+  finally:
+    for (g, name), host in zip(patched, hosts):
+      g[name] = host
+
+
+def _plain_backward_proved(case: BackwardCase, programs: list, modules) -> list:
+  """``programs``, the launches of ``case``'s backward that reads key ranges,
+  each (P) proved, once Z3 proves (P) of the plain backward's launches
+  (:func:`trace_plain_backward`, whole blocks and ragged) against them, as
+  :func:`_plain_proved` does for the forward."""
+  from harness.proofs import premise, symbolic
+  out = []
+  stats = []
+  for prog in programs:
+    st = premise.Stats()
+    st.queries, st.solved, st.seconds = prog.z3
+    stats.append(st)
+  for name, ragged in PLAIN_KERNELS.items():
+    kernels, dims = trace_plain_backward(case, ragged=ragged, modules=modules)
+    if len(kernels) != len(programs):
+      raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches without key "
+                               f"ranges, {len(programs)} with them")
+    for prog, kernel, st in zip(programs, kernels, stats):
+      try:
+        with _spending("premise"):
+          st.add(premise.prove(prog, symbolic.extract_symbolic(kernel, dims)))
+      except premise.PremiseFailure as f:
+        raise rp.PremiseError(f"the launch of a call without key ranges ({name}) does not "
+                              f"synchronise as the one that reads them: {f}") from None
+  for prog, st in zip(programs, stats):
+    out.append(dataclasses.replace(prog, z3=st.summary(), plain=tuple(PLAIN_KERNELS)))
+  return out
 
 
 # -- running -----------------------------------------------------------------

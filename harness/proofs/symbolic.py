@@ -374,7 +374,7 @@ class _SymInterp(ex._Interp):
     if type(index) not in _SYM:
       if any(ex._has_sync(b.jaxpr) for b in branches):
         _need(index, "a cond whose branches synchronise", src)
-      return [ex.OPAQUE] * len(eqn.outvars)
+      return self._data_cond(branches, ops, src, len(eqn.outvars))
     guards = _branch_guards(index, len(branches))
     outer_guard, outer_site, cells = self.guard, self.site, dict(self.cells)
     outer_items = self.items
@@ -393,6 +393,26 @@ class _SymInterp(ex._Interp):
     self.items.extend(_join(runs, outer_guard))
     self.cells = _merge_cells(taken, cells)
     return [_merge([(g, outs[i]) for g, outs, _ in taken]) for i in range(len(eqn.outvars))]
+
+  def _data_cond(self, branches, ops, src, nout):
+    """As the concrete run's (:meth:`harness.proofs.extract._Interp._data_cond`):
+    every branch's shared-memory accesses, which must be alike, once."""
+    outer_items, outer_site, cells = self.items, self.site, dict(self.cells)
+    runs = []
+    try:
+      for b in branches:
+        self.items, self.site, self.cells = [], src, dict(cells)
+        self.run(b.jaxpr, ops, [ex._const(c) for c in b.consts])
+        runs.append(self.items)
+    finally:
+      self.items, self.site, self.cells = outer_items, outer_site, cells
+    for items in runs[1:]:
+      if items != runs[0]:
+        raise ex.ExtractionError(f"{src}: a cond on data (which the protocol must not "
+                                 f"depend on) whose branches touch shared memory "
+                                 f"differently")
+    self.items.extend(runs[0])
+    return [ex.OPAQUE] * nout
 
   def p_while(self, eqn, ins, src):
     p = eqn.params

@@ -50,9 +50,9 @@ class Variant:
   # at lengths that are no multiple of 8.
   untiled_copies: bool = False
   # A call without lengths, window or segments runs the kernels that read
-  # key ranges, every row's range the whole keys: the kernels
-  # ``python -m harness prove`` traces (docs/proof.md, "What is not proved");
-  # too slow to ship (docs/decisions/ranges-always-not-shipped.md).
+  # key ranges, every row's range the whole keys (the proof reads the plain
+  # kernels too: docs/proof.md, "Calls without key ranges"); too slow to
+  # ship (docs/decisions/ranges-always-not-shipped.md).
   ranges_always: bool = False
 
   def __post_init__(self):

@@ -48,16 +48,16 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   block when the keys are ragged); causal, cut at the queries' end, whose
   tile count is a variable too."""
   for ragged, floor in ((False, 2), (True, 1)):
-    kernel, dims = pe.trace_plain(ONE_TILE, ragged=ragged)
+    (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=ragged)
     assert dims == {"m": floor}
     hi = _producer_loop(kernel, dims)
     assert "dim.m" in hi and "dim.mq" not in hi, hi
-  kernel, dims = pe.trace_plain(CAUSAL, ragged=True)
+  (kernel,), dims = pe.trace_plain(CAUSAL, ragged=True)
   assert dims == {"m": 1, "mq": 1}
   hi = _producer_loop(kernel, dims)
   assert "dim.m" in hi and "dim.mq" in hi, hi
   with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
-    sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0], {})
+    sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0][0], {})
 
 
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
@@ -70,8 +70,9 @@ def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop(case):
   prober = pe._ForwardProber(case, modules, None)
   prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
   assert prog.z3 and not prog.plain
-  with pytest.raises(rp.PremiseError, match=r"without key ranges \(whole key blocks\)") as err:
-    pe._plain_proved(case, prog, modules)
+  with pytest.raises(rp.PremiseError, match=r"without key ranges \(whole blocks\)") as err:
+    pe._plain_proved([prog], lambda ragged: pe.trace_plain(case, ragged=ragged,
+                                                           modules=modules))
   assert f"kernel/forward/mainloop.mutant_{SLIP}.py:" in str(err.value), err.value
 
 
@@ -122,7 +123,7 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   times t (premise's fixed ring), which the proof holds it to."""
   cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
   assert cut.ring_cut
-  kernel, dims = pe.trace_plain(cut, ragged=False)
+  _, dims = pe.trace_plain(cut, ragged=False)
   assert dims == {}
   prog = pe.forward_program(cut)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
@@ -132,8 +133,9 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   m = pmut.Mutant("producer_forgets_the_ring", "the producer's position restarts each tile",
                   (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",
                         "st = ring_state(keys, 0 * prev_iters, lb, ki)"),))
+  modules = pmut.modules(m)
   with pytest.raises(rp.PremiseError, match="without key ranges"):
-    pe._plain_proved(cut, prog, pmut.modules(m))
+    pe._plain_proved([prog], lambda ragged: pe.trace_plain(cut, ragged=ragged, modules=modules))
 
 
 BACKWARD = pe.BackwardCase(64, True, False, True)   # causal, fused dQ

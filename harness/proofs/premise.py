@@ -106,6 +106,13 @@ class Stats:
   def summary(self) -> tuple:
     return (self.queries, self.solved, self.seconds)
 
+  @classmethod
+  def of(cls, summary: tuple) -> "Stats":
+    """The stats a :meth:`summary` was made of."""
+    out = cls()
+    out.queries, out.solved, out.seconds = summary
+    return out
+
 
 # Canonical query -> "unsat", shared by every launch of this process.
 _PROVED: dict = {}

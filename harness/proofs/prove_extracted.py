@@ -336,7 +336,7 @@ RAGGED_KEYS = 37
 
 
 def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
-  """(kernel eqn, dims) of the kernel a call of ``case``'s config without
+  """([kernel eqn], dims) of the kernel a call of ``case``'s config without
   key ranges launches (its key-block count compiled in), traced with the
   keys' length a symbolic dimension: ``block_kv * m`` keys (``ragged``: and
   :data:`RAGGED_KEYS` more) for every m that fills the config's ring, so
@@ -375,7 +375,7 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=False,
                                  module=modules.forward, num_sms=PROBE_SMS)
-  return kernel, dims
+  return [kernel], dims
 
 
 @contextlib.contextmanager
@@ -446,33 +446,42 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   if not premise:
     return prog
   prog = _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  return _plain_proved(case, prog, prober.modules)
+  (prog,) = _plain_proved([prog], lambda ragged: trace_plain(case, ragged=ragged,
+                                                             modules=prober.modules))
+  return prog
 
 
-# The plain-call kernels of a case (trace_plain's ``ragged``), as named in failures.
-PLAIN_KERNELS = {"whole key blocks": False, "ragged keys": True}
+# The launches of a call without key ranges each case's proof traces
+# (trace_plain's and trace_plain_backward's ``ragged``), as failures name them.
+PLAIN_KERNELS = {"whole blocks": False, "ragged lengths": True}
 
 
-def _plain_proved(case: ForwardCase, prog: rp.LaunchProgram, modules) -> rp.LaunchProgram:
-  """``prog``, the program of ``case``'s kernel that reads key ranges,
-  (P) proved, once Z3 proves (P) of the kernels a call without key ranges
-  launches (:func:`trace_plain`, whole key blocks and ragged) against the
-  same tables: each unit of theirs, at every trip count and ring position,
-  is the table's entry, so their launches are environments of ``prog``
-  and its check covers them.  A plain kernel that synchronises otherwise
-  fails, with Z3's position and trip count and both event lists."""
+def _plain_proved(programs: list, trace) -> list:
+  """``programs``, the launches that read key ranges, each (P) proved, once
+  Z3 proves (P) of the launches a call without key ranges makes
+  (``trace(ragged)``: their kernels, in the same order, and the symbolic
+  dimensions' bounds; whole blocks and ragged) against the same tables:
+  each unit of theirs, at every trip count and ring position, is the
+  table's entry, so their launches are environments of those programs and
+  the programs' checks cover them.  A plain launch that synchronises
+  otherwise fails, with Z3's position and trip count and both event
+  lists."""
   from harness.proofs import premise, symbolic
-  stats = premise.Stats()
-  stats.queries, stats.solved, stats.seconds = prog.z3
+  stats = [premise.Stats.of(prog.z3) for prog in programs]
   for name, ragged in PLAIN_KERNELS.items():
-    kernel, dims = trace_plain(case, ragged=ragged, modules=modules)
-    try:
-      with _spending("premise"):
-        stats.add(premise.prove(prog, symbolic.extract_symbolic(kernel, dims)))
-    except premise.PremiseFailure as f:
-      raise rp.PremiseError(f"the kernel of a call without key ranges ({name}) does not "
-                            f"synchronise as the kernel that reads them: {f}") from None
-  return dataclasses.replace(prog, z3=stats.summary(), plain=tuple(PLAIN_KERNELS))
+    kernels, dims = trace(ragged)
+    if len(kernels) != len(programs):
+      raise ex.ExtractionError(f"{programs[0].name}: {len(kernels)} launches without key "
+                               f"ranges, {len(programs)} with them")
+    for prog, kernel, st in zip(programs, kernels, stats):
+      try:
+        with _spending("premise"):
+          st.add(premise.prove(prog, symbolic.extract_symbolic(kernel, dims)))
+      except premise.PremiseFailure as f:
+        raise rp.PremiseError(f"the launch of a call without key ranges ({name}) does not "
+                              f"synchronise as the one that reads them: {f}") from None
+  return [dataclasses.replace(prog, z3=st.summary(), plain=tuple(PLAIN_KERNELS))
+          for prog, st in zip(programs, stats)]
 
 
 MAX_COUNTEREXAMPLES = 8   # probes of Z3's counterexamples before a failure is final
@@ -900,7 +909,10 @@ def backward_programs(case: BackwardCase, *, modules=None,
 
     programs.append(_proved(learner, traced[id(learner)], learn, realise) if premise
                     else learn())
-  return _plain_backward_proved(case, programs, modules) if premise else programs
+  if not premise:
+    return programs
+  return _plain_proved(programs, lambda ragged: trace_plain_backward(case, ragged=ragged,
+                                                                    modules=modules))
 
 
 def trace_plain_backward(case: BackwardCase, *, ragged: bool, modules=None):
@@ -952,35 +964,6 @@ def _head_by_head(modules):
   finally:
     for (g, name), host in zip(patched, hosts):
       g[name] = host
-
-
-def _plain_backward_proved(case: BackwardCase, programs: list, modules) -> list:
-  """``programs``, the launches of ``case``'s backward that reads key ranges,
-  each (P) proved, once Z3 proves (P) of the plain backward's launches
-  (:func:`trace_plain_backward`, whole blocks and ragged) against them, as
-  :func:`_plain_proved` does for the forward."""
-  from harness.proofs import premise, symbolic
-  out = []
-  stats = []
-  for prog in programs:
-    st = premise.Stats()
-    st.queries, st.solved, st.seconds = prog.z3
-    stats.append(st)
-  for name, ragged in PLAIN_KERNELS.items():
-    kernels, dims = trace_plain_backward(case, ragged=ragged, modules=modules)
-    if len(kernels) != len(programs):
-      raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches without key "
-                               f"ranges, {len(programs)} with them")
-    for prog, kernel, st in zip(programs, kernels, stats):
-      try:
-        with _spending("premise"):
-          st.add(premise.prove(prog, symbolic.extract_symbolic(kernel, dims)))
-      except premise.PremiseFailure as f:
-        raise rp.PremiseError(f"the launch of a call without key ranges ({name}) does not "
-                              f"synchronise as the one that reads them: {f}") from None
-  for prog, st in zip(programs, stats):
-    out.append(dataclasses.replace(prog, z3=st.summary(), plain=tuple(PLAIN_KERNELS)))
-  return out
 
 
 # -- running -----------------------------------------------------------------

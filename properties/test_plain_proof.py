@@ -142,14 +142,19 @@ BACKWARD = pe.BackwardCase(64, True, False, True)   # causal, fused dQ
 
 
 def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
+  """Causal: head by head and in L2 sections, the two orders the host may
+  build from the lengths (put back after the trace)."""
   progs = pe.backward_programs(BACKWARD)
-  assert progs and all(p.plain == tuple(pe.PLAIN_KERNELS) for p in progs)
-  kernels, dims = pe.trace_plain_backward(BACKWARD, ragged=True)
-  assert dims == {"mq": 1, "mk": 1} and len(kernels) == len(progs)
-  # the causal launch orders the host builds from the lengths are put back
+  assert progs and all(len(p.plain) == 2 * len(pe.PLAIN_KERNELS) for p in progs)
+  assert all(any("L2 sections" in name for name in p.plain) for p in progs)
   from kernel.backward import dkv, dq
-  assert dkv.dkv_call.__globals__["dkv_launch_order"] is dkv.dkv_launch_order
-  assert dq.dq_call.__globals__["dq_launch_order"] is dq.dq_launch_order
+  for sectioned in (False, True):
+    kernels, dims = pe.trace_plain_backward(BACKWARD, ragged=True, sectioned=sectioned)
+    assert dims == {"mq": 1, "mk": 1} and len(kernels) == len(progs)
+    assert dkv.dkv_call.__globals__["dkv_launch_order"] is dkv.dkv_launch_order
+    assert dq.dq_call.__globals__["dq_launch_order"] is dq.dq_launch_order
+  (flat,) = pe.backward_programs(pe.BackwardCase(64, False, False, True))
+  assert flat.plain == tuple(pe.PLAIN_KERNELS)
 
 
 def test_loads_under_a_branch_on_data_are_events():

@@ -325,8 +325,8 @@ def main(argv=None) -> int:
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (whole "
-        f"blocks and ragged, at every length; the backward's causal launches head by head, "
-        f"not in the L2 sections the host may order them in)")
+        f"blocks and ragged, at every length; the causal backward's head by head and in L2 "
+        f"sections)")
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.

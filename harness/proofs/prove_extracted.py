@@ -456,11 +456,12 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
 PLAIN_KERNELS = {"whole blocks": False, "ragged lengths": True}
 
 
-def _plain_proved(programs: list, trace) -> list:
+def _plain_proved(programs: list, trace, variants=None) -> list:
   """``programs``, the launches that read key ranges, each (P) proved, once
   Z3 proves (P) of the launches a call without key ranges makes
-  (``trace(ragged)``: their kernels, in the same order, and the symbolic
-  dimensions' bounds; whole blocks and ragged) against the same tables:
+  (``trace(v)`` for each name: v of ``variants``, by default
+  :data:`PLAIN_KERNELS`' ``ragged``: their kernels, in the same order, and
+  the symbolic dimensions' bounds) against the same tables:
   each unit of theirs, at every trip count and ring position, is the
   table's entry, so their launches are environments of those programs and
   the programs' checks cover them.  A plain launch that synchronises
@@ -468,8 +469,9 @@ def _plain_proved(programs: list, trace) -> list:
   lists."""
   from harness.proofs import premise, symbolic
   stats = [premise.Stats.of(prog.z3) for prog in programs]
-  for name, ragged in PLAIN_KERNELS.items():
-    kernels, dims = trace(ragged)
+  variants = PLAIN_KERNELS if variants is None else variants
+  for name, variant in variants.items():
+    kernels, dims = trace(variant)
     if len(kernels) != len(programs):
       raise ex.ExtractionError(f"{programs[0].name}: {len(kernels)} launches without key "
                                f"ranges, {len(programs)} with them")
@@ -480,7 +482,7 @@ def _plain_proved(programs: list, trace) -> list:
       except premise.PremiseFailure as f:
         raise rp.PremiseError(f"the launch of a call without key ranges ({name}) does not "
                               f"synchronise as the one that reads them: {f}") from None
-  return [dataclasses.replace(prog, z3=st.summary(), plain=tuple(PLAIN_KERNELS))
+  return [dataclasses.replace(prog, z3=st.summary(), plain=tuple(variants))
           for prog, st in zip(programs, stats)]
 
 
@@ -911,19 +913,23 @@ def backward_programs(case: BackwardCase, *, modules=None,
                     else learn())
   if not premise:
     return programs
-  return _plain_proved(programs, lambda ragged: trace_plain_backward(case, ragged=ragged,
-                                                                    modules=modules))
+  variants = {name: (ragged, False) for name, ragged in PLAIN_KERNELS.items()}
+  if case.causal:
+    variants.update({f"{name}, in L2 sections": (ragged, True)
+                     for name, ragged in PLAIN_KERNELS.items()})
+  return _plain_proved(programs, lambda v: trace_plain_backward(
+      case, ragged=v[0], sectioned=v[1], modules=modules), variants)
 
 
-def trace_plain_backward(case: BackwardCase, *, ragged: bool, modules=None):
+def trace_plain_backward(case: BackwardCase, *, ragged: bool, sectioned: bool = False,
+                         modules=None):
   """(kernels, dims) of the backward a call without key ranges launches
   (each launch's trip counts compiled in), traced with the queries' and
   the keys' lengths symbolic dimensions: whole multiples of every tile
   and block of the launches (``mq``, ``mk`` >= 1), ``ragged``: and
   :data:`RAGGED_QUERIES` and :data:`RAGGED_KEYS` more.  A causal launch
-  order (its L2 sections) is built on the host from the lengths: the
-  trace takes the launches head by head (:func:`_head_by_head`), an order
-  the host takes too."""
+  order is built on the host from the lengths: the trace takes it head by
+  head or, ``sectioned``, in L2 sections (:func:`_launch_orders`)."""
   import math
   from jax import export
   from jax.experimental import pallas as pl
@@ -933,7 +939,7 @@ def trace_plain_backward(case: BackwardCase, *, ragged: bool, modules=None):
   whole_k = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
   dims = {"mq": 1, "mk": 1}
   mq, mk = export.symbolic_shape("mq, mk", constraints=("mq >= 1", "mk >= 1"))
-  with pl.pallas_export_experimental(dynamic_shapes=True), _head_by_head(modules):
+  with pl.pallas_export_experimental(dynamic_shapes=True), _launch_orders(modules, sectioned):
     _, kernels = trace_backward(
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
         seq_q=whole_q * mq + (RAGGED_QUERIES if ragged else 0),
@@ -947,23 +953,35 @@ RAGGED_QUERIES = 29
 
 
 @contextlib.contextmanager
-def _head_by_head(modules):
+def _launch_orders(modules, sectioned: bool):
   """The backward's causal launch orders (kernel/backward/dkv.py's
   ``dkv_launch_order``, dq.py's ``dq_launch_order``: L2 sections the host
-  sizes from the lengths) as head by head (None), the order they take
-  wherever sections do not repay, while a plain backward is traced with
-  symbolic lengths."""
+  sizes from the lengths, or head by head where sections do not repay)
+  while a plain backward is traced with symbolic lengths: head by head
+  (None), or ``sectioned``, the traced batch's and heads' units in one
+  section of the symbolic tiles (the only sections one unit has); not
+  causal, head by head, as on the host."""
+  from kernel.tiling import schedule as schedule_lib
   scope = modules.backward.attention_backward.__globals__
-  patched = [(scope["dkv_call"].__globals__, "dkv_launch_order"),
-             (scope["dq_call"].__globals__, "dq_launch_order")]
-  hosts = [g[name] for g, name in patched]
-  for g, name in patched:
-    g[name] = lambda *args, **kwargs: None
+  dkv_scope, dq_scope = scope["dkv_call"].__globals__, scope["dq_call"].__globals__
+  hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
+
+  def order(f, units, tiles):
+    if not (f.is_causal and sectioned):
+      return None
+    return schedule_lib.LaunchOrder(units, tiles, (units,))
+
+  def dkv(f, blocks, *, batch, num_kv_heads, s_pad, **_):
+    return order(f, num_kv_heads * batch, s_pad // blocks.dkv_tile)
+
+  def dq(f, blocks, *, batch, num_heads, t_pad, **_):
+    return order(f, batch * num_heads, t_pad // blocks.dq_tile)
+
+  dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"] = dkv, dq
   try:
     yield
   finally:
-    for (g, name), host in zip(patched, hosts):
-      g[name] = host
+    dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"] = hosts
 
 
 # -- running -----------------------------------------------------------------

@@ -32,8 +32,9 @@ values, a division by one) is opaque; where the protocol depends on an
 opaque value (a slot, a guard, a loop bound, a named barrier id) the run
 fails, naming the primitive and its source line.  One exception widens
 instead: a division or remainder by a symbolic dimension of a plain trace
-(:func:`dim_term`: a tile count) is an uninterpreted function of its
-operands, any value, equal for equal operands, as a read from memory is.
+(:func:`dim_term`: a tile count), or a product with one, is an
+uninterpreted function of its operands, any value, equal for equal
+operands, as a read from memory is.
 """
 
 from __future__ import annotations
@@ -246,10 +247,11 @@ class _SymInterp(ex._Interp):
       return tm.min_(a, b)
     if name in ("mul", "div", "rem"):
       out = {"mul": tm.mul, "div": tm.div, "rem": tm.rem}[name](a, b)
-      if out is None and name != "mul" and tm.is_int(b) and type(b) is not int \
-              and _by_dimension(b):
-        # by a symbolic dimension (a tile count of a plain trace): a value
-        # of its operands, any value (an uninterpreted function)
+      if out is None and tm.is_int(a) and tm.is_int(b) and (
+              _by_dimension(b) if name != "mul" else _by_dimension(a) or _by_dimension(b)):
+        # by (or times) a symbolic dimension, a tile count of a plain
+        # trace: a value of its operands, any value (an uninterpreted
+        # function)
         return tm.read(f"{name} by a dimension", (a, b))
       return self._unexpressed(name, eqn, prog) if out is None else out
     return {"eq": tm.eq, "ne": tm.ne, "lt": tm.lt, "le": tm.le, "gt": tm.gt,

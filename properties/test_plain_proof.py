@@ -166,3 +166,15 @@ def test_loads_under_a_branch_on_data_are_events():
   loads = {e.buf for _, events in wg0.iter.units for e in events if e.kind == "smem_load"}
   assert any("rows" in prog_label for prog_label in
              (dict(prog.labels).get(b, b) for b in loads)), loads
+
+
+def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
+  """The range test's two branches must read the rows alike: one that reads
+  them twice is refused, naming the cond's line."""
+  m = pmut.Mutant("edge_step_reads_its_rows_twice", "the edge branch computes its terms twice",
+                  (edit("_masked_terms", "terms(keep_of(causal, True))",
+                        "(terms(keep_of(causal, True)), terms(keep_of(causal, True)))[0]"),),
+                  kernel="backward")
+  with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
+    pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=pmut.modules(m))
+  assert "kernel/backward/" in str(err.value), err.value

@@ -141,18 +141,25 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
 BACKWARD = pe.BackwardCase(64, True, False, True)   # causal, fused dQ
 
 
+def _order_scopes(modules):
+  """The module scopes the backward launch calls its launch orders from
+  (as _launch_orders patches them): the dK/dV call's and the dQ call's."""
+  scope = modules.backward.attention_backward.__globals__
+  return scope["dkv_call"].__globals__, scope["dq_call"].__globals__
+
+
 def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   """Causal: head by head and in L2 sections, the two orders the host may
   build from the lengths (put back after the trace)."""
   progs = pe.backward_programs(BACKWARD)
   assert progs and all(len(p.plain) == 2 * len(pe.PLAIN_KERNELS) for p in progs)
   assert all(any("L2 sections" in name for name in p.plain) for p in progs)
-  from kernel.backward import dkv, dq
+  dkv_scope, dq_scope = _order_scopes(pe.shipped_modules())
+  hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
   for sectioned in (False, True):
     kernels, dims = pe.trace_plain_backward(BACKWARD, ragged=True, sectioned=sectioned)
     assert dims == {"mq": 1, "mk": 1} and len(kernels) == len(progs)
-    assert dkv.dkv_call.__globals__["dkv_launch_order"] is dkv.dkv_launch_order
-    assert dq.dq_call.__globals__["dq_launch_order"] is dq.dq_launch_order
+    assert (dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]) == hosts
   (flat,) = pe.backward_programs(pe.BackwardCase(64, False, False, True))
   assert flat.plain == tuple(pe.PLAIN_KERNELS)
 
@@ -178,3 +185,26 @@ def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
   with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
     pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=pmut.modules(m))
   assert "kernel/backward/" in str(err.value), err.value
+
+
+def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():
+  """The L2-sectioned launch orders the plain backward's trace stands in
+  (in one section) count the host's units and tiles."""
+  import jax.numpy as jnp
+  from kernel.tiling import backward_plan, plan as plan_lib
+  blocks = backward_plan.blocks_for(64, 64, is_causal=True)
+  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True, scale=0.125)
+  shared = dict(batch=4, group=1, t_pad=8192, s_pad=8192, head_dims=(64, 64),
+                dtype=jnp.bfloat16, num_sms=132)
+  modules = pe.shipped_modules()
+  dkv_scope, dq_scope = _order_scopes(modules)
+
+  def orders():
+    return (dkv_scope["dkv_launch_order"](f, blocks, num_kv_heads=8, fused=False, **shared),
+            dq_scope["dq_launch_order"](f, blocks, num_heads=8, **shared))
+  host = orders()
+  with pe._launch_orders(modules, sectioned=True):
+    traced = orders()
+  for mine, theirs in zip(traced, host, strict=True):
+    assert theirs is not None and (mine.units, mine.tiles) == (theirs.units, theirs.tiles)
+    assert mine.sizes == (mine.units,)

@@ -370,7 +370,6 @@ class _Launch:
     # symbolic run has it as n times the tile counter, no accumulator.  Tile
     # t then starts at ring position n * t, and the tile loop ends at n
     # times its tiles.
-    self.fixed_ring = ()
     if self.persistent and type(self.n_def) is int and tiles and \
             not any(self.ring_vars.values()):
       lo, hi = next(iter(tiles.values()))

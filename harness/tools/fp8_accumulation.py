@@ -161,8 +161,10 @@ def main(argv=None) -> int:
   if api.sm90_device() is None:
     print("fp8_accumulation: needs an sm90 GPU (FP8 wgmma)", file=sys.stderr)
     return 2
+  from harness.tools.gate import provenance
   rows = measure()
-  record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}
+  # jax, commit and date as the gate's summaries name them
+  record = {"device": jax.devices()[0].device_kind, "provenance": provenance(), "rows": rows}
   for row in rows:
     print(json.dumps(row))
   if args.out:

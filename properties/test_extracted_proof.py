@@ -522,6 +522,21 @@ def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, 
   assert asked == [3]
 
 
+def test_every_case_field_is_keyed_or_represented(monkeypatch):
+  """A case's key tells apart what its fields (or the properties read from
+  them) decide, and nothing a representative stands for; a field added to
+  ForwardCase without saying which it is stops the import."""
+  base = cases.ForwardCase(2, True, "round-robin", False, False, False)
+  assert dataclasses.replace(base, block_q=128, layout_head_dim=128).key() == base.key()
+  assert dataclasses.replace(base, config_stages=3).key() != base.key()   # a ring cut
+  assert dataclasses.replace(base, dtype="float8_e4m3fn").key() != base.key()
+  grown = dataclasses.make_dataclass("Grown", [("softcap", bool, False)],
+                                     bases=(cases.ForwardCase,), frozen=True)
+  monkeypatch.setattr(cases, "ForwardCase", grown)
+  with pytest.raises(TypeError, match=r"classify \['softcap'\]"):
+    cases._every_field_classified()
+
+
 def test_every_config_lists_each_config_at_its_own_sizes():
   """``prove --every-config``'s cases: one per emitted config's block sizes,
   stages, head dims and dtype, each of them a refinement of a default case

@@ -49,7 +49,7 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   tile count is a variable too."""
   for ragged, floor in ((False, 2), (True, 1)):
     (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=ragged)
-    assert dims == {"m": floor}
+    assert dims == {"m": floor, "mq": 1}
     hi = _producer_loop(kernel, dims)
     assert "dim.m" in hi and "dim.mq" not in hi, hi
   (kernel,), dims = pe.trace_plain(CAUSAL, ragged=True)
@@ -58,6 +58,20 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   assert "dim.m" in hi and "dim.mq" in hi, hi
   with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
     sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0][0], {})
+
+
+def test_a_persistent_block_walks_a_variable_count_of_tiles():
+  """Not causal, the query tiles are a variable too: a persistent block's
+  walk over the tiles the grid deals it runs to a count of that variable,
+  not to a traced constant (from the grid's blocks up, as the ranged traces
+  have); the split tail's host-built table keeps one length."""
+  (kernel,), dims = pe.trace_plain(PERSISTENT, ragged=False)
+  assert dims == {"m": 2, "mq": pe.PROBE_SMS}
+  units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
+                   persistent=True)
+  walk = tm.serialise(units.tile.hi)
+  assert "dim.mq" in walk and "axis.sm" in walk, walk
+  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 2}
 
 
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
@@ -124,7 +138,7 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
   assert cut.ring_cut
   _, dims = pe.trace_plain(cut, ragged=False)
-  assert dims == {}
+  assert dims == {"mq": pe.PROBE_SMS}   # no key-length symbol
   prog = pe.forward_program(cut)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
   # a plain kernel whose producer keeps no ring position across tiles (so

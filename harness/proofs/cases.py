@@ -73,14 +73,11 @@ class ForwardCase:
     return (plan_lib.copy_parts(self.head_dim, 2)[0], plan_lib.copy_parts(self.head_dim_out, 2)[0])
 
   def key(self):
-    key = (self.num_stages, self.persistent, self.schedule, self.bias, self.mask, self.causal,
-           self.overlay_q, self.residuals, self.compute_warpgroups, self.untiled_copies,
-           self.output_over_keys, self.parts, self.dtype, self.output_slots,
-           # its learned tables see no longer streams
-           self.ring_cut)
+    """What tells cases apart: :data:`KEYED`, and with ``exact`` the
+    :data:`REPRESENTED` fields too."""
+    key = tuple(getattr(self, name) for name in KEYED)
     if self.exact:
-      key += (self.block_q, self.block_kv, self.config_stages, self.layout_head_dim,
-              self.layout_head_dim_out)
+      key += tuple(getattr(self, name) for name in REPRESENTED)
     return key
 
   @property
@@ -128,6 +125,35 @@ class ForwardCase:
       words.append(f"blocks {self.block_q}x{self.block_kv} of {self.config_stages} stages, "
                    f"head dims {self.layout_head_dim}/{self.layout_head_dim_out}")
     return " ".join(words)
+
+
+# What tells forward cases apart (ForwardCase.key), in the listing's order:
+# fields, and the properties of _DERIVED.
+KEYED = ("num_stages", "persistent", "schedule", "bias", "mask", "causal", "overlay_q",
+         "residuals", "compute_warpgroups", "untiled_copies", "output_over_keys", "parts",
+         "dtype", "output_slots", "ring_cut")
+# Properties read from fields: residuals are staged only beside the output's
+# overlay (overlay_residuals); parts are the untiled copies' column parts
+# (the head dims); ring_cut: the learned tables see no longer streams
+# (config_stages).
+_DERIVED = ("residuals", "parts", "ring_cut")
+# Fields a case takes from the first emitted config of its key, unless exact.
+REPRESENTED = ("block_q", "block_kv", "config_stages", "layout_head_dim", "layout_head_dim_out")
+# Fields read only through a derived property, and the switch.
+_UNKEYED = ("overlay_residuals", "exact")
+
+
+def _every_field_classified():
+  """Each ForwardCase field keyed, represented or unkeyed, so that a new
+  field cannot merge distinct protocols unseen."""
+  named = {*KEYED, *REPRESENTED, *_UNKEYED} - set(_DERIVED)
+  fields = {f.name for f in dataclasses.fields(ForwardCase)}
+  if fields != named:
+    raise TypeError(f"ForwardCase: classify {sorted(fields ^ named)} in harness/proofs/"
+                    f"cases.py's KEYED, REPRESENTED or _UNKEYED")
+
+
+_every_field_classified()
 
 
 def forward_cases(problems, *, every_config: bool = False) -> list[tuple[ForwardCase, int]]:

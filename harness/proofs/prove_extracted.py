@@ -343,11 +343,13 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   that :func:`harness.proofs.symbolic.extract_symbolic` reads its trip count
   as a variable (``dims``: each symbol's lower bound).  A ring cut to fewer
   key blocks than the config's stages (the case's ``config_stages``) runs
-  exactly ``num_stages`` blocks: traced at that length.  Causal, the query
-  tiles are a symbol too (``tile_q * mq`` queries, mq >= 1, persistent
-  mq >= PROBE_SMS), since the causal bound cuts the trip count at the
-  queries' end.  The host's order tables are built from the lengths:
-  :func:`_symbolic_schedule` stands in for them."""
+  exactly ``num_stages`` blocks: traced at that length.  The query tiles
+  are a symbol too (``tile_q * mq`` queries, mq >= 1, persistent
+  mq >= PROBE_SMS): causal, the bound cuts the trip count at the queries'
+  end, and a persistent block walks as many tiles as the grid deals it.
+  The split tail's entry table is built from the lengths on the host, so
+  its queries keep a representative length.  The host's order tables are
+  built from the lengths: :func:`_symbolic_schedule` stands in for them."""
   from jax import export
   from jax.experimental import pallas as pl
   modules = modules or shipped_modules()
@@ -355,7 +357,7 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   # at least the ring's stages of key blocks, the ragged one counted
   floor = case.num_stages - (1 if ragged else 0)
   dims = {} if case.ring_cut else {"m": floor}
-  if case.causal:
+  if case.schedule != "split-tail":   # its entry table is the host's, for one length
     # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
     # the ranged traces have (min(SMs, tiles) is then decided)
     dims["mq"] = PROBE_SMS if case.persistent else 1

@@ -196,9 +196,17 @@ def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
                   (edit("_masked_terms", "terms(keep_of(causal, True))",
                         "(terms(keep_of(causal, True)), terms(keep_of(causal, True)))[0]"),),
                   kernel="backward")
+  modules = pmut.modules(m)
   with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
-    pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=pmut.modules(m))
+    pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=modules)
   assert "kernel/backward/" in str(err.value), err.value
+  # the symbolic run refuses it alike, naming the first access that differs
+  _, kernels = pe.trace_backward(64, causal=False, bias=False, fuse_dq=True, seq_q=256,
+                                 seq_kv=256, modules=modules)
+  with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
+    for kernel in kernels:
+      sy.extract_symbolic(kernel)
+  assert "against" in str(err.value) and "kernel/backward/" in str(err.value), err.value
 
 
 def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():

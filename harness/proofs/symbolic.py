@@ -85,6 +85,13 @@ class Loop:
   accumulators: tuple = ()
 
 
+def _item_words(item) -> str:
+  """An item as a failure names it: its source line and what it does."""
+  if isinstance(item, Ev):
+    return f"{item.event.src} {item.event.describe()}"
+  return f"{item.src} a loop"
+
+
 @dataclasses.dataclass
 class SymLaunch:
   """One kernel launch read symbolically: each role's tree of items."""
@@ -410,9 +417,12 @@ class _SymInterp(ex._Interp):
       self.items, self.site, self.cells = outer_items, outer_site, cells
     for items in runs[1:]:
       if items != runs[0]:
+        diff = next((f"{_item_words(a)} against {_item_words(b)}"
+                     for a, b in zip(runs[0], items) if a != b),
+                    f"{len(runs[0])} items against {len(items)}")
         raise ex.ExtractionError(f"{src}: a cond on data (which the protocol must not "
                                  f"depend on) whose branches touch shared memory "
-                                 f"differently")
+                                 f"differently ({diff})")
     self.items.extend(runs[0])
     return [ex.OPAQUE] * nout
 

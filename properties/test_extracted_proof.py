@@ -13,6 +13,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 
 import ml_dtypes
 import numpy as np
@@ -520,6 +521,23 @@ def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, 
   with pytest.raises(Started):
     prove_cli.main(["--no-cache"])
   assert asked == [3]
+
+
+def test_select_proves_only_what_it_names_and_says_so(capsys):
+  """``prove --select``: the protocols whose description has every word, and
+  a line saying how many of all were selected; a selection that names none
+  is refused before any work; a mutant among the selected still fails."""
+  rc, out = _run_prove("--select", "backward d=64,bias", "--no-cache", "--jobs", "1")
+  assert rc == 0, out
+  assert "0 forward protocols" in out and "4 backward launch kinds" in out, out
+  assert re.search(r"--select 'backward d=64,bias': 0 of \d+ forward protocols and 4 of "
+                   r"\d+ backward launch kinds; the others are not proved", out), out
+  with pytest.raises(SystemExit) as refused:
+    prove_cli.main(["--select", "backward d=48"])
+  assert refused.value.code == 2 and "--select: no forward protocol" in capsys.readouterr().err
+  rc, out = _run_prove("--select", "backward d=64,dQ kernel", "--mutant", "dq_slot_without_lb",
+                       "--jobs", "1")
+  assert rc == 1 and "VIOLATION" in out, out
 
 
 def test_every_case_field_is_keyed_or_represented(monkeypatch):

@@ -232,6 +232,11 @@ def main(argv=None) -> int:
                       help="trace every emitted config at its own block sizes, stages, head dims "
                       "and 16-bit dtype, not one representative per protocol (what docs/proof.md "
                       "otherwise assumes; about ten times the cases)")
+  parser.add_argument("--select", metavar="WORDS",
+                      help="only the forward protocols and backward launch kinds whose "
+                      "description (as the table names them) contains each comma-separated "
+                      "word, e.g. 'persistent,causal' or 'backward d=128': a quick proof of "
+                      "what a change touches; the gate proves them all")
   parser.add_argument("--probes-only", action="store_true",
                       help="test the premise (P) with the probes alone, without Z3: the proof "
                       "as it stood before Z3 proved (P), for comparison; it covers the probed "
@@ -239,6 +244,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.jobs is not None and args.jobs < 1:
     parser.error(f"--jobs: {args.jobs} worker processes; give 1 or more")
+  words = [w.strip() for w in (args.select or "").split(",") if w.strip()]
+  if args.select is not None and not words:
+    parser.error(f"--select: {args.select!r} names no word to select by")
   # the cases are independent: a runner with more cores proves in less time
   args.jobs = args.jobs or usable_cpus()
   start = time.perf_counter()
@@ -270,21 +278,31 @@ def main(argv=None) -> int:
   pending = _listed_aside(first, args.experiments, args.every_config) if hit is None else None
   from harness.proofs import prove_extracted as pe  # JAX and the kernels, meanwhile
 
+  everything: list = []   # every item, before --select
+  selected = lambda item: all(w in item[1].describe() for w in words)
+
   def listing():
-    listed[:] = hit if hit is not None else pending()
+    if everything:   # listed already (--select lists before the pool starts)
+      return listed
+    everything[:] = hit if hit is not None else pending()
     if cache is not None and hit is None:
-      cache.put("listed", listed_key, listed)
+      cache.put("listed", listed_key, everything)
     if args.mutant is not None:
       # The backward case the mutant names, where it names one, first: its
       # failure shows there without proving the smaller cases before it.
       shows = protocol_mutants.BY_NAME[args.mutant].backward
-      own = [it for it in listed if it[0] == "backward" and shows
+      own = [it for it in everything if it[0] == "backward" and shows
              and it[1] == cases.BackwardCase(*shows)]
       if protocol_mutants.BY_NAME[args.mutant].persistent:
         # only a persistent block can show it: those first, smallest first
-        own += [it for it in listed if it[0] == "forward" and it[1].persistent]
-      listed[:] = own + [it for it in listed if it not in own]
+        own += [it for it in everything if it[0] == "forward" and it[1].persistent]
+      everything[:] = own + [it for it in everything if it not in own]
+    listed[:] = [it for it in everything if selected(it)]
     return listed
+
+  if words and not listing():   # an empty selection stops before any work
+    parser.error(f"--select: no forward protocol or backward launch kind is described "
+                 f"with each of {words}")
 
   spent: collections.Counter = collections.Counter()
   try:
@@ -295,7 +313,7 @@ def main(argv=None) -> int:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed (all of them: the listing takes about
       # as long as the workers take for the first six).
-      early = [("backward", c) for c in cases.backward_cases()]
+      early = [("backward", c) for c in cases.backward_cases() if selected(("backward", c))]
       with pe.workers(args.jobs, fork=True) as pool:
         results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
                            cache=cache, early=early, premise=premise, spent=spent)
@@ -321,12 +339,17 @@ def main(argv=None) -> int:
         + (" (with kernel.experiments' untiled copies)" if args.experiments else "")
         + (" (each config traced at its own block sizes, stages, head dims and dtype)"
            if args.every_config else ""))
+  if words:
+    every_forward = sum(kind == "forward" for kind, _, _ in everything)
+    print(f"selected by --select {args.select!r}: {forward} of {every_forward} forward "
+          f"protocols and {len(items) - forward} of {len(everything) - every_forward} backward "
+          f"launch kinds; the others are not proved by this run")
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (whole "
-        f"blocks and ragged, at every length; the causal backward's head by head and in L2 "
-        f"sections)")
+        f"blocks and ragged, at every count of key blocks and query tiles; the causal "
+        f"backward's head by head and in L2 sections)")
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.

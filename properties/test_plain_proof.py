@@ -74,6 +74,27 @@ def test_a_persistent_block_walks_a_variable_count_of_tiles():
   assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 2}
 
 
+def test_a_ranged_round_robin_block_is_proved_at_every_count_of_tiles():
+  """The kernel that reads key ranges, probed at one count of tiles, is
+  traced again with its query tiles a variable where a persistent
+  round-robin block's walk compiles that count in; Z3 holds it to the
+  probes' tables.  Longest-first and the split tail read each block's
+  count from memory, and a one-tile grid walks one."""
+  (kernel,), dims = pe.trace_tiles(PERSISTENT)
+  assert dims == {"mq": pe.PROBE_SMS}
+  units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
+                   persistent=True)
+  assert "dim.mq" in tm.serialise(units.tile.hi)
+  assert [c for c in (ONE_TILE, PERSISTENT, CAUSAL, SPLIT, LONGEST)
+          if pe.walks_compiled_tiles(c)] == [PERSISTENT]
+  traced = []
+  real = pe.trace_tiles
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pe, "trace_tiles", lambda case, **kw: traced.append(case) or real(case, **kw))
+    prog = pe.forward_program(PERSISTENT)
+  assert traced == [PERSISTENT] and prog.plain == tuple(pe.PLAIN_KERNELS)
+
+
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
 def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop(case):
   """The unmasked loop of a call without key ranges (no causal bound, whole

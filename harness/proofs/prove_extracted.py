@@ -350,10 +350,6 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   The split tail's entry table is built from the lengths on the host, so
   its queries keep a representative length.  The host's order tables are
   built from the lengths: :func:`_symbolic_schedule` stands in for them."""
-  from jax import export
-  from jax.experimental import pallas as pl
-  modules = modules or shipped_modules()
-  ring = _ring(case.num_stages)
   # at least the ring's stages of key blocks, the ragged one counted
   floor = case.num_stages - (1 if ragged else 0)
   dims = {} if case.ring_cut else {"m": floor}
@@ -361,21 +357,54 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
     # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
     # the ranged traces have (min(SMs, tiles) is then decided)
     dims["mq"] = PROBE_SMS if case.persistent else 1
+  return _trace_symbolic(case, dims, floor, RAGGED_KEYS if ragged else 0, key_ranges=False,
+                         modules=modules)
+
+
+# The ranged kernels whose tile walk trace_case compiles at one count of
+# tiles: a persistent round-robin block walks the grid's tiles in turn
+# (longest-first and the split tail read each block's count from memory).
+def walks_compiled_tiles(case: ForwardCase) -> bool:
+  return case.persistent and case.schedule == "round-robin"
+
+
+# trace_tiles' launch, as a failure names it.
+TILE_WALK = "at every count of query tiles"
+
+
+def trace_tiles(case: ForwardCase, *, modules=None):
+  """([kernel eqn], dims) of ``case``'s ranged kernel (the one
+  :func:`trace_case` traces, at its key blocks) with its query tiles a
+  symbolic dimension, ``tile_q * mq`` queries for every mq >= PROBE_SMS: a
+  persistent round-robin block walks a variable count of the grid's tiles
+  (:func:`walks_compiled_tiles`), where the probes' trace walks one."""
+  blocks = case.num_stages if case.ring_cut else _kv_blocks(_ring(case.num_stages))
+  return _trace_symbolic(case, {"mq": PROBE_SMS}, blocks, 0, key_ranges=True, modules=modules)
+
+
+def _trace_symbolic(case, dims, blocks, extra_keys, *, key_ranges, modules):
+  """([kernel eqn], dims): ``case`` traced with ``block_kv * m + extra_keys``
+  keys and ``tile_q * mq`` queries, each of m and mq a symbolic dimension
+  from its bound in ``dims`` where named there (else ``blocks`` key blocks
+  and the ranged traces' tiles)."""
+  from jax import export
+  from jax.experimental import pallas as pl
+  modules = modules or shipped_modules()
+  ring = _ring(case.num_stages)
   names = sorted(dims)
   symbols = dict(zip(names, export.symbolic_shape(
       ", ".join(names), constraints=tuple(f"{n} >= {dims[n]}" for n in names)))) if names else {}
-  blocks = symbols.get("m", floor)
+  blocks = symbols.get("m", blocks)
   num_tiles = symbols.get("mq", PROBE_SMS * probe_tiles(ring) if case.persistent
                           else _probe_trips(ring) + 1)
-  config, traced = _traced_problem(case, num_tiles,
-                                   blocks * case.block_kv + (RAGGED_KEYS if ragged else 0))
+  config, traced = _traced_problem(case, num_tiles, blocks * case.block_kv + extra_keys)
   # a symbolic grid (the query tiles') is Pallas's experimental export
   with _spending("tracing"), pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
           _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv):
     _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
-                                 kv_blocks=blocks + (1 if ragged else 0),
+                                 kv_blocks=blocks + (1 if extra_keys else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
-                                 bias=case.bias, mask=case.mask, key_ranges=False,
+                                 bias=case.bias, mask=case.mask, key_ranges=key_ranges,
                                  module=modules.forward, num_sms=PROBE_SMS)
   return [kernel], dims
 
@@ -442,15 +471,23 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   context the learned tables still lack (:meth:`harness.proofs.role_programs.Learner.missing`);
   with ``premise``, then (P) proved by Z3 for the traced kernel
   (:func:`_proved`), each of its counterexamples probed until it holds or
-  a probe shows the kernel's events disagree with themselves."""
+  a probe shows the kernel's events disagree with themselves; then for the
+  same kernel at every count of query tiles where the probes' trace
+  compiles one (:func:`trace_tiles`), and for the plain kernels
+  (:func:`trace_plain`)."""
   prober = _ForwardProber(case, modules, traced)
   prog = prober.learn()
   if not premise:
     return prog
   prog = _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  if walks_compiled_tiles(case):
+    (prog,) = _also_proved([prog], lambda _: trace_tiles(case, modules=prober.modules),
+                           {TILE_WALK: None}, "the launch that reads key ranges, {name}, "
+                           "does not synchronise as its probes showed")
   (prog,) = _plain_proved([prog], lambda ragged: trace_plain(case, ragged=ragged,
                                                              modules=prober.modules))
   return prog
+
 
 
 # The launches of a call without key ranges each case's proof traces
@@ -469,23 +506,30 @@ def _plain_proved(programs: list, trace, variants=None) -> list:
   the programs' checks cover them.  A plain launch that synchronises
   otherwise fails, with Z3's position and trip count and both event
   lists."""
+  variants = PLAIN_KERNELS if variants is None else variants
+  proved = _also_proved(programs, trace, variants, "the launch of a call without key ranges "
+                        "({name}) does not synchronise as the one that reads them")
+  return [dataclasses.replace(prog, plain=tuple(variants)) for prog in proved]
+
+
+def _also_proved(programs: list, trace, variants: dict, what: str) -> list:
+  """``programs`` with Z3's proof of (P) extended to the launches
+  ``trace(v)`` gives for each ``variants`` name: v, held to the same
+  tables (``what``: a failure's words, with the variant's {name})."""
   from harness.proofs import premise, symbolic
   stats = [premise.Stats.of(prog.z3) for prog in programs]
-  variants = PLAIN_KERNELS if variants is None else variants
   for name, variant in variants.items():
     kernels, dims = trace(variant)
     if len(kernels) != len(programs):
-      raise ex.ExtractionError(f"{programs[0].name}: {len(kernels)} launches without key "
-                               f"ranges, {len(programs)} with them")
+      raise ex.ExtractionError(f"{programs[0].name} ({name}): {len(kernels)} launches "
+                               f"traced, {len(programs)} learned")
     for prog, kernel, st in zip(programs, kernels, stats):
       try:
         with _spending("premise"):
           st.add(premise.prove(prog, symbolic.extract_symbolic(kernel, dims)))
       except premise.PremiseFailure as f:
-        raise rp.PremiseError(f"the launch of a call without key ranges ({name}) does not "
-                              f"synchronise as the one that reads them: {f}") from None
-  return [dataclasses.replace(prog, z3=st.summary(), plain=tuple(variants))
-          for prog, st in zip(programs, stats)]
+        raise rp.PremiseError(f"{what.format(name=name)}: {f}") from None
+  return [dataclasses.replace(prog, z3=st.summary()) for prog, st in zip(programs, stats)]
 
 
 MAX_COUNTEREXAMPLES = 8   # probes of Z3's counterexamples before a failure is final

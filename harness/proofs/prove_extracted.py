@@ -489,7 +489,6 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   return prog
 
 
-
 # The launches of a call without key ranges each case's proof traces
 # (trace_plain's and trace_plain_backward's ``ragged``), as failures name them.
 PLAIN_KERNELS = {"whole blocks": False, "ragged lengths": True}

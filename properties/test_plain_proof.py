@@ -95,6 +95,23 @@ def test_a_ranged_round_robin_block_is_proved_at_every_count_of_tiles():
   assert traced == [PERSISTENT] and prog.plain == tuple(pe.PLAIN_KERNELS)
 
 
+def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused():
+  """JAX answers an equality of symbolic lengths it cannot decide False, so
+  a kernel that special-cases a one-tile grid would be traced for every
+  grid but that one.  The kernel's own comparisons must be decided for
+  every length the symbols stand for; this one is refused, naming its
+  line.  JAX's own (broadcasting's ``d == 1``) are not the kernel's."""
+  m = pmut.Mutant("one_tile_grid_special", "a one-tile grid taken as ragged",
+                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                        "return self.f.seq_kv % self.config.block_kv != 0 or "
+                        "self.num_tiles == 1"),))
+  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
+    pe.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
+  assert "kernel/forward/context.mutant_one_tile_grid_special.py:" in str(err.value)
+  assert "mq == 1" in str(err.value), err.value
+  pe.trace_plain(ONE_TILE, ragged=False)   # the shipped kernel's are all decided
+
+
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
 def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop(case):
   """The unmasked loop of a call without key ranges (no causal bound, whole

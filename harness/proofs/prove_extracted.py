@@ -44,6 +44,8 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import os
+import sys
 import time
 
 import numpy as np
@@ -400,13 +402,59 @@ def _trace_symbolic(case, dims, blocks, extra_keys, *, key_ranges, modules):
   config, traced = _traced_problem(case, num_tiles, blocks * case.block_kv + extra_keys)
   # a symbolic grid (the query tiles') is Pallas's experimental export
   with _spending("tracing"), pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
-          _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv):
+          _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv), \
+          _decided_lengths(case.describe()):
     _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
                                  kv_blocks=blocks + (1 if extra_keys else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=key_ranges,
                                  module=modules.forward, num_sms=PROBE_SMS)
   return [kernel], dims
+
+
+@contextlib.contextmanager
+def _decided_lengths(what: str):
+  """While a kernel is traced with symbolic lengths: every ``==`` or
+  ``!=`` the kernel's own Python code asks of them must hold, or fail,
+  for every length the symbols stand for.  JAX answers an equality it
+  cannot decide False (its documented shape_poly convention), which
+  would trace one branch for all lengths; the trace then fails, naming
+  the kernel's line.  Comparisons JAX makes itself (broadcasting's
+  ``d == 1``) follow that convention and are not the kernel's branches."""
+  from jax._src.export import shape_poly
+  import kernel
+  kernel_dir = os.path.dirname(os.path.abspath(kernel.__file__)) + os.sep
+  cls, original = shape_poly._DimExpr, shape_poly._DimExpr.__eq__
+  undecided: list = []
+
+  def eq(self, other):
+    answer = original(self, other)
+    if answer:
+      return answer
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == shape_poly.__file__:
+      frame = frame.f_back   # __ne__, reflected comparisons
+    if frame is None or not os.path.abspath(frame.f_code.co_filename).startswith(kernel_dir):
+      return answer
+    if isinstance(other, cls) and self.scope is not other.scope:
+      return answer
+    diff = self - other
+    if shape_poly.is_symbolic_dim(diff):
+      lo, hi = shape_poly._bounds_decision(diff, shape_poly.BoundsPrecision.BEST)
+      if lo <= 0 <= hi:
+        undecided.append(f"{frame.f_code.co_filename}:{frame.f_lineno}: {self} == {other}")
+    return answer
+
+  cls.__eq__ = eq
+  try:
+    yield
+  finally:
+    cls.__eq__ = original
+  if undecided:
+    raise ex.ExtractionError(
+        f"{what}: the kernel compares its symbolic lengths where the answer depends on the "
+        f"length, so one trace cannot stand for every length: {undecided[0]}"
+        + (f" (and {len(undecided) - 1} more)" if len(undecided) > 1 else ""))
 
 
 @contextlib.contextmanager
@@ -984,7 +1032,8 @@ def trace_plain_backward(case: BackwardCase, *, ragged: bool, sectioned: bool = 
   whole_k = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
   dims = {"mq": 1, "mk": 1}
   mq, mk = export.symbolic_shape("mq, mk", constraints=("mq >= 1", "mk >= 1"))
-  with pl.pallas_export_experimental(dynamic_shapes=True), _launch_orders(modules, sectioned):
+  with pl.pallas_export_experimental(dynamic_shapes=True), _launch_orders(modules, sectioned), \
+          _decided_lengths(case.describe()):
     _, kernels = trace_backward(
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
         seq_q=whole_q * mq + (RAGGED_QUERIES if ragged else 0),

@@ -421,33 +421,39 @@ def _decided_lengths(what: str):
   would trace one branch for all lengths; the trace then fails, naming
   the kernel's line.  Comparisons JAX makes itself (broadcasting's
   ``d == 1``) follow that convention and are not the kernel's branches."""
+  import traceback
   from jax._src.export import shape_poly
   import kernel
   kernel_dir = os.path.dirname(os.path.abspath(kernel.__file__)) + os.sep
+  line = lambda path, n: f"{os.path.relpath(path, os.path.dirname(kernel_dir[:-1]))}:{n}"
   cls, original = shape_poly._DimExpr, shape_poly._DimExpr.__eq__
   undecided: list = []
 
   def eq(self, other):
     answer = original(self, other)
-    if answer:
-      return answer
+    if answer or not (isinstance(other, cls) and self.scope is other.scope
+                      or shape_poly.core.is_constant_dim(other)):
+      return answer   # decided, or not a length
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == shape_poly.__file__:
       frame = frame.f_back   # __ne__, reflected comparisons
     if frame is None or not os.path.abspath(frame.f_code.co_filename).startswith(kernel_dir):
       return answer
-    if isinstance(other, cls) and self.scope is not other.scope:
-      return answer
     diff = self - other
     if shape_poly.is_symbolic_dim(diff):
       lo, hi = shape_poly._bounds_decision(diff, shape_poly.BoundsPrecision.BEST)
       if lo <= 0 <= hi:
-        undecided.append(f"{frame.f_code.co_filename}:{frame.f_lineno}: {self} == {other}")
+        undecided.append(f"{line(frame.f_code.co_filename, frame.f_lineno)}: {self} == {other}")
     return answer
 
   cls.__eq__ = eq
   try:
     yield
+  except shape_poly.InconclusiveDimensionOperation as err:
+    # JAX refuses an undecided order (<, >=, ...) itself: named the same way
+    lines = [line(t.filename, t.lineno) for t in traceback.extract_tb(err.__traceback__)
+             if os.path.abspath(t.filename).startswith(kernel_dir)]
+    undecided.append(f"{lines[-1] if lines else 'JAX'}: {str(err).splitlines()[0]}")
   finally:
     cls.__eq__ = original
   if undecided:

@@ -95,29 +95,25 @@ def test_a_ranged_round_robin_block_is_proved_at_every_count_of_tiles():
   assert traced == [PERSISTENT] and prog.plain == tuple(pe.PLAIN_KERNELS)
 
 
-def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused():
+@pytest.mark.parametrize("asks, named", [("== 1", "mq == 1"), ("> 1", "'mq' > '1'")],
+                         ids=["an equality JAX answers false", "an order JAX refuses"])
+def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
   """JAX answers an equality of symbolic lengths it cannot decide False, so
   a kernel that special-cases a one-tile grid would be traced for every
   grid but that one.  The kernel's own comparisons must be decided for
-  every length the symbols stand for; this one is refused, naming its
-  line.  JAX's own (broadcasting's ``d == 1``) are not the kernel's."""
-  m = pmut.Mutant("one_tile_grid_special", "a one-tile grid taken as ragged",
+  every length the symbols stand for; one that is not is refused, naming
+  its line, as is an order JAX refuses itself.  JAX's own comparisons
+  (broadcasting's ``d == 1``) are not the kernel's."""
+  name = "tile_count_special"
+  m = pmut.Mutant(name, f"a grid whose tile count is {asks} taken as ragged",
                   (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         "return self.f.seq_kv % self.config.block_kv != 0 or "
-                        "self.num_tiles == 1"),))
+                        f"self.num_tiles {asks}"),))
   with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
     pe.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
-  assert ": kernel/forward/context.mutant_one_tile_grid_special.py:" in str(err.value)
-  assert "mq == 1" in str(err.value), err.value
+  assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
+  assert named in str(err.value), err.value
   pe.trace_plain(ONE_TILE, ragged=False)   # the shipped kernel's are all decided
-  # an order JAX cannot decide, which JAX refuses itself, is named alike
-  m = pmut.Mutant("many_tile_grid_special", "a grid of more than one tile taken as ragged",
-                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
-                        "return self.f.seq_kv % self.config.block_kv != 0 or "
-                        "self.num_tiles > 1"),))
-  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
-    pe.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
-  assert ": kernel/forward/context.mutant_many_tile_grid_special.py:" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])

@@ -498,6 +498,17 @@ def _mirror_groups(groups) -> dict[int, int]:
 _ALLOC_NAMES: dict = {}  # id(kernel eqn) -> (kernel eqn, {id(jaxpr var): number})
 
 
+def branches_alike(src, runs: list, words) -> None:
+  """Refuse a cond on data whose branches' runs (lists of shared-memory
+  accesses) differ, naming the first access that does (``words``)."""
+  for other in runs[1:]:
+    if other != runs[0]:
+      diff = next((f"{words(a)} against {words(b)}" for a, b in zip(runs[0], other) if a != b),
+                  f"{len(runs[0])} accesses against {len(other)}")
+      raise ExtractionError(f"{src}: a cond on data (which the protocol must not depend on) "
+                            f"whose branches touch shared memory differently ({diff})")
+
+
 class _Interp:
   def __init__(self, kernel_eqn, env: Callable, axes: dict):
     self.eqn = kernel_eqn
@@ -637,14 +648,7 @@ class _Interp:
       self.site = outer
       self.events[role], self.event_loops[role] = saved
       self.cells = cells
-    first = runs[0][0]
-    for events, _ in runs[1:]:
-      if events != first:
-        diff = next((f"{a.src} {a.describe()} against {b.src} {b.describe()}"
-                     for a, b in zip(first, events) if a != b),
-                    f"{len(first)} events against {len(events)}")
-        raise ExtractionError(f"{src}: a cond on data (which the protocol must not depend "
-                              f"on) whose branches touch shared memory differently ({diff})")
+    branches_alike(src, [events for events, _ in runs], lambda e: f"{e.src} {e.describe()}")
     for ev, loops in zip(*runs[0]):
       self.events.setdefault(role, []).append(ev)
       self.event_loops.setdefault(role, []).append(loops)

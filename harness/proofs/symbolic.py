@@ -415,14 +415,7 @@ class _SymInterp(ex._Interp):
         runs.append(self.items)
     finally:
       self.items, self.site, self.cells = outer_items, outer_site, cells
-    for items in runs[1:]:
-      if items != runs[0]:
-        diff = next((f"{_item_words(a)} against {_item_words(b)}"
-                     for a, b in zip(runs[0], items) if a != b),
-                    f"{len(runs[0])} items against {len(items)}")
-        raise ex.ExtractionError(f"{src}: a cond on data (which the protocol must not "
-                                 f"depend on) whose branches touch shared memory "
-                                 f"differently ({diff})")
+    ex.branches_alike(src, runs, _item_words)
     self.items.extend(runs[0])
     return [ex.OPAQUE] * nout
 

@@ -49,11 +49,11 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   tile count is a variable too."""
   for ragged, floor in ((False, 2), (True, 1)):
     (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=ragged)
-    assert dims == {"m": floor, "mq": 1}
+    assert dims == {"m": floor, "mq": 1, **({"r": (1, 127)} if ragged else {})}
     hi = _producer_loop(kernel, dims)
     assert "dim.m" in hi and "dim.mq" not in hi, hi
   (kernel,), dims = pe.trace_plain(CAUSAL, ragged=True)
-  assert dims == {"m": 1, "mq": 1}
+  assert dims == {"m": 1, "mq": 1, "r": (1, 127)}
   hi = _producer_loop(kernel, dims)
   assert "dim.m" in hi and "dim.mq" in hi, hi
   with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
@@ -114,6 +114,68 @@ def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
   assert named in str(err.value), err.value
   pe.trace_plain(ONE_TILE, ragged=False)   # the shipped kernel's are all decided
+
+
+def test_the_ragged_keys_are_every_remainder():
+  """The ragged plain trace's keys past the whole blocks are a symbol
+  between 1 and block_kv - 1, not one representative count: the kernel's
+  divisions of the length by the block are exact over that range
+  (block_kv * m + r split into m whole blocks and r keys), and the key
+  mask reads r."""
+  (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=True)
+  terms = []
+  real = sy.dim_term
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(sy, "dim_term", lambda *a, **k: terms.append(real(*a, **k)) or terms[-1])
+    sy.extract_symbolic(kernel, dims)
+  assert any("dim.r" in tm.serialise(t) for t in terms if tm.is_term(t)), terms
+  a, b = export.symbolic_shape("a, b", constraints=("a >= 1", "b >= 1", "b <= 127"))
+  with pe._exact_divisions():
+    assert (128 * a + b) // 128 == a and (128 * a + b) % 128 == b
+    assert -(-(128 * a + b) // 128) == a + 1
+    assert str((128 * a + b) // 64).startswith("floordiv")   # b // 64 is not fixed
+  assert str((128 * a + b) // 128).startswith("floordiv")    # JAX's own, outside
+
+
+# A wait the producer skips for a ragged last block of under 16 keys: a
+# remainder the representative count of keys (37) never takes.
+SHORT_TAIL = pmut.Mutant(
+    "short_tail_values_unacquired",
+    "the values of a last key block of under 16 keys copied without waiting for their slot",
+    (edit("produce_tile.fill", "values.producer_acquire(st)",
+          "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
+          "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16))("
+          "lambda: values.producer_acquire(st))"),))
+
+
+def test_a_slip_at_short_remainders_only_is_refuted():
+  """A defect only where the keys' last block holds fewer than 16 keys:
+  the ranged kernel (whole blocks) and the plain one at 37 keys past the
+  whole blocks run the shipped program; Z3, given every remainder, finds
+  one under 16 and refutes the plain kernel, naming the mutated line."""
+  modules = pmut.modules(SHORT_TAIL)
+  prober = pe._ForwardProber(ONE_TILE, modules, None)
+  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  at_37 = lambda _: pe._trace_symbolic(ONE_TILE, {"m": 1, "r": (37, 37), "mq": 1}, 1,
+                                       key_ranges=False, modules=modules)
+  pe._also_proved([prog], at_37, {"37 keys past": None}, "{name}")
+  with pytest.raises(rp.PremiseError, match=r"without key ranges \(ragged lengths\)") as err:
+    pe._plain_proved([prog], lambda ragged: pe.trace_plain(ONE_TILE, ragged=ragged,
+                                                           modules=modules))
+  assert "kernel/forward/producer.mutant_short_tail_values_unacquired.py:" in str(err.value)
+
+
+def test_a_branch_on_the_remainder_is_refused():
+  """A Python branch on the keys' remainder (here: ragged only past 16
+  keys) takes one side at a representative count; over every remainder
+  JAX cannot decide it, and the trace is refused, naming the line."""
+  name = "ragged_past_16"
+  m = pmut.Mutant(name, "a last block of up to 16 keys taken as whole",
+                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                        "return self.f.seq_kv % self.config.block_kv > 16"),))
+  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
+    pe.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
+  assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
@@ -208,16 +270,35 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   """Causal: head by head and in L2 sections, the two orders the host may
   build from the lengths (put back after the trace)."""
   progs = pe.backward_programs(BACKWARD)
-  assert progs and all(len(p.plain) == 2 * len(pe.PLAIN_KERNELS) for p in progs)
+  plain = tuple(pe.plain_backward_kernels(BACKWARD))
+  assert progs and all(p.plain == plain for p in progs)
   assert all(any("L2 sections" in name for name in p.plain) for p in progs)
   dkv_scope, dq_scope = _order_scopes(pe.shipped_modules())
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
   for sectioned in (False, True):
-    kernels, dims = pe.trace_plain_backward(BACKWARD, ragged=True, sectioned=sectioned)
-    assert dims == {"mq": 1, "mk": 1} and len(kernels) == len(progs)
+    kernels, dims = pe.trace_plain_backward(BACKWARD, (1, 63), 64, sectioned)
+    assert dims == {"mq": 1, "mk": 1, "rq": (1, 63)} and len(kernels) == len(progs)
     assert (dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]) == hosts
-  (flat,) = pe.backward_programs(pe.BackwardCase(64, False, False, True))
-  assert flat.plain == tuple(pe.PLAIN_KERNELS)
+  flat_case = pe.BackwardCase(64, False, False, True)
+  (flat,) = pe.backward_programs(flat_case)
+  assert flat.plain == tuple(pe.plain_backward_kernels(flat_case))
+  assert not any("L2 sections" in name for name in flat.plain)
+
+
+@pytest.mark.parametrize("whole, divisors", [(64, (64,)), (128, (128, 64)), (128, (64, 128)),
+                                              (192, (64, 96))])
+def test_the_remainders_cover_every_length_once_each_at_fixed_quotients(whole, divisors):
+  """The plain backward's remainders past whole multiples: every length
+  from 0 to whole - 1 in exactly one, and within a range each divisor's
+  quotient the same (so that the trace's divisions are exact)."""
+  pieces = pe.remainders(whole, divisors)
+  covered = [r for p in pieces for r in (range(p[0], p[1] + 1) if isinstance(p, tuple) else [p])]
+  assert sorted(covered) == list(range(whole))
+  for p in pieces:
+    if isinstance(p, tuple):
+      assert p[0] < p[1]
+      assert all(p[0] // d == p[1] // d for d in divisors), (p, divisors)
+  assert pe.remainders(128, (128, 64)) == [0, (1, 63), 64, (65, 127)]
 
 
 def test_loads_under_a_branch_on_data_are_events():

@@ -331,36 +331,32 @@ def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv):
   return config, traced
 
 
-# The ragged plain trace's keys past its last whole block: the kernel masks
-# them, which is arithmetic; any count from 1 to block_kv - 1 takes the
-# same branches (kernel.forward.context.Kernel.ragged_kv).
-RAGGED_KEYS = 37
-
-
 def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   """([kernel eqn], dims) of the kernel a call of ``case``'s config without
   key ranges launches (its key-block count compiled in), traced with the
   keys' length a symbolic dimension: ``block_kv * m`` keys (``ragged``: and
-  :data:`RAGGED_KEYS` more) for every m that fills the config's ring, so
-  that :func:`harness.proofs.symbolic.extract_symbolic` reads its trip count
-  as a variable (``dims``: each symbol's lower bound).  A ring cut to fewer
-  key blocks than the config's stages (the case's ``config_stages``) runs
-  exactly ``num_stages`` blocks: traced at that length.  The query tiles
-  are a symbol too (``tile_q * mq`` queries, mq >= 1, persistent
-  mq >= PROBE_SMS): causal, the bound cuts the trip count at the queries'
-  end, and a persistent block walks as many tiles as the grid deals it.
-  The split tail's entry table is built from the lengths on the host, so
-  its queries keep a representative length.  The host's order tables are
-  built from the lengths: :func:`_symbolic_schedule` stands in for them."""
+  r more, every r from 1 to block_kv - 1) for every m that fills the
+  config's ring, so that :func:`harness.proofs.symbolic.extract_symbolic`
+  reads its trip count as a variable (``dims``: each symbol's bounds).  A
+  ring cut to fewer key blocks than the config's stages (the case's
+  ``config_stages``) runs exactly ``num_stages`` blocks: traced at that
+  length.  The query tiles are a symbol too (``tile_q * mq`` queries,
+  mq >= 1, persistent mq >= PROBE_SMS): causal, the bound cuts the trip
+  count at the queries' end, and a persistent block walks as many tiles as
+  the grid deals it.  The split tail's entry table is built from the
+  lengths on the host, so its queries keep a representative length.  The
+  host's order tables are built from the lengths: :func:`_symbolic_schedule`
+  stands in for them."""
   # at least the ring's stages of key blocks, the ragged one counted
   floor = case.num_stages - (1 if ragged else 0)
   dims = {} if case.ring_cut else {"m": floor}
+  if ragged:
+    dims["r"] = (1, case.block_kv - 1)
   if case.schedule != "split-tail":   # its entry table is the host's, for one length
     # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
     # the ranged traces have (min(SMs, tiles) is then decided)
     dims["mq"] = PROBE_SMS if case.persistent else 1
-  return _trace_symbolic(case, dims, floor, RAGGED_KEYS if ragged else 0, key_ranges=False,
-                         modules=modules)
+  return _trace_symbolic(case, dims, floor, key_ranges=False, modules=modules)
 
 
 # The ranged kernels whose tile walk trace_case compiles at one count of
@@ -381,35 +377,90 @@ def trace_tiles(case: ForwardCase, *, modules=None):
   persistent round-robin block walks a variable count of the grid's tiles
   (:func:`walks_compiled_tiles`), where the probes' trace walks one."""
   blocks = case.num_stages if case.ring_cut else _kv_blocks(_ring(case.num_stages))
-  return _trace_symbolic(case, {"mq": PROBE_SMS}, blocks, 0, key_ranges=True, modules=modules)
+  return _trace_symbolic(case, {"mq": PROBE_SMS}, blocks, key_ranges=True, modules=modules)
 
 
-def _trace_symbolic(case, dims, blocks, extra_keys, *, key_ranges, modules):
-  """([kernel eqn], dims): ``case`` traced with ``block_kv * m + extra_keys``
-  keys and ``tile_q * mq`` queries, each of m and mq a symbolic dimension
-  from its bound in ``dims`` where named there (else ``blocks`` key blocks
-  and the ranged traces' tiles)."""
-  from jax import export
+def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
+  """([kernel eqn], dims): ``case`` traced with ``block_kv * m + r`` keys
+  and ``tile_q * mq`` queries, each of m, r and mq a symbolic dimension
+  within its bounds in ``dims`` where named there (else ``blocks`` key
+  blocks, no ragged keys, and the ranged traces' tiles)."""
   from jax.experimental import pallas as pl
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
-  names = sorted(dims)
-  symbols = dict(zip(names, export.symbolic_shape(
-      ", ".join(names), constraints=tuple(f"{n} >= {dims[n]}" for n in names)))) if names else {}
+  symbols = _symbols(dims)
   blocks = symbols.get("m", blocks)
   num_tiles = symbols.get("mq", PROBE_SMS * probe_tiles(ring) if case.persistent
                           else _probe_trips(ring) + 1)
-  config, traced = _traced_problem(case, num_tiles, blocks * case.block_kv + extra_keys)
   # a symbolic grid (the query tiles') is Pallas's experimental export
-  with _spending("tracing"), pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
+  with _spending("tracing"), _exact_divisions(), \
+          pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
           _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv), \
           _decided_lengths(case.describe()):
+    config, traced = _traced_problem(case, num_tiles,
+                                     blocks * case.block_kv + symbols.get("r", 0))
     _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
-                                 kv_blocks=blocks + (1 if extra_keys else 0),
+                                 kv_blocks=blocks + (1 if "r" in symbols else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=key_ranges,
                                  module=modules.forward, num_sms=PROBE_SMS)
   return [kernel], dims
+
+
+def _symbols(dims: dict) -> dict:
+  """jax.export's symbolic dimensions, one per name of ``dims``, each
+  within its bounds there: a lower bound, or (lower, upper)."""
+  from jax import export
+  names = sorted(dims)
+  if not names:
+    return {}
+  bounds = {n: dims[n] if isinstance(dims[n], tuple) else (dims[n], None) for n in names}
+  constraints = [f"{n} >= {lo}" for n, (lo, _) in bounds.items()]
+  constraints += [f"{n} <= {hi}" for n, (_, hi) in bounds.items() if hi is not None]
+  return dict(zip(names, export.symbolic_shape(", ".join(names),
+                                               constraints=tuple(constraints))))
+
+
+@contextlib.contextmanager
+def _exact_divisions():
+  """While a kernel is traced with symbolic lengths: a floor division or
+  remainder of a length by a constant d is exact wherever the symbols'
+  bounds decide it.  JAX divides the terms d divides and leaves the rest
+  as floordiv(...) and mod(...), which no comparison decides and no term
+  of the proof reads; but the rest's bounds (a ragged remainder r in
+  [1, d - 1]) often fix its quotient, and then ``(d*m + r) // d`` is
+  ``m`` and ``(d*m + r) % d`` is ``r``, for every length the symbols
+  stand for.  Where they do not, JAX's answer stands."""
+  from jax._src.export import shape_poly
+  cls = shape_poly._DimExpr
+  original = cls._divmod
+
+  def divmod_(self, divisor):
+    quotient, remainder = original(self, divisor)
+    if not (shape_poly.is_symbolic_dim(quotient) or shape_poly.is_symbolic_dim(remainder)) \
+            or shape_poly.is_symbolic_dim(divisor) or int(divisor) <= 0:
+      return quotient, remainder
+    d = int(divisor)
+    whole, rest = 0, 0   # self = d * whole + rest
+    for term, count in self._sorted_terms:
+      if term.is_constant:
+        rest += count
+      elif count % d == 0:
+        whole += cls._from_term(term, count // d, self.scope)
+      else:
+        rest += cls._from_term(term, count, self.scope)
+    if not shape_poly.is_symbolic_dim(rest):
+      return quotient, remainder
+    lo, hi = shape_poly._bounds_decision(rest, shape_poly.BoundsPrecision.BEST)
+    if not (np.isfinite(lo) and np.isfinite(hi)) or lo // d != hi // d:
+      return quotient, remainder
+    return whole + int(lo // d), rest - d * int(lo // d)
+
+  cls._divmod = divmod_
+  try:
+    yield
+  finally:
+    cls._divmod = original
 
 
 @contextlib.contextmanager
@@ -544,7 +595,7 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
 
 
 # The launches of a call without key ranges each case's proof traces
-# (trace_plain's and trace_plain_backward's ``ragged``), as failures name them.
+# (trace_plain's ``ragged``; the backward's are plain_backward_kernels'), as failures name them.
 PLAIN_KERNELS = {"whole blocks": False, "ragged lengths": True}
 
 
@@ -1012,44 +1063,81 @@ def backward_programs(case: BackwardCase, *, modules=None,
                     else learn())
   if not premise:
     return programs
-  variants = {name: (ragged, False) for name, ragged in PLAIN_KERNELS.items()}
-  if case.causal:
-    variants.update({f"{name}, in L2 sections": (ragged, True)
-                     for name, ragged in PLAIN_KERNELS.items()})
-  return _plain_proved(programs, lambda v: trace_plain_backward(
-      case, ragged=v[0], sectioned=v[1], modules=modules), variants)
+  return _plain_proved(programs, lambda v: trace_plain_backward(case, *v, modules=modules),
+                       plain_backward_kernels(case, modules=modules))
 
 
-def trace_plain_backward(case: BackwardCase, *, ragged: bool, sectioned: bool = False,
+def plain_backward_kernels(case: BackwardCase, *, modules=None) -> dict:
+  """The backward launches of a call without key ranges each case's proof
+  traces, by name: (queries' remainder, keys' remainder, sectioned) for
+  :func:`trace_plain_backward`, every pair of the queries' and the keys'
+  :func:`remainders` (whole lengths, and every ragged one), causal head by
+  head and in L2 sections."""
+  import math
+  modules = modules or shipped_modules()
+  b = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
+  queries = remainders(math.lcm(b.dq_tile, b.dkv_stream_q), (b.dq_tile, b.dkv_stream_q))
+  keys = remainders(math.lcm(b.dkv_tile, b.dq_stream_kv), (b.dkv_tile, b.dq_stream_kv))
+  out = {}
+  for sectioned in (False, True) if case.causal else (False,):
+    for rq in queries:
+      for rk in keys:
+        name = f"queries {_past(rq)}, keys {_past(rk)}"
+        out[name + (", in L2 sections" if sectioned else "")] = (rq, rk, sectioned)
+  return out
+
+
+def remainders(whole: int, divisors) -> list:
+  """The lengths past a whole multiple of ``whole`` a plain trace takes,
+  together every one from 0 to whole - 1: 0; each multiple of a divisor
+  below ``whole``; and between them each range (lo, hi), over which every
+  divisor divides the length to the same quotient (:func:`_exact_divisions`),
+  so that one trace stands for every length of the range."""
+  cuts = sorted({k for d in divisors for k in range(d, whole, d)})
+  out, lo = [0], 1
+  for cut in cuts + [whole]:
+    if lo < cut:
+      out.append((lo, cut - 1) if lo < cut - 1 else lo)
+    if cut < whole:
+      out.append(cut)
+    lo = cut + 1
+  return out
+
+
+def _past(rem) -> str:
+  if rem == 0:
+    return "whole"
+  return f"{rem} past whole" if isinstance(rem, int) else f"{rem[0]} to {rem[1]} past whole"
+
+
+def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = False, *,
                          modules=None):
   """(kernels, dims) of the backward a call without key ranges launches
   (each launch's trip counts compiled in), traced with the queries' and
   the keys' lengths symbolic dimensions: whole multiples of every tile
-  and block of the launches (``mq``, ``mk`` >= 1), ``ragged``: and
-  :data:`RAGGED_QUERIES` and :data:`RAGGED_KEYS` more.  A causal launch
+  and block of the launches (``mq``, ``mk`` >= 1) and ``rem_q``, ``rem_k``
+  more (:func:`remainders`: 0, a number, or (lo, hi), a symbol, ``rq`` or
+  ``rk``, for every number from lo to hi).  A causal launch
   order is built on the host from the lengths: the trace takes it head by
   head or, ``sectioned``, in L2 sections (:func:`_launch_orders`)."""
   import math
-  from jax import export
   from jax.experimental import pallas as pl
   modules = modules or shipped_modules()
   blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
   whole_q = math.lcm(blocks.dq_tile, blocks.dkv_stream_q)
   whole_k = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
   dims = {"mq": 1, "mk": 1}
-  mq, mk = export.symbolic_shape("mq, mk", constraints=("mq >= 1", "mk >= 1"))
-  with pl.pallas_export_experimental(dynamic_shapes=True), _launch_orders(modules, sectioned), \
-          _decided_lengths(case.describe()):
+  dims.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, tuple)})
+  symbols = _symbols(dims)
+  symbols.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, int)})
+  with _exact_divisions(), pl.pallas_export_experimental(dynamic_shapes=True), \
+          _launch_orders(modules, sectioned), _decided_lengths(case.describe()):
     _, kernels = trace_backward(
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
-        seq_q=whole_q * mq + (RAGGED_QUERIES if ragged else 0),
-        seq_kv=whole_k * mk + (RAGGED_KEYS if ragged else 0), ranges=False,
+        seq_q=whole_q * symbols["mq"] + symbols.get("rq", 0),
+        seq_kv=whole_k * symbols["mk"] + symbols.get("rk", 0), ranges=False,
         modules=modules, fixed_point=case.fixed_point)
   return kernels, dims
-
-
-# The ragged plain backward's queries past whole tiles (as RAGGED_KEYS).
-RAGGED_QUERIES = 29
 
 
 @contextlib.contextmanager

@@ -167,20 +167,21 @@ def _dim_int(x) -> int:
     raise _NotLinear from None
 
 
-def dim_term(dim, floors: dict, src: str = ""):
-  """A symbolic dimension of the trace (jax.export's: the keys' length of a
+def dim_term(dim, bounds: dict, src: str = ""):
+  """A symbolic dimension of the trace (jax.export's: the lengths of a
   plain call, :func:`harness.proofs.prove_extracted.trace_plain`) as a
-  term: symbol s is ``floors[s] + max(0, v_s)``, every value from the lower
-  bound the trace was made under up.  Only a linear expression of the
-  symbols is a term."""
+  term: symbol s of bound ``lo`` is ``lo + max(0, v_s)``, every value from
+  the lower bound the trace was made under up; of bounds ``(lo, hi)``
+  (a ragged remainder) ``min(lo + max(0, v_s), hi)``, every value between
+  them.  Only a linear expression of the symbols is a term."""
   if isinstance(dim, int):
     return dim
   names = sorted(dim._get_vars())
-  missing = [v for v in names if v not in floors]
+  missing = [v for v in names if v not in bounds]
   if missing:
     raise ex.ExtractionError(f"{src}: symbolic dimension {dim} has no lower bound for "
                              f"{missing[0]}")
-  env = {v: _Linear(tm.add(floors[v], tm.pos(tm.var("dim." + v)))) for v in names}
+  env = {v: _Linear(_bounded(tm.var("dim." + v), bounds[v])) for v in names}
   try:
     out = dim._evaluate(env)
   except _NotLinear:
@@ -189,12 +190,18 @@ def dim_term(dim, floors: dict, src: str = ""):
   return out.term if isinstance(out, _Linear) else _dim_int(out)
 
 
+def _bounded(v, bound):
+  lo, hi = bound if isinstance(bound, tuple) else (bound, None)
+  term = tm.add(lo, tm.pos(v))
+  return term if hi is None else tm.min_(term, hi)
+
+
 class _SymInterp(ex._Interp):
   """The extractor's interpreter over terms (module docstring)."""
 
   def __init__(self, kernel_eqn, axes: dict, dims: dict | None = None):
     super().__init__(kernel_eqn, env=None, axes=axes)
-    self.dims = dims or {}   # symbolic dimension -> its lower bound
+    self.dims = dims or {}   # symbolic dimension -> its bounds (dim_term)
     self.guard = True
     self.items: list = []
     self.role_items: dict = {}
@@ -631,8 +638,8 @@ def subst_items(items, mapping, memo=None):
 def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
   """Every role of one ``mpmd_map`` kernel, read symbolically (grid indices
   are variables, integers read from global memory uninterpreted
-  functions, each symbolic dimension of ``dims`` (its lower bound) a
-  variable from that bound up: :func:`dim_term`)."""
+  functions, each symbolic dimension of ``dims`` (its lower bound, or
+  both bounds) a variable between them: :func:`dim_term`)."""
   tm.reset()
   mesh = kernel_eqn.params["meshes"][0]
   (body,) = kernel_eqn.params["jaxprs"]

@@ -39,23 +39,32 @@ def _producer_loop(kernel, dims):
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=False)
   (loop,) = units.loops
-  return tm.serialise(loop.hi)
+  return loop.hi
+
+
+# Every dimension variable at its least (symbolic.dim_term: lo + max(0, v)).
+LEAST = {f"dim.{n}": 0 for n in ("m", "mq", "sq", "r")}
 
 
 def test_the_keys_length_is_a_variable_from_the_ring_up():
   """The producer's key loop runs to the symbolic key-block count: a
   variable of the terms, from the ring's stages up (one fewer whole
   block when the keys are ragged); causal, cut at the queries' end, whose
-  tile count is a variable too."""
-  for ragged, floor in ((False, 2), (True, 1)):
+  length (whole tiles and the rows short of the last) is a variable too."""
+  for ragged in (False, True):
     (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=ragged)
-    assert dims == {"m": floor, "mq": 1, **({"r": (1, 127)} if ragged else {})}
+    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **({"r": (1, 127)} if ragged else {})}
     hi = _producer_loop(kernel, dims)
-    assert "dim.m" in hi and "dim.mq" not in hi, hi
+    assert "dim.m" in tm.serialise(hi) and "dim.mq" not in tm.serialise(hi), hi
+    assert tm.evaluate(hi, LEAST) == 2   # the ring's stages, the ragged block counted
   (kernel,), dims = pe.trace_plain(CAUSAL, ragged=True)
-  assert dims == {"m": 1, "mq": 1, "r": (1, 127)}
   hi = _producer_loop(kernel, dims)
-  assert "dim.m" in hi and "dim.mq" in hi, hi
+  assert all(f"dim.{n}" in tm.serialise(hi) for n in ("m", "mq", "sq")), hi
+  # one tile of 128 queries: the causal bound's one block
+  assert tm.evaluate(hi, {**LEAST, "axis.q_tiles": 0}) == 1
+  # 192 queries (64 short of two tiles): the second tile's rows end in key block 1
+  assert tm.evaluate(hi, {**LEAST, "dim.mq": 1, "dim.sq": 65, "dim.m": 5,
+                          "axis.q_tiles": 1}) == 2
   with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
     sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0][0], {})
 
@@ -66,12 +75,12 @@ def test_a_persistent_block_walks_a_variable_count_of_tiles():
   not to a traced constant (from the grid's blocks up, as the ranged traces
   have); the split tail's host-built table keeps one length."""
   (kernel,), dims = pe.trace_plain(PERSISTENT, ragged=False)
-  assert dims == {"m": 2, "mq": pe.PROBE_SMS}
+  assert dims == {"m": 1, "mq": 1, "sq": (1, 128)}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   walk = tm.serialise(units.tile.hi)
   assert "dim.mq" in walk and "axis.sm" in walk, walk
-  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 2}
+  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1}
 
 
 def test_a_ranged_round_robin_block_is_proved_at_every_count_of_tiles():
@@ -81,7 +90,7 @@ def test_a_ranged_round_robin_block_is_proved_at_every_count_of_tiles():
   probes' tables.  Longest-first and the split tail read each block's
   count from memory, and a one-tile grid walks one."""
   (kernel,), dims = pe.trace_tiles(PERSISTENT)
-  assert dims == {"mq": pe.PROBE_SMS}
+  assert dims == {"mq": 1}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   assert "dim.mq" in tm.serialise(units.tile.hi)
@@ -114,6 +123,23 @@ def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
   assert named in str(err.value), err.value
   pe.trace_plain(ONE_TILE, ragged=False)   # the shipped kernel's are all decided
+
+
+def test_a_length_from_zero_is_traced_from_zero():
+  """JAX takes every dimension variable to be at least 1: a length whose
+  least is 0 (no whole key block, no query row short) is a variable less
+  1, so that JAX decides nothing for it that fails at 0, and dim_term
+  reads each length back within its bounds."""
+  from jax._src.export.shape_poly import InconclusiveDimensionOperation
+  values, bounds = pe._symbols({"m": 0, "r": (1, 127), "sq": (0, 127)})
+  assert bounds == {"m": 1, "r": (1, 127), "sq": (1, 128)}
+  assert values["m"] >= 0
+  with pytest.raises(InconclusiveDimensionOperation):
+    bool(values["m"] >= 1)
+  for name, least, most in (("m", 0, None), ("r", 1, 127), ("sq", 0, 127)):
+    term = sy.dim_term(values[name], bounds)
+    assert tm.evaluate(term, {f"dim.{name}": -5}) == least
+    assert tm.evaluate(term, {f"dim.{name}": 1000}) == (most or 1000)
 
 
 def test_the_ragged_keys_are_every_remainder():
@@ -165,17 +191,24 @@ def test_a_slip_at_short_remainders_only_is_refuted():
   assert "kernel/forward/producer.mutant_short_tail_values_unacquired.py:" in str(err.value)
 
 
-def test_a_branch_on_the_remainder_is_refused():
-  """A Python branch on the keys' remainder (here: ragged only past 16
-  keys) takes one side at a representative count; over every remainder
-  JAX cannot decide it, and the trace is refused, naming the line."""
-  name = "ragged_past_16"
-  m = pmut.Mutant(name, "a last block of up to 16 keys taken as whole",
+@pytest.mark.parametrize("ragged, named", [
+    ("self.f.seq_kv % self.config.block_kv > 16", "'r' > '16'"),
+    ("self.f.seq_q % self.tile_q != 0 or self.f.seq_kv % self.config.block_kv != 0",
+     "mod(- sq + 128*mq + 1, 128) == 0")],
+    ids=["keys past 16", "ragged queries"])
+def test_a_branch_on_the_remainder_is_refused(ragged, named):
+  """A Python branch on a length's remainder (ragged only past 16 keys; a
+  ragged query tile taken as ragged keys) takes one side at a
+  representative length; over every length JAX cannot decide it, and the
+  trace is refused, naming the line."""
+  name = "ragged_otherwise"
+  m = pmut.Mutant(name, "raggedness decided otherwise",
                   (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
-                        "return self.f.seq_kv % self.config.block_kv > 16"),))
+                        f"return {ragged}"),))
   with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
     pe.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
+  assert named in str(err.value), err.value
 
 
 @pytest.mark.parametrize("case", [ONE_TILE, SPLIT], ids=["one tile", "split tail"])
@@ -242,7 +275,7 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
   assert cut.ring_cut
   _, dims = pe.trace_plain(cut, ragged=False)
-  assert dims == {"mq": pe.PROBE_SMS}   # no key-length symbol
+  assert dims == {"mq": 1, "sq": (1, 128)}   # no key-length symbol
   prog = pe.forward_program(cut)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
   # a plain kernel whose producer keeps no ring position across tiles (so

@@ -348,9 +348,8 @@ def main(argv=None) -> int:
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "
-        f"count of key blocks and query tiles, whole or with any ragged remainder of keys, "
-        f"and in the backward of queries; the causal backward's head by head and in L2 "
-        f"sections)")
+        f"length of queries and keys, whole or ragged, the split tail's queries at one; the "
+        f"causal backward's head by head and in L2 sections)")
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.

@@ -308,10 +308,10 @@ def trace_case(case: ForwardCase, *, modules=None, kv_blocks=None, tiles=None):
   return closed, kernel, traced
 
 
-def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv):
-  """(config, problem) of ``case`` traced with ``num_tiles`` query tiles and
-  ``seq_kv`` keys, after checking that it stages the output where the case
-  does."""
+def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv, short_q=0):
+  """(config, problem) of ``case`` traced with ``num_tiles`` query tiles,
+  the last ``short_q`` rows short of whole, and ``seq_kv`` keys, after
+  checking that it stages the output where the case does."""
   from kernel.tiling import config as config_lib, plan as plan_lib
   config = config_lib.Config(block_q=case.block_q, block_kv=case.block_kv,
                              num_stages=case.config_stages or case.num_stages,
@@ -319,7 +319,7 @@ def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv):
                              compute_warpgroups=case.compute_warpgroups)
   traced = plan_lib.Problem(
       dtype=np.dtype(case.dtype), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
-      seq_q=num_tiles * case.tile_q, seq_kv=seq_kv, is_causal=case.causal,
+      seq_q=num_tiles * case.tile_q - short_q, seq_kv=seq_kv, is_causal=case.causal,
       bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
       untiled_copies=case.untiled_copies, scale=0.125)
   layout = plan_lib.scratch_layout(traced, config)
@@ -337,11 +337,13 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   keys' length a symbolic dimension: ``block_kv * m`` keys (``ragged``: and
   r more, every r from 1 to block_kv - 1) for every m that fills the
   config's ring, so that :func:`harness.proofs.symbolic.extract_symbolic`
-  reads its trip count as a variable (``dims``: each symbol's bounds).  A
+  reads its trip count as a variable (``dims``: its dimension variables'
+  bounds, :func:`_symbols`).  A
   ring cut to fewer key blocks than the config's stages (the case's
   ``config_stages``) runs exactly ``num_stages`` blocks: traced at that
-  length.  The query tiles are a symbol too (``tile_q * mq`` queries,
-  mq >= 1, persistent mq >= PROBE_SMS): causal, the bound cuts the trip
+  length.  The queries are symbols too, ``tile_q * mq - sq`` of them
+  (mq >= 1, persistent mq >= PROBE_SMS, and sq from 0 to tile_q - 1: every
+  length, whole or ragged, in mq tiles): causal, the bound cuts the trip
   count at the queries' end, and a persistent block walks as many tiles as
   the grid deals it.  The split tail's entry table is built from the
   lengths on the host, so its queries keep a representative length.  The
@@ -356,6 +358,9 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
     # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
     # the ranged traces have (min(SMs, tiles) is then decided)
     dims["mq"] = PROBE_SMS if case.persistent else 1
+    # the last tile's rows short of whole: the kernel never asks whether
+    # they are, so one trace takes whole and ragged queries
+    dims["sq"] = (0, case.tile_q - 1)
   return _trace_symbolic(case, dims, floor, key_ranges=False, modules=modules)
 
 
@@ -381,14 +386,15 @@ def trace_tiles(case: ForwardCase, *, modules=None):
 
 
 def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
-  """([kernel eqn], dims): ``case`` traced with ``block_kv * m + r`` keys
-  and ``tile_q * mq`` queries, each of m, r and mq a symbolic dimension
-  within its bounds in ``dims`` where named there (else ``blocks`` key
-  blocks, no ragged keys, and the ranged traces' tiles)."""
+  """([kernel eqn], its dimension variables' bounds, :func:`_symbols`):
+  ``case`` traced with ``block_kv * m + r`` keys and ``tile_q * mq - sq``
+  queries, each of m, r, mq and sq a symbolic length within its bounds in
+  ``dims`` where named there (else ``blocks`` key blocks, no ragged keys,
+  the ranged traces' tiles, and whole ones)."""
   from jax.experimental import pallas as pl
   modules = modules or shipped_modules()
   ring = _ring(case.num_stages)
-  symbols = _symbols(dims)
+  symbols, variables = _symbols(dims)
   blocks = symbols.get("m", blocks)
   num_tiles = symbols.get("mq", PROBE_SMS * probe_tiles(ring) if case.persistent
                           else _probe_trips(ring) + 1)
@@ -398,27 +404,34 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
           _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv), \
           _decided_lengths(case.describe()):
     config, traced = _traced_problem(case, num_tiles,
-                                     blocks * case.block_kv + symbols.get("r", 0))
+                                     blocks * case.block_kv + symbols.get("r", 0),
+                                     symbols.get("sq", 0))
     _, kernel = ex.trace_forward(traced, config, num_tiles=num_tiles,
                                  kv_blocks=blocks + (1 if "r" in symbols else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=key_ranges,
                                  module=modules.forward, num_sms=PROBE_SMS)
-  return [kernel], dims
+  return [kernel], variables
 
 
-def _symbols(dims: dict) -> dict:
-  """jax.export's symbolic dimensions, one per name of ``dims``, each
-  within its bounds there: a lower bound, or (lower, upper)."""
+def _symbols(dims: dict) -> tuple[dict, dict]:
+  """(values, bounds): per name of ``dims`` (its lower bound, or (lower,
+  upper)) a length of jax.export's symbolic dimensions taking every value
+  within them, and the bounds of the dimension variables it is made of,
+  for :func:`harness.proofs.symbolic.dim_term`.  JAX takes every dimension
+  variable to be at least 1, so a length from ``lo`` is the variable plus
+  ``lo - 1``: one that may be 0 (no whole key block of a one-stage ring,
+  no row short of a whole tile) is traced as such."""
   from jax import export
   names = sorted(dims)
   if not names:
-    return {}
+    return {}, {}
   bounds = {n: dims[n] if isinstance(dims[n], tuple) else (dims[n], None) for n in names}
-  constraints = [f"{n} >= {lo}" for n, (lo, _) in bounds.items()]
-  constraints += [f"{n} <= {hi}" for n, (_, hi) in bounds.items() if hi is not None]
-  return dict(zip(names, export.symbolic_shape(", ".join(names),
-                                               constraints=tuple(constraints))))
+  constraints = tuple(f"{n} <= {hi - lo + 1}" for n, (lo, hi) in bounds.items()
+                      if hi is not None)
+  variables = export.symbolic_shape(", ".join(names), constraints=constraints)
+  values = {n: v + (bounds[n][0] - 1) for n, v in zip(names, variables)}
+  return values, {n: 1 if hi is None else (1, hi - lo + 1) for n, (lo, hi) in bounds.items()}
 
 
 @contextlib.contextmanager
@@ -1112,8 +1125,8 @@ def _past(rem) -> str:
 
 def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = False, *,
                          modules=None):
-  """(kernels, dims) of the backward a call without key ranges launches
-  (each launch's trip counts compiled in), traced with the queries' and
+  """(kernels, their dimension variables' bounds) of the backward a call
+  without key ranges launches (each launch's trip counts compiled in), traced with the queries' and
   the keys' lengths symbolic dimensions: whole multiples of every tile
   and block of the launches (``mq``, ``mk`` >= 1) and ``rem_q``, ``rem_k``
   more (:func:`remainders`: 0, a number, or (lo, hi), a symbol, ``rq`` or
@@ -1128,7 +1141,7 @@ def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool =
   whole_k = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
   dims = {"mq": 1, "mk": 1}
   dims.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, tuple)})
-  symbols = _symbols(dims)
+  symbols, variables = _symbols(dims)
   symbols.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, int)})
   with _exact_divisions(), pl.pallas_export_experimental(dynamic_shapes=True), \
           _launch_orders(modules, sectioned), _decided_lengths(case.describe()):
@@ -1137,7 +1150,7 @@ def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool =
         seq_q=whole_q * symbols["mq"] + symbols.get("rq", 0),
         seq_kv=whole_k * symbols["mk"] + symbols.get("rk", 0), ranges=False,
         modules=modules, fixed_point=case.fixed_point)
-  return kernels, dims
+  return kernels, variables
 
 
 @contextlib.contextmanager

@@ -184,7 +184,8 @@ def test_a_slip_at_short_remainders_only_is_refuted():
   prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
   at_37 = lambda _: pe._trace_symbolic(ONE_TILE, {"m": 1, "r": (37, 37), "mq": 1}, 1,
                                        key_ranges=False, modules=modules)
-  pe._also_proved([prog], at_37, {"37 keys past": None}, "{name}")
+  (at_37_proved,) = pe._also_proved([prog], at_37, {"37 keys past": None}, "{name}")
+  assert at_37_proved.z3 and at_37_proved.z3[0] > prog.z3[0]   # its claims held too
   with pytest.raises(rp.PremiseError, match=r"without key ranges \(ragged lengths\)") as err:
     pe._plain_proved([prog], lambda ragged: pe.trace_plain(ONE_TILE, ragged=ragged,
                                                            modules=modules))

@@ -1086,11 +1086,8 @@ def plain_backward_kernels(case: BackwardCase, *, modules=None) -> dict:
   :func:`trace_plain_backward`, every pair of the queries' and the keys'
   :func:`remainders` (whole lengths, and every ragged one), causal head by
   head and in L2 sections."""
-  import math
-  modules = modules or shipped_modules()
-  b = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
-  queries = remainders(math.lcm(b.dq_tile, b.dkv_stream_q), (b.dq_tile, b.dkv_stream_q))
-  keys = remainders(math.lcm(b.dkv_tile, b.dq_stream_kv), (b.dkv_tile, b.dq_stream_kv))
+  (whole_q, in_q), (whole_k, in_k) = _backward_lengths(case, modules or shipped_modules())
+  queries, keys = remainders(whole_q, in_q), remainders(whole_k, in_k)
   out = {}
   for sectioned in (False, True) if case.causal else (False,):
     for rq in queries:
@@ -1098,6 +1095,16 @@ def plain_backward_kernels(case: BackwardCase, *, modules=None) -> dict:
         name = f"queries {_past(rq)}, keys {_past(rk)}"
         out[name + (", in L2 sections" if sectioned else "")] = (rq, rk, sectioned)
   return out
+
+
+def _backward_lengths(case: BackwardCase, modules) -> tuple:
+  """((whole, divisors) of the queries, of the keys): the tiles and blocks
+  the backward's launches divide each length by, and their least common
+  multiple, the whole lengths its plain traces take."""
+  import math
+  b = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
+  return tuple((math.lcm(*by), by) for by in ((b.dq_tile, b.dkv_stream_q),
+                                              (b.dkv_tile, b.dq_stream_kv)))
 
 
 def remainders(whole: int, divisors) -> list:
@@ -1133,12 +1140,9 @@ def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool =
   ``rk``, for every number from lo to hi).  A causal launch
   order is built on the host from the lengths: the trace takes it head by
   head or, ``sectioned``, in L2 sections (:func:`_launch_orders`)."""
-  import math
   from jax.experimental import pallas as pl
   modules = modules or shipped_modules()
-  blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
-  whole_q = math.lcm(blocks.dq_tile, blocks.dkv_stream_q)
-  whole_k = math.lcm(blocks.dkv_tile, blocks.dq_stream_kv)
+  (whole_q, _), (whole_k, _) = _backward_lengths(case, modules)
   dims = {"mq": 1, "mk": 1}
   dims.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, tuple)})
   symbols, variables = _symbols(dims)
@@ -1147,8 +1151,8 @@ def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool =
           _launch_orders(modules, sectioned), _decided_lengths(case.describe()):
     _, kernels = trace_backward(
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
-        seq_q=whole_q * symbols["mq"] + symbols.get("rq", 0),
-        seq_kv=whole_k * symbols["mk"] + symbols.get("rk", 0), ranges=False,
+        seq_q=whole_q * symbols["mq"] + symbols["rq"],
+        seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=False,
         modules=modules, fixed_point=case.fixed_point)
   return kernels, variables
 

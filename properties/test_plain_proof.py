@@ -83,25 +83,56 @@ def test_a_persistent_block_walks_a_variable_count_of_tiles():
   assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1}
 
 
-def test_a_ranged_round_robin_block_is_proved_at_every_count_of_tiles():
-  """The kernel that reads key ranges, probed at one count of tiles, is
-  traced again with its query tiles a variable where a persistent
-  round-robin block's walk compiles that count in; Z3 holds it to the
-  probes' tables.  Longest-first and the split tail read each block's
-  count from memory, and a one-tile grid walks one."""
-  (kernel,), dims = pe.trace_tiles(PERSISTENT)
-  assert dims == {"mq": 1}
-  units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
-                   persistent=True)
-  assert "dim.mq" in tm.serialise(units.tile.hi)
-  assert [c for c in (ONE_TILE, PERSISTENT, CAUSAL, SPLIT, LONGEST)
-          if pe.walks_compiled_tiles(c)] == [PERSISTENT]
+def test_the_ranged_kernel_is_proved_at_every_length():
+  """The kernel that reads key ranges, probed at one length, is traced
+  again at every length of its queries and keys, whole and ragged, and Z3
+  holds it to the probes' tables: a persistent round-robin block's walk
+  runs to a variable count of tiles, not the probes' compiled one, and a
+  ragged key length bounds the unmasked blocks by a variable."""
+  for ragged in (False, True):
+    (kernel,), dims = pe.trace_ranged(PERSISTENT, ragged=ragged)
+    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **({"r": (1, 127)} if ragged else {})}
+    units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
+                     persistent=True)
+    assert "dim.mq" in tm.serialise(units.tile.hi)
   traced = []
-  real = pe.trace_tiles
+  real = pe.trace_ranged
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(pe, "trace_tiles", lambda case, **kw: traced.append(case) or real(case, **kw))
+    mp.setattr(pe, "trace_ranged", lambda case, **kw: traced.append(kw["ragged"]) or
+               real(case, **kw))
     prog = pe.forward_program(PERSISTENT)
-  assert traced == [PERSISTENT] and prog.plain == tuple(pe.PLAIN_KERNELS)
+  assert traced == [False, True] and prog.lengths == tuple(pe.RANGED_LENGTHS)
+  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+
+
+# A wait the producer skips for a ragged last block of under 16 keys, in a
+# call with key ranges only: its probes (whole key blocks) and every plain
+# kernel run the shipped program.
+RANGED_SHORT_TAIL = pmut.Mutant(
+    "ranged_short_tail_values_unacquired",
+    "with key ranges, the values of a last key block of under 16 keys copied without "
+    "waiting for their slot",
+    (edit("produce_tile.fill", "values.producer_acquire(st)",
+          "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
+          "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16) | (not c.key_ranges))("
+          "lambda: values.producer_acquire(st))"),))
+
+
+def test_a_slip_in_a_ranged_call_at_ragged_lengths_only_is_refuted():
+  """A defect only where a call with lengths, a window or segments has a
+  ragged key length: the probes' trace (whole key blocks) and the plain
+  kernels prove as the shipped ones do; Z3, given the ranged kernel at
+  every ragged length, refutes it, naming the mutated line."""
+  modules = pmut.modules(RANGED_SHORT_TAIL)
+  prober = pe._ForwardProber(ONE_TILE, modules, None)
+  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  (plain,) = pe._plain_proved([prog], lambda ragged: pe.trace_plain(ONE_TILE, ragged=ragged,
+                                                                    modules=modules))
+  assert plain.z3[0] > prog.z3[0]   # the plain kernels' claims held
+  with pytest.raises(rp.PremiseError, match="reads key ranges, at every ragged length") as err:
+    pe.forward_program(ONE_TILE, modules=modules)
+  assert "kernel/forward/producer.mutant_ranged_short_tail_values_unacquired.py:" in \
+      str(err.value), err.value
 
 
 @pytest.mark.parametrize("asks, named", [("== 1", "mq == 1"), ("> 1", "'mq' > '1'")],
@@ -301,11 +332,13 @@ def _order_scopes(modules):
 
 
 def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
-  """Causal: head by head and in L2 sections, the two orders the host may
-  build from the lengths (put back after the trace)."""
+  """The backward's launches, with key ranges and without, at every
+  pairing of the queries' and the keys' remainders.  Causal: head by head
+  and in L2 sections, the two orders the host may build from the lengths
+  (put back after the trace)."""
   progs = pe.backward_programs(BACKWARD)
   plain = tuple(pe.plain_backward_kernels(BACKWARD))
-  assert progs and all(p.plain == plain for p in progs)
+  assert progs and all(p.plain == plain and p.lengths == plain for p in progs)
   assert all(any("L2 sections" in name for name in p.plain) for p in progs)
   dkv_scope, dq_scope = _order_scopes(pe.shipped_modules())
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]

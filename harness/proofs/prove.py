@@ -345,6 +345,9 @@ def main(argv=None) -> int:
           f"protocols and {len(items) - forward} of {len(everything) - every_forward} backward "
           f"launch kinds; the others are not proved by this run")
   # What the launch programs above are not: docs/proof.md, "What is not proved".
+  print(f"calls with lengths, a window or segments: {sum(r.lengths for r in results)} of "
+        f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
+        f"or ragged, beyond the probes' one (the split tail's queries at one)")
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "

@@ -333,11 +333,29 @@ def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv, short_q=0):
 
 def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   """([kernel eqn], dims) of the kernel a call of ``case``'s config without
-  key ranges launches (its key-block count compiled in), traced with the
-  keys' length a symbolic dimension: ``block_kv * m`` keys (``ragged``: and
-  r more, every r from 1 to block_kv - 1) for every m that fills the
-  config's ring, so that :func:`harness.proofs.symbolic.extract_symbolic`
-  reads its trip count as a variable (``dims``: its dimension variables'
+  key ranges launches (its key-block count compiled in), traced at every
+  length of its queries and keys (:func:`_every_length`)."""
+  return _every_length(case, ragged=ragged, key_ranges=False, modules=modules)
+
+
+def trace_ranged(case: ForwardCase, *, ragged: bool, modules=None):
+  """([kernel eqn], dims) of the kernel :func:`trace_case` traces (it reads
+  key ranges: a call with lengths, a window or segments), traced at every
+  length of its queries and keys (:func:`_every_length`), where the probes'
+  trace takes one: whatever the kernel's code decides from the lengths
+  (``ragged_kv``, the bound a ragged key length puts on its blocks, a
+  persistent round-robin block's count of tiles) is then held to the
+  probes' tables at every length."""
+  return _every_length(case, ragged=ragged, key_ranges=True, modules=modules)
+
+
+def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules):
+  """([kernel eqn], dims): ``case``'s kernel (``key_ranges``: the one that
+  reads them) traced with the keys' length a symbolic dimension:
+  ``block_kv * m`` keys (``ragged``: and r more, every r from 1 to
+  block_kv - 1) for every m that fills the config's ring, so that
+  :func:`harness.proofs.symbolic.extract_symbolic` reads a trip count
+  compiled from it as a variable (``dims``: its dimension variables'
   bounds, :func:`_symbols`).  A
   ring cut to fewer key blocks than the config's stages (the case's
   ``config_stages``) runs exactly ``num_stages`` blocks: traced at that
@@ -356,33 +374,12 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
     dims["r"] = (1, case.block_kv - 1)
   if case.schedule != "split-tail":   # its entry table is the host's, for one length
     # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
-    # the ranged traces have (min(SMs, tiles) is then decided)
+    # the probes' traces have (min(SMs, tiles) is then decided)
     dims["mq"] = PROBE_SMS if case.persistent else 1
     # the last tile's rows short of whole: the kernel never asks whether
     # they are, so one trace takes whole and ragged queries
     dims["sq"] = (0, case.tile_q - 1)
-  return _trace_symbolic(case, dims, floor, key_ranges=False, modules=modules)
-
-
-# The ranged kernels whose tile walk trace_case compiles at one count of
-# tiles: a persistent round-robin block walks the grid's tiles in turn
-# (longest-first and the split tail read each block's count from memory).
-def walks_compiled_tiles(case: ForwardCase) -> bool:
-  return case.persistent and case.schedule == "round-robin"
-
-
-# trace_tiles' launch, as a failure names it.
-TILE_WALK = "at every count of query tiles"
-
-
-def trace_tiles(case: ForwardCase, *, modules=None):
-  """([kernel eqn], dims) of ``case``'s ranged kernel (the one
-  :func:`trace_case` traces, at its key blocks) with its query tiles a
-  symbolic dimension, ``tile_q * mq`` queries for every mq >= PROBE_SMS: a
-  persistent round-robin block walks a variable count of the grid's tiles
-  (:func:`walks_compiled_tiles`), where the probes' trace walks one."""
-  blocks = case.num_stages if case.ring_cut else _kv_blocks(_ring(case.num_stages))
-  return _trace_symbolic(case, {"mq": PROBE_SMS}, blocks, key_ranges=True, modules=modules)
+  return _trace_symbolic(case, dims, floor, key_ranges=key_ranges, modules=modules)
 
 
 def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
@@ -590,22 +587,26 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   with ``premise``, then (P) proved by Z3 for the traced kernel
   (:func:`_proved`), each of its counterexamples probed until it holds or
   a probe shows the kernel's events disagree with themselves; then for the
-  same kernel at every count of query tiles where the probes' trace
-  compiles one (:func:`trace_tiles`), and for the plain kernels
-  (:func:`trace_plain`)."""
+  same kernel at every length of its queries and keys, whole and ragged
+  (:func:`trace_ranged`), and for the plain kernels (:func:`trace_plain`)."""
   prober = _ForwardProber(case, modules, traced)
   prog = prober.learn()
   if not premise:
     return prog
   prog = _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  if walks_compiled_tiles(case):
-    (prog,) = _also_proved([prog], lambda _: trace_tiles(case, modules=prober.modules),
-                           {TILE_WALK: None}, "the launch that reads key ranges, {name}, "
-                           "does not synchronise as its probes showed")
+  (prog,) = _also_proved([prog], lambda ragged: trace_ranged(case, ragged=ragged,
+                                                             modules=prober.modules),
+                         RANGED_LENGTHS, "the launch that reads key ranges, at {name}, "
+                         "does not synchronise as its probes showed")
+  prog = dataclasses.replace(prog, lengths=tuple(RANGED_LENGTHS))
   (prog,) = _plain_proved([prog], lambda ragged: trace_plain(case, ragged=ragged,
                                                              modules=prober.modules))
   return prog
 
+
+# The lengths at which each case's proof traces its ranged kernel again
+# (trace_ranged's ``ragged``), as failures name them.
+RANGED_LENGTHS = {"every length of whole key blocks": False, "every ragged length": True}
 
 # The launches of a call without key ranges each case's proof traces
 # (trace_plain's ``ragged``; the backward's are plain_backward_kernels'), as failures name them.
@@ -1076,8 +1077,15 @@ def backward_programs(case: BackwardCase, *, modules=None,
                     else learn())
   if not premise:
     return programs
+  lengths = plain_backward_kernels(case, modules=modules)
+  # the launches that read key ranges, traced at one length each above
+  programs = _also_proved(
+      programs, lambda v: trace_plain_backward(case, *v, modules=modules, ranges=True),
+      lengths, "the launch that reads key ranges, at {name}, does not synchronise as its "
+      "probes showed")
+  programs = [dataclasses.replace(prog, lengths=tuple(lengths)) for prog in programs]
   return _plain_proved(programs, lambda v: trace_plain_backward(case, *v, modules=modules),
-                       plain_backward_kernels(case, modules=modules))
+                       lengths)
 
 
 def plain_backward_kernels(case: BackwardCase, *, modules=None) -> dict:
@@ -1131,9 +1139,10 @@ def _past(rem) -> str:
 
 
 def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = False, *,
-                         modules=None):
+                         modules=None, ranges: bool = False):
   """(kernels, their dimension variables' bounds) of the backward a call
-  without key ranges launches (each launch's trip counts compiled in), traced with the queries' and
+  without key ranges launches (each launch's trip counts compiled in;
+  ``ranges``: the one a call with them launches), traced with the queries' and
   the keys' lengths symbolic dimensions: whole multiples of every tile
   and block of the launches (``mq``, ``mk`` >= 1) and ``rem_q``, ``rem_k``
   more (:func:`remainders`: 0, a number, or (lo, hi), a symbol, ``rq`` or
@@ -1152,7 +1161,7 @@ def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool =
     _, kernels = trace_backward(
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
         seq_q=whole_q * symbols["mq"] + symbols["rq"],
-        seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=False,
+        seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=ranges,
         modules=modules, fixed_point=case.fixed_point)
   return kernels, variables
 
@@ -1209,6 +1218,7 @@ class Result:
   # summary), or () where (P) was only tested by the probes
   z3: list = dataclasses.field(default_factory=list)
   plain: int = 0                   # plain-call kernels proved to run its programs
+  lengths: int = 0                 # its launch programs Z3 proved at every length (trace_ranged)
 
   @property
   def ok(self) -> bool:
@@ -1521,10 +1531,12 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
         r.seconds += seconds / len(progs)
         r.z3.append(prog.z3)
         r.plain += len(prog.plain)
+        r.lengths += bool(prog.lengths)
         continue
       r = Result(name, [case.describe() if kind == "forward" else name],
                  configs.get(id(case), 0), seconds=seconds / len(progs), premise=premise,
-                 z3=[prog.z3] if premise is None else [], plain=len(prog.plain))
+                 z3=[prog.z3] if premise is None else [], plain=len(prog.plain),
+                 lengths=int(bool(prog.lengths)))
       results.append(r)
       distinct[key if premise is None else (key, kind, case, i)] = (prog, r)
   return results

@@ -265,6 +265,9 @@ class LaunchProgram:
   # the plain-call kernels (no key ranges) Z3 proved to run this program
   # too (harness/proofs/prove_extracted.py's _plain_proved), by name
   plain: tuple = dataclasses.field(default=(), compare=False)
+  # the lengths at which Z3 proved its own kernel to run it too, beyond the
+  # probes' one (prove_extracted.py's trace_ranged), by name
+  lengths: tuple = dataclasses.field(default=(), compare=False)
 
   def key(self):
     """Two launches with equal keys are the same transition system."""

@@ -527,10 +527,10 @@ def test_select_proves_only_what_it_names_and_says_so(capsys):
   """``prove --select``: the protocols whose description has every word, and
   a line saying how many of all were selected; a selection that names none
   is refused before any work; a mutant among the selected still fails."""
-  rc, out = _run_prove("--select", "backward d=64 bias,dQ", "--no-cache", "--jobs", "1")
+  rc, out = _run_prove("--select", "backward d=256 bias,dQ", "--no-cache", "--jobs", "1")
   assert rc == 0, out
   assert "0 forward protocols" in out and "2 backward launch kinds" in out, out
-  assert re.search(r"--select 'backward d=64 bias,dQ': 0 of \d+ forward protocols and 2 of "
+  assert re.search(r"--select 'backward d=256 bias,dQ': 0 of \d+ forward protocols and 2 of "
                    r"\d+ backward launch kinds; the others are not proved", out), out
   with pytest.raises(SystemExit) as refused:
     prove_cli.main(["--select", "backward d=48"])

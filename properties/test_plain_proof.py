@@ -321,7 +321,8 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
     pe._plain_proved([prog], lambda ragged: pe.trace_plain(cut, ragged=ragged, modules=modules))
 
 
-BACKWARD = pe.BackwardCase(64, True, False, True)   # causal, fused dQ
+# causal, fused dQ, the head split: 64-row tiles, 8 pairings of remainders
+BACKWARD = pe.BackwardCase(256, True, False, True)
 
 
 def _order_scopes(modules):
@@ -343,7 +344,7 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   dkv_scope, dq_scope = _order_scopes(pe.shipped_modules())
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
   for sectioned in (False, True):
-    kernels, dims = pe.trace_plain_backward(BACKWARD, (1, 63), 64, sectioned)
+    kernels, dims = pe.trace_plain_backward(BACKWARD, (1, 63), 0, sectioned)
     assert dims == {"mq": 1, "mk": 1, "rq": (1, 63)} and len(kernels) == len(progs)
     assert (dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]) == hosts
   flat_case = pe.BackwardCase(64, False, False, True)

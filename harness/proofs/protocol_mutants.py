@@ -47,6 +47,7 @@ class Mutant:
   persistent: bool = False  # only a persistent block can show it
   kernel: str = "forward"   # the kernel the proof traces over the edit: forward or backward
   backward: tuple = ()      # (head_dim, causal, bias, fuse_dq): the backward that shows it
+  shows: str = ""           # words of the forward cases that show it (ForwardCase.describe)
 
 
 def backward_mutants(backward: tuple, *mutants: Mutant) -> tuple[Mutant, ...]:
@@ -94,7 +95,7 @@ MUTANTS = (
            "not only the piece's key blocks",
            (edit("produce_tile", "lb, ub, _, _ = tile_range(c, qi, b, h, piece)",
                  "lb, ub, _, _ = tile_range(c, qi, b, h)"),),
-           persistent=True),
+           persistent=True, shows="split-tail"),
     Mutant("one_warpgroup_drops_prev_iters",
            "compute warpgroup 1 does not carry prev_iters across tiles",
            (edit("key_position", "return ring_state(c.keys, t.prev_iters, t.lb, ki)",
@@ -134,7 +135,8 @@ MUTANTS = (
     Mutant("last_pass_from_warpgroup_0_only",
            "with three compute warpgroups only warpgroup 0 passes the token after its last PV",
            (edit("pass_token_for_the_last_time",
-                 "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),)),
+                 "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),),
+           shows="3 compute warpgroups"),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
     # of the plain kernels (prove_extracted.trace_plain) can refute it.

@@ -290,13 +290,17 @@ def main(argv=None) -> int:
     if args.mutant is not None:
       # The backward case the mutant names, where it names one, first: its
       # failure shows there without proving the smaller cases before it.
-      shows = protocol_mutants.BY_NAME[args.mutant].backward
-      own = [it for it in everything if it[0] == "backward" and shows
-             and it[1] == cases.BackwardCase(*shows)]
-      if protocol_mutants.BY_NAME[args.mutant].persistent:
-        # only a persistent block can show it: those first, smallest first
+      m = protocol_mutants.BY_NAME[args.mutant]
+      own = [it for it in everything if it[0] == "backward" and m.backward
+             and it[1] == cases.BackwardCase(*m.backward)]
+      # the forward cases that can show it first, smallest first: the ones
+      # its words describe, then (only a persistent block can show it) the
+      # persistent ones
+      own += [it for it in everything if it[0] == "forward" and m.shows
+              and m.shows in it[1].describe()]
+      if m.persistent:
         own += [it for it in everything if it[0] == "forward" and it[1].persistent]
-      everything[:] = own + [it for it in everything if it not in own]
+      everything[:] = list(dict.fromkeys(own)) + [it for it in everything if it not in own]
     listed[:] = [it for it in everything if selected(it)]
     return listed
 

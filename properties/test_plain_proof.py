@@ -338,18 +338,18 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   and in L2 sections, the two orders the host may build from the lengths
   (put back after the trace)."""
   progs = pe.backward_programs(BACKWARD)
-  plain = tuple(pe.plain_backward_kernels(BACKWARD))
+  plain = tuple(pe.backward_pairings(BACKWARD))
   assert progs and all(p.plain == plain and p.lengths == plain for p in progs)
   assert all(any("L2 sections" in name for name in p.plain) for p in progs)
   dkv_scope, dq_scope = _order_scopes(pe.shipped_modules())
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
   for sectioned in (False, True):
-    kernels, dims = pe.trace_plain_backward(BACKWARD, (1, 63), 0, sectioned)
+    kernels, dims = pe.trace_backward_at(BACKWARD, (1, 63), 0, sectioned)
     assert dims == {"mq": 1, "mk": 1, "rq": (1, 63)} and len(kernels) == len(progs)
     assert (dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]) == hosts
   flat_case = pe.BackwardCase(64, False, False, True)
   (flat,) = pe.backward_programs(flat_case)
-  assert flat.plain == tuple(pe.plain_backward_kernels(flat_case))
+  assert flat.plain == tuple(pe.backward_pairings(flat_case))
   assert not any("L2 sections" in name for name in flat.plain)
 
 

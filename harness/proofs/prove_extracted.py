@@ -609,7 +609,7 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
 RANGED_LENGTHS = {"every length of whole key blocks": False, "every ragged length": True}
 
 # The launches of a call without key ranges each case's proof traces
-# (trace_plain's ``ragged``; the backward's are plain_backward_kernels'), as failures name them.
+# (trace_plain's ``ragged``; the backward's are backward_pairings'), as failures name them.
 PLAIN_KERNELS = {"whole blocks": False, "ragged lengths": True}
 
 
@@ -1077,23 +1077,23 @@ def backward_programs(case: BackwardCase, *, modules=None,
                     else learn())
   if not premise:
     return programs
-  lengths = plain_backward_kernels(case, modules=modules)
-  # the launches that read key ranges, traced at one length each above
+  lengths = backward_pairings(case, modules=modules)
+  # the launches that read key ranges, probed above at one length each
   programs = _also_proved(
-      programs, lambda v: trace_plain_backward(case, *v, modules=modules, ranges=True),
+      programs, lambda v: trace_backward_at(case, *v, modules=modules, ranges=True),
       lengths, "the launch that reads key ranges, at {name}, does not synchronise as its "
       "probes showed")
   programs = [dataclasses.replace(prog, lengths=tuple(lengths)) for prog in programs]
-  return _plain_proved(programs, lambda v: trace_plain_backward(case, *v, modules=modules),
+  return _plain_proved(programs, lambda v: trace_backward_at(case, *v, modules=modules),
                        lengths)
 
 
-def plain_backward_kernels(case: BackwardCase, *, modules=None) -> dict:
-  """The backward launches of a call without key ranges each case's proof
-  traces, by name: (queries' remainder, keys' remainder, sectioned) for
-  :func:`trace_plain_backward`, every pair of the queries' and the keys'
-  :func:`remainders` (whole lengths, and every ragged one), causal head by
-  head and in L2 sections."""
+def backward_pairings(case: BackwardCase, *, modules=None) -> dict:
+  """The lengths at which each case's proof traces the backward's launches,
+  with key ranges and without, by name: (queries' remainder, keys'
+  remainder, sectioned) for :func:`trace_backward_at`, every pair of the
+  queries' and the keys' :func:`remainders` (whole lengths, and every
+  ragged one), causal head by head and in L2 sections."""
   (whole_q, in_q), (whole_k, in_k) = _backward_lengths(case, modules or shipped_modules())
   queries, keys = remainders(whole_q, in_q), remainders(whole_k, in_k)
   out = {}
@@ -1138,7 +1138,7 @@ def _past(rem) -> str:
   return f"{rem} past whole" if isinstance(rem, int) else f"{rem[0]} to {rem[1]} past whole"
 
 
-def trace_plain_backward(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = False, *,
+def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = False, *,
                          modules=None, ranges: bool = False):
   """(kernels, their dimension variables' bounds) of the backward a call
   without key ranges launches (each launch's trip counts compiled in;

@@ -570,3 +570,14 @@ def test_every_config_lists_each_config_at_its_own_sizes():
     plain = dataclasses.replace(c, exact=False, dtype=c.dtype if c.dtype.startswith("float8")
                                 else "bfloat16")
     assert plain.key() in default, c.describe()
+
+
+def test_a_mutants_words_describe_cases_that_show_it(shipped_cases):
+  """``prove --mutant`` puts the forward cases a mutant's words describe
+  (Mutant.shows) first: words that describe none would leave it to prove
+  every smaller case before the one that shows it."""
+  described = [c.describe() for c, _ in shipped_cases]
+  worded = [m for m in pmut.MUTANTS if m.shows]
+  assert worded, "no mutant names the cases that show it"
+  for m in worded:
+    assert any(m.shows in d for d in described), (m.name, m.shows)

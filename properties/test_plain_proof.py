@@ -103,6 +103,8 @@ def test_the_ranged_kernel_is_proved_at_every_length():
     prog = pe.forward_program(PERSISTENT)
   assert traced == [False, True] and prog.lengths == tuple(pe.RANGED_LENGTHS)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
+  # the split tail's host-built entry table keeps its queries at one length
+  assert pe.trace_ranged(SPLIT, ragged=False)[1] == {"m": 1}
 
 
 # A wait the producer skips for a ragged last block of under 16 keys, in a

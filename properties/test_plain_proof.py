@@ -73,14 +73,15 @@ def test_a_persistent_block_walks_a_variable_count_of_tiles():
   """Not causal, the query tiles are a variable too: a persistent block's
   walk over the tiles the grid deals it runs to a count of that variable,
   not to a traced constant (from the grid's blocks up, as the ranged traces
-  have); the split tail's host-built table keeps one length."""
+  have).  The split tail's too: its tile ids unpack by that variable, its
+  entry table a stand-in of the host's, read as free values."""
   (kernel,), dims = pe.trace_plain(PERSISTENT, ragged=False)
   assert dims == {"m": 1, "mq": 1, "sq": (1, 128)}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   walk = tm.serialise(units.tile.hi)
   assert "dim.mq" in walk and "axis.sm" in walk, walk
-  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1}
+  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sq": (1, 128)}
 
 
 def test_the_ranged_kernel_is_proved_at_every_length():
@@ -103,8 +104,13 @@ def test_the_ranged_kernel_is_proved_at_every_length():
     prog = pe.forward_program(PERSISTENT)
   assert traced == [False, True] and prog.lengths == tuple(pe.RANGED_LENGTHS)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
-  # the split tail's host-built entry table keeps its queries at one length
-  assert pe.trace_ranged(SPLIT, ragged=False)[1] == {"m": 1}
+  # the split tail's tile ids, unpacked by the symbolic count of tiles
+  (kernel,), dims = pe.trace_ranged(SPLIT, ragged=True)
+  assert dims == {"m": 1, "mq": 1, "r": (1, 127), "sq": (1, 128)}
+  units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
+                   persistent=True)
+  (loop,) = units.loops
+  assert "dim.mq" in tm.serialise(loop.hi), loop.hi
 
 
 # A wait the producer skips for a ragged last block of under 16 keys, in a
@@ -278,9 +284,13 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
             num_sms=16)
   host_order, host_tables = order_lib._schedule(f, config, SHIPPED, **kw)
   modules = pe.shipped_modules()
-  with pe._symbolic_schedule(modules, 8 * 128):
+  with pe._symbolic_schedule(modules, 8 * 128, 16):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
         f, config, SHIPPED, **kw)
+  _like_the_hosts(order, tables, host_order, host_tables)
+
+
+def _like_the_hosts(order, tables, host_order, host_tables):
   assert type(order) is type(host_order)
   assert (order.num_tiles, order.total) == (host_order.num_tiles, host_order.total)
   for mine, host in zip(tables, host_tables, strict=True):
@@ -288,6 +298,27 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
     if host is not None:
       assert mine.ndim == host.ndim and mine.shape[0] == host.shape[0], (mine.shape, host.shape)
       assert mine.shape[1:] >= host.shape[1:] and mine.dtype == host.dtype
+
+
+def test_the_split_tails_stand_in_is_the_hosts_at_the_traced_tiles():
+  """The split tail's entry table the symbolic traces stand in is the
+  host's for the representative tiles and keys, its tile ids unpacked by
+  the traced count of tiles, without the merge of pieces after the kernel."""
+  from kernel.forward import order as order_lib
+  from kernel.tiling import config as config_lib, plan as plan_lib
+  from kernel.variant import SHIPPED
+  config = config_lib.Config(64, 128, num_stages=2, persistent=True, schedule="split-tail")
+  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 20 * 128, 8 * 128, scale=0.125)
+  kw = dict(batch=1, num_heads=2, num_kv_heads=1, num_tiles=20, s_pad=8 * 128, head_dim=64,
+            head_dim_out=64, itemsize=2, k_range_tiles=None, num_sms=16)
+  host_order, host_tables = order_lib._schedule(f, config, SHIPPED, **kw)
+  assert host_order.split.size   # the host merges pieces of these tiles
+  modules = pe.shipped_modules()
+  with pe._symbolic_schedule(modules, 8 * 128, 20):
+    order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
+        f, config, SHIPPED, **kw)
+  _like_the_hosts(order, tables, host_order, host_tables)
+  assert order.split.size == 0 and np.array_equal(order.slot, host_order.slot)
 
 
 def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():

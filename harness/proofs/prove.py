@@ -351,11 +351,11 @@ def main(argv=None) -> int:
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   print(f"calls with lengths, a window or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
-        f"or ragged, beyond the probes' one (the split tail's queries at one)")
+        f"or ragged, beyond the probes' one")
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "
-        f"length of queries and keys, whole or ragged, the split tail's queries at one; the "
+        f"length of queries and keys, whole or ragged; the "
         f"causal backward's head by head and in L2 sections)")
   stats = [z for r in results for z in r.z3 if z]
   if premise:

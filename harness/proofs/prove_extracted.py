@@ -363,22 +363,19 @@ def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules)
   (mq >= 1, persistent mq >= PROBE_SMS, and sq from 0 to tile_q - 1: every
   length, whole or ragged, in mq tiles): causal, the bound cuts the trip
   count at the queries' end, and a persistent block walks as many tiles as
-  the grid deals it.  The split tail's entry table is built from the
-  lengths on the host, so its queries keep a representative length.  The
-  host's order tables are built from the lengths: :func:`_symbolic_schedule`
-  stands in for them."""
+  the grid deals it.  The host's order tables are built from the lengths:
+  :func:`_symbolic_schedule` stands in for them."""
   # at least the ring's stages of key blocks, the ragged one counted
   floor = case.num_stages - (1 if ragged else 0)
   dims = {} if case.ring_cut else {"m": floor}
   if ragged:
     dims["r"] = (1, case.block_kv - 1)
-  if case.schedule != "split-tail":   # its entry table is the host's, for one length
-    # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
-    # the probes' traces have (min(SMs, tiles) is then decided)
-    dims["mq"] = PROBE_SMS if case.persistent else 1
-    # the last tile's rows short of whole: the kernel never asks whether
-    # they are, so one trace takes whole and ragged queries
-    dims["sq"] = (0, case.tile_q - 1)
+  # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
+  # the probes' traces have (min(SMs, tiles) is then decided)
+  dims["mq"] = PROBE_SMS if case.persistent else 1
+  # the last tile's rows short of whole: the kernel never asks whether
+  # they are, so one trace takes whole and ragged queries
+  dims["sq"] = (0, case.tile_q - 1)
   return _trace_symbolic(case, dims, floor, key_ranges=key_ranges, modules=modules)
 
 
@@ -398,7 +395,8 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
   # a symbolic grid (the query tiles') is Pallas's experimental export
   with _spending("tracing"), _exact_divisions(), \
           pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
-          _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv), \
+          _symbolic_schedule(modules, _kv_blocks(ring) * case.block_kv,
+                             PROBE_SMS * probe_tiles(ring)), \
           _decided_lengths(case.describe()):
     config, traced = _traced_problem(case, num_tiles,
                                      blocks * case.block_kv + symbols.get("r", 0),
@@ -525,7 +523,7 @@ def _decided_lengths(what: str):
 
 
 @contextlib.contextmanager
-def _symbolic_schedule(modules, seq_kv: int):
+def _symbolic_schedule(modules, seq_kv: int, num_tiles: int):
   """The launch's order tables (kernel/forward/order.py's ``_schedule``)
   while a plain kernel is traced with symbolic lengths, from which the host
   cannot build them.  The proof reads every table the kernel reads from
@@ -533,18 +531,28 @@ def _symbolic_schedule(modules, seq_kv: int):
   and the order's kind matter: a longest-first order of the traced
   (symbolic) tiles with tables of zeros of the launch's shapes, whose
   tile ids the kernel unpacks by the symbolic tile count; the split
-  tail's (non-causal: its tiles' key blocks need no query index) as the
-  host builds it for ``seq_kv`` keys; round-robin, none, as on the host.
+  tail's as the host builds it for ``seq_kv`` keys in ``num_tiles``
+  tiles, its tile ids unpacked by the traced (symbolic) count and without
+  the merge of its pieces after the kernel (global memory, which the
+  proof does not follow); round-robin, none, as on the host.
   properties/test_plain_proof.py holds the shapes to the host's."""
   import jax.numpy as jnp
   from kernel.tiling import schedule as schedule_lib
   scope = modules.forward.flash_attention_forward.__globals__
   host = scope["_schedule"]
 
+  stand_in_tiles = num_tiles
+
   def schedule(f, config, variant, *, batch, num_heads, num_tiles, num_sms, **lengths):
+    tiles = num_tiles
     if config.schedule == "split-tail":
-      return host(dataclasses.replace(f, seq_kv=seq_kv), config, variant, batch=batch,
-                  num_heads=num_heads, num_tiles=num_tiles, num_sms=num_sms, **lengths)
+      order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config, variant, batch=batch,
+                           num_heads=num_heads, num_tiles=stand_in_tiles, num_sms=num_sms,
+                           **lengths)
+      # the traced tiles, which the kernel's tile ids unpack by; the merge
+      # of pieces after the kernel, which the proof does not read, left out
+      return dataclasses.replace(order, num_tiles=tiles, split=np.zeros(0, np.int32),
+                                 piece_slots=np.zeros((0, 0), np.int32)), tables
     if config.schedule != "longest-first":
       return host(f, config, variant, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
                   num_sms=num_sms, **lengths)

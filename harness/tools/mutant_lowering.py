@@ -112,12 +112,14 @@ def _use_package(root: Path) -> None:
   importlib.invalidate_caches()
 
 
-def check_lowering(chosen, *, out=print) -> list[str]:
+def check_lowering(chosen, *, out=print, lower_every: int = 1) -> list[str]:
   """Problems (empty when every mutant in ``chosen`` applies, lowers, and
   changes its probe's program, equivalent ones excepted from the last).
 
   Every variant, the shipped one too, is imported from the same path, so
-  that nothing but the patch tells them apart."""
+  that nothing but the patch tells them apart.  ``lower_every``: only every
+  that many-th mutant (the first, then on) is lowered; the others are
+  traced, their programs compared all the same."""
   problems = []
   workdir = Path(tempfile.mkdtemp(prefix="mutant-lowering-"))
   pkg = workdir / "pkg"
@@ -138,11 +140,12 @@ def check_lowering(chosen, *, out=print) -> list[str]:
       if m.probe not in control:
         # the shipped kernel's lowering is the lowering tests' (properties/test_lowering.py)
         control[m.probe] = probe_text(m.probe, lower=False)
-    for m in chosen:
+    for i, m in enumerate(chosen):
       start = time.time()
+      lower = i % lower_every == 0
       try:
         install(m)
-        text = probe_text(m.probe)
+        text = probe_text(m.probe, lower=lower)
       except Exception as err:  # noqa: BLE001 -- every failure is reported by name
         problems.append(f"{m.name}: {type(err).__name__}: {str(err)[:300]}")
         out(f"FAIL         {time.time() - start:5.1f}s {m.name} ({m.probe}): {problems[-1]}")
@@ -152,7 +155,8 @@ def check_lowering(chosen, *, out=print) -> list[str]:
         problems.append(f"{m.name}: the lowered program of probe {m.probe!r} is unchanged "
                         "(the patch is dead code there)")
       verdict = "changed" if changed else ("same (equiv)" if m.equivalent else "UNCHANGED")
-      out(f"{verdict:12s} {time.time() - start:5.1f}s {m.name} ({m.probe})")
+      out(f"{verdict:12s} {time.time() - start:5.1f}s {m.name} ({m.probe})"
+          + ("" if lower else ", traced, not lowered"))
   finally:
     for mod in [m for m in sys.modules if m == "kernel" or m.startswith("kernel.")]:
       del sys.modules[mod]
@@ -164,12 +168,23 @@ def check_lowering(chosen, *, out=print) -> list[str]:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness.tools.mutant_lowering")
   parser.add_argument("select", nargs="?", help="comma-separated mutant names (default: all)")
+  parser.add_argument("--lower-every", type=int, default=1, metavar="N",
+                      help="lower only every N-th mutant for CUDA, the first on (the others "
+                           "are traced and compared all the same)")
   args = parser.parse_args(argv)
+  if args.lower_every < 1:
+    parser.error(f"--lower-every: expected a count of at least 1, got {args.lower_every}")
   chosen = catalogue.select(args.select, None)
   start = time.time()
-  problems = check_lowering(chosen)
-  print(f"{len(chosen) - len(problems)}/{len(chosen)} mutants apply, lower for CUDA and change "
-        f"their probe's program ({time.time() - start:.0f} s)")
+  problems = check_lowering(chosen, lower_every=args.lower_every)
+  ok, n = len(chosen) - len(problems), len(chosen)
+  if args.lower_every == 1:
+    print(f"{ok}/{n} mutants apply, lower for CUDA and change their probe's program "
+          f"({time.time() - start:.0f} s)")
+  else:
+    print(f"{ok}/{n} mutants apply and change their probe's program, "
+          f"{len(range(0, n, args.lower_every))} of them lowered for CUDA (every "
+          f"{args.lower_every}th) ({time.time() - start:.0f} s)")
   for p in problems:
     print("  " + p)
   return 1 if problems else 0

@@ -523,7 +523,7 @@ def _decided_lengths(what: str):
 
 
 @contextlib.contextmanager
-def _symbolic_schedule(modules, seq_kv: int, num_tiles: int):
+def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
   """The launch's order tables (kernel/forward/order.py's ``_schedule``)
   while a plain kernel is traced with symbolic lengths, from which the host
   cannot build them.  The proof reads every table the kernel reads from
@@ -531,7 +531,7 @@ def _symbolic_schedule(modules, seq_kv: int, num_tiles: int):
   and the order's kind matter: a longest-first order of the traced
   (symbolic) tiles with tables of zeros of the launch's shapes, whose
   tile ids the kernel unpacks by the symbolic tile count; the split
-  tail's as the host builds it for ``seq_kv`` keys in ``num_tiles``
+  tail's as the host builds it for ``seq_kv`` keys in ``stand_in_tiles``
   tiles, its tile ids unpacked by the traced (symbolic) count and without
   the merge of its pieces after the kernel (global memory, which the
   proof does not follow); round-robin, none, as on the host.
@@ -541,17 +541,14 @@ def _symbolic_schedule(modules, seq_kv: int, num_tiles: int):
   scope = modules.forward.flash_attention_forward.__globals__
   host = scope["_schedule"]
 
-  stand_in_tiles = num_tiles
-
   def schedule(f, config, variant, *, batch, num_heads, num_tiles, num_sms, **lengths):
-    tiles = num_tiles
     if config.schedule == "split-tail":
       order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config, variant, batch=batch,
                            num_heads=num_heads, num_tiles=stand_in_tiles, num_sms=num_sms,
                            **lengths)
       # the traced tiles, which the kernel's tile ids unpack by; the merge
       # of pieces after the kernel, which the proof does not read, left out
-      return dataclasses.replace(order, num_tiles=tiles, split=np.zeros(0, np.int32),
+      return dataclasses.replace(order, num_tiles=num_tiles, split=np.zeros(0, np.int32),
                                  piece_slots=np.zeros((0, 0), np.int32)), tables
     if config.schedule != "longest-first":
       return host(f, config, variant, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
@@ -602,11 +599,9 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   if not premise:
     return prog
   prog = _proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  (prog,) = _also_proved([prog], lambda ragged: trace_ranged(case, ragged=ragged,
-                                                             modules=prober.modules),
-                         RANGED_LENGTHS, "the launch that reads key ranges, at {name}, "
-                         "does not synchronise as its probes showed")
-  prog = dataclasses.replace(prog, lengths=tuple(RANGED_LENGTHS))
+  (prog,) = _lengths_proved([prog], lambda ragged: trace_ranged(case, ragged=ragged,
+                                                                modules=prober.modules),
+                            RANGED_LENGTHS)
   (prog,) = _plain_proved([prog], lambda ragged: trace_plain(case, ragged=ragged,
                                                              modules=prober.modules))
   return prog
@@ -636,6 +631,16 @@ def _plain_proved(programs: list, trace, variants=None) -> list:
   proved = _also_proved(programs, trace, variants, "the launch of a call without key ranges "
                         "({name}) does not synchronise as the one that reads them")
   return [dataclasses.replace(prog, plain=tuple(variants)) for prog in proved]
+
+
+def _lengths_proved(programs: list, trace, variants: dict) -> list:
+  """``programs``, the launches that read key ranges (probed at one length
+  each), once Z3 proves (P) of the same launches at the lengths
+  ``trace(v)`` gives for each ``variants`` name: v, against the same
+  tables; their ``lengths`` name them."""
+  proved = _also_proved(programs, trace, variants, "the launch that reads key ranges, at "
+                        "{name}, does not synchronise as its probes showed")
+  return [dataclasses.replace(prog, lengths=tuple(variants)) for prog in proved]
 
 
 def _also_proved(programs: list, trace, variants: dict, what: str) -> list:
@@ -1086,12 +1091,8 @@ def backward_programs(case: BackwardCase, *, modules=None,
   if not premise:
     return programs
   lengths = backward_pairings(case, modules=modules)
-  # the launches that read key ranges, probed above at one length each
-  programs = _also_proved(
-      programs, lambda v: trace_backward_at(case, *v, modules=modules, ranges=True),
-      lengths, "the launch that reads key ranges, at {name}, does not synchronise as its "
-      "probes showed")
-  programs = [dataclasses.replace(prog, lengths=tuple(lengths)) for prog in programs]
+  programs = _lengths_proved(
+      programs, lambda v: trace_backward_at(case, *v, modules=modules, ranges=True), lengths)
   return _plain_proved(programs, lambda v: trace_backward_at(case, *v, modules=modules),
                        lengths)
 

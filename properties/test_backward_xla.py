@@ -40,7 +40,7 @@ def _grads(case, m_transform=lambda m: m, chunk=64):
 
 @given(case=hs.attention_cases(max_seq=200, max_logits=300_000),
        chunk=st.sampled_from([16, 64, 512]))
-@settings(max_examples=25)
+@settings(max_examples=hs.examples(12))
 def test_backward_from_natural_log_residuals_matches_float64(case, chunk):
   """dq, dk, dv, dbias from (out, m, l) are within the tolerance rule."""
   note(case.describe())

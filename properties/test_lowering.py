@@ -27,14 +27,9 @@ SMEM_MARGIN_BYTES = 2048
 # of each problem, the heuristic's config and of the autotuner's every
 # FULLEST_STRIDE-th for the fullest feature set of each grid (staged bias and
 # mask, causal, residuals; the soft cap in the first) and every
-# OTHERS_STRIDE-th for its other problems; ``HYPOTHESIS_PROFILE=thorough``
-# lowers them all.  With every config of the fullest sets, this module alone
-# took 480 s of the CPU suite's 1200 worker-seconds on a 2-core machine
-# (2026-12-04), past the suite's 10 minutes; every other one still left
-# the suite at 529-568 s there; with FP8's lowerings beside them (2026-12-06)
-# every sixth and every sixteenth kept it under 8 minutes; with the proof's
-# traces at every length (1cd8ad2: 470 s from a fresh clone, against CI's
-# 477 s for 446 s here at 57834a0) every ninth and every twenty-fourth.
+# OTHERS_STRIDE-th for its other problems, to keep the suite within CI's 8
+# minutes (docs/decisions/cpu-suite-time.md); ``HYPOTHESIS_PROFILE=thorough``
+# lowers them all.
 # The profile is the one properties/conftest.py loaded.
 THOROUGH = settings.get_current_profile_name() == "thorough"
 FULLEST_STRIDE = 9

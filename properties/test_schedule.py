@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, note, settings, strategies as st
 
+from harness.numerics import strategies as hs
 from kernel import common
 from kernel.tiling import schedule
 from kernel.tiling.plan import Problem
@@ -367,7 +368,7 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
       _check_launch_order(dq)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=hs.examples(12), deadline=None)
 # A window edge one key past a block boundary, on either side.
 @example(head_dim=128, seq_q=384, seq_kv=384, left=1, right=1, causal=False, group=1)
 @example(head_dim=64, seq_q=896, seq_kv=896, left=65, right=129, causal=False, group=2)

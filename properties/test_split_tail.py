@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, note, settings, strategies as st
 
+from harness.numerics import strategies as hs
 from kernel.tiling import plan, schedule
 from kernel.tiling.config import Config
 from kernel.forward.order import merge_pieces
@@ -137,7 +138,7 @@ def _attend(q, k, v, keep, normalized):
   return o, m, l
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=hs.examples(25), deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), seq_q=st.integers(1, 300),
        seq_kv=st.integers(1, 400), sms=st.integers(1, 40), normalized=st.booleans(),
        ranges=st.booleans(), seed=st.integers(0, 2**31 - 1))

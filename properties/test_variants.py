@@ -320,7 +320,7 @@ def _packed_ids(draw, B: int, S: int):
 _bounds = jax.jit(variants.segment_bounds, static_argnums=2)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=hs.examples(50), deadline=None)
 @given(data=st.data(), B=st.integers(1, 2), S=st.sampled_from([1, 2, 5, 16, 37, 60]))
 def test_the_sort_free_bounds_are_the_searched_ones(data, B, S):
   """segment_bounds(..., "runs") gives the searched arrays exactly (start,

@@ -714,3 +714,16 @@ GPU_SHARDS = 4
 
 def per_shard(total: int) -> int:
   return max(1, -(-total // GPU_SHARDS))
+
+
+# How many times more examples a slow CPU property draws under the thorough
+# profile than under ci and mutants, whose counts keep the CPU suite within
+# CI's 8 minutes (docs/decisions/cpu-suite-time.md).
+THOROUGH_FACTOR = 5
+
+
+def examples(ci: int) -> int:
+  """The examples a slow CPU property draws: ``ci`` under the ci and mutants
+  profiles, :data:`THOROUGH_FACTOR` times as many under thorough."""
+  from hypothesis import settings
+  return ci * (THOROUGH_FACTOR if settings.get_current_profile_name() == "thorough" else 1)

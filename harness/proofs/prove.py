@@ -179,10 +179,12 @@ def format_results(results) -> str:
 def format_spent(spent) -> str:
   """The CPU seconds of this run's work by phase, all workers together."""
   from harness.proofs import prove_extracted as pe
-  if not sum(spent.values()):
+  total = sum(spent[p] for p in pe.PHASES)
+  if not total:
     return "CPU time: none spent learning or searching (all from the cache)"
   parts = ", ".join(f"{label} {spent[p]:.1f} s" for p, label in pe.PHASES.items())
-  return f"CPU time by phase, all workers: {parts} (total {sum(spent.values()):.1f} s)"
+  return (f"CPU time by phase, all workers: {parts} (total {total:.1f} s); "
+          f"{spent[pe.TRACES]} JAX traces")
 
 
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:

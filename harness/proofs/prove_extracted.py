@@ -62,7 +62,8 @@ PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
 # it when it prints the run's); each learned case reports its share (:func:`_learn`).
 PHASES = {"tracing": "JAX traces", "probes": "probes", "premise": "(P) by Z3",
           "search": "search"}
-_SPENT: collections.Counter = collections.Counter()   # this process's CPU seconds
+_SPENT: collections.Counter = collections.Counter()   # this process's CPU seconds, and counts
+TRACES = "traces"   # how many JAX traces a learned case made, beside its phases' seconds
 
 
 @contextlib.contextmanager
@@ -72,6 +73,7 @@ def _spending(phase: str):
     yield
   finally:
     _SPENT[phase] += time.process_time() - start
+    _SPENT[f"{phase} count"] += 1
 
 
 def _const_values(closed, kernel_eqn) -> dict:
@@ -1282,6 +1284,7 @@ def _learn(kind, case, mutant, premise=True):
   spent = {phase: _SPENT[phase] - before[phase] for phase in ("tracing", "premise")}
   # the rest of learning: the probes' concrete runs and the tables made of them
   spent["probes"] = time.process_time() - cpu - sum(spent.values())
+  spent[TRACES] = _SPENT["tracing count"] - before["tracing count"]
   return progs, failure, time.perf_counter() - start, spent
 
 

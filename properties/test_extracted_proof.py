@@ -252,8 +252,10 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   spent, spent_again = collections.Counter(), collections.Counter()
   first = pe.prove(items, jobs=1, cache=cache, spent=spent)
   assert all(r.ok for r in first) and cache.hits == {"learned": 0, "listed": 0, "checked": 0}
-  # the cold run's work by phase; every phase took time, none is negative
-  assert set(spent) == set(pe.PHASES) and all(spent[p] > 0 for p in pe.PHASES), spent
+  # the cold run's work by phase; every phase took time, none is negative; and
+  # its traces: the probes' and the ranged and plain kernels' at every length
+  assert set(spent) == {*pe.PHASES, pe.TRACES} and all(spent[p] > 0 for p in pe.PHASES), spent
+  assert spent[pe.TRACES] >= 1 + len(pe.RANGED_LENGTHS) + len(pe.PLAIN_KERNELS), spent
   again = prove_cache.Cache(tmp_path)
   second = pe.prove(items, jobs=1, cache=again, spent=spent_again)
   assert again.hits["learned"] == 1 and again.hits["checked"] == len(first)

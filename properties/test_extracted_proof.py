@@ -285,6 +285,20 @@ def test_the_pool_reports_what_one_process_does(tmp_path):
       [(r.name, r.cases, r.ok, r.states) for r in alone]
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_failure_is_reported_when_found(jobs):
+  """``on_failure`` hears of a violation as soon as its check ends (on a
+  pool too), once, naming the launch program and the violation, while the
+  results still list it: ``python -m harness prove`` prints the first one
+  before the run ends."""
+  heard = []
+  results = pe.prove([("forward", ONE_TILE, 1)], jobs=jobs, mutant="key_released_before_qk",
+                     on_failure=heard.append)
+  failed = [r for r in results if not r.ok]
+  assert failed and len(heard) == len(failed), (heard, failed)
+  assert heard[0].startswith(f"{failed[0].name}: {failed[0].violation.kind}: "), heard
+
+
 def test_only_the_mask_selects_count_as_register_only():
   """kernel/backward/masks.py's selects (causal, key limit) run under data-dependent
   conds (the diagonal and edge steps): the extractor lets them pass as

@@ -311,10 +311,20 @@ def main(argv=None) -> int:
                  f"with each of {words}")
 
   spent: collections.Counter = collections.Counter()
+
+  first_failure: list = []
+
+  def failed(text):
+    # red as soon as it is known, not after the whole run: the table at the end has them all
+    if not first_failure:
+      first_failure.append(text)
+      print(f"FAILED after {time.perf_counter() - start:.1f} s (the run goes on; the table at "
+            f"the end lists every failure): {text}", flush=True)
+
   try:
     if args.fail_fast or args.jobs <= 1:
       results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
-                         cache=cache, premise=premise, spent=spent)
+                         cache=cache, premise=premise, spent=spent, on_failure=failed)
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed (all of them: the listing takes about
@@ -322,7 +332,8 @@ def main(argv=None) -> int:
       early = [("backward", c) for c in cases.backward_cases() if selected(("backward", c))]
       with pe.workers(args.jobs, fork=True) as pool:
         results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
-                           cache=cache, early=early, premise=premise, spent=spent)
+                           cache=cache, early=early, premise=premise, spent=spent,
+                           on_failure=failed)
   except (pe.ex.UnknownPrimitive, pe.ex.ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")

@@ -1323,7 +1323,7 @@ def _check(prog):
 
 def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
           pool=None, cache=None, early=(), premise: bool = True,
-          spent: collections.Counter | None = None) -> list[Result]:
+          spent: collections.Counter | None = None, on_failure=None) -> list[Result]:
   """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
   ("backward", BackwardCase, 0)), check each distinct one, and return one
   Result per check (premise failures included).  ``items`` may be a callable
@@ -1335,8 +1335,10 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   :class:`harness.proofs.prove_cache.Cache` to take learned programs and passed
   checks from, and to keep new ones in.  ``spent``: a Counter that gets the
   CPU seconds, by phase of :data:`PHASES`, of the work done (what the cache
-  gave cost nothing)."""
+  gave cost nothing).  ``on_failure(text)``: called with a line as soon as a
+  case's premise fails or a check finds a violation, before the run ends."""
   spent = collections.Counter() if spent is None else spent
+  on_failure = on_failure or (lambda text: None)
   if fail_fast or (pool is None and jobs <= 1):
     items = items() if callable(items) else items
     work = [(kind, case) for kind, case, _ in items]
@@ -1355,15 +1357,33 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
         break
     return results
   if pool is not None:
-    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent)
+    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent, on_failure)
   if jobs > 1:
     with workers(jobs) as pool:
-      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent)
-  learned = [_learned(w, mutant, cache, premise, spent) for w in work]
+      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent, on_failure)
+  learned = []
+  for w in work:
+    learned.append(_learned(w, mutant, cache, premise, spent))
+    _report_premise(w, learned[-1], on_failure)
   results = _collect(work, learned, configs, distinct)
   for key, (prog, result) in distinct.items():
     _record(result, _checked(key, prog, result, cache, spent))
+    _report_violation(result.name, result.violation, on_failure)
   return results
+
+
+def _report_premise(w, answer, on_failure):
+  """``on_failure`` told of a learned case whose premise failed (_learn's answer)."""
+  if answer[1] is not None:
+    kind, case = w
+    on_failure(f"{case.describe()}: the events depend on more than the proof's contexts: "
+               f"{str(answer[1]).splitlines()[0]}")
+
+
+def _report_violation(name, violation, on_failure):
+  """``on_failure`` told of a check that found ``violation`` (or none)."""
+  if violation is not None:
+    on_failure(f"{name}: {violation.format().splitlines()[0]}")
 
 
 def _searched(res, spent):
@@ -1443,7 +1463,8 @@ def _warm_up():
   return 0
 
 
-def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent) -> list[Result]:
+def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent,
+                  on_failure) -> list[Result]:
   """Learn and check on the pool as results come: a worker that frees up
   takes a pending check first (the costliest cases are learned first, so
   their checks start early), else the next case to learn; what the cache
@@ -1469,10 +1490,9 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent) -> li
         checks.append(key)
 
   while True:
-    # Before the listing all the early items are handed out (they queue),
-    # so that the workers stay busy while it runs.
-    while len(running) < (jobs if listed is not None else max(jobs, len(early))) and (
-        checks or queue):
+    # Before the listing, a worker's worth of early items keeps each busy while it runs;
+    # the rest wait in the listing's order (a mutant's own cases first: it fails early).
+    while len(running) < jobs and (checks or queue):
       if checks:
         key = checks.pop(0)
         running[pool.submit(_check, distinct[key][0])] = ("check", key)
@@ -1489,7 +1509,7 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent) -> li
         running[pool.submit(_programs_of, (w, mutant, premise))] = ("learn", w)
     if listed is None:
       listed = items() if callable(items) else items
-      queue += [(kind, case) for kind, case, _ in listed]
+      queue = [(kind, case) for kind, case, _ in listed]
       continue
     if not running:
       if checks or queue:
@@ -1503,10 +1523,12 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent) -> li
         checked[what] = _searched(answer, spent)
         if cache is not None and answer.ok and _cacheable(what, distinct[what][1]):
           cache.put("checked", repr(what), answer)
+        _report_violation(distinct[what][1].name, answer.violation, on_failure)
         continue
       spent.update(answer[3])
       if cache is not None and answer[1] is None:
         cache.put("learned", _learn_key(what, mutant, premise), answer)
+      _report_premise(what, answer, on_failure)
       learnt(what, answer)
   # The results named and ordered as a run in one process would have them.
   work = [(kind, case) for kind, case, _ in listed]

@@ -18,6 +18,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from harness.proofs import cases, extract
 from harness.proofs import extracted_proof as xp
@@ -586,6 +587,41 @@ def test_every_config_lists_each_config_at_its_own_sizes():
     plain = dataclasses.replace(c, exact=False, dtype=c.dtype if c.dtype.startswith("float8")
                                 else "bfloat16")
     assert plain.key() in default, c.describe()
+
+
+# Configs at their own sizes held to their representative's program: a
+# dozen under the ci profile, ten times as many under thorough (each pair
+# learns two programs from probes, about 0.3 s); `prove --every-config`
+# proves them all.
+EXACT_SAMPLE = 120 if settings.get_current_profile_name() == "thorough" else 12
+
+
+def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped_cases):
+  """What docs/proof.md assumes ("What is assumed"), tested on a spread of
+  emitted configs whose block sizes, stages or head dims differ from the
+  representative their case is traced at: each, traced at its own sizes and
+  16-bit dtype, learns the same program as the representative, up to the
+  names of its buffers and barriers (the shape the search checks)."""
+  grid = prove_cli.problem_grid()[::5]
+  reps = {c.key(): c for c, _ in shipped_cases}
+  pairs = []
+  for c, _ in cases.forward_cases(grid, every_config=True):
+    rep = reps[dataclasses.replace(c, exact=False, dtype=c.dtype if c.dtype.startswith(
+        "float8") else "bfloat16").key()]
+    if (c.block_q, c.block_kv, c.config_stages, c.layout_head_dim, c.layout_head_dim_out) != (
+            rep.block_q, rep.block_kv, rep.config_stages, rep.layout_head_dim,
+            rep.layout_head_dim_out):
+      pairs.append((c, rep))
+  sample = pairs[::max(1, len(pairs) // EXACT_SAMPLE)]
+  assert len(sample) >= EXACT_SAMPLE, len(pairs)
+  learned: dict = {}
+  shape = lambda case: learned.setdefault(
+      case, pe.forward_program(case, premise=False).shape_digest())
+  differ = [f"{c.describe()} against {rep.describe()}" for c, rep in sample
+            if shape(c) != shape(rep)]
+  assert not differ, differ
+  # the sample spans protocols whose programs differ: the comparison can fail
+  assert len({shape(rep) for _, rep in sample}) > 1
 
 
 def test_a_mutants_words_describe_cases_that_show_it(shipped_cases):

@@ -311,7 +311,6 @@ def main(argv=None) -> int:
                  f"with each of {words}")
 
   spent: collections.Counter = collections.Counter()
-
   first_failure: list = []
 
   def failed(text):
@@ -327,8 +326,7 @@ def main(argv=None) -> int:
                          cache=cache, premise=premise, spent=spent, on_failure=failed)
     else:
       # The backward's cases need no heuristics: the workers start on them
-      # while the forward's are listed (all of them: the listing takes about
-      # as long as the workers take for the first six).
+      # while the forward's are listed, then take the listing's order.
       early = [("backward", c) for c in cases.backward_cases() if selected(("backward", c))]
       with pe.workers(args.jobs, fork=True) as pool:
         results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,

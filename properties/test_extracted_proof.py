@@ -25,6 +25,7 @@ from harness.proofs import extracted_proof as xp
 from harness.proofs import prove as prove_cli
 from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
+from harness.proofs import representatives
 from harness.proofs import role_programs as rp
 from kernel.tiling.config import Config
 
@@ -601,27 +602,36 @@ def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped
   emitted configs whose block sizes, stages or head dims differ from the
   representative their case is traced at: each, traced at its own sizes and
   16-bit dtype, learns the same program as the representative, up to the
-  names of its buffers and barriers (the shape the search checks)."""
-  grid = prove_cli.problem_grid()[::5]
-  reps = {c.key(): c for c, _ in shipped_cases}
-  pairs = []
-  for c, _ in cases.forward_cases(grid, every_config=True):
-    rep = reps[dataclasses.replace(c, exact=False, dtype=c.dtype if c.dtype.startswith(
-        "float8") else "bfloat16").key()]
-    if (c.block_q, c.block_kv, c.config_stages, c.layout_head_dim, c.layout_head_dim_out) != (
-            rep.block_q, rep.block_kv, rep.config_stages, rep.layout_head_dim,
-            rep.layout_head_dim_out):
-      pairs.append((c, rep))
+  names of its buffers and barriers (the shape the search checks).
+  ``python -m harness.proofs.representatives`` tests every emitted config."""
+  pairs = representatives.pairs(prove_cli.problem_grid()[::5],
+                                {c.key(): c for c, _ in shipped_cases}, differing_only=True)
   sample = pairs[::max(1, len(pairs) // EXACT_SAMPLE)]
   assert len(sample) >= EXACT_SAMPLE, len(pairs)
   learned: dict = {}
-  shape = lambda case: learned.setdefault(
-      case, pe.forward_program(case, premise=False).shape_digest())
+  shape = lambda case: learned.setdefault(case, representatives.shape(case))
   differ = [f"{c.describe()} against {rep.describe()}" for c, rep in sample
             if shape(c) != shape(rep)]
   assert not differ, differ
   # the sample spans protocols whose programs differ: the comparison can fail
   assert len({shape(rep) for _, rep in sample}) > 1
+
+
+def test_the_representatives_command_names_each_config_that_differs(monkeypatch, capsys):
+  """``python -m harness.proofs.representatives`` over a few problems: every
+  config learns its representative's program (exit 0); where one would not,
+  it is named and the command exits 1."""
+  grid = prove_cli.problem_grid()[::400]
+  monkeypatch.setattr(prove_cli, "problem_grid", lambda: grid)
+  assert representatives.main(["--jobs", "1"]) == 0
+  out = capsys.readouterr().out
+  n = len(representatives.pairs(grid, {c.key(): c for c, _ in prove_cli.forward_listing()}))
+  assert f"{n} of {n} emitted configs" in out and "DIFFERS" not in out, out
+  real = representatives.shape
+  monkeypatch.setattr(representatives, "shape",
+                      lambda c: "other" if c.exact and c.block_kv == 64 else real(c))
+  assert representatives.main(["--jobs", "1"]) == 1
+  assert "DIFFERS: " in capsys.readouterr().out
 
 
 def test_a_mutants_words_describe_cases_that_show_it(shipped_cases):

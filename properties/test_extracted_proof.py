@@ -617,15 +617,17 @@ def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped
   assert len({shape(rep) for _, rep in sample}) > 1
 
 
-def test_the_representatives_command_names_each_config_that_differs(monkeypatch, capsys):
-  """``python -m harness.proofs.representatives`` over a few problems: every
-  config learns its representative's program (exit 0); where one would not,
-  it is named and the command exits 1."""
+def test_the_representatives_command_names_each_config_that_differs(shipped_cases, monkeypatch,
+                                                                     capsys):
+  """``python -m harness.proofs.representatives`` over a few problems (the
+  representatives listed over the whole grid first, as the command takes
+  them): every config learns its representative's program (exit 0); where
+  one would not, it is named and the command exits 1."""
   grid = prove_cli.problem_grid()[::400]
-  monkeypatch.setattr(prove_cli, "problem_grid", lambda: grid)
+  monkeypatch.setattr(prove_cli, "problem_grid", lambda **_: grid)
   assert representatives.main(["--jobs", "1"]) == 0
   out = capsys.readouterr().out
-  n = len(representatives.pairs(grid, {c.key(): c for c, _ in prove_cli.forward_listing()}))
+  n = len(representatives.pairs(grid, {c.key(): c for c, _ in shipped_cases}))
   assert f"{n} of {n} emitted configs" in out and "DIFFERS" not in out, out
   real = representatives.shape
   monkeypatch.setattr(representatives, "shape",

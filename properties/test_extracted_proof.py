@@ -18,8 +18,8 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import settings
 
+from harness.numerics import strategies as hs
 from harness.proofs import cases, extract
 from harness.proofs import extracted_proof as xp
 from harness.proofs import prove as prove_cli
@@ -585,16 +585,14 @@ def test_every_config_lists_each_config_at_its_own_sizes():
   assert sum(n for _, n in exact) == sum(n for _, n in cases.forward_cases(grid))
   for c, _ in exact:
     assert c.exact and f"blocks {c.block_q}x{c.block_kv}" in c.describe()
-    plain = dataclasses.replace(c, exact=False, dtype=c.dtype if c.dtype.startswith("float8")
-                                else "bfloat16")
-    assert plain.key() in default, c.describe()
+    assert representatives.representative_key(c) in default, c.describe()
 
 
 # Configs at their own sizes held to their representative's program: a
-# dozen under the ci profile, ten times as many under thorough (each pair
-# learns two programs from probes, about 0.3 s); `prove --every-config`
-# proves them all.
-EXACT_SAMPLE = 120 if settings.get_current_profile_name() == "thorough" else 12
+# dozen under the ci profile, more under thorough (each pair learns two
+# programs from probes, about 0.3 s); `python -m harness.proofs.representatives`
+# tests them all, `prove --every-config` proves them all.
+EXACT_SAMPLE = hs.examples(12)
 
 
 def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped_cases):

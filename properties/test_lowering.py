@@ -15,8 +15,8 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import settings
 
+from harness.numerics import strategies as hs
 from harness.tools.lowering import lower_attention
 from kernel.tiling import heuristics, plan
 from kernel.tiling.config import Config
@@ -31,7 +31,7 @@ SMEM_MARGIN_BYTES = 2048
 # minutes (docs/decisions/cpu-suite-time.md); ``HYPOTHESIS_PROFILE=thorough``
 # lowers them all.
 # The profile is the one properties/conftest.py loaded.
-THOROUGH = settings.get_current_profile_name() == "thorough"
+THOROUGH = hs.thorough()
 FULLEST_STRIDE = 9
 OTHERS_STRIDE = 24
 

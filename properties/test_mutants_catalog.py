@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
 
+from harness.numerics import strategies as hs
 from harness.tools import anchors, mutants, watchdog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,7 +166,7 @@ def test_the_lowering_chunks_cover_the_catalogue_once():
 # CUDA (about a second each on 2 cores), every one traced and compared: the
 # suite under CI's 8 minutes (docs/decisions/cpu-suite-time.md).
 # `python -m harness mutants --lower` lowers all.
-THOROUGH = settings.get_current_profile_name() == "thorough"
+THOROUGH = hs.thorough()
 LOWER_EVERY = 3
 
 

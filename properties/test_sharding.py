@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
 
+from harness.numerics import strategies as hs
 from harness.tools import mesh_lowering
 from kernel.tiling import backward_plan
 
@@ -36,7 +36,7 @@ CASES = {c.name: c for c in mesh_lowering.CASES}
 # on a 2-core machine: the ci profile checks Shardy's, the thorough profile
 # (properties/conftest.py) both.
 PARTITIONERS = {"shardy": "{'data'}", "gspmd": "{{0,2},{1,3}}"}
-CHECKED = (list(PARTITIONERS) if settings.get_current_profile_name() == "thorough"
+CHECKED = (list(PARTITIONERS) if hs.thorough()
            else ["shardy"])
 
 

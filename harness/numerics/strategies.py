@@ -722,8 +722,14 @@ def per_shard(total: int) -> int:
 THOROUGH_FACTOR = 5
 
 
+def thorough() -> bool:
+  """Whether the Hypothesis profile loaded (properties/conftest.py) is
+  thorough: the one that draws and lowers everything the others sample."""
+  from hypothesis import settings
+  return settings.get_current_profile_name() == "thorough"
+
+
 def examples(ci: int) -> int:
   """The examples a slow CPU property draws: ``ci`` under the ci and mutants
   profiles, :data:`THOROUGH_FACTOR` times as many under thorough."""
-  from hypothesis import settings
-  return ci * (THOROUGH_FACTOR if settings.get_current_profile_name() == "thorough" else 1)
+  return ci * (THOROUGH_FACTOR if thorough() else 1)

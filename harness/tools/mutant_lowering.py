@@ -183,8 +183,8 @@ def main(argv=None) -> int:
           f"({time.time() - start:.0f} s)")
   else:
     print(f"{ok}/{n} mutants apply and change their probe's program, "
-          f"{len(range(0, n, args.lower_every))} of them lowered for CUDA (every "
-          f"{args.lower_every}th) ({time.time() - start:.0f} s)")
+          f"{len(range(0, n, args.lower_every))} of them lowered for CUDA (one in "
+          f"{args.lower_every}) ({time.time() - start:.0f} s)")
   for p in problems:
     print("  " + p)
   return 1 if problems else 0

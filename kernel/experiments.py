@@ -16,6 +16,8 @@ public one and the switches of a :class:`kernel.variant.Variant`
   causal choice);
 * ``"pallas-narrow-rows"``: the backward in the forward's 32-column rows
   (kernel.tiling.plan.backward_head_dims says why it waits);
+* ``"pallas-unpadded"``: q, k, v and dO copied padded only where the forward
+  pads them, not to whole tiles at every length (kernel.padding.backward_inputs);
 * ``"xla"``: the kernels' executable specification in plain JAX
   (kernel/backward/xla.py), which tests compare them with.
 
@@ -40,6 +42,7 @@ BACKWARDS = {
     "pallas-fixed-point": ({}, True),
     "pallas-fused-causal": ({"fuse_dq_causal": True}, False),
     "pallas-narrow-rows": ({"narrow_rows": True}, False),
+    "pallas-unpadded": ({"backward_whole_tiles": False}, False),
     "xla": ({"backward": "xla"}, False),
 }
 # The Variant fields this module's dot_product_attention takes by name.

@@ -15,6 +15,20 @@ from jax import lax
 import jax.numpy as jnp
 
 
+# Mosaic GPU's tiled TMA descriptors take a sequence length that is a
+# multiple of 8 rows only (jax 0.11.2: "dimension 2 must have size smaller
+# or a multiple of its tiling 8").
+ROW_TILING = 8
+
+
+def _copied(x, width: int, multiple: int, tiling: int) -> bool:
+  """Whether ``x`` (B, L, H, D) must be copied padded for a kernel that
+  reads it in blocks of ``multiple`` rows at head dim ``width``: a head dim
+  computed wider, fewer rows than one block, or rows no multiple of
+  ``tiling``; else the kernel reads it as it is, past its end as zeros."""
+  return x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling != 0
+
+
 def pad_to_multiple(x, axis: int, multiple: int, mode: str = "constant"):
   size = x.shape[axis]
   target = -(-size // multiple) * multiple
@@ -192,15 +206,13 @@ def forward_inputs(query, key, value, bias, mask, k_start, k_end, *, problem, co
   # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
   # axes are padded only where a copy is made anyway (a head dim computed
   # wider), where the length is shorter than one tile, or where it is no
-  # multiple of the 8-row tiling Mosaic GPU's tiled TMA descriptors need
-  # (jax 0.11.2: "dimension 2 must have size smaller or a multiple of its
-  # tiling 8"); untiled copies (kernel.tiling.plan.copy_parts) take any
-  # length (docs/decisions/untiled-copies.md).
-  tiling = 1 if problem.untiled_copies else 8
+  # multiple of ROW_TILING; untiled copies (kernel.tiling.plan.copy_parts)
+  # take any length (docs/decisions/untiled-copies.md).
+  tiling = 1 if problem.untiled_copies else ROW_TILING
 
   def operand(x, width, multiple):
     x = x.astype(dtype)
-    if x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling:
+    if _copied(x, width, multiple, tiling):
       x = pad_to_multiple(pad_head_dim(x, width), 1, multiple)
     return x
   if problem.fp8:
@@ -230,17 +242,27 @@ def forward_results(out, residuals, *, seq_q: int, head_dim_out: int):
   return out, residuals
 
 
-def backward_inputs(query, key, value, d_out, *, head_dims, blocks):
-  """q, k, v and dO padded to the backward's head dims and to whole tiles
-  of its tiling (kernel.tiling.backward_plan.BackwardBlocks), dO in the
-  compute dtype."""
+def backward_inputs(query, key, value, d_out, *, head_dims, blocks, whole_tiles: bool = True):
+  """q, k, v and dO at the backward's head dims, dO in the compute dtype, and
+  (Tp, Sp): the query rows and keys its grids cover, whole tiles of its
+  tiling (kernel.tiling.backward_plan.BackwardBlocks).  ``whole_tiles``:
+  the arrays padded to (Tp, Sp) at every length; else padded only where
+  the forward pads them (:func:`forward_inputs`), q with dO and k with v,
+  the kernels reading past the end as zeros and their stores cut at it."""
   d, dv = head_dims
   t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
-  q = pad_to_multiple(pad_head_dim(query, d), 1, t_mult)
-  k = pad_to_multiple(pad_head_dim(key, d), 1, s_mult)
-  v = pad_to_multiple(pad_head_dim(value, dv), 1, s_mult)
-  do = pad_to_multiple(pad_head_dim(d_out.astype(query.dtype), dv), 1, t_mult)
-  return q, k, v, do
+  t_pad, s_pad = (-(-x.shape[1] // m) * m for x, m in ((query, t_mult), (key, s_mult)))
+  # q with dO and k with v: both copied where either is
+  pad_q = whole_tiles or _copied(query, d, t_mult, ROW_TILING) or \
+      _copied(d_out, dv, t_mult, ROW_TILING)
+  pad_k = whole_tiles or _copied(key, d, s_mult, ROW_TILING) or \
+      _copied(value, dv, s_mult, ROW_TILING)
+  padded = lambda x, width, multiple, pad: (pad_to_multiple(pad_head_dim(x, width), 1, multiple)
+                                            if pad else x)
+  q, k = padded(query, d, t_mult, pad_q), padded(key, d, s_mult, pad_k)
+  v = padded(value, dv, s_mult, pad_k)
+  do = padded(d_out.astype(query.dtype), dv, t_mult, pad_q)
+  return q, k, v, do, (t_pad, s_pad)
 
 
 def backward_masks(bias, mask, k_start, k_end, *, dtype, seq_kv: int, t_pad: int, blocks):

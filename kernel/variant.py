@@ -49,6 +49,11 @@ class Variant:
   # buffers, in column parts (kernel.tiling.plan.copy_parts): no padded copy
   # at lengths that are no multiple of 8.
   untiled_copies: bool = False
+  # True: the backward copies q, k, v and dO padded to whole tiles at every
+  # length; False: only where the forward pads (a head dim computed wider, a
+  # length shorter than a tile or no multiple of 8), the kernels reading
+  # past the end as zeros and their stores cut at it.
+  backward_whole_tiles: bool = True
   # A call without lengths, window or segments runs the kernels that read
   # key ranges, every row's range the whole keys (the proof reads the plain
   # kernels too: docs/proof.md, "Calls without key ranges"); too slow to
@@ -61,7 +66,7 @@ class Variant:
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
     for name in ("fuse_dq", "narrow_rows", "stage_2d", "even_sections", "untiled_copies",
-                 "ranges_always"):
+                 "backward_whole_tiles", "ranges_always"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
     for name in ("fuse_dq_causal", "defer_light"):

@@ -30,6 +30,7 @@ from kernel.tiling.config import Config
     ("auto,lt", None, False),
     ("64,64,2,lf,lo", Config(64, 64, 2, False, "longest-first"), False),
     ("auto,ut", None, False),
+    ("auto,up", None, False),
 ])
 def test_variants_parse(text, config, det):
   assert bg.parse_variant(text) == config
@@ -37,6 +38,7 @@ def test_variants_parse(text, config, det):
   assert bg.filled_sections(text) is (text in ("auto,fs", "64,128,2,p,lf,fs,det"))
   assert bg.deferred_light(text) is {"auto,lt": True, "64,64,2,lf,lo": False}.get(text)
   assert bg.untiled_copies(text) is (text == "auto,ut")
+  assert bg.unpadded_backward(text) is (text == "auto,up")
 
 
 def test_the_untiled_variant_times_the_call_without_padded_copies():
@@ -50,6 +52,23 @@ def test_the_untiled_variant_times_the_call_without_padded_copies():
     pads = {text: str(jax.make_jaxpr(fns[f"ours {text}"])(q, q, q)).count(" pad[")
             for text in ("auto", "auto,ut")}
   assert pads["auto,ut"] == 0 < pads["auto"], pads
+
+
+def test_the_unpadded_variant_times_the_backward_without_padded_copies():
+  """``up`` with the backward at the grid's 1000 point (a multiple of 8 but
+  of no tile): its forward + backward pads none of q, k, v and dO, where
+  the shipped backward copies them padded (kernel.experiments'
+  "pallas-unpadded")."""
+  point = bg.Point(128, 1000, True)
+  fns = bg.implementations(point, ["auto", "auto,up"], backward=True, example=False)
+  q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
+  with api.lowering_only():
+    # pads of 16-bit rank-4 arrays: q, k, v or dO (the residual rows' lse
+    # and delta, padded to whole tiles by both, are float32 and rank 3)
+    pads = {text: re.findall(r"bf16\[\d+,\d+,\d+,\d+\] = pad\[",
+                             str(jax.make_jaxpr(fns[f"ours {text}"])(q, q, q, q)))
+            for text in ("auto", "auto,up")}
+  assert pads["auto"] and not pads["auto,up"], pads
 
 
 def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypatch):

@@ -379,6 +379,47 @@ def test_the_backward_lowers_in_narrow_rows(d, dv, causal):
   assert sum(narrow.kernel_smem[1:]) < sum(shipped.kernel_smem[1:])
 
 
+# Lengths that are multiples of 8 but of no backward tile: the fused dQ with
+# GQA, causal (the dQ kernel over head dim 64), the head split, the fixed point.
+UNPADDED_BACKWARD = [
+    ("d64-gqa", dict(B=2, T=1000, N=4, H=64, S=520, K=2, Hv=64), {}),
+    ("d128-causal", dict(B=1, T=1000, N=4, H=128, S=1000, K=2, Hv=128), dict(is_causal=True)),
+    ("d256-head-split", dict(B=1, T=200, N=2, H=256, S=456, K=1, Hv=256), {}),
+    ("d128-fixed-point", dict(B=1, T=1000, N=4, H=128, S=1000, K=2, Hv=128),
+     dict(deterministic=True)),
+]
+
+
+def _grad_pads(shapes, **kw) -> list[str]:
+  """The shapes of the 16-bit arrays shaped like q, k, v or dO (rank 4,
+  heads third) that the program of jax.grad through the API pads."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api, experiments
+  sds = jax.ShapeDtypeStruct
+  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
+  args = (sds((B, T, N, H), jnp.bfloat16), sds((B, S, K, H), jnp.bfloat16),
+          sds((B, S, K, Hv), jnp.bfloat16))
+  loss = lambda q, k, v: experiments.dot_product_attention(q, k, v, **kw).astype(
+      jnp.float32).sum()
+  with api.lowering_only():
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+  return [m for m in re.findall(r"(bf16\[\d+,\d+,\d+,\d+\]) = pad\[", text)
+          if int(m[4:-1].split(",")[2]) in (N, K)]
+
+
+@pytest.mark.parametrize("name,shapes,kw", UNPADDED_BACKWARD, ids=[n for n, *_ in UNPADDED_BACKWARD])
+def test_the_unpadded_backward_lowers_without_padded_copies(name, shapes, kw):
+  """kernel.experiments' "pallas-unpadded" lowers for CUDA at lengths that
+  are multiples of 8 but of no tile, every kernel within 227 KiB, and its
+  program pads none of q, k, v and dO, which the shipped backward copies
+  padded to whole tiles there."""
+  lowered = lower_attention(shapes, gradients=True, backward="pallas-unpadded", **kw)
+  assert lowered.kernel_smem and all(plan.fits_in_smem(b) for b in lowered.kernel_smem)
+  assert _grad_pads(shapes, **kw), "the shipped backward pads nothing here: no test"
+  assert _grad_pads(shapes, backward="pallas-unpadded", **kw) == []
+
+
 # Key ranges in every shape the API takes: per row and head, per row for
 # every head, one range for every row (a query axis of 1), one per batch row.
 RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]

@@ -360,7 +360,9 @@ def main(argv=None) -> int:
                          "a trailing ,lt or ,lo that order with its light tiles last "
                          "or in order (by default where the schedule's model says), a "
                          "trailing ,ut the copies through untiled views (no padded copy at "
-                         "lengths no multiple of 8)")
+                         "lengths no multiple of 8), a trailing ,up the backward reading q, "
+                         "k, v and dO unpadded where the forward does (kernel.experiments' "
+                         "pallas-unpadded)")
   grid.add_argument("--out-dir", default=None,
                     help="write performance.json/.md/.png here (docs/ for the committed page)")
   grid.add_argument("--commit", default=None, help="the commit measured, named in the outputs")

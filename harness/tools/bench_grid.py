@@ -197,13 +197,19 @@ def untiled_copies(text: str) -> bool:
   return "ut" in text.split(",")
 
 
+def unpadded_backward(text: str) -> bool:
+  """Whether ``text`` ends in ``up``: the backward reading q, k, v and dO
+  unpadded where the forward does (kernel.experiments' "pallas-unpadded")."""
+  return "up" in text.split(",")
+
+
 def ranges_always(text: str) -> bool:
   """Whether ``text`` ends in ``kr``: the whole keys as every row's key range."""
   return "kr" in text.split(",")
 
 
 # Trailing flags of a variant that change the call, not the config.
-MODIFIERS = ("det", "fs", "lt", "lo", "ut", "kr")
+MODIFIERS = ("det", "fs", "lt", "lo", "ut", "kr", "up")
 
 
 def _config_fields(text: str) -> list[str]:
@@ -244,16 +250,19 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       return pullback(d_out)
     return grads
 
-  def ours(q, k, v, config, det, split, heuristic, filled, light_last, untiled, ranges):
+  def ours(q, k, v, config, det, split, heuristic, filled, light_last, untiled, ranges,
+           unpadded):
     if split:   # decided at trace time, from the shapes the call sees
       config = split_tail_of(q, k, v, is_causal=point.causal)
     if heuristic:
       config = heuristic_of(q, k, v, is_causal=point.causal)
-    if filled or light_last is not None or untiled or ranges:
+    if filled or light_last is not None or untiled or ranges or unpadded:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                                deterministic=det, even_sections=not filled,
                                                defer_light=light_last, untiled_copies=untiled,
-                                               ranges_always=ranges)
+                                               ranges_always=ranges,
+                                               backward="pallas-unpadded" if unpadded
+                                               else "pallas")
     return api.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                      deterministic=det)
 
@@ -263,7 +272,8 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
     fns[f"ours {text}"] = jax.jit(with_grad(functools.partial(
         ours, config=config, det=det, split=splits_auto(text), heuristic=is_heuristic(text),
         filled=filled_sections(text), light_last=deferred_light(text),
-        untiled=untiled_copies(text), ranges=ranges_always(text))))
+        untiled=untiled_copies(text), ranges=ranges_always(text),
+        unpadded=unpadded_backward(text))))
   fns["cudnn"] = jax.jit(with_grad(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=point.causal, implementation="cudnn")))
   reference = _example_kernel(point) if example else None

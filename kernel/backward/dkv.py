@@ -123,10 +123,12 @@ def dkv_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
 def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask_t, k_start,
              k_end, *, dq_accum=None, dq_scales=None, query_blocks=None,
              inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
-             window: tuple[int, int] | None = None):
-  """{"dk": dK, "dv": dV} on padded inputs.
+             window: tuple[int, int] | None = None, padded: tuple[int, int] | None = None):
+  """{"dk": dK, "dv": dV}, each as long as k.
 
-  q (B, Tp, N, D), k (B, Sp, K, D), v (B, Sp, K, Dv), do (B, Tp, N, Dv), rows
+  q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv), do (B, T, N, Dv), each
+  read past its end as zeros up to ``padded`` (Tp, Sp), the whole tiles the
+  grid covers (None: T and S are whole tiles); rows
   (B, N, 2, Tp) f32 = [lse2, delta]; bias_t / mask_t: bias and mask with T and
   S swapped (dims 1 or full); k_start / k_end (B|1, N|1, Tp|1) int32;
   ``query_blocks``: None or (lo, hi), each (B|1, K|1, key tiles) int32, the
@@ -134,7 +136,7 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   ``inner_blocks``: None or (B|1, K|1, 2, key tiles) int32, the run of them
   wholly inside every row's range (kernel.padding.query_block_inner_bounds).
 
-  ``dq_accum``: a zeroed (B, Tp, N, D) f32 ref; when given (where
+  ``dq_accum``: a zeroed (B, T, N, D) f32 ref; when given (where
   :func:`fused_dq_fits`), the kernel also adds each key tile's part of
   dQ / scale into it (kernel/backward/fused_dq.py).  With ``dq_scales``
   ((B, N, Tp) f32, powers of two: :func:`fixed_point_scales`) ``dq_accum``
@@ -155,8 +157,9 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   dQ.  Packed documents (ranges the launch cannot see) keep them
   (docs/decisions/backward-causal-launch-order.md).
   """
-  batch, t_pad, num_heads, head_dim = q.shape
-  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  batch, t, num_heads, head_dim = q.shape
+  _, s, num_kv_heads, head_dim_out = v.shape
+  t_pad, s_pad = padded or (t, s)
   dtype = q.dtype
   fused = dq_accum is not None
   if fused and blocks.head_split:
@@ -178,7 +181,7 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused,
                                    dq_dtype=np.float32 if dq_accum is None else dq_accum.dtype)),
              _barrier_refs(dkv_mbarriers(blocks))]
-  out_type = [jax.ShapeDtypeStruct((batch, s_pad, num_kv_heads, d), dtype)
+  out_type = [jax.ShapeDtypeStruct((batch, s, num_kv_heads, d), dtype)
               for d in (head_dim, head_dim_out)]
   results = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,

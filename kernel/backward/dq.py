@@ -93,20 +93,21 @@ def dq_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
 
 def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k_start, k_end,
             k_range_tiles, *, want_ds: bool, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
-            window: tuple[int, int] | None = None):
-  """dQ (and dS, the logits gradient, when ``want_ds``) on padded inputs.
+            window: tuple[int, int] | None = None, padded: tuple[int, int] | None = None):
+  """dQ, as long as q (and dS, the logits gradient, when ``want_ds``).
 
   Same arguments as :func:`dkv_call`, with bias and mask in their own
   orientation, and k_range_tiles the per-tile key-range bounds for this
   kernel's tiles of 2 * 64 query rows (kernel.padding.key_ranges).
-  Returns dq (B, Tp, N, D) and ds (B, N, Tp, Sp) f32 or None; ds blocks
+  Returns dq (B, T, N, D) and ds (B, N, Tp, Sp) f32 or None; ds blocks
   outside the tile's key range are not written (the caller zeroes them).
   Under causal the query tiles launch in
   sections of (batch, head) units, heaviest first across a section, as in
   :func:`dkv_call`; a section's units re-read their kv heads' K and V.
   """
-  batch, t_pad, num_heads, head_dim = q.shape
-  _, s_pad, num_kv_heads, head_dim_out = v.shape
+  batch, t, num_heads, head_dim = q.shape
+  _, s, num_kv_heads, head_dim_out = v.shape
+  t_pad, s_pad = padded or (t, s)
   dtype = q.dtype
   group = num_heads // num_kv_heads
   order = dq_launch_order(f, blocks, batch=batch, num_heads=num_heads, group=group,
@@ -120,7 +121,7 @@ def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k
     _dq_kernel(kernel, *refs)
 
   scratch = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
-  out_type = [jax.ShapeDtypeStruct((batch, t_pad, num_heads, head_dim), dtype)]
+  out_type = [jax.ShapeDtypeStruct((batch, t, num_heads, head_dim), dtype)]
   if want_ds:
     out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
   results = plgpu.kernel(

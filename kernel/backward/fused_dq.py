@@ -71,8 +71,8 @@ FIXED_POINT_BITS = 29
 
 def fixed_point_scales(k, v, do, rows, group: int):
   """(B, N, Tp) f32: c_i, the power of two each query row's dQ parts are
-  multiplied by before their int32 reduce-adds (notes above), from the padded
-  k (B, Sp, K, D), v, do (B, Tp, N, Dv) and the residual rows' delta."""
+  multiplied by before their int32 reduce-adds (notes above), from k (B, S,
+  K, D), v, do (B, T, N, Dv) and the residual rows' delta (B, N, 2, Tp)."""
   f32 = jnp.float32
   # Each key's max |k| and |v|^2 first (row reductions over the head dim,
   # in one pass over K and V), fenced so that XLA keeps them, then the max
@@ -84,6 +84,8 @@ def fixed_point_scales(k, v, do, rows, group: int):
   k_max = jnp.max(k_row, axis=1)                                             # (B, K)
   v_norm = jnp.sqrt(jnp.max(v_row, axis=1))
   do_norm = jnp.swapaxes(jnp.sqrt(jnp.sum(jnp.square(do.astype(f32)), axis=3)), 1, 2)
+  if do_norm.shape[2] != rows.shape[3]:  # dO not padded to the grid's rows: 0 past its end
+    do_norm = jnp.pad(do_norm, ((0, 0), (0, 0), (0, rows.shape[3] - do_norm.shape[2])))
   per_head = lambda x: jnp.repeat(x, group, axis=1)[:, :, None]             # (B, N, 1)
   bound = (do_norm * per_head(v_norm) + jnp.abs(rows[:, :, 1])) * per_head(k_max)
   # bound = 0 (padded rows, dO_i = 0): no part is nonzero; the largest exponent.

@@ -95,9 +95,9 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
                        f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
-  q, k, v, do = padding.backward_inputs(query, key, value, d_out, head_dims=(d, dv_dim),
-                                        blocks=blocks)
-  t_pad, s_pad = q.shape[1], k.shape[1]
+  q, k, v, do, (t_pad, s_pad) = padding.backward_inputs(
+      query, key, value, d_out, head_dims=(d, dv_dim), blocks=blocks,
+      whole_tiles=variant.backward_whole_tiles)
 
   rows = residual_rows(m, l, out, d_out, t_pad)
 
@@ -116,7 +116,8 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
   def launch(dq_accum=None, dq_scales=None):
     return dkv_call(f, blocks, q, k, v, do, rows, bias_t, mask_t, ks, ke,
                     dq_accum=dq_accum, dq_scales=dq_scales, query_blocks=query_blocks,
-                    inner_blocks=inner_blocks, num_sms=num_sms, window=window)
+                    inner_blocks=inner_blocks, num_sms=num_sms, window=window,
+                    padded=(t_pad, s_pad))
   if fused:
     # The float32 dQ accumulator is a ref of a state scope of its own
     # (run_state, which hands back its final value), not a jax.new_ref of
@@ -136,12 +137,15 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
     dkv = {"dk": dk_pad, "dv": dv_pad}
     dq = dq_acc.astype(jnp.float32) * f.scale
     if fixed_point_dq:
-      dq = dq / jnp.swapaxes(scales, 1, 2)[..., None]
+      # the scales cover the grid's Tp rows; dq those of q
+      dq = dq / jnp.swapaxes(scales if q.shape[1] == t_pad else scales[:, :, :q.shape[1]],
+                             1, 2)[..., None]
     dq, ds = dq.astype(dtype), None
   else:
     dkv = launch()
     dq, ds = dq_call(f, blocks, q, k, v, do, rows, bias4, mask4, ks, ke, tiles,
-                     want_ds=bias is not None, num_sms=num_sms, window=window)
+                     want_ds=bias is not None, num_sms=num_sms, window=window,
+                     padded=(t_pad, s_pad))
 
   dbias = None
   if bias is not None:

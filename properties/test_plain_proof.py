@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from harness.proofs import extract
+from harness.proofs import cases, extract
 from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
@@ -384,6 +384,34 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   (flat,) = pe.backward_programs(flat_case)
   assert flat.plain == tuple(pe.backward_pairings(flat_case))
   assert not any("L2 sections" in name for name in flat.plain)
+
+
+def test_the_unpadded_backward_is_proved_at_lengths_in_eights():
+  """kernel.experiments' "pallas-unpadded" (``prove --experiments``): proved
+  at every pairing of lengths past whole tiles in multiples of 8, which it
+  reads unpadded, and of ragged ones, which it copies padded as shipped
+  (the pairs of two ragged ones are the shipped backward's); its traces
+  hand the kernels each length's arrays as the API does."""
+  from kernel import padding
+  case = dataclasses.replace(pe.BackwardCase(64, False, False, True), unpadded=True)
+  assert case in cases.backward_cases(experiments=True)
+  assert case not in cases.backward_cases()
+  pairings = pe.backward_pairings(case)
+  assert all(not (rq.tail and rk.tail) for rq, rk, _ in pairings.values())
+  assert any(not rq.tail and not rk.tail and rq.units and rk.units
+             for rq, rk, _ in pairings.values())
+  progs = pe.backward_programs(case)
+  assert progs and all(p.plain == tuple(pairings) and all(p.z3) for p in progs)
+  copies = []
+  original = padding.pad_to_multiple
+  try:
+    padding.pad_to_multiple = lambda x, *a, **k: copies.append(x.shape) or original(x, *a, **k)
+    for rq, rk, want in ((pe.Eights(1), pe.Eights((2, 7)), 0), (pe.Eights(1, True), pe.Eights(0), 2)):
+      copies.clear()
+      pe.trace_backward_at(case, rq, rk)
+      assert len(copies) == want, (rq, rk, copies)   # q and dO, the ragged queries
+  finally:
+    padding.pad_to_multiple = original
 
 
 @pytest.mark.parametrize("whole, divisors", [(64, (64,)), (128, (128, 64)), (128, (64, 128)),

@@ -204,17 +204,23 @@ class BackwardCase:
   bias: bool
   fuse_dq: bool
   fixed_point: bool = False   # the fused dQ's sum in int32 (deterministic=True)
+  # q, k, v and dO read unpadded where the forward reads them so
+  # (kernel.experiments' "pallas-unpadded"): traced at lengths past whole
+  # tiles in multiples of 8 as well (prove_extracted.backward_pairings).
+  unpadded: bool = False
 
   def describe(self) -> str:
     return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
             f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}"
-            f"{' in fixed point' if self.fixed_point else ''}")
+            f"{' in fixed point' if self.fixed_point else ''}"
+            f"{' read unpadded' if self.unpadded else ''}")
 
 
-def backward_cases() -> list[BackwardCase]:
+def backward_cases(*, experiments: bool = False) -> list[BackwardCase]:
   """Every launch kind kernel/backward.py makes: with and without the fused
   dQ, and where it applies (kernel.tiling.backward_plan.fuses_dq) its fixed-point sum
-  as well."""
+  as well; with ``experiments`` each once more read unpadded
+  (:attr:`BackwardCase.unpadded`)."""
   from kernel.tiling import backward_plan
   plain = [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
            for b in (False, True) for f in (True, False)]
@@ -222,4 +228,6 @@ def backward_cases() -> list[BackwardCase]:
            if case.fuse_dq and backward_plan.fuses_dq(
                backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal),
                with_bias=case.bias, is_causal=case.causal)]
-  return plain + fixed
+  shipped = plain + fixed
+  return shipped + ([dataclasses.replace(c, unpadded=True) for c in shipped]
+                    if experiments else [])

@@ -92,7 +92,7 @@ def work_items(*, first: str | None = None, experiments: bool = False,
   mutant's failure shows early); ``experiments``: :func:`problem_grid`'s;
   ``every_config``: :func:`cases.forward_cases`'."""
   forward = [("forward", c, n) for c, n in forward_listing(experiments, every_config)]
-  backward = [("backward", c, 0) for c in cases.backward_cases()]
+  backward = [("backward", c, 0) for c in cases.backward_cases(experiments=experiments)]
   if first is None:
     cost = lambda item: (-(item[1].persistent * 10 + item[1].num_stages) if item[0] == "forward"
                          else -5)
@@ -229,7 +229,9 @@ def main(argv=None) -> int:
                       "use it)")
   parser.add_argument("--experiments", action="store_true",
                       help="also every problem with the forward's copies through untiled views "
-                      "(kernel.experiments' untiled_copies), before that switch ships")
+                      "(kernel.experiments' untiled_copies) and every backward launch kind "
+                      "reading q, k, v and dO unpadded (its pallas-unpadded), before those "
+                      "switches ship")
   parser.add_argument("--every-config", action="store_true",
                       help="trace every emitted config at its own block sizes, stages, head dims "
                       "and 16-bit dtype, not one representative per protocol (what docs/proof.md "
@@ -327,7 +329,8 @@ def main(argv=None) -> int:
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed, then take the listing's order.
-      early = [("backward", c) for c in cases.backward_cases() if selected(("backward", c))]
+      early = [("backward", c) for c in cases.backward_cases(experiments=args.experiments)
+               if selected(("backward", c))]
       with pe.workers(args.jobs, fork=True) as pool:
         results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
                            cache=cache, early=early, premise=premise, spent=spent,
@@ -351,7 +354,8 @@ def main(argv=None) -> int:
         + ("for every trip count: every number of tiles and key blocks" if every else
            "for the trip counts the probes showed (the premise (P) not proved)")
         + (f" ({args.mutant})" if args.mutant else "")
-        + (" (with kernel.experiments' untiled copies)" if args.experiments else "")
+        + (" (with kernel.experiments' untiled copies and unpadded backward)"
+           if args.experiments else "")
         + (" (each config traced at its own block sizes, stages, head dims and dtype)"
            if args.every_config else ""))
   if words:

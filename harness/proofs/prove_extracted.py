@@ -900,9 +900,10 @@ def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
 # -- backward -------------------------------------------------------------------
 
 def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
-                   modules=None, fixed_point=False):
+                   modules=None, fixed_point=False, unpadded=False):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
-  CPU, and its Mosaic GPU kernels in launch order."""
+  CPU, and its Mosaic GPU kernels in launch order (``unpadded``: q, k, v
+  and dO read unpadded where the forward reads them so)."""
   import jax
   import jax.numpy as jnp
   from kernel import api
@@ -918,7 +919,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
 
   problem = plan_lib.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
                              is_causal=causal, scale=0.125, deterministic=fixed_point)
-  variant = Variant(fuse_dq=fuse_dq)
+  variant = Variant(fuse_dq=fuse_dq, backward_whole_tiles=not unpadded)
 
   def fn(q, k, v, b, ks, ke, o, m, l, do):
     return modules.backward.attention_backward(problem, variant, q, k, v, b, None, ks, ke, o, m,
@@ -1000,7 +1001,8 @@ def backward_programs(case: BackwardCase, *, modules=None,
   for seq_q in shapes:
     closed, kernels = trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
                                      fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
-                                     modules=modules, fixed_point=case.fixed_point)
+                                     modules=modules, fixed_point=case.fixed_point,
+                                     unpadded=case.unpadded)
     if not learners:
       if len(rings) != len(kernels):
         raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "
@@ -1107,13 +1109,32 @@ def backward_pairings(case: BackwardCase, *, modules=None) -> dict:
   ragged one), causal head by head and in L2 sections."""
   (whole_q, in_q), (whole_k, in_k) = _backward_lengths(case, modules or shipped_modules())
   queries, keys = remainders(whole_q, in_q), remainders(whole_k, in_k)
+  pairs = [(rq, rk) for rq in queries for rk in keys]
+  if case.unpadded:
+    # Read unpadded, a length that is a multiple of 8 is copied by neither
+    # pass, any other as shipped: each length is one past whole tiles in
+    # eights (Eights) or one of the ragged ones, which no trace's range
+    # then mixes; the pairs of two ragged ones are the shipped backward's.
+    pieces = lambda whole, by: [Eights(r, tail) for tail in (False, True)
+                                for r in remainders(whole // 8, [d // 8 for d in by])]
+    pairs = [(rq, rk) for rq in pieces(whole_q, in_q) for rk in pieces(whole_k, in_k)
+             if not (rq.tail and rk.tail)]
   out = {}
   for sectioned in (False, True) if case.causal else (False,):
-    for rq in queries:
-      for rk in keys:
-        name = f"queries {_past(rq)}, keys {_past(rk)}"
-        out[name + (", in L2 sections" if sectioned else "")] = (rq, rk, sectioned)
+    for rq, rk in pairs:
+      name = f"queries {_past(rq)}, keys {_past(rk)}"
+      out[name + (", in L2 sections" if sectioned else "")] = (rq, rk, sectioned)
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Eights:
+  """A length past whole tiles, for a backward read unpadded: 8 times
+  ``units`` (0, a number, or (lo, hi): a symbol for each number from lo
+  to hi), and with ``tail`` 1 to 7 more (a symbol), a length no multiple
+  of 8."""
+  units: int | tuple
+  tail: bool = False
 
 
 def _backward_lengths(case: BackwardCase, modules) -> tuple:
@@ -1144,6 +1165,11 @@ def remainders(whole: int, divisors) -> list:
 
 
 def _past(rem) -> str:
+  if isinstance(rem, Eights):
+    u = rem.units
+    eights = (f"{8 * u}" if isinstance(u, int) else f"{8 * u[0]} to {8 * u[1]}")
+    return (f"{eights} and 1 to 7 past whole" if rem.tail else
+            "whole" if u == 0 else f"{eights} past whole (multiples of 8)")
   if rem == 0:
     return "whole"
   return f"{rem} past whole" if isinstance(rem, int) else f"{rem[0]} to {rem[1]} past whole"
@@ -1164,16 +1190,28 @@ def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = Fa
   modules = modules or shipped_modules()
   (whole_q, _), (whole_k, _) = _backward_lengths(case, modules)
   dims = {"mq": 1, "mk": 1}
-  dims.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, tuple)})
+  step = {}   # per remainder, 8 where it counts eights (Eights), with its tail's symbol
+  for n, r in (("rq", rem_q), ("rk", rem_k)):
+    if isinstance(r, Eights):
+      step[n] = 8
+      if r.tail:
+        dims["t" + n[1]] = (1, 7)
+      r = r.units
+    if isinstance(r, tuple):
+      dims[n] = r
   symbols, variables = _symbols(dims)
-  symbols.update({n: r for n, r in (("rq", rem_q), ("rk", rem_k)) if isinstance(r, int)})
+  for n, r in (("rq", rem_q), ("rk", rem_k)):
+    units = r.units if isinstance(r, Eights) else r
+    if isinstance(units, int):
+      symbols[n] = units
+    symbols[n] = step.get(n, 1) * symbols[n] + symbols.get("t" + n[1], 0)
   with _exact_divisions(), pl.pallas_export_experimental(dynamic_shapes=True), \
           _launch_orders(modules, sectioned), _decided_lengths(case.describe()):
     _, kernels = trace_backward(
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
         seq_q=whole_q * symbols["mq"] + symbols["rq"],
         seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=ranges,
-        modules=modules, fixed_point=case.fixed_point)
+        modules=modules, fixed_point=case.fixed_point, unpadded=case.unpadded)
   return kernels, variables
 
 

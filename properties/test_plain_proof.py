@@ -401,7 +401,9 @@ def test_the_unpadded_backward_is_proved_at_lengths_in_eights():
   assert any(not rq.tail and not rk.tail and rq.units and rk.units
              for rq, rk, _ in pairings.values())
   progs = pe.backward_programs(case)
-  assert progs and all(p.plain == tuple(pairings) and all(p.z3) for p in progs)
+  # z3: (claims, sent to Z3, seconds); a process that proved the same
+  # claims before answers them from its cache, sending none
+  assert progs and all(p.plain == tuple(pairings) and p.z3[0] > 0 for p in progs)
   copies = []
   original = padding.pad_to_multiple
   try:

@@ -2,9 +2,12 @@
 place both passes pad (:func:`forward_inputs`, :func:`forward_results`,
 :func:`backward_inputs`, :func:`backward_masks`, :func:`backward_results`).
 
-One rule for both: head dims zero-padded to the width the pass computes
-with, sequence axes to whole tiles with zeros (padded keys are masked in
-the kernels, padded query rows sliced off), broadcast axes of bias and mask
+One rule for both: q, k, v (and dO) copied only where a kernel cannot read
+them as they are (:func:`_copied`; the shipped backward at every length
+short of whole tiles), then with head dims zero-padded to the width the
+pass computes with and sequence axes to whole tiles with zeros (padded keys
+are masked in the kernels, padded query rows sliced off); past an array's
+end the kernels read zeros and cut their stores; broadcast axes of bias and mask
 left at size 1 (the kernels read them at index 0), and per-row key ranges
 padded with the last real row's range.
 """
@@ -29,9 +32,14 @@ def _copied(x, width: int, multiple: int, tiling: int) -> bool:
   return x.shape[3] != width or x.shape[1] < multiple or x.shape[1] % tiling != 0
 
 
+def whole(size, multiple: int):
+  """``size`` rounded up to whole ``multiple``s."""
+  return -(-size // multiple) * multiple
+
+
 def pad_to_multiple(x, axis: int, multiple: int, mode: str = "constant"):
   size = x.shape[axis]
-  target = -(-size // multiple) * multiple
+  target = whole(size, multiple)
   if target == size:
     return x
   widths = [(0, 0)] * x.ndim
@@ -203,11 +211,8 @@ def forward_inputs(query, key, value, bias, mask, k_start, k_end, *, problem, co
   dtype = problem.dtype
   tile, block_kv = config.tile_q, config.block_kv
   s = key.shape[1]
-  # The kernel reads past the end of q, k, v as zeros (TMA), so sequence
-  # axes are padded only where a copy is made anyway (a head dim computed
-  # wider), where the length is shorter than one tile, or where it is no
-  # multiple of ROW_TILING; untiled copies (kernel.tiling.plan.copy_parts)
-  # take any length (docs/decisions/untiled-copies.md).
+  # Untiled copies (kernel.tiling.plan.copy_parts) take any length
+  # (docs/decisions/untiled-copies.md).
   tiling = 1 if problem.untiled_copies else ROW_TILING
 
   def operand(x, width, multiple):
@@ -251,7 +256,7 @@ def backward_inputs(query, key, value, d_out, *, head_dims, blocks, whole_tiles:
   the kernels reading past the end as zeros and their stores cut at it."""
   d, dv = head_dims
   t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
-  t_pad, s_pad = (-(-x.shape[1] // m) * m for x, m in ((query, t_mult), (key, s_mult)))
+  t_pad, s_pad = whole(query.shape[1], t_mult), whole(key.shape[1], s_mult)
   # q with dO and k with v: both copied where either is
   pad_q = whole_tiles or _copied(query, d, t_mult, ROW_TILING) or \
       _copied(d_out, dv, t_mult, ROW_TILING)

@@ -232,7 +232,9 @@ UNTILED = [
 ]
 
 
-def _jaxpr_text(shapes, **kw):
+def _jaxpr_text(shapes, gradients=False, **kw):
+  """The jaxpr of the API's call on bfloat16 q, k, v of ``shapes`` (with
+  ``gradients``, of jax.grad of its sum with respect to them)."""
   import jax
   import jax.numpy as jnp
   from kernel import api, experiments
@@ -240,9 +242,12 @@ def _jaxpr_text(shapes, **kw):
   B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
   args = (sds((B, T, N, H), jnp.bfloat16), sds((B, S, K, H), jnp.bfloat16),
           sds((B, S, K, Hv), jnp.bfloat16))
+  call = lambda q, k, v: experiments.dot_product_attention(q, k, v, **kw)
+  if gradients:
+    call = jax.grad(lambda q, k, v: experiments.dot_product_attention(q, k, v, **kw).astype(
+        jnp.float32).sum(), argnums=(0, 1, 2))
   with api.lowering_only():
-    return str(jax.make_jaxpr(lambda q, k, v: experiments.dot_product_attention(
-        q, k, v, **kw))(*args))
+    return str(jax.make_jaxpr(call)(*args))
 
 
 @pytest.mark.parametrize("name,feat,cfg,dims", UNTILED, ids=[n for n, *_ in UNTILED])
@@ -393,19 +398,9 @@ UNPADDED_BACKWARD = [
 def _grad_pads(shapes, **kw) -> list[str]:
   """The shapes of the 16-bit arrays shaped like q, k, v or dO (rank 4,
   heads third) that the program of jax.grad through the API pads."""
-  import jax
-  import jax.numpy as jnp
-  from kernel import api, experiments
-  sds = jax.ShapeDtypeStruct
-  B, T, N, H, S, K, Hv = (shapes[x] for x in ("B", "T", "N", "H", "S", "K", "Hv"))
-  args = (sds((B, T, N, H), jnp.bfloat16), sds((B, S, K, H), jnp.bfloat16),
-          sds((B, S, K, Hv), jnp.bfloat16))
-  loss = lambda q, k, v: experiments.dot_product_attention(q, k, v, **kw).astype(
-      jnp.float32).sum()
-  with api.lowering_only():
-    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+  text = _jaxpr_text(shapes, gradients=True, **kw)
   return [m for m in re.findall(r"(bf16\[\d+,\d+,\d+,\d+\]) = pad\[", text)
-          if int(m[4:-1].split(",")[2]) in (N, K)]
+          if int(m[4:-1].split(",")[2]) in (shapes["N"], shapes["K"])]
 
 
 @pytest.mark.parametrize("name,shapes,kw", UNPADDED_BACKWARD, ids=[n for n, *_ in UNPADDED_BACKWARD])

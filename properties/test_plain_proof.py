@@ -386,7 +386,7 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   assert not any("L2 sections" in name for name in flat.plain)
 
 
-def test_the_unpadded_backward_is_proved_at_lengths_in_eights():
+def test_the_unpadded_backward_is_proved_at_lengths_in_eights(monkeypatch):
   """kernel.experiments' "pallas-unpadded" (``prove --experiments``): proved
   at every pairing of lengths past whole tiles in multiples of 8, which it
   reads unpadded, and of ragged ones, which it copies padded as shipped
@@ -406,14 +406,12 @@ def test_the_unpadded_backward_is_proved_at_lengths_in_eights():
   assert progs and all(p.plain == tuple(pairings) and p.z3[0] > 0 for p in progs)
   copies = []
   original = padding.pad_to_multiple
-  try:
-    padding.pad_to_multiple = lambda x, *a, **k: copies.append(x.shape) or original(x, *a, **k)
-    for rq, rk, want in ((pe.Eights(1), pe.Eights((2, 7)), 0), (pe.Eights(1, True), pe.Eights(0), 2)):
-      copies.clear()
-      pe.trace_backward_at(case, rq, rk)
-      assert len(copies) == want, (rq, rk, copies)   # q and dO, the ragged queries
-  finally:
-    padding.pad_to_multiple = original
+  monkeypatch.setattr(padding, "pad_to_multiple",
+                      lambda x, *a, **k: copies.append(x.shape) or original(x, *a, **k))
+  for rq, rk, want in ((pe.Eights(1), pe.Eights((2, 7)), 0), (pe.Eights(1, True), pe.Eights(0), 2)):
+    copies.clear()
+    pe.trace_backward_at(case, rq, rk)
+    assert len(copies) == want, (rq, rk, copies)   # q and dO, the ragged queries
 
 
 @pytest.mark.parametrize("whole, divisors", [(64, (64,)), (128, (128, 64)), (128, (64, 128)),

@@ -1189,22 +1189,15 @@ def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = Fa
   from jax.experimental import pallas as pl
   modules = modules or shipped_modules()
   (whole_q, _), (whole_k, _) = _backward_lengths(case, modules)
+  # each remainder as (rows per unit, units, a tail of 1 to 7 rows)
+  rems = {n: (8, r.units, r.tail) if isinstance(r, Eights) else (1, r, False)
+          for n, r in (("rq", rem_q), ("rk", rem_k))}
   dims = {"mq": 1, "mk": 1}
-  step = {}   # per remainder, 8 where it counts eights (Eights), with its tail's symbol
-  for n, r in (("rq", rem_q), ("rk", rem_k)):
-    if isinstance(r, Eights):
-      step[n] = 8
-      if r.tail:
-        dims["t" + n[1]] = (1, 7)
-      r = r.units
-    if isinstance(r, tuple):
-      dims[n] = r
+  dims.update({n: units for n, (_, units, _) in rems.items() if isinstance(units, tuple)})
+  dims.update({"t" + n[1]: (1, 7) for n, (_, _, tail) in rems.items() if tail})
   symbols, variables = _symbols(dims)
-  for n, r in (("rq", rem_q), ("rk", rem_k)):
-    units = r.units if isinstance(r, Eights) else r
-    if isinstance(units, int):
-      symbols[n] = units
-    symbols[n] = step.get(n, 1) * symbols[n] + symbols.get("t" + n[1], 0)
+  for n, (step, units, _) in rems.items():
+    symbols[n] = step * symbols.get(n, units) + symbols.get("t" + n[1], 0)
   with _exact_divisions(), pl.pallas_export_experimental(dynamic_shapes=True), \
           _launch_orders(modules, sectioned), _decided_lengths(case.describe()):
     _, kernels = trace_backward(

@@ -51,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.numerics.reference import head_descales, key_visibility, quantise_e4m3
+from harness.numerics.reference import (head_descales, key_visibility, quantise_e4m3,
+                                        tensor_core_products)
 from kernel.call import FP8_DTYPES, Call, bfloat16, float16, float32
 from kernel.tiling.plan import FP8_P_SCALE_LOG2
 
@@ -65,25 +66,13 @@ def _safe(x: np.ndarray) -> np.ndarray:
   return np.where(x == -np.inf, np.float32(0), x)
 
 
-def _truncated_products(a: np.ndarray, b: np.ndarray, bits: int, part: int = 32) -> np.ndarray:
-  """a @ b summed ``part`` elements of the contracted axis at a time (one
-  FP8 wgmma's K), the running sum cut toward zero to ``bits`` fraction bits
-  after each part."""
-  total = np.zeros(a.shape[:-1] + b.shape[-1:], np.float64)
-  for c0 in range(0, a.shape[-1], part):
-    total = total + a[..., c0:c0 + part].astype(np.float64) @ b[..., c0:c0 + part, :]
-    frac, exp = np.frexp(total)
-    total = np.ldexp(np.trunc(np.ldexp(frac, bits + 1)), exp - bits - 1)
-  return total.astype(np.float32)
-
-
 def online_softmax_attention(
   *call: Any,
   block_kv: int = 128,
   dtype: Any = bfloat16,
   _residual_m_base2: bool = False,
   _residual_l_pending: bool = False,
-  _qk_sum_bits: int | None = None,
+  fp8_sum_bits: int | None = None,
   _stats: dict | None = None,
   **kwargs: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -97,10 +86,11 @@ def online_softmax_attention(
   catch them: ``_residual_m_base2`` stores m in base 2 (seed 000's bug);
   ``_residual_l_pending`` stores l_i without the epilogue's alpha, i.e.
   relative to the pending m_scale instead of the true max.
-  ``_qk_sum_bits`` (FP8) sums q.k as a tensor core might: the running sum
-  cut toward zero to that many fraction bits after each 32 elements of the
-  head dim (:func:`_truncated_products`), instead of exactly
-  (docs/fp8/accuracy.md).
+  ``fp8_sum_bits`` (FP8) sums both products, q.k and P V, as Hopper's FP8
+  tensor cores do: the running sum cut toward zero to that many fraction
+  bits after each 32 elements of the contraction
+  (reference.tensor_core_products; the H200's count is
+  harness.numerics.tolerance.FP8_SUM_BITS), instead of exactly.
 
   ``_stats``, when a dict, receives counters of the run: ``max_p`` (largest p
   before its cast to dtype), ``rescaled`` (row-blocks whose accumulator was
@@ -167,10 +157,10 @@ def online_softmax_attention(
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
     for j0 in range(0, S, block_kv):
       j1 = min(j0 + block_kv, S)
-      if _qk_sum_bits is None:
+      if fp8_sum_bits is None:
         qk = q @ np.swapaxes(k[:, :, j0:j1], -1, -2)  # float32 accumulation
       else:
-        qk = _truncated_products(q, np.swapaxes(k[:, :, j0:j1], -1, -2), _qk_sum_bits)
+        qk = tensor_core_products(q, np.swapaxes(k[:, :, j0:j1], -1, -2), fp8_sum_bits)
       if logits_soft_cap is None:
         s2 = qk * scale2
         if bias32 is not None:
@@ -195,7 +185,10 @@ def online_softmax_attention(
 
       p = np.exp2(s2 - (_safe(m_scale) - np.float32(FP8_P_SCALE_LOG2 if fp8 else 0))[..., None])
       l_i = l_i + p.sum(axis=-1, dtype=np.float32)
-      acc = acc + rnd_p(p) @ v[:, :, j0:j1]
+      if fp8_sum_bits is None:
+        acc = acc + rnd_p(p) @ v[:, :, j0:j1]
+      else:  # the kernel's PV wgmma accumulates onto acc itself
+        acc = tensor_core_products(rnd_p(p), v[:, :, j0:j1], fp8_sum_bits, init=acc)
 
       live = np.isfinite(m_ij)
       stats["blocks"] += 1

@@ -101,6 +101,7 @@ __all__ = [
   "key_visibility",
   "dequantised",
   "quantise_e4m3",
+  "tensor_core_products",
   "reduce_to_shape",
   "VARIANT_ARGS",
 ]
@@ -243,6 +244,24 @@ def quantise_e4m3(x: np.ndarray) -> np.ndarray:
   (to nearest even, beyond +-448 to +-448, NaN kept), back in float32."""
   x = np.asarray(x, np.float32)
   return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(FP8_DTYPES[0]).astype(np.float32)
+
+
+def tensor_core_products(a: np.ndarray, b: np.ndarray, bits: int, part: int = 32,
+                         init: np.ndarray | None = None) -> np.ndarray:
+  """``init + a @ b`` of FP8 values summed as Hopper's FP8 tensor cores sum
+  them: ``part`` elements of the contracted axis at a time (one wgmma's K),
+  the running sum, ``init`` (an accumulator carried in) included, cut
+  toward zero to ``bits`` fraction bits after each part; float32.  The
+  tolerance rule's CPU yardstick and the kernel's NumPy model sum both FP8
+  products this way (harness/numerics/tolerance.py)."""
+  total = np.zeros(a.shape[:-1] + b.shape[-1:], np.float64)
+  if init is not None:
+    total = total + np.asarray(init, np.float64)
+  for c0 in range(0, a.shape[-1], part):
+    total = total + a[..., c0:c0 + part].astype(np.float64) @ b[..., c0:c0 + part, :]
+    frac, exp = np.frexp(total)
+    total = np.ldexp(np.trunc(np.ldexp(frac, bits + 1)), exp - bits - 1)
+  return total.astype(np.float32)
 
 
 def reduce_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -462,7 +481,12 @@ class _NaiveForward:
   shapes: AttentionShapes
 
 
-def _naive_forward(call: Call, dtype, running_max: bool = False) -> _NaiveForward:
+def _exact_products(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  return np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+
+
+def _naive_forward(call: Call, dtype, running_max: bool = False,
+                   fp8_products=_exact_products) -> _NaiveForward:
   shapes = call.shapes
   query, key, value, bias = call.query, call.key, call.value, call.bias
   scale, logits_soft_cap = call.scale, call.logits_soft_cap
@@ -483,7 +507,8 @@ def _naive_forward(call: Call, dtype, running_max: bool = False) -> _NaiveForwar
     d = head_descales(call)
     scale32 = r(scale * d["q_descale"] * d["k_descale"])[..., None, None]   # (B, N, 1, 1)
   with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-    u = r(r(q @ np.swapaxes(k, -1, -2)) * scale32)
+    qk = fp8_products(q, np.swapaxes(k, -1, -2)) if fp8 else q @ np.swapaxes(k, -1, -2)
+    u = r(r(qk) * scale32)
     bias_shape = None
     if bias is not None:
       b = np.asarray(bias).astype(np.float32)
@@ -510,14 +535,15 @@ def _naive_forward(call: Call, dtype, running_max: bool = False) -> _NaiveForwar
       p_scale = np.float32(2.0 ** FP8_P_SCALE_LOG2)
       if running_max:
         # each key's P against the max so far, brought to the row's max
-        # after its rounding (the online softmax one key at a time)
+        # after its rounding (the online softmax one key at a time): no
+        # longer e4m3 values, so summed in float32
         m_run = np.maximum.accumulate(s, axis=-1)
         m_run = np.where(m_run == -np.inf, np.float32(0), m_run)
         weights = (quantise_e4m3(np.exp(s - m_run) * p_scale)
                    * np.exp(m_run - m_safe[..., None]).astype(np.float32))
+        acc = weights @ v
       else:
-        weights = quantise_e4m3(e * p_scale)
-      acc = weights @ v
+        acc = fp8_products(quantise_e4m3(e * p_scale), v)
       unit = d["v_descale"][..., None] / (np.where(empty, np.float32(1), l) * p_scale)
       r_out = _rounder(call.result_dtype)
       out = np.where(empty[..., None], np.float32(0), r_out(acc * unit[..., None]))
@@ -527,7 +553,7 @@ def _naive_forward(call: Call, dtype, running_max: bool = False) -> _NaiveForwar
                        bias_shape, shapes)
 
 
-def naive_attention(*call: Any, dtype: Any, **kwargs: Any
+def naive_attention(*call: Any, dtype: Any, fp8_products=None, **kwargs: Any
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The textbook computation of ``call`` (as :func:`attention_reference`
   takes it) in ``dtype``: (out (B,T,N,Hv), m, l (B,N,T)), float64.
@@ -547,16 +573,21 @@ def naive_attention(*call: Any, dtype: Any, **kwargs: Any
   max of the keys up to each (the online softmax one key at a time).  The
   kernel's running max places P's scale block by block, between the two;
   one realisation alone can be luckily small where few values are rounded
-  (one row, two key blocks).
+  (one row, two key blocks).  ``fp8_products(a, b)`` computes its two
+  products of e4m3 values, q k^T and P V, as float32 (default: summed
+  exactly); the tolerance rule passes the hardware's sum
+  (harness/numerics/tolerance.py's ``naive_forward``).
   """
   call, _ = _split(call, kwargs, 0)
-  f = _naive_forward(call, dtype)
+  products = _exact_products if fp8_products is None else fp8_products
+  f = _naive_forward(call, dtype, fp8_products=products)
   out = _heads_first(f.out).astype(np.float64)
   if np.dtype(dtype) in FP8_DTYPES:
     ref = attention_reference(call).out
     with np.errstate(invalid="ignore"):
       error = lambda x: np.nanmax(np.abs(np.where(np.isfinite(x), x, ref) - ref), initial=0.0)
-    other = _heads_first(_naive_forward(call, dtype, running_max=True).out).astype(np.float64)
+    other = _heads_first(_naive_forward(call, dtype, running_max=True,
+                                        fp8_products=products).out).astype(np.float64)
     out = other if error(other) > error(out) else out
   return out, f.m.astype(np.float64), f.l.astype(np.float64)
 

@@ -20,9 +20,16 @@ adds rounding that the naive computation does not mirror op for op).
 
 FP8 (float8_e4m3fn inputs, FlashAttention-3's rule for its FP8 forward):
 ``ref`` is the float64 computation on the dequantised inputs, ``naive``
-the textbook one that quantises P to e4m3 as the kernel does (at 2^8 times
-its value, saturating) with every other op rounded to the output dtype,
-and the floor is evaluated in the output dtype (:func:`floor_dtype`).
+the textbook one in the same precision on the same hardware
+(:func:`naive_forward`): e4m3 operands, P quantised to e4m3 as the kernel
+does (at 2^8 times its value, saturating), both products, q k^T and P V,
+summed as the hardware sums e4m3 products, every other op in float32, the
+output rounded to the output dtype; the floor is evaluated in the output
+dtype (:func:`floor_dtype`).  On an sm90 GPU the products are XLA's FP8
+dot run there (:func:`fp8_products_on_gpu`); elsewhere the NumPy model of
+what the H200 measured: a running sum cut to ``FP8_SUM_BITS`` fraction
+bits after every ``FP8_SUM_PART`` products
+(docs/decisions/fp8-yardstick.md).
 
 Non-finite values:
 
@@ -55,10 +62,18 @@ __all__ = [
   "assert_within_tolerance",
   "rtol_for",
   "floor_dtype",
+  "FP8_SUM_BITS",
+  "FP8_SUM_PART",
+  "naive_forward",
+  "fp8_products_model",
+  "fp8_products_on_gpu",
 ]
 
 RTOL = 2.0
 RTOL_SOFT_CAP = 3.0
+# How the H200's FP8 wgmma sums e4m3 products (docs/decisions/fp8-yardstick.md).
+FP8_SUM_BITS = 12
+FP8_SUM_PART = 32
 # Lower bound of the floor, in float32 ulps of the largest |reference| value.
 FLOAT32_FLOOR_ULPS = 4
 
@@ -276,3 +291,70 @@ def run_to_run_bound(a: np.ndarray, b: np.ndarray, dtype: Any) -> float:
   big = np.maximum(np.abs(a), np.abs(b))[both]
   bound = _ulps_at(big, dtype) + 2.0 ** -20 * float(np.max(np.abs(a[both])))
   return float(np.max(np.abs(a[both] - b[both]) / bound))
+
+
+# ---------------------------------------------------------------------------
+# The naive yardstick of a forward.
+
+
+def fp8_products_model(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """``a @ b`` of e4m3 values (float32 arrays, batched over leading axes)
+  summed as the H200 sums them: FP8_SUM_BITS fraction bits kept after
+  every FP8_SUM_PART products.  The CPU's FP8 yardstick."""
+  from harness.numerics.reference import tensor_core_products
+  return tensor_core_products(a, b, FP8_SUM_BITS, FP8_SUM_PART)
+
+
+def fp8_products_on_gpu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """``a @ b`` of e4m3 values (float32 arrays, batched over leading axes)
+  by XLA's FP8 dot on the GPU, e4m3 operands and a float32 result at XLA's
+  default precision: what a plain JAX program gets from the same tensor
+  cores.  The GPU's FP8 yardstick."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  device = api.sm90_device()
+  rows, cols = a.shape[-2], b.shape[-1]
+  # zeros past the ends (sums unchanged) give every size the multiples of 16
+  # cuBLASLt's FP8 GEMM needs, so XLA never falls back to a wider dot
+  a = _pad_axes(a, {-2: 16, -1: 32})
+  b = _pad_axes(b, {-2: 32, -1: 16})
+  lead = tuple(range(a.ndim - 2))
+  put = lambda x: jax.device_put(jnp.asarray(x, jnp.float8_e4m3fn), device)
+  product = fp8_dot()(put(a), put(b))
+  return np.asarray(product, np.float32)[..., :rows, :cols]
+
+
+def fp8_dot():
+  """The jitted FP8 dot of :func:`fp8_products_on_gpu`: (..., M, K) by
+  (..., K, N) e4m3, float32 result."""
+  import jax
+  import jax.numpy as jnp
+
+  def dot(a, b):
+    lead = tuple(range(a.ndim - 2))
+    dims = (((a.ndim - 1,), (b.ndim - 2,)), (lead, lead))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  return jax.jit(dot)
+
+
+def _pad_axes(x, multiples: dict[int, int]) -> np.ndarray:
+  x = np.asarray(x, np.float32)
+  widths = [(0, 0)] * x.ndim
+  for axis, m in multiples.items():
+    widths[axis] = (0, -x.shape[axis] % m)
+  return np.pad(x, widths)
+
+
+def naive_forward(call, dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The rule's naive (out, m, l) for a forward of ``call`` computed in
+  ``dtype``: the textbook computation in that dtype (reference.
+  naive_attention); for FP8 its two e4m3 products are summed as the
+  hardware that runs the kernel sums them: by the GPU itself where an
+  sm90 GPU is present, else by the model of the H200's sum."""
+  from harness.numerics import reference as ref_lib
+  from kernel import api
+  if np.dtype(dtype).itemsize != 1:
+    return ref_lib.naive_attention(call, dtype=dtype)
+  products = fp8_products_on_gpu if api.sm90_device() is not None else fp8_products_model
+  return ref_lib.naive_attention(call, dtype=dtype, fp8_products=products)

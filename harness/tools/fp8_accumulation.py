@@ -1,8 +1,9 @@
 """How Hopper's FP8 wgmma sums q·k: one 64 x 128 tile of S = Q K^T with
 e4m3 operands and a float32 accumulator, as the forward issues it (one
 wgmma over the whole head dim) and with one wgmma per 32 columns into
-accumulators of their own, summed in float32; both against float64 of the
-same e4m3 values, beside the sum a model truncates to 13 and to 22
+accumulators of their own, summed in float32, and by XLA's FP8 dot at its
+default and its highest precision; each against float64 of the same e4m3
+values, beside the sum a model truncates to 13 and to 22
 fraction bits after every 32 columns
 (harness/numerics/online_softmax_model.py's ``_qk_sum_bits``).
 
@@ -104,6 +105,17 @@ def qk_parts(q, k):
   return kernel(q_parts, k_parts)
 
 
+def qk_xla(q, k, precision=None):
+  """S = q k^T by XLA's FP8 dot (e4m3 operands, float32 result): the
+  tolerance rule's naive yardstick for FP8 on a GPU sums q·k this way
+  (harness/numerics/tolerance.py).  ``precision`` is XLA's precision config
+  (cuBLASLt's FP8 fast accumulation follows it)."""
+  import jax
+  import jax.numpy as jnp
+  return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
 def truncated_sum(q8, k8, bits: int) -> np.ndarray:
   """q k^T in float64, the running sum cut to ``bits`` fraction bits (toward
   zero) after every 32 columns."""
@@ -145,7 +157,9 @@ def measure(head_dims=(64, 128, 256), kinds=("normal", "one-hot", "wide"), seed=
       q8, k8 = operands(kind, d, rng)
       exact = q8.astype(np.float64) @ k8.astype(np.float64).T
       row = {"head_dim": d, "data": kind, "max |s|": float(np.abs(exact).max())}
-      for name, fn in (("whole", qk_whole), ("parts of 32", qk_parts)):
+      xla = lambda precision: lambda q, k: qk_xla(q, k, precision)
+      for name, fn in (("whole", qk_whole), ("parts of 32", qk_parts),
+                       ("xla default", xla(None)), ("xla highest", xla("highest"))):
         s = np.asarray(jax.jit(fn)(jnp.asarray(q8), jnp.asarray(k8)), np.float64)
         row[f"{name}: max error"] = float(np.abs(s - exact).max())
       for bits in (13, 22):

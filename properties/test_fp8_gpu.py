@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
+from harness.numerics import tolerance
 from harness.numerics.conformance import (check_forward, poison_device_memory,
                                           run_and_check_forward, run_kernel)
 from harness.numerics.fp8_cases import FP8_NAMED, fp8_case
@@ -127,3 +128,23 @@ def test_fp8_per_head_descales_reach_their_heads():
     for h in range(4):
       want = 2 * out[b, :, h] if (b, heads[h]) == (1, 0) else out[b, :, h]
       assert np.array_equal(doubled[b, :, h], want), (b, h)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_yardstick_sums_fp8_as_coarsely_as_the_kernels_wgmma(head_dim):
+  """The FP8 yardstick's products (tolerance.fp8_products_on_gpu: XLA's FP8
+  dot on this GPU) are no exact sums: on each kind of operand their error
+  against float64 is within a factor of 4 of the kernel's own wgmma's on
+  the same e4m3 values (harness/tools/fp8_accumulation.py), so the rule
+  holds the kernel to what its hardware sums."""
+  import jax.numpy as jnp
+  from harness.tools import fp8_accumulation as acc
+  rng = np.random.default_rng(head_dim)
+  for kind in ("normal", "one-hot", "wide"):
+    q8, k8 = acc.operands(kind, head_dim, rng)
+    exact = q8.astype(np.float64) @ k8.astype(np.float64).T
+    wgmma = np.asarray(acc.qk_whole(jnp.asarray(q8), jnp.asarray(k8)), np.float64)
+    yardstick = tolerance.fp8_products_on_gpu(q8.astype(np.float32), k8.astype(np.float32).T)
+    e_wgmma, e_yard = (float(np.abs(x - exact).max()) for x in (wgmma, yardstick))
+    assert e_yard > 0 and e_wgmma / 4 <= e_yard <= 4 * e_wgmma, (
+        f"{kind}: max error against float64, wgmma {e_wgmma:.4g}, yardstick {e_yard:.4g}")

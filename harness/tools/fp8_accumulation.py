@@ -2,16 +2,13 @@
 e4m3 operands and a float32 accumulator, as the forward issues it (one
 wgmma over the whole head dim) and with one wgmma per 32 columns into
 accumulators of their own, summed in float32, and by XLA's FP8 dot at its
-default and its highest precision; each against float64 of the same e4m3
-values, beside the sum a model truncates to 13 and to 22
-fraction bits after every 32 columns
-(harness/numerics/online_softmax_model.py's ``_qk_sum_bits``).
+default and its highest precision (the tolerance rule's FP8 yardstick
+takes the default); each against float64 of the same e4m3 values, beside
+the sum a model truncates to 12, 13 and 22 fraction bits after every 32
+columns (harness/numerics/reference.py's ``tensor_core_products``).
 
-docs/fp8/accuracy.md has the FP8 properties that fail on the H200 and the
-lead: the kernel's m is off where the logits are large, as a sum truncated
-to 12 or 13 bits would be.  If the whole-head-dim product is off and the
-per-32-column one is not, promoting partial sums to float32 in the kernel
-mends it; if both are off, the tolerance rule must model the hardware's sum.
+The model's 12 bits, the rule's FP8_SUM_BITS, were read off this probe's
+run on the H200 (docs/decisions/fp8-yardstick.md).
 
   python -m harness.tools.fp8_accumulation --out FILE.json   (an sm90 GPU)
 """
@@ -162,7 +159,7 @@ def measure(head_dims=(64, 128, 256), kinds=("normal", "one-hot", "wide"), seed=
                        ("xla default", xla(None)), ("xla highest", xla("highest"))):
         s = np.asarray(jax.jit(fn)(jnp.asarray(q8), jnp.asarray(k8)), np.float64)
         row[f"{name}: max error"] = float(np.abs(s - exact).max())
-      for bits in (13, 22):
+      for bits in (12, 13, 22):
         row[f"model, {bits} bits: max error"] = float(
             np.abs(truncated_sum(q8, k8, bits) - exact).max())
       rows.append(row)

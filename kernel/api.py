@@ -30,8 +30,9 @@ from kernel.call import DEFAULT_ALLOWED_DTYPES, Call
 from kernel.common import is_2d
 from kernel.forward.launch import flash_attention_forward
 from kernel.forward import fp8 as fp8_lib
-from kernel.tiling import plan as plan_lib
+from kernel.tiling import backward_plan, plan as plan_lib
 from kernel.tiling.config import Config
+from kernel.tiling.heuristics import get_backward_config
 from kernel.variant import SHIPPED, Variant
 
 _state = threading.local()
@@ -114,7 +115,8 @@ def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: b
       problem,
       bias_2d=staged and is_2d(call.bias),
       mask_2d=staged and is_2d(routed.mask if routed is not None else call.mask),
-      untiled_copies=variant.untiled_copies,
+      untiled_copies=variant.untiled_copies, even_sections=variant.even_sections,
+      defer_light=variant.defer_light,
       scale=float(shapes.H ** -0.5 if call.scale is None else call.scale),
       logits_soft_cap=None if call.logits_soft_cap is None else float(call.logits_soft_cap),
       rescale_threshold=_effective_threshold(float(call.rescale_threshold), problem.dtype),
@@ -156,6 +158,21 @@ def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Conf
   chosen = config_for(problem)
   plan_lib.check_fits(problem, chosen)
   return problem, chosen
+
+
+def resolve_backward(call: Call, problem: plan_lib.Problem,
+                     variant: Variant = SHIPPED) -> backward_plan.Backward:
+  """How ``call``'s gradient runs, resolved once beside its forward: the
+  variant's implementation, and for the sm90 kernels the head dims they
+  compute with and their tiling with the variant's switches
+  (kernel.tiling.heuristics.get_backward_config)."""
+  dims = backward_plan.computed_head_dims(call.shapes.H, call.shapes.Hv,
+                                          narrow_rows=variant.narrow_rows)
+  blocks = get_backward_config(*dims, is_causal=problem.is_causal,
+                               schedule=variant.backward_schedule,
+                               fuse_dq_causal=variant.fuse_dq_causal, fuse_dq=variant.fuse_dq,
+                               whole_tiles=variant.backward_whole_tiles)
+  return backward_plan.Backward(variant.backward, dims, blocks)
 
 
 def resolved_problem(query, key, value, bias=None, mask=None, *, config: Config | None = None,
@@ -302,7 +319,8 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
     k_start, k_end = key_ranges.whole_keys(call.shapes.T, call.shapes.S)
     # known when tracing: the plain call's static order, not one re-ranked on the device
     problem = dataclasses.replace(problem, static_ranges=True)
-  attention = _differentiable(problem, config, variant, _num_sms())
+  attention = _differentiable(problem, config, resolve_backward(call, problem, variant),
+                              _num_sms())
   descales = None
   if problem.fp8:
     descales = padding.fp8_descales(call.q_descale, call.k_descale, call.v_descale,
@@ -327,14 +345,15 @@ def launch_problem(problem: plan_lib.Problem, config: Config, *,
   return problem
 
 
-def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant, num_sms: int):
+def _differentiable(problem: plan_lib.Problem, config: Config, backward: backward_plan.Backward,
+                    num_sms: int):
   """The forward kernel under a custom_vjp whose backward reads the kernel's
-  own residuals (out, and m in natural log, l): the variant's backward
+  own residuals (out, and m in natural log, l): ``backward``
   (:func:`_sharded_backward`), for the same problem."""
 
   @jax.custom_vjp
   def attention(q, k, v, bias, mask, ks, ke, descales):
-    return _sharded_forward(problem, config, variant, num_sms,
+    return _sharded_forward(problem, config, num_sms,
                             q, k, v, bias, mask, ks, ke, descales)
 
   def fwd(q, k, v, bias, mask, ks, ke, descales):
@@ -345,36 +364,36 @@ def _differentiable(problem: plan_lib.Problem, config: Config, variant: Variant,
     if not problem.normalize_output:
       raise NotImplementedError(
           "normalize_output: gradients are defined for the normalised output only")
-    out, (m, l) = _sharded_forward(problem, config, variant, num_sms,
+    out, (m, l) = _sharded_forward(problem, config, num_sms,
                                    q, k, v, bias, mask, ks, ke, descales, residuals=True)
     primal = (out, (m, l) if problem.return_residuals else None)
     return primal, (q, k, v, bias, mask, ks, ke, out, m, l)
 
   def bwd(saved, cotangents):
-    return _sharded_backward(problem, variant, num_sms, saved, cotangents)
+    return _sharded_backward(problem, backward, num_sms, saved, cotangents)
 
   attention.defvjp(fwd, bwd)
   return attention
 
 
-def _sharded_forward(problem: plan_lib.Problem, config: Config, variant: Variant, num_sms: int,
+def _sharded_forward(problem: plan_lib.Problem, config: Config, num_sms: int,
                      q, k, v, bias, mask, ks, ke, descales, *, residuals: bool = False):
   """The forward on each device's batch/head shard (kernel.sharding), with
   m and l where the call or (``residuals``) the gradient wants them."""
   problem = launch_problem(problem, config, residuals=residuals)
 
   def local(q, k, v, bias, mask, ks, ke, descales=None):
-    out, res = _forward(problem, config, variant, num_sms, q, k, v, bias, mask, ks, ke,
+    out, res = _forward(problem, config, num_sms, q, k, v, bias, mask, ks, ke,
                         descales)
     return out.astype(problem.output_dtype if problem.fp8 else q.dtype), res
   return sharding.forward(local, q, k, v, bias, mask, ks, ke,
                           residuals=problem.return_residuals, descales=descales)
 
 
-def _sharded_backward(problem: plan_lib.Problem, variant: Variant, num_sms: int, saved,
-                      cotangents):
-  """The custom_vjp's backward: the variant's backward on each device's
-  shard, gradients in the inputs' dtypes."""
+def _sharded_backward(problem: plan_lib.Problem, backward: backward_plan.Backward, num_sms: int,
+                      saved, cotangents):
+  """The custom_vjp's backward: ``backward`` on each device's shard,
+  gradients in the inputs' dtypes."""
   # Cotangents of m and l are not propagated: the residuals are outputs
   # for the backward kernel, not differentiable quantities (documented).
   q, k, v, bias, mask, ks, ke, out, m, l = saved
@@ -396,9 +415,9 @@ def _sharded_backward(problem: plan_lib.Problem, variant: Variant, num_sms: int,
     # kept: a fixed order of float32 reduce-adds,
     # docs/decisions/fixed-order-dq-rejected.md; the dO norms beside delta,
     # docs/decisions/do-norms-own-pass.md).
-    if variant.backward == "xla":
-      return xla_backward(problem, variant, q, k, v, bias, mask, ks, ke, out, m, l, d_out)
-    return attention_backward(problem, variant, q, k, v, bias, mask, ks, ke, out, m, l, d_out,
+    if backward.implementation == "xla":
+      return xla_backward(problem, q, k, v, bias, mask, ks, ke, out, m, l, d_out)
+    return attention_backward(problem, backward, q, k, v, bias, mask, ks, ke, out, m, l, d_out,
                               num_sms=num_sms)
   dq, dk, dv, dbias = sharding.backward(
       local, low(q), low(k), low(v), low(bias), mask, ks, ke, out, m, l, low(d_out))
@@ -406,13 +425,13 @@ def _sharded_backward(problem: plan_lib.Problem, variant: Variant, num_sms: int,
   return back(dq, q), back(dk, k), back(dv, v), back(dbias, bias), None, None, None, None
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _forward(problem, config, variant, num_sms, query, key, value, bias, mask, k_start, k_end,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _forward(problem, config, num_sms, query, key, value, bias, mask, k_start, k_end,
              descales=None):
   q, k, v, bias, mask, k_start, k_end, tiles = padding.forward_inputs(
       query, key, value, bias, mask, k_start, k_end, problem=problem, config=config)
   out, residuals = flash_attention_forward(
-      problem, config, variant, q, k, v, bias, mask, k_start, k_end, tiles, num_sms=num_sms,
+      problem, config, q, k, v, bias, mask, k_start, k_end, tiles, num_sms=num_sms,
       **({} if descales is None else {"descales": descales}))
   return padding.forward_results(out, residuals, seq_q=query.shape[1],
                                  head_dim_out=value.shape[3])

@@ -31,7 +31,8 @@ def _grads(case, m_transform=lambda m: m, chunk=64):
   j = lambda x: None if x is None else jnp.asarray(x)
   low = lambda x: None if x is None else jnp.asarray(x).astype(dt)  # as the API does
   return xla_backward(
-      api.problem_of(case.call), None, low(case.query), low(case.key), low(case.value), low(case.bias), j(case.mask),
+      api.problem_of(case.call), low(case.query), low(case.key), low(case.value), low(case.bias),
+      j(case.mask),
       j(case.k_start), j(case.k_end), jnp.asarray(out), jnp.asarray(m),
       jnp.asarray(ref.l.astype(np.float32)), jnp.asarray(case.d_out, jnp.float32), chunk=chunk)
 

@@ -29,15 +29,14 @@ GUARD_ROWS = 40   # any positive count catches a write one row past the end
 
 
 def _api_launch(fc: Call, config: Config):
-  """The problem, config, variant and SM count ``dot_product_attention``
+  """The problem, config and SM count ``dot_product_attention``
   resolves for this case (its own code, up to the launch)."""
   from unittest import mock
   from kernel import api
   got = {}
 
-  def record(problem, config, variant, num_sms):
-    got.update(problem=api.launch_problem(problem, config), config=config, variant=variant,
-               num_sms=num_sms)
+  def record(problem, config, backward, num_sms):
+    got.update(problem=api.launch_problem(problem, config), config=config, num_sms=num_sms)
     return lambda *args: (None, (None, None))  # (out, (m, l)), never used
 
   with mock.patch.object(api, "_differentiable", record), api.lowering_only():
@@ -73,19 +72,19 @@ def _padded_call(fc: Call, config: Config, guard: int):
   def call(q, k, v, bias, mask, k_start, k_end):
     whole = []
 
-    def guarded_launch(problem, config, variant, q, k, v, *rest, **kw):
+    def guarded_launch(problem, config, q, k, v, *rest, **kw):
       B, _, N, _ = q.shape
       rows = t_pad + guard
       refs = (jax.new_ref(jnp.full((B, rows, N, v.shape[3]), jnp.nan, q.dtype)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
-      flash_attention_forward(problem, config, variant, q, k, v, *rest, outputs=refs, **kw)
+      flash_attention_forward(problem, config, q, k, v, *rest, outputs=refs, **kw)
       whole.extend(r[...] for r in refs)
       return whole[0], tuple(whole[1:])
 
     with mock.patch.object(api, "flash_attention_forward", guarded_launch):
-      api._forward.__wrapped__(launch_kw["problem"], launch_kw["config"], launch_kw["variant"],
-                               launch_kw["num_sms"], q, k, v, bias, mask, k_start, k_end)
+      api._forward.__wrapped__(launch_kw["problem"], launch_kw["config"], launch_kw["num_sms"],
+                               q, k, v, bias, mask, k_start, k_end)
     return tuple(whole)
 
   return call, t_pad, dv_pad

@@ -274,7 +274,6 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
   entries of the host's, and the order's kind and tile count."""
   from kernel.forward import order as order_lib
   from kernel.tiling import config as config_lib, plan as plan_lib
-  from kernel.variant import SHIPPED
   config = config_lib.Config(64, 128, num_stages=2, persistent=persistent,
                              schedule="longest-first")
   f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 40 * 128, 40 * 128, is_causal=True,
@@ -282,11 +281,11 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
   kw = dict(batch=2, num_heads=2, num_kv_heads=1, num_tiles=40 * 128 // config.tile_q,
             s_pad=40 * 128, head_dim=64, head_dim_out=64, itemsize=2, k_range_tiles=None,
             num_sms=16)
-  host_order, host_tables = order_lib._schedule(f, config, SHIPPED, **kw)
+  host_order, host_tables = order_lib._schedule(f, config, **kw)
   modules = pe.shipped_modules()
   with pe._symbolic_schedule(modules, 8 * 128, 16):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
-        f, config, SHIPPED, **kw)
+        f, config, **kw)
   _like_the_hosts(order, tables, host_order, host_tables)
 
 
@@ -306,17 +305,16 @@ def test_the_split_tails_stand_in_is_the_hosts_at_the_traced_tiles():
   the traced count of tiles, without the merge of pieces after the kernel."""
   from kernel.forward import order as order_lib
   from kernel.tiling import config as config_lib, plan as plan_lib
-  from kernel.variant import SHIPPED
   config = config_lib.Config(64, 128, num_stages=2, persistent=True, schedule="split-tail")
   f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 20 * 128, 8 * 128, scale=0.125)
   kw = dict(batch=1, num_heads=2, num_kv_heads=1, num_tiles=20, s_pad=8 * 128, head_dim=64,
             head_dim_out=64, itemsize=2, k_range_tiles=None, num_sms=16)
-  host_order, host_tables = order_lib._schedule(f, config, SHIPPED, **kw)
+  host_order, host_tables = order_lib._schedule(f, config, **kw)
   assert host_order.split.size   # the host merges pieces of these tiles
   modules = pe.shipped_modules()
   with pe._symbolic_schedule(modules, 8 * 128, 20):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
-        f, config, SHIPPED, **kw)
+        f, config, **kw)
   _like_the_hosts(order, tables, host_order, host_tables)
   assert order.split.size == 0 and np.array_equal(order.slot, host_order.slot)
 

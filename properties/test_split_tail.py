@@ -25,7 +25,6 @@ from harness.numerics import strategies as hs
 from kernel.tiling import plan, schedule
 from kernel.tiling.config import Config
 from kernel.forward.order import merge_pieces
-from kernel.variant import SHIPPED
 
 deals = st.fixed_dictionaries({
     "batch": st.integers(1, 3), "num_heads": st.integers(1, 6),
@@ -266,5 +265,5 @@ def test_the_split_tail_refuses_guarded_outputs_by_name():
   problem = plan.Problem(np.dtype(jnp.bfloat16), 64, 64, 256, 256, scale=0.125)
   out = jax.new_ref(jnp.zeros((1, 384, 2, 64), jnp.bfloat16))
   with pytest.raises(ValueError, match="^outputs: the split-tail schedule"):
-    forward.flash_attention_forward(problem, Config(64, 128, 2, True, "split-tail"), SHIPPED,
+    forward.flash_attention_forward(problem, Config(64, 128, 2, True, "split-tail"),
                                     q, q, q, None, None, None, None, None, outputs=(out,))

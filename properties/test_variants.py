@@ -32,7 +32,6 @@ from harness.numerics import reference as ref_lib
 from harness.numerics import strategies as hs
 from kernel import api, key_ranges as variants
 from kernel.call import AttentionShapes, Call, validate_attention_args
-from kernel.variant import SHIPPED
 
 # ---------------------------------------------------------------------------
 # The signature.
@@ -698,7 +697,7 @@ def test_poisoned_rows_without_key_ranges_are_refused_by_name():
                          scale=0.125)
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   call = lambda p: jax.make_jaxpr(lambda q, k, v: forward.flash_attention_forward(
-      p, Config(), SHIPPED, q, k, v, None, None, None, None, None))(
+      p, Config(), q, k, v, None, None, None, None, None))(
       sds(1, 256, 1, 64), sds(1, 256, 1, 64), sds(1, 256, 1, 64))
   with api.lowering_only():
     call(problem)

@@ -1030,7 +1030,6 @@ def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3
   counts, including zero, are the prover's to choose."""
   import jax.numpy as jnp
   from kernel import api, forward
-  from kernel.variant import SHIPPED
   forward = module or forward  # a mutated copy of the kernel package's, in the tests
   sds = jax.ShapeDtypeStruct
   tile = config.tile_q
@@ -1052,7 +1051,7 @@ def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3
     rows, tiles = None, None
 
   def fn(q, k, v, b, m, ks, ke, tl, **descales):
-    return forward.flash_attention_forward(problem, config, SHIPPED, q, k, v, b, m, ks, ke, tl,
+    return forward.flash_attention_forward(problem, config, q, k, v, b, m, ks, ke, tl,
                                            num_sms=num_sms, **descales)
 
   with api.lowering_only():

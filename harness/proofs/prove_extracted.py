@@ -543,9 +543,9 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
   scope = modules.forward.flash_attention_forward.__globals__
   host = scope["_schedule"]
 
-  def schedule(f, config, variant, *, batch, num_heads, num_tiles, num_sms, **lengths):
+  def schedule(f, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
     if config.schedule == "split-tail":
-      order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config, variant, batch=batch,
+      order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config, batch=batch,
                            num_heads=num_heads, num_tiles=stand_in_tiles, num_sms=num_sms,
                            **lengths)
       # the traced tiles, which the kernel's tile ids unpack by; the merge
@@ -553,7 +553,7 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
       return dataclasses.replace(order, num_tiles=num_tiles, split=np.zeros(0, np.int32),
                                  piece_slots=np.zeros((0, 0), np.int32)), tables
     if config.schedule != "longest-first":
-      return host(f, config, variant, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
+      return host(f, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
                   num_sms=num_sms, **lengths)
     order = schedule_lib.Schedule(batch, num_heads, num_tiles, np.zeros(0, np.int32),
                                   np.zeros(0, np.int64))
@@ -907,8 +907,8 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   import jax
   import jax.numpy as jnp
   from kernel import api
-  from kernel.tiling import plan as plan_lib
-  from kernel.variant import Variant
+  from kernel.tiling import backward_plan, plan as plan_lib
+  from kernel.tiling.heuristics import get_backward_config
   modules = modules or shipped_modules()
   sds = jax.ShapeDtypeStruct
   q = sds((1, seq_q, 1, head_dim), jnp.bfloat16)
@@ -919,11 +919,13 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
 
   problem = plan_lib.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
                              is_causal=causal, scale=0.125, deterministic=fixed_point)
-  variant = Variant(fuse_dq=fuse_dq, backward_whole_tiles=not unpadded)
+  dims = backward_plan.computed_head_dims(head_dim, head_dim)
+  backward = backward_plan.Backward("pallas", dims, get_backward_config(
+      *dims, is_causal=causal, fuse_dq=fuse_dq, whole_tiles=not unpadded))
 
   def fn(q, k, v, b, ks, ke, o, m, l, do):
-    return modules.backward.attention_backward(problem, variant, q, k, v, b, None, ks, ke, o, m,
-                                               l, do)
+    return modules.backward.attention_backward(problem, backward, q, k, v, b, None, ks, ke, o,
+                                               m, l, do)
 
   with api.lowering_only(), _spending("tracing"):
     closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)

@@ -154,7 +154,7 @@ def jaxpr_text(shapes, kwargs, operands, gradients) -> str:
 
 
 def _guarded(args, kwargs):
-  """The API's own launch (problem, config, variant, SM count as
+  """The API's own launch (problem, config, SM count as
   ``dot_product_attention`` resolves them), replaced by one into mutable
   outputs 16 rows longer than the padded query length, as
   properties/test_guard_band_gpu.py does."""
@@ -165,9 +165,8 @@ def _guarded(args, kwargs):
   from kernel.forward import flash_attention_forward
   got = {}
 
-  def record(problem, config, variant, num_sms):
-    got.update(problem=api.launch_problem(problem, config), config=config, variant=variant,
-               num_sms=num_sms)
+  def record(problem, config, backward, num_sms):
+    got.update(problem=api.launch_problem(problem, config), config=config, num_sms=num_sms)
     return lambda *a: (None, (None, None))
 
   with mock.patch.object(api, "_differentiable", record), api.lowering_only():
@@ -176,19 +175,19 @@ def _guarded(args, kwargs):
   def call(q, k, v):
     whole = []
 
-    def guarded_launch(problem, config, variant, q, k, v, *rest, **kw):
+    def guarded_launch(problem, config, q, k, v, *rest, **kw):
       B, _, N, _ = q.shape
       tile = 2 * config.block_q
       rows = -(-q.shape[1] // tile) * tile + 16
       refs = (jax.new_ref(jnp.full((B, rows, N, v.shape[3]), jnp.nan, q.dtype)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)),
               jax.new_ref(jnp.full((B, N, rows), jnp.nan, jnp.float32)))
-      flash_attention_forward(problem, config, variant, q, k, v, *rest, outputs=refs, **kw)
+      flash_attention_forward(problem, config, q, k, v, *rest, outputs=refs, **kw)
       whole.extend(r[...] for r in refs)
       return whole[0], tuple(whole[1:])
 
     with mock.patch.object(api, "flash_attention_forward", guarded_launch):
-      api._forward.__wrapped__(got["problem"], got["config"], got["variant"], got["num_sms"],
+      api._forward.__wrapped__(got["problem"], got["config"], got["num_sms"],
                                q, k, v, None, None, None, None)
     return tuple(whole)
 

@@ -32,10 +32,7 @@ from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.backward.dkv import dkv_call
 from kernel.backward.dq import dq_call
 from kernel.backward.fused_dq import fixed_point_scales
-from kernel.tiling.backward_plan import (BackwardBlocks, backward_head_dims, fuses_dq,
-                                         smem_estimates)
-from kernel.tiling.heuristics import get_backward_config
-from kernel.variant import Variant
+from kernel.tiling.backward_plan import Backward, BackwardBlocks, fuses_dq, smem_estimates
 
 
 # Gradients summed across thread blocks in float32 in no fixed order (the
@@ -63,7 +60,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   return jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
 
 
-def attention_backward(problem: plan_lib.Problem, variant: Variant,
+def attention_backward(problem: plan_lib.Problem, backward: Backward,
                        query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, num_sms: int = schedule_lib.DEFAULT_NUM_SMS):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out), from the forward's
@@ -74,21 +71,20 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
   (natural log) and l (B, N, T).
 
   dQ is accumulated inside the dK/dV kernel where
-  kernel.tiling.backward_plan.fuses_dq allows it (and ``variant.fuse_dq``),
+  kernel.tiling.backward_plan.fuses_dq allows it (and ``blocks.fuse_dq``),
   else formed by the dQ kernel; with ``problem.deterministic`` the fused dQ
   sums in int32 fixed point (bitwise reproducible: kernel/backward/fused_dq.py)
-  instead of float32.  The tiling is kernel.tiling.heuristics.get_backward_config's
-  for the variant.  ``num_sms``: the GPU's SMs, which the causal launch
+  instead of float32.  ``backward``: the head dims and tiling resolved with
+  the forward (kernel.api.resolve_backward).  ``num_sms``: the GPU's SMs, which the causal launch
   order balances over (kernel.tiling.schedule.LaunchOrder); ``problem.window``,
   jax.nn's local window the key ranges came from, weighs its tiles.
   """
   f = problem
-  fuse_dq, fixed_point_dq, window = variant.fuse_dq, problem.deterministic, problem.window
+  blocks, (d, dv_dim) = backward.blocks, backward.head_dims
+  fuse_dq, fixed_point_dq, window = blocks.fuse_dq, problem.deterministic, problem.window
   dtype = query.dtype
   batch, t, heads, hd = query.shape
   s, hdv = key.shape[1], value.shape[3]
-  d, dv_dim = backward_head_dims(hd, hdv, variant)
-  blocks = get_backward_config(d, dv_dim, is_causal=f.is_causal, variant=variant)
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
                                   is_causal=f.is_causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
@@ -97,7 +93,7 @@ def attention_backward(problem: plan_lib.Problem, variant: Variant,
                        f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
   q, k, v, do, (t_pad, s_pad) = padding.backward_inputs(
       query, key, value, d_out, head_dims=(d, dv_dim), blocks=blocks,
-      whole_tiles=variant.backward_whole_tiles)
+      whole_tiles=blocks.whole_tiles)
 
   rows = residual_rows(m, l, out, d_out, t_pad)
 

@@ -30,13 +30,11 @@ def _pad_keys(x, axis, size):
   return jnp.pad(x, widths)
 
 
-def xla_backward(problem, variant, query, key, value, bias, mask, k_start, k_end, out, m,
-                 l, d_out, *, num_sms=None, chunk=CHUNK):
+def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m, l, d_out, *,
+                 chunk=CHUNK):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out); dbias is None
   without a bias.  Shapes as in kernel/call.py; m, l are (B, N, T).  Reads
-  the problem's scale, causal mask and soft cap (kernel.tiling.plan.Problem);
-  ``variant`` and ``num_sms`` are taken for the kernels' signature and
-  unused (XLA schedules its own launches)."""
+  the problem's scale, causal mask and soft cap (kernel.tiling.plan.Problem)."""
   scale, is_causal, logits_soft_cap = problem.scale, problem.is_causal, problem.logits_soft_cap
   f32 = jnp.float32
   batch, t, heads, _ = query.shape

@@ -26,7 +26,6 @@ import numpy as np
 from kernel.sync import barriers
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
-from kernel.variant import Variant
 from kernel.forward.block import _kernel
 from kernel.forward.context import Kernel
 from kernel.forward.order import _schedule, merge_pieces
@@ -40,7 +39,7 @@ def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
 
 # -- the launch ----------------------------------------------------------------
 
-def flash_attention_forward(problem: plan_lib.Problem, config: Config, variant: Variant,
+def flash_attention_forward(problem: plan_lib.Problem, config: Config,
                             q, k, v, bias, mask, k_start, k_end, k_range_tiles,
                             *, num_sms: int = 132, outputs=None, descales=None):
   """Launch the kernel on padded, validated inputs, for ``problem`` (the
@@ -56,7 +55,6 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config, variant: 
   padded to whole tiles), mask int8 likewise, k_start/k_end int32 (rank 3,
   (B|1, N|1, Tp|1), Tp the padded query length), k_range_tiles: None or
   (start_min, start_max, end_min, end_max) each (B|1, N|1, num_tiles) int32.
-  ``variant``: the longest-first order's switches (kernel.variant).
   FP8 (``problem.fp8``): q and k float8_e4m3fn, v the values transposed,
   (B, K, Dv, S) with S whole key blocks, each block's keys in
   kernel.tiling.plan.fp8_key_order; ``descales`` (B|1, K|1, 2) float32, per
@@ -100,7 +98,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config, variant: 
     raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
                      "into fresh arrays; run it without outputs")
   order, schedule_tables = _schedule(
-      f, config, variant, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      f, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
       num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
       itemsize=np.dtype(dtype).itemsize, k_range_tiles=k_range_tiles, num_sms=num_sms)
   kernel = Kernel(

@@ -10,7 +10,6 @@ import numpy as np
 from kernel.common import NEG_INF, kv_block_range, window_tile_keys
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.tiling.config import Config
-from kernel.variant import Variant
 
 
 def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
@@ -67,7 +66,7 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   return ub - lb
 
 
-def _schedule(f: plan_lib.Problem, config: Config, variant: Variant, *, batch, num_heads,
+def _schedule(f: plan_lib.Problem, config: Config, *, batch, num_heads,
               num_kv_heads, num_tiles, s_pad, head_dim, head_dim_out, itemsize, k_range_tiles, num_sms):
   """(order, tables): the launch's tile order (kernel/tiling/schedule.py: the
   split tail's, the longest-first one, or None for the round-robin grid)
@@ -85,7 +84,7 @@ def _schedule(f: plan_lib.Problem, config: Config, variant: Variant, *, batch, n
     return order, (jnp.asarray(order.table()), jnp.asarray(order.counts))
   if config.schedule != "longest-first":
     return None, None
-  light_last = variant.defer_light
+  light_last = f.defer_light
   if light_last is None and k_range_tiles is not None and not f.static_ranges:
     # Key ranges known only on the device: the static weights are upper
     # bounds, so the model's case for deferring does not hold.
@@ -95,7 +94,7 @@ def _schedule(f: plan_lib.Problem, config: Config, variant: Variant, *, batch, n
       s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out, itemsize=itemsize,
       tile_q=tile_q, block_kv=block_kv, seq_q=f.seq_q, seq_kv=f.seq_kv,
       is_causal=f.is_causal, window=f.window, num_sms=num_sms,
-      even_sections=variant.even_sections, light_last=light_last)
+      even_sections=f.even_sections, light_last=light_last)
   if config.persistent:
     dealt, counts = order.assign(min(num_sms, order.total))
     return order, (jnp.asarray(dealt), jnp.asarray(counts))

@@ -41,6 +41,12 @@ class BackwardBlocks:
   # kernel): head dims over 128, whose whole dK and dV would not
   # fit in 232 registers.
   head_split: bool = False
+  # False: dQ always by its own kernel, never accumulated in the dK/dV one
+  # (where fuses_dq would allow it).
+  fuse_dq: bool = True
+  # True: q, k, v and dO copied padded to whole tiles at every length;
+  # False: only where the forward pads them (kernel.padding.backward_inputs).
+  whole_tiles: bool = True
 
   @property
   def dq_tile(self) -> int:
@@ -294,9 +300,22 @@ def _wide_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtyp
           B("pt", (EXCHANGE_BUFFERS, bkv, bq), dt), B("ds", (EXCHANGE_BUFFERS, bkv, bq), dt))
 
 
-def backward_head_dims(head_dim: int, head_dim_out: int, variant) -> tuple[int, int]:
+def computed_head_dims(head_dim: int, head_dim_out: int, *,
+                       narrow_rows: bool = False) -> tuple[int, int]:
   """The head dims the backward computes with: whole 64-column rows
-  (kernel.tiling.plan.backward_head_dims), or the forward's rule under the
-  variant's ``narrow_rows`` (kernel.tiling.plan.padded_head_dims)."""
-  rule = plan_lib.padded_head_dims if variant.narrow_rows else plan_lib.backward_head_dims
+  (kernel.tiling.plan.backward_head_dims), or with ``narrow_rows`` the
+  forward's rule (kernel.tiling.plan.padded_head_dims)."""
+  rule = plan_lib.padded_head_dims if narrow_rows else plan_lib.backward_head_dims
   return rule(head_dim, head_dim_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+  """How a call's gradient is computed, resolved once with its forward
+  (kernel.api.resolve_backward): by the sm90 kernels at these head dims and
+  tiling, or by their executable specification in plain JAX
+  (``implementation`` "xla", kernel/backward/xla.py)."""
+
+  implementation: str
+  head_dims: tuple[int, int]
+  blocks: BackwardBlocks

@@ -107,16 +107,14 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
 
 
 def get_backward_config(head_dim: int, head_dim_out: int, *, is_causal: bool,
-                        variant=None) -> backward_plan.BackwardBlocks:
+                        **switches) -> backward_plan.BackwardBlocks:
   """The backward's tiling for these (padded) head dims:
-  kernel.tiling.backward_plan.blocks_for's rule, with the variant's product
-  schedule and causal dQ fusion (kernel.variant.Variant; None: the shipped
-  one).  Every tiling it returns fits shared memory (backward_plan's
-  estimate, checked again at the launch)."""
+  kernel.tiling.backward_plan.blocks_for's rule, with ``switches``
+  (BackwardBlocks' ``schedule``, ``fuse_dq``, ``whole_tiles``, and
+  ``fuse_dq_causal`` where not None) replacing its choices.  Every tiling
+  it returns fits shared memory (backward_plan's estimate, checked again at
+  the launch)."""
   blocks = backward_plan.blocks_for(head_dim, head_dim_out, is_causal=is_causal)
-  if variant is None:
-    return blocks
-  blocks = dataclasses.replace(blocks, schedule=variant.backward_schedule)
-  if variant.fuse_dq_causal is not None:
-    blocks = dataclasses.replace(blocks, fuse_dq_causal=variant.fuse_dq_causal)
-  return blocks
+  if switches.get("fuse_dq_causal", False) is None:
+    del switches["fuse_dq_causal"]
+  return dataclasses.replace(blocks, **switches)

@@ -91,6 +91,12 @@ class Problem:
   # without the tiling, each buffer in copy_parts' parts
   # (kernel.variant.Variant.untiled_copies).
   untiled_copies: bool = False
+  # The longest-first order's switches (kernel/tiling/schedule.py's
+  # longest_first): its L2 sections evened out, and its light tiles after
+  # every section's heavy ones always (True), never (False) or where its
+  # model predicts a gain (None).
+  even_sections: bool = True
+  defer_light: bool | None = None
   scale: float = 1.0       # the logits' scale, resolved (1 / sqrt(H) by default)
   logits_soft_cap: float | None = None
   # The forward's rescale threshold, as it runs (kernel.api raises it for

@@ -91,7 +91,9 @@ def quantize(x, per: str = "tensor", *, kv_heads: int | None = None):
   else:
     grouped = x.reshape(b, t, groups, heads // groups, d)
     amax = jnp.max(jnp.abs(grouped), axis=(1, 3, 4))
-  scale = amax / E4M3_MAX
+  # A product, not amax / 448: XLA turns a division by a constant into one
+  # under jit, and the eager call must give the same descale.
+  scale = amax * jnp.float32(1 / E4M3_MAX)
   # Zeros (or amax so small its scale would be no normal float32) keep 1; a
   # NaN compares False and stays, so a bad input is not hidden.
   descale = jnp.where(scale < _TINY, jnp.float32(1.0), scale)

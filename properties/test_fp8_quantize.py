@@ -149,6 +149,7 @@ def test_the_rotation_is_orthonormal_block_hadamard_and_keeps_q_dot_k(d, seed):
   r, qr, kr = _rotated(d, seed, q, k)
   n = fp8.hadamard_block(d)
   note(f"d={d} n={n}")
+  assert n == max(2 ** i for i in range(9) if d % 2 ** i == 0)   # the largest that divides d
   assert np.abs(r @ r.T - np.eye(d)).max() <= 8 * U32 * (np.log2(n) + 1)
   blocks = np.kron(np.eye(d // n), np.ones((n, n))).astype(bool)
   assert np.allclose(np.abs(r[blocks]), n ** -0.5, rtol=4 * U32, atol=0)

@@ -7,6 +7,8 @@ Also harness/tools/fp8_outliers.py's parts that run without a GPU."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -258,13 +260,50 @@ def test_the_page_states_its_targets_met_or_not():
                 cudnn_scale_o=64.0, device="NVIDIA H200", provenance="jax 0.11.2, commit abc",
                 command="python -m harness.tools.fp8_outliers --out OUTDIR")
   page = fp8_outliers.render(record)
-  assert ("- ours fp8 per tensor, rotated (8.00e-03): ≤ 9.1e-03 met; ≤ cuDNN's FP8 met "
-          "against cuDNN fp8 per tensor (9.00e-03)") in page
-  assert ("- ours fp8 per head, rotated (9.50e-03): ≤ 9.1e-03 NOT met; ≤ cuDNN's FP8 NOT met"
-          in page)
+  assert ("- ours fp8 per tensor, rotated (8.00e-03): ≤ 9.1e-03 met; ≤ cuDNN fp8 per tensor "
+          "(9.00e-03) met") in page
+  assert ("- ours fp8 per head, rotated (9.50e-03): ≤ 9.1e-03 NOT met; ≤ cuDNN fp8 per tensor "
+          "(9.00e-03) NOT met") in page
   assert "| cuDNN fp8 per tensor, rotated | tensor | yes | not run (NotImplementedError: no) |" \
       in page
   assert "on NVIDIA H200, jax 0.11.2, commit abc" in page
+
+
+def test_the_experiment_measures_and_writes_every_route(monkeypatch, tmp_path):
+  """measure() and write() with the GPU's routes replaced by CPU ones: ours by
+  float64 attention of quantize_qkv's dequantised inputs, cuDNN refusing,
+  bf16 exact: each route a row (its RMSE, or why it did not run), the
+  rotated ones below the unrotated, the JSON and the page written."""
+  def model(per, rotated, seed):
+    rotation = jax.random.key(seed) if rotated else None
+
+    def run(q, k, v):
+      q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, per, rotation=rotation)
+      return attention_reference(Call(*(np.asarray(x) for x in (q8, k8, v8)),
+                                      **{n: np.asarray(x) for n, x in descales.items()})).out
+    return run
+
+  def refuse(*_, **__):
+    raise NotImplementedError("no cuDNN here\nsecond line")
+  monkeypatch.setattr(fp8_outliers, "ours", model)
+  monkeypatch.setattr(fp8_outliers, "cudnn", refuse)
+  monkeypatch.setattr(fp8_outliers, "ours_bf16", lambda: lambda q, k, v: fp8_outliers.reference(
+      *(np.asarray(x) for x in (q, k, v))))
+  record = fp8_outliers.measure(0, 1, 256, 2, 64, log=lambda *a, **k: None)
+  rmse = {r["route"]: r.get("rmse") for r in record["rows"]}
+  assert list(rmse) == ([n for n, _, _ in fp8_outliers.OURS] + [n for n, _ in fp8_outliers.CUDNN]
+                        + [fp8_outliers.BF16])
+  assert rmse[fp8_outliers.BF16] == 0.0
+  assert [r["error"] for r in record["rows"] if "error" in r] == [
+      "NotImplementedError: no cuDNN here"] * 2
+  (plain, _, _), (rotated, _, _) = fp8_outliers.OURS[:2]
+  assert 0 < rmse[rotated] < rmse[plain], rmse
+  record.update(device="cpu", provenance="jax 0.11.2, commit abc", command="c")
+  fp8_outliers.write(record, tmp_path)
+  assert json.loads((tmp_path / "outliers.json").read_text())["rows"] == record["rows"]
+  page = (tmp_path / "outliers.md").read_text()
+  assert f"| {rotated} | tensor | yes | {rmse[rotated]:.2e} |" in page
+  assert "; ≤ cuDNN fp8 per tensor: not run" in page
 
 
 def test_the_committed_page_is_the_tools_own():

@@ -88,6 +88,18 @@ def test_a_zero_tensor_or_head_gets_descale_one_and_no_nan():
     assert not np.asarray(values, np.float32).any()
 
 
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_non_finite_input_gives_a_non_finite_descale_the_call_refuses(bad):
+  """Not hidden behind descale 1: the FP8 call refuses the descale by name."""
+  x = np.ones((1, 4, 2, 8), np.float32)
+  x[0, 1, 1, 3] = bad
+  q8, k8, v8, descales = fp8.quantize_qkv(x, x, x, "head")
+  d = np.asarray(descales["q_descale"])
+  assert np.isfinite(d[0, 0]) and not np.isfinite(d[0, 1])
+  with pytest.raises(ValueError, match="^q_descale: must be finite"):
+    Call(q8, k8, v8, **descales)
+
+
 def test_quantize_works_under_jit_as_it_does_eagerly():
   x = jax.random.normal(jax.random.key(1), (2, 16, 4, 32)) * 7
   for per in fp8.PER:

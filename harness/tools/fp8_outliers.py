@@ -21,8 +21,8 @@ time: a few seconds on the GPU host's CPU):
 - ours in bfloat16, unquantised, for the floor.
 
 FlashAttention-3's paper reports 2.4e-2 for plain FP8 attention and 9.1e-3
-for its FP8 with block quantisation and the rotation (its own shape, on an
-H100).  The targets (#70): ours with the rotation at most 9.1e-3 and at
+for its FP8 with block quantisation and the rotation (at its own shape).
+The targets (#70): ours with the rotation at most 9.1e-3 and at
 most cuDNN's FP8 on the same inputs.  Writes ``outliers.json`` and
 ``outliers.md`` in ``--out``; without an sm90 GPU it says so and exits 2.
 """

@@ -52,14 +52,17 @@ def _inputs(point: bench_grid.Point, sets: int):
   return out
 
 
-def _cudnn_fp8(point: bench_grid.Point):
-  """cuDNN's FP8 forward of (q8, k8, v8) with our descales (its output in e4m3)."""
+def _cudnn_fp8(point: bench_grid.Point, descales=DESCALES, scale_o: float = 1.0):
+  """cuDNN's FP8 forward of (q8, k8, v8) with per-tensor ``descales`` (q, k,
+  v; the page's by default), its output in e4m3 at ``scale_o`` times its
+  value."""
   import jax.numpy as jnp
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
   one = lambda x: jnp.full((1, 1, 1, 1), x, jnp.float32)
   params = {k: one(1.0) for k in cudnn.fp8_params_keys}
-  params.update(descale_q=one(DESCALES[0]), descale_k=one(DESCALES[1]),
-                descale_v=one(DESCALES[2]), scale_s=one(P_SCALE), descale_s=one(1 / P_SCALE))
+  params.update(descale_q=one(descales[0]), descale_k=one(descales[1]),
+                descale_v=one(descales[2]), scale_s=one(P_SCALE), descale_s=one(1 / P_SCALE),
+                scale_o=one(scale_o))
   mask = cudnn.MaskType.CAUSAL if point.causal else cudnn.MaskType.NO_MASK
 
   def run(q, k, v):

@@ -16,7 +16,9 @@
 #     (docs/h100/backward).
 #   FLASH_COMMIT=<commit> bash ci/device/pages.sh OUTDIR fp8        (an H200)
 #     OUTDIR/fp8/performance.*: ours in FP8 beside ours in bfloat16 and
-#     cuDNN's FP8 route (docs/fp8; ci/device/fp8.sh runs it after the FP8 tests).
+#     cuDNN's FP8 route (docs/fp8; ci/device/fp8.sh runs it after the FP8 tests);
+#     OUTDIR/fp8/outliers.*: FlashAttention-3's outlier experiment
+#     (harness/tools/fp8_outliers.py, docs/fp8/outliers.md).
 # A part run on a GPU other than its page's times nothing and exits 3.
 # Each starts from the committed page, so what a run does not time keeps its
 # own provenance (bench --grid --out-dir).  Copy OUTDIR/docs/* over docs/,
@@ -86,6 +88,8 @@ elif [ "$part" = fp8 ]; then
     docs/fp8/performance.png "$out/fp8/"
   step fp8-grid 300 "$py" -m harness bench --grid --dtype float8_e4m3fn --out-dir "$out/fp8" \
     --commit "$commit"
+  step fp8-outliers 120 env FLASH_COMMIT="$commit" "$py" -m harness.tools.fp8_outliers \
+    --out "$out/fp8"
 else
   mkdir -p "$out/backward" && cp docs/backward/performance.json docs/backward/performance.md \
     docs/backward/performance.png "$out/backward/"

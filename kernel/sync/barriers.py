@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernel.tiling.config import COMPUTE_WARPGROUP_COUNTS
+# The compute warpgroup counts a config may ask for (Config.compute_warpgroups):
+# the barriers of each are declared below.
+COMPUTE_WARPGROUP_COUNTS = (2, 3)
 
 HW_NAMED_BARRIERS = 16  # per thread block, sm90
 WARPGROUP_THREADS = 128

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# The counts whose barriers the barrier module declares.
+from kernel.sync.barriers import COMPUTE_WARPGROUP_COUNTS
+
 SMEM_LIMIT_BYTES = 227 * 1024  # usable shared memory per block on sm90
 MAX_STAGES = 4
 # kernel/tiling/schedule.py: the order query tiles run in.  "round-robin": the grid's
@@ -13,7 +16,6 @@ MAX_STAGES = 4
 # (persistent, non-causal): round-robin but for the last wave or two, whose
 # tiles' key blocks are cut evenly over the SMs and merged after the kernel.
 SCHEDULES = ("round-robin", "longest-first", "split-tail")
-COMPUTE_WARPGROUP_COUNTS = (2, 3)   # kernel/sync/barriers.py declares the barriers of each
 
 
 @dataclasses.dataclass(frozen=True)

@@ -323,14 +323,27 @@ def test_tensor_core_products_cut_each_part_and_carry_the_accumulator(bits):
   np.testing.assert_allclose(carried, exact + init, atol=2 * 2.0 ** (20 - bits))
 
 
+def test_the_gpu_yardsticks_products_pad_broadcast_and_cut_back():
+  """fp8_products_on_gpu's bookkeeping, run by XLA's CPU dot (which sums
+  e4m3 products in float32): batched over leading axes that broadcast (a
+  kv head's keys against its group's queries), at sizes no multiple of
+  16 or 32, it equals the float32 product."""
+  rng = np.random.default_rng(3)
+  a = reference.quantise_e4m3(rng.standard_normal((2, 3, 13, 72)) * 4)
+  b = reference.quantise_e4m3(rng.standard_normal((2, 1, 72, 21)) * 4)
+  got = tolerance.fp8_products_on_gpu(a, b)
+  assert got.shape == (2, 3, 13, 21) and got.dtype == np.float32
+  np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-3)
+
+
 def test_the_gpu_yardsticks_dot_lowers_as_an_fp8_product():
   """The GPU yardstick's products are XLA's dot of e4m3 operands with a
   float32 result (not a dot of widened values), at sizes padded to the
   multiples cuBLASLt's FP8 GEMM takes."""
   dot = tolerance.fp8_dot()
   exported = jax.export.export(dot, platforms=["cuda"])(
-      jax.ShapeDtypeStruct((2, 3, 16, 96), jnp.float8_e4m3fn),
-      jax.ShapeDtypeStruct((2, 3, 96, 16), jnp.float8_e4m3fn))
+      jax.ShapeDtypeStruct((16, 96), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((96, 16), jnp.float8_e4m3fn))
   text = exported.mlir_module()
   assert "dot_general" in text and "f8E4M3FN" in text, text[:2000]
   padded = tolerance._pad_axes(np.ones((2, 113, 72), np.float32), {-2: 16, -1: 32})

@@ -16,14 +16,14 @@ from jax import lax
 from kernel import common
 from kernel.common import smem
 from kernel.sync import barriers, ring as ring_lib
-from kernel.forward.context import COMPUTE_REGISTERS, Kernel, for_each_tile
+from kernel.forward.context import COMPUTE_REGISTERS, ForwardContext, for_each_tile
 from kernel.forward.epilogue import epilogue
 from kernel.forward.mainloop import (key_loop, pass_token_for_the_last_time, tile_prologue,
                                      tile_start)
 from kernel.forward.producer import memory_warpgroup
 
 
-def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref,
+def _kernel(c: ForwardContext, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_ref, ke_ref,
             tiles_ref, sched_ref, counts_ref, *rest):
   """The kernel's entry: allocate the scratch of kernel/tiling/plan.py's layout and
   mbarrier plan, build the rings over it, and dispatch the warpgroups.  After
@@ -66,7 +66,7 @@ def _kernel(c: Kernel, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_ref, ks_re
   )
 
 
-def _scratch_views(c: Kernel, smems):
+def _scratch_views(c: ForwardContext, smems):
   """{name: (the ref read, the view copied)} of q, k, v, o from the
   allocated scratch (_kernel's structure), and m, l, bias, mask.  Without
   untiled copies both are one ref; with them the copied view is the
@@ -91,7 +91,7 @@ def _scratch_views(c: Kernel, smems):
   return pairs, m, l, bias, mask
 
 
-def _dispatch(c: Kernel, refs: dict, smems, mbars):
+def _dispatch(c: ForwardContext, refs: dict, smems, mbars):
   """The rings over the allocated scratch, then each warpgroup's role."""
   wg = lax.axis_index("wg")
   views, m_smems, l_smems, bias_smems, mask_smems = _scratch_views(c, smems)
@@ -123,7 +123,7 @@ def _dispatch(c: Kernel, refs: dict, smems, mbars):
 
 # -- the compute warpgroups ------------------------------------------------------
 
-def compute_warpgroup(c: Kernel):
+def compute_warpgroup(c: ForwardContext):
   """COMPUTE_REGISTERS; the tiles of this block, one query tile each."""
   plgpu.set_max_registers(COMPUTE_REGISTERS[c.cw], action="increase")
   # The pingpong is one token passed round the compute warpgroups (0, 1,
@@ -150,7 +150,7 @@ def compute_warpgroup(c: Kernel):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def compute_tile(c: Kernel, b, h, qi, prev_iters, piece=None):
+def compute_tile(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   """One query tile (or a split tail's piece of one) on this warpgroup: the
   prologue (its queries and first keys waited for, the first QK), the key
   loop, the epilogue."""

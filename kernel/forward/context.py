@@ -1,6 +1,6 @@
 """What every role of one forward launch reads: the call's static facts
 (kernel.tiling.plan.Problem), the launch's sizes and, inside the kernel, its
-refs and rings (:class:`Kernel`), one warpgroup's part of a query tile
+refs and rings (:class:`ForwardContext`), one warpgroup's part of a query tile
 (:class:`Tile`), and the tile walk and ring positions every role computes
 the same way (:func:`for_each_tile`, :func:`ring_state`)."""
 
@@ -32,7 +32,7 @@ assert all(barriers.WARPGROUP_THREADS * (MEMORY_REGISTERS[cw] + cw * COMPUTE_REG
 
 
 @dataclasses.dataclass(frozen=True)
-class Kernel(common.OperandRefs):
+class ForwardContext(common.OperandRefs):
   """What every role of one launch reads: its sizes and switches (set by
   :func:`flash_attention_forward`) and, inside the kernel, its refs, rings
   and warpgroup index (set by :func:`_dispatch`)."""
@@ -146,7 +146,7 @@ class Tile:
 
 # -- the tile walk and ring positions, shared by every role ---------------------
 
-def tile_range(c: Kernel, qi, b, h, piece=None):
+def tile_range(c: ForwardContext, qi, b, h, piece=None):
   """(lb, ub, k_start_max, k_end_min): the key blocks of query tile qi of
   (b, h), and the bounds of its key ranges (None without ranges).  A split
   tail's ``piece`` (lo, hi, slot) visits only the blocks in [lo, hi)."""
@@ -164,7 +164,7 @@ def tile_range(c: Kernel, qi, b, h, piece=None):
   return lb, ub, start_max, end_min
 
 
-def for_each_tile(c: Kernel, tile_body, init):
+def for_each_tile(c: ForwardContext, tile_body, init):
   """Run ``tile_body(b, h, qi, prev_iters) -> prev_iters`` over this block's tiles.
 
   Non-persistent: the one tile of this grid point (longest-first: the
@@ -215,6 +215,6 @@ def ring_state(keys, prev_iters, lb, ki):
   return keys.position(prev_iters + (ki - lb))
 
 
-def key_position(c: Kernel, t: Tile, ki):
+def key_position(c: ForwardContext, t: Tile, ki):
   """The position of the tile's key block ki, as a compute warpgroup sees it."""
   return ring_state(c.keys, t.prev_iters, t.lb, ki)

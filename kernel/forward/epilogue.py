@@ -13,12 +13,12 @@ from jax import lax
 from kernel.common import LOG2E, POISONED_START
 from kernel.sync import barriers
 from kernel.forward import fp8
-from kernel.forward.context import Kernel, Tile
+from kernel.forward.context import ForwardContext, Tile
 from kernel.forward.mainloop import each_part, pass_token_for_the_last_time
 from kernel.forward.softmax import safe
 
 
-def epilogue(c: Kernel, t: Tile, acc, m_i, l_i, pending):
+def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
   """Normalise (or bring to m_i), stage in shared memory, TMA to global."""
   f, wg, layout = c.f, c.wg, c.layout
   m_scale = m_i if c.always_rescale else pending[0]

@@ -27,7 +27,7 @@ from kernel.sync import barriers
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
 from kernel.forward.block import _kernel
-from kernel.forward.context import Kernel
+from kernel.forward.context import ForwardContext
 from kernel.forward.order import _schedule, merge_pieces
 
 
@@ -101,7 +101,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
       f, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
       num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
       itemsize=np.dtype(dtype).itemsize, k_range_tiles=k_range_tiles, num_sms=num_sms)
-  kernel = Kernel(
+  kernel = ForwardContext(
       f=f, config=config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
       group=num_heads // num_kv_heads, head_dim_out=head_dim_out, dtype=dtype,
       stages=pipe.num_stages, layout=plan_lib.scratch_layout(problem, config), order=order,

@@ -19,18 +19,18 @@ from jax import lax
 from kernel.common import NEG_INF, ROW, WGMMA, load_broadcast
 from kernel.sync import barriers
 from kernel.forward import fp8
-from kernel.forward.context import Kernel, Tile, key_position, tile_range
+from kernel.forward.context import ForwardContext, Tile, key_position, tile_range
 from kernel.forward.softmax import rescaled, softmax
 
 
-def pass_token_for_the_last_time(c: Kernel):
+def pass_token_for_the_last_time(c: ForwardContext):
   """Every warpgroup but the last passes once more than it acquires: the
   next one's last acquire (before its last PV) waits for it."""
   last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1
   pl.when(last)(lambda: barriers.schedule_release_other(c.wg, c.cw))
 
 
-def tile_start(c: Kernel, b, h, qi, prev_iters, piece=None):
+def tile_start(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   """The tile's indices and key ranges, the zeroed softmax state and
   accumulator; then wait for its queries and its first key block."""
   lb, ub, k_start_max, k_end_min = tile_range(c, qi, b, h, piece)
@@ -60,7 +60,7 @@ def tile_start(c: Kernel, b, h, qi, prev_iters, piece=None):
   return t, acc, m_i, l_i
 
 
-def tile_prologue(c: Kernel, t: Tile, m_i):
+def tile_prologue(c: ForwardContext, t: Tile, m_i):
   """QK of the tile's first block (the loop issues each next one); the
   pending scale, if carried; the end of the blocks that need no mask."""
   s0 = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)
@@ -90,7 +90,7 @@ def tile_prologue(c: Kernel, t: Tile, m_i):
   return s0, pending, plain_blocks(c, t)
 
 
-def plain_blocks(c: Kernel, t: Tile):
+def plain_blocks(c: ForwardContext, t: Tile):
   """(lo, hi): the tile's blocks [lo, hi) need no mask: entirely below
   the diagonal for this warpgroup, holding no padded key, and inside
   every row's key range of the super-tile (from its largest start to its
@@ -112,7 +112,7 @@ def plain_blocks(c: Kernel, t: Tile):
   return lo, hi
 
 
-def wait_staged(c: Kernel, st):
+def wait_staged(c: ForwardContext, st):
   # The rest of the key phase, right after the QK issue: wait k, issue QK,
   # wait bias/mask, pass the token.
   if c.stage_bias:
@@ -121,7 +121,7 @@ def wait_staged(c: Kernel, st):
     c.keys.consumer_wait(st, "mask")
 
 
-def qk(c: Kernel, t: Tile, ki):
+def qk(c: ForwardContext, t: Tile, ki):
   """Issue QK^T of key block ki, let the other warpgroup issue, wait."""
   st = key_position(c, t, ki)
 
@@ -134,7 +134,7 @@ def qk(c: Kernel, t: Tile, ki):
   return pl.run_scoped(compute_qk, plgpu.ACC(c.bq_kv, jnp.float32))
 
 
-def issue_qk(c: Kernel, s_ref, st):
+def issue_qk(c: ForwardContext, s_ref, st):
   """wgmma of this warpgroup's queries by the keys in ring slot ``st``
   (transposed) into ``s_ref``: under untiled copies one per column part
   (kernel.tiling.plan.copy_parts), the instructions one wgmma over whole rows
@@ -147,7 +147,7 @@ def issue_qk(c: Kernel, s_ref, st):
     plgpu.wgmma(s_ref, q.at[part], k.at[part].T)
 
 
-def issue_pv(c: Kernel, acc_ref, p16, st):
+def issue_pv(c: ForwardContext, acc_ref, p16, st):
   """wgmma of p16 by the values in ring slot ``st`` into ``acc_ref``: under
   untiled copies a tuple of accumulators, one per column part; FP8's slot
   holds V^T, read K-major as FP8 wgmma must."""
@@ -159,7 +159,7 @@ def issue_pv(c: Kernel, acc_ref, p16, st):
     plgpu.wgmma(ref, p16, v.at[part])
 
 
-def pv_operand(c: Kernel, p):
+def pv_operand(c: ForwardContext, p):
   """P as the PV product reads it: in the input dtype, or FP8's A operand."""
   return fp8.p_operand(p) if c.f.fp8 else p.astype(c.dtype)
 
@@ -170,13 +170,13 @@ def each_part(fn, acc):
   return tuple(map(fn, acc)) if isinstance(acc, tuple) else fn(acc)
 
 
-def release_query_after(c: Kernel, t: Tile, ki):
+def release_query_after(c: ForwardContext, t: Tile, ki):
   if c.config.persistent and not c.layout.overlay_q_with_output:
     # The tile's last QK has completed: the query slot may be refilled.
     pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))
 
 
-def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, plain):
+def key_loop(c: ForwardContext, t: Tile, s0, acc, m_i, l_i, pending, plain):
   """The tile's key blocks lb .. ub - 1 given the first one's logits s0:
   its softmax, the loop over blocks lb .. ub - 2 (PV of ki, QK and
   softmax of ki + 1), then the last block's PV alone.  The blocks
@@ -224,7 +224,7 @@ def key_loop(c: Kernel, t: Tile, s0, acc, m_i, l_i, pending, plain):
   return acc, m, l, pend
 
 
-def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
+def loop_body(c: ForwardContext, t: Tile, ki, carry, *, edge):
   """PV of key block ki and QK of block ki + 1 in one turn on the tensor
   cores (QK issued first), then the softmax of block ki + 1 as soon as
   its QK completes, while the PV still runs (FlashAttention-3's
@@ -279,7 +279,7 @@ def loop_body(c: Kernel, t: Tile, ki, carry, *, edge):
   return (each_part(lambda a: rescaled(a, factor), acc), p16, m_i, l_i, *pending)
 
 
-def last_pv(c: Kernel, t: Tile, last, p16, acc):
+def last_pv(c: ForwardContext, t: Tile, last, p16, acc):
   """The PV of the tile's last key block, alone."""
   st = key_position(c, t, last)
   c.values.consumer_wait(st)

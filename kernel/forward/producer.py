@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernel.common import batch_head
-from kernel.forward.context import Kernel, MEMORY_REGISTERS, for_each_tile, ring_state, tile_range
+from kernel.forward.context import (ForwardContext, MEMORY_REGISTERS, for_each_tile, ring_state,
+                                    tile_range)
 
 
 # -- the memory warpgroup --------------------------------------------------------
 
-def memory_warpgroup(c: Kernel):
+def memory_warpgroup(c: ForwardContext):
   """MEMORY_REGISTERS; warp 0 streams keys and values through the ring,
   warp 1 prefetches each tile's queries."""
   plgpu.set_max_registers(MEMORY_REGISTERS[c.cw], action="decrease")
@@ -34,7 +35,7 @@ def memory_warpgroup(c: Kernel):
       for_each_tile(c, functools.partial(prefetch_queries, c), 0)
 
 
-def produce_tile(c: Kernel, b, h, qi, prev_iters, piece=None):
+def produce_tile(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   """Warp 0: every key/value TMA of the tile into the ring."""
   lb, ub, _, _ = tile_range(c, qi, b, h, piece)
   hk = lax.div(h, jnp.int32(c.group))
@@ -65,7 +66,7 @@ def produce_tile(c: Kernel, b, h, qi, prev_iters, piece=None):
   return prev_iters + (ub - lb)
 
 
-def prefetch_queries(c: Kernel, b, h, qi, step, piece=None):
+def prefetch_queries(c: ForwardContext, b, h, qi, step, piece=None):
   """Warp 1: the tile's queries, once the previous tile's are consumed (a
   piece's are the whole tile's)."""
   for w in range(c.cw):

@@ -16,10 +16,10 @@ from jax import lax
 
 from kernel.common import LOG2E, NEG_INF, WGMMA, load_broadcast
 from kernel.forward import fp8
-from kernel.forward.context import Kernel, Tile, key_position
+from kernel.forward.context import ForwardContext, Tile, key_position
 
 
-def iota(c: Kernel, dim):
+def iota(c: ForwardContext, dim):
   return plgpu.broadcasted_iota(jnp.int32, c.bq_kv, dim, layout=WGMMA)
 
 
@@ -38,7 +38,7 @@ def rescaled(acc, factor):
   return acc * lax.broadcast_in_dim(factor, acc.shape, [0])
 
 
-def staged_tile(c: Kernel, t: Tile, buffer, ki):
+def staged_tile(c: ForwardContext, t: Tile, buffer, ki):
   """This warpgroup's rows of key block ki's staged bias/mask tile
   (waited for in wait_staged; released with the keys after this)."""
   tile = c.keys.slot(key_position(c, t, ki), buffer)
@@ -49,7 +49,7 @@ def staged_tile(c: Kernel, t: Tile, buffer, ki):
   return lax.switch(c.wg, [rows(w) for w in range(c.cw)])
 
 
-def logits(c: Kernel, t: Tile, s, ki, *, edge):
+def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
   """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
   with the true logits being s * sc (deferred so exp2 fuses, where sc > 0:
   the row max of s * sc is then the row max of s times sc).
@@ -103,7 +103,7 @@ def logits(c: Kernel, t: Tile, s, ki, *, edge):
   return s, 1.0
 
 
-def softmax(c: Kernel, t: Tile, s, ki, m_i, l_i, pending, *, edge):
+def softmax(c: ForwardContext, t: Tile, s, ki, m_i, l_i, pending, *, edge):
   """Online softmax of key block ki's raw logits s: returns the factor
   that brings the accumulator (and, already applied, l_i) to the new
   reference max, p, and the new (m_i, l_i, pending).

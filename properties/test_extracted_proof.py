@@ -131,7 +131,7 @@ def test_a_context_no_probe_showed_is_a_coverage_error(shipped_programs):
 
 
 def test_segments_follow_the_loops():
-  ev = lambda i: extract.Event("fence", "r", f"kernel/x.py:{i}")
+  ev = lambda i: extract.Event("store_wait", "r", f"kernel/x.py:{i}", n=i)  # n, not the line, tells them apart
   events = [ev(i) for i in range(7)]
   loops = [(), (("t", 0),), (("t", 0), ("k", 0)), (("t", 0), ("k", 1)), (("t", 0),),
            (("t", 1),), ()]

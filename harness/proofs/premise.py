@@ -190,7 +190,9 @@ def _solve(query, extra=()):
 # -- claims -------------------------------------------------------------------------
 
 def _static(e: ex.Event):
-  return (e.kind, e.role, e.src, e.buf, e.bar, e.n, e.threads, e.family,
+  """What an event does that is no term; never its source line, a label
+  (an event written on two lines is one event)."""
+  return (e.kind, e.role, e.buf, e.bar, e.n, e.threads, e.family,
           tuple(b for b, _ in e.reads), e.slot is None, e.bar_slot is None, e.bar_id is None)
 
 

@@ -17,8 +17,9 @@ This module proves it from the kernel's own jaxpr, read symbolically
 * and every value of what else the kernel reads (key ranges, schedule
   tables, grid indices: free),
 
-each unit's events (their kinds, buffers, barriers, slots, guards and
-source lines) equal the table's entry for the unit's features: the head at
+each unit's events (their kinds, buffers, barriers, slots, order and
+guards; never their source lines, which are labels) equal the table's
+entry for the unit's features: the head at
 (cls(G), t >= 1, min(n, 2)), iteration j at (cls(G + j), min(n - j, 3)),
 the tail at (cls(G + n), min(n, 2)), the events after the tile loop at
 cls(G_T), those before it always the same, where cls(x) = x below S and

@@ -79,12 +79,76 @@ def test_a_deadlock_that_needs_three_tiles_is_found():
   assert rc == 1 and "deadlock" in out and "tiles of 0, 0, 0 key blocks" in out, out
 
 
+def _failures(results) -> list[str]:
+  return [r.violation.format() if r.violation else r.premise for r in results if not r.ok]
+
+
 @pytest.mark.parametrize("safe", pmut.SAFE, ids=lambda m: m.name)
 def test_safe_reordering_proves(safe):
   results = pe.prove([("forward", ONE_TILE, 1), ("forward", PERSISTENT, 1)], mutant=safe.name,
                      fail_fast=True)
-  assert results and all(r.ok for r in results), [r.violation.format() for r in results
-                                                   if r.violation]
+  assert results and all(r.ok for r in results), _failures(results)
+
+
+def test_events_equal_but_for_their_lines_are_one_event():
+  """Every comparison of the proof takes an event for what it does (kind,
+  role, buffer, slot, barrier, reads, counts), never for the line that
+  makes it: equality and hashing, Z3's matching of a unit against its
+  table, a cond's branches (symbolic and on data), two probes of one
+  context.  The line stays, a label for traces."""
+  from harness.proofs import premise, symbolic as sy, terms as tm
+  a = extract.Event("wait", "wg0", "kernel/x.py:1", "keys.produced", 0)
+  b = dataclasses.replace(a, src="kernel/x.py:2")
+  c = dataclasses.replace(a, src="kernel/x.py:3", slot=1)
+  assert a == b and hash(a) == hash(b) and a != c and b.src == "kernel/x.py:2"
+  assert premise._static(a) == premise._static(b)
+  assert premise.seq_eq([sy.Ev(True, b)], (a,)) is True
+  assert premise.seq_eq([sy.Ev(True, c)], (a,)) is False
+  x = tm.ge(tm.var("x"), 0)
+  assert sy._join([(x, [sy.Ev(True, a)]), (tm.not_(x), [sy.Ev(True, b)])], True) == \
+      [sy.Ev(True, a)]
+  assert len(sy._join([(x, [sy.Ev(True, a)]), (tm.not_(x), [sy.Ev(True, c)])], True)) == 2
+  words = lambda e: f"{e.src} {e.describe()}"
+  extract.branches_alike("kernel/x.py:0", [[a], [b]], words)
+  with pytest.raises(extract.ExtractionError, match="kernel/x.py:1 wait .* against kernel/x.py:3"):
+    extract.branches_alike("kernel/x.py:0", [[a], [c]], words)
+  learner = rp.Learner("x", rp.Ring(2), persistent=False)
+  for probe, e in enumerate((a, b)):
+    learner._one("wg0", "iter", {"cls": 0, "ahead": 1}, (e,), f"probe {probe}")
+  assert not learner.conflicts
+  learner._one("wg0", "iter", {"cls": 0, "ahead": 1}, (c,), "probe 2")
+  assert learner.conflicts
+
+
+# protocol_mutants.SAFE's rewrites that make one wait on two lines, on different paths.
+MOVED_LINES = ("same_acquire_in_both_branches", "cond_of_two_equal_lambdas")
+
+
+def _lines_compared(monkeypatch):
+  """Events compared with their source lines, as the proof once did."""
+  from harness.proofs import premise
+  fields = [f.name for f in dataclasses.fields(extract.Event)]
+  key = lambda e: tuple(getattr(e, f) for f in fields)
+  monkeypatch.setattr(extract.Event, "__eq__",
+                      lambda a, b: type(b) is extract.Event and key(a) == key(b))
+  monkeypatch.setattr(extract.Event, "__hash__", lambda e: hash(key(e)))
+  static = premise._static
+  monkeypatch.setattr(premise, "_static", lambda e: (e.src, *static(e)))
+
+
+@pytest.mark.parametrize("name", MOVED_LINES)
+def test_an_event_written_on_two_lines_is_refuted_only_with_lines_compared(name, monkeypatch):
+  """Each rewrite that makes one wait on another line on some paths (the
+  same waits, arrivals, copies and releases in the same order on every
+  path) proves (test_safe_reordering_proves, on a one-tile and a
+  persistent block: Z3's matching and the probes'); with lines compared,
+  as the proof once did, it is refuted, naming the rewritten lines.  So
+  the rewrite does move the wait, and its proof would fail were lines
+  compared again."""
+  assert pmut.BY_NAME[name] in pmut.SAFE
+  _lines_compared(monkeypatch)
+  refuted = _failures(pe.prove([("forward", ONE_TILE, 1)], mutant=name, fail_fast=True))
+  assert refuted and f".mutant_{name}.py:" in refuted[0], refuted
 
 
 def test_unknown_primitive_refused(monkeypatch):
@@ -131,7 +195,8 @@ def test_a_context_no_probe_showed_is_a_coverage_error(shipped_programs):
 
 
 def test_segments_follow_the_loops():
-  ev = lambda i: extract.Event("fence", "r", f"kernel/x.py:{i}")
+  # n, not the line, tells them apart: lines are labels
+  ev = lambda i: extract.Event("store_wait", "r", f"kernel/x.py:{i}", n=i)
   events = [ev(i) for i in range(7)]
   loops = [(), (("t", 0),), (("t", 0), ("k", 0)), (("t", 0), ("k", 1)), (("t", 0),),
            (("t", 1),), ()]

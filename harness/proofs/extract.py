@@ -139,7 +139,7 @@ class Event:
 
   kind: str
   role: str
-  src: str                     # kernel file:line
+  src: str = dataclasses.field(compare=False)  # file:line: a label, not what it does
   buf: str = ""                # the buffer (smem, or the mbarrier array for wait/arrive)
   slot: int | None = None
   bar: str = ""                # tma_load: the mbarrier array it completes
@@ -197,8 +197,7 @@ class Extracted:
 
   def skeleton(self):
     """A hashable form: environments giving the same skeleton share a check."""
-    return tuple((r, tuple(dataclasses.astuple(e) for e in ev)) for r, ev in
-                 sorted(self.roles.items()))
+    return tuple((r, tuple(ev)) for r, ev in sorted(self.roles.items()))
 
 
 _FRAMES: dict = {}  # id(traceback) -> (traceback, "kernel/file.py:line")

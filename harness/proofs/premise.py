@@ -17,8 +17,9 @@ This module proves it from the kernel's own jaxpr, read symbolically
 * and every value of what else the kernel reads (key ranges, schedule
   tables, grid indices: free),
 
-each unit's events (their kinds, buffers, barriers, slots, guards and
-source lines) equal the table's entry for the unit's features: the head at
+each unit's events (their kinds, buffers, barriers, slots, order and
+guards; never their source lines, which are labels) equal the table's
+entry for the unit's features: the head at
 (cls(G), t >= 1, min(n, 2)), iteration j at (cls(G + j), min(n - j, 3)),
 the tail at (cls(G + n), min(n, 2)), the events after the tile loop at
 cls(G_T), those before it always the same, where cls(x) = x below S and
@@ -190,7 +191,9 @@ def _solve(query, extra=()):
 # -- claims -------------------------------------------------------------------------
 
 def _static(e: ex.Event):
-  return (e.kind, e.role, e.src, e.buf, e.bar, e.n, e.threads, e.family,
+  """What an event does that is no term; never its source line, a label
+  (an event written on two lines is one event)."""
+  return (e.kind, e.role, e.buf, e.bar, e.n, e.threads, e.family,
           tuple(b for b, _ in e.reads), e.slot is None, e.bar_slot is None, e.bar_id is None)
 
 

@@ -14,9 +14,9 @@ backward) is executed afresh over the edited module, and so is every module
 between them that imports it (:func:`reexecuted`): an edit of the ring's
 ``PipelineState`` reaches the forward through ``ring``.
 
-:data:`SAFE` are reorderings that keep the protocol correct: the proof must
-still succeed on them (no false alarms from a proof tied to one statement
-order).
+:data:`SAFE` are reorderings and rewrites that keep the protocol correct:
+the proof must still succeed on them (no false alarms from a proof tied to
+one statement order, or to the lines that make its events).
 """
 
 from __future__ import annotations
@@ -206,6 +206,29 @@ SAFE = (
            "the loop's two releases in the other order (key slot, then value slot)",
            (edit("loop_body", "c.values.consumer_release(st)\nc.keys.consumer_release(next_st)",
                  "c.keys.consumer_release(next_st)\nc.values.consumer_release(st)"),)),
+    # One wait on two lines, taken on different paths: an event is what it does, not its line.
+    Mutant("same_acquire_in_both_branches",
+           "the producer's key acquire written in both branches of an if/else on key ranges, "
+           "so the plain kernel's wait sits on another line than the ranged kernel's",
+           (edit("produce_tile.fill",
+                 "st = ring_state(keys, prev_iters, lb, ki)\n"
+                 "kb = pl.ds(ki * c.block_kv, c.block_kv)\n"
+                 "keys.producer_acquire(st)",
+                 "st = ring_state(keys, prev_iters, lb, ki); "
+                 "kb = pl.ds(ki * c.block_kv, c.block_kv)\n"
+                 "if c.key_ranges: keys.producer_acquire(st)\n"
+                 "else: keys.producer_acquire(st)"),)),
+    Mutant("cond_of_two_equal_lambdas",
+           "the key loop's value wait made by a lax.cond on the block's parity whose two "
+           "branches, two lambdas on two lines, make the same wait",
+           (edit("loop_body",
+                 "acc, p16, m_i, l_i, *pending = carry\n"
+                 "st, next_st = key_position(c, t, ki), key_position(c, t, ki + 1)\n"
+                 "c.values.consumer_wait(st)",
+                 "acc, p16, m_i, l_i, *pending = carry; "
+                 "st, next_st = key_position(c, t, ki), key_position(c, t, ki + 1)\n"
+                 "lax.cond(lax.rem(ki, 2) == 0, lambda: c.values.consumer_wait(st),\n"
+                 "         lambda: c.values.consumer_wait(st))"),)),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS + BACKWARD_MUTANTS + SAFE}

@@ -27,7 +27,8 @@ and checks everything anew, as a fresh clone does.
 
 ``--mutant NAME`` proves a protocol defect of ``harness/proofs/protocol_mutants.py``
 written into a copy of the kernel's source instead (the command must fail;
-it never uses the cache, nor does ``--fail-fast``).  ``--probes-only``
+on one of its ``SAFE`` reorderings and rewrites it must succeed; it never
+uses the cache, nor does ``--fail-fast``).  ``--probes-only``
 tests the premise with the probes alone, as before Z3 proved it, for
 comparison; the command then fails, as nothing beyond the probed trip
 counts is proved.

@@ -567,10 +567,10 @@ class Learner:
     cache: dict = {}
 
     def event(e):
-      r = cache.get(e)
+      r = cache.get((e, e.src))  # events equal but for their lines keep their own labels
       if r is None:
-        r = cache[e] = dataclasses.replace(e, buf=n(e.buf), bar=n(e.bar),
-                                           reads=tuple((n(b), s) for b, s in e.reads))
+        r = cache[(e, e.src)] = dataclasses.replace(e, buf=n(e.buf), bar=n(e.bar),
+                                                    reads=tuple((n(b), s) for b, s in e.reads))
       return r
 
     def table(t):

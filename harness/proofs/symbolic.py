@@ -77,7 +77,7 @@ class Loop:
   per iteration, variable of the value on exit)."""
 
   guard: object
-  src: str
+  src: str = dataclasses.field(compare=False)  # as an event's: a label, not what it does
   counter: str
   lo: object
   hi: object

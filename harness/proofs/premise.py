@@ -289,6 +289,7 @@ class _Launch:
   def __init__(self, prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict):
     self.prog, self.ring = prog, prog.ring
     self.persistent = prog.persistent
+    self.grid = launch.grid
     self.roles = {r.name: r for r in prog.roles}
     extra = sorted(set(launch.roles) - set(self.roles))
     if extra:
@@ -661,7 +662,20 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
       lines.append(f"  the table's, learned from probes, for {ctx_desc}:")
       lines += [f"    {e.src:<26} {e.describe()}" for e in entry] or ["    (none)"]
     ctx["key"] = key
+    grid = _grid_point(L.grid, items, value)
+    if grid:
+      ctx["grid"] = grid
+      lines.insert(1, "  at grid point " + ", ".join(
+          f"{axis} {i} of {size}" for axis, (i, size) in grid.items()))
   return PremiseFailure("\n".join(lines), ctx)
+
+
+def _grid_point(grid: dict, items, value) -> dict:
+  """axis -> (index, size) in the model, of the grid indices the unit's
+  events depend on (a head's place in its group, a batch)."""
+  names = {a.args[0] for a in tm.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
+  return {axis: (value(term), size) for axis, (term, size) in grid.items()
+          if f"axis.{axis}" in names}
 
 
 def _where(prog, kind, ctx) -> str:

@@ -98,6 +98,8 @@ class SymLaunch:
 
   roles: dict            # role -> [Ev | Loop]
   threads: dict
+  # grid axis -> (its index's term, its size), for a counterexample's words
+  grid: dict = dataclasses.field(default_factory=dict)
 
 
 def _need(value, what: str, src: str):
@@ -310,7 +312,7 @@ class _SymInterp(ex._Interp):
     axis = eqn.params["axis_name"]
     if axis in self.axes:
       return [self.axes[axis]]
-    return [tm.var(f"axis.{axis}")]
+    return [grid_index(self.eqn, axis)]
 
   def p_get(self, eqn, ins, src):
     ref, *leaves = ins
@@ -635,6 +637,25 @@ def subst_items(items, mapping, memo=None):
   return _subst_items(items, mapping, memo)
 
 
+def grid_sizes(kernel_eqn) -> dict:
+  """The kernel's grid: axis name -> its size (an int, or a symbolic
+  dimension)."""
+  mesh = kernel_eqn.params["meshes"][0]
+  return dict(zip(getattr(mesh, "grid_names", ()) or (), getattr(mesh, "grid", ()) or ()))
+
+
+def grid_index(kernel_eqn, axis: str):
+  """Grid index ``axis`` as a term: variable ``axis.<name>``, held within
+  [0, size) where the grid's size is an int, so that a counterexample
+  names a grid point the launch has (a symbolic size leaves it free,
+  which only widens what is checked)."""
+  v = tm.var(f"axis.{axis}")
+  size = grid_sizes(kernel_eqn).get(axis)
+  if type(size) is not int:
+    return v
+  return _bounded(v, (0, size - 1)) if size > 1 else 0
+
+
 def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
   """Every role of one ``mpmd_map`` kernel, read symbolically (grid indices
   are variables, integers read from global memory uninterpreted
@@ -655,7 +676,8 @@ def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
       if any(True for _ in _items_events(items)):
         roles[role] = items
         threads[role] = 32 if ".warp" in role else 128
-  return SymLaunch(roles, threads)
+  grid = {a: (grid_index(kernel_eqn, a), n) for a, n in grid_sizes(kernel_eqn).items()}
+  return SymLaunch(roles, threads, grid)
 
 
 # -- units --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ This module proves it from the kernel's own jaxpr, read symbolically
   most), j in [0, n - delta) an iteration of the tile's key loop, and G_T
   >= 0 the ring position after the last tile,
 * and every value of what else the kernel reads (key ranges, schedule
-  tables, grid indices: free),
+  tables: free; grid indices: every point of the traced grid),
 
 each unit's events (their kinds, buffers, barriers, slots, guards and
 source lines) equal the table's entry for the unit's features: the head at

@@ -4,8 +4,9 @@
 at a time (a probe): loop counters, ``prev_iters`` and the key ranges are
 Python integers.  Here they are terms (:mod:`harness.proofs.terms`): every
 integer read from global memory is an uninterpreted function of its
-indices, every grid index a variable, and every ``while`` loop whose body
-synchronises is run once, for a symbolic iteration, instead of unrolled:
+indices, every grid index a variable within its size (:func:`grid_index`),
+and every ``while`` loop whose body synchronises is run once, for a
+symbolic iteration, instead of unrolled:
 
 * its condition must read ``counter < bound`` for one loop-carried integer
   that the body advances by 1 (``fori_loop``, ``pl.loop``, ``nd_loop``);

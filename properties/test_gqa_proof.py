@@ -125,3 +125,31 @@ def test_a_backward_defect_past_a_groups_first_head_is_refuted():
   head = int(re.search(r"at grid point heads (\d+) of", str(err.value)).group(1))
   assert head % (pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]) != 0
   assert "TMA load -> " in str(err.value)
+
+
+def test_the_counterexamples_head_overwrites_a_value_slot(monkeypatch):
+  """Z3's counterexample is real: probed at that head of a traced group
+  (the probes' trace widened to one group of GQA_GRID's size, the probes'
+  range tables read per head), the extractor's events and the checker
+  show a value copy over a slot its readers have not released."""
+  from harness.proofs import extract
+  from harness.proofs import extracted_proof as xp
+  modules = pmut.modules(GQA)
+  with pytest.raises(rp.PremiseError) as err:
+    pe.forward_program(ONE_TILE, modules=modules)
+  group = pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]
+  head = _refuted_head(err.value) % group   # the same place in a group of one kv head
+  trace, extract_kernel, operands = extract.trace_forward, extract.extract_kernel, \
+      pe._int_operands
+  monkeypatch.setattr(extract, "trace_forward",
+                      lambda *a, **k: trace(*a, **{**k, "heads": group, "kv_heads": 1}))
+  monkeypatch.setattr(extract, "extract_kernel", lambda kernel, *, grid, **k: extract_kernel(
+      kernel, grid={**grid, "heads": head}, **k))
+  monkeypatch.setattr(pe, "_int_operands",
+                      lambda kernel, consts, shape: operands(kernel, consts,
+                                                             (1, group, shape[-1])))
+  prog = pe._ForwardProber(ONE_TILE, modules, None).learn()
+  result = xp.check(prog)
+  assert not result.ok, "the checker found nothing at the counterexample's head"
+  text = result.violation.format()
+  assert "overwrite before release" in text and "values" in text, text

@@ -368,7 +368,8 @@ def main(argv=None) -> int:
   print(f"calls with lengths, a window or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
         f"or ragged, beyond the probes' one")
-  # What the probes' one batch and head leave out: docs/proof.md, "Every grid point".
+  # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
+  # what the grid costs: docs/decisions/proof-traces-every-grid-point.md.
   print(f"every grid point: each such proof, and the plain kernels' below, at every batch, "
         f"query head and key/value head of {grid['batch']} batches of {grid['heads']} query "
         f"heads in groups of {grid['heads'] // grid['kv_heads']}, beyond the probes' first")

@@ -15,7 +15,7 @@ This module proves it from the kernel's own jaxpr, read symbolically
   most), j in [0, n - delta) an iteration of the tile's key loop, and G_T
   >= 0 the ring position after the last tile,
 * and every value of what else the kernel reads (key ranges, schedule
-  tables: free; grid indices: every point of the traced grid),
+  tables: free; grid indices: every value from 0 up),
 
 each unit's events (their kinds, buffers, barriers, slots, guards and
 source lines) equal the table's entry for the unit's features: the head at
@@ -590,7 +590,8 @@ def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = No
     items = extra[0] if extra else ()
     verdict, model, zt = _solve(full, _item_terms(items))
     if verdict == "sat":
-      verdict, model, zt = _small(full, _item_terms(items), (verdict, model, zt))
+      verdict, model, zt = _small(full, _item_terms(items), (verdict, model, zt),
+                                  _in_grid(L.grid))
     stats.seconds += time.perf_counter() - start
     stats.solved += 1
     if verdict == "unsat":
@@ -611,15 +612,22 @@ def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = No
 _BOUNDS = (16, 128, 1024)
 
 
-def _small(query, extra, found):
+def _small(query, extra, found, grid=True):
   """A model of ``query`` with its trip count and ring positions as small as
-  one of :data:`_BOUNDS` allows, else ``found``."""
-  for b in _BOUNDS:
-    bounded = tm.and_(query, tm.le(N, b), tm.le(G, b), tm.le(GT, b))
-    got = _solve(bounded, extra)
-    if got[0] == "sat":
-      return got
+  one of :data:`_BOUNDS` allows, inside the traced grid (``grid``) where
+  one is, else ``found``."""
+  for inside in (grid, True) if grid is not True else (True,):
+    for b in _BOUNDS:
+      bounded = tm.and_(query, inside, tm.le(N, b), tm.le(G, b), tm.le(GT, b))
+      got = _solve(bounded, extra)
+      if got[0] == "sat":
+        return got
   return found
+
+
+def _in_grid(grid: dict):
+  """Every grid index below its traced grid's size (where that is an int)."""
+  return tm.and_(*(tm.lt(term, size) for term, size in grid.values() if type(size) is int))
 
 
 def _item_terms(items):

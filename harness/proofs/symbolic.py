@@ -4,7 +4,7 @@
 at a time (a probe): loop counters, ``prev_iters`` and the key ranges are
 Python integers.  Here they are terms (:mod:`harness.proofs.terms`): every
 integer read from global memory is an uninterpreted function of its
-indices, every grid index a variable within its size (:func:`grid_index`),
+indices, every grid index a variable from 0 up (:func:`grid_index`),
 and every ``while`` loop whose body synchronises is run once, for a
 symbolic iteration, instead of unrolled:
 
@@ -313,7 +313,7 @@ class _SymInterp(ex._Interp):
     axis = eqn.params["axis_name"]
     if axis in self.axes:
       return [self.axes[axis]]
-    return [grid_index(self.eqn, axis)]
+    return [grid_index(axis)]
 
   def p_get(self, eqn, ins, src):
     ref, *leaves = ins
@@ -645,16 +645,13 @@ def grid_sizes(kernel_eqn) -> dict:
   return dict(zip(getattr(mesh, "grid_names", ()) or (), getattr(mesh, "grid", ()) or ()))
 
 
-def grid_index(kernel_eqn, axis: str):
-  """Grid index ``axis`` as a term: variable ``axis.<name>``, held within
-  [0, size) where the grid's size is an int, so that a counterexample
-  names a grid point the launch has (a symbolic size leaves it free,
-  which only widens what is checked)."""
-  v = tm.var(f"axis.{axis}")
-  size = grid_sizes(kernel_eqn).get(axis)
-  if type(size) is not int:
-    return v
-  return _bounded(v, (0, size - 1)) if size > 1 else 0
+def grid_index(axis: str):
+  """Grid index ``axis`` as a term: every value from 0 up, past the traced
+  grid's size too (a launch's grid may be larger: more blocks of a
+  persistent grid, more heads), so that no point of a grid is left out;
+  a counterexample is first sought inside the traced grid
+  (:func:`harness.proofs.premise.prove`)."""
+  return _bounded(tm.var(f"axis.{axis}"), 0)
 
 
 def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
@@ -677,7 +674,7 @@ def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
       if any(True for _ in _items_events(items)):
         roles[role] = items
         threads[role] = 32 if ".warp" in role else 128
-  grid = {a: (grid_index(kernel_eqn, a), n) for a, n in grid_sizes(kernel_eqn).items()}
+  grid = {a: (grid_index(a), n) for a, n in grid_sizes(kernel_eqn).items()}
   return SymLaunch(roles, threads, grid)
 
 

@@ -1022,11 +1022,13 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
 
 def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
                   head_dim=64, head_dim_out=None, bias=False, mask=False, key_ranges=True,
-                  num_sms=1, module=None):
+                  num_sms=1, module=None, kv_heads=None):
   """The closed jaxpr of ``kernel.forward.flash_attention_forward`` and its
   kernel eqn, traced on the CPU.  With ``key_ranges`` the kernel reads each
   tile's key range from global memory (the environment decides it), so trip
-  counts, including zero, are the prover's to choose."""
+  counts, including zero, are the prover's to choose.  ``kv_heads`` (by
+  default ``heads``): fewer make groups of ``heads // kv_heads`` query
+  heads (GQA)."""
   import jax.numpy as jnp
   from kernel import api, forward
   forward = module or forward  # a mutated copy of the kernel package's, in the tests
@@ -1036,16 +1038,19 @@ def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3
   dt = jnp.dtype(problem.dtype)
   dv = head_dim if head_dim_out is None else head_dim_out
   q = sds((batch, t_pad, heads, head_dim), dt)
-  k = sds((batch, s_pad, heads, head_dim), dt)
+  kh = heads if kv_heads is None else kv_heads
+  k = sds((batch, s_pad, kh, head_dim), dt)
   # FP8 takes V^T and its descales (kernel.forward.launch.flash_attention_forward).
-  v = sds((batch, heads, dv, s_pad) if problem.fp8 else (batch, s_pad, heads, dv), dt)
-  fp8 = {"descales": sds((1, 1, 2), jnp.float32)} if problem.fp8 else {}
+  v = sds((batch, kh, dv, s_pad) if problem.fp8 else (batch, s_pad, kh, dv), dt)
+  # Per (batch, head) operands, so that the grid indices reach their reads
+  # (kernel.common.batch_head reads a dim of 1 at 0).
+  fp8 = {"descales": sds((batch, kh, 2), jnp.float32)} if problem.fp8 else {}
   args = [q, k, v]
-  b_ = sds((1, 1, t_pad, s_pad), jnp.dtype(problem.bias_dtype)) if bias else None
-  m_ = sds((1, 1, t_pad, s_pad), jnp.int8) if mask else None
+  b_ = sds((batch, heads, t_pad, s_pad), jnp.dtype(problem.bias_dtype)) if bias else None
+  m_ = sds((batch, heads, t_pad, s_pad), jnp.int8) if mask else None
   if key_ranges:
-    rows = sds((1, 1, t_pad), jnp.int32)
-    tiles = tuple(sds((1, 1, num_tiles), jnp.int32) for _ in range(4))
+    rows = sds((batch, heads, t_pad), jnp.int32)
+    tiles = tuple(sds((batch, heads, num_tiles), jnp.int32) for _ in range(4))
   else:
     rows, tiles = None, None
 

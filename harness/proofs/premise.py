@@ -15,7 +15,7 @@ This module proves it from the kernel's own jaxpr, read symbolically
   most), j in [0, n - delta) an iteration of the tile's key loop, and G_T
   >= 0 the ring position after the last tile,
 * and every value of what else the kernel reads (key ranges, schedule
-  tables, grid indices: free),
+  tables: free; grid indices: every value from 0 up),
 
 each unit's events (their kinds, buffers, barriers, slots, order and
 guards; never their source lines, which are labels) equal the table's
@@ -292,6 +292,7 @@ class _Launch:
   def __init__(self, prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict):
     self.prog, self.ring = prog, prog.ring
     self.persistent = prog.persistent
+    self.grid = launch.grid
     self.roles = {r.name: r for r in prog.roles}
     extra = sorted(set(launch.roles) - set(self.roles))
     if extra:
@@ -592,7 +593,8 @@ def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = No
     items = extra[0] if extra else ()
     verdict, model, zt = _solve(full, _item_terms(items))
     if verdict == "sat":
-      verdict, model, zt = _small(full, _item_terms(items), (verdict, model, zt))
+      verdict, model, zt = _small(full, _item_terms(items), (verdict, model, zt),
+                                  _in_grid(L.grid))
     stats.seconds += time.perf_counter() - start
     stats.solved += 1
     if verdict == "unsat":
@@ -613,15 +615,22 @@ def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = No
 _BOUNDS = (16, 128, 1024)
 
 
-def _small(query, extra, found):
+def _small(query, extra, found, grid=True):
   """A model of ``query`` with its trip count and ring positions as small as
-  one of :data:`_BOUNDS` allows, else ``found``."""
-  for b in _BOUNDS:
-    bounded = tm.and_(query, tm.le(N, b), tm.le(G, b), tm.le(GT, b))
-    got = _solve(bounded, extra)
-    if got[0] == "sat":
-      return got
+  one of :data:`_BOUNDS` allows, inside the traced grid (``grid``) where
+  one is, else ``found``."""
+  for inside in (grid, True) if grid is not True else (True,):
+    for b in _BOUNDS:
+      bounded = tm.and_(query, inside, tm.le(N, b), tm.le(G, b), tm.le(GT, b))
+      got = _solve(bounded, extra)
+      if got[0] == "sat":
+        return got
   return found
+
+
+def _in_grid(grid: dict):
+  """Every grid index below its traced grid's size (where that is an int)."""
+  return tm.and_(*(tm.lt(term, size) for term, size in grid.values() if type(size) is int))
 
 
 def _item_terms(items):
@@ -664,7 +673,20 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
       lines.append(f"  the table's, learned from probes, for {ctx_desc}:")
       lines += [f"    {e.src:<26} {e.describe()}" for e in entry] or ["    (none)"]
     ctx["key"] = key
+    grid = _grid_point(L.grid, items, value)
+    if grid:
+      ctx["grid"] = grid
+      lines.insert(1, "  at grid point " + ", ".join(
+          f"{axis} {i} of {size}" for axis, (i, size) in grid.items()))
   return PremiseFailure("\n".join(lines), ctx)
+
+
+def _grid_point(grid: dict, items, value) -> dict:
+  """axis -> (index, size) in the model, of the grid indices the unit's
+  events depend on (a head's place in its group, a batch)."""
+  names = {a.args[0] for a in tm.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
+  return {axis: (value(term), size) for axis, (term, size) in grid.items()
+          if f"axis.{axis}" in names}
 
 
 def _where(prog, kind, ctx) -> str:

@@ -137,6 +137,15 @@ MUTANTS = (
            (edit("pass_token_for_the_last_time",
                  "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),),
            shows="3 compute warpgroups"),
+    # GQA only: the probes' traces have one head, always the first of its
+    # group; the symbolic traces' grid (prove_extracted.GQA_GRID) has every
+    # place in a group.
+    Mutant("values_unacquired_past_a_groups_first_head",
+           "the producer copies values without waiting for their slot's release when the "
+           "query head is not the first of its group",
+           (edit("produce_tile.fill", "values.producer_acquire(st)",
+                 "pl.when(lax.rem(h, jnp.int32(c.group)) == 0)("
+                 "lambda: values.producer_acquire(st))"),)),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
     # of the plain kernels (prove_extracted.trace_plain) can refute it.

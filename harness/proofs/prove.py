@@ -365,9 +365,15 @@ def main(argv=None) -> int:
           f"protocols and {len(items) - forward} of {len(everything) - every_forward} backward "
           f"launch kinds; the others are not proved by this run")
   # What the launch programs above are not: docs/proof.md, "What is not proved".
+  grid = pe.GQA_GRID
   print(f"calls with lengths, a window or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
         f"or ragged, beyond the probes' one")
+  # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
+  # what the grid costs: docs/decisions/proof-traces-every-grid-point.md.
+  print(f"every grid point: each such proof, and the plain kernels' below, at every batch, "
+        f"query head and key/value head of {grid['batch']} batches of {grid['heads']} query "
+        f"heads in groups of {grid['heads'] // grid['kv_heads']}, beyond the probes' first")
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "

@@ -407,8 +407,17 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
                                  kv_blocks=blocks + (1 if "r" in symbols else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=key_ranges,
-                                 module=modules.forward, num_sms=PROBE_SMS)
+                                 module=modules.forward, num_sms=PROBE_SMS, **GQA_GRID)
   return [kernel], variables
+
+
+# The batch and heads every symbolic trace has: groups of GQA_GRID's
+# heads // kv_heads query heads over more than one key/value head, in
+# more than one batch, so that a grid index read as a variable
+# (harness/proofs/symbolic.py's grid_index) takes every place in a group.
+# The probes' traces have one of each (their events at every other grid
+# point are held to the same tables here).
+GQA_GRID = {"batch": 2, "heads": 8, "kv_heads": 2}
 
 
 def _symbols(dims: dict) -> tuple[dict, dict]:
@@ -900,10 +909,13 @@ def _realise(ring: rp.Ring, kind: str, ctx: dict, *, persistent: bool) -> tuple:
 # -- backward -------------------------------------------------------------------
 
 def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
-                   modules=None, fixed_point=False, unpadded=False):
+                   modules=None, fixed_point=False, unpadded=False, batch=1, heads=1,
+                   kv_heads=1):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
   CPU, and its Mosaic GPU kernels in launch order (``unpadded``: q, k, v
-  and dO read unpadded where the forward reads them so)."""
+  and dO read unpadded where the forward reads them so; ``batch``,
+  ``heads``, ``kv_heads``: its grid, :data:`GQA_GRID` in the symbolic
+  traces)."""
   import jax
   import jax.numpy as jnp
   from kernel import api
@@ -911,11 +923,11 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   from kernel.tiling.heuristics import get_backward_config
   modules = modules or shipped_modules()
   sds = jax.ShapeDtypeStruct
-  q = sds((1, seq_q, 1, head_dim), jnp.bfloat16)
-  k = sds((1, seq_kv, 1, head_dim), jnp.bfloat16)
-  rows = sds((1, 1, seq_q), jnp.float32)
-  b = sds((1, 1, seq_q, seq_kv), jnp.bfloat16) if bias else None
-  kr = sds((1, 1, seq_q), jnp.int32) if ranges else None
+  q = sds((batch, seq_q, heads, head_dim), jnp.bfloat16)
+  k = sds((batch, seq_kv, kv_heads, head_dim), jnp.bfloat16)
+  rows = sds((batch, heads, seq_q), jnp.float32)
+  b = sds((batch, heads, seq_q, seq_kv), jnp.bfloat16) if bias else None
+  kr = sds((batch, heads, seq_q), jnp.int32) if ranges else None
 
   problem = plan_lib.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
                              is_causal=causal, scale=0.125, deterministic=fixed_point)
@@ -1206,7 +1218,7 @@ def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = Fa
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
         seq_q=whole_q * symbols["mq"] + symbols["rq"],
         seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=ranges,
-        modules=modules, fixed_point=case.fixed_point, unpadded=case.unpadded)
+        modules=modules, fixed_point=case.fixed_point, unpadded=case.unpadded, **GQA_GRID)
   return kernels, variables
 
 

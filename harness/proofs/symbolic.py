@@ -4,8 +4,9 @@
 at a time (a probe): loop counters, ``prev_iters`` and the key ranges are
 Python integers.  Here they are terms (:mod:`harness.proofs.terms`): every
 integer read from global memory is an uninterpreted function of its
-indices, every grid index a variable, and every ``while`` loop whose body
-synchronises is run once, for a symbolic iteration, instead of unrolled:
+indices, every grid index a variable from 0 up (:func:`grid_index`),
+and every ``while`` loop whose body synchronises is run once, for a
+symbolic iteration, instead of unrolled:
 
 * its condition must read ``counter < bound`` for one loop-carried integer
   that the body advances by 1 (``fori_loop``, ``pl.loop``, ``nd_loop``);
@@ -98,6 +99,8 @@ class SymLaunch:
 
   roles: dict            # role -> [Ev | Loop]
   threads: dict
+  # grid axis -> (its index's term, its size), for a counterexample's words
+  grid: dict = dataclasses.field(default_factory=dict)
 
 
 def _need(value, what: str, src: str):
@@ -310,7 +313,7 @@ class _SymInterp(ex._Interp):
     axis = eqn.params["axis_name"]
     if axis in self.axes:
       return [self.axes[axis]]
-    return [tm.var(f"axis.{axis}")]
+    return [grid_index(axis)]
 
   def p_get(self, eqn, ins, src):
     ref, *leaves = ins
@@ -635,6 +638,22 @@ def subst_items(items, mapping, memo=None):
   return _subst_items(items, mapping, memo)
 
 
+def grid_sizes(kernel_eqn) -> dict:
+  """The kernel's grid: axis name -> its size (an int, or a symbolic
+  dimension)."""
+  mesh = kernel_eqn.params["meshes"][0]
+  return dict(zip(getattr(mesh, "grid_names", ()) or (), getattr(mesh, "grid", ()) or ()))
+
+
+def grid_index(axis: str):
+  """Grid index ``axis`` as a term: every value from 0 up, past the traced
+  grid's size too (a launch's grid may be larger: more blocks of a
+  persistent grid, more heads), so that no point of a grid is left out;
+  a counterexample is first sought inside the traced grid
+  (:func:`harness.proofs.premise.prove`)."""
+  return _bounded(tm.var(f"axis.{axis}"), 0)
+
+
 def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
   """Every role of one ``mpmd_map`` kernel, read symbolically (grid indices
   are variables, integers read from global memory uninterpreted
@@ -655,7 +674,8 @@ def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
       if any(True for _ in _items_events(items)):
         roles[role] = items
         threads[role] = 32 if ".warp" in role else 128
-  return SymLaunch(roles, threads)
+  grid = {a: (grid_index(a), n) for a, n in grid_sizes(kernel_eqn).items()}
+  return SymLaunch(roles, threads, grid)
 
 
 # -- units --------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""The proof at every grid point: the probes' traces have one batch and one
+query head, always the first of its group; the symbolic traces Z3 holds to
+the same tables have a grid of several batches and GQA groups
+(harness/proofs/prove_extracted.py's GQA_GRID), each grid index a variable
+from 0 up (harness/proofs/symbolic.py's grid_index).  A defect only
+at a query head past the first of its group proves on the probes' trace
+and is refuted there, naming the head, the buffer and the barrier."""
+
+import re
+
+import pytest
+
+from harness.proofs import prove_extracted as pe
+from harness.proofs import protocol_mutants as pmut
+from harness.proofs import role_programs as rp
+from harness.proofs import symbolic as sy
+from harness.proofs import terms as tm
+from harness.tools.anchors import edit
+
+ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
+PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+GQA = "values_unacquired_past_a_groups_first_head"
+
+
+def test_the_symbolic_traces_have_groups_of_several_heads_in_several_batches():
+  """Every place in a group, more than one key/value head and batch: the
+  traced grid's sizes, and its head and batch indices every value from 0."""
+  grid = pe.GQA_GRID
+  group = grid["heads"] // grid["kv_heads"]
+  assert group >= 2 and grid["kv_heads"] >= 2 and grid["batch"] >= 2
+  assert grid["heads"] == group * grid["kv_heads"]
+  for key_ranges in (True, False):
+    (kernel,), dims = pe._every_length(ONE_TILE, ragged=False, key_ranges=key_ranges,
+                                       modules=None)
+    launch = sy.extract_symbolic(kernel, dims)
+    (head, heads), (batch, batches) = launch.grid["heads"], launch.grid["batch"]
+    assert (heads, batches) == (grid["heads"], grid["batch"])
+    # every index from 0 up, past the traced grid too (a launch's may be larger)
+    assert tm.evaluate(head, {"axis.heads": 100}) == 100
+    assert tm.evaluate(head, {"axis.heads": -3}) == 0
+    assert tm.evaluate(batch, {"axis.batch": 1}) == 1
+
+
+def test_the_backward_is_traced_at_the_same_grid():
+  """The dK/dV kernel's grid walks key/value heads and sums over each
+  group's query heads; the dQ kernel's walks query heads: both traced
+  with GQA_GRID's."""
+  kernels, _ = pe.trace_backward_at(pe.BackwardCase(64, False, False, False))
+  grids = [dict(zip(k.params["meshes"][0].grid_names, k.params["meshes"][0].grid))
+           for k in kernels]
+  assert {"kv_heads": pe.GQA_GRID["kv_heads"], "batch": pe.GQA_GRID["batch"]}.items() <= \
+      grids[0].items(), grids
+  assert {"heads": pe.GQA_GRID["heads"], "batch": pe.GQA_GRID["batch"]}.items() <= \
+      grids[1].items(), grids
+
+
+def _refuted_head(err) -> int:
+  text = str(err)
+  found = re.search(r"at grid point heads (\d+) of (\d+)", text)
+  assert found and int(found.group(1)) < int(found.group(2)), text   # inside the traced grid
+  assert "wait values.consumed[" in text   # the table's wait, missing from the kernel's
+  assert "TMA load -> values[" in text
+  assert f"kernel/forward/producer.mutant_{GQA}.py:" in text
+  return int(found.group(1))
+
+
+def test_a_defect_past_a_groups_first_head_passes_the_probes_and_fails_z3():
+  """The producer skips the wait for a value slot's release at a query
+  head past the first of its group: the probes' trace (one head, the
+  first) shows the shipped program, and Z3 at every grid point refutes
+  it, naming a head past the first of its group, the value buffer and the
+  consumed barrier."""
+  modules = pmut.modules(GQA)
+  prober = pe._ForwardProber(ONE_TILE, modules, None)
+  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  assert prog.z3 and prog.z3[0] > 0   # the probes' trace proves
+  with pytest.raises(rp.PremiseError, match="reads key ranges, at every length") as err:
+    pe.forward_program(ONE_TILE, modules=modules)
+  group = pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]
+  assert _refuted_head(err.value) % group != 0
+
+
+def test_with_one_head_traced_the_defect_would_prove(monkeypatch):
+  """What the grid buys: traced with one batch and one head, as the probes
+  are, the same defect proves."""
+  monkeypatch.setattr(pe, "GQA_GRID", {"batch": 1, "heads": 1, "kv_heads": 1})
+  prog = pe.forward_program(ONE_TILE, modules=pmut.modules(GQA))
+  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+
+
+def test_a_persistent_block_is_refuted_too():
+  """A persistent block walks tiles of every head: its tile's head is a
+  term of the block and the tile, and Z3 finds one past a group's first."""
+  with pytest.raises(rp.PremiseError, match=r"at grid point sm \d+ of 16") as err:
+    pe.forward_program(PERSISTENT, modules=pmut.modules(GQA))
+  assert "wait values.consumed[" in str(err.value)
+
+
+@pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT], ids=["one tile", "persistent"])
+def test_the_shipped_kernel_proves_at_every_grid_point(case):
+  prog = pe.forward_program(case)
+  assert prog.lengths == tuple(pe.RANGED_LENGTHS) and prog.plain == tuple(pe.PLAIN_KERNELS)
+
+
+# The dQ kernel copies a query head's keys twice into the slot past the
+# first head of its group: a second arrival on the produced barrier.
+DQ_GQA = pmut.Mutant(
+    "dq_keys_twice_past_a_groups_first_head",
+    "the dQ kernel's producer copies the keys twice when the query head is not the first "
+    "of its group",
+    (edit("_dq_fill", 'stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k")',
+          'stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k"); '
+          'pl.when(lax.rem(c.h, jnp.int32(c.group)) != 0)(lambda: stream.producer_copy('
+          'c.k_ref.at[c.b, keys, c.hk], st, "k"))'),),
+    kernel="backward", backward=(64, False, False, False))
+
+
+def test_a_backward_defect_past_a_groups_first_head_is_refuted():
+  """The backward's dQ kernel, traced at GQA_GRID's heads, held to the
+  tables its one-head probes learned: a defect past a group's first head
+  fails, naming the head."""
+  with pytest.raises(rp.PremiseError, match=r"at grid point heads (\d+) of") as err:
+    pe.backward_programs(pe.BackwardCase(64, False, False, False),
+                         modules=pmut.modules(DQ_GQA))
+  head = int(re.search(r"at grid point heads (\d+) of", str(err.value)).group(1))
+  assert head % (pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]) != 0
+  assert "TMA load -> " in str(err.value)
+
+
+def test_the_counterexamples_head_overwrites_a_value_slot(monkeypatch):
+  """Z3's counterexample is real: probed at that head of a traced group
+  (the probes' trace widened to one group of GQA_GRID's size, the probes'
+  range tables read per head), the extractor's events and the checker
+  show a value copy over a slot its readers have not released."""
+  from harness.proofs import extract
+  from harness.proofs import extracted_proof as xp
+  modules = pmut.modules(GQA)
+  with pytest.raises(rp.PremiseError) as err:
+    pe.forward_program(ONE_TILE, modules=modules)
+  group = pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]
+  head = _refuted_head(err.value) % group   # the same place in a group of one kv head
+  trace, extract_kernel, operands = extract.trace_forward, extract.extract_kernel, \
+      pe._int_operands
+  monkeypatch.setattr(extract, "trace_forward",
+                      lambda *a, **k: trace(*a, **{**k, "heads": group, "kv_heads": 1}))
+  monkeypatch.setattr(extract, "extract_kernel", lambda kernel, *, grid, **k: extract_kernel(
+      kernel, grid={**grid, "heads": head}, **k))
+  monkeypatch.setattr(pe, "_int_operands",
+                      lambda kernel, consts, shape: operands(kernel, consts,
+                                                             (1, group, shape[-1])))
+  prog = pe._ForwardProber(ONE_TILE, modules, None).learn()
+  result = xp.check(prog)
+  assert not result.ok, "the checker found nothing at the counterexample's head"
+  text = result.violation.format()
+  assert "overwrite before release" in text and "values" in text, text

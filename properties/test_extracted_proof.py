@@ -628,7 +628,9 @@ def test_every_case_field_is_keyed_or_represented(monkeypatch):
   them) decide, and nothing a representative stands for; a field added to
   ForwardCase without saying which it is stops the import."""
   base = cases.ForwardCase(2, True, "round-robin", False, False, False)
-  assert dataclasses.replace(base, block_q=128, layout_head_dim=128).key() == base.key()
+  wider = dataclasses.replace(base, block_q=128, layout_head_dim=128)
+  assert wider.protocol_key() == base.protocol_key()
+  assert wider.key() != base.key() and wider.covers(base) and not base.covers(wider)
   assert dataclasses.replace(base, config_stages=3).key() != base.key()   # a ring cut
   assert dataclasses.replace(base, dtype="float8_e4m3fn").key() != base.key()
   grown = dataclasses.make_dataclass("Grown", [("softcap", bool, False)],
@@ -644,13 +646,35 @@ def test_every_config_lists_each_config_at_its_own_sizes():
   (the same key, and more), and traced at its own sizes (its description
   names them)."""
   grid = prove_cli.problem_grid()[::23]
-  default = {c.key() for c, _ in cases.forward_cases(grid)}
+  listed = cases.forward_cases(grid)
+  default = {c.key() for c, _ in listed}
   exact = cases.forward_cases(grid, every_config=True)
   assert len(exact) > len(default)
-  assert sum(n for _, n in exact) == sum(n for _, n in cases.forward_cases(grid))
+  assert sum(n for _, n in exact) == sum(n for _, n in listed)
+  reps = cases.Representatives(c for c, _ in listed)
   for c, _ in exact:
     assert c.exact and f"blocks {c.block_q}x{c.block_kv}" in c.describe()
-    assert representatives.representative_key(c) in default, c.describe()
+    assert reps.of(c).key() in default, c.describe()
+
+
+def test_a_representative_shows_every_remainder_of_the_configs_it_stands_for(shipped_cases):
+  """A trace takes every ragged remainder below its case's block of keys and
+  tile of queries: each emitted config is proved at a representative whose
+  block and tile are at least its own (so a defect past 128 keys of a
+  config at block_kv 256 is traced at 256), and a protocol whose configs'
+  largest block and largest tile are not one config's is traced at more
+  than one."""
+  grid = prove_cli.problem_grid()[::7]
+  reps = cases.Representatives(c for c, _ in shipped_cases)
+  for c, _ in cases.forward_cases(grid, every_config=True):
+    rep = reps.of(c)
+    assert rep.block_kv >= c.block_kv and rep.tile_q >= c.tile_q, (c.describe(), rep.describe())
+  by_protocol = collections.Counter(c.protocol_key() for c, _ in shipped_cases)
+  assert max(by_protocol.values()) > 1
+  assert any(c.block_kv == 256 for c, _ in shipped_cases)
+  narrow = dataclasses.replace(shipped_cases[0][0], block_kv=64)
+  with pytest.raises(KeyError, match="no representative covers"):
+    cases.Representatives([narrow]).of(dataclasses.replace(narrow, block_kv=256))
 
 
 # Configs at their own sizes held to their representative's program: a
@@ -668,7 +692,7 @@ def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped
   names of its buffers and barriers (the shape the search checks).
   ``python -m harness.proofs.representatives`` tests every emitted config."""
   pairs = representatives.pairs(prove_cli.problem_grid()[::5],
-                                {c.key(): c for c, _ in shipped_cases}, differing_only=True)
+                                [c for c, _ in shipped_cases], differing_only=True)
   sample = pairs[::max(1, len(pairs) // EXACT_SAMPLE)]
   assert len(sample) >= EXACT_SAMPLE, len(pairs)
   learned: dict = {}
@@ -680,23 +704,26 @@ def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped
   assert len({shape(rep) for _, rep in sample}) > 1
 
 
-def test_the_representatives_command_names_each_config_that_differs(shipped_cases, monkeypatch,
-                                                                     capsys):
-  """``python -m harness.proofs.representatives`` over a few problems (the
-  representatives listed over the whole grid first, as the command takes
-  them): every config learns its representative's program (exit 0); where
-  one would not, it is named and the command exits 1."""
+def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, monkeypatch):
+  """``prove`` compares every emitted config of the protocols it proves,
+  traced at its own sizes, with its representative
+  (harness.proofs.representatives.check): all agree over a few problems;
+  where one would not, it is named and the run fails, even when every
+  launch program proves."""
   grid = prove_cli.problem_grid()[::400]
-  monkeypatch.setattr(prove_cli, "problem_grid", lambda **_: grid)
-  assert representatives.main(["--jobs", "1"]) == 0
-  out = capsys.readouterr().out
-  n = len(representatives.pairs(grid, {c.key(): c for c, _ in shipped_cases}))
-  assert f"{n} of {n} emitted configs" in out and "DIFFERS" not in out, out
+  work = representatives.pairs(grid, [c for c, _ in shipped_cases])
+  lines, summary = representatives.check(lambda: work)
+  assert not lines and f"{len(work)} of {len(work)} emitted configs" in summary, summary
   real = representatives.shape
   monkeypatch.setattr(representatives, "shape",
                       lambda c: "other" if c.exact and c.block_kv == 64 else real(c))
-  assert representatives.main(["--jobs", "1"]) == 1
-  assert "DIFFERS: " in capsys.readouterr().out
+  lines, _ = representatives.check(lambda: work)
+  assert lines and all("block" in line for line in lines), lines
+  # the command: nothing to prove (the search is stood in for), one config that differs
+  monkeypatch.setattr(pe, "prove", lambda *a, **k: [])
+  monkeypatch.setattr(representatives, "compare", lambda work, pool=None: (work[:1], 1))
+  rc, out = _run_prove("--select", "stages=2,one tile", "--jobs", "1", "--no-cache")
+  assert rc == 1 and "DIFFERS: " in out and "learns another program" in out, out
 
 
 def test_a_mutants_words_describe_cases_that_show_it(shipped_cases):

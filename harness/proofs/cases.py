@@ -72,13 +72,29 @@ class ForwardCase:
     # 16-bit elements, as every problem of the grid and every traced case.
     return (plan_lib.copy_parts(self.head_dim, 2)[0], plan_lib.copy_parts(self.head_dim_out, 2)[0])
 
+  def protocol_key(self):
+    """What tells protocols apart: :data:`KEYED`."""
+    return tuple(getattr(self, name) for name in KEYED)
+
   def key(self):
-    """What tells cases apart: :data:`KEYED`, and with ``exact`` the
-    :data:`REPRESENTED` fields too."""
-    key = tuple(getattr(self, name) for name in KEYED)
+    """What tells cases apart: the protocol (:data:`KEYED`) and the reach
+    of its lengths (:attr:`reach`); with ``exact`` the :data:`REPRESENTED`
+    fields too."""
+    key = self.protocol_key() + self.reach
     if self.exact:
       key += tuple(getattr(self, name) for name in REPRESENTED)
     return key
+
+  @property
+  def reach(self) -> tuple[int, int]:
+    """(block_kv, tile_q): the traces take every ragged remainder of the keys
+    below the first and of the queries below the second, so a case stands
+    only for configs whose block and tile are no larger (:class:`Representatives`)."""
+    return (self.block_kv, self.tile_q)
+
+  def covers(self, other: "ForwardCase") -> bool:
+    """Whether every remainder of ``other``'s lengths is one of this case's."""
+    return all(a >= b for a, b in zip(self.reach, other.reach))
 
   @property
   def ring_cut(self) -> bool:
@@ -124,6 +140,8 @@ class ForwardCase:
     if self.exact:
       words.append(f"blocks {self.block_q}x{self.block_kv} of {self.config_stages} stages, "
                    f"head dims {self.layout_head_dim}/{self.layout_head_dim_out}")
+    else:
+      words.append(f"tiles {self.tile_q}x{self.block_kv}")
     return " ".join(words)
 
 
@@ -137,7 +155,8 @@ KEYED = ("num_stages", "persistent", "schedule", "bias", "mask", "causal", "over
 # (the head dims); ring_cut: the learned tables see no longer streams
 # (config_stages).
 _DERIVED = ("residuals", "parts", "ring_cut")
-# Fields a case takes from the first emitted config of its key, unless exact.
+# Fields a case takes from the first emitted config of its key and reach
+# (represented), unless exact.
 REPRESENTED = ("block_q", "block_kv", "config_stages", "layout_head_dim", "layout_head_dim_out")
 # Fields read only through a derived property, and the switch.
 _UNKEYED = ("overlay_residuals", "exact")
@@ -163,10 +182,28 @@ def forward_cases(problems, *, every_config: bool = False) -> list[tuple[Forward
   ``config=None`` takes with key ranges (kernel.tiling.autotune.choose), the one it
   takes from the shipped cache on the H200 (its entry, or the nearest
   entry, perhaps of a wider head dim), and every autotuning candidate.
+  Each protocol is traced at as few representatives as cover the
+  remainders of every config it stands for (:func:`representatives_of`).
   ``every_config``: one case per block sizes, stages, head dims and 16-bit
-  dtype as well (:attr:`ForwardCase.exact`), not one representative."""
-  from kernel.tiling import autotune, heuristics, plan as plan_lib
+  dtype instead (:attr:`ForwardCase.exact`)."""
   found: dict = {}
+  for case in emitted(problems):
+    prev = found.get(case.key())
+    found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
+  if every_config:
+    return [found[k] for k in sorted(found)]
+  reps = representatives_of([c for c, _ in found.values()])
+  counts: dict = {}
+  for case, n in found.values():
+    rep = reps.of(case)
+    counts[rep] = counts.get(rep, 0) + n
+  return sorted(counts.items(), key=lambda item: item[0].key())
+
+
+def emitted(problems):
+  """One exact case (:attr:`ForwardCase.exact`) per (problem, config) that
+  :func:`forward_cases` counts, in the order the problems emit them."""
+  from kernel.tiling import autotune, heuristics, plan as plan_lib
   for p in problems:
     configs = []
     try:
@@ -181,15 +218,55 @@ def forward_cases(problems, *, every_config: bool = False) -> list[tuple[Forward
       layout = plan_lib.scratch_layout(p, c)
       overlay, reach = layout.overlay_q_with_output, layout.output_reaches_keys
       slots = plan_lib.output_slots(p, c)
-      case = ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
-                         c.block_q, c.block_kv, c.num_stages, overlay,
-                         p.head_dim, (overlay or reach or bool(slots)) and p.return_residuals,
-                         c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach,
-                         str(p.dtype) if every_config
-                         else "float8_e4m3fn" if p.fp8 else "bfloat16", slots, every_config)
-      prev = found.get(case.key())
-      found[case.key()] = (prev[0] if prev else case, (prev[1] if prev else 0) + 1)
-  return [found[k] for k in sorted(found)]
+      yield ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
+                        c.block_q, c.block_kv, c.num_stages, overlay,
+                        p.head_dim, (overlay or reach or bool(slots)) and p.return_residuals,
+                        c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach,
+                        str(p.dtype), slots, True)
+
+
+def generalised(case: ForwardCase) -> ForwardCase:
+  """An exact case as a representative: 16-bit dtypes as one."""
+  dtype = case.dtype if case.dtype.startswith("float8") else "bfloat16"
+  return dataclasses.replace(case, exact=False, dtype=dtype)
+
+
+class Representatives:
+  """The cases a protocol is traced at, by the configs they stand for.
+
+  A trace takes every ragged remainder below its block of keys and its tile
+  of queries (:attr:`ForwardCase.reach`), so a representative at block_kv
+  64 cannot show a defect past 100 keys of a config at 256.  Per protocol
+  the representatives are the emitted configs whose reach no other's
+  exceeds (each the first emitted at its reach); a config is proved at the
+  first of them, widest keys first, that covers it."""
+
+  def __init__(self, cases):
+    self.by_protocol: dict = {}
+    for case in sorted(cases, key=lambda c: (-c.block_kv, -c.tile_q)):
+      self.by_protocol.setdefault(case.protocol_key(), []).append(case)
+
+  def of(self, case: ForwardCase) -> ForwardCase:
+    """The representative ``case`` (exact or not) is proved at."""
+    general = generalised(case)
+    for rep in self.by_protocol.get(general.protocol_key(), ()):
+      if rep.covers(general):
+        return rep
+    raise KeyError(f"no representative covers {case.describe()}")
+
+  def __iter__(self):
+    return (rep for reps in self.by_protocol.values() for rep in reps)
+
+
+def representatives_of(exact_cases) -> Representatives:
+  """:class:`Representatives` of ``exact_cases`` (in their emitted order)."""
+  by_protocol: dict = {}
+  for case in map(generalised, exact_cases):
+    # the first emitted at each reach
+    by_protocol.setdefault(case.protocol_key(), {}).setdefault(case.reach, case)
+  return Representatives(case for at in by_protocol.values() for case in at.values()
+                         if not any(other != case.reach and all(map(int.__ge__, other, case.reach))
+                                    for other in at))
 
 
 # -- backward -------------------------------------------------------------------

@@ -146,6 +146,17 @@ MUTANTS = (
            (edit("produce_tile.fill", "values.producer_acquire(st)",
                  "pl.when(lax.rem(h, jnp.int32(c.group)) == 0)("
                  "lambda: values.producer_acquire(st))"),)),
+    # Only a ragged remainder of more than 128 keys shows it: a config at
+    # block_kv 256 (FP8's at head dim 64).  A case traced at a smaller block
+    # never has such a remainder; its representatives' blocks are the
+    # largest of the configs they stand for (cases.Representatives).
+    Mutant("values_unacquired_past_128_ragged_keys",
+           "the producer copies a ragged last key block's values without waiting for their "
+           "slot's release when more than 128 keys are left",
+           (edit("produce_tile.fill", "values.producer_acquire(st)",
+                 "pl.when((ki * c.block_kv + c.block_kv <= c.f.seq_kv) | "
+                 "(ki * c.block_kv + 128 >= c.f.seq_kv))(lambda: values.producer_acquire(st))"),),
+           shows="x256"),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
     # of the plain kernels (prove_extracted.trace_plain) can refute it.

@@ -327,6 +327,7 @@ def main(argv=None) -> int:
     if args.fail_fast or args.jobs <= 1:
       results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
                          cache=cache, premise=premise, spent=spent, on_failure=failed)
+      held = _representatives_held(args, listing(), everything, cache, None, failed)
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed, then take the listing's order.
@@ -336,6 +337,7 @@ def main(argv=None) -> int:
         results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
                            cache=cache, early=early, premise=premise, spent=spent,
                            on_failure=failed)
+        held = _representatives_held(args, listing(), everything, cache, pool, failed)
   except (pe.ex.UnknownPrimitive, pe.ex.ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
@@ -379,6 +381,7 @@ def main(argv=None) -> int:
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "
         f"length of queries and keys, whole or ragged; the "
         f"causal backward's head by head and in L2 sections)")
+  print(held[1])
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.
@@ -396,7 +399,32 @@ def main(argv=None) -> int:
   print(format_spent(spent))
   # What a cold run costs and why: docs/decisions/prove-cold-time.md.
   print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
-  return 0 if proven == len(results) and every else 1
+  for line in held[0]:
+    print(f"DIFFERS: {line}")
+  return 0 if proven == len(results) and every and not held[0] else 1
+
+
+def _representatives_held(args, listed, everything, cache, pool, failed) -> tuple[list, str]:
+  """harness.proofs.representatives.check over the emitted configs of the
+  listed forward protocols, where the run proves representatives: (lines
+  naming the configs that differ, the summary line)."""
+  from harness.proofs import representatives
+  if args.mutant or args.fail_fast or args.every_config:
+    why = ("--mutant" if args.mutant else "--fail-fast" if args.fail_fast
+           else "--every-config, which proves each config's own program")
+    return [], f"every config at its own sizes: not compared with its representative ({why})"
+  chosen = {case for kind, case, _ in listed if kind == "forward"}
+
+  def work():
+    exact = [case for case, _ in forward_listing(args.experiments, every_config=True)]
+    return [(case, rep) for case, rep in representatives.matched(
+        exact, [case for kind, case, _ in everything if kind == "forward"]) if rep in chosen]
+
+  lines, summary = representatives.check(
+      work, pool=pool, cache=cache, key=repr((args.experiments, args.select)))
+  if lines:
+    failed(lines[0])
+  return lines, summary
 
 
 if __name__ == "__main__":

@@ -1,45 +1,42 @@
 """Every emitted config at its own sizes against the representative its case is proved at.
 
-``python -m harness prove`` traces each forward case at one representative
-config: block sizes, stages, head dims and the 16-bit dtype are taken not to
-change its program beyond what the case keeps (docs/proof.md, "What is
-assumed").  ``python -m harness.proofs.representatives`` tests that on every
-emitted config: each, traced at its own sizes and learned from its probes,
-must have its representative's program, up to the names of buffers and
-barriers (the shape the search checks).  It exits 1 naming each that does
-not.  A test, not a proof: (P) is proved for the representatives' kernels
-only; ``prove --every-config`` proves each config's own.
+``python -m harness prove`` traces each forward protocol at representative
+configs (:class:`harness.proofs.cases.Representatives`): block sizes,
+stages, head dims and the 16-bit dtype are taken not to change its program
+beyond what the case keeps, and a representative's block and tile are at
+least those of every config it stands for, so that its traces take every
+ragged remainder theirs can have.  After proving, ``prove`` checks the
+first part on every emitted config (:func:`check`): each, traced at its own
+sizes and learned from its probes, must have its representative's program,
+up to the names of buffers and barriers (the shape the search checks); a
+config that does not is named and fails the run.  ``prove --every-config``
+proves each config's own program instead.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import sys
 import time
 
 from harness.proofs import cases
 
 
-def representative_key(case: cases.ForwardCase):
-  """The key of the default case an exact one (``every_config``) refines."""
-  dtype = case.dtype if case.dtype.startswith("float8") else "bfloat16"
-  return dataclasses.replace(case, exact=False, dtype=dtype).key()
-
-
 def pairs(problems, representatives, *, differing_only: bool = False) -> list:
   """(exact case, its representative) for every config emitted for
-  ``problems`` (``representatives``: the default cases, by key);
+  ``problems`` (``representatives``: the listing's cases, whose
+  :class:`~harness.proofs.cases.Representatives` pick each config's);
   ``differing_only``: those whose block sizes, stages or head dims differ
   from their representative's."""
   sizes = lambda c: (c.block_q, c.block_kv, c.config_stages, c.layout_head_dim,
                      c.layout_head_dim_out)
-  out = []
-  for case, _ in cases.forward_cases(problems, every_config=True):
-    rep = representatives[representative_key(case)]
-    if not differing_only or sizes(case) != sizes(rep):
-      out.append((case, rep))
-  return out
+  exact = [case for case, _ in cases.forward_cases(problems, every_config=True)]
+  return [(case, rep) for case, rep in matched(exact, representatives)
+          if not differing_only or sizes(case) != sizes(rep)]
+
+
+def matched(exact_cases, representatives) -> list:
+  """(exact case, the case of ``representatives`` it is proved at) for each."""
+  reps = cases.Representatives(representatives)
+  return [(case, reps.of(case)) for case in exact_cases]
 
 
 def shape(case: cases.ForwardCase) -> str:
@@ -48,38 +45,41 @@ def shape(case: cases.ForwardCase) -> str:
   return pe.forward_program(case, premise=False).shape_digest()
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m harness.proofs.representatives",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--jobs", type=int, default=None,
-                      help="worker processes (default: the CPUs this process may run on)")
-  args = parser.parse_args(argv)
-  from harness.proofs import prove
-  jobs = args.jobs or prove.usable_cpus()
-  if jobs < 1:
-    parser.error(f"--jobs: {jobs} worker processes; give 1 or more")
-  start = time.perf_counter()
-  grid = prove.problem_grid()
-  representatives = {c.key(): c for c, _ in prove.forward_listing()}
-  work = pairs(grid, representatives)
+def compare(work, *, pool=None) -> tuple[list, int]:
+  """(the pairs of ``work`` whose config learns another program than its
+  representative, how many program shapes the representatives have);
+  ``pool``: an executor to learn them on."""
   todo = list(dict.fromkeys([rep for _, rep in work] + [case for case, _ in work]))
-  if jobs == 1:
+  if pool is None:
     shapes = {case: shape(case) for case in todo}
   else:
-    from harness.proofs import prove_extracted as pe
-    with pe.workers(jobs, fork=True) as pool:
-      shapes = dict(zip(todo, pool.map(shape, todo, chunksize=16)))
+    shapes = dict(zip(todo, pool.map(shape, todo, chunksize=16)))
   differ = [(case, rep) for case, rep in work if shapes[case] != shapes[rep]]
-  for case, rep in differ:
-    print(f"DIFFERS: {case.describe()} learns another program than {rep.describe()}")
-  print(f"{len(work) - len(differ)} of {len(work)} emitted configs, each at its own block "
-        f"sizes, stages, head dims and dtype, learn the program of the representative their "
-        f"case is proved at ({len(representatives)} cases; "
-        f"{len({shapes[c] for c, _ in work})} program shapes); wall time "
-        f"{time.perf_counter() - start:.1f} s ({jobs} worker(s))")
-  return 1 if differ else 0
+  return differ, len({shapes[rep] for _, rep in work})
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+def check(work, *, pool=None, cache=None, key: str = "") -> tuple[list[str], str]:
+  """``prove``'s check of ``work()`` (pairs as :func:`pairs` makes them): (a
+  line per config that learns another program than its representative, the
+  summary line).  ``cache`` keeps a run where every config agreed, under
+  ``key`` (the selection) and the listing's sources; a warm run does not
+  list the configs again."""
+  start = time.perf_counter()
+  entry = repr(("representatives", key))
+  hit = cache.get("listed", entry) if cache is not None else None
+  if hit is not None:
+    differ, (configs, shapes) = [], hit
+  else:
+    work = work()
+    differ, shapes = compare(work, pool=pool)
+    configs = len(work)
+    if cache is not None and not differ:
+      cache.put("listed", entry, (configs, shapes))
+  lines = [f"{case.describe()} learns another program than its representative, "
+           f"{rep.describe()}" for case, rep in differ]
+  summary = (f"every config at its own sizes: {configs - len(differ)} of {configs} emitted "
+             f"configs, each traced at its own block sizes, stages, head dims and dtype, "
+             f"learn the program of the representative their protocol is proved at "
+             f"({shapes} program shapes; {time.perf_counter() - start:.1f} s"
+             f"{', from the cache' if hit is not None else ''})")
+  return lines, summary

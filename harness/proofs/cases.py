@@ -239,7 +239,8 @@ class Representatives:
   64 cannot show a defect past 100 keys of a config at 256.  Per protocol
   the representatives are the emitted configs whose reach no other's
   exceeds (each the first emitted at its reach); a config is proved at the
-  first of them, widest keys first, that covers it."""
+  first of them, widest keys first, that covers it
+  (docs/decisions/proof-representatives-cover-every-remainder.md)."""
 
   def __init__(self, cases):
     self.by_protocol: dict = {}

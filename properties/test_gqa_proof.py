@@ -1,10 +1,12 @@
 """The proof at every grid point: the probes' traces have one batch and one
 query head, always the first of its group; the symbolic traces Z3 holds to
-the same tables have a grid of several batches and GQA groups
-(harness/proofs/prove_extracted.py's GQA_GRID), each grid index a variable
-from 0 up (harness/proofs/symbolic.py's grid_index).  A defect only
-at a query head past the first of its group proves on the probes' trace
-and is refuted there, naming the head, the buffer and the barrier."""
+the same tables have a grid of any number of batches, key/value heads and
+query heads per group (the forward's: harness/proofs/prove_extracted.py's
+GRID_COUNTS, symbolic dimensions) or of several of each (the backward's:
+GQA_GRID), each grid index a variable from 0 up
+(harness/proofs/symbolic.py's grid_index).  A defect only at a query head
+past the first of its group proves on the probes' trace and is refuted
+there, naming the head, its group, the buffer and the barrier."""
 
 import re
 
@@ -22,46 +24,48 @@ PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128
 GQA = "values_unacquired_past_a_groups_first_head"
 
 
-def test_the_symbolic_traces_have_groups_of_several_heads_in_several_batches():
-  """Every place in a group, more than one key/value head and batch: the
-  traced grid's sizes, and its head and batch indices every value from 0."""
-  grid = pe.GQA_GRID
-  group = grid["heads"] // grid["kv_heads"]
-  assert group >= 2 and grid["kv_heads"] >= 2 and grid["batch"] >= 2
-  assert grid["heads"] == group * grid["kv_heads"]
+def test_the_symbolic_traces_have_groups_of_any_size_in_any_batch():
+  """The forward's counts are symbolic: any group of query heads (from 1),
+  any number of key/value heads and batches (from 2: a count of 1 is read
+  at index 0, its only index); its head and batch indices every value
+  from 0."""
+  assert pe.GRID_COUNTS == {"batches": 2, "kv_heads": 2, "group": 1}
   for key_ranges in (True, False):
     (kernel,), dims = pe._every_length(ONE_TILE, ragged=False, key_ranges=key_ranges,
                                        modules=None)
+    assert set(pe.GRID_COUNTS) <= set(dims)
     launch = sy.extract_symbolic(kernel, dims)
     (head, heads), (batch, batches) = launch.grid["heads"], launch.grid["batch"]
-    assert (heads, batches) == (grid["heads"], grid["batch"])
+    assert heads is None   # group * kv_heads: a product of counts, any number
+    assert tm.evaluate(batches, {"dim.batches": 5}) == 7   # 2 and up
+    assert tm.evaluate(launch.counts["group"], {"dim.group": 0}) == 1
     # every index from 0 up, past the traced grid too (a launch's may be larger)
     assert tm.evaluate(head, {"axis.heads": 100}) == 100
     assert tm.evaluate(head, {"axis.heads": -3}) == 0
     assert tm.evaluate(batch, {"axis.batch": 1}) == 1
 
 
-def test_the_backward_is_traced_at_the_same_grid():
+def test_the_backward_is_traced_at_the_same_counts():
   """The dK/dV kernel's grid walks key/value heads and sums over each
   group's query heads; the dQ kernel's walks query heads: both traced
-  with GQA_GRID's."""
-  kernels, _ = pe.trace_backward_at(pe.BackwardCase(64, False, False, False))
-  grids = [dict(zip(k.params["meshes"][0].grid_names, k.params["meshes"][0].grid))
+  with the symbolic counts."""
+  kernels, dims = pe.trace_backward_at(pe.BackwardCase(64, False, False, False))
+  assert set(pe.GRID_COUNTS) <= set(dims)
+  grids = [dict(zip(k.params["meshes"][0].grid_names, map(str, k.params["meshes"][0].grid)))
            for k in kernels]
-  assert {"kv_heads": pe.GQA_GRID["kv_heads"], "batch": pe.GQA_GRID["batch"]}.items() <= \
-      grids[0].items(), grids
-  assert {"heads": pe.GQA_GRID["heads"], "batch": pe.GQA_GRID["batch"]}.items() <= \
-      grids[1].items(), grids
+  assert grids[0]["kv_heads"] == "kv_heads + 1" and grids[0]["batch"] == "batches + 1", grids
+  assert "group" in grids[1]["heads"] and grids[1]["batch"] == "batches + 1", grids
 
 
-def _refuted_head(err) -> int:
+def _refuted_head(err) -> tuple[int, int]:
+  """(head, group) of a refutation of GQA's defect."""
   text = str(err)
-  found = re.search(r"at grid point heads (\d+) of (\d+)", text)
-  assert found and int(found.group(1)) < int(found.group(2)), text   # inside the traced grid
+  found = re.search(r"at grid point heads (\d+) \(group (\d+)\)", text)
+  assert found, text
   assert "wait values.consumed[" in text   # the table's wait, missing from the kernel's
   assert "TMA load -> values[" in text
   assert f"kernel/forward/producer.mutant_{GQA}.py:" in text
-  return int(found.group(1))
+  return int(found.group(1)), int(found.group(2))
 
 
 def test_a_defect_past_a_groups_first_head_passes_the_probes_and_fails_z3():
@@ -76,13 +80,14 @@ def test_a_defect_past_a_groups_first_head_passes_the_probes_and_fails_z3():
   assert prog.z3 and prog.z3[0] > 0   # the probes' trace proves
   with pytest.raises(rp.PremiseError, match="reads key ranges, at every length") as err:
     pe.forward_program(ONE_TILE, modules=modules)
-  group = pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]
-  assert _refuted_head(err.value) % group != 0
+  head, group = _refuted_head(err.value)
+  assert head % group != 0
 
 
 def test_with_one_head_traced_the_defect_would_prove(monkeypatch):
   """What the grid buys: traced with one batch and one head, as the probes
   are, the same defect proves."""
+  monkeypatch.setattr(pe, "GRID_COUNTS", {})
   monkeypatch.setattr(pe, "GQA_GRID", {"batch": 1, "heads": 1, "kv_heads": 1})
   prog = pe.forward_program(ONE_TILE, modules=pmut.modules(GQA))
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
@@ -116,29 +121,30 @@ DQ_GQA = pmut.Mutant(
 
 
 def test_a_backward_defect_past_a_groups_first_head_is_refuted():
-  """The backward's dQ kernel, traced at GQA_GRID's heads, held to the
+  """The backward's dQ kernel, traced at the symbolic counts, held to the
   tables its one-head probes learned: a defect past a group's first head
   fails, naming the head."""
-  with pytest.raises(rp.PremiseError, match=r"at grid point heads (\d+) of") as err:
+  with pytest.raises(rp.PremiseError, match=r"at grid point heads (\d+)") as err:
     pe.backward_programs(pe.BackwardCase(64, False, False, False),
                          modules=pmut.modules(DQ_GQA))
-  head = int(re.search(r"at grid point heads (\d+) of", str(err.value)).group(1))
-  assert head % (pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]) != 0
+  found = re.search(r"at grid point heads (\d+).*\(group (\d+)", str(err.value))
+  assert found, str(err.value)
+  assert int(found.group(1)) % int(found.group(2)) != 0
   assert "TMA load -> " in str(err.value)
 
 
 def test_the_counterexamples_head_overwrites_a_value_slot(monkeypatch):
-  """Z3's counterexample is real: probed at that head of a traced group
-  (the probes' trace widened to one group of GQA_GRID's size, the probes'
-  range tables read per head), the extractor's events and the checker
-  show a value copy over a slot its readers have not released."""
+  """Z3's counterexample is real: probed at that head of a group of its
+  size (the probes' trace widened to one such group, the probes' range
+  tables read per head), the extractor's events and the checker show a
+  value copy over a slot its readers have not released."""
   from harness.proofs import extract
   from harness.proofs import extracted_proof as xp
   modules = pmut.modules(GQA)
   with pytest.raises(rp.PremiseError) as err:
     pe.forward_program(ONE_TILE, modules=modules)
-  group = pe.GQA_GRID["heads"] // pe.GQA_GRID["kv_heads"]
-  head = _refuted_head(err.value) % group   # the same place in a group of one kv head
+  head, group = _refuted_head(err.value)
+  head %= group   # the same place in a group of one kv head
   trace, extract_kernel, operands = extract.trace_forward, extract.extract_kernel, \
       pe._int_operands
   monkeypatch.setattr(extract, "trace_forward",

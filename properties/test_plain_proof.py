@@ -6,6 +6,7 @@ with its trip count a variable, and held against the ranged program's
 tables at every trip count and ring position."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -42,6 +43,8 @@ def _producer_loop(kernel, dims):
   return loop.hi
 
 
+# The grid's counts' variables (prove_extracted.GRID_COUNTS), in every trace's dims.
+COUNTS = {"batches": 1, "kv_heads": 1, "group": 1}
 # Every dimension variable at its least (symbolic.dim_term: lo + max(0, v)).
 LEAST = {f"dim.{n}": 0 for n in ("m", "mq", "sq", "r")}
 
@@ -53,7 +56,8 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   length (whole tiles and the rows short of the last) is a variable too."""
   for ragged in (False, True):
     (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=ragged)
-    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **({"r": (1, 127)} if ragged else {})}
+    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS,
+                    **({"r": (1, 127)} if ragged else {})}
     hi = _producer_loop(kernel, dims)
     assert "dim.m" in tm.serialise(hi) and "dim.mq" not in tm.serialise(hi), hi
     assert tm.evaluate(hi, LEAST) == 2   # the ring's stages, the ragged block counted
@@ -76,12 +80,13 @@ def test_a_persistent_block_walks_a_variable_count_of_tiles():
   have).  The split tail's too: its tile ids unpack by that variable, its
   entry table a stand-in of the host's, read as free values."""
   (kernel,), dims = pe.trace_plain(PERSISTENT, ragged=False)
-  assert dims == {"m": 1, "mq": 1, "sq": (1, 128)}
+  assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   walk = tm.serialise(units.tile.hi)
-  assert "dim.mq" in walk and "axis.sm" in walk, walk
-  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sq": (1, 128)}
+  # the tiles: batches * heads * mq, a product of counts (symbolic.dim_term)
+  assert re.search(r"dim\.\([^)]*mq", walk) and "axis.sm" in walk, walk
+  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
 
 
 def test_the_ranged_kernel_is_proved_at_every_length():
@@ -92,10 +97,11 @@ def test_the_ranged_kernel_is_proved_at_every_length():
   ragged key length bounds the unmasked blocks by a variable."""
   for ragged in (False, True):
     (kernel,), dims = pe.trace_ranged(PERSISTENT, ragged=ragged)
-    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **({"r": (1, 127)} if ragged else {})}
+    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS,
+                    **({"r": (1, 127)} if ragged else {})}
     units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                      persistent=True)
-    assert "dim.mq" in tm.serialise(units.tile.hi)
+    assert re.search(r"dim\.\([^)]*mq", tm.serialise(units.tile.hi))
   traced = []
   real = pe.trace_ranged
   with pytest.MonkeyPatch.context() as mp:
@@ -106,7 +112,7 @@ def test_the_ranged_kernel_is_proved_at_every_length():
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
   # the split tail's tile ids, unpacked by the symbolic count of tiles
   (kernel,), dims = pe.trace_ranged(SPLIT, ragged=True)
-  assert dims == {"m": 1, "mq": 1, "r": (1, 127), "sq": (1, 128)}
+  assert dims == {"m": 1, "mq": 1, "r": (1, 127), "sq": (1, 128), **COUNTS}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   (loop,) = units.loops
@@ -328,6 +334,13 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
   for bad in (a * b, a // 2, a % 3):
     with pytest.raises(extract.ExtractionError, match="not linear"):
       sy.dim_term(bad, {"a": 0, "b": 0})
+  # a product of counts, each at least 1 (a persistent walk's batch * heads
+  # * tiles): any value from 1, a variable named by it; not past a division
+  product = sy.dim_term(a * b + a, {"a": 1, "b": 2})
+  assert tm.evaluate(product, {"dim.(a*b + a)": -5}) == 1
+  assert tm.evaluate(product, {"dim.(a*b + a)": 6}) == 7
+  with pytest.raises(extract.ExtractionError, match="not linear"):
+    sy.dim_term((a * b) // 2, {"a": 1, "b": 1})
 
 
 def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
@@ -338,7 +351,7 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
   assert cut.ring_cut
   _, dims = pe.trace_plain(cut, ragged=False)
-  assert dims == {"mq": 1, "sq": (1, 128)}   # no key-length symbol
+  assert dims == {"mq": 1, "sq": (1, 128), **COUNTS}   # no key-length symbol
   prog = pe.forward_program(cut)
   assert prog.plain == tuple(pe.PLAIN_KERNELS)
   # a plain kernel whose producer keeps no ring position across tiles (so
@@ -376,7 +389,7 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
   for sectioned in (False, True):
     kernels, dims = pe.trace_backward_at(BACKWARD, (1, 63), 0, sectioned)
-    assert dims == {"mq": 1, "mk": 1, "rq": (1, 63)} and len(kernels) == len(progs)
+    assert dims == {"mq": 1, "mk": 1, "rq": (1, 63), **COUNTS} and len(kernels) == len(progs)
     assert (dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]) == hosts
   flat_case = pe.BackwardCase(64, False, False, True)
   (flat,) = pe.backward_programs(flat_case)

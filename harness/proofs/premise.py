@@ -293,6 +293,7 @@ class _Launch:
     self.prog, self.ring = prog, prog.ring
     self.persistent = prog.persistent
     self.grid = launch.grid
+    self.counts = launch.counts
     self.roles = {r.name: r for r in prog.roles}
     extra = sorted(set(launch.roles) - set(self.roles))
     if extra:
@@ -629,8 +630,8 @@ def _small(query, extra, found, grid=True):
 
 
 def _in_grid(grid: dict):
-  """Every grid index below its traced grid's size (where that is an int)."""
-  return tm.and_(*(tm.lt(term, size) for term, size in grid.values() if type(size) is int))
+  """Every grid index below its traced grid's size (a count's term where symbolic)."""
+  return tm.and_(*(tm.lt(term, size) for term, size in grid.values() if size is not None))
 
 
 def _item_terms(items):
@@ -676,8 +677,14 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
     grid = _grid_point(L.grid, items, value)
     if grid:
       ctx["grid"] = grid
+      # the counts the unit's events read (a group of heads), where symbolic
+      names = {a.args[0] for a in tm.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
+      counts = [f"{n} {value(t)}" for n, t in sorted(L.counts.items())
+                if f"dim.{n}" in names]
       lines.insert(1, "  at grid point " + ", ".join(
-          f"{axis} {i} of {size}" for axis, (i, size) in grid.items()))
+          f"{axis} {i}" + (f" of {value(size)}" if size is not None else "")
+          for axis, (i, size) in grid.items())
+          + (f" ({', '.join(counts)})" if counts else ""))
   return PremiseFailure("\n".join(lines), ctx)
 
 

@@ -138,7 +138,7 @@ MUTANTS = (
                  "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),),
            shows="3 compute warpgroups"),
     # GQA only: the probes' traces have one head, always the first of its
-    # group; the symbolic traces' grid (prove_extracted.GQA_GRID) has every
+    # group; the symbolic traces' grid (prove_extracted.GRID_COUNTS) has every
     # place in a group.
     Mutant("values_unacquired_past_a_groups_first_head",
            "the producer copies values without waiting for their slot's release when the "

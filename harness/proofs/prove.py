@@ -367,15 +367,16 @@ def main(argv=None) -> int:
           f"protocols and {len(items) - forward} of {len(everything) - every_forward} backward "
           f"launch kinds; the others are not proved by this run")
   # What the launch programs above are not: docs/proof.md, "What is not proved".
-  grid = pe.GQA_GRID
   print(f"calls with lengths, a window or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
         f"or ragged, beyond the probes' one")
   # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
-  # what the grid costs: docs/decisions/proof-traces-every-grid-point.md.
+  # what the counts cost: docs/decisions/proof-traces-every-grid-point.md.
+  counts = pe.GRID_COUNTS
   print(f"every grid point: each such proof, and the plain kernels' below, at every batch, "
-        f"query head and key/value head of {grid['batch']} batches of {grid['heads']} query "
-        f"heads in groups of {grid['heads'] // grid['kv_heads']}, beyond the probes' first")
+        f"query head and key/value head of any number of batches (from {counts['batches']}) "
+        f"and key/value heads (from {counts['kv_heads']}) in groups of any number of query "
+        f"heads (from {counts['group']}), beyond the probes' first")
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "
@@ -414,6 +415,8 @@ def _representatives_held(args, listed, everything, cache, pool, failed) -> tupl
            else "--every-config, which proves each config's own program")
     return [], f"every config at its own sizes: not compared with its representative ({why})"
   chosen = {case for kind, case, _ in listed if kind == "forward"}
+  if not chosen:
+    return [], "every config at its own sizes: no forward protocol selected"
 
   def work():
     exact = [case for case, _ in forward_listing(args.experiments, every_config=True)]

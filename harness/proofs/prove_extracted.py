@@ -378,7 +378,8 @@ def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules)
   # the last tile's rows short of whole: the kernel never asks whether
   # they are, so one trace takes whole and ragged queries
   dims["sq"] = (0, case.tile_q - 1)
-  return _trace_symbolic(case, dims, floor, key_ranges=key_ranges, modules=modules)
+  return _trace_symbolic(case, {**dims, **GRID_COUNTS}, floor, key_ranges=key_ranges,
+                         modules=modules)
 
 
 def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
@@ -407,16 +408,36 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
                                  kv_blocks=blocks + (1 if "r" in symbols else 0),
                                  head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                                  bias=case.bias, mask=case.mask, key_ranges=key_ranges,
-                                 module=modules.forward, num_sms=PROBE_SMS, **GQA_GRID)
+                                 module=modules.forward, num_sms=PROBE_SMS,
+                                 **_grid_counts(symbols))
   return [kernel], variables
 
 
-# The batch and heads every symbolic trace has: groups of GQA_GRID's
-# heads // kv_heads query heads over more than one key/value head, in
-# more than one batch, so that a grid index read as a variable
-# (harness/proofs/symbolic.py's grid_index) takes every place in a group.
-# The probes' traces have one of each (their events at every other grid
-# point are held to the same tables here).
+# The counts of every symbolic trace's grid (the forward's and the
+# backward's), symbolic dimensions from these lower bounds (_grid_counts):
+# batches, key/value heads, and the group of query heads over each, so
+# that a grid index read as a variable (symbolic.grid_index) takes every
+# place in a group of every size.  The probes' traces have one of each
+# (their events at every other grid point are held to the same tables).
+# A count of 1 is left out for batches and key/value heads only:
+# kernel/common.py's batch_head reads a dim of 1 at index 0, its only
+# index, so the trace at 2 and more stands for it (docs/proof.md, "What is
+# assumed").
+GRID_COUNTS = {"batches": 2, "kv_heads": 2, "group": 1}
+
+
+def _grid_counts(symbols: dict) -> dict:
+  """trace_forward's batch, heads and kv_heads: the symbols of
+  :data:`GRID_COUNTS` where traced, else :data:`GQA_GRID`'s."""
+  if "group" not in symbols:
+    return GQA_GRID
+  return {"batch": symbols["batches"], "kv_heads": symbols["kv_heads"],
+          "heads": symbols["kv_heads"] * symbols["group"]}
+
+
+# Counts where the host needs integers while the trace's are symbolic (the
+# split tail's entry table, built at these and read as global-memory
+# indices), and the trace's own where GRID_COUNTS is emptied (a test).
 GQA_GRID = {"batch": 2, "heads": 8, "kv_heads": 2}
 
 
@@ -554,12 +575,18 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
 
   def schedule(f, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
     if config.schedule == "split-tail":
-      order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config, batch=batch,
-                           num_heads=num_heads, num_tiles=stand_in_tiles, num_sms=num_sms,
-                           **lengths)
-      # the traced tiles, which the kernel's tile ids unpack by; the merge
-      # of pieces after the kernel, which the proof does not read, left out
-      return dataclasses.replace(order, num_tiles=num_tiles, split=np.zeros(0, np.int32),
+      # at GQA_GRID's counts where the traced ones are symbolic: the table's
+      # tile ids are global-memory indices, read as the kernel reads them
+      order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config,
+                           batch=batch if isinstance(batch, int) else GQA_GRID["batch"],
+                           num_heads=(num_heads if isinstance(num_heads, int)
+                                      else GQA_GRID["heads"]),
+                           num_tiles=stand_in_tiles, num_sms=num_sms, **lengths)
+      # the traced tiles and counts, which the kernel's tile ids unpack by;
+      # the merge of pieces after the kernel, which the proof does not
+      # read, left out
+      return dataclasses.replace(order, num_tiles=num_tiles, batch=batch, num_heads=num_heads,
+                                 split=np.zeros(0, np.int32),
                                  piece_slots=np.zeros((0, 0), np.int32)), tables
     if config.schedule != "longest-first":
       return host(f, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
@@ -1206,7 +1233,7 @@ def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = Fa
   # each remainder as (rows per unit, units, a tail of 1 to 7 rows)
   rems = {n: (8, r.units, r.tail) if isinstance(r, Eights) else (1, r, False)
           for n, r in (("rq", rem_q), ("rk", rem_k))}
-  dims = {"mq": 1, "mk": 1}
+  dims = {"mq": 1, "mk": 1, **GRID_COUNTS}
   dims.update({n: units for n, (_, units, _) in rems.items() if isinstance(units, tuple)})
   dims.update({"t" + n[1]: (1, 7) for n, (_, _, tail) in rems.items() if tail})
   symbols, variables = _symbols(dims)
@@ -1218,7 +1245,8 @@ def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = Fa
         case.head_dim, causal=case.causal, bias=case.bias, fuse_dq=case.fuse_dq,
         seq_q=whole_q * symbols["mq"] + symbols["rq"],
         seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=ranges,
-        modules=modules, fixed_point=case.fixed_point, unpadded=case.unpadded, **GQA_GRID)
+        modules=modules, fixed_point=case.fixed_point, unpadded=case.unpadded,
+        **_grid_counts(symbols))
   return kernels, variables
 
 

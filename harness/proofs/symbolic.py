@@ -101,6 +101,8 @@ class SymLaunch:
   threads: dict
   # grid axis -> (its index's term, its size), for a counterexample's words
   grid: dict = dataclasses.field(default_factory=dict)
+  # symbolic dimension -> its term (dim_term), for a counterexample's words
+  counts: dict = dataclasses.field(default_factory=dict)
 
 
 def _need(value, what: str, src: str):
@@ -176,7 +178,11 @@ def dim_term(dim, bounds: dict, src: str = ""):
   term: symbol s of bound ``lo`` is ``lo + max(0, v_s)``, every value from
   the lower bound the trace was made under up; of bounds ``(lo, hi)``
   (a ragged remainder) ``min(lo + max(0, v_s), hi)``, every value between
-  them.  Only a linear expression of the symbols is a term."""
+  them.  A linear expression of the symbols is a term; a sum of their
+  products (of grid counts, such as a persistent walk's batch * heads *
+  tiles) is a variable of its own, named by the expression, every value
+  from 1 up: wider than the product, so what holds for it holds for the
+  product; anything else (a division, a max) is refused."""
   if isinstance(dim, int):
     return dim
   names = sorted(dim._get_vars())
@@ -188,9 +194,28 @@ def dim_term(dim, bounds: dict, src: str = ""):
   try:
     out = dim._evaluate(env)
   except _NotLinear:
-    raise ex.ExtractionError(f"{src}: symbolic dimension {dim} is not linear in its "
-                             f"symbols") from None
+    if not _counts_product(dim, bounds):
+      raise ex.ExtractionError(f"{src}: symbolic dimension {dim} is not linear in its "
+                               f"symbols") from None
+    return _bounded(tm.var(f"dim.({dim})"), 1)
   return out.term if isinstance(out, _Linear) else _dim_int(out)
+
+
+def _counts_product(dim, bounds: dict) -> bool:
+  """Whether ``dim`` is a sum of products of symbols, each at least 1 by
+  ``bounds``, with positive coefficients and a constant >= 0: at least 1."""
+  least = lambda v: bounds[v][0] if isinstance(bounds[v], tuple) else bounds[v]
+  terms = dim._sorted_terms
+  return all(count > 0 and all(f.var is not None and least(f.var) >= 1 for f, _ in term._factors)
+             for term, count in terms if not term.is_constant) \
+      and all(count >= 0 for term, count in terms if term.is_constant)
+
+
+def _by_a_dimension(name: str, a, b):
+  """``a`` times, or divided toward zero by (div, rem), ``b``, a term that
+  reads a symbolic dimension (at least 1): exact, Z3 deciding the product
+  (:func:`harness.proofs.terms.mul_by`, :func:`harness.proofs.terms.div_by`)."""
+  return {"mul": tm.mul_by, "div": tm.div_by, "rem": tm.rem_by}[name](a, b)
 
 
 def _bounded(v, bound):
@@ -266,10 +291,9 @@ class _SymInterp(ex._Interp):
       out = {"mul": tm.mul, "div": tm.div, "rem": tm.rem}[name](a, b)
       if out is None and tm.is_int(a) and tm.is_int(b) and (
               _by_dimension(b) if name != "mul" else _by_dimension(a) or _by_dimension(b)):
-        # by (or times) a symbolic dimension, a tile count of a plain
-        # trace: a value of its operands, any value (an uninterpreted
-        # function)
-        return tm.read(f"{name} by a dimension", (a, b))
+        # by (or times) a symbolic dimension: a tile count of a plain
+        # trace, a group of heads
+        return _by_a_dimension(name, a, b)
       return self._unexpressed(name, eqn, prog) if out is None else out
     return {"eq": tm.eq, "ne": tm.ne, "lt": tm.lt, "le": tm.le, "gt": tm.gt,
             "ge": tm.ge}[name](a, b)
@@ -645,6 +669,16 @@ def grid_sizes(kernel_eqn) -> dict:
   return dict(zip(getattr(mesh, "grid_names", ()) or (), getattr(mesh, "grid", ()) or ()))
 
 
+def _size_term(n, dims):
+  """A grid's size as a term: an int, a linear expression of the symbolic
+  counts, or None (a product of counts: N = K * group heads)."""
+  if isinstance(n, int):
+    return n
+  term = dim_term(n, dims)
+  return None if any(a.op == "var" and a.args[0].startswith("dim.(")
+                     for a in tm.atoms_of(term)) else term
+
+
 def grid_index(axis: str):
   """Grid index ``axis`` as a term: every value from 0 up, past the traced
   grid's size too (a launch's grid may be larger: more blocks of a
@@ -674,8 +708,9 @@ def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
       if any(True for _ in _items_events(items)):
         roles[role] = items
         threads[role] = 32 if ".warp" in role else 128
-  grid = {a: (grid_index(a), n) for a, n in grid_sizes(kernel_eqn).items()}
-  return SymLaunch(roles, threads, grid)
+  grid = {a: (grid_index(a), _size_term(n, dims or {})) for a, n in grid_sizes(kernel_eqn).items()}
+  counts = {name: _bounded(tm.var("dim." + name), bound) for name, bound in (dims or {}).items()}
+  return SymLaunch(roles, threads, grid, counts)
 
 
 # -- units --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 _TABLE: dict = {}      # structural key -> the one term with it (hash-consing)
 _OPS = {op: i for i, op in enumerate(
-    "var div rem pos ite read lin lt0 le0 eq0 not and or".split())}
+    "var div rem pos ite read lin lt0 le0 eq0 not and or mul".split())}
 
 
 _KEEP: dict = {}       # the entries of the variables made with permanent_var
@@ -77,8 +77,9 @@ class _Term:
 
 
 class Atom(_Term):
-  """op: var (name), div / rem (Lin, positive int), pos (Lin), ite (Bool, term,
-  term), read (buffer name, index terms)."""
+  """op: var (name), div / rem (Lin, positive int or a term at least 1:
+  :func:`div_by`), mul (two terms: :func:`mul_by`), pos (Lin), ite (Bool,
+  term, term), read (buffer name, index terms)."""
 
   __slots__ = ("op", "args", "one")
 
@@ -88,6 +89,8 @@ class Atom(_Term):
       return a[0]
     if self.op in ("div", "rem"):
       return f"{self.op}({a[0]!r}, {a[1]})"
+    if self.op == "mul":
+      return f"({a[0]!r}) * ({a[1]!r})"
     if self.op == "pos":
       return f"max(0, {a[0]!r})"
     if self.op == "ite":
@@ -259,6 +262,24 @@ def div(a, c):
   if c < 0:
     return neg(div(a, -c))
   return of_atom(_atom("div", (a, c)))
+
+
+def div_by(a, d):
+  """C division of ``a`` by ``d``, a term at least 1 (a count of the grid:
+  a group of heads): exact, Z3 deciding the product of quotient and divisor."""
+  return div(a, d) if type(d) is int else of_atom(_atom("div", (a, d)))
+
+
+def mul_by(a, d):
+  """``a`` times ``d``, a term that reads a count of the grid: exact, Z3
+  deciding the product (a trip count of a group's heads)."""
+  out = mul(a, d)
+  return of_atom(_atom("mul", (a, d))) if out is None else out
+
+
+def rem_by(a, d):
+  """C remainder of ``a`` by ``d``, a term at least 1 (:func:`div_by`)."""
+  return rem(a, d) if type(d) is int else of_atom(_atom("rem", (a, d)))
 
 
 def rem(a, c):
@@ -601,9 +622,11 @@ def _subst_atom(a: Atom, mapping, memo, rebuild=None):
     if all(_same(x, y) for x, y in zip(args, a.args)):
       out = of_atom(a)
     elif a.op == "div":
-      out = div(args[0], args[1])
+      out = div_by(args[0], args[1])
     elif a.op == "rem":
-      out = rem(args[0], args[1])
+      out = rem_by(args[0], args[1])
+    elif a.op == "mul":
+      out = mul_by(args[0], args[1])
     elif a.op == "pos":
       out = pos(args[0])
     elif a.op == "ite":
@@ -708,9 +731,12 @@ def _eval_atom(a, values, reads):
   v = evaluate(a.args[0], values, reads)
   if a.op == "pos":
     return max(0, v)
+  d = evaluate(a.args[1], values, reads)
+  if a.op == "mul":
+    return v * d
   if a.op == "div":
-    return _cdiv(v, a.args[1])
-  return v - a.args[1] * _cdiv(v, a.args[1])
+    return _cdiv(v, d)
+  return v - d * _cdiv(v, d)
 
 
 # -- Z3 --------------------------------------------------------------------------
@@ -772,8 +798,10 @@ def smt2(query) -> str:
       f = name(f"read.{buf}.{len(idx)}")
       decls[f] = f"(declare-fun {f} ({' '.join(['Int'] * len(idx))}) Int)"
       out = f"({f} {' '.join(term(i) for i in idx)})" if idx else f
-    else:  # div / rem by a positive constant, truncating toward zero
-      v, c = term(a.args[0]), a.args[1]
+    elif a.op == "mul":
+      out = f"(* {term(a.args[0])} {term(a.args[1])})"
+    else:  # div / rem by a positive constant or term, truncating toward zero
+      v, c = term(a.args[0]), term(a.args[1])
       k = len(decls)
       q, r = f"|q.{k}|", f"|r.{k}|"
       decls[q], decls[r] = f"(declare-const {q} Int)", f"(declare-const {r} Int)"
@@ -859,9 +887,11 @@ class Z3Terms:
         f = self.funcs[(buf, len(idx))] = z3.Function(
             f"read.{buf}", *([z3.IntSort()] * (len(idx) + 1)))
       out = f(*[self(i) for i in idx]) if idx else f()
-    else:  # div / rem by a positive constant, truncating toward zero
+    elif a.op == "mul":
+      out = self(a.args[0]) * self(a.args[1])
+    else:  # div / rem by a positive constant or term, truncating toward zero
       v = self(a.args[0])
-      c = a.args[1]
+      c = self(a.args[1])
       n = len(self.memo)
       q, r = z3.Int(f"q{n}"), z3.Int(f"r{n}")
       self.side += [v == c * q + r,

@@ -82,6 +82,7 @@ import numpy as np
 
 from kernel.call import (EVERY_DTYPE, FP8_DTYPES, AttentionShapes, Call, bfloat16, float16,
                          float32)
+from kernel.masks import Mask
 from kernel.tiling.plan import FP8_P_SCALE_LOG2
 
 # jax.nn.dot_product_attention's arguments beyond the logits', and the
@@ -175,7 +176,9 @@ def key_visibility(call: Call) -> np.ndarray:
 
   * query_seq_lengths (B,): row i takes part only if i < len[b];
   * key_value_seq_lengths (B,): key j only if j < len[b];
-  * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right;
+  * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right
+    (with causal, kernel.masks.Mask.keep: the element definition the kernels'
+    key ranges, block bounds and selects are held to);
   * q_segment_ids (B, T), kv_segment_ids (B, S): q_ids[b, i] == kv_ids[b, j].
   """
   B, N, T, S = call.shapes.logits_shape
@@ -186,26 +189,21 @@ def key_visibility(call: Call) -> np.ndarray:
   visible = np.ones((B, N, T, S), dtype=bool)
   if mask is not None:
     visible &= np.broadcast_to(np.asarray(mask, dtype=bool), visible.shape)
-  j = np.arange(S)
-  if is_causal:
-    i = np.arange(T)
-    visible &= (j[None, :] <= i[:, None])[None, None]
+  i, j = np.arange(T), np.arange(S)
+  static = Mask(seq_q=T, seq_kv=S, causal=bool(is_causal), window=window)
+  visible &= static.keep(i[:, None], j[None, :])[None, None]
   if k_start is not None:
     start = np.broadcast_to(np.asarray(k_start).astype(np.int64), (B, N, T))
     visible &= j >= start[..., None]
   if k_end is not None:
     end = np.broadcast_to(np.asarray(k_end).astype(np.int64), (B, N, T))
     visible &= j < end[..., None]
-  i = np.arange(T)
   if query_seq_lengths is not None:
     q_len = np.asarray(query_seq_lengths).astype(np.int64)
     visible &= (i[None, :] < q_len[:, None])[:, None, :, None]
   if key_value_seq_lengths is not None:
     kv_len = np.asarray(key_value_seq_lengths).astype(np.int64)
     visible &= (j[None, :] < kv_len[:, None])[:, None, None, :]
-  if window is not None:
-    left, right = window
-    visible &= ((i[:, None] - left <= j[None, :]) & (j[None, :] <= i[:, None] + right))[None, None]
   if q_segment_ids is not None:
     q_ids = np.asarray(q_segment_ids).astype(np.int64)
     kv_ids = np.asarray(kv_segment_ids).astype(np.int64)

@@ -96,8 +96,12 @@ class ForwardContext(common.OperandRefs):
     return self.threshold == 1.0
 
   @property
+  def ragged_kv(self) -> bool:
+    return self.f.seq_kv % self.config.block_kv != 0
+
+  @property
   def has_edge(self) -> bool:
-    return self.f.mask.edge_blocks(self.block_kv) or self.key_ranges
+    return self.f.mask.causal or self.ragged_kv or self.key_ranges
 
   @property
   def stage_bias(self) -> bool:

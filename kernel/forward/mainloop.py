@@ -96,7 +96,7 @@ def plain_blocks(c: ForwardContext, t: Tile):
   blocks inside every range keep the unmasked path
   (docs/decisions/forward-plain-blocks-under-key-ranges.md)."""
   return c.f.mask.plain_blocks(
-      t.lb, t.ub, q_base=t.q_base, block_kv=c.block_kv, edge=c.has_edge,
+      t.lb, t.ub, q_base=t.q_base, block_kv=c.block_kv, ragged=c.ragged_kv, edge=c.has_edge,
       k_start_max=None if t.k_start is None else t.k_start_max,
       k_end_min=None if t.k_end is None else t.k_end_min)
 

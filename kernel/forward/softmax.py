@@ -72,8 +72,8 @@ def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
     return s, sc
   s = s * sc
   s = masked_logits(f.mask, s, q_base=t.q_base, k_base=k_base, edge=edge,
-                    k_start=t.k_start, k_start_max=t.k_start_max, k_end=t.k_end,
-                    k_end_min=t.k_end_min)
+                    ragged=c.ragged_kv, k_start=t.k_start, k_start_max=t.k_start_max,
+                    k_end=t.k_end, k_end_min=t.k_end_min)
   if c.stage_mask:
     keep = staged_tile(c, t, "mask", ki)
     s = jnp.where(keep != 0, s, NEG_INF)

@@ -60,7 +60,7 @@ class Mask:
 
   def keep(self, rows, keys):
     """Whether row ``rows`` may see key ``keys``, element by element
-    (NumPy, jax.numpy or ints, broadcast against each other): the
+    (NumPy, jax.numpy or ints; the result broadcasts against both): the
     definition every bound below agrees with."""
     keep = keys < self.seq_kv
     if self.causal:
@@ -92,15 +92,6 @@ class Mask:
     return first - left, min(last + right + 1, self.seq_kv)
 
   # -- the key blocks of a query tile --------------------------------------------
-
-  def ragged(self, block_kv: int) -> bool:
-    """Whether the last key block holds padded keys (past seq_kv)."""
-    return self.seq_kv % block_kv != 0
-
-  def edge_blocks(self, block_kv: int) -> bool:
-    """Whether some key block of a tile needs a select without key ranges:
-    the blocks that reach the diagonal or the padded keys."""
-    return self.causal or self.ragged(block_kv)
 
   def key_blocks(self, qi, *, tile_q: int, block_kv: int, k_start_min=None, k_end_max=None):
     """Key blocks [lb, ub) that query tile ``qi`` (rows ``qi * tile_q`` on)
@@ -139,20 +130,21 @@ class Mask:
                              k_end_max=end_max)
     return ub - lb
 
-  def plain_blocks(self, lb, ub, *, q_base, block_kv: int, edge: bool, k_start_max=None,
-                   k_end_min=None):
+  def plain_blocks(self, lb, ub, *, q_base, block_kv: int, ragged: bool, edge: bool,
+                   k_start_max=None, k_end_min=None):
     """(lo, hi): of key blocks [lb, ub), those [lo, hi) no row of a
     compute warpgroup's rows (``q_base`` on) needs masked: entirely below
-    the diagonal for its first row, holding no padded key, and inside
-    every row's key range (from the largest start, ``k_start_max``, to the
-    smallest end, ``k_end_min``, where given).  Traced int32.  ``edge``:
-    whether any block may need a select (else hi stays as it is)."""
+    the diagonal for its first row, holding no padded key (``ragged``: the
+    launch's last block holds some), and inside every row's key range (from
+    the largest start, ``k_start_max``, to the smallest end, ``k_end_min``,
+    where given).  Traced int32.  ``edge``: whether any block may need a
+    select (else hi stays as it is)."""
     lax, jnp = _jax()
     kv = jnp.int32(block_kv)
     lo, hi = lb, ub
     if self.causal:
       hi = lax.min(hi, lax.div(q_base + 1, kv))
-    if self.ragged(block_kv):
+    if ragged:
       hi = lax.min(hi, jnp.int32(self.seq_kv // block_kv))
     if k_end_min is not None:
       hi = lax.min(hi, lax.div(lax.max(k_end_min, 0), kv))

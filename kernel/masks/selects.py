@@ -24,14 +24,15 @@ def _iota(shape, dim):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
 
-def masked_logits(mask: Mask, s, *, q_base, k_base, edge: bool, k_start=None,
-                  k_start_max=None, k_end=None, k_end_min=None):
+def masked_logits(mask: Mask, s, *, q_base, k_base, edge: bool, ragged: bool,
+                  k_start=None, k_start_max=None, k_end=None, k_end_min=None):
   """The forward's (rows, keys) WGMMA tile of logits ``s`` (rows
   ``q_base`` on, keys ``k_base`` on), -inf where the pair does not count.
   ``edge``: the block may reach the diagonal or the padded keys, which are
-  masked only then; ``k_start``/``k_end``: the rows' key ranges (None:
-  none), each masked only on the blocks that cross the tile's largest
-  start (``k_start_max``) or smallest end (``k_end_min``)."""
+  masked only then (``ragged``: the launch's last key block holds padded
+  keys); ``k_start``/``k_end``: the rows' key ranges (None: none), each
+  masked only on the blocks that cross the tile's largest start
+  (``k_start_max``) or smallest end (``k_end_min``)."""
   shape = s.shape
   block_kv = shape[1]
   key = k_base + _iota(shape, 1)
@@ -40,7 +41,7 @@ def masked_logits(mask: Mask, s, *, q_base, k_base, edge: bool, k_start=None,
     # backward: the forward has registers to spare, and the asm select was
     # slower in it (docs/decisions/forward-index-array-masks.md).
     s = jnp.where(q_base + _iota(shape, 0) >= key, s, NEG_INF)
-  if edge and mask.ragged(block_kv):
+  if edge and ragged:
     s = lax.cond(k_base + block_kv > mask.seq_kv,
                  lambda: jnp.where(key < mask.seq_kv, s, NEG_INF), lambda: s)
   if k_start is not None:

@@ -3,7 +3,7 @@ for, and packed-sequence segment ids, mapped onto per-row key ranges.
 
 The kernel takes per-query-row key ranges ``[k_start, k_end)`` and skips, per
 query tile, every key block outside the union of its rows' ranges
-(``kernel.common.kv_block_range``; the backward honours them too).  Every
+(``kernel.masks.Mask.key_blocks``; the backward honours them too).  Every
 variant below is such a range, so it costs no global-memory read per logit
 and skips the blocks it excludes:
 

@@ -1,5 +1,6 @@
 """kernel.masks.Mask against the definition of which keys a row sees, by
-brute force over every (row, key) pair at ragged lengths: its element
+brute force over every (row, key) pair at ragged lengths, with a window and
+chunked attention (FlashAttention-3's ``attention_chunk``): its element
 select is the definition, and its row ranges and block bounds are exactly
 the blocks that hold a kept pair (CPU, NumPy)."""
 
@@ -10,6 +11,7 @@ import numpy as np
 from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
+from harness.numerics.reference import attention_reference
 from kernel.masks import Mask
 
 
@@ -19,23 +21,29 @@ def _keep(mask: Mask, rows, keys) -> np.ndarray:
 
 
 def _definition(mask: Mask) -> np.ndarray:
-  """(seq_q, seq_kv) bool: row i sees key j, as jax.nn defines it."""
+  """(seq_q, seq_kv) bool: row i sees key j, as jax.nn defines causal and
+  the window, and FlashAttention-3 chunked attention."""
   i, j = np.mgrid[:mask.seq_q, :mask.seq_kv]
   keep = ~(mask.causal & (j > i))
   if mask.window is not None:
     left, right = mask.window
     keep &= (i - left <= j) & (j <= i + right)
+  if mask.chunk is not None:
+    keep &= j // mask.chunk == i // mask.chunk
   return keep
 
 
 @st.composite
 def masks(draw) -> Mask:
-  """A mask at ragged lengths: causal or not, with or without a window."""
+  """A mask at ragged lengths: causal or not, with or without a window,
+  with or without a chunk (chunked attention: causal with a chunk)."""
   seq_q, seq_kv = draw(st.integers(1, 300), label="seq_q"), draw(st.integers(1, 300),
                                                                    label="seq_kv")
   window = draw(st.none() | st.tuples(st.integers(0, 150), st.integers(0, 150)),
                 label="window")
-  return Mask(seq_q, seq_kv, causal=draw(st.booleans(), label="causal"), window=window)
+  chunk = draw(st.none() | st.integers(1, 200), label="chunk")
+  return Mask(seq_q, seq_kv, causal=draw(st.booleans(), label="causal"), window=window,
+              chunk=chunk)
 
 
 def _blocks_seen(keep: np.ndarray, block: int, axis: int) -> np.ndarray:
@@ -56,13 +64,13 @@ def _span(seen: np.ndarray) -> tuple[int, int]:
   return (int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, 0)
 
 
-@settings(max_examples=hs.examples(40), deadline=None)
+@settings(max_examples=hs.examples(80), deadline=None)
 @given(mask=masks(), tile_q=st.sampled_from([64, 128]), block_kv=st.sampled_from([64, 128]))
 def test_the_bounds_are_the_blocks_that_hold_a_kept_pair(mask, tile_q, block_kv):
   """keep is the definition; each real tile's static weight
   (tile_blocks) is the span of key blocks its rows keep a pair in, and its
   key_blocks without key ranges the span causal alone leaves; the window's
-  row ranges hold exactly its rows' keys."""
+  and the chunk's row ranges hold exactly their rows' keys."""
   note(mask)
   rows, keys = np.arange(mask.seq_q), np.arange(mask.seq_kv)
   keep = _keep(mask, rows, keys)
@@ -73,36 +81,62 @@ def test_the_bounds_are_the_blocks_that_hold_a_kept_pair(mask, tile_q, block_kv)
   for qi in range(-(-mask.seq_q // tile_q)):
     tile = slice(qi * tile_q, (qi + 1) * tile_q)
     lo, hi = _span(per_row[tile].any(axis=0))
-    assert mask.tile_blocks(qi, tile_q=tile_q, block_kv=block_kv) == hi - lo, qi
+    got = mask.tile_blocks(qi, tile_q=tile_q, block_kv=block_kv)
+    # A tile whose rows' ranges all start past the last key, inside the
+    # last (ragged) block, still visits that block, all of it masked.
+    assert got == hi - lo or (hi == lo and got == 1 and mask.seq_kv % block_kv), qi
     assert mask.key_blocks(qi, tile_q=tile_q, block_kv=block_kv) == _span(
         causal_only[tile].any(axis=0)), qi
-  if mask.window is not None:
-    start, end = mask.window_range(rows)
-    ranged = (start[:, None] <= keys[None, :]) & (keys[None, :] < end[:, None])
-    assert (ranged == _keep(Mask(mask.seq_q, mask.seq_kv, window=mask.window), rows,
-                            keys)).all()
+  for kind, ranges in (("window", mask.window_range), ("chunk", mask.chunk_range)):
+    if getattr(mask, kind) is not None:
+      start, end = ranges(rows.astype(np.int32))
+      ranged = (start[:, None] <= keys[None, :]) & (keys[None, :] < end[:, None])
+      alone = Mask(mask.seq_q, mask.seq_kv, **{kind: getattr(mask, kind)})
+      assert (ranged == _keep(alone, rows, keys)).all(), kind
 
 
-@settings(max_examples=hs.examples(25), deadline=None)
+@settings(max_examples=hs.examples(50), deadline=None)
 @given(mask=masks(), block_q=st.sampled_from([64, 128]), key_tile=st.sampled_from([64, 128]))
-def test_a_key_tiles_first_query_block_is_the_first_that_sees_it(mask, block_q, key_tile):
-  """first_query_block is the first query block (padded rows seeing as
-  the diagonal lets them) with a row that sees the key tile, causal alone;
-  key_tile_blocks counts every block from it on, without a window."""
-  mask = Mask(mask.seq_q, mask.seq_kv, causal=mask.causal)
+def test_a_key_tiles_query_blocks_are_those_that_see_it(mask, block_q, key_tile):
+  """key_tile_blocks counts the query blocks (padded rows included) with a
+  row that sees the key tile: without a window or a chunk the padded rows
+  see as the diagonal lets them, and first_query_block is the first such
+  block; with either, the padded rows see what the last real row sees
+  (they copy its key range)."""
+  note(mask)
   num_blocks = -(-mask.seq_q // block_q)
   rows, keys = np.arange(num_blocks * block_q), np.arange(mask.seq_kv)
-  per_key = _blocks_seen(_keep(mask, rows, keys), block_q, axis=0)
+  keep = _keep(mask, rows, keys).copy()
+  ranged = mask.window is not None or mask.chunk is not None
+  if ranged:
+    keep[mask.seq_q:] = keep[mask.seq_q - 1]
+  per_key = _blocks_seen(keep, block_q, axis=0)
   for tile in range(-(-mask.seq_kv // key_tile)):
     seen = per_key[:, tile * key_tile:(tile + 1) * key_tile].any(axis=1)
-    first = _span(seen)[0] if seen.any() else num_blocks   # the kernel clips it there
-    got = int(mask.first_query_block(jnp.int32(tile), key_tile=key_tile, block_q=block_q))
-    assert min(got, num_blocks) == first, tile
     assert mask.key_tile_blocks(tile, key_tile=key_tile, block_q=block_q,
-                                num_blocks=num_blocks) == num_blocks - first, tile
+                                num_blocks=num_blocks) == seen.sum(), tile
+    if not ranged:
+      first = _span(seen)[0] if seen.any() else num_blocks   # the kernel clips it there
+      got = int(mask.first_query_block(jnp.int32(tile), key_tile=key_tile, block_q=block_q))
+      assert min(got, num_blocks) == first, tile
 
 
-@settings(max_examples=hs.examples(25), deadline=None)
+def test_the_reference_reads_chunked_attention_from_the_mask():
+  """The float64 reference under ``attention_chunk`` sees exactly the
+  chunked keys (j // C == i // C, j <= i) and computes what a dense mask of
+  them gives, at ragged lengths."""
+  rng = np.random.default_rng(7)
+  T, S, C = 77, 93, 16
+  q, k, v = (rng.standard_normal(shape) for shape in ((1, T, 2, 8), (1, S, 1, 8), (1, S, 1, 8)))
+  i, j = np.mgrid[:T, :S]
+  dense = (j // C == i // C) & (j <= i)
+  chunked = attention_reference(q, k, v, is_causal=True, attention_chunk=C)
+  assert (chunked.visible == dense).all()
+  masked = attention_reference(q, k, v, None, np.broadcast_to(dense, (1, 1, T, S)))
+  np.testing.assert_array_equal(chunked.out, masked.out)
+
+
+@settings(max_examples=hs.examples(50), deadline=None)
 @given(mask=masks(), data=st.data())
 def test_the_plain_blocks_need_no_select(mask, data):
   """Every pair of a block plain_blocks leaves unmasked, for every row of
@@ -122,7 +156,7 @@ def test_the_plain_blocks_need_no_select(mask, data):
   rows = np.arange(q_base, q_base + block_q)
   for block in range(int(lo), int(hi)):
     keys = np.arange(block * block_kv, (block + 1) * block_kv)
-    kept = _keep(mask, rows, keys)
+    kept = _keep(mask, rows, keys).copy()
     if k_start_max is not None:
       kept &= keys[None, :] >= k_start_max
     if k_end_min is not None:

@@ -1,6 +1,7 @@
 """The static mask of one call as one record (:class:`Mask`), and what
 follows from it: which keys a query row may see (:meth:`Mask.keep`,
-:meth:`Mask.window_range`), the key blocks a query tile visits
+:meth:`Mask.window_range`, :meth:`Mask.chunk_range`), the key blocks a
+query tile visits
 (:meth:`Mask.key_blocks`) and those it can take unmasked
 (:meth:`Mask.plain_blocks`), the query blocks that see a key tile, and the
 tiles' weights the schedules deal by.
@@ -41,14 +42,23 @@ class Mask:
 
   Row i sees key j iff j < seq_kv, and j <= i under ``causal`` (aligned
   top-left, as jax.nn's), and i - left <= j <= i + right under jax.nn's
-  local ``window`` (left, right).  The kernels read the window as the key
-  ranges kernel/key_ranges.py made of it (traced operands); the record
-  keeps it so that the schedules can weigh a windowed tile."""
+  local ``window`` (left, right), and j // C == i // C under ``chunk`` = C
+  (FlashAttention-3's ``attention_chunk``: with causal, chunked attention,
+  causal inside each chunk of C positions).  The kernels read the window
+  as the key ranges kernel/key_ranges.py made of it (traced operands); the
+  record keeps it so that the schedules can weigh a windowed tile.  The
+  chunk is a row range too (:meth:`chunk_range`), not yet an argument of
+  the API."""
 
   seq_q: int
   seq_kv: int
   causal: bool = False
   window: tuple[int, int] | None = None
+  chunk: int | None = None
+
+  def __post_init__(self):
+    if self.chunk is not None and self.chunk < 1:
+      raise ValueError(f"chunk: expected a positive number of positions, got {self.chunk!r}")
 
   @classmethod
   def of(cls, problem) -> Mask:
@@ -68,6 +78,8 @@ class Mask:
     if self.window is not None:
       left, right = self._window_sides()
       keep = keep & (rows - left <= keys) & (keys <= rows + right)
+    if self.chunk is not None:
+      keep = keep & (keys // self.chunk == rows // self.chunk)
     return keep
 
   def _window_sides(self) -> tuple[int, int]:
@@ -81,15 +93,35 @@ class Mask:
     left, right = self._window_sides()
     return rows - np.int32(left), rows + np.int32(right + 1)
 
+  def chunk_range(self, rows):
+    """[start, end) of the keys in the chunk of each of ``rows``, not cut
+    to the keys there are (int32 for int32 rows)."""
+    size = np.int32(self.chunk)
+    start = rows // size * size
+    return start, start + size
+
+  def _row_keys(self, row: int) -> tuple[int, int]:
+    """[start, end) of the keys the window and the chunk let ``row`` see,
+    not cut to the keys there are (Python ints; one of them set)."""
+    starts, ends = [], []
+    if self.window is not None:
+      left, right = self.window
+      starts.append(row - left)
+      ends.append(row + right + 1)
+    if self.chunk is not None:
+      starts.append(row // self.chunk * self.chunk)
+      ends.append(starts[-1] + self.chunk)
+    return max(starts), min(ends)
+
   def tile_keys(self, qi: int, tile: int) -> tuple[int | None, int | None]:
-    """(start min, end max) of the keys the window lets query tile ``qi``'s
-    real rows see (rows ``qi * tile`` on): the tile bounds kernel.padding
-    gives the window's key ranges.  (None, None) without a window."""
-    if self.window is None:
+    """(start min, end max) of the keys the window and the chunk let query
+    tile ``qi``'s real rows see (rows ``qi * tile`` on): the tile bounds
+    kernel.padding gives their key ranges (a row's start and end never
+    fall).  (None, None) without either."""
+    if self.window is None and self.chunk is None:
       return None, None
-    left, right = self.window
     first, last = qi * tile, min((qi + 1) * tile, self.seq_q) - 1
-    return first - left, min(last + right + 1, self.seq_kv)
+    return self._row_keys(first)[0], min(self._row_keys(last)[1], self.seq_kv)
 
   # -- the key blocks of a query tile --------------------------------------------
 
@@ -123,8 +155,8 @@ class Mask:
 
   def tile_blocks(self, qi: int, *, tile_q: int, block_kv: int) -> int:
     """How many key blocks query tile ``qi`` visits by what is known when
-    tracing (causal, the key length, the window): a schedule's weight of
-    the tile.  Other key ranges only narrow it."""
+    tracing (causal, the key length, the window, the chunk): a schedule's
+    weight of the tile.  Other key ranges only narrow it."""
     start_min, end_max = self.tile_keys(qi, tile_q)
     lb, ub = self.key_blocks(qi, tile_q=tile_q, block_kv=block_kv, k_start_min=start_min,
                              k_end_max=end_max)
@@ -168,20 +200,28 @@ class Mask:
     rows included) see key tile ``tile`` (keys ``tile * key_tile`` on) by
     what is known when tracing: a schedule's weight of the tile.
 
-    Without a window every block from :meth:`first_query_block`'s on.
-    Under a window the band its rows' key ranges give (kernel.padding's
-    query_block_ranges): only the tile's real keys count, only real rows
-    have a window, and the padded rows copy the last real row's range, so
-    the blocks of padded rows alone count exactly when that row sees the
-    tile."""
+    Without a window or a chunk every block from
+    :meth:`first_query_block`'s on.  Under either, the band the rows' key
+    ranges give (kernel.padding's query_block_ranges): only the tile's real
+    keys count, only real rows have a range, and the padded rows copy the
+    last real row's, so the blocks of padded rows alone count exactly when
+    that row sees the tile.  The rows that see keys [a, b] are an interval,
+    each bound's own: from a - right and a's chunk's first row, up to
+    b + left and b's chunk's last row."""
     first, last = (tile * key_tile if self.causal else 0), num_blocks * block_q - 1
-    if self.window is None:
+    if self.window is None and self.chunk is None:
       return _visible_blocks(first, last, block_q, num_blocks)
-    left, right = self.window
     keys_end = min((tile + 1) * key_tile, self.seq_kv)
     if keys_end <= tile * key_tile:
       return 0
-    first, last = max(first, tile * key_tile - right), min(self.seq_q - 1, keys_end - 1 + left)
+    a, b = tile * key_tile, keys_end - 1
+    last = self.seq_q - 1
+    if self.window is not None:
+      left, right = self.window
+      first, last = max(first, a - right), min(last, b + left)
+    if self.chunk is not None:
+      first = max(first, a // self.chunk * self.chunk)
+      last = min(last, (b // self.chunk + 1) * self.chunk - 1)
     seen = _visible_blocks(first, last, block_q, num_blocks)
     if first <= self.seq_q - 1 <= last:
       seen += num_blocks - _cdiv(self.seq_q, block_q)

@@ -1,8 +1,7 @@
 """The static mask of one call as one record (:class:`Mask`), and what
 follows from it: which keys a query row may see (:meth:`Mask.keep`,
 :meth:`Mask.window_range`, :meth:`Mask.chunk_range`), the key blocks a
-query tile visits
-(:meth:`Mask.key_blocks`) and those it can take unmasked
+query tile visits (:meth:`Mask.key_blocks`) and those it can take unmasked
 (:meth:`Mask.plain_blocks`), the query blocks that see a key tile, and the
 tiles' weights the schedules deal by.
 

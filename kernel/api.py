@@ -168,7 +168,7 @@ def resolve_backward(call: Call, problem: plan_lib.Problem,
   (kernel.tiling.heuristics.get_backward_config)."""
   dims = backward_plan.computed_head_dims(call.shapes.H, call.shapes.Hv,
                                           narrow_rows=variant.narrow_rows)
-  blocks = get_backward_config(*dims, is_causal=problem.is_causal,
+  blocks = get_backward_config(*dims, causal=problem.mask.causal,
                                schedule=variant.backward_schedule,
                                fuse_dq_causal=variant.fuse_dq_causal, fuse_dq=variant.fuse_dq,
                                whole_tiles=variant.backward_whole_tiles)

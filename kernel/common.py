@@ -1,7 +1,7 @@
 """What the forward and backward kernels share: Mosaic GPU layouts and
 constants, scratch allocation from kernel/tiling/plan.py's buffer descriptions,
-broadcast loads, and the key-block range every actor of a kernel must agree
-on."""
+broadcast loads, and a split-tail piece's cut of a tile's key blocks (the
+blocks themselves are the mask's: kernel.masks.Mask.key_blocks)."""
 
 from __future__ import annotations
 
@@ -132,33 +132,6 @@ def is_2d(operand) -> bool:
   return shape[2] != 1 and shape[3] != 1
 
 
-def kv_block_range(qi, *, tile_q, block_kv, seq_q, seq_kv, is_causal,
-                   k_start_min=None, k_end_max=None):
-  """Key blocks [lb, ub) that query tile ``qi`` (rows ``qi * tile_q`` on)
-  must visit.
-
-  Shared by the memory and every compute warpgroup (they must agree), and by
-  the proof's environments (harness/proofs/prove_extracted.py).  Works on
-  Python ints and traced int32 scalars.
-  """
-  num_blocks = -(-seq_kv // block_kv)
-  lb, ub = 0, num_blocks
-  _max = max if isinstance(qi, int) else lax.max
-  _min = min if isinstance(qi, int) else lax.min
-  cdiv = (lambda a, b: -(-a // b)) if isinstance(qi, int) else (
-      lambda a, b: lax.div(a + (b - 1), jnp.int32(b)))
-  if is_causal:
-    last_row = _min((qi + 1) * tile_q, seq_q)  # exclusive
-    ub = _min(ub, cdiv(last_row, block_kv))
-  if k_start_min is not None:
-    lb = _max(lb, lax.div(lax.max(k_start_min, 0), jnp.int32(block_kv))
-              if not isinstance(k_start_min, int) else max(k_start_min, 0) // block_kv)
-  if k_end_max is not None:
-    ub = _min(ub, cdiv(_max(k_end_max, 0), block_kv))
-  ub = _max(ub, lb)  # an empty range, never a negative one
-  return lb, ub
-
-
 def piece_block_range(lb, ub, lo, hi):
   """A tile's key blocks [lb, ub) cut to a split-tail piece's [lo, hi)
   (kernel/tiling/schedule.py), never a negative range.  Shared by the memory and
@@ -168,18 +141,6 @@ def piece_block_range(lb, ub, lo, hi):
   _max, _min = (max, min) if ints else (lax.max, lax.min)
   lb = _max(lb, lo)
   return lb, _max(lb, _min(ub, hi))
-
-
-def window_tile_keys(qi: int, tile: int, window: tuple[int, int], *, seq_q: int,
-                     seq_kv: int) -> tuple[int, int]:
-  """(start min, end max) of the keys jax.nn's local ``window`` (left,
-  right) lets query tile ``qi``'s rows see (rows ``qi * tile`` up to the
-  last real one): the tile bounds kernel.padding.key_ranges gives the
-  window's row ranges, as the forward's and the dQ kernel's schedules weigh
-  a windowed tile."""
-  left, right = window
-  first, last = qi * tile, min((qi + 1) * tile, seq_q) - 1
-  return first - left, min(last + right + 1, seq_kv)
 
 
 # A key range starting here marks a row the forward kernel writes NaN

@@ -77,9 +77,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, backward="
   return api.attend(call, config=config, deterministic=deterministic, variant=variant)
 
 
-def chosen_config(query, key, value, bias=None, mask=None, *, is_causal=False,
-                  k_start=None, k_end=None, device_kind=None, stage_2d=True):
-  """:func:`kernel.api.chosen_config` with ``stage_2d``."""
-  return api.chosen_config_source(query, key, value, bias, mask, is_causal=is_causal,
-                                  k_start=k_start, k_end=k_end, device_kind=device_kind,
+def chosen_config(query, key, value, bias=None, mask=None, *, stage_2d=True, **kwargs):
+  """:func:`kernel.api.chosen_config` with ``stage_2d``; every other argument
+  as there."""
+  return api.chosen_config_source(query, key, value, bias, mask, **kwargs,
                                   variant=variant_of(stage_2d=stage_2d))[0]

@@ -3,7 +3,7 @@ for, and packed-sequence segment ids, mapped onto per-row key ranges.
 
 The kernel takes per-query-row key ranges ``[k_start, k_end)`` and skips, per
 query tile, every key block outside the union of its rows' ranges
-(``kernel.common.kv_block_range``; the backward honours them too).  Every
+(``kernel.masks.Mask.key_blocks``; the backward honours them too).  Every
 variant below is such a range, so it costs no global-memory read per logit
 and skips the blocks it excludes:
 
@@ -13,8 +13,9 @@ and skips the blocks it excludes:
 * ``key_value_seq_lengths`` (B,): ``k_end = min(k_end, len[b])``.
 * ``local_window_size`` (left, right), or w for (w, w): row i sees keys
   ``i - left <= j <= i + right`` (positions top-left aligned, as jax.nn's
-  window and causal mask), so ``[i - left, i + right + 1)``.  Combined with
-  ``is_causal`` by intersection, as in jax.nn.
+  window and causal mask), so ``[i - left, i + right + 1)``
+  (kernel.masks.Mask.window_range).  Combined with the causal mask by
+  intersection, as in jax.nn.
 * ``q_segment_ids`` (B, T), ``kv_segment_ids`` (B, S): row i sees only the
   keys whose id equals its own.  With ``segment_layout="contiguous"`` (the
   default) each id is assumed to occupy ONE contiguous run of
@@ -57,6 +58,7 @@ import numpy as np
 
 from kernel.common import POISONED_START
 from kernel.call import AttentionShapes, Call
+from kernel.masks import Mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,10 +212,9 @@ def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
   starts, ends, single_run = [], [], None
   i = np.arange(T, dtype=np.int32)[None, None, :]
   if window is not None:
-    # Beyond T + S a window is everything; clipping keeps i +- w inside int32.
-    left, right = (int(min(w, T + S + 2)) for w in window)
-    starts.append(i - np.int32(left))
-    ends.append(i + np.int32(right + 1))
+    start, end = Mask(seq_q=T, seq_kv=S, window=window).window_range(i)
+    starts.append(start)
+    ends.append(end)
   if key_value_seq_lengths is not None:
     kv_len = jnp.clip(jnp.asarray(key_value_seq_lengths), -1, S).astype(jnp.int32)
     ends.append(kv_len[:, None, None])

@@ -1,6 +1,6 @@
 """The backward kernels apply the causal mask only on the steps whose tile
-meets the diagonal (kernel.backward.scores.meets_diagonal); every other step runs
-without it.  That is right only if a step the predicate lets through has no
+meets the diagonal (kernel.masks.selects.meets_diagonal); every other step
+runs without it.  That is right only if a step the predicate lets through has no
 pair the mask would drop.  CPU: the predicate is index arithmetic the kernels
 trace, checked here on Python ints and on traced int32 against every pair of
 the tile."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from kernel.backward import scores as bwd_scores
+from kernel.masks import selects
 
 
 def _pairs_the_mask_drops(key_base, num_keys, query_base, num_queries):
@@ -27,8 +27,8 @@ def _pairs_the_mask_drops(key_base, num_keys, query_base, num_queries):
 def test_a_step_off_the_diagonal_has_nothing_to_mask(key_base, num_keys, query_base,
                                                      num_queries):
   dropped = _pairs_the_mask_drops(key_base, num_keys, query_base, num_queries)
-  meets = bwd_scores.meets_diagonal(key_base, num_keys, query_base)
-  traced = jax.jit(bwd_scores.meets_diagonal, static_argnums=1)(
+  meets = selects.meets_diagonal(key_base, num_keys, query_base)
+  traced = jax.jit(selects.meets_diagonal, static_argnums=1)(
       jnp.int32(key_base), num_keys, jnp.int32(query_base))
   assert bool(traced) == meets
   # Sound: a step run without the mask drops nothing.  Tight: a step that
@@ -40,10 +40,10 @@ def test_a_step_off_the_diagonal_has_nothing_to_mask(key_base, num_keys, query_b
 def test_the_predicate_sees_the_corners():
   """The tile whose last key is the block's first query is below the
   diagonal; one key further is on it."""
-  assert not bwd_scores.meets_diagonal(0, 64, 63)
-  assert bwd_scores.meets_diagonal(0, 64, 62)
-  assert bwd_scores.meets_diagonal(64, 64, 0)
-  assert not bwd_scores.meets_diagonal(0, 128, 127)
+  assert not selects.meets_diagonal(0, 64, 63)
+  assert selects.meets_diagonal(0, 64, 62)
+  assert selects.meets_diagonal(64, 64, 0)
+  assert not selects.meets_diagonal(0, 128, 127)
 
 
 BLOCK_Q, KEY_TILE = 64, 128   # the dK/dV kernel's streamed query block and key tile

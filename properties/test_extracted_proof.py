@@ -367,20 +367,20 @@ def test_a_failure_is_reported_when_found(jobs):
 
 
 def test_only_the_mask_selects_count_as_register_only():
-  """kernel/backward/masks.py's selects (causal, key limit) run under data-dependent
-  conds (the diagonal and edge steps): the extractor lets them pass as
-  register-only, while any other inline_mgpu there still counts as
-  synchronisation."""
+  """kernel/masks/register_selects.py's selects (causal, key limit) run
+  under data-dependent conds (the diagonal and edge steps): the extractor
+  lets them pass as register-only, while any other inline_mgpu there still
+  counts as synchronisation."""
   import jax
   import jax.numpy as jnp
   import jax.experimental.pallas.mosaic_gpu as plgpu
-  from kernel.backward import masks
+  from kernel.masks import register_selects
 
   x = jnp.zeros((64, 128), jnp.float32)
-  select = jax.make_jaxpr(lambda x: masks.causal_select(
+  select = jax.make_jaxpr(lambda x: register_selects.causal_select(
       x, key_base=0, query_base=3, key_dim=1, fill=0.0))(x)
   assert not extract._has_sync(select.jaxpr)
-  limit = jax.make_jaxpr(lambda x: masks.key_limit_select(
+  limit = jax.make_jaxpr(lambda x: register_selects.key_limit_select(
       x, key_base=0, limit=100, key_dim=1, fill=0.0))(x)
   assert not extract._has_sync(limit.jaxpr)
 

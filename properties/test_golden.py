@@ -275,10 +275,11 @@ def test_a_variant_case_reaches_the_api_and_lowers_for_cuda(spec, monkeypatch):
 
 def _key_blocks_visited(spec) -> tuple[int, int]:
   """(visited, plain): key blocks the forward's loop runs over every query
-  tile of every batch row and head (kernel.common.kv_block_range on the
+  tile of every batch row and head (kernel.masks.Mask.key_blocks on the
   ranges kernel/key_ranges.py makes, with the config the case runs on this
   host), and the same count for the call without the case's variants."""
-  from kernel import common, padding
+  from kernel import padding
+  from kernel.masks import Mask
   case = spec.build()
   config = golden.config_used(spec)
   block_q, block_kv = config["block_q"], config["block_kv"]
@@ -291,8 +292,8 @@ def _key_blocks_visited(spec) -> tuple[int, int]:
                               for x in tiles)
 
   def blocks(qi, **ranges):
-    lo, hi = common.kv_block_range(qi, tile_q=2 * block_q, block_kv=block_kv, seq_q=t,
-                                   seq_kv=s, is_causal=case.is_causal, **ranges)
+    lo, hi = Mask(t, s, causal=case.is_causal).key_blocks(qi, tile_q=2 * block_q,
+                                                          block_kv=block_kv, **ranges)
     return hi - lo
 
   visited = sum(blocks(qi, k_start_min=int(start_min[bi, h, qi]),

@@ -446,7 +446,7 @@ def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):
                             is_causal=is_causal, **kw)
   estimates = backward_plan.smem_estimates(*plan.backward_head_dims(d, dv),
                                       np.dtype(ml_dtypes.bfloat16), with_bias=with_bias,
-                                      is_causal=is_causal)
+                                      causal=is_causal)
   # The backward's launches are lowered after the forward, in launch order.
   counted = lowered.kernel_smem[-len(estimates):]
   assert len(lowered.kernel_smem) == 1 + len(estimates), lowered.kernel_smem  # forward first

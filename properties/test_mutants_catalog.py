@@ -97,7 +97,7 @@ def test_a_hang_is_stopped_and_the_test_named(tmp_path):
   limit and reported as a hang naming the test (a source patch of the test
   file stands in for a kernel that hangs)."""
   name = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
-  first = "assert not bwd_scores.meets_diagonal(0, 64, 63)"
+  first = "assert not selects.meets_diagonal(0, 64, 63)"
   sleeper = mutants.Mutant("sleeper", "hang", (anchors.edit(
       "test_the_predicate_sees_the_corners", first, f"import time\ntime.sleep(120)\n{first}"),),
       (name,), within="properties/test_causal_skip.py")
@@ -255,7 +255,7 @@ def test_the_empty_tile_carry_case_has_empty_tiles_before_others_on_one_sm():
   of the same block on the H200's 132 SMs: otherwise the empty tile's query
   release and token pass run nowhere and their mutants cannot be killed."""
   from harness.tools.mutant_run import carry_cases
-  from kernel.common import kv_block_range
+  from kernel.masks import Mask
   ((_, fc, cfg),) = [c for c in carry_cases() if c[0] == "key-ranges-with-empty-tiles"]
   assert cfg.persistent
   batch, seq_q, heads = fc.query.shape[:3]
@@ -265,10 +265,10 @@ def test_the_empty_tile_carry_case_has_empty_tiles_before_others_on_one_sm():
 
   def empty(b, h, qi):
     rows = slice(qi * tile, (qi + 1) * tile)
-    lb, ub = kv_block_range(qi, tile_q=cfg.tile_q, block_kv=cfg.block_kv, seq_q=seq_q,
-                            seq_kv=fc.key.shape[1], is_causal=fc.is_causal,
-                            k_start_min=int(fc.k_start[b, h, rows].min()),
-                            k_end_max=int(fc.k_end[b, h, rows].max()))
+    lb, ub = Mask(seq_q, fc.key.shape[1], causal=fc.is_causal).key_blocks(
+        qi, tile_q=cfg.tile_q, block_kv=cfg.block_kv,
+        k_start_min=int(fc.k_start[b, h, rows].min()),
+        k_end_max=int(fc.k_end[b, h, rows].max()))
     return ub == lb
 
   sms = 132

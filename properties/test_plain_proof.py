@@ -456,20 +456,20 @@ def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
   """The range test's two branches must read the rows alike: one that reads
   them twice is refused, naming the cond's line."""
   m = pmut.Mutant("edge_step_reads_its_rows_twice", "the edge branch computes its terms twice",
-                  (edit("_masked_terms", "terms(keep_of(causal, True))",
+                  (edit("masked_terms", "terms(keep_of(causal, True))",
                         "(terms(keep_of(causal, True)), terms(keep_of(causal, True)))[0]"),),
                   kernel="backward")
   modules = pmut.modules(m)
   with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
     pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=modules)
-  assert "kernel/backward/" in str(err.value), err.value
+  assert "kernel/masks/selects." in str(err.value), err.value
   # the symbolic run refuses it alike, naming the first access that differs
   _, kernels = pe.trace_backward(64, causal=False, bias=False, fuse_dq=True, seq_q=256,
                                  seq_kv=256, modules=modules)
   with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
     for kernel in kernels:
       sy.extract_symbolic(kernel)
-  assert "against" in str(err.value) and "kernel/backward/" in str(err.value), err.value
+  assert "against" in str(err.value) and "kernel/masks/selects." in str(err.value), err.value
 
 
 def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():
@@ -477,7 +477,7 @@ def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():
   (in one section) count the host's units and tiles."""
   import jax.numpy as jnp
   from kernel.tiling import backward_plan, plan as plan_lib
-  blocks = backward_plan.blocks_for(64, 64, is_causal=True)
+  blocks = backward_plan.blocks_for(64, 64, causal=True)
   f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True, scale=0.125)
   shared = dict(batch=4, group=1, t_pad=8192, s_pad=8192, head_dims=(64, 64),
                 dtype=jnp.bfloat16, num_sms=132)

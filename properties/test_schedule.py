@@ -18,7 +18,7 @@ import pytest
 from hypothesis import example, given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
-from kernel import common
+from kernel.masks import Mask
 from kernel.tiling import schedule
 from kernel.tiling.plan import Problem
 
@@ -41,9 +41,8 @@ def launches(draw):
   per_head = s_pad * 256 * 2
   section = draw(st.sampled_from([per_head, 3 * per_head, schedule.L2_SECTION_BYTES]),
                  label="section_bytes")
-  blocks = lambda qi: np.subtract(*common.kv_block_range(
-      qi, tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
-      is_causal=causal)[::-1])
+  blocks = lambda qi: np.subtract(*Mask(seq_q, seq_kv, causal=causal).key_blocks(
+      qi, tile_q=2 * block_q, block_kv=block_kv)[::-1])
   # With the SMs given, the sections may be evened (longest_first).
   num_sms = draw(st.sampled_from([None, 3, 16, 132]), label="num_sms")
   order = schedule.longest_first(
@@ -140,8 +139,8 @@ def test_a_last_section_of_few_heads_is_evened_where_the_deal_predicts_it_pays()
   def launch(seq, batch, num_sms):
     tiles = -(-seq // 128)
     s_pad = tiles * 128
-    blocks = lambda qi: np.subtract(*common.kv_block_range(
-        qi, tile_q=128, block_kv=128, seq_q=seq, seq_kv=seq, is_causal=True)[::-1])
+    blocks = lambda qi: np.subtract(*Mask(seq, seq, causal=True).key_blocks(
+        qi, tile_q=128, block_kv=128)[::-1])
     return schedule.longest_first(batch=batch, num_heads=16, num_kv_heads=16,
                                   num_tiles=tiles, tile_blocks=blocks,
                                   kv_bytes_per_head=s_pad * 512, num_sms=num_sms)
@@ -174,8 +173,8 @@ def test_deferring_the_light_tiles_shortens_the_modelled_d256_tail():
   """The model's case for deferred_light (its docstring): d256 causal, 8
   heads, B1, 9522 tokens, 128-row tiles, 64-key blocks."""
   seq, tiles = 9522, -(-9522 // 128)
-  blocks = lambda qi: np.subtract(*common.kv_block_range(
-      qi, tile_q=128, block_kv=64, seq_q=seq, seq_kv=seq, is_causal=True)[::-1])
+  blocks = lambda qi: np.subtract(*Mask(seq, seq, causal=True).key_blocks(
+      qi, tile_q=128, block_kv=64)[::-1])
   order = schedule.longest_first(batch=1, num_heads=8, num_kv_heads=8, num_tiles=tiles,
                                  tile_blocks=blocks, kv_bytes_per_head=-(-seq // 64) * 64 * 1024,
                                  num_sms=132)
@@ -349,8 +348,8 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
   for causal in (False, True):
     f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=causal,
                   scale=0.1)
-    blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=causal)
-    fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=causal)
+    blocks = backward_plan.blocks_for(head_dim, head_dim, causal=causal)
+    fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=causal)
     common_args = dict(batch=batch, group=heads // kv_heads, t_pad=seq, s_pad=seq,
                        head_dims=(head_dim, head_dim), dtype="bfloat16", num_sms=132)
     dkv = bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=kv_heads, fused=fused,
@@ -386,18 +385,18 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
   blocks per key tile from the tables a local window's key ranges give
   (kernel.padding, padded as attention_backward pads them, read as
   _at_key_tile reads them), and the dQ kernel's key blocks per query tile
-  from kernel.common.kv_block_range, for every rank of the launch order."""
+  from kernel.masks.Mask.key_blocks, for every rank of the launch order."""
   import jax.numpy as jnp
   from kernel import padding, key_ranges as variants
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   from kernel.call import AttentionShapes
-  blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=causal)
+  blocks = backward_plan.blocks_for(head_dim, head_dim, causal=causal)
   whole = lambda n, m: -(-n // m) * m
   t_pad, s_pad = whole(seq_q, blocks.query_multiple), whole(seq_kv, blocks.key_multiple)
   f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq_q, seq_kv, is_causal=causal,
-                  scale=0.1)
+              scale=0.1, window=(left, right))
   shapes = AttentionShapes(B=1, T=seq_q, S=seq_kv, N=group, K=1, H=head_dim, Hv=head_dim)
   ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
   ks, ke, (start_min, _, _, end_max) = padding.key_ranges(
@@ -411,14 +410,13 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
     first = j * blocks.dkv_tile // blocks.dkv_stream_q if causal else 0
     start, stop = max(first, int(lo[0, 0, j])), min(nq, int(hi[0, 0, j]))
     steps.append(group * max(stop - start, 0))
-  assert bwd_dkv.key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad,
-                                   window=(left, right)) == steps
+  assert bwd_dkv.key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad) == steps
   qi = jnp.arange(t_pad // blocks.dq_tile, dtype=jnp.int32)
-  lb, ub = common.kv_block_range(
-      qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
-      seq_kv=seq_kv, is_causal=causal, k_start_min=start_min[0, 0], k_end_max=end_max[0, 0])
+  lb, ub = Mask(seq_q, seq_kv, causal=causal).key_blocks(
+      qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, k_start_min=start_min[0, 0],
+      k_end_max=end_max[0, 0])
   steps = np.maximum(np.asarray(ub) - np.asarray(lb), 0)[::-1].tolist()
-  assert bwd_dq.query_tile_weights(f, blocks, t_pad=t_pad, window=(left, right)) == steps
+  assert bwd_dq.query_tile_weights(f, blocks, t_pad=t_pad) == steps
 
 
 @pytest.mark.parametrize("head_dim,seq,batch,heads,window", [
@@ -433,15 +431,15 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
-  f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=True,
-                  scale=0.1)
-  blocks = backward_plan.blocks_for(head_dim, head_dim, is_causal=True)
-  fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=True)
+  f = lambda w: Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=True,
+                        scale=0.1, window=w)
+  blocks = backward_plan.blocks_for(head_dim, head_dim, causal=True)
+  fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=True)
   args = dict(batch=batch, group=1, t_pad=seq, s_pad=seq, head_dims=(head_dim, head_dim),
               dtype="bfloat16", num_sms=132)
-  dkv = lambda w: bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=heads, fused=fused,
-                                            window=w, **args)
-  dq = lambda w: bwd_dq.dq_launch_order(f, blocks, num_heads=heads, window=w, **args)
+  dkv = lambda w: bwd_dkv.dkv_launch_order(f(w), blocks, num_kv_heads=heads, fused=fused,
+                                            **args)
+  dq = lambda w: bwd_dq.dq_launch_order(f(w), blocks, num_heads=heads, **args)
   assert dkv(window) is None and dq(window) is None
   assert dq(None) is not None
   assert (dkv(None) is not None) == (not fused)
@@ -490,7 +488,7 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
     grids.clear()
     f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 512, 768, is_causal=False,
                   scale=0.1)
-    blocks = backward_plan.blocks_for(64, 64, is_causal=False)
+    blocks = backward_plan.blocks_for(64, 64, causal=False)
     sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
     dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None,
                                                       None, None)
@@ -505,8 +503,8 @@ def _d256_causal(seq, batch):
   """The longest-first order of d256 causal, 8 heads, 128-row tiles over
   64-key blocks, and light_last_gain's keywords for it."""
   tiles, s_pad = -(-seq // 128), -(-seq // 64) * 64
-  blocks = lambda qi: np.subtract(*common.kv_block_range(
-      qi, tile_q=128, block_kv=64, seq_q=seq, seq_kv=seq, is_causal=True)[::-1])
+  blocks = lambda qi: np.subtract(*Mask(seq, seq, causal=True).key_blocks(
+      qi, tile_q=128, block_kv=64)[::-1])
   order = schedule.longest_first(batch=batch, num_heads=8, num_kv_heads=8, num_tiles=tiles,
                                  tile_blocks=blocks, kv_bytes_per_head=s_pad * 1024,
                                  num_sms=132)

@@ -68,7 +68,7 @@ def _expected_launches(case) -> int:
     return 1
   _, _, _, H, _, _ = case.dims
   return 1 + len(backward_plan.launches(H, H, with_bias=case.bias is not None,
-                                   is_causal=dict(case.kwargs).get("is_causal", False)))
+                                        causal=dict(case.kwargs).get("is_causal", False)))
 
 
 def test_the_cases_take_both_dq_paths():

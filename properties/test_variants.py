@@ -32,6 +32,7 @@ from harness.numerics import reference as ref_lib
 from harness.numerics import strategies as hs
 from kernel import api, key_ranges as variants
 from kernel.call import AttentionShapes, Call, validate_attention_args
+from kernel.masks import Mask
 
 # ---------------------------------------------------------------------------
 # The signature.
@@ -422,10 +423,10 @@ _SKIP_BLOCK_Q, _SKIP_BLOCK_KV = 64, 128
 
 
 def _visited_blocks(T, S, kw, *, is_causal):
-  """Per query tile, [lb, ub) of the forward's key loop (kernel.common's
-  kv_block_range on the tile bounds kernel.padding.key_ranges makes; the
-  dQ kernel reads the same)."""
-  from kernel import common, padding
+  """Per query tile, [lb, ub) of the forward's key loop (kernel.masks.Mask's
+  key_blocks on the tile bounds kernel.padding.key_ranges makes; the dQ
+  kernel reads the same)."""
+  from kernel import padding
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   routed = variants.route(Call(sds(1, T, 1, 64), sds(1, S, 1, 64), sds(1, S, 1, 64), **kw))
   tile = 2 * _SKIP_BLOCK_Q
@@ -433,10 +434,9 @@ def _visited_blocks(T, S, kw, *, is_causal):
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=S, tile=tile,
                                    num_tiles=num_tiles)
   start_min, _, _, end_max = (np.asarray(x)[0, 0] for x in tiles)
-  return np.array([common.kv_block_range(
-      qi, tile_q=2 * _SKIP_BLOCK_Q, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
-      is_causal=is_causal, k_start_min=int(start_min[qi]), k_end_max=int(end_max[qi]))
-      for qi in range(num_tiles)])
+  return np.array([Mask(T, S, causal=is_causal).key_blocks(
+      qi, tile_q=2 * _SKIP_BLOCK_Q, block_kv=_SKIP_BLOCK_KV, k_start_min=int(start_min[qi]),
+      k_end_max=int(end_max[qi])) for qi in range(num_tiles)])
 
 
 def _needed_blocks(T, S, row_keys):
@@ -460,7 +460,7 @@ def _assert_skips_exactly(visited, needed, S):
   last = (S - 1) // _SKIP_BLOCK_KV
   for qi, (got, want) in enumerate(zip(visited.tolist(), needed)):
     if want is None:
-      # kv_block_range bounds the loop by the tile's least start and
+      # Mask.key_blocks bounds the loop by the tile's least start and
       # greatest end apart: a tile whose rows all start past the last key,
       # inside the last (partial) block, still runs that block, all masked.
       assert got[1] - got[0] == 0 or got == [last, last + 1], (qi, got)
@@ -522,10 +522,10 @@ def _schedule(T, S, window, is_causal, *, heads=1):
   from kernel.call import normalize_window
   tile = 2 * _SKIP_BLOCK_Q
   return fwd_order.tile_schedule(
-      batch=1, num_heads=heads, num_kv_heads=heads, num_tiles=-(-T // tile),
+      mask=Mask(T, S, causal=is_causal, window=normalize_window(window)), batch=1,
+      num_heads=heads, num_kv_heads=heads, num_tiles=-(-T // tile),
       s_pad=-(-S // _SKIP_BLOCK_KV) * _SKIP_BLOCK_KV, head_dim=128, head_dim_out=128,
-      itemsize=2, tile_q=tile, block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=S,
-      is_causal=is_causal, window=normalize_window(window))
+      itemsize=2, tile_q=tile, block_kv=_SKIP_BLOCK_KV)
 
 
 @pytest.mark.parametrize("T,S,window,is_causal", [
@@ -589,9 +589,9 @@ def test_the_launch_ranks_tiles_by_the_blocks_the_kernel_visits(T, kw, is_causal
   tile = 2 * _SKIP_BLOCK_Q
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=T, tile=tile,
                                    num_tiles=-(-T // tile))
-  got = fwd_order.range_tile_blocks(tiles, num_tiles=-(-T // tile), tile_q=tile,
-                                  block_kv=_SKIP_BLOCK_KV, seq_q=T, seq_kv=T,
-                                  is_causal=is_causal)
+  got = fwd_order.range_tile_blocks(Mask(T, T, causal=is_causal), tiles,
+                                    num_tiles=-(-T // tile), tile_q=tile,
+                                    block_kv=_SKIP_BLOCK_KV)
   assert np.asarray(got)[0, 0].tolist() == (visited[:, 1] - visited[:, 0]).tolist()
   assert len(set(np.asarray(got)[0, 0].tolist())) > 1   # the ranges make the work uneven
 
@@ -675,14 +675,13 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
   num_tiles = -(-seq_q // (2 * block_q))
   _, _, tiles = padding.key_ranges(routed.k_start, routed.k_end, seq_kv=seq_kv,
                                    tile=2 * block_q, num_tiles=num_tiles)
+  mask = Mask(seq_q, seq_kv, causal=is_causal, window=(left, right))
   order = fwd_order.tile_schedule(
-      batch=1, num_heads=2, num_kv_heads=2, num_tiles=num_tiles,
+      mask=mask, batch=1, num_heads=2, num_kv_heads=2, num_tiles=num_tiles,
       s_pad=-(-seq_kv // block_kv) * block_kv, head_dim=64, head_dim_out=64, itemsize=2,
-      tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv, is_causal=is_causal,
-      window=(left, right))
+      tile_q=2 * block_q, block_kv=block_kv)
   ranked = order.reranked(fwd_order.range_tile_blocks(
-      tiles, num_tiles=num_tiles, tile_q=2 * block_q, block_kv=block_kv, seq_q=seq_q,
-      seq_kv=seq_kv, is_causal=is_causal))
+      mask, tiles, num_tiles=num_tiles, tile_q=2 * block_q, block_kv=block_kv))
   assert np.asarray(ranked).tolist() == np.asarray(order.order).tolist()
 
 
@@ -714,7 +713,7 @@ def test_the_api_hands_the_window_to_the_longest_first_schedule_only(monkeypatch
   seen = []
   real = fwd_order.tile_schedule
   monkeypatch.setattr(fwd_order, "tile_schedule",
-                      lambda **kw: seen.append(kw["window"]) or real(**kw))
+                      lambda **kw: seen.append(kw["mask"].window) or real(**kw))
   q, k, v = _arrays()
   for config in (Config(64, 128, 2, persistent=True, schedule="longest-first"),
                  Config(64, 128, 2)):

@@ -11,6 +11,7 @@ Semantics (the letters and layout are those of ``kernel/call.py``)::
                             and  j < key_value_seq_lengths[b]    (if given)
                             and  i - left <= j <= i + right      (local_window_size)
                             and  q_segment_ids[b, i] == kv_segment_ids[b, j]
+                            and  j // C == i // C                (attention_chunk = C)
   m   = max_j s[.., j]                       over the keys that take part
   l   = sum_j exp(s[.., j] - m)              over the keys that take part
   out = sum_j exp(s[.., j] - m) value[b, j, n // G] / l
@@ -82,6 +83,7 @@ import numpy as np
 
 from kernel.call import (EVERY_DTYPE, FP8_DTYPES, AttentionShapes, Call, bfloat16, float16,
                          float32)
+from kernel.masks import Mask
 from kernel.tiling.plan import FP8_P_SCALE_LOG2
 
 # jax.nn.dot_product_attention's arguments beyond the logits', and the
@@ -169,13 +171,17 @@ def _f64(x: Any) -> np.ndarray:
   return np.asarray(x).astype(np.float64)
 
 
-def key_visibility(call: Call) -> np.ndarray:
+def key_visibility(call: Call, attention_chunk: int | None = None) -> np.ndarray:
   """(B, N, T, S) bool: key j takes part in row i of ``call`` (mask, causal,
-  key range, and the VARIANT_ARGS, each straight from its definition):
+  key range, and the VARIANT_ARGS, each straight from its definition), and
+  with ``attention_chunk`` = C, FlashAttention-3's chunked attention (not
+  yet an argument of the call: kernel.masks.Mask.chunk), j // C == i // C:
 
   * query_seq_lengths (B,): row i takes part only if i < len[b];
   * key_value_seq_lengths (B,): key j only if j < len[b];
-  * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right;
+  * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right
+    (with causal, kernel.masks.Mask.keep: the element definition the kernels'
+    key ranges, block bounds and selects are held to);
   * q_segment_ids (B, T), kv_segment_ids (B, S): q_ids[b, i] == kv_ids[b, j].
   """
   B, N, T, S = call.shapes.logits_shape
@@ -186,26 +192,22 @@ def key_visibility(call: Call) -> np.ndarray:
   visible = np.ones((B, N, T, S), dtype=bool)
   if mask is not None:
     visible &= np.broadcast_to(np.asarray(mask, dtype=bool), visible.shape)
-  j = np.arange(S)
-  if is_causal:
-    i = np.arange(T)
-    visible &= (j[None, :] <= i[:, None])[None, None]
+  i, j = np.arange(T), np.arange(S)
+  static = Mask(seq_q=T, seq_kv=S, causal=bool(is_causal), window=window,
+                chunk=attention_chunk)
+  visible &= static.keep(i[:, None], j[None, :])[None, None]
   if k_start is not None:
     start = np.broadcast_to(np.asarray(k_start).astype(np.int64), (B, N, T))
     visible &= j >= start[..., None]
   if k_end is not None:
     end = np.broadcast_to(np.asarray(k_end).astype(np.int64), (B, N, T))
     visible &= j < end[..., None]
-  i = np.arange(T)
   if query_seq_lengths is not None:
     q_len = np.asarray(query_seq_lengths).astype(np.int64)
     visible &= (i[None, :] < q_len[:, None])[:, None, :, None]
   if key_value_seq_lengths is not None:
     kv_len = np.asarray(key_value_seq_lengths).astype(np.int64)
     visible &= (j[None, :] < kv_len[:, None])[:, None, None, :]
-  if window is not None:
-    left, right = window
-    visible &= ((i[:, None] - left <= j[None, :]) & (j[None, :] <= i[:, None] + right))[None, None]
   if q_segment_ids is not None:
     q_ids = np.asarray(q_segment_ids).astype(np.int64)
     kv_ids = np.asarray(kv_segment_ids).astype(np.int64)
@@ -305,7 +307,7 @@ class _Logits:
   cap: float | None
 
 
-def _logits(call: Call) -> _Logits:
+def _logits(call: Call, attention_chunk: int | None = None) -> _Logits:
   shapes = call.shapes
   query, key, value, bias = call.query, call.key, call.value, call.bias
   logits_soft_cap = call.logits_soft_cap
@@ -324,7 +326,7 @@ def _logits(call: Call) -> _Logits:
       u = u + b
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     s = u if cap is None else cap * np.tanh(u / cap)
-  visible = key_visibility(call)
+  visible = key_visibility(call, attention_chunk)
   return _Logits(shapes, scale, q, k, v, u, s, visible, bias_shape, cap)
 
 
@@ -355,15 +357,17 @@ def _active_matmul(a: np.ndarray, b: np.ndarray, active: np.ndarray) -> np.ndarr
 # Forward.
 
 
-def attention_reference(*call: Any, **kwargs: Any) -> Reference:
+def attention_reference(*call: Any, attention_chunk: int | None = None,
+                        **kwargs: Any) -> Reference:
   """Attention in float64 with residuals m, l (natural log, (B, N, T)), for
   ``call``: a kernel.call.Call, or its arguments (query, key, value, bias,
-  mask, then keywords).
+  mask, then keywords); ``attention_chunk``: chunked attention's chunk
+  (:func:`key_visibility`).
 
   Inputs of any dtype in ``REFERENCE_DTYPES`` are converted exactly to float64.
   See the module docstring for the semantics and the fully masked row contract.
   """
-  lg = _logits(_split(call, kwargs, 0)[0])
+  lg = _logits(_split(call, kwargs, 0)[0], attention_chunk)
   with np.errstate(invalid="ignore", over="ignore"):
     logits = np.where(lg.visible, lg.s, -np.inf)
     m = logits.max(axis=-1)  # NaN propagates through max

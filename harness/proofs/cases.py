@@ -304,8 +304,8 @@ def backward_cases(*, experiments: bool = False) -> list[BackwardCase]:
            for b in (False, True) for f in (True, False)]
   fixed = [dataclasses.replace(case, fixed_point=True) for case in plain
            if case.fuse_dq and backward_plan.fuses_dq(
-               backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal),
-               with_bias=case.bias, is_causal=case.causal)]
+               backward_plan.blocks_for(case.head_dim, case.head_dim, causal=case.causal),
+               with_bias=case.bias, causal=case.causal)]
   shipped = plain + fixed
   return shipped + ([dataclasses.replace(c, unpadded=True) for c in shipped]
                     if experiments else [])

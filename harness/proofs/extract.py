@@ -313,10 +313,10 @@ run_state swap""".split())
 
 
 # inline_mgpu functions on registers alone (no ref operand, no barrier), so
-# they neither synchronise nor touch memory: kernel/backward/masks.py's
+# they neither synchronise nor touch memory: kernel/masks/register_selects.py's
 # selects (a setp and a selp per element) and kernel/forward/fp8.py's
 # relabelling of P's registers (within each thread).
-_REGISTER_ONLY = ((("kernel", "backward", "masks.py"), "_split_select.<locals>.select"),
+_REGISTER_ONLY = ((("kernel", "masks", "register_selects.py"), "_split_select.<locals>.select"),
                   (("kernel", "forward", "fp8.py"), "relabel.<locals>.regroup"))
 
 

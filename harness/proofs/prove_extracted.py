@@ -54,6 +54,7 @@ from harness.proofs import extract as ex
 from harness.proofs import extracted_proof as xp
 from harness.proofs import role_programs as rp
 from harness.proofs.cases import BackwardCase, ForwardCase
+from kernel.masks import Mask
 
 PROBE_SMS = 16        # blocks of the traced persistent grid
 PROBED_BLOCKS = 2     # of which this many walk many contexts in a first round
@@ -783,9 +784,8 @@ class _ForwardProber:
     """The key blocks the kernel visits for a requested range (the causal
     bound may cut it), by the kernel's own rule."""
     case, f, bkv = self.case, self.problem, self.case.block_kv
-    lo, hi = self.modules.common.kv_block_range(qi, tile_q=case.tile_q, block_kv=bkv, seq_q=f.seq_q,
-                                        seq_kv=f.seq_kv, is_causal=case.causal,
-                                        k_start_min=lb * bkv, k_end_max=(lb + n) * bkv)
+    lo, hi = f.mask.key_blocks(qi, tile_q=case.tile_q, block_kv=bkv,
+                               k_start_min=lb * bkv, k_end_max=(lb + n) * bkv)
     return lo, hi - lo
 
   def cap(self, qi):
@@ -960,7 +960,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
                              is_causal=causal, scale=0.125, deterministic=fixed_point)
   dims = backward_plan.computed_head_dims(head_dim, head_dim)
   backward = backward_plan.Backward("pallas", dims, get_backward_config(
-      *dims, is_causal=causal, fuse_dq=fuse_dq, whole_tiles=not unpadded))
+      *dims, causal=causal, fuse_dq=fuse_dq, whole_tiles=not unpadded))
 
   def fn(q, k, v, b, ks, ke, o, m, l, do):
     return modules.backward.attention_backward(problem, backward, q, k, v, b, None, ks, ke, o,
@@ -1007,7 +1007,7 @@ def backward_stages(case: BackwardCase, *, modules=None) -> list[int]:
   barriers, one per slot): the launches of one backward may differ."""
   modules = modules or shipped_modules()
   plans = modules.backward_plan.launches(case.head_dim, case.head_dim, with_bias=case.bias,
-                          is_causal=case.causal, fuse_dq=case.fuse_dq)
+                          causal=case.causal, fuse_dq=case.fuse_dq)
   return [next(b.num_barriers for b in plan if b.name == "consumed") for _, plan in plans]
 
 
@@ -1028,7 +1028,7 @@ def backward_programs(case: BackwardCase, *, modules=None,
   ``premise``, (P) is then proved by Z3 on every traced kernel of each
   launch (:func:`_proved`)."""
   modules = modules or shipped_modules()
-  blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
+  blocks = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, causal=case.causal)
   rings = [_ring(s) for s in backward_stages(case, modules=modules)]
   long = max(_probe_trips(r) for r in rings)
   tile = blocks.dq_tile
@@ -1072,10 +1072,9 @@ def backward_programs(case: BackwardCase, *, modules=None,
           launch = ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at},
                                      name="dq")
           (qi,) = env.order
-          lo, hi = modules.common.kv_block_range(
-              qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, seq_q=seq_q,
-              seq_kv=seq_kv, is_causal=case.causal, k_start_min=lb * blocks.dq_stream_kv,
-              k_end_max=(lb + n) * blocks.dq_stream_kv)
+          lo, hi = Mask(seq_q, seq_kv, causal=case.causal).key_blocks(
+              qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv,
+              k_start_min=lb * blocks.dq_stream_kv, k_end_max=(lb + n) * blocks.dq_stream_kv)
           learner.observe(launch, [hi - lo], where=f"the dQ tile's key blocks [{lo}, {hi})")
 
         probes[id(learner)] = probe
@@ -1183,7 +1182,7 @@ def _backward_lengths(case: BackwardCase, modules) -> tuple:
   the backward's launches divide each length by, and their least common
   multiple, the whole lengths its plain traces take."""
   import math
-  b = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, is_causal=case.causal)
+  b = modules.backward_plan.blocks_for(case.head_dim, case.head_dim, causal=case.causal)
   return tuple((math.lcm(*by), by) for by in ((b.dq_tile, b.dkv_stream_q),
                                               (b.dkv_tile, b.dq_stream_kv)))
 

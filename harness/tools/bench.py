@@ -207,7 +207,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
   f = plan_lib.Problem(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim, shape.seq, shape.seq,
                        is_causal=shape.causal, scale=1.0 / math.sqrt(shape.head_dim))
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
-  blocks = backward_plan.blocks_for(d, d, is_causal=shape.causal)
+  blocks = backward_plan.blocks_for(d, d, causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
                              num_tiles=shape.seq // blocks.dq_tile)[2]
   dtype = jnp.dtype(shape.dtype)
@@ -268,8 +268,8 @@ def shipped_parts(shape: BenchShape) -> tuple[str, ...]:
   from kernel.tiling import backward_plan
   from kernel.tiling import plan as plan_lib
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
-  fused = backward_plan.fuses_dq(backward_plan.blocks_for(d, d, is_causal=shape.causal), with_bias=False,
-                       is_causal=shape.causal)
+  fused = backward_plan.fuses_dq(backward_plan.blocks_for(d, d, causal=shape.causal),
+                                 with_bias=False, causal=shape.causal)
   kernels = ("zeros", "dkv+fused dQ", "scale+cast") if fused else ("dkv", "dq kernel")
   return ("forward+residuals", "rows") + kernels
 

@@ -43,13 +43,14 @@ def order_of(config, *, batch: int, num_heads: int, num_kv_heads: int, head_dim:
   ``light_last``."""
   from kernel.forward import order as fwd_order
   from kernel.forward import launch as fwd_launch
+  from kernel.masks import Mask
   from kernel.tiling import schedule
   num_tiles, s_pad = fwd_launch.launch_extent(config, seq, seq)
   return fwd_order.tile_schedule(
-      batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
-      s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim, itemsize=2,
-      tile_q=config.tile_q, block_kv=config.block_kv, seq_q=seq, seq_kv=seq,
-      is_causal=causal, num_sms=schedule.DEFAULT_NUM_SMS, **choices)
+      mask=Mask(seq_q=seq, seq_kv=seq, causal=causal), batch=batch, num_heads=num_heads,
+      num_kv_heads=num_kv_heads, num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim,
+      head_dim_out=head_dim, itemsize=2, tile_q=config.tile_q, block_kv=config.block_kv,
+      num_sms=schedule.DEFAULT_NUM_SMS, **choices)
 
 
 def row(head_dim: int, seq: int, causal: bool, gqa: int = 1, *,
@@ -96,11 +97,11 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
 
   point = bg.Point(head_dim, seq, True, gqa)
   d = plan.backward_head_dims(head_dim, head_dim)[0]
-  blocks = backward_plan.blocks_for(d, d, is_causal=True)
+  blocks = backward_plan.blocks_for(d, d, causal=True)
   f = plan.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq, seq, is_causal=True)
   t_pad = -(-seq // blocks.query_multiple) * blocks.query_multiple
   s_pad = -(-seq // blocks.key_multiple) * blocks.key_multiple
-  fused = backward_plan.fuses_dq(blocks, with_bias=False, is_causal=True)
+  fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=True)
   common = dict(batch=point.batch, group=gqa, t_pad=t_pad, s_pad=s_pad, head_dims=(d, d),
                 dtype=jnp.bfloat16, num_sms=schedule.DEFAULT_NUM_SMS)
   grids = {"dkv": (bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=point.kv_heads, fused=fused,

@@ -29,7 +29,8 @@ from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memo
 from kernel.backward.fused_dq import (_dq_product, _dq_reduce_add, dq_owner, ds_buffer,
                                       to_fixed_point)
 from kernel.backward.head_split import _shared_slot, exchange_buffer
-from kernel.backward.scores import KeysBelow, _step_scores
+from kernel.backward.scores import _step_scores
+from kernel.masks.selects import KeysBelow
 from kernel.tiling.backward_plan import BackwardBlocks, dkv_buffers, dkv_mbarriers
 from kernel.tiling.plan import Problem
 
@@ -61,61 +62,32 @@ class DkvKernel(_Launch):
   shape_t = property(lambda self: (self.bkv, self.bq))
 
 
-def _visible_blocks(first: int, last: int, block: int, count: int) -> int:
-  """How many of ``count`` blocks of ``block`` rows hold a row in [first,
-  last] (0 when the interval is empty or outside them)."""
-  first, last = max(first, 0), min(last, count * block - 1)
-  return max(0, last // block - first // block + 1) if last >= first else 0
-
-
 def key_tile_weights(f: Problem, blocks: BackwardBlocks, *, group: int, t_pad: int,
-                     s_pad: int, window: tuple[int, int] | None = None) -> list[int]:
+                     s_pad: int) -> list[int]:
   """Per key tile, the query blocks the dK/dV kernel streams for it (times
-  the group's query heads): key j is seen by the rows i >= j under causal,
-  and by i in [j - right, j + left] under jax.nn's local ``window`` (left,
-  right)."""
-  tile, bq, nq = blocks.dkv_tile, blocks.dkv_stream_q, t_pad // blocks.dkv_stream_q
-  weights = []
-  for r in range(s_pad // tile):
-    first, last = (r * tile if f.is_causal else 0), t_pad - 1
-    if window is None:
-      weights.append(group * _visible_blocks(first, last, bq, nq))
-      continue
-    # The band comes from the rows' key ranges (kernel.padding.
-    # query_block_ranges): only the tile's real keys count, only real rows
-    # have a window, and the padded rows copy the last real row's range, so
-    # the blocks of padded rows alone are streamed exactly when that row
-    # sees the tile.
-    left, right = window
-    keys_end = min((r + 1) * tile, f.seq_kv)
-    if keys_end <= r * tile:
-      weights.append(0)
-      continue
-    first, last = max(first, r * tile - right), min(f.seq_q - 1, keys_end - 1 + left)
-    seen = _visible_blocks(first, last, bq, nq)
-    if first <= f.seq_q - 1 <= last:
-      seen += nq - -(-f.seq_q // bq)
-    weights.append(group * seen)
-  return weights
+  the group's query heads), by the call's mask
+  (:meth:`kernel.masks.Mask.key_tile_blocks`)."""
+  tile, bq = blocks.dkv_tile, blocks.dkv_stream_q
+  return [group * f.mask.key_tile_blocks(r, key_tile=tile, block_q=bq, num_blocks=t_pad // bq)
+          for r in range(s_pad // tile)]
 
 
 def dkv_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
                      num_kv_heads: int, group: int, t_pad: int, s_pad: int,
-                     head_dims: tuple[int, int], dtype, fused: bool, num_sms: int,
-                     window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
+                     head_dims: tuple[int, int], dtype, fused: bool,
+                     num_sms: int) -> schedule_lib.LaunchOrder | None:
   """The dK/dV grid's launch order under causal (None: head by head): see
-  :func:`dkv_call`.  ``window``: jax.nn's local window (left, right) that
-  the key ranges come from, if any (it evens the tiles' work out)."""
-  if not f.is_causal:
+  :func:`dkv_call`.  A local window the key ranges come from (the mask's)
+  evens the tiles' work out."""
+  if not f.mask.causal:
     return None
   order = schedule_lib.LaunchOrder.for_grid(
       num_kv_heads * batch, s_pad // blocks.dkv_tile, num_sms=num_sms,
       unit_bytes=group * t_pad * sum(head_dims) * jnp.dtype(dtype).itemsize)
   # With the fused dQ, or under a window, sections only where they repay
   # their spread of the blocks in flight (kernel.tiling.schedule.MIN_SECTION_GAIN).
-  if (fused or window is not None) and not schedule_lib.sections_repay(
-      order, key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad,
-                              window=window), num_sms):
+  if (fused or f.mask.window is not None) and not schedule_lib.sections_repay(
+      order, key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad), num_sms):
     return None
   return order
 
@@ -123,7 +95,7 @@ def dkv_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
 def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask_t, k_start,
              k_end, *, dq_accum=None, dq_scales=None, query_blocks=None,
              inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
-             window: tuple[int, int] | None = None, padded: tuple[int, int] | None = None):
+             padded: tuple[int, int] | None = None):
   """{"dk": dK, "dv": dV}, each as long as k.
 
   q (B, T, N, D), k (B, S, K, D), v (B, S, K, Dv), do (B, T, N, Dv), each
@@ -150,8 +122,8 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   units re-read their query heads' Q and dO.  With the fused dQ only where
   the dealing model predicts a gain of MIN_SECTION_GAIN or more
   (:func:`kernel.tiling.schedule.sections_repay`).  Under a local
-  ``window`` (jax.nn's (left, right), which the key ranges come from) the
-  tiles' work is even but at the ends, and the sections lost; so there
+  window (the mask's: jax.nn's (left, right), which the key ranges come
+  from) the tiles' work is even but at the ends, and the sections lost; so there
   they are taken only where the dealing model, weighing each tile by the
   window (:func:`key_tile_weights`), predicts a gain, as with the fused
   dQ.  Packed documents (ranges the launch cannot see) keep them
@@ -167,7 +139,7 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   group = num_heads // num_kv_heads
   order = dkv_launch_order(f, blocks, batch=batch, num_kv_heads=num_kv_heads, group=group,
                            t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
-                           dtype=dtype, fused=fused, num_sms=num_sms, window=window)
+                           dtype=dtype, fused=fused, num_sms=num_sms)
   kernel = DkvKernel(f=f, blocks=blocks, head_dim=head_dim,
                      head_dim_out=head_dim_out, dtype=dtype, num_kv_heads=num_kv_heads,
                      group=group, nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused,
@@ -249,7 +221,7 @@ def _at_key_tile(c: DkvKernel, qlo_ref, qhi_ref, inner_ref) -> DkvKernel:
     batch = jnp.int32(c.order.units // c.num_kv_heads)
     unit, j = c.order.locate((hk * batch + b) * jnp.int32(c.order.tiles) + j)
     hk, b = lax.div(unit, batch), lax.rem(unit, batch)
-  lo = lax.div(j * c.blocks.dkv_tile, jnp.int32(c.bq)) if c.f.is_causal else jnp.int32(0)
+  lo = c.f.mask.first_query_block(j, key_tile=c.blocks.dkv_tile, block_q=c.bq)
   hi = jnp.int32(c.nq)
   if qlo_ref is not None:
     lo = lax.max(lo, qlo_ref[(*batch_head(qlo_ref, b, hk), j)])

@@ -18,34 +18,25 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from kernel.common import (ROW, WGMMA, kv_block_range, load_broadcast, tile_key_bounds,
-                           window_tile_keys)
+from kernel.common import ROW, WGMMA, load_broadcast, tile_key_bounds
 from kernel.sync import barriers, ring as ring_lib
 from kernel.tiling import schedule as schedule_lib
 from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
 from kernel.backward.head_split import _shared_slot, exchange_buffer
-from kernel.backward.scores import KeysBelow, _step_scores
+from kernel.backward.scores import _step_scores
+from kernel.masks.selects import KeysBelow
 from kernel.tiling.backward_plan import BackwardBlocks, dq_buffers, dq_mbarriers
 from kernel.tiling.plan import Problem
 
 
-def query_tile_weights(f: Problem, blocks: BackwardBlocks, *, t_pad: int,
-                       window: tuple[int, int] | None = None) -> list[int]:
+def query_tile_weights(f: Problem, blocks: BackwardBlocks, *, t_pad: int) -> list[int]:
   """Per rank of the dQ kernel's launch order (rank r: query tile
-  ``tiles - 1 - r``), the key blocks it streams: the dQ kernel's own
-  :func:`kernel.common.kv_block_range`, with the keys a local ``window``
-  lets the tile's rows see (:func:`kernel.common.window_tile_keys`)."""
+  ``tiles - 1 - r``), the key blocks it streams by the call's mask
+  (:meth:`kernel.masks.Mask.tile_blocks`: the dQ kernel's own key blocks,
+  with the keys a local window lets the tile's rows see)."""
   tile = blocks.dq_tile
-  weights = []
-  for qi in reversed(range(t_pad // tile)):
-    start = end = None
-    if window is not None:
-      start, end = window_tile_keys(qi, tile, window, seq_q=f.seq_q, seq_kv=f.seq_kv)
-    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=blocks.dq_stream_kv,
-                            seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal,
-                            k_start_min=start, k_end_max=end)
-    weights.append(ub - lb)
-  return weights
+  return [f.mask.tile_blocks(qi, tile_q=tile, block_kv=blocks.dq_stream_kv)
+          for qi in reversed(range(t_pad // tile))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +65,26 @@ class DqKernel(_Launch):
 
 def dq_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
                     num_heads: int, group: int, t_pad: int, s_pad: int,
-                    head_dims: tuple[int, int], dtype, num_sms: int,
-                    window: tuple[int, int] | None = None) -> schedule_lib.LaunchOrder | None:
+                    head_dims: tuple[int, int], dtype,
+                    num_sms: int) -> schedule_lib.LaunchOrder | None:
   """The dQ grid's launch order under causal (None: head by head): see
   :func:`dq_call`.  A unit is one query head; the heads of a group,
-  adjacent in a section, read the same K and V.  Under a local ``window``
-  only where the sections repay (as in :func:`dkv_launch_order`)."""
-  if not f.is_causal:
+  adjacent in a section, read the same K and V.  Under the mask's local
+  window only where the sections repay (as in :func:`dkv_launch_order`)."""
+  if not f.mask.causal:
     return None
   order = schedule_lib.LaunchOrder.for_grid(
       batch * num_heads, t_pad // blocks.dq_tile, num_sms=num_sms,
       unit_bytes=s_pad * sum(head_dims) * jnp.dtype(dtype).itemsize // group)
-  if window is not None and not schedule_lib.sections_repay(
-      order, query_tile_weights(f, blocks, t_pad=t_pad, window=window), num_sms):
+  if f.mask.window is not None and not schedule_lib.sections_repay(
+      order, query_tile_weights(f, blocks, t_pad=t_pad), num_sms):
     return None
   return order
 
 
 def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k_start, k_end,
             k_range_tiles, *, want_ds: bool, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
-            window: tuple[int, int] | None = None, padded: tuple[int, int] | None = None):
+            padded: tuple[int, int] | None = None):
   """dQ, as long as q (and dS, the logits gradient, when ``want_ds``).
 
   Same arguments as :func:`dkv_call`, with bias and mask in their own
@@ -112,7 +103,7 @@ def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k
   group = num_heads // num_kv_heads
   order = dq_launch_order(f, blocks, batch=batch, num_heads=num_heads, group=group,
                           t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
-                          dtype=dtype, num_sms=num_sms, window=window)
+                          dtype=dtype, num_sms=num_sms)
   kernel = DqKernel(f=f, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
                     num_kv_heads=num_kv_heads, group=group, s_pad=s_pad,
                     num_tiles=t_pad // blocks.dq_tile, order=order)
@@ -164,7 +155,7 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
     unit, rank = c.order.locate((b * heads + h) * jnp.int32(c.num_tiles) + qi)
     b, h = lax.div(unit, heads), lax.rem(unit, heads)
     qi = jnp.int32(c.num_tiles - 1) - rank
-  elif c.f.is_causal:
+  elif c.f.mask.causal:
     # The last query tiles see the most keys: they go first (dq_call).
     qi = jnp.int32(c.num_tiles - 1) - qi
   hk = lax.div(h, jnp.int32(c.group))
@@ -172,13 +163,11 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
   start_max = end_min = None
   tile = c.blocks.dq_tile
   if tiles_ref is None:
-    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=c.bkv, seq_q=f.seq_q,
-                            seq_kv=f.seq_kv, is_causal=f.is_causal)
+    lb, ub = f.mask.key_blocks(qi, tile_q=tile, block_kv=c.bkv)
   else:
     start_min, start_max, end_min, end_max = tile_key_bounds(tiles_ref, b, h, qi)
-    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=c.bkv, seq_q=f.seq_q,
-                            seq_kv=f.seq_kv, is_causal=f.is_causal, k_start_min=start_min,
-                            k_end_max=end_max)
+    lb, ub = f.mask.key_blocks(qi, tile_q=tile, block_kv=c.bkv, k_start_min=start_min,
+                               k_end_max=end_max)
   c = dataclasses.replace(
       c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, k_start_max=start_max,
       k_end_min=end_min, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,

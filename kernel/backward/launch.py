@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernel import padding
-from kernel.common import LOG2E, kv_block_range
+from kernel.common import LOG2E
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.backward.dkv import dkv_call
 from kernel.backward.dq import dq_call
@@ -76,17 +76,17 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   sums in int32 fixed point (bitwise reproducible: kernel/backward/fused_dq.py)
   instead of float32.  ``backward``: the head dims and tiling resolved with
   the forward (kernel.api.resolve_backward).  ``num_sms``: the GPU's SMs, which the causal launch
-  order balances over (kernel.tiling.schedule.LaunchOrder); ``problem.window``,
-  jax.nn's local window the key ranges came from, weighs its tiles.
+  order balances over (kernel.tiling.schedule.LaunchOrder), weighing its
+  tiles by the problem's mask (its window, which the key ranges came from).
   """
   f = problem
   blocks, (d, dv_dim) = backward.blocks, backward.head_dims
-  fuse_dq, fixed_point_dq, window = blocks.fuse_dq, problem.deterministic, problem.window
+  fuse_dq, fixed_point_dq = blocks.fuse_dq, problem.deterministic
   dtype = query.dtype
   batch, t, heads, hd = query.shape
   s, hdv = key.shape[1], value.shape[3]
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
-                                  is_causal=f.is_causal, fuse_dq=fuse_dq).items():
+                                  causal=f.mask.causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
@@ -106,14 +106,13 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   query_blocks = padding.query_block_ranges(ks, ke, **block_args)
   inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
-  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, is_causal=f.is_causal)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, causal=f.mask.causal)
   bias_t, mask_t = swap(bias4), swap(mask4)
 
   def launch(dq_accum=None, dq_scales=None):
     return dkv_call(f, blocks, q, k, v, do, rows, bias_t, mask_t, ks, ke,
                     dq_accum=dq_accum, dq_scales=dq_scales, query_blocks=query_blocks,
-                    inner_blocks=inner_blocks, num_sms=num_sms, window=window,
-                    padded=(t_pad, s_pad))
+                    inner_blocks=inner_blocks, num_sms=num_sms, padded=(t_pad, s_pad))
   if fused:
     # The float32 dQ accumulator is a ref of a state scope of its own
     # (run_state, which hands back its final value), not a jax.new_ref of
@@ -140,8 +139,7 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   else:
     dkv = launch()
     dq, ds = dq_call(f, blocks, q, k, v, do, rows, bias4, mask4, ks, ke, tiles,
-                     want_ds=bias is not None, num_sms=num_sms, window=window,
-                     padded=(t_pad, s_pad))
+                     want_ds=bias is not None, num_sms=num_sms, padded=(t_pad, s_pad))
 
   dbias = None
   if bias is not None:
@@ -163,17 +161,15 @@ def _visited_blocks(ds_shape, tiles, f: plan_lib.Problem, blocks: BackwardBlocks
   tile, bkv = blocks.dq_tile, blocks.dq_stream_kv
   qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
   if tiles is None:
-    lb, ub = kv_block_range(qi, tile_q=tile, block_kv=bkv, seq_q=f.seq_q,
-                            seq_kv=f.seq_kv, is_causal=f.is_causal)
+    lb, ub = f.mask.key_blocks(qi, tile_q=tile, block_kv=bkv)
     lb, ub = (jnp.broadcast_to(x, qi.shape)[None, None] for x in (lb, ub))
   else:
     start_min, _, _, end_max = tiles
     shape = jnp.broadcast_shapes(start_min.shape, end_max.shape)
     qi3 = jnp.broadcast_to(qi, shape)
-    lb, ub = kv_block_range(qi3, tile_q=tile, block_kv=bkv, seq_q=f.seq_q,
-                            seq_kv=f.seq_kv, is_causal=f.is_causal,
-                            k_start_min=jnp.broadcast_to(start_min, shape),
-                            k_end_max=jnp.broadcast_to(end_max, shape))
+    lb, ub = f.mask.key_blocks(qi3, tile_q=tile, block_kv=bkv,
+                               k_start_min=jnp.broadcast_to(start_min, shape),
+                               k_end_max=jnp.broadcast_to(end_max, shape))
   block = jnp.arange(s_pad, dtype=jnp.int32) // bkv                 # (Sp,)
   lb = jnp.repeat(lb, tile, axis=2)[..., None]                        # (.., Tp, 1)
   ub = jnp.repeat(ub, tile, axis=2)[..., None]

@@ -1,19 +1,17 @@
 """The arithmetic both backward kernels run on one streamed block, on
-transposed tiles: scaled logits, P from the forward's residuals, the masks
-(causal, key ranges, a mask operand) and dS (:func:`_step_scores`)."""
+transposed tiles: scaled logits, P from the forward's residuals, the kept
+pairs (kernel/masks/selects.py: the call's mask, key ranges, a mask
+operand) and dS (:func:`_step_scores`)."""
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from kernel.backward import masks
 from kernel.common import LOG2E, WGMMA
+from kernel.masks.selects import keep_branches, masked_terms, meets_diagonal, pair_keep
 from kernel.tiling.plan import Problem
 
 
@@ -41,100 +39,6 @@ def _masked_to_zero(ds, keep):
   return ds if keep is None else keep.select(ds)
 
 
-def _and(a, b):
-  return b if a is None else (a if b is None else a & b)
-
-
-@dataclasses.dataclass(frozen=True)
-class KeysBelow:
-  """The keep term key < limit (the padded keys past the sequence), applied
-  by kernel.backward.masks without index arrays."""
-
-  limit: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Keep:
-  """The (key, query) pairs of a step's tile that count: key <= query where
-  ``causal`` and key < ``key_limit`` where set (by kernel.backward.masks, without
-  index arrays), and ``terms``, a bool array of the other conditions (None:
-  none)."""
-
-  causal: bool
-  key_base: Any
-  query_base: Any
-  key_dim: int
-  terms: Any
-  key_limit: Any = None
-
-  def select(self, x):
-    """x where the pair counts, 0 elsewhere."""
-    if self.terms is not None:
-      x = jnp.where(self.terms, x, 0.0)
-    if self.key_limit is not None:
-      x = masks.key_limit_select(x, key_base=self.key_base, limit=self.key_limit,
-                                 key_dim=self.key_dim, fill=0.0)
-    if self.causal:
-      x = masks.causal_select(x, key_base=self.key_base, query_base=self.query_base,
-                              key_dim=self.key_dim, fill=0.0)
-    return x
-
-
-def _pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
-  """Which (key, query) pairs of a step's tile count (None: all): key <=
-  query where ``causal``, and each of ``terms`` (callables of the key
-  indices giving bool arrays: key ranges, mask; or a KeysBelow for padded
-  keys).  ``key_dim``: the tile's dimension along keys (0 in the dK/dV
-  kernel's transposed tiles, 1 in the dQ kernel's)."""
-  limits = [t.limit for t in terms if isinstance(t, KeysBelow)]
-  arrays = [t for t in terms if not isinstance(t, KeysBelow)]
-  if len(limits) > 1:
-    raise ValueError(f"at most one KeysBelow term, got {len(limits)}")
-  keep = None
-  if arrays:
-    key = key_base + plgpu.broadcasted_iota(jnp.int32, shape, key_dim, layout=WGMMA)
-    for term in arrays:
-      keep = _and(keep, term(key))
-  if keep is None and not causal and not limits:
-    return None
-  return _Keep(causal, key_base, query_base, key_dim, keep, limits[0] if limits else None)
-
-
-def meets_diagonal(key_base, num_keys, query_base):
-  """Whether a tile of keys [key_base, key_base + num_keys) holds a key
-  above the first query of its block (query_base), i.e. whether the causal
-  mask (key <= query) can drop any of its pairs: if not, every key of the
-  tile is at or below every query of the block.  Ints or traced int32."""
-  return key_base + num_keys - 1 > query_base
-
-
-def _masked_terms(terms, keep_of, *, causal, on_diagonal, interior=None):
-  """``terms(keep)`` for the step's kept pairs, by a branch on what the step
-  can drop.  ``keep_of(causal, edges)``: the keep array with the causal mask
-  where ``causal`` and the edge terms (key ranges, padded keys) where
-  ``edges``.  ``on_diagonal()`` (a traced bool): some key of the tile lies
-  above its first query; ``interior()`` (None without edge terms): every
-  pair of the step is kept by the edge terms.
-
-  Without edge terms, only the steps on the diagonal pay for the causal
-  mask: every other step of a causal backward is wholly below it and skips
-  the mask's index arithmetic and selects
-  (docs/decisions/backward-causal-mask-on-the-diagonal.md).  With edge terms, the steps
-  that are interior and off the diagonal skip both, every other step pays
-  for both (a key range's edge usually meets the diagonal anyway).
-  """
-  if interior is None:
-    if causal:
-      return lax.cond(on_diagonal(), lambda: terms(keep_of(True, False)),
-                      lambda: terms(keep_of(False, False)))
-    return terms(keep_of(False, False))
-  edge = ~interior()
-  if causal:
-    edge = edge | on_diagonal()
-  return lax.cond(edge, lambda: terms(keep_of(causal, True)),
-                  lambda: terms(keep_of(False, False)))
-
-
 def _product(shape, a, b):
   """A B^T into a fresh f32 accumulator, waited for."""
   def product(acc):
@@ -153,12 +57,13 @@ def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
   ``s_ops``, ``dp_ops``: the (A, B) of S = A B^T and dP = A B^T (dp_ops
   unused without ``want_ds``); ``paired``: S and dP issued together and
   waited once; ``bias_of()``: the step's bias tile or None; ``terms``: the
-  keep conditions besides causal (:func:`_pair_keep`); ``key_dim``: the
-  tile's dimension along keys, the per-query rows ``lse2_of()`` and
-  ``delta_of()`` broadcast along the other (read where the arithmetic first
-  needs them); ``edge_terms``: keep conditions that only the steps not
+  keep conditions besides causal (kernel.masks.selects.pair_keep);
+  ``key_dim``: the tile's dimension along keys, the per-query rows
+  ``lse2_of()`` and ``delta_of()`` broadcast along the other (read where
+  the arithmetic first needs them); ``edge_terms``: keep conditions that only the steps not
   ``interior()`` (a traced bool; None: every step) apply
-  (:func:`_masked_terms`).  Returns (P, dS), dS None without ``want_ds``.
+  (kernel.masks.selects.masked_terms).  Returns (P, dS), dS None without
+  ``want_ds``.
   """
   query_dim = 1 - key_dim
   zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
@@ -174,7 +79,7 @@ def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
   s, dsdu = _scaled_logits(s, f, bias_of())
   if not edge_terms:
     interior = None
-  keep_of = lambda causal, edges: _pair_keep(
+  keep_of = lambda causal, edges: pair_keep(
       shape, key_base, query_base, key_dim, causal=causal,
       terms=[*terms, *edge_terms] if edges else terms)
 
@@ -191,8 +96,8 @@ def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
       ds = _masked_to_zero(ds, keep)
     return p, ds
 
-  if (f.is_causal or interior is not None) and want_ds and dp is None:
+  if keep_branches(f.mask, interior) and want_ds and dp is None:
     dp = _product(shape, *dp_ops)  # outside the branch: both sides read it
-  return _masked_terms(lambda keep: step_terms(keep, dp), keep_of, causal=f.is_causal,
-                       on_diagonal=lambda: meets_diagonal(key_base, num_keys, query_base),
-                       interior=interior)
+  return masked_terms(f.mask, lambda keep: step_terms(keep, dp), keep_of,
+                      on_diagonal=lambda: meets_diagonal(key_base, num_keys, query_base),
+                      interior=interior)

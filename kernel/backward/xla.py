@@ -34,8 +34,9 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
                  chunk=CHUNK):
   """Gradients (dq, dk, dv, dbias) of sum(out * d_out); dbias is None
   without a bias.  Shapes as in kernel/call.py; m, l are (B, N, T).  Reads
-  the problem's scale, causal mask and soft cap (kernel.tiling.plan.Problem)."""
-  scale, is_causal, logits_soft_cap = problem.scale, problem.is_causal, problem.logits_soft_cap
+  the problem's scale, mask (kernel.masks.Mask.keep) and soft cap
+  (kernel.tiling.plan.Problem)."""
+  scale, logits_soft_cap = problem.scale, problem.logits_soft_cap
   f32 = jnp.float32
   batch, t, heads, _ = query.shape
   s_len, kv_heads = key.shape[1], key.shape[2]
@@ -81,9 +82,7 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
       u = u + chunk_of(bias4, c0, 3)
     s = u if logits_soft_cap is None else logits_soft_cap * jnp.tanh(u / logits_soft_cap)
     cols = c0 + jnp.arange(chunk)[None, :]
-    visible = jnp.broadcast_to(cols < s_len, (t, chunk))[None, None]
-    if is_causal:
-      visible = visible & (cols <= rows)[None, None]
+    visible = jnp.broadcast_to(problem.mask.keep(rows, cols), (t, chunk))[None, None]
     if mask4 is not None:
       visible = visible & chunk_of(mask4, c0, 3)
     if k_start is not None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernel import common
-from kernel.common import kv_block_range, piece_block_range, tile_key_bounds
+from kernel.common import piece_block_range, tile_key_bounds
 from kernel.sync import barriers, ring as ring_lib
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.tiling.config import Config
@@ -101,7 +101,7 @@ class ForwardContext(common.OperandRefs):
 
   @property
   def has_edge(self) -> bool:
-    return self.f.is_causal or self.ragged_kv or self.key_ranges
+    return self.f.mask.causal or self.ragged_kv or self.key_ranges
 
   @property
   def stage_bias(self) -> bool:
@@ -151,14 +151,12 @@ def tile_range(c: ForwardContext, qi, b, h, piece=None):
   (b, h), and the bounds of its key ranges (None without ranges).  A split
   tail's ``piece`` (lo, hi, slot) visits only the blocks in [lo, hi)."""
   if c.tiles_ref is None:
-    lb, ub = kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
-                            seq_kv=c.f.seq_kv, is_causal=c.f.is_causal)
+    lb, ub = c.f.mask.key_blocks(qi, tile_q=c.tile_q, block_kv=c.block_kv)
     start_max = end_min = None
   else:
     start_min, start_max, end_min, end_max = tile_key_bounds(c.tiles_ref, b, h, qi)
-    lb, ub = kv_block_range(qi, tile_q=c.tile_q, block_kv=c.block_kv, seq_q=c.f.seq_q,
-                            seq_kv=c.f.seq_kv, is_causal=c.f.is_causal,
-                            k_start_min=start_min, k_end_max=end_max)
+    lb, ub = c.f.mask.key_blocks(qi, tile_q=c.tile_q, block_kv=c.block_kv,
+                                 k_start_min=start_min, k_end_max=end_max)
   if piece is not None:
     lb, ub = piece_block_range(lb, ub, *piece[:2])
   return lb, ub, start_max, end_min

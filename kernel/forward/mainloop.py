@@ -91,25 +91,14 @@ def tile_prologue(c: ForwardContext, t: Tile, m_i):
 
 
 def plain_blocks(c: ForwardContext, t: Tile):
-  """(lo, hi): the tile's blocks [lo, hi) need no mask: entirely below
-  the diagonal for this warpgroup, holding no padded key, and inside
-  every row's key range of the super-tile (from its largest start to its
-  smallest end).  Empty (lo >= hi) where every block needs one.  Under key
-  ranges too, so that the blocks inside every range keep the unmasked path
+  """(lo, hi): the tile's blocks [lo, hi) this warpgroup takes unmasked
+  (kernel.masks.Mask.plain_blocks): under key ranges too, so that the
+  blocks inside every range keep the unmasked path
   (docs/decisions/forward-plain-blocks-under-key-ranges.md)."""
-  block_kv = jnp.int32(c.block_kv)
-  lo, hi = t.lb, t.ub
-  if c.f.is_causal:
-    hi = lax.min(hi, lax.div(t.q_base + 1, block_kv))
-  if c.ragged_kv:
-    hi = lax.min(hi, jnp.int32(c.f.seq_kv // c.block_kv))
-  if t.k_end is not None:
-    hi = lax.min(hi, lax.div(lax.max(t.k_end_min, 0), block_kv))
-  if c.has_edge:
-    hi = lax.max(t.lb, hi)
-  if t.k_start is not None:  # the first block whose keys all start at or after it
-    lo = lax.max(lo, lax.div(lax.max(t.k_start_max, 0) + block_kv - 1, block_kv))
-  return lo, hi
+  return c.f.mask.plain_blocks(
+      t.lb, t.ub, q_base=t.q_base, block_kv=c.block_kv, ragged=c.ragged_kv, edge=c.has_edge,
+      k_start_max=None if t.k_start is None else t.k_start_max,
+      k_end_min=None if t.k_end is None else t.k_end_min)
 
 
 def wait_staged(c: ForwardContext, st):

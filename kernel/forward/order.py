@@ -4,40 +4,37 @@ the device, and the split tail's pieces, merged after the kernel."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
-from kernel.common import NEG_INF, kv_block_range, window_tile_keys
+from kernel.common import NEG_INF
+from kernel.masks import Mask
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.tiling.config import Config
 
 
-def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
-                  head_dim_out, itemsize, tile_q, block_kv, seq_q, seq_kv, is_causal,
-                  window=None, num_sms=None, even_sections=True, light_last=None):
+def tile_schedule(*, mask: Mask, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
+                  head_dim_out, itemsize, tile_q, block_kv, num_sms=None, even_sections=True,
+                  light_last=None):
   """The longest-first order of this launch's tiles (kernel/tiling/schedule.py),
-  weighted by the key blocks each query tile visits: causal, the key length
-  and a local ``window`` (left, right) are static and counted exactly; other
-  key ranges (lengths, segments, the caller's) are data the schedule cannot
-  see, so their tiles are weighed at this upper bound.  ``num_sms``: the
+  weighted by the key blocks each query tile visits by ``mask``
+  (:meth:`kernel.masks.Mask.tile_blocks`: causal, the key length and a local
+  window are static and counted exactly; other key ranges (lengths,
+  segments, the caller's) are data the schedule cannot see, so their tiles
+  are weighed at this upper bound).  ``num_sms``: the
   SMs the tiles are dealt to (persistent blocks, or the hardware's deal of
   a grid in launch order), which lets the schedule even its L2 sections
   and defer its light tiles where that balances the deal
   (schedule.longest_first, schedule.light_last_gain; without ``num_sms``
   neither).  ``even_sections`` False keeps the sections filled;
   ``light_last`` True or False defers the light tiles always or never."""
-  def tile_blocks(qi):
-    ks = ke = None
-    if window is not None:
-      ks, ke = window_tile_keys(qi, tile_q, window, seq_q=seq_q, seq_kv=seq_kv)
-    lb, ub = kv_block_range(qi, tile_q=tile_q, block_kv=block_kv, seq_q=seq_q,
-                            seq_kv=seq_kv, is_causal=is_causal, k_start_min=ks,
-                            k_end_max=ke)
-    return ub - lb
   kv_bytes_per_head = s_pad * (head_dim + head_dim_out) * itemsize
   order = schedule_lib.longest_first(
       batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
-      tile_blocks=tile_blocks, kv_bytes_per_head=kv_bytes_per_head,
+      tile_blocks=functools.partial(mask.tile_blocks, tile_q=tile_q, block_kv=block_kv),
+      kv_bytes_per_head=kv_bytes_per_head,
       num_sms=num_sms if even_sections else None)
   if light_last is None:
     light_last = num_sms is not None and schedule_lib.light_last_gain(
@@ -47,8 +44,7 @@ def tile_schedule(*, batch, num_heads, num_kv_heads, num_tiles, s_pad, head_dim,
   return schedule_lib.deferred_light(order) if light_last else order
 
 
-def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_kv,
-                      is_causal):
+def range_tile_blocks(mask: Mask, k_range_tiles, *, num_tiles, tile_q, block_kv):
   """The key blocks each query tile visits under its key ranges, (B|1, N|1,
   num_tiles) int32, traced: the steps ``tile_range`` gives the kernel.
 
@@ -61,8 +57,8 @@ def range_tile_blocks(k_range_tiles, *, num_tiles, tile_q, block_kv, seq_q, seq_
   window alone, or the whole keys): their static order is already this one."""
   start_min, _, _, end_max = k_range_tiles
   qi = jnp.broadcast_to(jnp.arange(num_tiles, dtype=jnp.int32), start_min.shape)
-  lb, ub = kv_block_range(qi, tile_q=tile_q, block_kv=block_kv, seq_q=seq_q, seq_kv=seq_kv,
-                          is_causal=is_causal, k_start_min=start_min, k_end_max=end_max)
+  lb, ub = mask.key_blocks(qi, tile_q=tile_q, block_kv=block_kv, k_start_min=start_min,
+                           k_end_max=end_max)
   return ub - lb
 
 
@@ -90,18 +86,16 @@ def _schedule(f: plan_lib.Problem, config: Config, *, batch, num_heads,
     # bounds, so the model's case for deferring does not hold.
     light_last = False
   order = tile_schedule(
-      batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads, num_tiles=num_tiles,
-      s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out, itemsize=itemsize,
-      tile_q=tile_q, block_kv=block_kv, seq_q=f.seq_q, seq_kv=f.seq_kv,
-      is_causal=f.is_causal, window=f.window, num_sms=num_sms,
+      mask=f.mask, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
+      itemsize=itemsize, tile_q=tile_q, block_kv=block_kv, num_sms=num_sms,
       even_sections=f.even_sections, light_last=light_last)
   if config.persistent:
     dealt, counts = order.assign(min(num_sms, order.total))
     return order, (jnp.asarray(dealt), jnp.asarray(counts))
   if k_range_tiles is not None and not f.static_ranges:
     return order, (order.reranked(range_tile_blocks(
-        k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv,
-        seq_q=f.seq_q, seq_kv=f.seq_kv, is_causal=f.is_causal)), None)
+        f.mask, k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv)), None)
   return order, (jnp.asarray(order.order), None)
 
 

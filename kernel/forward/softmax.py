@@ -17,10 +17,7 @@ from jax import lax
 from kernel.common import LOG2E, NEG_INF, WGMMA, load_broadcast
 from kernel.forward import fp8
 from kernel.forward.context import ForwardContext, Tile, key_position
-
-
-def iota(c: ForwardContext, dim):
-  return plgpu.broadcasted_iota(jnp.int32, c.bq_kv, dim, layout=WGMMA)
+from kernel.masks.selects import masked_logits
 
 
 def safe(x):
@@ -74,25 +71,9 @@ def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
   if positive and not (c.masks_any_block or edge):
     return s, sc
   s = s * sc
-  key = k_base + iota(c, 1)
-  if edge and f.is_causal:
-    # Index arrays here, not masks.causal_select as in the backward: the
-    # forward has registers to spare, and the asm select was slower in it
-    # (docs/decisions/forward-index-array-masks.md).
-    s = jnp.where(t.q_base + iota(c, 0) >= key, s, NEG_INF)
-  if edge and c.ragged_kv:
-    s = lax.cond(k_base + block_kv > f.seq_kv,
-                 lambda: jnp.where(key < f.seq_kv, s, NEG_INF), lambda: s)
-  if t.k_start is not None:
-    s = lax.cond(
-        k_base < t.k_start_max,
-        lambda: jnp.where(key >= lax.broadcast_in_dim(t.k_start, bq_kv, [0]), s, NEG_INF),
-        lambda: s)
-  if t.k_end is not None:
-    s = lax.cond(
-        k_base + block_kv > t.k_end_min,
-        lambda: jnp.where(key < lax.broadcast_in_dim(t.k_end, bq_kv, [0]), s, NEG_INF),
-        lambda: s)
+  s = masked_logits(f.mask, s, q_base=t.q_base, k_base=k_base, edge=edge,
+                    ragged=c.ragged_kv, k_start=t.k_start, k_start_max=t.k_start_max,
+                    k_end=t.k_end, k_end_min=t.k_end_min)
   if c.stage_mask:
     keep = staged_tile(c, t, "mask", ki)
     s = jnp.where(keep != 0, s, NEG_INF)

@@ -54,7 +54,7 @@ def signature(problem: plan.Problem, *, has_bias=False, has_mask=False,
   bucketed to the next power of two."""
   return (f"{plan.np.dtype(problem.dtype).name}-d{problem.head_dim}-dv{problem.head_dim_out}"
           f"-q{_pow2(problem.seq_q)}-kv{_pow2(problem.seq_kv)}"
-          f"-{'causal' if problem.is_causal else 'full'}"
+          f"-{'causal' if problem.mask.causal else 'full'}"
           f"{'-bias' if has_bias else ''}"
           f"{'-mask' if has_mask else ''}{'-ranges' if has_key_ranges else ''}")
 

@@ -74,7 +74,7 @@ class BackwardBlocks:
     return math.lcm(self.dkv_tile, self.dq_stream_kv)
 
 
-def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> BackwardBlocks:
+def blocks_for(head_dim: int, head_dim_out: int, *, causal: bool) -> BackwardBlocks:
   """Streamed blocks are 64 rows, but for the dK/dV kernel's at head dims
   up to 64 without causal (below).  Head dims over 128 take the head split,
   with two stages in both kernels.
@@ -86,7 +86,7 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   other shared-memory traffic stalls the products; at N = 128 they are
   compute-bound (S^T and dP^T take 64 registers each, dK and dV 32 each:
   it fits in 232).  Under causal the 128-row kernel spills (register
-  pressure, even with the masks of kernel.backward.masks), and what it
+  pressure, even with the register selects of kernel/masks), and what it
   loses at ragged GQA lengths outweighs what it gains elsewhere, so causal
   stays at 64 rows (docs/decisions/dkv-128-query-rows.md).  The dQ kernel
   streams 64 keys per block: 128 changed nothing beyond noise
@@ -111,7 +111,7 @@ def blocks_for(head_dim: int, head_dim_out: int, *, is_causal: bool) -> Backward
   docs/decisions/backward-causal-launch-order.md)."""
   width = max(head_dim, head_dim_out)
   wide = width > 128
-  return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not is_causal else 64,
+  return BackwardBlocks(dkv_stream_q=128 if width <= 64 and not causal else 64,
                         dq_stream_kv=64, num_stages=2,
                         fuse_dq_causal=width <= 64, head_split=wide)
 
@@ -144,16 +144,16 @@ def dq_mbarriers(blocks: BackwardBlocks) -> tuple[plan_lib.MBarrier, ...]:
 
 
 def launches(head_dim: int, head_dim_out: int, *, with_bias: bool = True,
-             is_causal: bool = True,
+             causal: bool = True,
              fuse_dq: bool = True) -> list[tuple[str, tuple[plan_lib.MBarrier, ...]]]:
   """Every kernel launch of one backward, with its mbarrier plan, in order
   (the dQ kernel only where the fused dQ does not apply: :func:`fuses_dq`,
   or ``fuse_dq`` is False: kernel.experiments' "pallas-two-kernel").  The
   defaults give every
   launch kind there is."""
-  blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
+  blocks = blocks_for(head_dim, head_dim_out, causal=causal)
   out = [("dkv", dkv_mbarriers(blocks))]
-  if fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal):
+  if fuse_dq and fuses_dq(blocks, with_bias=with_bias, causal=causal):
     return out
   return out + [("dq", dq_mbarriers(blocks))]
 
@@ -166,12 +166,12 @@ def fused_dq_fits(blocks: BackwardBlocks, *, with_bias: bool) -> bool:
   return not blocks.head_split and not with_bias
 
 
-def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, is_causal: bool) -> bool:
+def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, causal: bool) -> bool:
   """Whether the backward accumulates dQ in the dK/dV kernel: where it fits
   (:func:`fused_dq_fits`), and under causal only where ``blocks`` says so
   (:func:`blocks_for`).  Without causal it spares the dQ kernel's second
   pass over S and dP wherever it fits (docs/decisions/fused-dq.md)."""
-  return fused_dq_fits(blocks, with_bias=with_bias) and (not is_causal or blocks.fuse_dq_causal)
+  return fused_dq_fits(blocks, with_bias=with_bias) and (not causal or blocks.fuse_dq_causal)
 
 
 def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
@@ -222,14 +222,14 @@ def launch_smem_bytes(buffers, mbarriers) -> int:
 
 
 def smem_estimates(head_dim: int, head_dim_out: int, dtype, *,
-                   with_bias: bool, is_causal: bool, fuse_dq: bool = True) -> dict[str, int]:
+                   with_bias: bool, causal: bool, fuse_dq: bool = True) -> dict[str, int]:
   """Bytes of shared memory of every launch of one backward (padded head
   dims), keyed as :func:`launches` names them."""
-  blocks = blocks_for(head_dim, head_dim_out, is_causal=is_causal)
-  fused = fuse_dq and fuses_dq(blocks, with_bias=with_bias, is_causal=is_causal)
+  blocks = blocks_for(head_dim, head_dim_out, causal=causal)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=with_bias, causal=causal)
   out = {}
   for name, mbarriers in launches(head_dim, head_dim_out, with_bias=with_bias,
-                                  is_causal=is_causal, fuse_dq=fuse_dq):
+                                  causal=causal, fuse_dq=fuse_dq):
     if name == "dq":
       bufs = dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=with_bias)
     else:

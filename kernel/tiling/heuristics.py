@@ -45,7 +45,7 @@ def get_heuristics_config(problem: plan.Problem) -> Config:
   fit, drop persistence, which lets the output overlay the query/key region.
   """
   config = Config(block_q=64, block_kv=128, num_stages=2,
-                  persistent=not problem.is_causal)
+                  persistent=not problem.mask.causal)
   tried = []
   wide = []
   if problem.fp8 and max(problem.head_dim, problem.head_dim_out) <= FP8_WIDE_KEYS_HEAD_DIM:
@@ -87,7 +87,7 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
                    if b == 64 or _next_pow2(problem.seq_q) > 128)
   block_kvs = tuple(b for b in BLOCK_KV_CANDIDATES
                     if b == 64 or b <= _next_pow2(problem.seq_kv))
-  schedules = (("round-robin", "longest-first") if problem.is_causal
+  schedules = (("round-robin", "longest-first") if problem.mask.causal
                else ("round-robin", "split-tail"))
   configs = []
   for warpgroups in COMPUTE_WARPGROUP_COUNTS:
@@ -106,7 +106,7 @@ def get_autotuning_configs(problem: plan.Problem) -> tuple[Config, ...]:
   return tuple(configs)
 
 
-def get_backward_config(head_dim: int, head_dim_out: int, *, is_causal: bool,
+def get_backward_config(head_dim: int, head_dim_out: int, *, causal: bool,
                         **switches) -> backward_plan.BackwardBlocks:
   """The backward's tiling for these (padded) head dims:
   kernel.tiling.backward_plan.blocks_for's rule, with ``switches``
@@ -114,7 +114,7 @@ def get_backward_config(head_dim: int, head_dim_out: int, *, is_causal: bool,
   ``fuse_dq_causal`` where not None) replacing its choices.  Every tiling
   it returns fits shared memory (backward_plan's estimate, checked again at
   the launch)."""
-  blocks = backward_plan.blocks_for(head_dim, head_dim_out, is_causal=is_causal)
+  blocks = backward_plan.blocks_for(head_dim, head_dim_out, causal=causal)
   if switches.get("fuse_dq_causal", False) is None:
     del switches["fuse_dq_causal"]
   return dataclasses.replace(blocks, **switches)

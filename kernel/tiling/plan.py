@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from kernel.masks import Mask
 from kernel.sync import barriers
 from kernel.tiling.config import Config, SMEM_LIMIT_BYTES
 
@@ -83,7 +84,7 @@ class Problem:
   head_dim_out: int        # padded likewise
   seq_q: int               # unpadded
   seq_kv: int              # unpadded
-  is_causal: bool = False
+  is_causal: bool = False  # the kernels read it, with the window, as ``mask``
   bias_2d: bool = False    # bias varies along both T and S (staged through the ring)
   mask_2d: bool = False    # mask varies along both T and S
   return_residuals: bool = False
@@ -120,6 +121,12 @@ class Problem:
   # kv head; kernel.call.validate_fp8_args).
   out_dtype: np.dtype | None = None
   descales: str | None = None
+
+  @property
+  def mask(self) -> Mask:
+    """Which keys each row may see, as known when tracing: the record
+    the kernels, the schedules and the tiling ask (kernel/masks)."""
+    return Mask.of(self)
 
   @property
   def itemsize(self) -> int:
@@ -550,7 +557,7 @@ def schedule_refusal(problem: Problem, config: Config) -> str | None:
     return None
   if not config.persistent:
     return "split-tail deals tiles to persistent blocks: set persistent=True"
-  if problem.is_causal:
+  if problem.mask.causal:
     return ("split-tail cuts the last waves evenly by key blocks, which a causal mask makes "
             "unequal: use longest-first")
   return None

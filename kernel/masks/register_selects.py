@@ -19,13 +19,14 @@ one int32 z per thread and an immediate k_i per element; each element is one
 array outlives its select.  A key limit (``key < limit``) is the same
 comparison with a per-thread key offset alone.
 
-The backward uses both: faster than the index arrays at most shapes, out,
-dk and dv bitwise equal (docs/decisions/backward-register-masks.md).  With both
-selects the 128-row causal dK/dV kernel at head dim 64 still spills
+The backward's keep (kernel.masks.selects.Keep) uses both: faster than the
+index arrays at most shapes, out, dk and dv bitwise equal
+(docs/decisions/backward-register-masks.md).  With both selects the
+128-row causal dK/dV kernel at head dim 64 still spills
 (kernel.tiling.backward_plan.blocks_for keeps it at 64 rows).
 
-The forward keeps the index arrays (kernel.forward.softmax.logits): it has
-registers to spare there, and this select was slower in it
+The forward keeps the index arrays (kernel.masks.selects.masked_logits): it
+has registers to spare there, and this select was slower in it
 (docs/decisions/forward-index-array-masks.md).
 """
 

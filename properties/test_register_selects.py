@@ -1,7 +1,7 @@
-"""kernel.backward.masks without a GPU: the per-register offsets tile the array with
-the WGMMA layout's thread bases, and the split comparisons (one int per
-thread against one immediate per element) are key <= query and key < limit
-exactly.
+"""kernel/masks/register_selects.py without a GPU: the per-register offsets
+tile the array with the WGMMA layout's thread bases, and the split
+comparisons (one int per thread against one immediate per element) are key
+<= query and key < limit exactly.
 
 The GPU side (the asm selects inside a kernel) is covered by the causal and
 ragged gradient properties of test_gradients_gpu.py against float64.
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-from kernel.backward import masks
+from kernel.masks import register_selects
 
 SHAPES = [(64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
 
@@ -31,7 +31,7 @@ def _thread_bases():
 
 def _positions(shape):
   """Every (thread, element) position as absolute (row, col)."""
-  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
+  offsets = register_selects.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
   return _thread_bases()[:, None, :] + offsets[None, :, :]
 
 
@@ -46,14 +46,15 @@ def test_offsets_cover_the_tile_exactly_once(shape):
 
 def _kept_by_split(shape, key_dim, delta, *, causal):
   """What the select keeps, element by element (threads x elements): the
-  per-thread z of kernel.backward.masks._split_select against its per-element bound."""
-  offsets = masks.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
+  per-thread z of kernel.masks.register_selects._split_select against its
+  per-element bound."""
+  offsets = register_selects.element_offsets(shape, fa.WGMMA_LAYOUT).reshape(-1, 2)
   bases = _thread_bases()
   key_t, query_t = bases[:, key_dim], bases[:, 1 - key_dim]
   if causal:
-    z, bounds = key_t - query_t - delta, masks.causal_bounds(offsets, key_dim)
+    z, bounds = key_t - query_t - delta, register_selects.causal_bounds(offsets, key_dim)
   else:
-    z, bounds = key_t - delta, masks.limit_bounds(offsets, key_dim)
+    z, bounds = key_t - delta, register_selects.limit_bounds(offsets, key_dim)
   return z[:, None] <= bounds[None, :]
 
 
@@ -76,7 +77,8 @@ def test_split_limit_is_key_below_limit(shape, key_dim, key_base, limit):
   assert (kept == (key_base + key_pos < limit)).all()
 
 
-@pytest.mark.parametrize("select", [masks.causal_select, masks.key_limit_select],
+@pytest.mark.parametrize("select", [register_selects.causal_select,
+                                    register_selects.key_limit_select],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("kwargs, name", [
     (dict(fill=1.0, key_dim=1), "fill"),
@@ -84,7 +86,7 @@ def test_split_limit_is_key_below_limit(shape, key_dim, key_base, limit):
 ])
 def test_bad_arguments_are_named(select, kwargs, name):
   x = jnp.zeros((64, 128), jnp.float32)
-  other = dict(query_base=0) if select is masks.causal_select else dict(limit=7)
+  other = dict(query_base=0) if select is register_selects.causal_select else dict(limit=7)
   with pytest.raises(ValueError, match=name):
     select(x, key_base=0, **other, **kwargs)
 
@@ -92,4 +94,4 @@ def test_bad_arguments_are_named(select, kwargs, name):
 def test_a_tile_that_is_not_float32_is_refused():
   x = jnp.zeros((64, 128), jnp.bfloat16)
   with pytest.raises(ValueError, match="x must be a 2-d float32"):
-    masks.causal_select(x, key_base=0, query_base=0, key_dim=1, fill=0.0)
+    register_selects.causal_select(x, key_base=0, query_base=0, key_dim=1, fill=0.0)

@@ -122,6 +122,7 @@ def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: b
       rescale_threshold=_effective_threshold(float(call.rescale_threshold), problem.dtype),
       normalize_output=bool(call.normalize_output),
       window=routed.window if routed is not None else call.window,
+      chunk=routed.chunk if routed is not None else call.attention_chunk,
       static_ranges=bool(routed is not None and routed.static_ranges),
       poisons_rows=bool(routed is not None and routed.poisoned is not None),
       deterministic=bool(deterministic),
@@ -228,7 +229,7 @@ def _chosen_config(call: Call, problem: plan_lib.Problem, routed, *, device_kind
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
-                          implementation=None, return_residual=False,
+                          attention_chunk=None, implementation=None, return_residual=False,
                           q_segment_ids=None, kv_segment_ids=None,
                           segment_layout="contiguous", k_start=None, k_end=None,
                           logits_soft_cap=None, rescale_threshold=1.0,
@@ -251,8 +252,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   ``q_segment_ids`` (B, T) and ``kv_segment_ids`` (B, S) restrict each query
   to the keys of its own segment (packed sequences); ``segment_layout``
   "contiguous" (each id one run of kv_segment_ids; rows that break it come
-  out NaN) or "any" (a dense mask).  All of them become per-row key ranges
-  (kernel/key_ranges.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
+  out NaN) or "any" (a dense mask).  ``attention_chunk`` C
+  (FlashAttention-3's chunked attention): row i sees only keys j with
+  j // C == i // C; with ``is_causal``, causal inside each chunk.  All of
+  them become per-row key ranges (kernel/key_ranges.py).  Rank-3 (T, N, H) inputs, which jax.nn also takes,
   are refused: add the batch axis.
 
   ``config``: a kernel.Config, or None for the tuned or heuristic one
@@ -288,9 +291,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   return attend(Call(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
               k_start=k_start, k_end=k_end, query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths,
-              local_window_size=local_window_size, q_segment_ids=q_segment_ids,
-              kv_segment_ids=kv_segment_ids, segment_layout=segment_layout,
-              logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold,
+              local_window_size=local_window_size, attention_chunk=attention_chunk,
+              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+              segment_layout=segment_layout, logits_soft_cap=logits_soft_cap, rescale_threshold=rescale_threshold,
               normalize_output=normalize_output, return_residuals=return_residuals,
               return_residual=return_residual, implementation=implementation,
               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
@@ -338,7 +341,7 @@ def launch_problem(problem: plan_lib.Problem, config: Config, *,
   the window's value keys no other compile; with m and l where the
   gradient (``residuals``) wants them, refused if they do not fit."""
   if config.schedule != "longest-first":
-    problem = dataclasses.replace(problem, window=None, static_ranges=False)
+    problem = dataclasses.replace(problem, window=None, chunk=None, static_ranges=False)
   if residuals:
     problem = dataclasses.replace(problem, return_residuals=True)
     plan_lib.check_fits(problem, config)

@@ -313,6 +313,19 @@ def normalize_window(local_window_size: Any) -> tuple[int, int] | None:
     f"got {local_window_size!r}")
 
 
+def normalize_chunk(attention_chunk: Any) -> int | None:
+  """``attention_chunk`` (FlashAttention-3's chunked attention): None, or
+  a Python or NumPy int C >= 1, the chunk of positions a row sees (static:
+  it shapes the kernel's block range, as the window does)."""
+  if attention_chunk is None:
+    return None
+  chunk = _window_int(attention_chunk)
+  if chunk is None or chunk < 1:
+    raise ValueError(f"attention_chunk: expected None or an int >= 1 (positions per chunk), "
+                     f"got {attention_chunk!r}")
+  return chunk
+
+
 def validate_variant_args(
   shapes: AttentionShapes,
   *,
@@ -454,6 +467,7 @@ class Call:
   query_seq_lengths: Any = None
   key_value_seq_lengths: Any = None
   local_window_size: Any = None
+  attention_chunk: Any = None
   q_segment_ids: Any = None
   kv_segment_ids: Any = None
   segment_layout: str = "contiguous"
@@ -495,6 +509,7 @@ class Call:
                                  {n: getattr(self, n) for n in DESCALES}, self.out_dtype)
     object.__setattr__(self, "shapes", shapes)
     object.__setattr__(self, "window", window)
+    object.__setattr__(self, "attention_chunk", normalize_chunk(self.attention_chunk))
     object.__setattr__(self, "descales", descales)
 
   @property
@@ -518,9 +533,9 @@ class Call:
 
   @property
   def variants(self) -> dict[str, Any]:
-    """jax.nn's lengths and window, and the segment ids, that are set."""
+    """jax.nn's lengths and window, the chunk and the segment ids, that are set."""
     names = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size",
-             "q_segment_ids", "kv_segment_ids")
+             "attention_chunk", "q_segment_ids", "kv_segment_ids")
     return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
   def describe(self) -> str:

@@ -16,6 +16,9 @@ and skips the blocks it excludes:
   window and causal mask), so ``[i - left, i + right + 1)``
   (kernel.masks.Mask.window_range).  Combined with the causal mask by
   intersection, as in jax.nn.
+* ``attention_chunk`` C (FlashAttention-3's chunked attention): row i sees
+  the keys of its chunk, ``[i // C * C, i // C * C + C)``
+  (kernel.masks.Mask.chunk_range); with the causal mask, causal inside it.
 * ``q_segment_ids`` (B, T), ``kv_segment_ids`` (B, S): row i sees only the
   keys whose id equals its own.  With ``segment_layout="contiguous"`` (the
   default) each id is assumed to occupy ONE contiguous run of
@@ -74,7 +77,8 @@ class Routed:
   return_residual: bool         # jax.nn's log-sum-exp
   poisoned: Any = None          # (B, T) bool: rows the kernel writes NaN (contiguous layout)
   window: tuple[int, int] | None = None  # (left, right), static: the schedule weighs tiles by it
-  static_ranges: bool = False   # the key ranges are the window's alone (NumPy, trace time)
+  chunk: int | None = None      # attention_chunk, static, weighed as the window is
+  static_ranges: bool = False   # the key ranges are the window's or chunk's alone (NumPy)
 
   def finish(self, out, residuals):
     """``out``; ``(out, lse)``; ``(out, (m, l))``; or ``(out, lse, (m, l))``
@@ -197,14 +201,14 @@ def segments_are_contiguous(kv_segment_ids) -> jax.Array:
 
 def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
                key_value_seq_lengths=None, window: tuple[int, int] | None = None,
-               q_segment_ids=None, kv_segment_ids=None,
+               chunk: int | None = None, q_segment_ids=None, kv_segment_ids=None,
                segment_bounds_method=SHIPPED_SEGMENT_BOUNDS):
   """(start, end, single_run) of the new range sources alone: int32 arrays
   broadcastable to (B, 1, T) (None where no source bounds that side), and
   (B, T) bool or None for the segment rows served by one interval.
 
-  The window's ranges are NumPy arrays, computed here at trace time, and so
-  are start and end when the window is their only source: XLA folds what
+  The window's and the chunk's ranges are NumPy arrays, computed here at
+  trace time, and so are start and end when they are their only sources: XLA folds what
   is computed from constants (the per-tile tables of kernel.padding) into
   the executable, where the same arithmetic on an iota ran as kernels of
   its own before every call."""
@@ -213,6 +217,10 @@ def row_ranges(shapes: AttentionShapes, *, query_seq_lengths=None,
   i = np.arange(T, dtype=np.int32)[None, None, :]
   if window is not None:
     start, end = Mask(seq_q=T, seq_kv=S, window=window).window_range(i)
+    starts.append(start)
+    ends.append(end)
+  if chunk is not None:  # docs/decisions/chunked-attention-as-key-ranges.md
+    start, end = Mask(seq_q=T, seq_kv=S, chunk=chunk).chunk_range(i)
     starts.append(start)
     ends.append(end)
   if key_value_seq_lengths is not None:
@@ -260,14 +268,15 @@ def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
   query_seq_lengths, key_value_seq_lengths = call.query_seq_lengths, call.key_value_seq_lengths
   q_segment_ids, kv_segment_ids = call.q_segment_ids, call.kv_segment_ids
   shapes, window, segment_layout = call.shapes, call.window, call.segment_layout
+  chunk = call.attention_chunk
   routed = Routed(mask, k_start, k_end, bool(call.return_residuals or call.return_residual),
                   bool(call.return_residuals), bool(call.return_residual))
   if (query_seq_lengths is None and key_value_seq_lengths is None and window is None
-      and q_segment_ids is None):
+      and chunk is None and q_segment_ids is None):
     return routed
   start, end, single_run = row_ranges(
       shapes, query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths, window=window,
+      key_value_seq_lengths=key_value_seq_lengths, window=window, chunk=chunk,
       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       segment_bounds_method=segment_bounds_method)
   poisoned = None
@@ -286,8 +295,10 @@ def route(call: Call, segment_bounds_method: str | None = None) -> Routed:
     k_start = jnp.where(poisoned[:, None, :], POISONED_START, k_start)
   if end is not None:
     k_end = end if k_end is None else jnp.minimum(_rows(k_end).astype(jnp.int32), end)
-  static_ranges = (window is not None and routed.k_start is None and routed.k_end is None
+  static_ranges = ((window is not None or chunk is not None)
+                   and routed.k_start is None and routed.k_end is None
                    and query_seq_lengths is None and key_value_seq_lengths is None
                    and q_segment_ids is None)
   return dataclasses.replace(routed, mask=mask, k_start=k_start, k_end=k_end,
-                             poisoned=poisoned, window=window, static_ranges=static_ranges)
+                             poisoned=poisoned, window=window, chunk=chunk,
+                             static_ranges=static_ranges)

@@ -223,7 +223,7 @@ def _fake_row(problem, ms: dict, pass_="forward"):
   results = {n: (dict(ms=t, tflops=ws.flops(problem, backward=False) / t / 1e9)
                  if isinstance(t, float) else t) for n, t in ms.items()}
   return dict(problem=problem.kind, head_dim=problem.head_dim, seq=problem.seq,
-              causal=problem.causal, window=problem.window, documents=problem.documents,
+              causal=problem.causal, window=problem.window, documents=problem.documents, chunk=problem.chunk,
               batch=problem.batch, heads=problem.heads, dtype="bfloat16", pass_=pass_,
               pairs=ws.visible_pairs(problem), results=results,
               max_abs_diff_to_ours={ws.DENSE_MASK: 0.0078})
@@ -236,7 +236,8 @@ def _meta(command):
 
 def test_the_table_shows_speedups_and_reasons():
   window = ws.Problem("window", 128, 16384, True, window=1024)
-  packed = ws.problems()[-1]
+  packed = next(p for p in ws.problems() if p.kind == "packed")
+  chunk = next(p for p in ws.problems() if p.kind == "chunk")
   rows = [_fake_row(window, {ws.OURS: 1.0, ws.NO_WINDOW: 5.0, ws.DENSE_MASK: 6.0,
                              ws.CUDNN: 1.25}),
           _fake_row(packed, {ws.OURS: 2.0, ws.DENSE_MASK: 5.0, ws.ANY_LAYOUT: 4.0,
@@ -257,6 +258,11 @@ def test_the_table_shows_speedups_and_reasons():
   assert ("cudnn packed (jax._src) ÷ ours, key ranges 1.12 (both handed the documents' "
           "offsets)") in text
   assert "cudnn packed (jax._src) ÷ ours 0.90 (target ≥ 1: NOT met)" in text
+  chunked = ws.render({"rows": [_fake_row(chunk, {ws.OURS: 1.0, ws.DENSE_MASK: 7.0,
+                                                  ws.CUDNN: {"unavailable":
+                                                             ws.NO_CHUNKS_IN_JAX_NN}})]})
+  assert "d128 chunks of 2048 causal at 16384: ours, dense mask ÷ ours 7.00 (target ≥ 3: met)" \
+      in "\n".join(chunked), chunked
 
 
 def test_a_section_run_keeps_the_grids_rows_and_writes_both(tmp_path, monkeypatch):

@@ -657,6 +657,21 @@ def test_every_config_lists_each_config_at_its_own_sizes():
     assert reps.of(c).key() in default, c.describe()
 
 
+def test_a_chunked_or_windowed_calls_protocols_are_among_the_proved(shipped_cases):
+  """attention_chunk and local windows reach the kernels only as key ranges
+  (read from memory: free values in every proof) and as the longest-first
+  order's weights (tables the proof reads as free values): the configs and
+  protocols of such a call are its unmasked twin's, each one prove lists."""
+  reps = cases.Representatives(c for c, _ in shipped_cases)
+  listed = {c.key() for c, _ in shipped_cases}
+  for p in prove_cli.problem_grid()[::97]:
+    plain = list(cases.emitted([p]))
+    for static in (dict(chunk=64), dict(window=(100, 0)), dict(chunk=300, window=(50, 50))):
+      masked = list(cases.emitted([dataclasses.replace(p, static_ranges=True, **static)]))
+      assert masked == plain, (p, static)
+      assert all(reps.of(c).key() in listed for c in masked)
+
+
 def test_a_representative_shows_every_remainder_of_the_configs_it_stands_for(shipped_cases):
   """A trace takes every ragged remainder below its case's block of keys and
   tile of queries: each emitted config is proved at a representative whose

@@ -133,6 +133,26 @@ def test_packed_segments_lower_forward_and_backward():
     assert len(exported.out_avals) == 3
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_chunked_attention_lowers_forward_and_backward(is_causal):
+  """attention_chunk (FlashAttention-3's chunked attention) becomes key
+  ranges known when tracing: the forward and its gradients lower for CUDA
+  at a length no multiple of the chunk or a block, with grouped kv heads."""
+  q, k, v = _arrays()
+
+  def loss(q, k, v):
+    out = api.dot_product_attention(q, k, v, is_causal=is_causal, attention_chunk=40)
+    return jnp.sum(out.astype(jnp.float32))
+  with api.lowering_only():
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                                 platforms=["cuda"])(q, k, v)
+  assert [tuple(a.shape) for a in exported.out_avals] == [q.shape, k.shape, v.shape]
+  routed = variants.route(Call(q, k, v, is_causal=is_causal, attention_chunk=40))
+  assert routed.static_ranges and routed.chunk == 40
+  rows = np.arange(T)
+  np.testing.assert_array_equal(np.asarray(routed.k_start)[0, 0], rows // 40 * 40)
+
+
 # ---------------------------------------------------------------------------
 # The reference against jax.nn's XLA implementation.
 
@@ -166,16 +186,20 @@ def _f32(shapes: AttentionShapes, seed: int):
        data=st.data())
 def test_reference_lengths_and_windows_match_jax_nn(shapes, causal, seed, data):
   """Output and log-sum-exp of the float64 reference equal jax.nn's XLA
-  path in float32 (to float32 rounding) on every row that sees a key; padded
+  path in float32 (chunks given to it as a dense mask) (to float32 rounding) on every row that sees a key; padded
   query rows are 0 in both.  (A row that sees no key for another reason is
   0 here by contract, a mean of values in jax.nn: not compared.)"""
   spec = data.draw(hs.variant_specs(shapes, segments=False), label="variants")
   kw = spec.build()
   q, k, v = _f32(shapes, seed)
   ref = ref_lib.attention_reference(q, k, v, is_causal=causal, **kw)
-  out, lse = _jax_nn(q, k, v, None, kw.get("query_seq_lengths"),
+  # jax.nn has no chunked attention: its chunks as a dense mask
+  chunk = kw.get("attention_chunk")
+  rows, keys = np.arange(shapes.T)[:, None], np.arange(shapes.S)[None, :]
+  mask = None if chunk is None else (rows // chunk == keys // chunk)[None, None]
+  out, lse = _jax_nn(q, k, v, mask, kw.get("query_seq_lengths"),
                      kw.get("key_value_seq_lengths"), is_causal=causal,
-                     local_window_size=kw.get("local_window_size"), has_mask=False)
+                     local_window_size=kw.get("local_window_size"), has_mask=mask is not None)
   out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
   live = ~np.transpose(ref.fully_masked, (0, 2, 1))  # (B, T, N)
   note(f"{shapes} causal={causal} {spec} live rows {live.sum()}")
@@ -366,6 +390,10 @@ BAD = [
     ("local_window_size", dict(local_window_size=(4, -2))),
     ("local_window_size", dict(local_window_size=(-1, 4))),
     ("local_window_size", dict(local_window_size=np.array([1, 2]))),
+    ("attention_chunk", dict(attention_chunk=0)),
+    ("attention_chunk", dict(attention_chunk=-64)),
+    ("attention_chunk", dict(attention_chunk=2.5)),
+    ("attention_chunk", dict(attention_chunk=True)),
     ("q_segment_ids", dict(q_segment_ids=np.zeros((2, 9), np.int32),
                            kv_segment_ids=np.zeros((2, 16), np.int32))),
     ("kv_segment_ids", dict(q_segment_ids=np.zeros((2, 8), np.int32),
@@ -489,6 +517,29 @@ def test_a_window_visits_only_the_blocks_its_rows_see(T, S, window, is_causal):
                             is_causal=is_causal)
     work = lambda v: int(np.sum(v[:, 1] - v[:, 0]))
     assert 4 * work(visited) <= work(plain), (work(visited), work(plain))
+
+
+@pytest.mark.parametrize("T,S,chunk,is_causal", [
+    (16384, 16384, 2048, True),
+    (1000, 777, 300, False),
+    (1000, 1000, 129, True),
+])
+def test_a_chunk_visits_only_the_blocks_its_rows_see(T, S, chunk, is_causal):
+  """Chunked attention (attention_chunk): each tile visits only the blocks
+  of the chunks its rows are in (up to the diagonal under causal); at 16k
+  in chunks of 2k, causal, about a sixteenth of the causal call's work."""
+
+  def row_keys(i):
+    first = i // chunk * chunk
+    return first, min(S, first + chunk, i + 1 if is_causal else S)
+
+  visited = _visited_blocks(T, S, dict(attention_chunk=chunk), is_causal=is_causal)
+  _assert_skips_exactly(visited, _needed_blocks(T, S, row_keys), S)
+  if T == 16384:
+    whole = _visited_blocks(T, S, dict(query_seq_lengths=np.array([T], np.int32)),
+                            is_causal=is_causal)
+    work = lambda v: int(np.sum(v[:, 1] - v[:, 0]))
+    assert 6 * work(visited) <= work(whole), (work(visited), work(whole))
 
 
 @pytest.mark.parametrize("T,docs,is_causal", [

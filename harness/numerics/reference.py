@@ -89,7 +89,7 @@ from kernel.tiling.plan import FP8_P_SCALE_LOG2
 # jax.nn.dot_product_attention's arguments beyond the logits', and the
 # packed-sequence segment ids: only key_visibility reads them.
 VARIANT_ARGS = ("query_seq_lengths", "key_value_seq_lengths", "local_window_size",
-                "q_segment_ids", "kv_segment_ids")
+                "attention_chunk", "q_segment_ids", "kv_segment_ids")
 
 __all__ = [
   "REFERENCE_DTYPES",
@@ -171,17 +171,16 @@ def _f64(x: Any) -> np.ndarray:
   return np.asarray(x).astype(np.float64)
 
 
-def key_visibility(call: Call, attention_chunk: int | None = None) -> np.ndarray:
+def key_visibility(call: Call) -> np.ndarray:
   """(B, N, T, S) bool: key j takes part in row i of ``call`` (mask, causal,
-  key range, and the VARIANT_ARGS, each straight from its definition), and
-  with ``attention_chunk`` = C, FlashAttention-3's chunked attention (not
-  yet an argument of the call: kernel.masks.Mask.chunk), j // C == i // C:
+  key range, and the VARIANT_ARGS, each straight from its definition):
 
   * query_seq_lengths (B,): row i takes part only if i < len[b];
   * key_value_seq_lengths (B,): key j only if j < len[b];
   * local_window_size (left, right), or w for (w, w): i - left <= j <= i + right
     (with causal, kernel.masks.Mask.keep: the element definition the kernels'
     key ranges, block bounds and selects are held to);
+  * attention_chunk C (FlashAttention-3's chunked attention): j // C == i // C;
   * q_segment_ids (B, T), kv_segment_ids (B, S): q_ids[b, i] == kv_ids[b, j].
   """
   B, N, T, S = call.shapes.logits_shape
@@ -194,7 +193,7 @@ def key_visibility(call: Call, attention_chunk: int | None = None) -> np.ndarray
     visible &= np.broadcast_to(np.asarray(mask, dtype=bool), visible.shape)
   i, j = np.arange(T), np.arange(S)
   static = Mask(seq_q=T, seq_kv=S, causal=bool(is_causal), window=window,
-                chunk=attention_chunk)
+                chunk=call.attention_chunk)
   visible &= static.keep(i[:, None], j[None, :])[None, None]
   if k_start is not None:
     start = np.broadcast_to(np.asarray(k_start).astype(np.int64), (B, N, T))
@@ -307,7 +306,7 @@ class _Logits:
   cap: float | None
 
 
-def _logits(call: Call, attention_chunk: int | None = None) -> _Logits:
+def _logits(call: Call) -> _Logits:
   shapes = call.shapes
   query, key, value, bias = call.query, call.key, call.value, call.bias
   logits_soft_cap = call.logits_soft_cap
@@ -326,7 +325,7 @@ def _logits(call: Call, attention_chunk: int | None = None) -> _Logits:
       u = u + b
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     s = u if cap is None else cap * np.tanh(u / cap)
-  visible = key_visibility(call, attention_chunk)
+  visible = key_visibility(call)
   return _Logits(shapes, scale, q, k, v, u, s, visible, bias_shape, cap)
 
 
@@ -357,17 +356,15 @@ def _active_matmul(a: np.ndarray, b: np.ndarray, active: np.ndarray) -> np.ndarr
 # Forward.
 
 
-def attention_reference(*call: Any, attention_chunk: int | None = None,
-                        **kwargs: Any) -> Reference:
+def attention_reference(*call: Any, **kwargs: Any) -> Reference:
   """Attention in float64 with residuals m, l (natural log, (B, N, T)), for
   ``call``: a kernel.call.Call, or its arguments (query, key, value, bias,
-  mask, then keywords); ``attention_chunk``: chunked attention's chunk
-  (:func:`key_visibility`).
+  mask, then keywords).
 
   Inputs of any dtype in ``REFERENCE_DTYPES`` are converted exactly to float64.
   See the module docstring for the semantics and the fully masked row contract.
   """
-  lg = _logits(_split(call, kwargs, 0)[0], attention_chunk)
+  lg = _logits(_split(call, kwargs, 0)[0])
   with np.errstate(invalid="ignore", over="ignore"):
     logits = np.where(lg.visible, lg.s, -np.inf)
     m = logits.max(axis=-1)  # NaN propagates through max

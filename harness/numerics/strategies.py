@@ -590,11 +590,12 @@ class SegmentSpec:
 
 @dataclasses.dataclass(frozen=True)
 class VariantSpec:
-  """The lengths, window and segments of a call, as plain values."""
+  """The lengths, window, chunk and segments of a call, as plain values."""
 
   query_seq_lengths: tuple[int, ...] | None = None
   key_value_seq_lengths: tuple[int, ...] | None = None
   local_window_size: int | tuple[int, int] | None = None
+  attention_chunk: int | None = None
   segments: SegmentSpec | None = None
   segment_layout: str = "contiguous"
 
@@ -605,7 +606,8 @@ class VariantSpec:
     q_ids, kv_ids = (None, None) if self.segments is None else self.segments.build()
     kw = dict(query_seq_lengths=lengths(self.query_seq_lengths),
               key_value_seq_lengths=lengths(self.key_value_seq_lengths),
-              local_window_size=self.local_window_size, q_segment_ids=q_ids,
+              local_window_size=self.local_window_size,
+              attention_chunk=self.attention_chunk, q_segment_ids=q_ids,
               kv_segment_ids=kv_ids)
     return {k: v for k, v in kw.items() if v is not None}
 
@@ -627,6 +629,13 @@ def local_windows(draw, T: int, S: int) -> int | tuple[int, int]:
   if draw(st.booleans()):
     return draw(side)
   return draw(side), draw(side)
+
+
+def attention_chunks(T: int, S: int) -> st.SearchStrategy[int]:
+  """A chunk of positions: 1 (each row its own chunk), small, about a
+  block, or as long as or longer than the sequences."""
+  return st.one_of(st.sampled_from((1, 64, 128, max(T, S), T + S + 5)),
+                   st.integers(1, max(T, S)))
 
 
 @st.composite
@@ -675,20 +684,21 @@ def variant_specs(draw, shapes: AttentionShapes, *, lengths: bool = True,
                   windows: bool = True, segments: bool = True,
                   layout: str = "contiguous", contiguous_ids: bool | None = None
                   ) -> VariantSpec:
-  """Any subset of the lengths, window and segments for ``shapes`` (at
-  least one of those allowed).  Key ids are contiguous runs for
+  """Any subset of the lengths, window (with it, the chunk) and segments
+  for ``shapes`` (at least one of those allowed).  Key ids are contiguous runs for
   ``layout="contiguous"``, else drawn either way, unless ``contiguous_ids``
   says (False: ids may repeat across runs, whatever the layout)."""
   if contiguous_ids is None:
     contiguous_ids = True if layout == "contiguous" else draw(st.booleans())
   kinds = [k for k, ok in (("q", lengths), ("kv", lengths), ("window", windows),
-                           ("segments", segments)) if ok]
+                           ("chunk", windows), ("segments", segments)) if ok]
   chosen = draw(st.sets(st.sampled_from(kinds), min_size=1))
   B, T, S = shapes.B, shapes.T, shapes.S
   return VariantSpec(
     query_seq_lengths=draw(seq_lengths(B, T)) if "q" in chosen else None,
     key_value_seq_lengths=draw(seq_lengths(B, S)) if "kv" in chosen else None,
     local_window_size=draw(local_windows(T, S)) if "window" in chosen else None,
+    attention_chunk=draw(attention_chunks(T, S)) if "chunk" in chosen else None,
     segments=draw(segment_specs(B, T, S, contiguous=contiguous_ids))
     if "segments" in chosen else None,
     segment_layout=layout)

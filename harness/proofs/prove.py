@@ -367,7 +367,7 @@ def main(argv=None) -> int:
           f"protocols and {len(items) - forward} of {len(everything) - every_forward} backward "
           f"launch kinds; the others are not proved by this run")
   # What the launch programs above are not: docs/proof.md, "What is not proved".
-  print(f"calls with lengths, a window or segments: {sum(r.lengths for r in results)} of "
+  print(f"calls with lengths, a window, chunks or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
         f"or ragged, beyond the probes' one")
   # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
         f"and key/value heads (from {counts['kv_heads']}) in groups of any number of query "
         f"heads (from {counts['group']}), beyond the probes' first")
   plain = sum(r.plain for r in results)
-  print(f"calls without lengths, a window or segments: {plain} kernels of theirs, whose "
+  print(f"calls without lengths, a window, chunks or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "
         f"length of queries and keys, whole or ragged; the "
         f"causal backward's head by head and in L2 sections)")

@@ -9,17 +9,19 @@ dim 128 / 64; ``--section-head-dims``):
 * **window**: ``local_window_size=WINDOW`` (1024, i.e. (1024, 1024)) at seq
   8k (B = 2) and 16k (B = 1), causal (then (1024, 0) in effect) and not;
 * **packed**: ``PACKED_DOCUMENTS`` (seven documents of 1100-4000 tokens,
-  boundaries off the block grid) packed into one 16k row, causal.
+  boundaries off the block grid) packed into one 16k row, causal;
+* **chunk**: ``attention_chunk=CHUNK`` (FlashAttention-3's chunked
+  attention, 2048 positions) at 16k, causal inside each chunk.
 
 Routes, timed interleaved in one process per problem by the grid's method
 (``bench_grid.time_interleaved``: random normal inputs rotated over sets,
 warm-up excluded, medians of interleaved trials), ``config=None``:
 
-* ``ours``: this kernel with the variant itself (``local_window_size``, or
-  ``q_segment_ids`` / ``kv_segment_ids``): per-row key ranges, so the key
+* ``ours``: this kernel with the variant itself (``local_window_size``,
+  ``attention_chunk``, or ``q_segment_ids`` / ``kv_segment_ids``): per-row key ranges, so the key
   blocks no row of a tile sees are skipped (kernel/key_ranges.py);
 * ``ours, dense mask``: the same problem as a boolean mask, (1, 1, T, S) for
-  the window, (B, 1, T, S) for the documents, with ``is_causal`` as the
+  the window and the chunks, (B, 1, T, S) for the documents, with ``is_causal`` as the
   problem has it: every key block is read (above the diagonal still skipped
   under causal), one mask read per logit;
 * ``ours, any layout`` (packed): ``segment_layout="any"``, the fallback for
@@ -42,7 +44,7 @@ warm-up excluded, medians of interleaved trials), ``config=None``:
 * ``cudnn (jax.nn)``: ``jax.nn.dot_product_attention(implementation=
   "cudnn")`` with the same keyword arguments, where jax.nn hands the variant
   to cuDNN (:func:`jax_nn_cudnn_refusal`): the window under causal only,
-  never packed segments;
+  never packed segments or chunks;
 * ``cudnn packed (jax._src)``: cuDNN's own packed layout (per-document
   lengths and offsets) through ``jax._src.cudnn.fused_attention_stablehlo.
   dot_product_attention``, which jax.nn does not expose.
@@ -68,11 +70,13 @@ from kernel import key_ranges as variants
 
 KEY = "windows_and_segments"          # performance.json: record["sections"][KEY]
 NAME = "windows-segments"             # --sections
-TITLE = "Local windows and packed segments"
+TITLE = "Local windows, packed segments and chunked attention"
 WINDOW = 1024
 WINDOW_SEQS = (8192, 16384)
 PACKED_SEQ = 16384
 PACKED_DOCUMENTS = (1100, 3000, 2200, 4000, 1500, 2584, 2000)
+CHUNK = 2048
+CHUNK_SEQ = 16384
 HEAD_DIMS = (128,)
 
 OURS = "ours"
@@ -89,6 +93,13 @@ CUDNN_PACKED = "cudnn packed (jax._src)"
 ROUTES = (OURS, OTHER_BOUNDS, KEY_RANGES, NO_WINDOW, DENSE_MASK, ANY_LAYOUT, CUDNN,
           CUDNN_PACKED)
 
+# The section's problems, in its order.
+KINDS = ("window", "packed", "chunk")
+
+# Why jax.nn (0.11.2) cannot hand chunked attention to cuDNN.
+NO_CHUNKS_IN_JAX_NN = ("jax.nn.dot_product_attention has no attention_chunk; its "
+                       "chunks reach cuDNN only as a dense mask")
+
 # Why jax.nn (0.11.2) cannot hand packed segments to cuDNN.
 NO_SEGMENTS_IN_JAX_NN = ("jax.nn.dot_product_attention has no segment ids; its "
                          "key_value_seq_lengths pads one sequence per batch row and "
@@ -99,18 +110,19 @@ NO_SEGMENTS_IN_JAX_NN = ("jax.nn.dot_product_attention has no segment ids; its "
 class Problem:
   """One problem of the section: its shapes are a grid point's (heads from
   the head dim, B = 16k tokens / seq) unless overridden."""
-  kind: str                              # "window" or "packed"
+  kind: str                              # one of KINDS
   head_dim: int
   seq: int
   causal: bool
   window: int | None = None              # local_window_size (w, w)
   documents: tuple[int, ...] | None = None
+  chunk: int | None = None               # attention_chunk
   batch_override: int | None = None      # small shapes for the CPU tests
   heads_override: int | None = None
 
   def __post_init__(self):
-    if self.kind not in ("window", "packed"):
-      raise ValueError(f"kind: expected 'window' or 'packed', got {self.kind!r}")
+    if self.kind not in KINDS:
+      raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
     if self.kind == "packed" and sum(self.documents or ()) != self.seq:
       raise ValueError(f"documents: must sum to seq {self.seq}, got {self.documents}")
 
@@ -127,8 +139,9 @@ class Problem:
     return self.heads
 
   def label(self) -> str:
-    what = (f"window {self.window}" if self.kind == "window"
-            else f"{len(self.documents)} documents")
+    what = {"window": lambda: f"window {self.window}",
+            "packed": lambda: f"{len(self.documents)} documents",
+            "chunk": lambda: f"chunks of {self.chunk}"}[self.kind]()
     return f"d{self.head_dim} {what} seq {self.seq}{' causal' if self.causal else ''}"
 
 
@@ -137,6 +150,7 @@ def problems(head_dims=HEAD_DIMS) -> list[Problem]:
          for d in head_dims for c in (False, True) for s in WINDOW_SEQS]
   out += [Problem("packed", d, PACKED_SEQ, True, documents=PACKED_DOCUMENTS)
           for d in head_dims]
+  out += [Problem("chunk", d, CHUNK_SEQ, True, chunk=CHUNK) for d in head_dims]
   return out
 
 
@@ -155,6 +169,9 @@ def row_key_bounds(problem: Problem, *, variant: bool = True):
   first, last = np.zeros(t, np.int64), np.full(t, t - 1, np.int64)
   if variant and problem.kind == "window":
     first, last = np.maximum(first, i - problem.window), np.minimum(last, i + problem.window)
+  if variant and problem.kind == "chunk":
+    start = i // problem.chunk * problem.chunk
+    first, last = np.maximum(first, start), np.minimum(last, start + problem.chunk - 1)
   if variant and problem.kind == "packed":
     edges = np.concatenate([[0], np.cumsum(problem.documents)])
     doc = np.repeat(np.arange(len(problem.documents)), problem.documents)
@@ -199,6 +216,15 @@ def aux_arrays(problem: Problem) -> dict:
       j = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 3)
       return (j >= i - w) & (j <= i + w)
     return {"mask": window_mask()}
+  if problem.kind == "chunk":
+    size = problem.chunk
+
+    @jax.jit
+    def chunk_mask():
+      i = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 2)
+      j = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 3)
+      return i // size == j // size
+    return {"mask": chunk_mask()}
   docs = problem.documents
   ids = np.repeat(np.arange(len(docs), dtype=np.int32), docs)
   ids = jnp.asarray(np.broadcast_to(ids, (problem.batch, t)))
@@ -225,6 +251,8 @@ def jax_nn_cudnn_refusal(problem: Problem) -> str | None:
   to both."""
   if problem.kind == "packed":
     return NO_SEGMENTS_IN_JAX_NN
+  if problem.kind == "chunk":
+    return NO_CHUNKS_IN_JAX_NN
   if not problem.causal:
     return (f"jax.nn gives cuDNN a window only under causal or with right size 0; "
             f"({problem.window}, {problem.window}) without causal it refuses")
@@ -238,7 +266,12 @@ def route_functions(problem: Problem) -> tuple[dict, dict]:
   from kernel import api, experiments
   c, w = problem.causal, problem.window
   fns, unavailable = {}, {}
-  if problem.kind == "window":
+  if problem.kind == "chunk":
+    fns[OURS] = lambda q, k, v, aux: api.dot_product_attention(
+        q, k, v, is_causal=c, attention_chunk=problem.chunk)
+    fns[DENSE_MASK] = lambda q, k, v, aux: api.dot_product_attention(
+        q, k, v, mask=aux["mask"], is_causal=c)
+  elif problem.kind == "window":
     fns[OURS] = lambda q, k, v, aux: api.dot_product_attention(
         q, k, v, is_causal=c, local_window_size=w)
     fns[NO_WINDOW] = lambda q, k, v, aux: api.dot_product_attention(q, k, v, is_causal=c)
@@ -338,6 +371,7 @@ def time_problem(problem: Problem, *, backward: bool, dtype="bfloat16", sets: in
       results[name] = dict(unavailable=unavailable[name])
   return dict(problem=problem.kind, head_dim=problem.head_dim, seq=problem.seq,
               causal=problem.causal, window=problem.window, documents=problem.documents,
+              chunk=problem.chunk,
               batch=problem.batch, heads=problem.heads, dtype=dtype,
               pass_=bg.pass_name(backward),
               pairs=visible_pairs(problem), results=results,
@@ -364,7 +398,8 @@ def run(args, *, passes, log=print) -> list[dict]:
 
 # (route, target) pairs of issue 20: ours at least this many times faster.
 TARGETS = {"window": ((NO_WINDOW, 4.0), (CUDNN, 1.0)),
-           "packed": ((DENSE_MASK, 3.0), (CUDNN_PACKED, 1.0))}
+           "packed": ((DENSE_MASK, 3.0), (CUDNN_PACKED, 1.0)),
+           "chunk": ((DENSE_MASK, 3.0),)}
 
 
 # Beside the targets: cuDNN's packed route against ours handed the same
@@ -383,6 +418,8 @@ def speedup(row: dict, route: str, base: str = OURS) -> float | None:
 def _problem_cell(r: dict) -> str:
   if r["problem"] == "window":
     return f"window {r['window']}"
+  if r["problem"] == "chunk":
+    return f"chunks of {r['chunk']}"
   return f"{len(r['documents'])} documents"
 
 
@@ -422,7 +459,7 @@ def render(section: dict) -> list[str]:
            "'ours, no window' is credited its own, window-free problem).  "
            "'X ÷ ours': X's ms over ours', the speed-up of ours.", ""]
   for r in rows:
-    if r["seq"] != max(WINDOW_SEQS + (PACKED_SEQ,)):
+    if r["seq"] != max(WINDOW_SEQS + (PACKED_SEQ, CHUNK_SEQ)):
       continue
     where = (f"- {r['pass_']}, d{r['head_dim']} {_problem_cell(r)}"
              f"{' causal' if r['causal'] else ''} at {r['seq']}: ")
@@ -436,7 +473,7 @@ def render(section: dict) -> list[str]:
       if x is not None:
         lines.append(f"{where}{route} ÷ {base} {x:.2f} (both handed the documents' "
                      f"offsets).")
-  for kind in ("window", "packed"):  # a table each: their routes differ
+  for kind in KINDS:  # a table each: their routes differ
     of_kind = [r for r in rows if r["problem"] == kind]
     if of_kind:
       lines += ["", render_table(of_kind)]
@@ -462,15 +499,15 @@ def panels(section: dict) -> list[bg.Panel]:
   per route, ms per call."""
   rows = section["rows"]
   out = []
-  kinds = ("window", "packed")
   for key in sorted({(r["pass_"], r["head_dim"], r["problem"]) for r in rows},
-                    key=lambda k: (k[0], k[1], kinds.index(k[2]))):
+                    key=lambda k: (k[0], k[1], KINDS.index(k[2]))):
     sub = sorted((r for r in rows if (r["pass_"], r["head_dim"], r["problem"]) == key),
                  key=lambda r: (r["causal"], r["seq"]))
     names = [n for n in ROUTES if any("ms" in r["results"].get(n, {}) for r in sub)]
     groups = [f"{r['seq']}{' causal' if r['causal'] else ''}" for r in sub]
     series = {n: [r["results"].get(n, {}).get("ms", 0.0) for r in sub] for n in names}
-    what = f"window {WINDOW}" if key[2] == "window" else "packed documents"
+    what = {"window": f"window {WINDOW}", "packed": "packed documents",
+            "chunk": f"chunks of {CHUNK}"}[key[2]]
     out.append(bg.Panel(f"{key[0]}, head dim {key[1]}, {what}", groups, series,
                         "ms per call (lower is faster)", "{:.2f}"))
   return out

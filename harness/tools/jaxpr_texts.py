@@ -76,6 +76,12 @@ def cases() -> dict[str, dict]:
   c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, backward="pallas-serial"),
                                        dict(bias_shape=(1, 4, 300, 500)), True)
   c["d128-grad-two-kernel"] = (d128, dict(backward="pallas-two-kernel"), {}, True)
+  # Chunked attention (attention_chunk): static key ranges the
+  # longest-first order and the backward's launch order weigh tiles by.
+  c["d128-np-longest-first-chunk-causal"] = (
+      d128, dict(config=Config(64, 128, 2, False, "longest-first"), is_causal=True,
+                 attention_chunk=96), {}, False)
+  c["d128-grad-chunk-causal"] = (d128, dict(is_causal=True, attention_chunk=96), {}, True)
   # A local window under causal: the backward's launch order weighs tiles by it.
   c["d128-grad-window-causal"] = (d128, dict(is_causal=True, local_window_size=(100, 0)), {},
                                   True)

@@ -45,9 +45,8 @@ class Mask:
   (FlashAttention-3's ``attention_chunk``: with causal, chunked attention,
   causal inside each chunk of C positions).  The kernels read the window
   as the key ranges kernel/key_ranges.py made of it (traced operands); the
-  record keeps it so that the schedules can weigh a windowed tile.  The
-  chunk is a row range too (:meth:`chunk_range`), not yet an argument of
-  the API."""
+  record keeps it so that the schedules can weigh a windowed tile; the
+  chunk likewise (:meth:`chunk_range`)."""
 
   seq_q: int
   seq_kv: int
@@ -63,7 +62,7 @@ class Mask:
   def of(cls, problem) -> Mask:
     """The mask of a kernel.tiling.plan.Problem."""
     return cls(seq_q=problem.seq_q, seq_kv=problem.seq_kv, causal=problem.is_causal,
-               window=problem.window)
+               window=problem.window, chunk=problem.chunk)
 
   # -- which keys a row sees ---------------------------------------------------
 

@@ -108,8 +108,11 @@ class Problem:
   # backward's launch order weigh tiles by it (the kernels read the key
   # ranges it became, which are traced and so hidden from a schedule).
   window: tuple[int, int] | None = None
+  # FlashAttention-3's attention_chunk C, weighed as the window is.
+  chunk: int | None = None
   # The key ranges are known when tracing, so the static longest-first order
-  # already weighs them: a window's alone, or the whole keys (ranges_always).
+  # already weighs them: a window's or a chunk's alone, or the whole keys
+  # (ranges_always).
   static_ranges: bool = False
   # Rows whose key range starts at kernel.common.POISONED_START are written
   # NaN (out, m and l): rows kernel/key_ranges.py cannot serve with one range;

@@ -207,24 +207,15 @@ def aux_arrays(problem: Problem) -> dict:
   import jax.numpy as jnp
   import numpy as np
   t = problem.seq
-  if problem.kind == "window":
-    w = problem.window
+  if problem.kind in ("window", "chunk"):
+    w, size = problem.window, problem.chunk
 
     @jax.jit
-    def window_mask():
+    def dense_mask():   # (1, 1, T, S): row i, key j
       i = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 2)
       j = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 3)
-      return (j >= i - w) & (j <= i + w)
-    return {"mask": window_mask()}
-  if problem.kind == "chunk":
-    size = problem.chunk
-
-    @jax.jit
-    def chunk_mask():
-      i = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 2)
-      j = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 3)
-      return i // size == j // size
-    return {"mask": chunk_mask()}
+      return (j >= i - w) & (j <= i + w) if size is None else i // size == j // size
+    return {"mask": dense_mask()}
   docs = problem.documents
   ids = np.repeat(np.arange(len(docs), dtype=np.int32), docs)
   ids = jnp.asarray(np.broadcast_to(ids, (problem.batch, t)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, note, settings, strategies as st
 
 from harness.numerics import strategies as hs
@@ -134,6 +135,35 @@ def test_the_reference_reads_chunked_attention_from_the_mask():
   assert (chunked.visible == dense).all()
   masked = attention_reference(q, k, v, None, np.broadcast_to(dense, (1, 1, T, S)))
   np.testing.assert_array_equal(chunked.out, masked.out)
+
+
+@pytest.mark.parametrize("chunk,causal", [(64, True), (100, True), (100, False), (1, True)])
+def test_chunked_attention_through_the_kernels_key_ranges_meets_the_rule(chunk, causal):
+  """The kernel's path for ``attention_chunk`` on the CPU: the key ranges
+  kernel/key_ranges.py routes the chunk to, run by the NumPy model of the
+  kernel's blocked online softmax (bfloat16, 128-key blocks), meet the
+  float64 rule against the reference given the chunk itself, at ragged
+  lengths with grouped kv heads."""
+  from harness.numerics.online_softmax_model import online_softmax_attention
+  from harness.numerics.reference import naive_attention
+  from harness.numerics.tolerance import check_tolerance
+  from kernel import key_ranges
+  from kernel.call import Call
+  rng = np.random.default_rng(chunk)
+  T, S, N, K, H = 300, 277, 4, 2, 64
+  bf16 = jnp.bfloat16
+  q, k, v = (np.asarray(jnp.asarray(rng.standard_normal(shape), bf16))
+             for shape in ((1, T, N, H), (1, S, K, H), (1, S, K, H)))
+  routed = key_ranges.route(Call(q, k, v, is_causal=causal, attention_chunk=chunk))
+  ks, ke = np.asarray(routed.k_start), np.asarray(routed.k_end)
+  out, m, l = online_softmax_attention(q, k, v, is_causal=causal, k_start=ks, k_end=ke,
+                                       block_kv=128, dtype=bf16)
+  ref = attention_reference(q, k, v, is_causal=causal, attention_chunk=chunk)
+  naive = naive_attention(q, k, v, is_causal=causal, attention_chunk=chunk, dtype=bf16)
+  for name, got, want, yardstick in (("out", out, ref.out, naive[0]), ("m", m, ref.m, naive[1]),
+                                     ("l", l, ref.l, naive[2])):
+    report = check_tolerance(got, want, yardstick, np.dtype(bf16), name=name)
+    assert report.passed, str(report)
 
 
 @settings(max_examples=hs.examples(50), deadline=None)

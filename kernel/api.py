@@ -138,7 +138,7 @@ def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Conf
   staged problem) fits with it, else read from global memory, with the
   config picked for that problem (head dims of 256 with both a 2-D bias and
   mask, say; the results are the same bits either way,
-  properties/test_forward_gpu.py).  Raises if the config does not fit."""
+  properties/gpu/test_forward_gpu.py).  Raises if the config does not fit."""
   def problem_for(staged):
     return problem_of(call, routed, staged=staged, deterministic=deterministic, variant=variant)
 

@@ -70,7 +70,7 @@ def untiled_smem(buf: plan_lib.Buffer | None):
   group that mirrors the tiled buffers' group leaf for leaf, so that Mosaic
   GPU places each view at its buffer's first byte (jax 0.11.2's
   flatten_ref_union lays every group out from the union's first byte;
-  properties/test_lowering.py checks it)."""
+  properties/kernel/test_lowering.py checks it)."""
   if buf is None or not buf.swizzled:
     return None if buf is None else smem(buf)
   return plgpu.SMEM(buf.shape, jnp.dtype(buf.dtype),

@@ -47,7 +47,7 @@ as before this rule existed: custom_partitioning has no batching rule.
 The rule does not change what is computed: each device runs the same config
 (chosen from the global shapes, which differ from the local ones only in B
 and N, which no config choice reads) on its rows, so out, dK, dV and the
-two-kernel dQ are bitwise those of one device (properties/test_sharding_gpu.py).
+two-kernel dQ are bitwise those of one device (properties/gpu/test_sharding_gpu.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _share_the_gpus() -> None:
     gpus = sorted(d for d in os.listdir("/dev") if d[len("nvidia"):].isdigit()
                   and d.startswith("nvidia")) if os.path.isdir("/dev") else []
     gpus = [g[len("nvidia"):] for g in gpus]
-  # Kept for properties/test_gpu_sharing.py, which checks the assignment.
+  # Kept for properties/tools/test_gpu_sharing.py, which checks the assignment.
   os.environ["FLASH_HOST_GPUS"] = ",".join(gpus)
   if len(gpus) > 1:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(worker[2:]) % len(gpus)]

@@ -18,9 +18,9 @@ record_device
 # A hang shows first on the small named cases; the drawn cases follow only
 # when those pass.
 if GRADIENT_BACKWARD="$variant" step gradients-named 150 "$py" -m pytest -m gpu -rs \
-     properties/test_gradients_gpu.py -k "named or reproducible" --junitxml "$out/named.xml"; then
+     properties/gpu/test_gradients_gpu.py -k "named or reproducible" --junitxml "$out/named.xml"; then
   GRADIENT_BACKWARD="$variant" step gradients-drawn 240 "$py" -m pytest -n 4 -m gpu -rs \
-    properties/test_gradients_gpu.py -k "float64" --junitxml "$out/drawn.xml"
+    properties/gpu/test_gradients_gpu.py -k "float64" --junitxml "$out/drawn.xml"
   step bench 150 "$py" -m harness.tools.bench --shapes headline-both --backward --configs auto \
     --backward-impl "pallas,$variant" --out "$out/bench-backward.json"
 fi

@@ -6,7 +6,7 @@
 # bench's name of a kernel.experiments switch.
 #   bash ci/device/compare-forward.sh OUTDIR MODIFIER TESTS [HEAD_DIMS] [SEQS]
 # TESTS: a pytest -k expression that selects the variant's tests in
-# properties/test_forward_gpu.py.  The copies through untiled views
+# properties/gpu/test_forward_gpu.py.  The copies through untiled views
 # (kernel.experiments' untiled_copies), at lengths no multiple of 8:
 #   bash ci/device/compare-forward.sh OUTDIR ut untiled 64,128,256 1001,4001,12017
 # A call without key ranges run by the kernels that read them, the ones the
@@ -27,7 +27,7 @@ mkdir -p "$out" "$dest"
 source "$(dirname "$0")/steps.sh"
 
 record_device
-if step tests 300 "$py" -m pytest -m gpu -rs properties/test_forward_gpu.py -k "$tests" \
+if step tests 300 "$py" -m pytest -m gpu -rs properties/gpu/test_forward_gpu.py -k "$tests" \
      --junitxml "$out/tests.xml"; then
   step bench 240 "$py" -m harness bench --grid --no-example --head-dims "$head_dims" \
     --seqs "$seqs" --variants "auto;auto,$modifier" --out-dir "$out/bench" \

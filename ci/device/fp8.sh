@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 on an H200 in one call of under 10 minutes, each step under its own
 # time limit (steps.sh): the FP8 GPU properties against float64
-# (properties/test_fp8_gpu.py), the corpus's FP8 goldens updated against
+# (properties/gpu/test_fp8_gpu.py), the corpus's FP8 goldens updated against
 # the committed ones (harness/tools/golden.py: a regression is reported,
 # not written), then the FP8
 # page, ours in FP8 beside ours in bfloat16 and cuDNN's FP8 route in one
@@ -19,7 +19,7 @@ source "$(dirname "$0")/steps.sh"
 commit="${FLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 record_device
-step fp8-tests 200 "$py" -m pytest -m gpu -rs -n 8 -p no:cacheprovider properties/test_fp8_gpu.py \
+step fp8-tests 200 "$py" -m pytest -m gpu -rs -n 8 -p no:cacheprovider properties/gpu/test_fp8_gpu.py \
   --junitxml "$out/fp8-tests.xml"
 fp8_goldens="$("$py" -c 'from harness.tools import golden; print(",".join(s.name for s in golden.CORPUS if s.fp8))')"
 step fp8-golden 60 "$py" -m harness golden update --select "$fp8_goldens"

@@ -27,7 +27,7 @@
 # OUTDIR/fp8/* over docs/fp8/, review, commit.  OUTDIR also gets steps.txt
 # (the device, each step's exit and seconds) and log.txt; eight files at
 # most, as a device call returns.  FLASH_COMMIT names the measured commit (a
-# copied tree may carry no .git).  properties/test_device_scripts.py checks
+# copied tree may carry no .git).  properties/tools/test_device_scripts.py checks
 # that these are the commands the committed pages name.
 set -uo pipefail
 usage="usage: pages.sh OUTDIR forward|backward|h100|h100-backward|fp8"

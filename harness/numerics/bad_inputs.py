@@ -179,7 +179,7 @@ BAD_INPUT_CASES: tuple[BadInputCase, ...] = (
 
 # ---------------------------------------------------------------------------
 # FP8 calls: float8_e4m3fn inputs with their descales.  Run by the API, the
-# float64 reference and the NumPy model (properties/test_fp8.py).
+# float64 reference and the NumPy model (properties/numerics/test_fp8.py).
 
 def fp8_base_call() -> dict[str, Any]:
   """A well-formed FP8 call: e4m3 query, key and value, per-tensor q and k

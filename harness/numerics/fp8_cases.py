@@ -1,8 +1,8 @@
 """Named FP8 calls: each a name, its sizes and features, and an Fp8Spec
 (harness.numerics.strategies) that makes its e4m3 values and descales from
-the name's own seed.  properties/test_fp8_gpu.py runs them on the GPU under
+the name's own seed.  properties/gpu/test_fp8_gpu.py runs them on the GPU under
 every schedule (the FP8 mutants of harness/tools/mutants.py name them as
-their killers); properties/test_fp8.py builds them all on the CPU and holds
+their killers); properties/numerics/test_fp8.py builds them all on the CPU and holds
 the NumPy model of the kernel to the rule on the small ones."""
 
 from __future__ import annotations

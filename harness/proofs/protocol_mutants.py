@@ -80,7 +80,7 @@ MUTANTS = (
     # Past every position a probe reaches: the refill test on a ring
     # position kept in a 6-bit counter skips the producer's wait for a
     # release at positions 64 .. 64 + S - 1 (and every 64 on).  Probes of a
-    # few ring periods never see it; Z3 does (properties/test_premise.py).
+    # few ring periods never see it; Z3 does (properties/proof/test_premise.py).
     Mutant("refill_test_on_a_6_bit_position",
            "the producer's refill test reads the ring position modulo 64, so it skips the "
            "wait for a release once the position wraps 64",

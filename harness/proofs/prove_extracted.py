@@ -129,7 +129,7 @@ def _reranked_order(kernel_eqn, consts, case: ForwardCase, num_tiles: int) -> di
   causal static order of the traced launch (one batch, one head) runs them.
 
   Sound for the protocol: the reranked table is a permutation of the tiles
-  whatever the ranges hold (properties/test_schedule.py), and a
+  whatever the ranges hold (properties/kernel/test_schedule.py), and a
   non-persistent block runs the one tile it reads, whose key range the
   environment chooses anyway; the tile's index only bounds that range by
   its causal limit, which the last tile makes the widest.
@@ -568,7 +568,7 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
   tiles, its tile ids unpacked by the traced (symbolic) count and without
   the merge of its pieces after the kernel (global memory, which the
   proof does not follow); round-robin, none, as on the host.
-  properties/test_plain_proof.py holds the shapes to the host's."""
+  properties/proof/test_plain_proof.py holds the shapes to the host's."""
   import jax.numpy as jnp
   from kernel.tiling import schedule as schedule_lib
   scope = modules.forward.flash_attention_forward.__globals__

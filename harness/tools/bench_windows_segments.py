@@ -238,7 +238,7 @@ def jax_nn_cudnn_refusal(problem: Problem) -> str | None:
   """Why jax.nn.dot_product_attention (jax 0.11.2) cannot hand this problem
   to cuDNN, or None when it can: it has no segment ids, and it gives cuDNN a
   window only under causal or with a right size of 0 (cuDNN's sliding window
-  looks left only); properties/test_bench_windows_segments.py holds jax.nn
+  looks left only); properties/tools/test_bench_windows_segments.py holds jax.nn
   to both."""
   if problem.kind == "packed":
     return NO_SEGMENTS_IN_JAX_NN

@@ -5,7 +5,7 @@
 Each case: poison, run the kernel, compare out/m/l with float64 under the
 tolerance rule, run again and require bitwise-identical output.  Prints one
 row per case and exits non-zero on any failure.  The Hypothesis properties in
-``properties/test_forward_gpu.py`` draw far more cases; this list is the
+``properties/gpu/test_forward_gpu.py`` draw far more cases; this list is the
 named, reproducible core (the FlashAttention suites' ragged shapes included).
 """
 

@@ -260,7 +260,7 @@ def kernel_function(spec: GoldenSpec) -> tuple[Callable, tuple]:
   returns its stored arrays by name, as JAX arrays (out, m, l; with
   gradients, dq, dk, dv (dbias) of ``sum(out * d_out)`` through ``jax.vjp``).
   :func:`run_kernel_for` calls it as is; ``jax.jit(f)`` lowers it for CUDA
-  on any host (properties/test_golden.py)."""
+  on any host (properties/numerics/test_golden.py)."""
   import jax
   import jax.numpy as jnp
   from kernel import api

@@ -163,7 +163,7 @@ def _guarded(args, kwargs):
   """The API's own launch (problem, config, SM count as
   ``dot_product_attention`` resolves them), replaced by one into mutable
   outputs 16 rows longer than the padded query length, as
-  properties/test_guard_band_gpu.py does."""
+  properties/gpu/test_guard_band_gpu.py does."""
   import jax
   import jax.numpy as jnp
   from unittest import mock

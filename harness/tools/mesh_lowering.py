@@ -5,7 +5,7 @@
 result shapes), every collective in it, and the same launches of the
 single-device program at one device's local shapes; and for each case of
 :data:`REFUSALS`, the error the partitioning rule raised.
-``properties/test_sharding.py`` runs it in a subprocess and holds it to the
+``properties/kernel/test_sharding.py`` runs it in a subprocess and holds it to the
 contract of ``kernel/sharding.py``.
 
 How a CUDA program is partitioned on a CPU-only host (jax 0.11.2): ``jit(f)

@@ -138,7 +138,7 @@ def check_lowering(chosen, *, out=print, lower_every: int = 1) -> list[str]:
     install(None)
     for m in chosen:
       if m.probe not in control:
-        # the shipped kernel's lowering is the lowering tests' (properties/test_lowering.py)
+        # the shipped kernel's lowering is the lowering tests' (properties/kernel/test_lowering.py)
         control[m.probe] = probe_text(m.probe, lower=False)
     for i, m in enumerate(chosen):
       start = time.time()

@@ -3,7 +3,7 @@
 ``python -m harness.tools.mutant_run SET`` prints one JSON line per case:
 ``{"case": ..., "passed": bool, "detail": ..., "arrays": {name: passed}}``
 and exits 0 once every case has run, whatever the verdicts.  The tests of
-properties/test_mutants_gpu.py run it in a patched copy of the package
+properties/gpu/test_mutants_gpu.py run it in a patched copy of the package
 (harness/tools/mutants.py) and in the shipped one, in child processes under a time
 limit: a mutant may hang the GPU (a producer that no longer waits can leave a
 consumer waiting on a fill that never comes), and a timeout or a crash counts

@@ -22,8 +22,8 @@ started in time are listed as "not started" and fail the run.
 Without an sm90 GPU it says so and runs only the CPU part, ``--lower``
 (harness/tools/mutant_lowering.py): each patch applies, lowers for CUDA and
 changes the traced program of its probe.  ``--check`` only applies every
-patch and compiles the result.  properties/test_mutants_catalog.py runs both;
-properties/test_mutant_anchors.py names each mutant that no longer finds its
+patch and compiles the result.  properties/tools/test_mutants_catalog.py runs both;
+properties/tools/test_mutant_anchors.py names each mutant that no longer finds its
 place, and why.
 
 Verdicts: killed (a selected test failed or crashed), hang (the per-test
@@ -59,10 +59,11 @@ REPO = Path(__file__).resolve().parents[2]
 # goldens (the golden check is one of the killers), and pytest's settings.
 COPIED = ("kernel", "harness", "properties", "golden", "pyproject.toml")
 
-FWD_T = "properties/test_forward_gpu.py"
-GRAD_T = "properties/test_gradients_gpu.py"
-GUARD_T = "properties/test_guard_band_gpu.py"
-FP8_T = "properties/test_fp8_gpu.py"
+# The GPU properties' room (docs/decisions/properties-rooms.md).
+FWD_T = "properties/gpu/test_forward_gpu.py"
+GRAD_T = "properties/gpu/test_gradients_gpu.py"
+GUARD_T = "properties/gpu/test_guard_band_gpu.py"
+FP8_T = "properties/gpu/test_fp8_gpu.py"
 
 
 def named(*ids: str) -> tuple[str, ...]:
@@ -74,7 +75,7 @@ def feature(*ids: str) -> tuple[str, ...]:
 
 
 # The CPU test of V^T's layout, which kills V^T's mutants before any GPU test.
-FP8_VT = ("properties/test_fp8.py::test_v_transposed_holds_each_block_in_the_key_order",)
+FP8_VT = ("properties/numerics/test_fp8.py::test_v_transposed_holds_each_block_in_the_key_order",)
 
 
 def fp8_named(*ids: str) -> tuple[str, ...]:
@@ -157,7 +158,7 @@ CATALOG: tuple[Mutant, ...] = (
                anchors.edit("loop_body",
                             "p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)",
                             "p_init = p16")),
-           ("properties/test_ptxas_report.py::"
+           ("properties/tools/test_ptxas_report.py::"
             "test_no_shipped_kernel_has_its_wgmmas_serialised[fwd-d256-causal]",)),
     _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", "always_rescale",
        "return self.threshold == 1.0", "return self.threshold >= 0.999", (),
@@ -269,11 +270,11 @@ CATALOG: tuple[Mutant, ...] = (
     _b("lse-base-e", "the backward reading lse in base e", "residual_rows",
        "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",
        "lse2 = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), jnp.inf)",
-       ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
+       ("properties/kernel/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
     _b("delta-in-bf16", "delta formed in bf16", "residual_rows",
        "delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)",
        "delta = jnp.sum(d_out.astype(out.dtype) * out, axis=-1).astype(jnp.float32)",
-       ("properties/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
+       ("properties/kernel/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
     _b("fused-dq-missing-scale", "dq missing the scale (fused dQ)",
        "attention_backward", "dq = dq_acc.astype(jnp.float32) * f.scale",
        "dq = dq_acc.astype(jnp.float32)", grads("gqa-d128"), probe="grad-fused"),
@@ -291,7 +292,7 @@ CATALOG: tuple[Mutant, ...] = (
     _b("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it",
        "meets_diagonal", "return key_base + num_keys - 1 > query_base",
        "return key_base + num_keys - 1 > query_base + 1",
-       ("properties/test_causal_skip.py::test_the_predicate_sees_the_corners",)
+       ("properties/kernel/test_causal_skip.py::test_the_predicate_sees_the_corners",)
        + grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _b("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
        "Mask.first_query_block",

@@ -39,7 +39,7 @@ from kernel.tiling.backward_plan import DS_BUFFERS
 # offset, one on its products while the other forms its part
 # (docs/decisions/fused-dq-turns.md).
 # Order across blocks is not fixed, so a float32 dQ is not bitwise
-# reproducible (dK, dV are); properties/test_gradients_gpu.py bounds the
+# reproducible (dK, dV are); properties/gpu/test_gradients_gpu.py bounds the
 # difference.  deterministic=True sums the same parts in fixed point instead
 # (below), where the order does not matter.
 

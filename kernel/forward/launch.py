@@ -66,7 +66,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
   ``outputs``: None, or mutable arrays (``jax.new_ref``) the kernel writes
   instead of returning fresh ones: out (B, To, N, Dv) and, with residuals,
   m and l (B, N, To), with To >= Tp.  Rows from Tp on are a guard band the
-  kernel must leave as they were (properties/test_guard_band_gpu.py: a
+  kernel must leave as they were (properties/gpu/test_guard_band_gpu.py: a
   fresh output cannot show a write past its end, which the TMA unit drops).
   Returns (None, None) then.
   """

@@ -107,7 +107,7 @@ def lookup(problem: plan.Problem, device_kind: str, *, path: Path | None = None,
   return config
 
 
-# signature()'s parts, read back (properties/test_autotune.py checks that it
+# signature()'s parts, read back (properties/kernel/test_autotune.py checks that it
 # reads every signature signature() writes).
 _SIGNATURE = re.compile(r"(?P<dtype>[a-z0-9_]+)-(?P<head>d\d+-dv\d+)-q(?P<q>\d+)-kv(?P<kv>\d+)"
                         r"-(?P<rest>.+)")

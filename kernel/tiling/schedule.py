@@ -35,7 +35,7 @@ slower than the non-persistent grid in longest-first order
 (docs/decisions/no-dynamic-deal.md).  The non-persistent grid, which the
 hardware deals dynamically in launch order, is the dynamic schedule.  The
 kernel reads both from small int32 tables in global memory, and
-``properties/test_schedule.py`` checks that every tile is dealt exactly once.
+``properties/kernel/test_schedule.py`` checks that every tile is dealt exactly once.
 """
 
 from __future__ import annotations
@@ -432,7 +432,7 @@ class LaunchOrder:
   its units, then rank 1 of each, and so on.
 
   :meth:`locate` maps a block's launch index to its (unit, rank), for NumPy
-  and traced int32 alike; ``properties/test_schedule.py`` checks it is a
+  and traced int32 alike; ``properties/kernel/test_schedule.py`` checks it is a
   bijection onto units x tiles."""
 
   units: int

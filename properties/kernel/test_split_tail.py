@@ -8,7 +8,7 @@ tail's runs are balanced to a block.  The merge
 the way the kernel computes them (each over its key blocks only, its
 output normalised by its own l, or left relative to exp(m) when not
 normalised): merged, they give the whole rows' output, m and l.  The
-kernel itself runs the pieces on a GPU only: properties/test_forward_gpu.py
+kernel itself runs the pieces on a GPU only: properties/gpu/test_forward_gpu.py
 draws split-tail configs among the emitted ones.
 """
 

@@ -5,7 +5,7 @@ reference on the dequantised inputs under the tolerance rule, whose naive
 yardstick quantises P as the kernel does (harness/numerics/tolerance.py):
 Hypothesis draws (e4m3 values with outliers, descales over orders of
 magnitude, every feature) and named cases under every schedule.  The CPU
-half is properties/test_fp8.py."""
+half is properties/numerics/test_fp8.py."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def test_the_suite_and_the_proofs_need_no_z3(tmp_path):
   import sys
   from pathlib import Path
   (tmp_path / "z3.py").write_text('raise ImportError("no z3 here (test)")\n')
-  root = Path(__file__).resolve().parent.parent
+  root = Path(__file__).resolve().parents[2]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
   run = subprocess.run([sys.executable, "-m", "pytest", "properties/", "--collect-only", "-q",
                         "-p", "no:cacheprovider"],

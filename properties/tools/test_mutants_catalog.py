@@ -3,7 +3,7 @@ they say (CPU; the kills themselves need the GPU: ``python -m harness mutants``)
 
 A patch whose anchor no longer finds exactly one place in the current source
 fails here (and, mutant by mutant with the reason, in
-properties/test_mutant_anchors.py), so the catalogue cannot rot silently as
+properties/tools/test_mutant_anchors.py), so the catalogue cannot rot silently as
 the kernel changes.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from harness.numerics import strategies as hs
 from harness.tools import anchors, mutants, watchdog
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_patch_applies_exactly_once_and_compiles():
@@ -83,7 +83,7 @@ def test_shard_and_select_pick_mutants_by_name_and_stride():
 def test_a_cpu_killable_mutant_is_killed_and_the_control_passes(tmp_path):
   """End to end through the runner: the backward's diagonal predicate off by
   one breaks its CPU property in the patched copy; the unpatched copy passes."""
-  cpu_test = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
+  cpu_test = "properties/kernel/test_causal_skip.py::test_the_predicate_sees_the_corners"
   mutant = dataclasses.replace(mutants.by_name("meets-diagonal-off-by-one"), tests=(cpu_test,))
   result = mutants.run_mutant(mutant, timeout=240, test_timeout=None, workdir=tmp_path)
   assert result.verdict == "killed", result
@@ -96,11 +96,11 @@ def test_a_hang_is_stopped_and_the_test_named(tmp_path):
   """A test that never returns is stopped by the watchdog at the per-test
   limit and reported as a hang naming the test (a source patch of the test
   file stands in for a kernel that hangs)."""
-  name = "properties/test_causal_skip.py::test_the_predicate_sees_the_corners"
+  name = "properties/kernel/test_causal_skip.py::test_the_predicate_sees_the_corners"
   first = "assert not selects.meets_diagonal(0, 64, 63)"
   sleeper = mutants.Mutant("sleeper", "hang", (anchors.edit(
       "test_the_predicate_sees_the_corners", first, f"import time\ntime.sleep(120)\n{first}"),),
-      (name,), within="properties/test_causal_skip.py")
+      (name,), within="properties/kernel/test_causal_skip.py")
   result = mutants.run_mutant(sleeper, timeout=100, test_timeout=3, workdir=tmp_path)
   assert result.verdict == "hang" and result.killed_by == [name], result
   assert result.seconds < 60

@@ -75,7 +75,7 @@ def test_the_filled_sections_variant_times_the_order_before_the_evening(monkeypa
   """A variant ending in ``fs`` traces the longest-first order without the
   SMs, so its L2 sections stay filled (kernel/tiling/schedule.py's longest_first
   evens them only when it is told the SMs, as the variant without ``fs``
-  does: properties/test_schedule.py checks the evening at causal 12017
+  does: properties/kernel/test_schedule.py checks the evening at causal 12017
   tokens, d128)."""
   from kernel.tiling import schedule
   told = []

@@ -17,7 +17,7 @@ import pytest
 import kernel
 from kernel import api  # noqa: F401 - imported before jax.jit is replaced below
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
 
 def test_the_public_api_is_importable_from_the_package():

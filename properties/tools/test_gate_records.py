@@ -9,7 +9,7 @@ import collections
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GATE = ROOT / "docs" / "gate"
 NAME = re.compile(r"(?P<date>20\d\d-\d\d-\d\d)-(?P<device>h100|h200)-(?P<kind>[a-z-]+)-"
                   r"(?P<commit>[0-9a-f]{7,40})\.md")

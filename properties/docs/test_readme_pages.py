@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 SECTION = README[README.index("\n## Performance\n"):]
 SECTION = SECTION[:SECTION.index("\n## ", 1)]

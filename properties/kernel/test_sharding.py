@@ -25,7 +25,7 @@ from harness.numerics import strategies as hs
 from harness.tools import mesh_lowering
 from kernel.tiling import backward_plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CASES = {c.name: c for c in mesh_lowering.CASES}
 
 

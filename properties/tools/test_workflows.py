@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-CI = Path(__file__).resolve().parent.parent / "ci" / "workflows"
+CI = Path(__file__).resolve().parents[2] / "ci" / "workflows"
 WORKFLOWS = sorted(CI.glob("*.yml"))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "ci" / "device").glob("*.sh"))
 # The pages pages.sh rewrites, and the folder of OUTDIR each lands in.
 PAGES = {ROOT / "docs" / "performance.md": "$out/docs",
@@ -89,7 +89,7 @@ def test_pages_script_times_nothing_on_another_gpu(tmp_path, part, gpu, other):
 
 def test_compare_forward_names_a_modifier_and_tests_that_exist():
   """compare-forward.sh's example names a bench --grid modifier and a -k
-  expression that selects tests of properties/test_forward_gpu.py."""
+  expression that selects tests of properties/gpu/test_forward_gpu.py."""
   from harness.tools import bench_grid
   text = (ROOT / "ci" / "device" / "compare-forward.sh").read_text()
   examples = re.findall(r"^#\s+bash ci/device/compare-forward.sh OUTDIR ([a-z]+) (\S+)", text,
@@ -99,7 +99,7 @@ def test_compare_forward_names_a_modifier_and_tests_that_exist():
     assert modifier in bench_grid.MODIFIERS, modifier
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "properties/test_forward_gpu.py", "-k", tests], cwd=ROOT, capture_output=True,
+         "properties/gpu/test_forward_gpu.py", "-k", tests], cwd=ROOT, capture_output=True,
         text=True)
     selected = [l for l in run.stdout.splitlines() if "::" in l]
     assert selected, run.stdout + run.stderr
@@ -114,7 +114,7 @@ def test_fp8_script_runs_the_fp8_tests_goldens_and_page_within_ten_minutes():
   assert [name for name, _, _ in steps] == ["fp8-tests", "fp8-golden", "fp8-page"]
   assert sum(int(limit) for _, limit, _ in steps) < 600
   commands = {name: shlex.split(command) for name, _, command in steps}
-  assert "properties/test_fp8_gpu.py" in commands["fp8-tests"]
+  assert "properties/gpu/test_fp8_gpu.py" in commands["fp8-tests"]
   assert commands["fp8-golden"][-4:-1] == ["golden", "update", "--select"]
   page = _normalised(commands["fp8-page"], out_dir="$out/page")
   assert page == ("-m", "harness", "bench", "--grid", "--dtype", "float8_e4m3fn", "--out-dir",

@@ -19,7 +19,7 @@ import pytest
 from harness.proofs import protocol_mutants as pmut
 from harness.tools import anchors, mutants
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NUMERIC = {f"numeric:{m.name}": m for m in mutants.CATALOG}
 PROTOCOL = {f"protocol:{m.name}": m for m in pmut.BY_NAME.values()}
 

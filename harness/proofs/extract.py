@@ -200,7 +200,27 @@ class Extracted:
     return tuple((r, tuple(ev)) for r, ev in sorted(self.roles.items()))
 
 
-_FRAMES: dict = {}  # id(traceback) -> (traceback, "kernel/file.py:line")
+class IdMemo(dict):
+  """A memo keyed by ``id`` of objects it keeps alive (tracebacks, jaxprs,
+  kernel eqns), for the kernels of one case: :func:`forget` empties every
+  one before the next case, so that a worker tracing thousands of kernels
+  (every emitted config's) does not keep each kernel's jaxpr (before, a
+  worker grew by about a megabyte per config, to 12 GB over prove's)."""
+
+  every: list = []
+
+  def __init__(self):
+    super().__init__()
+    IdMemo.every.append(self)
+
+
+def forget() -> None:
+  """Empty every :class:`IdMemo`: the kernels traced so far are done with."""
+  for memo in IdMemo.every:
+    memo.clear()
+
+
+_FRAMES = IdMemo()  # id(traceback) -> (traceback, "kernel/file.py:line")
 
 
 def _kernel_frame(source_info, site: str | None = None) -> str:
@@ -249,7 +269,7 @@ def _kernel_frame_uncached(source_info) -> str | None:
   return None
 
 
-_FAMILIES: dict = {}  # id(traceback) -> (traceback, family)
+_FAMILIES = IdMemo()  # id(traceback) -> (traceback, family)
 
 
 def _barrier_family(source_info) -> str:
@@ -421,7 +441,7 @@ class _Program:
         self.frames[id(eqn)] = _kernel_frame_uncached(eqn.source_info)
 
 
-_PROGRAMS: dict = {}  # id(jaxpr) -> _Program (which keeps the jaxpr alive)
+_PROGRAMS = IdMemo()  # id(jaxpr) -> _Program (which keeps the jaxpr alive)
 
 
 def _program(jaxpr) -> _Program:
@@ -440,7 +460,7 @@ class _Leaf:
     self.k = k
 
 
-_TRANSFORMS: dict = {}  # id(treedef) -> (treedef, where the slot comes from, view)
+_TRANSFORMS = IdMemo()  # id(treedef) -> (treedef, where the slot comes from, view)
 
 
 def _transform_info(treedef):
@@ -494,7 +514,7 @@ def _mirror_groups(groups) -> dict[int, int]:
   return mirrors
 
 
-_ALLOC_NAMES: dict = {}  # id(kernel eqn) -> (kernel eqn, {id(jaxpr var): number})
+_ALLOC_NAMES = IdMemo()  # id(kernel eqn) -> (kernel eqn, {id(jaxpr var): number})
 
 
 def branches_alike(src, runs: list, words) -> None:

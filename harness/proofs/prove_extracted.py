@@ -1348,6 +1348,7 @@ def _programs_of(item):
 
 
 def _learn(kind, case, mutant, premise=True):
+  ex.forget()   # the previous case's kernels: a worker learns thousands
   start, cpu, before = time.perf_counter(), time.process_time(), _SPENT.copy()
   progs, failure = _learn_programs(kind, case, mutant, premise)
   for _, prog in progs:

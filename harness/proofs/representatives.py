@@ -42,6 +42,7 @@ def matched(exact_cases, representatives) -> list:
 def shape(case: cases.ForwardCase) -> str:
   """The digest of ``case``'s program learned from its probes."""
   from harness.proofs import prove_extracted as pe
+  pe.ex.forget()   # the previous config's kernels: a worker traces thousands
   return pe.forward_program(case, premise=False).shape_digest()
 
 

@@ -1,6 +1,6 @@
 """The protocol read out of the traced kernels (harness/proofs/extract.py), learned
 as role programs (harness/proofs/role_programs.py) and proved for every environment
-(harness/proofs/extracted_proof.py): the shipped kernels prove, each protocol defect
+(harness/proofs/search.py): the shipped kernels prove, each protocol defect
 written into a copy of the kernel's source makes ``python -m harness prove``
 fail with a trace naming the mutated file's lines, safe reorderings still
 prove, an unknown primitive is refused, a kernel whose events depend on more
@@ -21,7 +21,7 @@ import pytest
 
 from harness.numerics import strategies as hs
 from harness.proofs import cases, extract
-from harness.proofs import extracted_proof as xp
+from harness.proofs import search
 from harness.proofs import prove as prove_cli
 from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
@@ -48,14 +48,14 @@ def shipped_programs():
 
 def test_shipped_kernel_proves_for_every_environment(shipped_programs):
   for case, prog in shipped_programs.items():
-    r = xp.check(prog)
+    r = search.check(prog)
     assert r.ok, r.violation.format()
     assert r.states > 1000  # the ring really turned
 
 
 def test_shipped_backward_proves():
   for prog in pe.backward_programs(FUSED):
-    r = xp.check(prog)
+    r = search.check(prog)
     assert r.ok, r.violation.format()
     assert r.states > 1000
 
@@ -190,7 +190,7 @@ def test_a_context_no_probe_showed_is_a_coverage_error(shipped_programs):
   thin = rp.Table(wg0.head.features, wg0.head.units[:1])
   roles = tuple(dataclasses.replace(r, head=thin) if r.name == "wg0" else r
                 for r in prog.roles)
-  r = xp.check(dataclasses.replace(prog, roles=roles))
+  r = search.check(dataclasses.replace(prog, roles=roles))
   assert not r.ok and r.violation.kind == "coverage", r.violation
 
 
@@ -218,7 +218,7 @@ def test_the_reductions_lose_no_violation(name):
   lazy copy completion, the ring's rotation) off and on give the same
   verdict and the same kind of violation."""
   prog = pe.forward_program(ONE_TILE, modules=pmut.modules(name) if name else None)
-  full, reduced = xp.check(prog, reduce=False), xp.check(prog)
+  full, reduced = search.check(prog, reduce=False), search.check(prog)
   assert full.ok == reduced.ok
   if not full.ok:
     assert full.violation.kind == reduced.violation.kind
@@ -229,7 +229,7 @@ def test_the_search_runs_every_unit(shipped_programs):
   """Not vacuous: every event of every unit the probes showed is taken in
   some explored state."""
   for prog in shipped_programs.values():
-    r = xp.check(prog, record=True)
+    r = search.check(prog, record=True)
     assert r.ok
     missed = [(role, e.src, e.describe()) for role, e in r.unexecuted]
     assert not missed, missed[:5]
@@ -267,7 +267,7 @@ def test_named_barriers_past_the_budget_are_refused():
   roles = tuple(rp.RoleProgram(name, 128, None, (ev,) if name == "wg0" else (), empty,
                                rp.Table((), ()), empty, empty, "tiles") for name in ("wg0", "wg1"))
   prog = rp.LaunchProgram("x", rp.Ring(1), False, 0, None, roles, (), ())
-  r = xp.check(prog)
+  r = search.check(prog)
   assert not r.ok and r.violation.kind == "named barrier id", r.violation
 
 
@@ -303,7 +303,7 @@ def test_programs_equal_up_to_names_share_one_check(shipped_programs):
   assert renamed.key() != prog.key() and renamed.shape() == prog.shape()
   # the digest the runs group by follows the shape, through a pickle too
   assert renamed.shape_digest() == pickle.loads(pickle.dumps(prog)).shape_digest()
-  a, b = xp.check(prog), xp.check(renamed)
+  a, b = search.check(prog), search.check(renamed)
   assert a.ok and b.ok and a.states == b.states
   merged = _renamed(prog, {bufs[1]: bufs[0]})
   assert merged.shape() != prog.shape() and merged.shape_digest() != prog.shape_digest()
@@ -438,7 +438,7 @@ def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
   kept = extract._mirror_groups
   try:
     extract._mirror_groups = lambda groups: {}
-    r = xp.check(pe.forward_program(case))
+    r = search.check(pe.forward_program(case))
   finally:
     extract._mirror_groups = kept
   assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
@@ -566,6 +566,48 @@ def test_an_edit_of_the_command_keeps_the_learned_programs(tmp_path, monkeypatch
     f.write("# edited\n")
   kernel = digests()
   assert kernel["learned"] != command["learned"] and kernel["listed"] != command["listed"]
+
+
+def _proof_modules(*roots: str) -> set[str]:
+  """The files of harness/proofs/ that ``roots`` (paths from the repository)
+  import, inside functions too, transitively, themselves included."""
+  import ast
+  from harness.proofs import prove_cache
+  seen, todo = set(), list(roots)
+  while todo:
+    path = todo.pop()
+    if path in seen:
+      continue
+    seen.add(path)
+    for node in ast.walk(ast.parse((prove_cache.REPO / path).read_text())):
+      names = []
+      if isinstance(node, ast.ImportFrom) and node.module == "harness.proofs":
+        names = [f"harness.proofs.{a.name}" for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness.proofs."):
+        names = [node.module]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names if a.name.startswith("harness.proofs.")]
+      todo += [name.replace(".", "/") + ".py" for name in names]
+  return seen
+
+
+def test_the_cache_keys_every_proof_module_it_runs():
+  """A check's digest reads every module the search imports; the learned
+  programs' digest every module learning imports, but the search's (keyed
+  with the checks) and the mutants' (whose runs skip the cache): a module
+  split off one of them is listed, or an edit of it would be served stale."""
+  import inspect
+  from harness.proofs import prove_cache
+  repo = prove_cache.REPO
+  listed = lambda sources: {str(f.relative_to(repo)) for f in prove_cache._files(sources)}
+  rel = lambda module: str(__import__("pathlib").Path(inspect.getfile(module)).relative_to(repo))
+  checked = _proof_modules(rel(search))
+  assert len(checked) > 3 and not checked - listed(prove_cache.CHECK_SOURCES), \
+      sorted(checked - listed(prove_cache.CHECK_SOURCES))
+  learning = _proof_modules(rel(inspect.getmodule(pe._programs_of))) - checked - {
+      rel(pmut)}
+  assert len(learning) > 3 and not learning - listed(prove_cache.LEARN_SOURCES), \
+      sorted(learning - listed(prove_cache.LEARN_SOURCES))
 
 
 def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, capsys, tmp_path):

@@ -139,7 +139,7 @@ def test_the_counterexamples_head_overwrites_a_value_slot(monkeypatch):
   tables read per head), the extractor's events and the checker show a
   value copy over a slot its readers have not released."""
   from harness.proofs import extract
-  from harness.proofs import extracted_proof as xp
+  from harness.proofs import search
   modules = pmut.modules(GQA)
   with pytest.raises(rp.PremiseError) as err:
     pe.forward_program(ONE_TILE, modules=modules)
@@ -155,7 +155,7 @@ def test_the_counterexamples_head_overwrites_a_value_slot(monkeypatch):
                       lambda kernel, consts, shape: operands(kernel, consts,
                                                              (1, group, shape[-1])))
   prog = pe._ForwardProber(ONE_TILE, modules, None).learn()
-  result = xp.check(prog)
+  result = search.check(prog)
   assert not result.ok, "the checker found nothing at the counterexample's head"
   text = result.violation.format()
   assert "overwrite before release" in text and "values" in text, text

@@ -1,6 +1,6 @@
 """Read the barrier and stage-ring protocol out of a traced kernel (its jaxpr).
 
-The proof in :mod:`harness.proofs.extracted_proof` is about the code, not about a
+The proof in :mod:`harness.proofs.search` is about the code, not about a
 model written beside it: this module traces a kernel of ``kernel/`` on the
 CPU (``jax.make_jaxpr`` under ``kernel.api.lowering_only()``), finds the
 Mosaic GPU kernel (the ``mpmd_map`` whose mesh has the thread axis ``wg``)

@@ -1,7 +1,7 @@
 """The premise (P) of :mod:`harness.proofs.role_programs`, proved by Z3 for
 every integer ring position and trip count.
 
-The search of :mod:`harness.proofs.extracted_proof` explores a launch's
+The search of :mod:`harness.proofs.search` explores a launch's
 role programs: per role and unit kind a table from the features of a
 context (the ring position's class, whether the tile is the first, the
 trip count up to 2, the key blocks still ahead up to 3) to the unit's

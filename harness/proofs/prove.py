@@ -13,7 +13,7 @@ kernel's events under every environment (the premise of
 :mod:`harness.proofs.role_programs`; :mod:`harness.proofs.premise`, from the jaxpr
 read with symbolic integers, :mod:`harness.proofs.symbolic`), and the search
 proves them for every number of tiles and key blocks
-(:mod:`harness.proofs.prove_extracted`, :mod:`harness.proofs.extracted_proof`);
+(:mod:`harness.proofs.prove_extracted`, :mod:`harness.proofs.search`);
 launches whose programs are equal up to the names of their buffers and
 barriers share one check.  A failure prints its trace in kernel source
 lines and the environment that shows it.  ``docs/proof.md`` says what is

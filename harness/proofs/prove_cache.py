@@ -11,7 +11,7 @@ Three kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
   ``XLA_*`` environment.
 * **listed**: the list of cases, under that digest with the problem grid's
   module (``harness/proofs/prove.py``) too.
-* **checked**: a proof (:func:`harness.proofs.extracted_proof.check`) of one program
+* **checked**: a proof (:func:`harness.proofs.search.check`) of one program
   shape (:meth:`harness.proofs.role_programs.LaunchProgram.shape`), under a digest of
   the checker's sources only, so that a kernel edit that leaves a launch's
   program as it was (lines moved, say) does not search it again.
@@ -45,8 +45,11 @@ LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_pro
 # the problem grid of harness/proofs/prove.py.
 LIST_SOURCES = LEARN_SOURCES + ("harness/proofs/prove.py",)
 # What a check's verdict is made from.
-CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",
-                 "harness/proofs/extract.py", "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
+CHECK_SOURCES = ("harness/proofs/search.py", "harness/proofs/search_environment.py",
+                 "harness/proofs/search_program.py", "harness/proofs/search_state.py",
+                 "harness/proofs/search_steps.py", "harness/proofs/violations.py",
+                 "harness/proofs/role_programs.py", "harness/proofs/extract.py",
+                 "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
 
 
 def _files(paths):

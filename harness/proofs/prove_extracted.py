@@ -12,7 +12,7 @@ program from them (:mod:`harness.proofs.role_programs`, which states the premise
 that makes the proof unbounded and tests it on every probe), has Z3 prove
 that premise for the traced kernel (:mod:`harness.proofs.premise`, each
 counterexample probed in turn: :func:`_proved`) and checks the program
-for every environment (:func:`harness.proofs.extracted_proof.check`: every number
+for every environment (:func:`harness.proofs.search.check`: every number
 of tiles, every trip count per tile, zero included, every interleaving).
 Launches whose programs are equal up to the names of their buffers and
 barriers and their source lines (the staged bias's ring and the staged
@@ -51,9 +51,10 @@ import time
 import numpy as np
 
 from harness.proofs import extract as ex
-from harness.proofs import extracted_proof as xp
+from harness.proofs import search
 from harness.proofs import role_programs as rp
 from harness.proofs.cases import BackwardCase, ForwardCase
+from harness.proofs.violations import Violation
 from kernel.masks import Mask
 
 PROBE_SMS = 16        # blocks of the traced persistent grid
@@ -1294,7 +1295,7 @@ class Result:
   configs: int = 0                 # emitted (problem, config) pairs covered
   states: int = 0
   seconds: float = 0.0
-  violation: xp.Violation | None = None
+  violation: Violation | None = None
   premise: str | None = None       # the premise's failure, when no trace was found
   probes: int = 0
   # per launch program it covers: what proving (P) by Z3 took (premise.Stats'
@@ -1343,7 +1344,7 @@ def _programs_of(item):
   ``premise`` False: (P) tested by the probes alone, not proved (the path
   before Z3 proved it, for comparison)."""
   (kind, case), mutant, *rest = item
-  with xp.collector_paused():
+  with search.collector_paused():
     return _learn(kind, case, mutant, premise=rest[0] if rest else True)
 
 
@@ -1390,7 +1391,7 @@ def _learn_programs(kind, case, mutant, premise):
 
 
 def _check(prog):
-  return xp.check(prog)
+  return search.check(prog)
 
 
 def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
@@ -1424,7 +1425,7 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
       results += new
       for prog, result in list(distinct.values()):
         if result in new:
-          _record(result, _searched(xp.check(prog), spent))
+          _record(result, _searched(search.check(prog), spent))
       if any(not r.ok for r in new):
         break
     return results
@@ -1486,10 +1487,10 @@ def _cacheable(key, result) -> bool:
 def _checked(key, prog, result, cache, spent):
   """The check of one distinct program, through the cache (kept when it passed)."""
   if cache is None or not _cacheable(key, result):
-    return _searched(xp.check(prog), spent)
+    return _searched(search.check(prog), spent)
   hit = cache.get("checked", repr(key))
   if hit is None:
-    hit = _searched(xp.check(prog), spent)
+    hit = _searched(search.check(prog), spent)
     if hit.ok:
       cache.put("checked", repr(key), hit)
   return hit

@@ -38,7 +38,7 @@ for a trace of what the kernel does there.
 **Consequence.**  Under (P) a role's events under *any* environment are what
 a finite automaton emits while it reads the environment as the word
 ``B^{n_0} | B^{n_1} | ... $`` (:class:`LaunchProgram`): each unit chosen by
-symbols it has read.  :mod:`harness.proofs.extracted_proof` explores that automaton
+symbols it has read.  :mod:`harness.proofs.search` explores that automaton
 with the hardware's semantics for every word at once, the environment being
 chosen only as the roles read it, and every counter kept relative to the
 others (mbarrier phases against the waits that count them, copies against
@@ -245,7 +245,7 @@ class RoleProgram:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchProgram:
-  """Everything :mod:`harness.proofs.extracted_proof` explores for one launch."""
+  """Everything :mod:`harness.proofs.search` explores for one launch."""
 
   name: str
   ring: Ring
@@ -279,7 +279,7 @@ class LaunchProgram:
     lines: every buffer and barrier renamed by where it first appears (roles
     by name, each role's units in the order pre, head, iter, tail, post and
     by context, events in order), events without their lines.  The search
-    of :mod:`harness.proofs.extracted_proof` compares names only for equality and
+    of :mod:`harness.proofs.search` compares names only for equality and
     reads lines only to print a trace, so two launches of one shape have
     isomorphic state spaces, explored in the same order: one check decides
     both, and its trace (in one launch's names) is the other's renamed."""

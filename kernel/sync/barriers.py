@@ -16,7 +16,7 @@ Two kinds of barrier synchronise one thread block:
 A named barrier completes a generation when ``num_threads`` threads have
 arrived (``bar.sync`` arrives and waits, ``bar.arrive`` only arrives); surplus
 arrivals count toward the next generation.  That rule is what the proof of
-the extracted protocol (``harness/proofs/extracted_proof.py``) encodes.
+the extracted protocol (``harness/proofs/search_steps.py``) encodes.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
-from harness.proofs import terms as tm
+from harness.proofs import term_walks as tw
 from harness.tools.anchors import edit
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
@@ -37,12 +37,12 @@ def test_the_symbolic_traces_have_groups_of_any_size_in_any_batch():
     launch = sy.extract_symbolic(kernel, dims)
     (head, heads), (batch, batches) = launch.grid["heads"], launch.grid["batch"]
     assert heads is None   # group * kv_heads: a product of counts, any number
-    assert tm.evaluate(batches, {"dim.batches": 5}) == 7   # 2 and up
-    assert tm.evaluate(launch.counts["group"], {"dim.group": 0}) == 1
+    assert tw.evaluate(batches, {"dim.batches": 5}) == 7   # 2 and up
+    assert tw.evaluate(launch.counts["group"], {"dim.group": 0}) == 1
     # every index from 0 up, past the traced grid too (a launch's may be larger)
-    assert tm.evaluate(head, {"axis.heads": 100}) == 100
-    assert tm.evaluate(head, {"axis.heads": -3}) == 0
-    assert tm.evaluate(batch, {"axis.batch": 1}) == 1
+    assert tw.evaluate(head, {"axis.heads": 100}) == 100
+    assert tw.evaluate(head, {"axis.heads": -3}) == 0
+    assert tw.evaluate(batch, {"axis.batch": 1}) == 1
 
 
 def test_the_backward_is_traced_at_the_same_counts():

@@ -17,6 +17,7 @@ from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
+from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
 from harness.tools.anchors import edit
 
@@ -60,14 +61,14 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
                     **({"r": (1, 127)} if ragged else {})}
     hi = _producer_loop(kernel, dims)
     assert "dim.m" in tm.serialise(hi) and "dim.mq" not in tm.serialise(hi), hi
-    assert tm.evaluate(hi, LEAST) == 2   # the ring's stages, the ragged block counted
+    assert tw.evaluate(hi, LEAST) == 2   # the ring's stages, the ragged block counted
   (kernel,), dims = pe.trace_plain(CAUSAL, ragged=True)
   hi = _producer_loop(kernel, dims)
   assert all(f"dim.{n}" in tm.serialise(hi) for n in ("m", "mq", "sq")), hi
   # one tile of 128 queries: the causal bound's one block
-  assert tm.evaluate(hi, {**LEAST, "axis.q_tiles": 0}) == 1
+  assert tw.evaluate(hi, {**LEAST, "axis.q_tiles": 0}) == 1
   # 192 queries (64 short of two tiles): the second tile's rows end in key block 1
-  assert tm.evaluate(hi, {**LEAST, "dim.mq": 1, "dim.sq": 65, "dim.m": 5,
+  assert tw.evaluate(hi, {**LEAST, "dim.mq": 1, "dim.sq": 65, "dim.m": 5,
                           "axis.q_tiles": 1}) == 2
   with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
     sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0][0], {})
@@ -183,8 +184,8 @@ def test_a_length_from_zero_is_traced_from_zero():
     bool(values["m"] >= 1)
   for name, least, most in (("m", 0, None), ("r", 1, 127), ("sq", 0, 127)):
     term = sy.dim_term(values[name], bounds)
-    assert tm.evaluate(term, {f"dim.{name}": -5}) == least
-    assert tm.evaluate(term, {f"dim.{name}": 1000}) == (most or 1000)
+    assert tw.evaluate(term, {f"dim.{name}": -5}) == least
+    assert tw.evaluate(term, {f"dim.{name}": 1000}) == (most or 1000)
 
 
 def test_the_ragged_keys_are_every_remainder():
@@ -329,7 +330,7 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
   a, b = export.symbolic_shape("a, b")
   t = sy.dim_term(3 * a + 2 * b + 5, {"a": 2, "b": 0})
   # each symbol is its floor plus a variable's positive part
-  assert tm.evaluate(t, {"dim.a": 4, "dim.b": -3}) == 3 * (2 + 4) + 2 * 0 + 5
+  assert tw.evaluate(t, {"dim.a": 4, "dim.b": -3}) == 3 * (2 + 4) + 2 * 0 + 5
   assert sy.dim_term(7, {}) == 7
   for bad in (a * b, a // 2, a % 3):
     with pytest.raises(extract.ExtractionError, match="not linear"):
@@ -337,8 +338,8 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
   # a product of counts, each at least 1 (a persistent walk's batch * heads
   # * tiles): any value from 1, a variable named by it; not past a division
   product = sy.dim_term(a * b + a, {"a": 1, "b": 2})
-  assert tm.evaluate(product, {"dim.(a*b + a)": -5}) == 1
-  assert tm.evaluate(product, {"dim.(a*b + a)": 6}) == 7
+  assert tw.evaluate(product, {"dim.(a*b + a)": -5}) == 1
+  assert tw.evaluate(product, {"dim.(a*b + a)": 6}) == 7
   with pytest.raises(extract.ExtractionError, match="not linear"):
     sy.dim_term((a * b) // 2, {"a": 1, "b": 1})
 

@@ -40,6 +40,7 @@ ENV = "HARNESS_PROVE_CACHE"
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
                  "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
                  "harness/proofs/symbolic.py", "harness/proofs/terms.py",
+                 "harness/proofs/term_walks.py", "harness/proofs/z3_terms.py",
                  "harness/proofs/premise.py", "harness/proofs/prove_cache.py")
 # What the list of cases is made from: the heuristics and plans (kernel/) and
 # the problem grid of harness/proofs/prove.py.

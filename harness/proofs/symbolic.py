@@ -46,6 +46,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from harness.proofs import extract as ex
+from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
 
 _INT = (int, bool)
@@ -130,7 +131,7 @@ def _items_events(items):
 
 def _by_dimension(x) -> bool:
   """Whether the term ``x`` reads a symbolic dimension (:func:`dim_term`)."""
-  return any(a.op == "var" and a.args[0].startswith("dim.") for a in tm.atoms_of(x))
+  return any(a.op == "var" and a.args[0].startswith("dim.") for a in tw.atoms_of(x))
 
 
 class _Linear:
@@ -498,20 +499,20 @@ class _SymInterp(ex._Interp):
         key = fresh[i].mono[0][0].key
         if type(outs[i]) not in _TERM:
           continue
-        d = tm.subst(tm.sub(outs[i], fresh[i]), mapping)
+        d = tw.subst(tm.sub(outs[i], fresh[i]), mapping)
         if type(d) is int and type(carry[i]) in _TERM:
           steps = tm.sub(fresh[counter], lo)
           mapping[key] = tm.add(carry[i], tm.scale(steps, d)) if d else carry[i]
           pending.remove(i)
           changed = True
     body = _subst_items(body, mapping)
-    hi = tm.subst(hi, mapping)
+    hi = tw.subst(hi, mapping)
     _need(hi, f"the bound of the loop at {src}", src)
     accumulators, results = [], []
     for i in pending:
       name = fresh[i].mono[0][0].args[0]
       init = carry[i] if type(carry[i]) in _TERM else None
-      incr = (tm.subst(tm.sub(outs[i], fresh[i]), mapping) if type(outs[i]) in _TERM
+      incr = (tw.subst(tm.sub(outs[i], fresh[i]), mapping) if type(outs[i]) in _TERM
               else None)
       accumulators.append((name, init, incr, f"{name}.end"))
     end = tm.max_(lo, hi)
@@ -524,7 +525,7 @@ class _SymInterp(ex._Interp):
         results.append(tm.var(f"{val.mono[0][0].args[0]}.end"))
       else:
         key = val.mono[0][0].key
-        results.append(tm.subst(mapping[key], {k_key: end}))
+        results.append(tw.subst(mapping[key], {k_key: end}))
     self.items.append(Loop(self.guard, src, fresh[counter].mono[0][0].args[0], lo, hi, body,
                            tuple(accumulators)))
     return results
@@ -629,9 +630,9 @@ def _counter_and_bound(go, fresh, src):
 
 
 def _subst_event(e: ex.Event, mapping, memo) -> ex.Event:
-  slot, bar_slot = tm.subst(e.slot, mapping, memo), tm.subst(e.bar_slot, mapping, memo)
-  bar_id = tm.subst(e.bar_id, mapping, memo)
-  reads = tuple((b, tm.subst(s, mapping, memo)) for b, s in e.reads)
+  slot, bar_slot = tw.subst(e.slot, mapping, memo), tw.subst(e.bar_slot, mapping, memo)
+  bar_id = tw.subst(e.bar_id, mapping, memo)
+  reads = tuple((b, tw.subst(s, mapping, memo)) for b, s in e.reads)
   if slot is e.slot and bar_slot is e.bar_slot and bar_id is e.bar_id and all(
       r[1] is s for r, (_, s) in zip(reads, e.reads)):
     return e
@@ -644,14 +645,14 @@ def _subst_items(items, mapping, memo=None):
   memo = {} if memo is None else memo
   out = []
   for it in items:
-    g = tm.subst(it.guard, mapping, memo)
+    g = tw.subst(it.guard, mapping, memo)
     if g is False:
       continue
     if isinstance(it, Ev):
       e = _subst_event(it.event, mapping, memo)
       out.append(it if g is it.guard and e is it.event else Ev(g, e))
     else:
-      sub = lambda x: tm.subst(x, mapping, memo)
+      sub = lambda x: tw.subst(x, mapping, memo)
       out.append(Loop(g, it.src, it.counter, sub(it.lo), sub(it.hi),
                       _subst_items(it.body, mapping, memo),
                       tuple((v, sub(i), sub(d), e) for v, i, d, e in it.accumulators)))
@@ -676,7 +677,7 @@ def _size_term(n, dims):
     return n
   term = dim_term(n, dims)
   return None if any(a.op == "var" and a.args[0].startswith("dim.(")
-                     for a in tm.atoms_of(term)) else term
+                     for a in tw.atoms_of(term)) else term
 
 
 def grid_index(axis: str):

@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from harness.numerics import strategies as hs
-from harness.proofs import cases, extract
+from harness.proofs import cases, extract, jaxprs
 from harness.proofs import search
 from harness.proofs import prove as prove_cli
 from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import representatives
 from harness.proofs import role_programs as rp
+from harness.proofs.events import Event, ExtractionError, UnknownPrimitive
 from kernel.tiling.config import Config
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
@@ -97,7 +98,7 @@ def test_events_equal_but_for_their_lines_are_one_event():
   table, a cond's branches (symbolic and on data), two probes of one
   context.  The line stays, a label for traces."""
   from harness.proofs import premise, symbolic as sy, terms as tm
-  a = extract.Event("wait", "wg0", "kernel/x.py:1", "keys.produced", 0)
+  a = Event("wait", "wg0", "kernel/x.py:1", "keys.produced", 0)
   b = dataclasses.replace(a, src="kernel/x.py:2")
   c = dataclasses.replace(a, src="kernel/x.py:3", slot=1)
   assert a == b and hash(a) == hash(b) and a != c and b.src == "kernel/x.py:2"
@@ -110,7 +111,7 @@ def test_events_equal_but_for_their_lines_are_one_event():
   assert len(sy._join([(x, [sy.Ev(True, a)]), (tm.not_(x), [sy.Ev(True, c)])], True)) == 2
   words = lambda e: f"{e.src} {e.describe()}"
   extract.branches_alike("kernel/x.py:0", [[a], [b]], words)
-  with pytest.raises(extract.ExtractionError, match="kernel/x.py:1 wait .* against kernel/x.py:3"):
+  with pytest.raises(ExtractionError, match="kernel/x.py:1 wait .* against kernel/x.py:3"):
     extract.branches_alike("kernel/x.py:0", [[a], [c]], words)
   learner = rp.Learner("x", rp.Ring(2), persistent=False)
   for probe, e in enumerate((a, b)):
@@ -127,11 +128,11 @@ MOVED_LINES = ("same_acquire_in_both_branches", "cond_of_two_equal_lambdas")
 def _lines_compared(monkeypatch):
   """Events compared with their source lines, as the proof once did."""
   from harness.proofs import premise
-  fields = [f.name for f in dataclasses.fields(extract.Event)]
+  fields = [f.name for f in dataclasses.fields(Event)]
   key = lambda e: tuple(getattr(e, f) for f in fields)
-  monkeypatch.setattr(extract.Event, "__eq__",
-                      lambda a, b: type(b) is extract.Event and key(a) == key(b))
-  monkeypatch.setattr(extract.Event, "__hash__", lambda e: hash(key(e)))
+  monkeypatch.setattr(Event, "__eq__",
+                      lambda a, b: type(b) is Event and key(a) == key(b))
+  monkeypatch.setattr(Event, "__hash__", lambda e: hash(key(e)))
   static = premise._static
   monkeypatch.setattr(premise, "_static", lambda e: (e.src, *static(e)))
 
@@ -154,7 +155,7 @@ def test_an_event_written_on_two_lines_is_refuted_only_with_lines_compared(name,
 def test_unknown_primitive_refused(monkeypatch):
   # commit_smem stands in for a synchronisation the extractor was never taught.
   monkeypatch.setattr(extract, "HANDLED", extract.HANDLED - {"commit_smem"})
-  with pytest.raises(extract.UnknownPrimitive, match="commit_smem"):
+  with pytest.raises(UnknownPrimitive, match="commit_smem"):
     pe.forward_program(ONE_TILE)
 
 
@@ -196,7 +197,7 @@ def test_a_context_no_probe_showed_is_a_coverage_error(shipped_programs):
 
 def test_segments_follow_the_loops():
   # n, not the line, tells them apart: lines are labels
-  ev = lambda i: extract.Event("store_wait", "r", f"kernel/x.py:{i}", n=i)
+  ev = lambda i: Event("store_wait", "r", f"kernel/x.py:{i}", n=i)
   events = [ev(i) for i in range(7)]
   loops = [(), (("t", 0),), (("t", 0), ("k", 0)), (("t", 0), ("k", 1)), (("t", 0),),
            (("t", 1),), ()]
@@ -262,7 +263,7 @@ def test_named_barriers_past_the_budget_are_refused():
     barriers.check_budget(barriers.NAMED_BARRIERS + extra)
   with pytest.raises(ValueError, match="overlap"):
     barriers.check_budget(barriers.NAMED_BARRIERS + (barriers.NamedBarrier("clash", 1, 256, ""),))
-  ev = extract.Event("bar_arrive", "wg0", "kernel/x.py:1", bar_id=16, threads=256, family="x")
+  ev = Event("bar_arrive", "wg0", "kernel/x.py:1", bar_id=16, threads=256, family="x")
   empty = rp.Table((), (((), ()),))
   roles = tuple(rp.RoleProgram(name, 128, None, (ev,) if name == "wg0" else (), empty,
                                rp.Table((), ()), empty, empty, "tiles") for name in ("wg0", "wg1"))
@@ -379,10 +380,10 @@ def test_only_the_mask_selects_count_as_register_only():
   x = jnp.zeros((64, 128), jnp.float32)
   select = jax.make_jaxpr(lambda x: register_selects.causal_select(
       x, key_base=0, query_base=3, key_dim=1, fill=0.0))(x)
-  assert not extract._has_sync(select.jaxpr)
+  assert not jaxprs.has_sync(select.jaxpr)
   limit = jax.make_jaxpr(lambda x: register_selects.key_limit_select(
       x, key_base=0, limit=100, key_dim=1, fill=0.0))(x)
-  assert not extract._has_sync(limit.jaxpr)
+  assert not jaxprs.has_sync(limit.jaxpr)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,
@@ -390,7 +391,7 @@ def test_only_the_mask_selects_count_as_register_only():
   def select(_ctx, a):  # same name, another file's function
     return a
 
-  assert extract._has_sync(jax.make_jaxpr(select)(x).jaxpr)
+  assert jaxprs.has_sync(jax.make_jaxpr(select)(x).jaxpr)
 
 
 def test_the_split_tail_case_probes_blocks_that_end_in_pieces():
@@ -435,12 +436,12 @@ def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
   results = pe.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
-  kept = extract._mirror_groups
+  kept = jaxprs.mirror_groups
   try:
-    extract._mirror_groups = lambda groups: {}
+    jaxprs.mirror_groups = lambda groups: {}
     r = search.check(pe.forward_program(case))
   finally:
-    extract._mirror_groups = kept
+    jaxprs.mirror_groups = kept
   assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
 
 
@@ -454,11 +455,11 @@ def test_only_groups_of_identical_layouts_are_mirrors():
   aval = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   qk = (aval((2, 64, 64)), aval((2, 128, 64)))
   out = (aval((2, 64, 64)), aval((2, 64), jnp.float32), aval((2, 64), jnp.float32))
-  assert extract._mirror_groups((qk, out)) == {}
-  assert extract._mirror_groups((qk, out, qk, out)) == {2: 0, 3: 1}
-  assert extract._mirror_groups((aval((2, 64, 64)), aval((2, 64, 64)))) == {1: 0}
-  assert extract._mirror_groups((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16))) == {}
-  assert extract._mirror_groups(None) == {}
+  assert jaxprs.mirror_groups((qk, out)) == {}
+  assert jaxprs.mirror_groups((qk, out, qk, out)) == {2: 0, 3: 1}
+  assert jaxprs.mirror_groups((aval((2, 64, 64)), aval((2, 64, 64)))) == {1: 0}
+  assert jaxprs.mirror_groups((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16))) == {}
+  assert jaxprs.mirror_groups(None) == {}
 
 
 def test_the_word_ends_with_every_block_the_producer_copied():

@@ -487,7 +487,7 @@ def _kernel_int_operands(**kw):
   and backward (their shapes), traced on the CPU."""
   import jax
   import jax.numpy as jnp
-  from harness.proofs import extract
+  from harness.proofs import jaxprs
   from kernel import api, experiments
   sds = jax.ShapeDtypeStruct
   args = (sds((2, 1000, 4, 64), jnp.bfloat16), sds((2, 1000, 2, 64), jnp.bfloat16),
@@ -500,7 +500,7 @@ def _kernel_int_operands(**kw):
   with api.lowering_only():
     closed = jax.make_jaxpr(grads)(*args)
   return [[tuple(v.aval.shape) for v in kernel.invars if jnp.issubdtype(v.aval.dtype, jnp.integer)]
-          for kernel in extract.find_kernels(closed.jaxpr)]
+          for kernel in jaxprs.find_kernels(closed.jaxpr)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

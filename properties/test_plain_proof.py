@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from jax import export
 
-from harness.proofs import cases, extract
+from harness.proofs import cases
 from harness.proofs import prove_extracted as pe
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
 from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
+from harness.proofs.events import ExtractionError
 from harness.tools.anchors import edit
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
@@ -70,7 +71,7 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   # 192 queries (64 short of two tiles): the second tile's rows end in key block 1
   assert tw.evaluate(hi, {**LEAST, "dim.mq": 1, "dim.sq": 65, "dim.m": 5,
                           "axis.q_tiles": 1}) == 2
-  with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
+  with pytest.raises(ExtractionError, match="no lower bound for m"):
     sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0][0], {})
 
 
@@ -164,7 +165,7 @@ def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
                   (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         "return self.f.seq_kv % self.config.block_kv != 0 or "
                         f"self.num_tiles {asks}"),))
-  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
+  with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
     pe.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
   assert named in str(err.value), err.value
@@ -252,7 +253,7 @@ def test_a_branch_on_the_remainder_is_refused(ragged, named):
   m = pmut.Mutant(name, "raggedness decided otherwise",
                   (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         f"return {ragged}"),))
-  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
+  with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
     pe.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
   assert named in str(err.value), err.value
@@ -333,14 +334,14 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
   assert tw.evaluate(t, {"dim.a": 4, "dim.b": -3}) == 3 * (2 + 4) + 2 * 0 + 5
   assert sy.dim_term(7, {}) == 7
   for bad in (a * b, a // 2, a % 3):
-    with pytest.raises(extract.ExtractionError, match="not linear"):
+    with pytest.raises(ExtractionError, match="not linear"):
       sy.dim_term(bad, {"a": 0, "b": 0})
   # a product of counts, each at least 1 (a persistent walk's batch * heads
   # * tiles): any value from 1, a variable named by it; not past a division
   product = sy.dim_term(a * b + a, {"a": 1, "b": 2})
   assert tw.evaluate(product, {"dim.(a*b + a)": -5}) == 1
   assert tw.evaluate(product, {"dim.(a*b + a)": 6}) == 7
-  with pytest.raises(extract.ExtractionError, match="not linear"):
+  with pytest.raises(ExtractionError, match="not linear"):
     sy.dim_term((a * b) // 2, {"a": 1, "b": 1})
 
 
@@ -461,13 +462,13 @@ def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
                         "(terms(keep_of(causal, True)), terms(keep_of(causal, True)))[0]"),),
                   kernel="backward")
   modules = pmut.modules(m)
-  with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
+  with pytest.raises(ExtractionError, match="touch shared memory differently") as err:
     pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=modules)
   assert "kernel/masks/selects." in str(err.value), err.value
   # the symbolic run refuses it alike, naming the first access that differs
   _, kernels = pe.trace_backward(64, causal=False, bias=False, fuse_dq=True, seq_q=256,
                                  seq_kv=256, modules=modules)
-  with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
+  with pytest.raises(ExtractionError, match="touch shared memory differently") as err:
     for kernel in kernels:
       sy.extract_symbolic(kernel)
   assert "against" in str(err.value) and "kernel/masks/selects." in str(err.value), err.value

@@ -11,7 +11,6 @@ import re
 
 import pytest
 
-from harness.proofs import extract
 from harness.proofs import premise as pr
 from harness.proofs import prove as prove_cli
 from harness.proofs import prove_extracted as pe
@@ -19,6 +18,7 @@ from harness.proofs import protocol_mutants as pmut
 from harness.proofs import symbolic as sy
 from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
+from harness.proofs.events import ExtractionError
 from harness.tools.anchors import edit
 
 ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
@@ -123,7 +123,7 @@ def test_what_linear_arithmetic_cannot_express_fails_naming_it():
   m = pmut.Mutant("slot_through_a_product", "a slot computed through ki * ki",
                   (edit("ring_state", "keys.position(prev_iters + (ki - lb))",
                         "keys.position(prev_iters + (ki - lb) + lax.rem(ki * ki, 1))"),))
-  with pytest.raises(extract.ExtractionError) as err:
+  with pytest.raises(ExtractionError) as err:
     pe.forward_program(ONE_TILE, modules=pmut.modules(m))
   msg = str(err.value)
   assert "primitive 'mul'" in msg and "slot" in msg, msg

@@ -68,12 +68,12 @@ import dataclasses
 import hashlib
 import time
 
-from harness.proofs import extract as ex
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
 from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
 from harness.proofs import z3_terms
+from harness.proofs.events import Event
 
 # What a canonical form keeps: the variables the features are made of (a
 # value that depends on none of them, or on them only through a read from
@@ -192,14 +192,14 @@ def _solve(query, extra=()):
 
 # -- claims -------------------------------------------------------------------------
 
-def _static(e: ex.Event):
+def _static(e: Event):
   """What an event does that is no term; never its source line, a label
   (an event written on two lines is one event)."""
   return (e.kind, e.role, e.buf, e.bar, e.n, e.threads, e.family,
           tuple(b for b, _ in e.reads), e.slot is None, e.bar_slot is None, e.bar_id is None)
 
 
-def _dyn_eq(a: ex.Event, b: ex.Event):
+def _dyn_eq(a: Event, b: Event):
   parts = []
   if a.bar_id is not None:  # a named barrier's id may depend on the step (the fused dQ's owner)
     parts.append(tm.eq(a.bar_id, b.bar_id))

@@ -29,11 +29,11 @@ import sys
 import types
 from pathlib import Path
 
-from harness.proofs import extract
+from harness.proofs import kernel_lines
 from harness.tools import anchors
 from harness.tools.anchors import edit
 
-KERNEL_DIR = extract.KERNEL_DIR
+KERNEL_DIR = kernel_lines.KERNEL_DIR
 REPO = Path(KERNEL_DIR).parent
 # The module each kernel's proof traces (harness.proofs.prove_extracted).
 KERNELS = {"forward": "kernel.forward", "backward": "kernel.backward"}

@@ -48,6 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from harness.proofs import cases
+from harness.proofs.events import ExtractionError, UnknownPrimitive
 from kernel.tiling import plan as plan_lib
 
 # 192: a head dim the cache has no entries of, which reads the wider 256's;
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
                            cache=cache, early=early, premise=premise, spent=spent,
                            on_failure=failed)
         held = _representatives_held(args, listing(), everything, cache, pool, failed)
-  except (pe.ex.UnknownPrimitive, pe.ex.ExtractionError) as err:
+  except (UnknownPrimitive, ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
     return 1

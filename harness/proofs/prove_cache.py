@@ -37,7 +37,9 @@ ENV = "HARNESS_PROVE_CACHE"
 # What the learned programs are made from (paths relative to the repository);
 # not the command's own module, nor the mutants (whose runs skip the cache),
 # so that an edit of what the command prints learns nothing again.
-LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
+LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/events.py",
+                 "harness/proofs/jaxprs.py", "harness/proofs/kernel_lines.py",
+                 "harness/proofs/role_programs.py",
                  "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
                  "harness/proofs/symbolic.py", "harness/proofs/terms.py",
                  "harness/proofs/term_walks.py", "harness/proofs/z3_terms.py",
@@ -49,7 +51,7 @@ LIST_SOURCES = LEARN_SOURCES + ("harness/proofs/prove.py",)
 CHECK_SOURCES = ("harness/proofs/search.py", "harness/proofs/search_environment.py",
                  "harness/proofs/search_program.py", "harness/proofs/search_state.py",
                  "harness/proofs/search_steps.py", "harness/proofs/violations.py",
-                 "harness/proofs/role_programs.py", "harness/proofs/extract.py",
+                 "harness/proofs/role_programs.py", "harness/proofs/events.py",
                  "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
 
 

@@ -51,9 +51,11 @@ import time
 import numpy as np
 
 from harness.proofs import extract as ex
+from harness.proofs import jaxprs
 from harness.proofs import search
 from harness.proofs import role_programs as rp
 from harness.proofs.cases import BackwardCase, ForwardCase
+from harness.proofs.events import OPAQUE, ExtractionError
 from harness.proofs.violations import Violation
 from kernel.masks import Mask
 
@@ -87,10 +89,10 @@ def _const_values(closed, kernel_eqn) -> dict:
     for eqn in jaxpr.eqns:
       if eqn is kernel_eqn:
         return {i: known[v] for i, v in enumerate(eqn.invars) if v in known}
-      for sub in ex._subjaxprs(eqn.params):
+      for sub in jaxprs.subjaxprs(eqn.params):
         if len(sub.invars) == len(eqn.invars):
           inner = {iv: known[ov] for iv, ov in zip(sub.invars, eqn.invars)
-                   if not isinstance(ov, ex.jex_core.Literal) and ov in known}
+                   if not isinstance(ov, jaxprs.jex_core.Literal) and ov in known}
           inner.update({v: known[v] for v in sub.constvars if v in known})
         else:
           inner = {}
@@ -113,7 +115,7 @@ def _int_tables(kernel_eqn, consts, length: int, count: int, what: str) -> dict:
   reads (not traced constants), k their order among the operands."""
   tables = _int_operands(kernel_eqn, consts, (1, 1, length))
   if len(tables) != count:
-    raise ex.ExtractionError(f"expected the {count} {what} among the kernel's operands, "
+    raise ExtractionError(f"expected the {count} {what} among the kernel's operands, "
                              f"found {len(tables)}")
   return {f"gmem_in{i}": k for k, i in enumerate(tables)}
 
@@ -139,7 +141,7 @@ def _reranked_order(kernel_eqn, consts, case: ForwardCase, num_tiles: int) -> di
     return {}
   found = _int_operands(kernel_eqn, consts, (num_tiles,))
   if len(found) != 1:
-    raise ex.ExtractionError(f"expected one computed launch order of {num_tiles} tiles "
+    raise ExtractionError(f"expected one computed launch order of {num_tiles} tiles "
                              f"among the kernel's operands, found {len(found)}")
   return {found[0]: np.arange(num_tiles - 1, -1, -1, dtype=np.int32)}
 
@@ -162,7 +164,7 @@ class _Env:
       return int(self.consts[buf][tuple(idx)])
     which = self.tables.get(buf)
     if which is None:
-      raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
+      raise ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
                                f"the prover gives no value")
     qi = idx[-1]
     if qi not in self.ranges:
@@ -186,10 +188,10 @@ class _BandEnv:
 
   def __call__(self, buf, idx):
     if buf in self.opaque:
-      return ex.OPAQUE
+      return OPAQUE
     which = self.tables.get(buf)
     if which is None:
-      raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
+      raise ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which "
                                f"the prover gives no value")
     return self.choose(idx[-1])[which]
 
@@ -205,7 +207,7 @@ def _inner_tables(kernel, consts, num_key_tiles) -> frozenset:
 
 
 def _no_reads(buf, idx):
-  raise ex.ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which the "
+  raise ExtractionError(f"the kernel reads an integer from {buf}{list(idx)}, which the "
                            f"prover gives no value")
 
 
@@ -330,7 +332,7 @@ def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv, short_q=0):
   if (layout.overlay_q_with_output, layout.output_reaches_keys) != (
           case.overlay_q, case.output_over_keys) or \
           case.output_slots not in (None, plan_lib.output_slots(traced, config)):
-    raise ex.ExtractionError(f"{case.describe()}: the traced problem's layout does not "
+    raise ExtractionError(f"{case.describe()}: the traced problem's layout does not "
                              f"stage the output where the case does")
   return config, traced
 
@@ -550,7 +552,7 @@ def _decided_lengths(what: str):
   finally:
     cls.__eq__ = original
   if undecided:
-    raise ex.ExtractionError(
+    raise ExtractionError(
         f"{what}: the kernel compares its symbolic lengths where the answer depends on the "
         f"length, so one trace cannot stand for every length: {undecided[0]}"
         + (f" (and {len(undecided) - 1} more)" if len(undecided) > 1 else ""))
@@ -614,7 +616,7 @@ def _split_tail_table(consts: dict, case: ForwardCase):
     return None
   found = [v for v in consts.values() if v.ndim == 3 and v.shape[1] == 4]
   if len(found) != 1:
-    raise ex.ExtractionError(f"expected the split tail's entry table among the kernel's "
+    raise ExtractionError(f"expected the split tail's entry table among the kernel's "
                              f"constant operands, found {len(found)}")
   return found[0]
 
@@ -692,7 +694,7 @@ def _also_proved(programs: list, trace, variants: dict, what: str) -> list:
   for name, variant in variants.items():
     kernels, dims = trace(variant)
     if len(kernels) != len(programs):
-      raise ex.ExtractionError(f"{programs[0].name} ({name}): {len(kernels)} launches "
+      raise ExtractionError(f"{programs[0].name} ({name}): {len(kernels)} launches "
                                f"traced, {len(programs)} learned")
     for prog, kernel, st in zip(programs, kernels, stats):
       try:
@@ -735,7 +737,7 @@ def _proved(learner, kernels, learn, realise) -> rp.LaunchProgram:
       tried.add(key)
       try:
         realise(ctx)
-      except ex.ExtractionError as err:
+      except ExtractionError as err:
         raise rp.PremiseError(f"{so_far}\n  no probe could show that environment: {err}") from None
       try:
         prog = learn()
@@ -819,9 +821,9 @@ class _ForwardProber:
       lb, n = env.ranges[qi]
       lo, m = self.actual(qi, lb, n)
       if self.few and m < n:
-        raise ex.ExtractionError(f"tile {qi}: {n} key blocks asked of a problem with fewer")
+        raise ExtractionError(f"tile {qi}: {n} key blocks asked of a problem with fewer")
       if (lo, m) != (lb, n):
-        raise ex.ExtractionError(f"tile {qi}: asked for key blocks [{lb}, {lb + n}), the "
+        raise ExtractionError(f"tile {qi}: asked for key blocks [{lb}, {lb + n}), the "
                                  f"kernel visits [{lo}, {lo + m})")
       trips.append(self.cut(sm, entry, lo, m)[1])
     self.learner.observe(launch, trips, where=("block " + str(sm) + ", tiles"
@@ -876,13 +878,13 @@ class _ForwardProber:
       chooser = _Realiser(g, n, self.cap, later)
       try:
         self.probe(chooser, self.wide[0])
-      except ex.ExtractionError:
+      except ExtractionError:
         chooser.placed = False
       if chooser.placed:
         return
       # a tile long enough for n, and enough tiles for G even one block each
       self._retrace(max(n, 2) + 3, g + 4)
-    raise ex.ExtractionError(f"no probe of {self.learner.name} reaches ring position {g} "
+    raise ExtractionError(f"no probe of {self.learner.name} reaches ring position {g} "
                              f"with a tile of {n} key blocks")
 
   def _retrace(self, kv_blocks, tiles):
@@ -969,7 +971,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
 
   with api.lowering_only(), _spending("tracing"):
     closed = jax.make_jaxpr(fn)(q, k, k, b, kr, kr, q, rows, rows, q)
-  return closed, ex.find_kernels(closed.jaxpr)
+  return closed, jaxprs.find_kernels(closed.jaxpr)
 
 
 def _stream_length(launch, role="wg2.warp0") -> int:
@@ -984,7 +986,7 @@ def _tables_of(kernel, consts):
     if len(shape) == 3 and shape[:2] == (1, 1) and "int" in str(v.aval.dtype):
       try:
         return _range_tables(kernel, consts, shape[2]), shape[2]
-      except ex.ExtractionError:
+      except ExtractionError:
         continue
   return None
 
@@ -999,7 +1001,7 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
     ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at}, name="dq")
     if env.order == [num_tiles - 1]:
       return at
-  raise ex.ExtractionError(f"no dQ grid point of {num_tiles} reads the last tile's key range")
+  raise ExtractionError(f"no dQ grid point of {num_tiles} reads the last tile's key range")
 
 
 def backward_stages(case: BackwardCase, *, modules=None) -> list[int]:
@@ -1047,12 +1049,12 @@ def backward_programs(case: BackwardCase, *, modules=None,
                                      unpadded=case.unpadded)
     if not learners:
       if len(rings) != len(kernels):
-        raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "
+        raise ExtractionError(f"{case.describe()}: {len(kernels)} launches traced, "
                                  f"kernel.backward.launches names {len(rings)}")
       learners = [rp.Learner(f"{case.describe()}, launch {i + 1} of {len(kernels)}", ring,
                              persistent=False) for i, ring in enumerate(rings)]
     elif len(learners) != len(kernels):
-      raise ex.ExtractionError(f"{case.describe()}: {len(kernels)} launches at one length, "
+      raise ExtractionError(f"{case.describe()}: {len(kernels)} launches at one length, "
                                f"{len(learners)} at another")
     grid = {"batch": 0, "heads": 0, "q_tiles": 0, "kv_tiles": 0, "kv_heads": 0}
     for learner, kernel in zip(learners, kernels):
@@ -1100,7 +1102,7 @@ def backward_programs(case: BackwardCase, *, modules=None,
                                      grid={**grid, "kv_tiles": 0}, name="dkv")
           got = _stream_length(launch)
           if got != n:
-            raise ex.ExtractionError(f"{learner.name}: key tile 0 given the query blocks "
+            raise ExtractionError(f"{learner.name}: key tile 0 given the query blocks "
                                      f"[{lb}, {lb + n}) streams {got}")
           learner.observe(launch, [n], where=f"key tile 0, query blocks [{lb}, {lb + n})")
 
@@ -1127,7 +1129,7 @@ def backward_programs(case: BackwardCase, *, modules=None,
 
     def realise(ctx, probe=probe):
       if probe is None:
-        raise ex.ExtractionError("this launch streams as many blocks as its traced shapes "
+        raise ExtractionError("this launch streams as many blocks as its traced shapes "
                                  "make it, so no probe chooses its trip count")
       probe(ctx["n"])
 

@@ -16,7 +16,7 @@ counts each role's waits and each barrier's completed phases.
 
 **Units.**  :func:`segment` cuts the events :mod:`harness.proofs.extract` reads for
 one role under one environment by the while-loop iterations around them
-(:attr:`harness.proofs.extract.Extracted.loops`): *pre* (before the tile loop),
+(:attr:`harness.proofs.events.Extracted.loops`): *pre* (before the tile loop),
 per tile a *head*, the tile's key-loop iterations (*iter* j, numbered across
 the loops of one tile, e.g. the forward's plain and masked loops) and a
 *tail*, and *post* (after the tile loop).  A role iterates
@@ -76,7 +76,7 @@ import hashlib
 import itertools
 import math
 
-from harness.proofs.extract import Extracted
+from harness.proofs.events import Extracted
 
 # The features a unit kind may depend on, besides the ring position's.
 OTHER_FEATURES = {

@@ -105,7 +105,7 @@ import contextlib
 import gc
 import time
 
-from harness.proofs.extract import Event
+from harness.proofs.events import Event
 from harness.proofs.role_programs import AHEAD_CAP, CoverageError, LaunchProgram
 from harness.proofs.search_environment import Environment
 from harness.proofs.search_program import Static

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from harness.proofs.extract import Event
+from harness.proofs.events import Event
 from harness.proofs.role_programs import AHEAD_CAP, N_CAP, CoverageError, LaunchProgram
 from harness.proofs.violations import Violation
 from kernel.sync import barriers as kbarriers

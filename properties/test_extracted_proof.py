@@ -23,16 +23,22 @@ from harness.numerics import strategies as hs
 from harness.proofs import cases, extract, jaxprs
 from harness.proofs import search
 from harness.proofs import prove as prove_cli
-from harness.proofs import prove_extracted as pe
+from harness.proofs import backward_probes as bwd
+from harness.proofs import forward_traces as ft
+from harness.proofs import forward_probes as fwd
+from harness.proofs import probes as pb
+from harness.proofs import prove_pool
+from harness.proofs import premise_rounds as rounds
+from harness.proofs import tracing
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import representatives
 from harness.proofs import role_programs as rp
 from harness.proofs.events import Event, ExtractionError, UnknownPrimitive
 from kernel.tiling.config import Config
 
-ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
-PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
-FUSED = pe.BackwardCase(64, False, False, True)
+ONE_TILE = cases.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
+PERSISTENT = cases.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+FUSED = cases.BackwardCase(64, False, False, True)
 
 
 def _run_prove(*argv):
@@ -44,7 +50,7 @@ def _run_prove(*argv):
 
 @pytest.fixture(scope="module")
 def shipped_programs():
-  return {case: pe.forward_program(case) for case in (ONE_TILE, PERSISTENT)}
+  return {case: fwd.forward_program(case) for case in (ONE_TILE, PERSISTENT)}
 
 
 def test_shipped_kernel_proves_for_every_environment(shipped_programs):
@@ -55,7 +61,7 @@ def test_shipped_kernel_proves_for_every_environment(shipped_programs):
 
 
 def test_shipped_backward_proves():
-  for prog in pe.backward_programs(FUSED):
+  for prog in bwd.backward_programs(FUSED):
     r = search.check(prog)
     assert r.ok, r.violation.format()
     assert r.states > 1000
@@ -86,8 +92,8 @@ def _failures(results) -> list[str]:
 
 @pytest.mark.parametrize("safe", pmut.SAFE, ids=lambda m: m.name)
 def test_safe_reordering_proves(safe):
-  results = pe.prove([("forward", ONE_TILE, 1), ("forward", PERSISTENT, 1)], mutant=safe.name,
-                     fail_fast=True)
+  results = prove_pool.prove([("forward", ONE_TILE, 1), ("forward", PERSISTENT, 1)],
+                             mutant=safe.name, fail_fast=True)
   assert results and all(r.ok for r in results), _failures(results)
 
 
@@ -148,7 +154,7 @@ def test_an_event_written_on_two_lines_is_refuted_only_with_lines_compared(name,
   compared again."""
   assert pmut.BY_NAME[name] in pmut.SAFE
   _lines_compared(monkeypatch)
-  refuted = _failures(pe.prove([("forward", ONE_TILE, 1)], mutant=name, fail_fast=True))
+  refuted = _failures(prove_pool.prove([("forward", ONE_TILE, 1)], mutant=name, fail_fast=True))
   assert refuted and f".mutant_{name}.py:" in refuted[0], refuted
 
 
@@ -156,7 +162,7 @@ def test_unknown_primitive_refused(monkeypatch):
   # commit_smem stands in for a synchronisation the extractor was never taught.
   monkeypatch.setattr(extract, "HANDLED", extract.HANDLED - {"commit_smem"})
   with pytest.raises(UnknownPrimitive, match="commit_smem"):
-    pe.forward_program(ONE_TILE)
+    fwd.forward_program(ONE_TILE)
 
 
 def test_a_premise_the_kernel_breaks_fails_loudly():
@@ -166,7 +172,7 @@ def test_a_premise_the_kernel_breaks_fails_loudly():
   checked as they are, which shows the overwrite."""
   mutant = pmut.BY_NAME["producer_first_reuse_wait_skipped"]
   with pytest.raises(rp.PremiseError, match="wg2.warp0") as err:
-    pe.forward_program(ONE_TILE, modules=pmut.modules(mutant))
+    fwd.forward_program(ONE_TILE, modules=pmut.modules(mutant))
   assert len(err.value.probes) == 2
   rc, out = _run_prove("--mutant", mutant.name, "--fail-fast")
   assert rc == 1 and "the events depend on more than the proof's contexts" in out, out
@@ -218,7 +224,7 @@ def test_the_reductions_lose_no_violation(name):
   """On one-tile blocks every reduction of the search (steps taken alone,
   lazy copy completion, the ring's rotation) off and on give the same
   verdict and the same kind of violation."""
-  prog = pe.forward_program(ONE_TILE, modules=pmut.modules(name) if name else None)
+  prog = fwd.forward_program(ONE_TILE, modules=pmut.modules(name) if name else None)
   full, reduced = search.check(prog, reduce=False), search.check(prog)
   assert full.ok == reduced.ok
   if not full.ok:
@@ -318,27 +324,28 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   cache = prove_cache.Cache(tmp_path)
   items = [("forward", ONE_TILE, 1)]
   spent, spent_again = collections.Counter(), collections.Counter()
-  first = pe.prove(items, jobs=1, cache=cache, spent=spent)
+  first = prove_pool.prove(items, jobs=1, cache=cache, spent=spent)
   assert all(r.ok for r in first) and cache.hits == {"learned": 0, "listed": 0, "checked": 0}
   # the cold run's work by phase; every phase took time, none is negative; and
   # its traces: the probes' and the ranged and plain kernels' at every length
-  assert set(spent) == {*pe.PHASES, pe.TRACES} and all(spent[p] > 0 for p in pe.PHASES), spent
-  assert spent[pe.TRACES] >= 1 + len(pe.RANGED_LENGTHS) + len(pe.PLAIN_KERNELS), spent
+  assert set(spent) == {*tracing.PHASES, tracing.TRACES}, spent
+  assert all(spent[p] > 0 for p in tracing.PHASES), spent
+  assert spent[tracing.TRACES] >= 1 + len(rounds.RANGED_LENGTHS) + len(rounds.PLAIN_KERNELS), spent
   again = prove_cache.Cache(tmp_path)
-  second = pe.prove(items, jobs=1, cache=again, spent=spent_again)
+  second = prove_pool.prove(items, jobs=1, cache=again, spent=spent_again)
   assert again.hits["learned"] == 1 and again.hits["checked"] == len(first)
   assert [(r.name, r.ok, r.states) for r in second] == [(r.name, r.ok, r.states) for r in first]
   assert not spent_again   # what the cache gave cost nothing
   # A failing check is recomputed, not kept.
-  prog = pe.forward_program(ONE_TILE, modules=pmut.modules("key_released_before_qk"))
-  failed = pe._checked(prog.shape_digest(), prog, pe.Result(prog.name, []), again,
-                       collections.Counter())
+  prog = fwd.forward_program(ONE_TILE, modules=pmut.modules("key_released_before_qk"))
+  failed = prove_pool._checked(prog.shape_digest(), prog, prove_pool.Result(prog.name, []), again,
+                               collections.Counter())
   assert not failed.ok
   assert again.get("checked", repr(prog.shape_digest())) is None
   # Another checker source is another digest: nothing of the first is found.
   other = prove_cache.Cache(tmp_path)
   other.digests = {k: v + "x" for k, v in other.digests.items()}
-  assert other.get("learned", pe._learn_key(("forward", ONE_TILE), None)) is None
+  assert other.get("learned", prove_pool._learn_key(("forward", ONE_TILE), None)) is None
 
 
 def test_the_pool_reports_what_one_process_does(tmp_path):
@@ -346,9 +353,9 @@ def test_the_pool_reports_what_one_process_does(tmp_path):
   cache, the results are those of one process, in the listing's order."""
   from harness.proofs import prove_cache
   items = [("forward", ONE_TILE, 1), ("backward", FUSED, 0)]
-  alone = pe.prove(items, jobs=1)
-  pooled = pe.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),
-                    early=[("backward", FUSED)])
+  alone = prove_pool.prove(items, jobs=1)
+  pooled = prove_pool.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),
+                            early=[("backward", FUSED)])
   assert [(r.name, r.cases, r.ok, r.states) for r in pooled] == \
       [(r.name, r.cases, r.ok, r.states) for r in alone]
 
@@ -360,8 +367,8 @@ def test_a_failure_is_reported_when_found(jobs):
   results still list it: ``python -m harness prove`` prints the first one
   before the run ends."""
   heard = []
-  results = pe.prove([("forward", ONE_TILE, 1)], jobs=jobs, mutant="key_released_before_qk",
-                     on_failure=heard.append)
+  results = prove_pool.prove([("forward", ONE_TILE, 1)], jobs=jobs, mutant="key_released_before_qk",
+                             on_failure=heard.append)
   failed = [r for r in results if not r.ok]
   assert failed and len(heard) == len(failed), (heard, failed)
   assert heard[0].startswith(f"{failed[0].name}: {failed[0].violation.kind}: "), heard
@@ -398,10 +405,10 @@ def test_the_split_tail_case_probes_blocks_that_end_in_pieces():
   """The traced split tail has half a wave more than whole waves, so the
   probed blocks (0 and 1) run whole tiles and then pieces (slot >= 0) over
   part of their tiles' key blocks: the proof sees pieces, not only tiles."""
-  case = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
-  closed, kernel, _ = pe.trace_case(case)
-  table = pe._split_tail_table(pe._const_values(closed, kernel), case)
-  for block in range(pe.PROBED_BLOCKS):
+  case = cases.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+  closed, kernel, _ = ft.trace_case(case)
+  table = fwd._split_tail_table(pb.const_values(closed, kernel), case)
+  for block in range(pb.PROBED_BLOCKS):
     slots, lo, hi = table[block, 3], table[block, 1], table[block, 2]
     assert (slots == -1).any() and (slots >= 0).any(), table[block]
     assert ((hi - lo)[slots >= 0] < hi.max()).all()
@@ -411,8 +418,8 @@ def test_the_split_tail_proves_with_its_pieces():
   """The split tail, its probed blocks ending in pieces, proves whole: a
   piece's stores (to its slot) must read as the same events as a tile's
   (to the output), and its cut trip counts as any tile's."""
-  case = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
-  results = pe.prove([("forward", case, 1)], jobs=1)
+  case = cases.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+  results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
 
@@ -433,15 +440,15 @@ def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
   is an overlay the proof refuses: the rule that merges them is what
   proves it."""
   assert case.parts == ((1, 1) if case is UNTILED else (2, 2))
-  results = pe.prove([("forward", case, 1)], jobs=1)
+  results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
-  kept = jaxprs.mirror_groups
+  kept = extract.mirror_groups
   try:
-    jaxprs.mirror_groups = lambda groups: {}
-    r = search.check(pe.forward_program(case))
+    extract.mirror_groups = lambda groups: {}
+    r = search.check(fwd.forward_program(case))
   finally:
-    jaxprs.mirror_groups = kept
+    extract.mirror_groups = kept
   assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
 
 
@@ -470,9 +477,9 @@ def test_the_word_ends_with_every_block_the_producer_copied():
   output overlay that reaches the keys (head dims 64 and 256,
   non-persistent) over a copy the kernel never issues; a kernel traced for
   one tile of two blocks issues two."""
-  case = pe.ForwardCase(4, False, "round-robin", False, False, True, 64, 64, 4,
-                        layout_head_dim=64, layout_head_dim_out=256, output_over_keys=True)
-  results = pe.prove([("forward", case, 1)], jobs=1)
+  case = cases.ForwardCase(4, False, "round-robin", False, False, True, 64, 64, 4,
+                           layout_head_dim=64, layout_head_dim_out=256, output_over_keys=True)
+  results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
 
@@ -537,7 +544,7 @@ def test_the_output_overlays_slots_part_the_cases(shipped_cases):
   assert with_ml, f"no case like {case.describe()} with m and l in the overlay"
   other = with_ml[0]
   assert {name for name, _ in other.output_slots} == {"o", "m", "l"}
-  a, b = pe.forward_program(case), pe.forward_program(other)
+  a, b = fwd.forward_program(case), fwd.forward_program(other)
   assert a.shape() != b.shape()
 
 
@@ -605,7 +612,7 @@ def test_the_cache_keys_every_proof_module_it_runs():
   checked = _proof_modules(rel(search))
   assert len(checked) > 3 and not checked - listed(prove_cache.CHECK_SOURCES), \
       sorted(checked - listed(prove_cache.CHECK_SOURCES))
-  learning = _proof_modules(rel(inspect.getmodule(pe._programs_of))) - checked - {
+  learning = _proof_modules(rel(inspect.getmodule(prove_pool._programs_of))) - checked - {
       rel(pmut)}
   assert len(learning) > 3 and not learning - listed(prove_cache.LEARN_SOURCES), \
       sorted(learning - listed(prove_cache.LEARN_SOURCES))
@@ -643,7 +650,7 @@ def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, 
 
   asked = []
   monkeypatch.setattr(prove_cli, "usable_cpus", lambda: 3)
-  monkeypatch.setattr(pe, "workers", workers)
+  monkeypatch.setattr(prove_pool, "workers", workers)
   with pytest.raises(Started):
     prove_cli.main(["--no-cache"])
   assert asked == [3]
@@ -763,7 +770,7 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
   lines, _ = representatives.check(lambda: work)
   assert lines and all("block" in line for line in lines), lines
   # the command: nothing to prove (the search is stood in for), one config that differs
-  monkeypatch.setattr(pe, "prove", lambda *a, **k: [])
+  monkeypatch.setattr(prove_pool, "prove", lambda *a, **k: [])
   monkeypatch.setattr(representatives, "compare", lambda work, pool=None: (work[:1], 1))
   rc, out = _run_prove("--select", "stages=2,one tile", "--jobs", "1", "--no-cache")
   assert rc == 1 and "DIFFERS: " in out and "learns another program" in out, out

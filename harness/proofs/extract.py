@@ -1,14 +1,16 @@
 """Read the barrier and stage-ring protocol out of a traced kernel (its jaxpr).
 
 The proof in :mod:`harness.proofs.search` is about the code, not about a
-model written beside it: this module traces a kernel of ``kernel/`` on the
-CPU (``jax.make_jaxpr`` under ``kernel.api.lowering_only()``), finds the
-Mosaic GPU kernel (the ``mpmd_map`` whose mesh has the thread axis ``wg``)
-and runs its jaxpr abstractly once per role: every warpgroup, and every warp
-of a ``warp_map`` inside one.  Integer scalars are evaluated (loop counters,
-``prev_iters``, ``axis_index``, slot arithmetic, ``while``/``cond`` on them);
-integers read from global memory (per-tile key ranges, a tile schedule) come
-from an *environment* chosen by the prover; every other value is opaque.
+model written beside it: a kernel of ``kernel/`` is traced on the CPU
+(``jax.make_jaxpr`` under ``kernel.api.lowering_only()``:
+:mod:`harness.proofs.forward_traces`, :mod:`harness.proofs.backward_traces`),
+and this module runs the jaxpr of its Mosaic GPU kernel (the ``mpmd_map``
+whose mesh has the thread axis ``wg``: :func:`harness.proofs.jaxprs.find_kernels`)
+abstractly once per role: every warpgroup, and every warp of a ``warp_map``
+inside one.  Integer scalars are evaluated (loop counters, ``prev_iters``,
+``axis_index``, slot arithmetic, ``while``/``cond`` on them); integers read
+from global memory (per-tile key ranges, a tile schedule) come from an
+*environment* chosen by the prover; every other value is opaque.
 The result per role is its ordered list of protocol events
 (:class:`harness.proofs.events.Event`): mbarrier waits (with the parity
 Mosaic GPU's per-thread phase bit gives them) and arrivals, TMA copies into
@@ -46,14 +48,12 @@ import inspect
 import os
 from typing import Any, Callable
 
-import jax
 from jax.extend import core as jex_core
 
 from harness.proofs.events import (OPAQUE, Buffer, Event, Extracted, ExtractionError, RefV,
                                    UnknownPrimitive)
-from harness.proofs.jaxprs import (INT, INT_OPS, PURE, const, find_kernels, has_sync,
-                                   is_register_select, literal_value, mirror_groups, program,
-                                   transform_info)
+from harness.proofs.jaxprs import (INT, INT_OPS, PURE, const, has_sync, is_register_select,
+                                   literal_value, mirror_groups, program, transform_info)
 from harness.proofs.kernel_lines import barrier_family, kernel_frame, name_buffers
 
 # Protocol and control primitives this module interprets.
@@ -498,51 +498,3 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
         overlaps.setdefault(a, set()).add(b)
   return Extracted(name, out, threads, barriers_, buffers,
                    {k: frozenset(v) for k, v in overlaps.items()}, loops, name_buffers(out))
-
-
-# ---------------------------------------------------------------------------
-# Tracing the shipped kernels
-# ---------------------------------------------------------------------------
-
-def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
-                  head_dim=64, head_dim_out=None, bias=False, mask=False, key_ranges=True,
-                  num_sms=1, module=None, kv_heads=None):
-  """The closed jaxpr of ``kernel.forward.flash_attention_forward`` and its
-  kernel eqn, traced on the CPU.  With ``key_ranges`` the kernel reads each
-  tile's key range from global memory (the environment decides it), so trip
-  counts, including zero, are the prover's to choose.  ``kv_heads`` (by
-  default ``heads``): fewer make groups of ``heads // kv_heads`` query
-  heads (GQA)."""
-  import jax.numpy as jnp
-  from kernel import api, forward
-  forward = module or forward  # a mutated copy of the kernel package's, in the tests
-  sds = jax.ShapeDtypeStruct
-  tile = config.tile_q
-  t_pad, s_pad = num_tiles * tile, kv_blocks * config.block_kv
-  dt = jnp.dtype(problem.dtype)
-  dv = head_dim if head_dim_out is None else head_dim_out
-  q = sds((batch, t_pad, heads, head_dim), dt)
-  kh = heads if kv_heads is None else kv_heads
-  k = sds((batch, s_pad, kh, head_dim), dt)
-  # FP8 takes V^T and its descales (kernel.forward.launch.flash_attention_forward).
-  v = sds((batch, kh, dv, s_pad) if problem.fp8 else (batch, s_pad, kh, dv), dt)
-  # Per (batch, head) operands, so that the grid indices reach their reads
-  # (kernel.common.batch_head reads a dim of 1 at 0).
-  fp8 = {"descales": sds((batch, kh, 2), jnp.float32)} if problem.fp8 else {}
-  args = [q, k, v]
-  b_ = sds((batch, heads, t_pad, s_pad), jnp.dtype(problem.bias_dtype)) if bias else None
-  m_ = sds((batch, heads, t_pad, s_pad), jnp.int8) if mask else None
-  if key_ranges:
-    rows = sds((batch, heads, t_pad), jnp.int32)
-    tiles = tuple(sds((batch, heads, num_tiles), jnp.int32) for _ in range(4))
-  else:
-    rows, tiles = None, None
-
-  def fn(q, k, v, b, m, ks, ke, tl, **descales):
-    return forward.flash_attention_forward(problem, config, q, k, v, b, m, ks, ke, tl,
-                                           num_sms=num_sms, **descales)
-
-  with api.lowering_only():
-    closed = jax.make_jaxpr(fn)(*args, b_, m_, rows, rows, tiles, **fp8)
-  (kernel,) = find_kernels(closed.jaxpr)
-  return closed, kernel

@@ -58,7 +58,7 @@ order of a tile's loop bounds are first tried by the sound syntactic rules
 of :func:`harness.proofs.terms.nonneg` (most hold by the form of their
 maxima), the rest go to Z3.
 
-:func:`harness.proofs.prove_extracted._proved` probes each counterexample
+:func:`harness.proofs.premise_rounds.proved` probes each counterexample
 and learns the tables again, until Z3 proves them or the probes disagree.
 """
 

@@ -1,5 +1,5 @@
 """Protocol defects written into a copy of the kernel's source, for the
-extracted proof (:mod:`harness.proofs.prove_extracted`) to refute.
+extracted proof (:mod:`harness.proofs.prove_pool`) to refute.
 
 Each mutant is a list of anchored edits (:mod:`harness.tools.anchors`: a
 function, found by name in whichever file under ``kernel/`` defines it, and
@@ -35,7 +35,7 @@ from harness.tools.anchors import edit
 
 KERNEL_DIR = kernel_lines.KERNEL_DIR
 REPO = Path(KERNEL_DIR).parent
-# The module each kernel's proof traces (harness.proofs.prove_extracted).
+# The module each kernel's proof traces (harness.proofs.tracing.shipped_modules).
 KERNELS = {"forward": "kernel.forward", "backward": "kernel.backward"}
 
 
@@ -138,7 +138,7 @@ MUTANTS = (
                  "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),),
            shows="3 compute warpgroups"),
     # GQA only: the probes' traces have one head, always the first of its
-    # group; the symbolic traces' grid (prove_extracted.GRID_COUNTS) has every
+    # group; the symbolic traces' grid (symbolic_dims.GRID_COUNTS) has every
     # place in a group.
     Mutant("values_unacquired_past_a_groups_first_head",
            "the producer copies values without waiting for their slot's release when the "
@@ -159,7 +159,7 @@ MUTANTS = (
            shows="x256"),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
-    # of the plain kernels (prove_extracted.trace_plain) can refute it.
+    # of the plain kernels (forward_traces.trace_plain) can refute it.
     Mutant("plain_key_loop_one_block_short",
            "a call without key ranges runs its unmasked key loop one block short",
            (edit("key_loop",
@@ -373,7 +373,7 @@ def load(mutant: Mutant | str) -> types.ModuleType:
 
 
 def modules(mutant: Mutant | str) -> types.SimpleNamespace:
-  """The kernel modules the proof traces (harness.proofs.prove_extracted's
+  """The kernel modules the proof traces (harness.proofs.tracing.shipped_modules'
   ``forward``, ``backward``, ``common``, ``backward_plan``), with the traced
   kernel executed afresh over ``mutant``'s edits (:func:`load`)."""
   from kernel import backward, common, forward

@@ -3,7 +3,7 @@
 Three kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
 ``HARNESS_PROVE_CACHE`` names another folder, ``--no-cache`` skips it):
 
-* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`),
+* **learned**: a case's role programs (:func:`harness.proofs.prove_pool.prove`),
   with Z3's proof of their premise, under a digest of everything that
   decides them: every file of ``kernel/`` (the autotuner's cache included),
   the extraction, learning and premise modules of ``harness/``, the
@@ -40,7 +40,11 @@ ENV = "HARNESS_PROVE_CACHE"
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/events.py",
                  "harness/proofs/jaxprs.py", "harness/proofs/kernel_lines.py",
                  "harness/proofs/role_programs.py",
-                 "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
+                 "harness/proofs/tracing.py", "harness/proofs/probes.py",
+                 "harness/proofs/symbolic_dims.py", "harness/proofs/forward_traces.py",
+                 "harness/proofs/forward_probes.py", "harness/proofs/backward_traces.py",
+                 "harness/proofs/backward_probes.py", "harness/proofs/premise_rounds.py",
+                 "harness/proofs/prove_pool.py", "harness/proofs/cases.py",
                  "harness/proofs/symbolic.py", "harness/proofs/terms.py",
                  "harness/proofs/term_walks.py", "harness/proofs/z3_terms.py",
                  "harness/proofs/premise.py", "harness/proofs/prove_cache.py")

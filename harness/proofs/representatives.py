@@ -41,8 +41,8 @@ def matched(exact_cases, representatives) -> list:
 
 def shape(case: cases.ForwardCase) -> str:
   """The digest of ``case``'s program learned from its probes."""
-  from harness.proofs import prove_extracted as pe
-  return pe.forward_program(case, premise=False).shape_digest()
+  from harness.proofs import forward_probes
+  return forward_probes.forward_program(case, premise=False).shape_digest()
 
 
 def compare(work, *, pool=None) -> tuple[list, int]:

@@ -47,7 +47,7 @@ exhaustive search covers every number of key blocks and of tiles, zero
 included: the ring position and the mbarrier parities carried across tiles
 of any trip count (``prev_iters``) are part of every state it explores.
 
-**How (P) is proved.**  The probes (:mod:`harness.proofs.prove_extracted`)
+**How (P) is proved.**  The probes (:mod:`harness.proofs.probes`)
 show every context the search can ask for under the learned features, and
 every instance must agree with its table; a context the search needs and no
 probe showed is a :class:`CoverageError`.  That tests (P) at the probed
@@ -263,10 +263,10 @@ class LaunchProgram:
   # empty where it was not proved
   z3: tuple = dataclasses.field(default=(), compare=False)
   # the plain-call kernels (no key ranges) Z3 proved to run this program
-  # too (harness/proofs/prove_extracted.py's _plain_proved), by name
+  # too (harness/proofs/premise_rounds.py's plain_proved), by name
   plain: tuple = dataclasses.field(default=(), compare=False)
   # the lengths at which Z3 proved its own kernel to run it too, beyond the
-  # probes' one (prove_extracted.py's trace_ranged), by name
+  # probes' one (forward_traces.py's trace_ranged), by name
   lengths: tuple = dataclasses.field(default=(), compare=False)
 
   def key(self):

@@ -73,8 +73,9 @@ Reductions, each losing no violation:
   store of shared memory no other role touches) is taken alone, without
   branching, but the safety of every enabled step of every role is checked
   at every state.  So is a load of a slot a TMA copy fills: a copy issued
-  into the slot while the load is a role's next step is reported there.  Waits that retire reads (wgmma waits, store waits) and
-  every step other roles can observe are interleaved.
+  into the slot while the load is a role's next step is reported there.
+  Waits that retire reads (wgmma waits, store waits) and every step other
+  roles can observe are interleaved.
 * A wait that can pass is taken at once.  What a delay could add is the
   waiter's lag: another phase of its barrier completing before it passes.
   That is checked where it can happen next (an arrival that completes the
@@ -160,7 +161,7 @@ def collector_paused():
   none of them is in a reference cycle, so reference counting frees all of
   it, while each pass of the collector walks every live container -- the
   states kept and the JAX modules imported -- which cost about a third of
-  a check.  Tracing and learning (:mod:`harness.proofs.prove_extracted`)
+  a check.  Tracing and learning (:mod:`harness.proofs.prove_pool`)
   leave next to no cyclic garbage either and run under it as well."""
   was = gc.isenabled()
   gc.disable()

@@ -174,7 +174,7 @@ class Environment:
       for k, env2 in self.run_of_blocks(env, roles, p, self.window):
         if k == self.window:
           raise Fail("unbounded drift", f"{role.name} reads a tile of more than "
-                      f"{self.window} key blocks at once")
+                     f"{self.window} key blocks at once")
         out += self.tail_at(ri, p + k, nk, env2)
       return out
     if phase == ITER:

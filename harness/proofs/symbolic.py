@@ -114,9 +114,9 @@ def _need(value, what: str, src: str):
     return value
   if isinstance(value, Unexpressed):
     raise ExtractionError(f"{src}: {what} depends on {value.why}, which linear "
-                             f"integer arithmetic cannot express")
+                          f"integer arithmetic cannot express")
   raise ExtractionError(f"{src}: {what} depends on a value the extractor cannot evaluate "
-                           f"(data, not an integer of the protocol)")
+                        f"(data, not an integer of the protocol)")
 
 
 def _int_aval(aval) -> bool:
@@ -177,7 +177,7 @@ def _dim_int(x) -> int:
 
 def dim_term(dim, bounds: dict, src: str = ""):
   """A symbolic dimension of the trace (jax.export's: the lengths of a
-  plain call, :func:`harness.proofs.prove_extracted.trace_plain`) as a
+  plain call, :func:`harness.proofs.forward_traces.trace_plain`) as a
   term: symbol s of bound ``lo`` is ``lo + max(0, v_s)``, every value from
   the lower bound the trace was made under up; of bounds ``(lo, hi)``
   (a ragged remainder) ``min(lo + max(0, v_s), hi)``, every value between
@@ -192,14 +192,14 @@ def dim_term(dim, bounds: dict, src: str = ""):
   missing = [v for v in names if v not in bounds]
   if missing:
     raise ExtractionError(f"{src}: symbolic dimension {dim} has no lower bound for "
-                             f"{missing[0]}")
+                          f"{missing[0]}")
   env = {v: _Linear(_bounded(tm.var("dim." + v), bounds[v])) for v in names}
   try:
     out = dim._evaluate(env)
   except _NotLinear:
     if not _counts_product(dim, bounds):
       raise ExtractionError(f"{src}: symbolic dimension {dim} is not linear in its "
-                               f"symbols") from None
+                            f"symbols") from None
     return _bounded(tm.var(f"dim.({dim})"), 1)
   return out.term if isinstance(out, _Linear) else _dim_int(out)
 
@@ -489,7 +489,7 @@ class _SymInterp(ex._Interp):
     step = tm.sub(outs[counter], fresh[counter])
     if step != 1:
       raise ExtractionError(f"{src}: a while loop with synchronisation whose counter "
-                               f"advances by {step}, not 1")
+                            f"advances by {step}, not 1")
     # Classify the other integer carries, substituting those with a closed
     # form until nothing changes (one's increment may mention another).
     mapping: dict = {}
@@ -628,7 +628,7 @@ def _counter_and_bound(go, fresh, src):
       rest = tm.sub(go.args[0], fresh[i])
       return i, tm.sub(1, rest)
   raise ExtractionError(f"{src}: a while loop with synchronisation whose condition is not "
-                           f"`counter < bound` over its carry ({go!r})")
+                        f"`counter < bound` over its carry ({go!r})")
 
 
 def _subst_event(e: Event, mapping, memo) -> Event:
@@ -742,11 +742,11 @@ def units(name: str, items: list, *, persistent: bool) -> RoleUnits:
     if isinstance(it, Loop):
       if tile is not None:
         raise ExtractionError(f"{name}: two loops with synchronisation outside any tile "
-                                 f"loop ({tile.src} and {it.src}); a persistent role's "
-                                 f"outermost loop must be its tile loop")
+                              f"loop ({tile.src} and {it.src}); a persistent role's "
+                              f"outermost loop must be its tile loop")
       if it.guard is not True:
         raise ExtractionError(f"{name}: the tile loop at {it.src} runs under a condition "
-                                 f"({it.guard!r}), which the proof does not model")
+                              f"({it.guard!r}), which the proof does not model")
       tile = it
     else:
       (post if tile is not None else pre).append(it)
@@ -762,15 +762,15 @@ def _tile_body(name, items, where):
     if isinstance(it, Loop):
       if tail:
         raise ExtractionError(f"{name}: events between two key loops in {where} "
-                                 f"(at {tail[0].event.src})")
+                              f"(at {tail[0].event.src})")
       if it.guard is not True:
         raise ExtractionError(f"{name}: the key loop at {it.src} runs under a condition "
-                                 f"({it.guard!r}), which the proof does not model")
+                              f"({it.guard!r}), which the proof does not model")
       for inner in it.body:
         if isinstance(inner, Loop):
           raise ExtractionError(f"{name}: a loop with synchronisation at {inner.src} "
-                                   f"inside the key loop at {it.src}, which the proof does "
-                                   f"not model")
+                                f"inside the key loop at {it.src}, which the proof does "
+                                f"not model")
       loops.append(it)
     elif loops:
       tail.append(it)

@@ -335,8 +335,8 @@ def min_(a, b):
 
 
 def cmp0(op, x):
-  """x op 0 (the form every comparison is kept in), op in lt0 / le0 / eq0, normalised (a leading coefficient of 1
-  where the constant allows it)."""
+  """x op 0, op in lt0 / le0 / eq0, normalised (a leading coefficient of 1
+  where the constant allows it): the form every comparison is kept in."""
   if type(x) is int:
     return {"lt0": x < 0, "le0": x <= 0, "eq0": x == 0}[op]
   if op == "lt0":  # integers: x < 0 is x + 1 <= 0

@@ -131,8 +131,8 @@ class Mask:
     given.  Never a negative range.
 
     Shared by the memory and every compute warpgroup (they must agree), by
-    the schedules' weights and by the proof's environments
-    (harness/proofs/prove_extracted.py).  Works on Python ints and traced
+    the schedules' weights and by the proof's probes of the forward and the
+    backward (harness/proofs/*_probes.py).  Works on Python ints and traced
     int32 scalars."""
     ints = isinstance(qi, int)
     traced = not (ints and isinstance(k_start_min, (int, type(None))))

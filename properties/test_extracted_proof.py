@@ -377,8 +377,8 @@ def test_a_failure_is_reported_when_found(jobs):
 def test_only_the_mask_selects_count_as_register_only():
   """kernel/masks/register_selects.py's selects (causal, key limit) run
   under data-dependent conds (the diagonal and edge steps): the extractor
-  lets them pass as register-only, while any other inline_mgpu there still
-  counts as synchronisation."""
+  lets them pass as register-only by their seam, while any other
+  inline_mgpu, even one of the same name, still counts as synchronisation."""
   import jax
   import jax.numpy as jnp
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -395,7 +395,7 @@ def test_only_the_mask_selects_count_as_register_only():
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,
                                                         layout=plgpu.Layout.WGMMA))
-  def select(_ctx, a):  # same name, another file's function
+  def select(_ctx, a):  # same name, no seam
     return a
 
   assert jaxprs.has_sync(jax.make_jaxpr(select)(x).jaxpr)

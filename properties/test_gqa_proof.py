@@ -120,7 +120,7 @@ DQ_GQA = pmut.Mutant(
     "dq_keys_twice_past_a_groups_first_head",
     "the dQ kernel's producer copies the keys twice when the query head is not the first "
     "of its group",
-    (edit("_dq_fill", 'stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k")',
+    (edit("dq.fill", 'stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k")',
           'stream.producer_copy(c.k_ref.at[c.b, keys, c.hk], st, "k"); '
           'pl.when(lax.rem(c.h, jnp.int32(c.group)) != 0)(lambda: stream.producer_copy('
           'c.k_ref.at[c.b, keys, c.hk], st, "k"))'),),

@@ -134,7 +134,7 @@ RANGED_SHORT_TAIL = pmut.Mutant(
     "ranged_short_tail_values_unacquired",
     "with key ranges, the values of a last key block of under 16 keys copied without "
     "waiting for their slot",
-    (edit("produce_tile.fill", "values.producer_acquire(st)",
+    (edit("producer.fill", "values.producer_acquire(st)",
           "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
           "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16) | (not c.key_ranges))("
           "lambda: values.producer_acquire(st))"),))
@@ -168,7 +168,7 @@ def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
   (broadcasting's ``d == 1``) are not the kernel's."""
   name = "tile_count_special"
   m = pmut.Mutant(name, f"a grid whose tile count is {asks} taken as ragged",
-                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                  (edit("context.ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         "return self.f.seq_kv % self.config.block_kv != 0 or "
                         f"self.num_tiles {asks}"),))
   with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
@@ -221,7 +221,7 @@ def test_the_ragged_keys_are_every_remainder():
 SHORT_TAIL = pmut.Mutant(
     "short_tail_values_unacquired",
     "the values of a last key block of under 16 keys copied without waiting for their slot",
-    (edit("produce_tile.fill", "values.producer_acquire(st)",
+    (edit("producer.fill", "values.producer_acquire(st)",
           "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
           "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16))("
           "lambda: values.producer_acquire(st))"),))
@@ -257,7 +257,7 @@ def test_a_branch_on_the_remainder_is_refused(ragged, named):
   trace is refused, naming the line."""
   name = "ragged_otherwise"
   m = pmut.Mutant(name, "raggedness decided otherwise",
-                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                  (edit("context.ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         f"return {ragged}"),))
   with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
     ft.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
@@ -366,7 +366,7 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   # never waits for a release after the first tile), held to the shipped
   # program
   m = pmut.Mutant("producer_forgets_the_ring", "the producer's position restarts each tile",
-                  (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",
+                  (edit("producer.fill", "st = ring_state(keys, prev_iters, lb, ki)",
                         "st = ring_state(keys, 0 * prev_iters, lb, ki)"),))
   modules = pmut.modules(m)
   with pytest.raises(rp.PremiseError, match="without key ranges"):
@@ -464,7 +464,7 @@ def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
   """The range test's two branches must read the rows alike: one that reads
   them twice is refused, naming the cond's line."""
   m = pmut.Mutant("edge_step_reads_its_rows_twice", "the edge branch computes its terms twice",
-                  (edit("masked_terms", "terms(keep_of(causal, True))",
+                  (edit("masks.masked_terms", "terms(keep_of(causal, True))",
                         "(terms(keep_of(causal, True)), terms(keep_of(causal, True)))[0]"),),
                   kernel="backward")
   modules = pmut.modules(m)

@@ -123,7 +123,7 @@ def test_what_linear_arithmetic_cannot_express_fails_naming_it():
   every probe: the remainder by 1 is 0) is no linear term: the symbolic
   run refuses the slot it reaches, naming the primitive and both lines."""
   m = pmut.Mutant("slot_through_a_product", "a slot computed through ki * ki",
-                  (edit("ring_state", "keys.position(prev_iters + (ki - lb))",
+                  (edit("context.ring_state", "keys.position(prev_iters + (ki - lb))",
                         "keys.position(prev_iters + (ki - lb) + lax.rem(ki * ki, 1))"),))
   with pytest.raises(ExtractionError) as err:
     fwd.forward_program(ONE_TILE, modules=pmut.modules(m))

@@ -45,7 +45,6 @@ documented semantics, and ptxas below that.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Callable
 
 from jax.extend import core as jex_core
@@ -55,6 +54,7 @@ from harness.proofs.events import (OPAQUE, Buffer, Event, Extracted, ExtractionE
 from harness.proofs.jaxprs import (INT, INT_OPS, PURE, const, has_sync, is_register_select,
                                    literal_value, mirror_groups, program, transform_info)
 from harness.proofs.kernel_lines import barrier_family, kernel_frame, name_buffers
+from kernel.sync.seams import seam_of
 
 # Protocol and control primitives this module interprets.
 HANDLED = frozenset("""
@@ -63,6 +63,9 @@ get inline_mgpu_p jit pjit closed_call load mpmd_map run_scoped run_state swap w
 wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref
 """.split())
 MAX_LOOP_TRIPS = 10_000
+# The seam of kernel/sync/barriers.py's emitter of bar.sync and bar.arrive,
+# whose closure holds the operation and its thread count.
+NAMED_BARRIER = "barriers.named"
 
 
 _ALLOC_NAMES: dict = {}  # id(kernel eqn) -> (kernel eqn, {id(jaxpr var): number})
@@ -450,12 +453,10 @@ class _Interp:
     fn = eqn.params["mgpu_fn"]
     if is_register_select(fn):
       return [OPAQUE] * len(eqn.outvars)
-    code = getattr(fn, "__code__", None)
-    if (code is None or not code.co_filename.endswith(os.path.join("kernel", "sync", "barriers.py"))
-        or fn.__qualname__ != "_bar.<locals>._emit"):
+    if seam_of(fn) != NAMED_BARRIER:
       raise UnknownPrimitive(
-          f"{src}: inline_mgpu {getattr(fn, '__qualname__', fn)!r} is not one of "
-          f"kernel/sync/barriers.py's named barriers; the extractor cannot see what it does")
+          f"{src}: inline_mgpu {getattr(fn, '__qualname__', fn)!r} is not the named barrier "
+          f"(seam {NAMED_BARRIER!r}) nor register-only; the extractor cannot see what it does")
     closure = inspect.getclosurevars(fn).nonlocals
     kind, threads = closure["kind"], int(closure["num_threads"])
     if kind not in ("sync", "arrive"):
@@ -464,6 +465,7 @@ class _Interp:
     self._emit(Event("bar_" + kind, self.role, src, bar_id=bid, threads=threads,
                      family=barrier_family(eqn.source_info)))
     return []
+
 
 def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel") -> Extracted:
   """The events of every role of one ``mpmd_map`` kernel for one grid point

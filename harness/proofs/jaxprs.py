@@ -6,13 +6,12 @@ groups of a ``RefUnion`` that mirror each other."""
 
 from __future__ import annotations
 
-import os
-
 from jax import tree_util
 from jax.extend import core as jex_core
 
 from harness.proofs.events import OPAQUE, ExtractionError
 from harness.proofs.kernel_lines import kernel_frame_uncached
+from kernel.sync.seams import seam_of
 
 # Primitives with no synchronisation or shared-memory effect: arithmetic on
 # registers.  Anything else must be understood below or is refused.
@@ -78,20 +77,16 @@ copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_de
 run_state swap""".split())
 
 
-# inline_mgpu functions on registers alone (no ref operand, no barrier), so
-# they neither synchronise nor touch memory: kernel/masks/register_selects.py's
-# selects (a setp and a selp per element) and kernel/forward/fp8.py's
-# relabelling of P's registers (within each thread).
-REGISTER_ONLY = ((("kernel", "masks", "register_selects.py"), "_split_select.<locals>.select"),
-                  (("kernel", "forward", "fp8.py"), "relabel.<locals>.regroup"))
+# The seams (kernel/sync/seams.py) of the inline_mgpu functions on registers
+# alone (no ref operand, no barrier), so they neither synchronise nor touch
+# memory: the masks' register selects (a setp and a selp per element) and
+# FP8's relabelling of P's registers (within each thread).
+REGISTER_ONLY = frozenset(("masks.register_select", "fp8.regroup"))
 
 
 def is_register_select(fn) -> bool:
-  """One of :data:`REGISTER_ONLY`'s inline_mgpu functions."""
-  code = getattr(fn, "__code__", None)
-  return code is not None and any(
-      code.co_filename.endswith(os.path.join(*path)) and fn.__qualname__ == name
-      for path, name in REGISTER_ONLY)
+  """One of :data:`REGISTER_ONLY`'s inline_mgpu functions, by its seam."""
+  return seam_of(fn) in REGISTER_ONLY
 
 
 def has_sync(jaxpr) -> bool:

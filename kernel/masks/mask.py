@@ -15,6 +15,8 @@ import dataclasses
 
 import numpy as np
 
+from kernel.sync.seams import seam
+
 
 def _jax():
   """(lax, jax.numpy), for the traced bounds only."""
@@ -187,6 +189,7 @@ class Mask:
 
   # -- the query blocks of a key tile ---------------------------------------------
 
+  @seam("masks.first_query_block")
   def first_query_block(self, tile, *, key_tile: int, block_q: int):
     """The first query block (of ``block_q`` rows) that may see key tile
     ``tile`` (keys ``tile * key_tile`` on): its first key's row under

@@ -30,6 +30,7 @@ from kernel.call import DEFAULT_ALLOWED_DTYPES, Call
 from kernel.common import is_2d
 from kernel.forward.launch import flash_attention_forward
 from kernel.forward import fp8 as fp8_lib
+from kernel.sync.seams import seam
 from kernel.tiling import backward_plan, plan as plan_lib
 from kernel.tiling.config import Config
 from kernel.tiling.heuristics import get_backward_config
@@ -82,6 +83,7 @@ def _check_device():
 F16_MIN_THRESHOLD = 2.0 ** -14
 
 
+@seam("api.effective_threshold")
 def _effective_threshold(threshold: float, dtype) -> float:
   # FP8's P, scaled to 2^8 and deferred up to 1 / threshold, must stay
   # within e4m3's 448 (kernel.forward.fp8.MIN_THRESHOLD).
@@ -99,6 +101,7 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132)
 
 
+@seam("api.problem_of")
 def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: bool = True,
                deterministic: bool = False, variant: Variant = SHIPPED) -> plan_lib.Problem:
   """The call's static facts, as both passes and the tiling read them: a

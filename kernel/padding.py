@@ -17,6 +17,8 @@ from __future__ import annotations
 from jax import lax
 import jax.numpy as jnp
 
+from kernel.sync.seams import seam
+
 
 # Mosaic GPU's tiled TMA descriptors take a sequence length that is a
 # multiple of 8 rows only (jax 0.11.2: "dimension 2 must have size smaller
@@ -180,6 +182,7 @@ def query_block_inner_bounds(k_start, k_end, *, seq_kv: int, num_rows: int, bloc
   return jnp.stack([lo, hi], axis=-2).astype(jnp.int32)
 
 
+@seam("padding.values_transposed")
 def values_transposed(value, *, head_dim_out: int, block_kv: int):
   """FP8's V^T: (B, S, K, Dv) as (B, K, Dv, S'), the head dim zero-padded to
   ``head_dim_out``, S' whole key blocks (zero keys past S), and every 16

@@ -5,7 +5,7 @@ every launch kind of ``kernel/backward.py`` (:func:`backward_cases`).
 Listing the forward's needs the kernel's heuristics and plans only, not
 JAX (the backward's asks kernel/backward.py, which imports it, where the
 fused dQ applies): the command lists them while it imports JAX for the tracing
-(:mod:`harness.proofs.prove`); :mod:`harness.proofs.prove_extracted` traces
+(:mod:`harness.proofs.prove`); :mod:`harness.proofs.prove_pool` traces
 and learns each.
 """
 
@@ -49,7 +49,7 @@ class ForwardCase:
   output_over_keys: bool = False
   # The input dtype it is traced in: FP8's launch copies V^T and reads its
   # descales (kernel.forward.fp8); a launch whose program equals a 16-bit
-  # one's up to names shares its check (prove_extracted).
+  # one's up to names shares its check (prove_pool).
   dtype: str = "bfloat16"
   # Under the non-persistent overlay, the query and key slots each output
   # buffer shares bytes with (kernel.tiling.plan.ScratchLayout.output_overlaps):
@@ -284,7 +284,7 @@ class BackwardCase:
   fixed_point: bool = False   # the fused dQ's sum in int32 (deterministic=True)
   # q, k, v and dO read unpadded where the forward reads them so
   # (kernel.experiments' "pallas-unpadded"): traced at lengths past whole
-  # tiles in multiples of 8 as well (prove_extracted.backward_pairings).
+  # tiles in multiples of 8 as well (backward_traces.backward_pairings).
   unpadded: bool = False
 
   def describe(self) -> str:

@@ -1,33 +1,40 @@
 """Read the barrier and stage-ring protocol out of a traced kernel (its jaxpr).
 
-The proof in :mod:`harness.proofs.extracted_proof` is about the code, not about a
-model written beside it: this module traces a kernel of ``kernel/`` on the
-CPU (``jax.make_jaxpr`` under ``kernel.api.lowering_only()``), finds the
-Mosaic GPU kernel (the ``mpmd_map`` whose mesh has the thread axis ``wg``)
-and runs its jaxpr abstractly once per role: every warpgroup, and every warp
-of a ``warp_map`` inside one.  Integer scalars are evaluated (loop counters,
-``prev_iters``, ``axis_index``, slot arithmetic, ``while``/``cond`` on them);
-integers read from global memory (per-tile key ranges, a tile schedule) come
-from an *environment* chosen by the prover; every other value is opaque.
-The result per role is its ordered list of protocol events (:class:`Event`):
-mbarrier waits (with the parity Mosaic GPU's per-thread phase bit gives them)
-and arrivals, TMA copies into a slot with their barrier, wgmma reads of
-shared memory and the waits that retire them, ordinary shared-memory stores
-and loads, ``commit_smem`` fences, TMA stores and their waits, named-barrier
-``bar.sync``/``bar.arrive`` with id and thread count.  Each event carries the
-kernel source line it was traced from, for the traces, and the iterations of
-the while loops around it (:attr:`Extracted.loops`), which cut a role's
-events into tiles and key-loop iterations (:mod:`harness.proofs.role_programs`).
+The proof in :mod:`harness.proofs.search` is about the code, not about a
+model written beside it: a kernel of ``kernel/`` is traced on the CPU
+(``jax.make_jaxpr`` under ``kernel.api.lowering_only()``:
+:mod:`harness.proofs.forward_traces`, :mod:`harness.proofs.backward_traces`),
+and this module runs the jaxpr of its Mosaic GPU kernel (the ``mpmd_map``
+whose mesh has the thread axis ``wg``: :func:`harness.proofs.jaxprs.find_kernels`)
+abstractly once per role: every warpgroup, and every warp of a ``warp_map``
+inside one.  Integer scalars are evaluated (loop counters, ``prev_iters``,
+``axis_index``, slot arithmetic, ``while``/``cond`` on them); integers read
+from global memory (per-tile key ranges, a tile schedule) come from an
+*environment* chosen by the prover; every other value is opaque.
+The result per role is its ordered list of protocol events
+(:class:`harness.proofs.events.Event`): mbarrier waits (with the parity
+Mosaic GPU's per-thread phase bit gives them) and arrivals, TMA copies into
+a slot with their barrier, wgmma reads of shared memory and the waits that
+retire them, ordinary shared-memory stores and loads, ``commit_smem``
+fences, TMA stores and their waits, named-barrier ``bar.sync``/``bar.arrive``
+with id and thread count.  Each event carries the kernel source line it was
+traced from, for the traces (:mod:`harness.proofs.kernel_lines`), and the
+iterations of the while loops around it
+(:attr:`harness.proofs.events.Extracted.loops`), which cut a role's events
+into tiles and key-loop iterations (:mod:`harness.proofs.role_programs`).
 
-The interpreter runs only the eqns the protocol can see (:class:`_Program`:
-register arithmetic without an integer scalar result is skipped, its value
-being opaque anyway), with plain Python values, so that the many
-environments of a proof cost milliseconds each.
+The interpreter runs only the eqns the protocol can see
+(:class:`harness.proofs.jaxprs.Program`: register arithmetic without an
+integer scalar result is skipped, its value being opaque anyway), with
+plain Python values, so that the many environments of a proof cost
+milliseconds each.
 
-A primitive outside :data:`PURE` and the protocol primitives handled here is
-refused (:class:`UnknownPrimitive`): a new kind of synchronisation cannot slip
-past the proof.  So is a ``cond`` on an opaque value whose branches
-synchronise, and a ``while`` whose trip count is not an integer.
+A primitive outside :data:`harness.proofs.jaxprs.PURE` and the protocol
+primitives handled here (:data:`HANDLED`) is refused
+(:class:`harness.proofs.events.UnknownPrimitive`): a new kind of
+synchronisation cannot slip past the proof.  So is a ``cond`` on an opaque
+value whose branches synchronise, and a ``while`` whose trip count is not
+an integer.
 
 What this does not see: Mosaic GPU's own lowering below the jaxpr (its
 implicit per-thread phase bit, ``arrive.expect_tx`` of a TMA copy, the
@@ -37,481 +44,29 @@ documented semantics, and ptxas below that.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import linecache
-import os
-import re
 from typing import Any, Callable
 
-import jax
-from jax import tree_util
 from jax.extend import core as jex_core
 
-# harness/proofs/extract.py -> the repository's kernel/
-KERNEL_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernel")
+from harness.proofs.events import (OPAQUE, Buffer, Event, Extracted, ExtractionError, RefV,
+                                   UnknownPrimitive)
+from harness.proofs.jaxprs import (INT, INT_OPS, PURE, const, has_sync, is_register_select,
+                                   literal_value, mirror_groups, program, transform_info)
+from harness.proofs.kernel_lines import barrier_family, kernel_frame, name_buffers
+from kernel.sync.seams import seam_of
+from harness.proofs.memos import IdMemo
 
-# Primitives with no synchronisation or shared-memory effect: arithmetic on
-# registers.  Anything else must be understood below or is refused.
-PURE = frozenset("""
-abs add and argmax argmin bitcast_convert_type broadcast_in_dim broadcasted_iota ceil clamp
-concatenate convert_element_type copy copy_p cos cumsum div dot_general eq erf exp exp2
-expand_dims floor ge gt imag integer_pow iota is_finite layout_cast le log log1p log2 logistic
-lt max min mul ne neg nextafter not optimization_barrier or pad pow real reduce_and reduce_max
-reduce_min reduce_or reduce_precision reduce_sum rem reshape round rsqrt select_n
-set_max_registers_p shift_left shift_right_arithmetic shift_right_logical sign sin slice sqrt
-square squeeze stack sub tanh transpose xor
-""".split())
 # Protocol and control primitives this module interprets.
 HANDLED = frozenset("""
 axis_index barrier_arrive barrier_wait commit_smem cond copy_gmem_to_smem copy_smem_to_gmem
 get inline_mgpu_p jit pjit closed_call load mpmd_map run_scoped run_state swap while
 wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref
 """.split())
-_INT_OPS = {
-    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-    "max": max, "min": min,
-    "div": lambda a, b: _cdiv(a, b),  # C division (toward zero), like lax.div
-    "rem": lambda a, b: a - b * _cdiv(a, b),
-    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
-    "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
-    "and": lambda a, b: a & b if not isinstance(a, bool) else a and b,
-    "or": lambda a, b: a | b if not isinstance(a, bool) else a or b,
-}
 MAX_LOOP_TRIPS = 10_000
-
-
-class UnknownPrimitive(ValueError):
-  """The kernel uses a primitive the extractor does not understand."""
-
-
-class ExtractionError(ValueError):
-  """The kernel's protocol cannot be read as a sequence of events."""
-
-
-def _cdiv(a, b):
-  if not b:
-    raise ExtractionError("integer division by zero while evaluating the kernel's index arithmetic")
-  q = abs(a) // abs(b)
-  return q if (a >= 0) == (b > 0) else -q
-
-
-def _const(c):
-  import numpy as np
-  if np.ndim(c) == 0 and np.issubdtype(np.asarray(c).dtype, np.integer):
-    return int(c)
-  return OPAQUE
-
-
-class Opaque:
-  """A value the protocol does not depend on (arrays, floats, unknown ints)."""
-
-  __slots__ = ()
-
-  def __repr__(self):
-    return "?"
-
-
-OPAQUE = Opaque()
-
-
-@dataclasses.dataclass(frozen=True)
-class Buffer:
-  name: str
-  space: str            # smem | gmem | barrier | regs
-  shape: tuple
-  num_arrivals: int = 0  # mbarriers
-
-
-@dataclasses.dataclass(frozen=True)
-class RefV:
-  buf: Buffer
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-  """One protocol step of one role.
-
-  kind: wait | arrive | tma_load | tma_store | store_wait | wgmma | wgmma_wait |
-  smem_load | smem_store | fence | bar_sync | bar_arrive.
-  """
-
-  kind: str
-  role: str
-  src: str = dataclasses.field(compare=False)  # file:line: a label, not what it does
-  buf: str = ""                # the buffer (smem, or the mbarrier array for wait/arrive)
-  slot: int | None = None
-  bar: str = ""                # tma_load: the mbarrier array it completes
-  bar_slot: int | None = None
-  reads: tuple = ()            # wgmma: ((buffer, slot), ...)
-  n: int = 0                   # wgmma_wait / store_wait: groups left in flight
-  bar_id: int | None = None    # named barriers
-  threads: int = 0
-  family: str = ""             # named barriers: the kernel/sync/barriers.py helper family
-
-  def where(self):
-    return (self.buf, self.slot)
-
-  def describe(self) -> str:
-    if self.kind in ("wait", "arrive"):
-      return f"{self.kind} {self.buf}[{self.slot}]"
-    if self.kind == "tma_load":
-      return f"TMA load -> {self.buf}[{self.slot}] completes {self.bar}[{self.bar_slot}]"
-    if self.kind == "tma_store":
-      return f"TMA store <- {self.buf}[{self.slot}]"
-    if self.kind == "wgmma":
-      return "wgmma reads " + ", ".join(f"{b}[{s}]" for b, s in self.reads)
-    if self.kind in ("wgmma_wait", "store_wait"):
-      return f"{self.kind}({self.n})"
-    if self.kind in ("smem_load", "smem_store"):
-      return f"{self.kind} {self.buf}[{self.slot}]"
-    if self.kind in ("bar_sync", "bar_arrive"):
-      return f"bar.{self.kind[4:]} id {self.bar_id} ({self.threads} threads, {self.family})"
-    return self.kind
-
-
-@dataclasses.dataclass
-class Extracted:
-  """The protocol of one kernel launch under one environment."""
-
-  name: str
-  roles: dict            # role name -> tuple[Event, ...]
-  threads: dict          # role name -> threads it contributes to named barriers
-  barriers: dict         # mbarrier array name -> Buffer
-  buffers: dict          # smem buffer name -> Buffer
-  overlaps: dict = dataclasses.field(default_factory=dict)  # buffer -> buffers sharing bytes
-  # role name -> per event, the iterations of the evaluated while loops
-  # around it, outermost first: ((loop source line, iteration), ...).
-  loops: dict = dataclasses.field(default_factory=dict)
-  # Buffers and barriers are named by allocation (smem12, barrier7: the same
-  # in every extraction of one trace); these are their names in the
-  # kernel's source, for traces.
-  names: dict = dataclasses.field(default_factory=dict)
-
-  def label(self, e: Event) -> Event:
-    """``e`` with the source's names."""
-    n = self.names.get
-    return dataclasses.replace(e, buf=n(e.buf, e.buf), bar=n(e.bar, e.bar),
-                               reads=tuple((n(b, b), s) for b, s in e.reads))
-
-  def skeleton(self):
-    """A hashable form: environments giving the same skeleton share a check."""
-    return tuple((r, tuple(ev)) for r, ev in sorted(self.roles.items()))
-
-
-class IdMemo(dict):
-  """A memo keyed by ``id`` of objects it keeps alive (tracebacks, jaxprs,
-  kernel eqns), for the kernels of one case: :func:`forget` empties every
-  one before the next case, so that a worker tracing thousands of kernels
-  (every emitted config's) does not keep each kernel's jaxpr (before, a
-  worker grew by about a megabyte per config, to 12 GB over prove's)."""
-
-  every: list = []
-
-  def __init__(self):
-    super().__init__()
-    IdMemo.every.append(self)
-
-
-def forget() -> None:
-  """Empty every :class:`IdMemo`: the kernels traced so far are done with."""
-  for memo in IdMemo.every:
-    memo.clear()
-
-
-_FRAMES = IdMemo()  # id(traceback) -> (traceback, "kernel/file.py:line")
-
-
-def _kernel_frame(source_info, site: str | None = None) -> str:
-  """The innermost line of a kernel file, past the helpers of barriers.py,
-  pipeline.py and ring.py.  ``site``: the line of the ``cond`` being run,
-  for an operation whose frames hold none: JAX's traceback of an operation
-  in a branch stops at the branch function, which for a ring verb's
-  conditional wait is ring.py's own."""
-  tb = getattr(source_info, "traceback", None)
-  hit = _FRAMES.get(id(tb))
-  if hit is not None and hit[0] is tb:
-    out = hit[1]
-  else:
-    out = _kernel_frame_uncached(source_info)
-    if tb is not None:
-      _FRAMES[id(tb)] = (tb, out)
-  if out is not None:
-    return out
-  if site is not None:
-    return site
-  from jax._src import source_info_util
-  return source_info_util.summarize(source_info)
-
-
-_KERNEL_FILES: dict = {}  # a frame's file name -> its path from the repository, or None
-
-
-def _kernel_file(file_name: str) -> str | None:
-  """kernel/x.py for a kernel file other than the helpers, else None."""
-  hit = _KERNEL_FILES.get(file_name, _KERNEL_FILES)
-  if hit is _KERNEL_FILES:
-    fn = os.path.abspath(file_name)
-    hit = None
-    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
-      hit = os.path.relpath(fn, os.path.dirname(KERNEL_DIR))
-    _KERNEL_FILES[file_name] = hit
-  return hit
-
-
-def _kernel_frame_uncached(source_info) -> str | None:
-  frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
-  for f in frames:
-    path = _kernel_file(f.file_name)
-    if path is not None:
-      return f"{path}:{f.line_num}"
-  return None
-
-
-_FAMILIES = IdMemo()  # id(traceback) -> (traceback, family)
-
-
-def _barrier_family(source_info) -> str:
-  tb = getattr(source_info, "traceback", None)
-  hit = _FAMILIES.get(id(tb))
-  if hit is not None and hit[0] is tb:
-    return hit[1]
-  out = _barrier_family_uncached(source_info)
-  if tb is not None:
-    _FAMILIES[id(tb)] = (tb, out)
-  return out
-
-
-def _barrier_family_uncached(source_info) -> str:
-  frames = getattr(getattr(source_info, "traceback", None), "frames", None) or []
-  family = ""
-  for f in frames:  # innermost first: keep the outermost helper of barriers.py
-    if os.path.abspath(f.file_name).endswith(os.path.join("kernel", "sync", "barriers.py")):
-      name = f.function_name.split(".")[0]
-      if name != "_bar":
-        family = name
-  return {"schedule_sync": "schedule", "schedule_release_other": "schedule",
-          "ds_ready": "ds_ready"}.get(family, family or _kernel_frame(source_info))
-
-
-def _src_line(src: str) -> str:
-  path, _, line = src.rpartition(":")
-  full = os.path.join(os.path.dirname(KERNEL_DIR), path)
-  try:
-    return linecache.getline(full, int(line)).strip()
-  except ValueError:
-    return ""
-
-
-def _subjaxprs(params):
-  for p in params.values():
-    for s in (p if isinstance(p, (tuple, list)) else [p]):
-      if isinstance(s, jex_core.ClosedJaxpr):
-        yield s.jaxpr
-      elif isinstance(s, jex_core.Jaxpr):
-        yield s
-
-
-def find_kernels(jaxpr) -> list:
-  """Every Mosaic GPU kernel (``mpmd_map`` over a thread axis) in the jaxpr, in order."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "mpmd_map":
-      mesh = eqn.params["meshes"][0]
-      if getattr(mesh, "thread_name", None):
-        found.append(eqn)
-        continue
-    for sub in _subjaxprs(eqn.params):
-      found += find_kernels(sub)
-  return found
-
-
-_SYNC_PRIMS = frozenset("""barrier_arrive barrier_wait commit_smem copy_gmem_to_smem
-copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_deref_p
-run_state swap""".split())
-
-
-# inline_mgpu functions on registers alone (no ref operand, no barrier), so
-# they neither synchronise nor touch memory: kernel/masks/register_selects.py's
-# selects (a setp and a selp per element) and kernel/forward/fp8.py's
-# relabelling of P's registers (within each thread).
-_REGISTER_ONLY = ((("kernel", "masks", "register_selects.py"), "_split_select.<locals>.select"),
-                  (("kernel", "forward", "fp8.py"), "relabel.<locals>.regroup"))
-
-
-def _is_register_select(fn) -> bool:
-  """One of :data:`_REGISTER_ONLY`'s inline_mgpu functions."""
-  code = getattr(fn, "__code__", None)
-  return code is not None and any(
-      code.co_filename.endswith(os.path.join(*path)) and fn.__qualname__ == name
-      for path, name in _REGISTER_ONLY)
-
-
-def _has_sync(jaxpr) -> bool:
-  for eqn in jaxpr.eqns:
-    if (eqn.primitive.name == "inline_mgpu_p"
-        and _is_register_select(eqn.params["mgpu_fn"])):
-      continue
-    if eqn.primitive.name in _SYNC_PRIMS:
-      return True
-    if any(_has_sync(s) for s in _subjaxprs(eqn.params)):
-      return True
-  return False
-
-
-_CALLS = ("pjit", "jit", "closed_call")
-_INT = (int, bool)
-
-
-_INT_DTYPES: dict = {}  # dtype -> integer or bool
-
-
-def _int_scalar(aval) -> bool:
-  dtype = getattr(aval, "dtype", None)
-  if getattr(aval, "shape", None) != () or dtype is None:
-    return False
-  try:
-    hit = _INT_DTYPES.get(dtype)
-  except TypeError:  # an unhashable dtype: not cached
-    hit = None
-  if hit is None:
-    import numpy as np
-    try:
-      hit = bool(np.issubdtype(dtype, np.integer) or dtype == np.bool_)
-    except TypeError:
-      hit = False
-    try:
-      _INT_DTYPES[dtype] = hit
-    except TypeError:
-      pass
-  return hit
-
-
-def _literal_value(val):
-  import numpy as np
-  try:
-    if np.ndim(val) == 0 and np.issubdtype(np.asarray(val).dtype, np.integer):
-      return int(val)
-    if np.ndim(val) == 0 and np.asarray(val).dtype == bool:
-      return bool(val)
-  except TypeError:
-    pass
-  return OPAQUE
-
-
-class _LiteralKey:
-  __slots__ = ()
-
-
-class _Program:
-  """One jaxpr, prepared for the interpreter: the eqns whose effect the
-  protocol can see (every one but register arithmetic with no integer scalar
-  result, whose values are opaque anyway: a variable never bound reads as
-  opaque, and calls of only such arithmetic), and its literals' values.
-  Unknown primitives stay, so that running them refuses them."""
-
-  __slots__ = ("jaxpr", "eqns", "literals", "frames")
-
-  def __init__(self, jaxpr):
-    self.jaxpr = jaxpr
-    self.eqns, self.literals = [], {}
-    self.frames = {}  # id(eqn) -> its innermost kernel line, or None (see _kernel_frame)
-    for eqn in jaxpr.eqns:
-      name = eqn.primitive.name
-      if not any(_int_scalar(v.aval) for v in eqn.outvars):
-        if name in PURE:
-          continue
-        if name in _CALLS:
-          sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-          if not _program(getattr(sub, "jaxpr", sub)).eqns:
-            continue
-        if name == "cond" and not any(_program(b.jaxpr).eqns for b in eqn.params["branches"]):
-          continue
-      keys = []
-      for v in eqn.invars:
-        if isinstance(v, jex_core.Literal):  # unhashable: a key of its own
-          key = _LiteralKey()
-          self.literals[key] = _literal_value(v.val)
-          keys.append(key)
-        else:
-          keys.append(v)
-      self.eqns.append((eqn, eqn.primitive.name, tuple(keys)))
-      if name not in PURE:
-        self.frames[id(eqn)] = _kernel_frame_uncached(eqn.source_info)
-
-
-_PROGRAMS = IdMemo()  # id(jaxpr) -> _Program (which keeps the jaxpr alive)
-
-
-def _program(jaxpr) -> _Program:
-  hit = _PROGRAMS.get(id(jaxpr))
-  if hit is None or hit.jaxpr is not jaxpr:
-    hit = _PROGRAMS[id(jaxpr)] = _Program(jaxpr)
-  return hit
-
-
-class _Leaf:
-  """A placeholder leaf: where in a transform chain an operand lands."""
-
-  __slots__ = ("k",)
-
-  def __init__(self, k):
-    self.k = k
-
-
-_TRANSFORMS = IdMemo()  # id(treedef) -> (treedef, where the slot comes from, view)
-
-
-def _transform_info(treedef):
-  """For a chain of ref transforms: where its slot comes from (the first
-  index of its first indexer: ("leaf", k), ("static", int) or ("none",)) and
-  the RefUnion member it selects, if any (an ExtractAliasedRef)."""
-  hit = _TRANSFORMS.get(id(treedef))
-  if hit is not None and hit[0] is treedef:
-    return hit[1], hit[2]
-  try:
-    transforms = tree_util.tree_unflatten(treedef, [_Leaf(k) for k in range(treedef.num_leaves)])
-  except Exception as e:  # noqa: BLE001 -- reported with context
-    raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
-  slot, view = None, None
-  for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
-    if type(t).__name__ == "ExtractAliasedRef":
-      view = view or t
-      continue
-    indices = getattr(t, "indices", None)
-    if indices is None or slot is not None:
-      continue
-    first = indices[0] if indices else None
-    if isinstance(first, _Leaf):
-      slot = ("leaf", first.k)
-    elif isinstance(first, int) and not isinstance(first, bool):
-      slot = ("static", first)
-    else:
-      slot = ("none",)
-  _TRANSFORMS[id(treedef)] = (treedef, slot, view)
-  return slot, view
-
-
-def _mirror_groups(groups) -> dict[int, int]:
-  """For a RefUnion's groups (None: no union), each group that mirrors an
-  earlier one -> the first it mirrors (empty where none does).  A group
-  mirrors another when it holds refs of the same shapes and dtypes in the
-  same order: Mosaic GPU lays every group out from the union's first byte,
-  so member i of each is the same bytes, and only the transforms differ
-  (kernel.common.untiled_smem: the views wgmma reads and the ones the TMA
-  copies use).  A copy into one and a read of the other are then a copy
-  into and a read of one buffer; the bytes of groups that do not mirror
-  each other are compared as an overlay."""
-  import jax
-  layout = lambda g: tuple((tuple(r.shape), str(r.dtype)) for r in jax.tree.leaves(g))
-  first: dict = {}
-  mirrors = {}
-  for i, g in enumerate(groups or ()):
-    j = first.setdefault(layout(g), i)
-    if j != i:
-      mirrors[i] = j
-  return mirrors
+# The seam of kernel/sync/barriers.py's emitter of bar.sync and bar.arrive,
+# whose closure holds the operation and its thread count.
+NAMED_BARRIER = "barriers.named"
 
 
 _ALLOC_NAMES = IdMemo()  # id(kernel eqn) -> (kernel eqn, {id(jaxpr var): number})
@@ -546,7 +101,7 @@ class _Interp:
     self._names = hit[1]
     self.cells: dict[str, Any] = {}     # registers behind run_state's refs
     self.views: dict[str, tuple] = {}   # view -> (allocation, first byte, end, group)
-    self.mirrors: dict[str, dict] = {}  # union allocation -> its _mirror_groups
+    self.mirrors: dict[str, dict] = {}  # union allocation -> its mirror_groups
     self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
     self.site = None                     # the kernel line of the cond whose branch runs
 
@@ -574,28 +129,28 @@ class _Interp:
 
   # -- running --------------------------------------------------------------
   def run(self, jaxpr, args, consts=()):
-    prog = _program(jaxpr)
+    prog = program(jaxpr)
     env = dict(prog.literals)
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     get = env.get
     for eqn, name, keys in prog.eqns:
       ins = [get(k, OPAQUE) for k in keys]
-      op = _INT_OPS.get(name)
+      op = INT_OPS.get(name)
       if op is not None and len(ins) == 2:
         a, b = ins
-        if type(a) in _INT and type(b) in _INT:
+        if type(a) in INT and type(b) in INT:
           env[eqn.outvars[0]] = op(a, b)
           continue
       outs = self.eqn_(eqn, name, ins, prog)
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
-    return [get(v, OPAQUE) if not isinstance(v, jex_core.Literal) else _literal_value(v.val)
+    return [get(v, OPAQUE) if not isinstance(v, jex_core.Literal) else literal_value(v.val)
             for v in jaxpr.outvars]
 
   def eqn_(self, eqn, name, ins, prog):
     nout = len(eqn.outvars)
-    if name == "convert_element_type" and type(ins[0]) in _INT:
+    if name == "convert_element_type" and type(ins[0]) in INT:
       import numpy as np
       dt = eqn.params["new_dtype"]
       if np.issubdtype(dt, np.integer):
@@ -603,7 +158,7 @@ class _Interp:
       if dt == np.bool_:
         return [bool(ins[0])]
       return [OPAQUE]
-    if name == "select_n" and all(type(x) in _INT for x in ins):
+    if name == "select_n" and all(type(x) in INT for x in ins):
       return [ins[1 + int(ins[0])]]
     if name == "not" and type(ins[0]) is bool:
       return [not ins[0]]
@@ -613,7 +168,7 @@ class _Interp:
       return [OPAQUE] * nout
     src = prog.frames[id(eqn)]
     if src is None:
-      src = _kernel_frame(eqn.source_info, self.site)
+      src = kernel_frame(eqn.source_info, self.site)
     if name not in HANDLED:
       raise UnknownPrimitive(
           f"{src}: primitive {name!r} is not understood by harness/proofs/extract.py; "
@@ -624,25 +179,25 @@ class _Interp:
   # -- control --------------------------------------------------------------
   def p_jit(self, eqn, ins, src):
     sub = eqn.params["jaxpr"]
-    return self.run(sub.jaxpr, ins, [_const(c) for c in sub.consts])
+    return self.run(sub.jaxpr, ins, [const(c) for c in sub.consts])
 
   p_pjit = p_jit
 
   def p_closed_call(self, eqn, ins, src):
     sub = eqn.params["call_jaxpr"]
-    return self.run(sub.jaxpr, ins, [_const(c) for c in sub.consts])
+    return self.run(sub.jaxpr, ins, [const(c) for c in sub.consts])
 
   def p_cond(self, eqn, ins, src):
     branches = eqn.params["branches"]
     index, *ops = ins
-    if type(index) in _INT:
+    if type(index) in INT:
       b = branches[max(0, min(int(index), len(branches) - 1))]
       outer, self.site = self.site, src
       try:
-        return self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
+        return self.run(b.jaxpr, ops, [const(c) for c in b.consts])
       finally:
         self.site = outer
-    if any(_has_sync(b.jaxpr) for b in branches):
+    if any(has_sync(b.jaxpr) for b in branches):
       raise ExtractionError(
           f"{src}: a cond on a value the extractor cannot evaluate (data) has "
           f"synchronisation in a branch")
@@ -661,7 +216,7 @@ class _Interp:
       for b in branches:
         self.events[role], self.event_loops[role], self.cells = [], [], dict(cells)
         self.site = src
-        self.run(b.jaxpr, ops, [_const(c) for c in b.consts])
+        self.run(b.jaxpr, ops, [const(c) for c in b.consts])
         runs.append((self.events[role], self.event_loops[role]))
     finally:
       self.site = outer
@@ -678,12 +233,12 @@ class _Interp:
     cc, bc = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-    cjc, bjc = [_const(c) for c in cj.consts], [_const(c) for c in bj.consts]
+    cjc, bjc = [const(c) for c in cj.consts], [const(c) for c in bj.consts]
     outer = self.loops
     for trip in range(MAX_LOOP_TRIPS + 1):
       (go,) = self.run(cj.jaxpr, [*cconsts, *carry], cjc)
-      if type(go) not in _INT:
-        if _has_sync(bj.jaxpr):
+      if type(go) not in INT:
+        if has_sync(bj.jaxpr):
           raise ExtractionError(f"{src}: a while loop with synchronisation whose trip "
                                 f"count the extractor cannot evaluate")
         return [OPAQUE] * len(eqn.outvars)
@@ -700,7 +255,7 @@ class _Interp:
     for v in sub.invars:
       buf = self._buffer(v.aval, v)
       self.buffers[buf.name] = buf
-      groups = _mirror_groups(getattr(v.aval, "refs", None))
+      groups = mirror_groups(getattr(v.aval, "refs", None))
       if groups:
         self.mirrors[buf.name] = groups
       args.append(RefV(buf))
@@ -752,11 +307,11 @@ class _Interp:
       raise ExtractionError(f"{src}: a ref operand the extractor lost track of: {ref!r}")
     if treedef is None:
       return ref.buf, None
-    where, view = _transform_info(treedef)
+    where, view = transform_info(treedef)
     slot = None
     if where is not None and where[0] == "leaf":
       slot = leaves[where[1]]
-      if type(slot) not in _INT:
+      if type(slot) not in INT:
         raise ExtractionError(f"{src}: a shared-memory or barrier slot the extractor "
                               f"cannot evaluate (an index computed from data)")
       slot = int(slot)
@@ -767,7 +322,7 @@ class _Interp:
   def _view(self, buf, t):
     """A RefUnion member is a view at a byte offset of one allocation: a buffer
     of its own, whose byte range the checker compares with the others'; the
-    members of mirroring groups (:func:`_mirror_groups`) at one offset are
+    members of mirroring groups (:func:`mirror_groups`) at one offset are
     one buffer."""
     import numpy as np
     size = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
@@ -897,108 +452,20 @@ class _Interp:
 
   def p_inline_mgpu_p(self, eqn, ins, src):
     fn = eqn.params["mgpu_fn"]
-    if _is_register_select(fn):
+    if is_register_select(fn):
       return [OPAQUE] * len(eqn.outvars)
-    code = getattr(fn, "__code__", None)
-    if (code is None or not code.co_filename.endswith(os.path.join("kernel", "sync", "barriers.py"))
-        or fn.__qualname__ != "_bar.<locals>._emit"):
+    if seam_of(fn) != NAMED_BARRIER:
       raise UnknownPrimitive(
-          f"{src}: inline_mgpu {getattr(fn, '__qualname__', fn)!r} is not one of "
-          f"kernel/sync/barriers.py's named barriers; the extractor cannot see what it does")
+          f"{src}: inline_mgpu {getattr(fn, '__qualname__', fn)!r} is not the named barrier "
+          f"(seam {NAMED_BARRIER!r}) nor register-only; the extractor cannot see what it does")
     closure = inspect.getclosurevars(fn).nonlocals
     kind, threads = closure["kind"], int(closure["num_threads"])
     if kind not in ("sync", "arrive"):
       raise UnknownPrimitive(f"{src}: named barrier operation bar.{kind}")
     (bid,) = self._barrier_id(ins[0], src)
     self._emit(Event("bar_" + kind, self.role, src, bar_id=bid, threads=threads,
-                     family=_barrier_family(eqn.source_info)))
+                     family=barrier_family(eqn.source_info)))
     return []
-
-
-_LINE_NAMES: dict = {}  # kernel file:line -> (identifiers indexed with .at[, store source)
-
-
-def _line_names(src: str):
-  hit = _LINE_NAMES.get(src)
-  if hit is None:
-    line = _src_line(src)
-    m = re.search(r"copy_smem_to_gmem\(\s*([A-Za-z_]\w*)", line)
-    hit = _LINE_NAMES[src] = (re.findall(r"([A-Za-z_]\w*)\.at\[", line),
-                              m.group(1) if m else None)
-  return hit
-
-
-_RING_VERB = re.compile(r"([A-Za-z_]\w*)\.(producer_acquire|producer_copy|consumer_wait|"
-                        r"consumer_release)\((.*)")
-
-
-_RING_NAMES: dict = {}  # (event kind, kernel file:line) -> _ring_verb_name
-
-
-def _ring_verb_name(e) -> str | None:
-  """A line that calls a verb of kernel/sync/ring.py (``keys.consumer_wait(st,
-  "bias")``) names what it touches after the ring and the buffer it names:
-  ``keys.bias`` for the buffer, ``keys.bias.produced`` for its barriers,
-  ``keys.consumed``."""
-  if e.kind not in ("wait", "arrive", "tma_load"):
-    return None
-  key = (e.kind, e.src)
-  if key not in _RING_NAMES:
-    _RING_NAMES[key] = _ring_verb_name_uncached(e)
-  return _RING_NAMES[key]
-
-
-def _ring_verb_name_uncached(e) -> str | None:
-  verb = _RING_VERB.search(_src_line(e.src))
-  if not verb:
-    return None
-  ring, verb, args = verb.groups()
-  part = re.match(r"[^\"]*\"(\w+)\"", args)
-  buf = f"{ring}.{part.group(1)}" if part else ring
-  return {"consumer_wait": f"{buf}.produced", "producer_copy": buf}.get(verb, f"{ring}.consumed")
-
-
-def _name_buffers(events: dict) -> dict:
-  """Readable names from the kernel's source, for traces: a ring's buffers
-  and barriers after the ring verb that touches them (:func:`_ring_verb_name`),
-  else an mbarrier array by the identifier its wait lines index (its arrive
-  lines where nobody waits), a buffer by the destination of its TMA loads or
-  the source of its TMA stores.  A line with several ``.at[`` is read as the
-  call's argument order has it; a name two buffers would share is made
-  unique."""
-  votes: dict = {}
-  rank = {"ring": -1, "wait": 0, "tma_load": 0, "tma_store": 1, "arrive": 2, "smem_store": 3,
-          "smem_load": 4}
-  for evs in events.values():
-    for e in evs:
-      if e.kind not in rank:
-        continue
-      ring_name = _ring_verb_name(e)
-      if ring_name:
-        best = votes.get(e.buf)
-        if best is None or rank["ring"] < best[0]:
-          votes[e.buf] = (rank["ring"], ring_name)
-        continue
-      found, stored = _line_names(e.src)
-      name = None
-      if e.kind == "wait" and len(found) == 1:
-        name = found[0]
-      elif e.kind in ("arrive", "smem_store", "smem_load") and len(found) == 1:
-        name = found[0]
-      elif e.kind == "tma_load" and len(found) >= 2:
-        name = found[1]
-      elif e.kind == "tma_store" and stored:
-        name = stored
-      if name:
-        best = votes.get(e.buf)
-        if best is None or rank[e.kind] < best[0]:
-          votes[e.buf] = (rank[e.kind], name)
-  names, taken = {}, set()
-  for raw in sorted(votes, key=lambda b: (votes[b], b)):
-    name = votes[raw][1]
-    names[raw] = name if name not in taken else f"{name}#{raw}"
-    taken.add(names[raw])
-  return names
 
 
 def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel") -> Extracted:
@@ -1033,52 +500,4 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
       if a != b and base_a == base_b and g_a != g_b and lo_a < hi_b and lo_b < hi_a:
         overlaps.setdefault(a, set()).add(b)
   return Extracted(name, out, threads, barriers_, buffers,
-                   {k: frozenset(v) for k, v in overlaps.items()}, loops, _name_buffers(out))
-
-
-# ---------------------------------------------------------------------------
-# Tracing the shipped kernels
-# ---------------------------------------------------------------------------
-
-def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
-                  head_dim=64, head_dim_out=None, bias=False, mask=False, key_ranges=True,
-                  num_sms=1, module=None, kv_heads=None):
-  """The closed jaxpr of ``kernel.forward.flash_attention_forward`` and its
-  kernel eqn, traced on the CPU.  With ``key_ranges`` the kernel reads each
-  tile's key range from global memory (the environment decides it), so trip
-  counts, including zero, are the prover's to choose.  ``kv_heads`` (by
-  default ``heads``): fewer make groups of ``heads // kv_heads`` query
-  heads (GQA)."""
-  import jax.numpy as jnp
-  from kernel import api, forward
-  forward = module or forward  # a mutated copy of the kernel package's, in the tests
-  sds = jax.ShapeDtypeStruct
-  tile = config.tile_q
-  t_pad, s_pad = num_tiles * tile, kv_blocks * config.block_kv
-  dt = jnp.dtype(problem.dtype)
-  dv = head_dim if head_dim_out is None else head_dim_out
-  q = sds((batch, t_pad, heads, head_dim), dt)
-  kh = heads if kv_heads is None else kv_heads
-  k = sds((batch, s_pad, kh, head_dim), dt)
-  # FP8 takes V^T and its descales (kernel.forward.launch.flash_attention_forward).
-  v = sds((batch, kh, dv, s_pad) if problem.fp8 else (batch, s_pad, kh, dv), dt)
-  # Per (batch, head) operands, so that the grid indices reach their reads
-  # (kernel.common.batch_head reads a dim of 1 at 0).
-  fp8 = {"descales": sds((batch, kh, 2), jnp.float32)} if problem.fp8 else {}
-  args = [q, k, v]
-  b_ = sds((batch, heads, t_pad, s_pad), jnp.dtype(problem.bias_dtype)) if bias else None
-  m_ = sds((batch, heads, t_pad, s_pad), jnp.int8) if mask else None
-  if key_ranges:
-    rows = sds((batch, heads, t_pad), jnp.int32)
-    tiles = tuple(sds((batch, heads, num_tiles), jnp.int32) for _ in range(4))
-  else:
-    rows, tiles = None, None
-
-  def fn(q, k, v, b, m, ks, ke, tl, **descales):
-    return forward.flash_attention_forward(problem, config, q, k, v, b, m, ks, ke, tl,
-                                           num_sms=num_sms, **descales)
-
-  with api.lowering_only():
-    closed = jax.make_jaxpr(fn)(*args, b_, m_, rows, rows, tiles, **fp8)
-  (kernel,) = find_kernels(closed.jaxpr)
-  return closed, kernel
+                   {k: frozenset(v) for k, v in overlaps.items()}, loops, name_buffers(out))

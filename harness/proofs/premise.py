@@ -1,7 +1,7 @@
 """The premise (P) of :mod:`harness.proofs.role_programs`, proved by Z3 for
 every integer ring position and trip count.
 
-The search of :mod:`harness.proofs.extracted_proof` explores a launch's
+The search of :mod:`harness.proofs.search` explores a launch's
 role programs: per role and unit kind a table from the features of a
 context (the ring position's class, whether the tile is the first, the
 trip count up to 2, the key blocks still ahead up to 3) to the unit's
@@ -58,7 +58,7 @@ order of a tile's loop bounds are first tried by the sound syntactic rules
 of :func:`harness.proofs.terms.nonneg` (most hold by the form of their
 maxima), the rest go to Z3.
 
-:func:`harness.proofs.prove_extracted._proved` probes each counterexample
+:func:`harness.proofs.premise_rounds.proved` probes each counterexample
 and learns the tables again, until Z3 proves them or the probes disagree.
 """
 
@@ -68,10 +68,12 @@ import dataclasses
 import hashlib
 import time
 
-from harness.proofs import extract as ex
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
+from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
+from harness.proofs import z3_terms
+from harness.proofs.events import Event
 
 # What a canonical form keeps: the variables the features are made of (a
 # value that depends on none of them, or on them only through a read from
@@ -137,7 +139,7 @@ def canonical(query, structure: bool = False):
   appearance; with ``structure``, the maxima and conditionals among them
   kept (their arguments generalised), for claims about the order of
   bounds built from them."""
-  atoms = tm.atoms_of(query)
+  atoms = tw.atoms_of(query)
   essential: dict = {}
   gen = {}
   for a in atoms:  # innermost first
@@ -146,15 +148,15 @@ def canonical(query, structure: bool = False):
     elif a.op == "read":  # any function of its indices: the table's values are free
       essential[a.key] = False
     else:
-      essential[a.key] = any(essential[b.key] for b in tm.direct_atoms(a.args))
+      essential[a.key] = any(essential[b.key] for b in tw.direct_atoms(a.args))
     if not essential[a.key] and not (structure and a.op in ("pos", "ite")):
       gen[a.key] = tm.var(f"gen:{len(gen)}")
-  q = tm.subst(query, gen)
+  q = tw.subst(query, gen)
   names = {}
-  for a in tm.atoms_of(q):
+  for a in tw.atoms_of(q):
     if a.op == "var" and a.args[0].startswith("gen:"):
       names[a.key] = tm.var(f"g{len(names)}")
-  q = tm.subst(q, names)
+  q = tw.subst(q, names)
   return hashlib.sha1(tm.serialise(q).encode()).hexdigest(), q
 
 
@@ -164,7 +166,7 @@ def _decide(query) -> str:
   z3 = _z3()
   s = z3.Solver()
   s.set("timeout", TIMEOUT_MS)
-  s.from_string(tm.smt2(query))
+  s.from_string(z3_terms.smt2(query))
   return str(s.check())
 
 
@@ -174,7 +176,7 @@ def _solve(query, extra=()):
   z3 = _z3()
   s = z3.Solver()
   s.set("timeout", TIMEOUT_MS)
-  zt = tm.Z3Terms(z3)
+  zt = z3_terms.Z3Terms(z3)
   e = zt(query)
   for x in extra:
     zt(x)
@@ -190,14 +192,14 @@ def _solve(query, extra=()):
 
 # -- claims -------------------------------------------------------------------------
 
-def _static(e: ex.Event):
+def _static(e: Event):
   """What an event does that is no term; never its source line, a label
   (an event written on two lines is one event)."""
   return (e.kind, e.role, e.buf, e.bar, e.n, e.threads, e.family,
           tuple(b for b, _ in e.reads), e.slot is None, e.bar_slot is None, e.bar_id is None)
 
 
-def _dyn_eq(a: ex.Event, b: ex.Event):
+def _dyn_eq(a: Event, b: Event):
   parts = []
   if a.bar_id is not None:  # a named barrier's id may depend on the step (the fused dQ's owner)
     parts.append(tm.eq(a.bar_id, b.bar_id))
@@ -332,7 +334,7 @@ class _Launch:
     self.merged = {}
     for name, u in units.items():
       tmap = self.tmap.get(name, {})
-      loops = [dataclasses.replace(L, lo=tm.subst(L.lo, tmap), hi=tm.subst(L.hi, tmap),
+      loops = [dataclasses.replace(L, lo=tw.subst(L.lo, tmap), hi=tw.subst(L.hi, tmap),
                                    body=sy.subst_items(L.body, tmap)) for L in u.loops]
       self.merged[name] = self._merge(name, loops, prove) if loops else None
     # n: the trip count of the role that fills every block
@@ -360,7 +362,7 @@ class _Launch:
       for v, init, incr, end in (u.tile.accumulators if u.tile is not None else ()):
         if init != 0 or incr is None:
           continue
-        d = tm.subst(incr, self.tmap[name])
+        d = tw.subst(incr, self.tmap[name])
         if self._abstract(d) != N:
           try:
             prove(f"{name}'s loop-carried {v} grows by the trip count per tile", name, "ring",
@@ -378,7 +380,7 @@ class _Launch:
     if self.persistent and type(self.n_def) is int and tiles and \
             not any(self.ring_vars.values()):
       lo, hi = next(iter(tiles.values()))
-      walked = tm.subst(tm.sub(hi, lo), self.tmap.get(self.ref, {}))
+      walked = tw.subst(tm.sub(hi, lo), self.tmap.get(self.ref, {}))
       self.fixed_ring = (tm.eq(G, tm.scale(T, self.n_def)),
                          tm.eq(GT, tm.scale(walked, self.n_def)))
       self._dom_sig += repr(self.n_def) + tm.serialise(walked)
@@ -407,7 +409,7 @@ class _Launch:
     """:func:`harness.proofs.terms.nonneg` of ``x`` with its leaves (reads,
     divisions) generalised, which its rules do not look into: equal
     structures of other launches are decided once."""
-    g = tm.generalise(x, ESSENTIAL, {}, {}, keep=("pos", "ite"))
+    g = tw.generalise(x, ESSENTIAL, {}, {}, keep=("pos", "ite"))
     key = tm.serialise(g)
     hit = _NONNEG.get(key)
     if hit is None:
@@ -416,7 +418,7 @@ class _Launch:
 
   # -- terms ---------------------------------------------------------------------------
   def _abstract(self, x):
-    return tm.subst(x, self.sigma) if self.sigma else x
+    return tw.subst(x, self.sigma) if self.sigma else x
 
   def domain(self, full):
     prog = self.prog
@@ -439,19 +441,19 @@ class _Launch:
     count for the producer's range, every value that depends on none of the
     claims' variables generalised (module docstring)."""
     memos = self._memos.setdefault((name, full), ({}, {}, {}))
-    x = tm.subst(x, self.tmap.get(name, {}), memos[0])
+    x = tw.subst(x, self.tmap.get(name, {}), memos[0])
     # n is free in both forms: the trace's problem bounds its trip count
     # (its key blocks), every problem the kernel runs does not
-    x = tm.subst(x, self.sigma, self._sigma_memo)
-    x = tm.subst(x, self.ring_vars.get(name, {}), memos[1])
+    x = tw.subst(x, self.sigma, self._sigma_memo)
+    x = tw.subst(x, self.ring_vars.get(name, {}), memos[1])
     if not full:
-      x = tm.generalise(x, ESSENTIAL, self._gen, self._gen_memo)
+      x = tw.generalise(x, ESSENTIAL, self._gen, self._gen_memo)
     return x
 
   def _items(self, name, items, full, extra=None):
     out = []
     memo: dict = {}
-    fix = (lambda x: self.norm(name, tm.subst(x, extra, memo), full)) if extra else (
+    fix = (lambda x: self.norm(name, tw.subst(x, extra, memo), full)) if extra else (
         lambda x: self.norm(name, x, full))
     for it in items:
       g = fix(it.guard)
@@ -678,7 +680,7 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
     if grid:
       ctx["grid"] = grid
       # the counts the unit's events read (a group of heads), where symbolic
-      names = {a.args[0] for a in tm.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
+      names = {a.args[0] for a in tw.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
       counts = [f"{n} {value(t)}" for n, t in sorted(L.counts.items())
                 if f"dim.{n}" in names]
       lines.insert(1, "  at grid point " + ", ".join(
@@ -691,7 +693,7 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
 def _grid_point(grid: dict, items, value) -> dict:
   """axis -> (index, size) in the model, of the grid indices the unit's
   events depend on (a head's place in its group, a batch)."""
-  names = {a.args[0] for a in tm.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
+  names = {a.args[0] for a in tw.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
   return {axis: (value(term), size) for axis, (term, size) in grid.items()
           if f"axis.{axis}" in names}
 

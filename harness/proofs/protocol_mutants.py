@@ -1,9 +1,9 @@
 """Protocol defects written into a copy of the kernel's source, for the
-extracted proof (:mod:`harness.proofs.prove_extracted`) to refute.
+extracted proof (:mod:`harness.proofs.prove_pool`) to refute.
 
 Each mutant is a list of anchored edits (:mod:`harness.tools.anchors`: a
-function, found by name in whichever file under ``kernel/`` defines it, and
-a pattern of its code) that keep the file's line count (statements joined
+function's declared seam, found in whichever file under ``kernel/``
+declares it, and a pattern of its code) that keep the file's line count (statements joined
 with ``;`` where one moves, blank lines where code shrinks), so every source
 line a refutation names is the mutated file's line.  :func:`load` compiles
 each edited file as a module of its own (``kernel/forward.mutant_<name>.py``
@@ -29,13 +29,13 @@ import sys
 import types
 from pathlib import Path
 
-from harness.proofs import extract
+from harness.proofs import kernel_lines
 from harness.tools import anchors
 from harness.tools.anchors import edit
 
-KERNEL_DIR = extract.KERNEL_DIR
+KERNEL_DIR = kernel_lines.KERNEL_DIR
 REPO = Path(KERNEL_DIR).parent
-# The module each kernel's proof traces (harness.proofs.prove_extracted).
+# The module each kernel's proof traces (harness.proofs.tracing.shipped_modules).
 KERNELS = {"forward": "kernel.forward", "backward": "kernel.backward"}
 
 
@@ -59,23 +59,24 @@ def backward_mutants(backward: tuple, *mutants: Mutant) -> tuple[Mutant, ...]:
 MUTANTS = (
     Mutant("key_released_before_qk",
            "the first key slot of a tile released before its QK is issued",
-           (edit("first_qk", "s = qk(c, t, t.lb)",
+           (edit("mainloop.first_qk", "s = qk(c, t, t.lb)",
                  "c.keys.consumer_release(key_position(c, t, t.lb)); s = qk(c, t, t.lb)"),
-            edit("first_qk", "c.keys.consumer_release(key_position(c, t, t.lb))", "pass"))),
+            edit("mainloop.first_qk", "c.keys.consumer_release(key_position(c, t, t.lb))",
+                 "pass"))),
     Mutant("last_value_released_before_pv",
            "the last value slot released right after its PV is issued, before it completes",
-           (edit("last_pv.pv", "issue_pv(c, acc_ref, p16, st)",
+           (edit("mainloop.last_pv.pv", "issue_pv(c, acc_ref, p16, st)",
                  "issue_pv(c, acc_ref, p16, st); c.values.consumer_release(st)"),
-            edit("last_pv", "c.values.consumer_release(st)", "pass")),
+            edit("mainloop.last_pv", "c.values.consumer_release(st)", "pass")),
            persistent=True),  # one tile never refills its last slots
     Mutant("value_released_before_pv",
            "in the key loop, a value slot released after its PV is issued, before it completes",
-           (edit("issue_then_softmax", "wait_staged(c, next_st)",
+           (edit("mainloop.issue_then_softmax", "wait_staged(c, next_st)",
                  "c.values.consumer_release(st); wait_staged(c, next_st)"),
-            edit("loop_body", "c.values.consumer_release(st)", "pass"))),
+            edit("mainloop.loop_body", "c.values.consumer_release(st)", "pass"))),
     Mutant("producer_first_reuse_wait_skipped",
            "the producer's first wait for a released slot skipped (> for >=)",
-           (edit("PipelineState.refills", "return self.count >= self.num_stages",
+           (edit("pipeline.refills", "return self.count >= self.num_stages",
                  "return self.count > self.num_stages"),)),
     # Past every position a probe reaches: the refill test on a ring
     # position kept in a 6-bit counter skips the producer's wait for a
@@ -84,66 +85,66 @@ MUTANTS = (
     Mutant("refill_test_on_a_6_bit_position",
            "the producer's refill test reads the ring position modulo 64, so it skips the "
            "wait for a release once the position wraps 64",
-           (edit("PipelineState.refills", "return self.count >= self.num_stages",
+           (edit("pipeline.refills", "return self.count >= self.num_stages",
                  "return _rem(self.count, 64) >= self.num_stages"),)),
     Mutant("producer_ring_off_by_one",
            "the producer's ring position one ahead of the consumers'",
-           (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",
+           (edit("producer.fill", "st = ring_state(keys, prev_iters, lb, ki)",
                  "st = ring_state(keys, prev_iters, lb, ki + 1)"),)),
     Mutant("producer_ignores_the_piece",
            "under the split tail the memory warpgroup fills a piece's whole tile, "
            "not only the piece's key blocks",
-           (edit("produce_tile", "lb, ub, _, _ = tile_range(c, qi, b, h, piece)",
+           (edit("producer.tile", "lb, ub, _, _ = tile_range(c, qi, b, h, piece)",
                  "lb, ub, _, _ = tile_range(c, qi, b, h)"),),
            persistent=True, shows="split-tail"),
     Mutant("one_warpgroup_drops_prev_iters",
            "compute warpgroup 1 does not carry prev_iters across tiles",
-           (edit("key_position", "return ring_state(c.keys, t.prev_iters, t.lb, ki)",
+           (edit("context.key_position", "return ring_state(c.keys, t.prev_iters, t.lb, ki)",
                  "return ring_state(c.keys, t.prev_iters * (1 - c.wg), t.lb, ki)"),),
            persistent=True),
     Mutant("pingpong_token_to_wrong_warpgroup",
            "after the first QK, the pingpong token passed to the warpgroup's own barrier",
-           (edit("qk.compute_qk", "barriers.schedule_release_other(c.wg, c.cw)",
+           (edit("mainloop.compute_qk", "barriers.schedule_release_other(c.wg, c.cw)",
                  "barriers.schedule_release_other(1 - c.wg, c.cw)"),)),
     Mutant("epilogue_on_pingpong_id",
            "the epilogue's sync on the pingpong barrier's id (one id, two purposes)",
-           (edit("epilogue", "barriers.epilogue_sync(c.cw)",
+           (edit("epilogue.epilogue", "barriers.epilogue_sync(c.cw)",
                  "barriers._bar('sync', barriers.schedule_id(0), "
                  "barriers.BY_NAME['epilogue'].num_threads)"),)),
     Mutant("epilogue_without_its_sync",
            "the non-persistent epilogue stages its output over the queries and keys without "
            "waiting for the other warpgroup (no epilogue_sync)",
-           (edit("epilogue", "barriers.epilogue_sync(c.cw)", "pass"),)),
+           (edit("epilogue.epilogue", "barriers.epilogue_sync(c.cw)", "pass"),)),
     Mutant("query_prefetch_before_consumed",
            "the next tile's queries fetched before the second tile waits q_consumed (> 1 for > 0)",
-           (edit("prefetch_queries", "c.queries.producer_acquire(w, step > 0)",
+           (edit("producer.prefetch_queries", "c.queries.producer_acquire(w, step > 0)",
                  "c.queries.producer_acquire(w, step > 1)"),),
            persistent=True),
     Mutant("missing_commit_smem_before_store",
            "the output tile stored to shared memory and TMA-stored without commit_smem",
-           (edit("epilogue", "plgpu.commit_smem()", "pass"),)),
+           (edit("epilogue.epilogue", "plgpu.commit_smem()", "pass"),)),
     # kernel/forward.py before 0b8ad79: deadlocks only after two tiles
     # without key blocks in a row (trip counts 0, 0, 0), which no check of
     # two tiles could show.
     Mutant("empty_tile_skips_token",
            "a persistent tile without key blocks neither passes nor acquires the pingpong token",
-           (edit("tile_prologue", "barriers.schedule_release_other(c.wg, c.cw)", "pass"),
-            edit("tile_prologue", "barriers.schedule_sync(c.wg, c.cw)", "pass")),
+           (edit("mainloop.tile_prologue", "barriers.schedule_release_other(c.wg, c.cw)", "pass"),
+            edit("mainloop.tile_prologue", "barriers.schedule_sync(c.wg, c.cw)", "pass")),
            persistent=True),
     # Two compute warpgroups need one extra pass (warpgroup 0's); with three
     # the middle one owes the last one its final pass too.
     Mutant("last_pass_from_warpgroup_0_only",
            "with three compute warpgroups only warpgroup 0 passes the token after its last PV",
-           (edit("pass_token_for_the_last_time",
+           (edit("mainloop.last_token",
                  "last = c.wg == 0 if c.cw == 2 else c.wg < c.cw - 1", "last = c.wg == 0"),),
            shows="3 compute warpgroups"),
     # GQA only: the probes' traces have one head, always the first of its
-    # group; the symbolic traces' grid (prove_extracted.GRID_COUNTS) has every
+    # group; the symbolic traces' grid (symbolic_dims.GRID_COUNTS) has every
     # place in a group.
     Mutant("values_unacquired_past_a_groups_first_head",
            "the producer copies values without waiting for their slot's release when the "
            "query head is not the first of its group",
-           (edit("produce_tile.fill", "values.producer_acquire(st)",
+           (edit("producer.fill", "values.producer_acquire(st)",
                  "pl.when(lax.rem(h, jnp.int32(c.group)) == 0)("
                  "lambda: values.producer_acquire(st))"),)),
     # Only a ragged remainder of more than 128 keys shows it: a config at
@@ -153,16 +154,16 @@ MUTANTS = (
     Mutant("values_unacquired_past_128_ragged_keys",
            "the producer copies a ragged last key block's values without waiting for their "
            "slot's release when more than 128 keys are left",
-           (edit("produce_tile.fill", "values.producer_acquire(st)",
+           (edit("producer.fill", "values.producer_acquire(st)",
                  "pl.when((ki * c.block_kv + c.block_kv <= c.f.seq_kv) | "
                  "(ki * c.block_kv + 128 >= c.f.seq_kv))(lambda: values.producer_acquire(st))"),),
            shows="x256"),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
-    # of the plain kernels (prove_extracted.trace_plain) can refute it.
+    # of the plain kernels (forward_traces.trace_plain) can refute it.
     Mutant("plain_key_loop_one_block_short",
            "a call without key ranges runs its unmasked key loop one block short",
-           (edit("key_loop",
+           (edit("mainloop.key_loop",
                  "carry = lax.fori_loop(lb, last, functools.partial(body, edge=False), carry)",
                  "carry = lax.fori_loop(lb, last - 1, functools.partial(body, edge=False), "
                  "carry)"),)),
@@ -172,32 +173,32 @@ BACKWARD_MUTANTS = (
     *backward_mutants((64, False, False, False),
       Mutant("dq_slot_without_lb",
              "the dQ kernel's ring slot computed from ki instead of ki - lb",
-             (edit("_dq_step", "st = stream.position(ki - c.lb)", "st = stream.position(ki)"),))),
+             (edit("dq.step", "st = stream.position(ki - c.lb)", "st = stream.position(ki)"),))),
     *backward_mutants((64, False, False, True),
       Mutant("backward_producer_first_consumed_wait_skipped",
              "the backward producer's first wait for a released slot skipped (> for >=)",
-             (edit("PipelineState.refills", "return self.count >= self.num_stages",
+             (edit("pipeline.refills", "return self.count >= self.num_stages",
                    "return self.count > self.num_stages"),)),
       Mutant("dkv_slot_released_before_products",
              "a dK/dV ring slot released once dK's product is issued, before it completes",
-             (edit("_dkv_step.grads", 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)',
+             (edit("dkv.step.grads", 'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)',
                    'plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot); '
                    'stream.consumer_release(st)'),
-              edit("_dkv_step", "stream.consumer_release(st)", "pass"))),
+              edit("dkv.step", "stream.consumer_release(st)", "pass"))),
       Mutant("ds_handoff_without_commit_smem",
              "the fused dQ's dS^T stored and handed to the owner's wgmma without commit_smem",
-             (edit("_dkv_step", "plgpu.commit_smem()", "pass"),)),
+             (edit("dkv.step", "plgpu.commit_smem()", "pass"),)),
       Mutant("ds_handoff_one_buffer",
              "every step of the fused dQ stages its dS^T in the same buffer",
-             (edit("ds_buffer", "return t % DS_BUFFERS", "return 0 * t"),)),
+             (edit("fused_dq.ds_buffer", "return t % DS_BUFFERS", "return 0 * t"),)),
       Mutant("ds_owner_skips_wait",
              "the fused dQ's rendezvous: neither warpgroup waits, the step's owner reads the "
              "other's dS^T unsynchronised",
-             (edit("_dkv_step", "barriers.ds_ready(dq_owner(t), wg)",
+             (edit("dkv.step", "barriers.ds_ready(dq_owner(t), wg)",
                    "barriers.ds_ready(1 - wg, wg)"),)),
       Mutant("dk_staged_before_dq_products_end",
              "the fused dQ's K tiles overwritten with dK without the epilogue barrier",
-             (edit("_dkv_compute", "barriers.epilogue_sync()", "pass"),))),
+             (edit("dkv.compute", "barriers.epilogue_sync()", "pass"),))),
     *backward_mutants((256, False, False, False),
       # The head split (head dims over 128): the exchange of P^T and dS^T
       # halves between the two compute warpgroups, and the epilogue that
@@ -205,32 +206,33 @@ BACKWARD_MUTANTS = (
       Mutant("halves_read_before_rendezvous",
              "the head split's dK/dV products read the other warpgroup's halves of P^T and "
              "dS^T without the rendezvous",
-             (edit("_wide_step", "barriers.halves_ready()", "pass"),)),
+             (edit("dkv.wide_step", "barriers.halves_ready()", "pass"),)),
       Mutant("halves_one_exchange_buffer",
              "every step of the head split stages its halves in the same exchange buffer",
-             (edit("exchange_buffer", "return t % EXCHANGE_BUFFERS", "return 0 * t"),)),
+             (edit("head_split.exchange_buffer", "return t % EXCHANGE_BUFFERS", "return 0 * t"),)),
       Mutant("wide_dk_stored_before_both_halves",
              "the head split's dK tile copied out before the other warpgroup staged its half",
-             (edit("_wide_compute", "barriers.epilogue_sync()", "pass"),))),
+             (edit("dkv.wide_compute", "barriers.epilogue_sync()", "pass"),))),
 )
 
 SAFE = (
     Mutant("release_key_after_qk_wait",
            "the next key slot released inside the loop body as soon as its QK retired "
            "(wait_n=1), before the PV completes",
-           (edit("issue_then_softmax", "s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)",
+           (edit("mainloop.issue_then_softmax", "s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)",
                  "s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1); "
                  "c.keys.consumer_release(next_st)"),
-            edit("loop_body", "c.keys.consumer_release(next_st)", "pass"))),
+            edit("mainloop.loop_body", "c.keys.consumer_release(next_st)", "pass"))),
     Mutant("releases_swapped",
            "the loop's two releases in the other order (key slot, then value slot)",
-           (edit("loop_body", "c.values.consumer_release(st)\nc.keys.consumer_release(next_st)",
+           (edit("mainloop.loop_body",
+                 "c.values.consumer_release(st)\nc.keys.consumer_release(next_st)",
                  "c.keys.consumer_release(next_st)\nc.values.consumer_release(st)"),)),
     # One wait on two lines, taken on different paths: an event is what it does, not its line.
     Mutant("same_acquire_in_both_branches",
            "the producer's key acquire written in both branches of an if/else on key ranges, "
            "so the plain kernel's wait sits on another line than the ranged kernel's",
-           (edit("produce_tile.fill",
+           (edit("producer.fill",
                  "st = ring_state(keys, prev_iters, lb, ki)\n"
                  "kb = pl.ds(ki * c.block_kv, c.block_kv)\n"
                  "keys.producer_acquire(st)",
@@ -241,7 +243,7 @@ SAFE = (
     Mutant("cond_of_two_equal_lambdas",
            "the key loop's value wait made by a lax.cond on the block's parity whose two "
            "branches, two lambdas on two lines, make the same wait",
-           (edit("loop_body",
+           (edit("mainloop.loop_body",
                  "acc, p16, m_i, l_i, *pending = carry\n"
                  "st, next_st = key_position(c, t, ki), key_position(c, t, ki + 1)\n"
                  "c.values.consumer_wait(st)",
@@ -373,7 +375,7 @@ def load(mutant: Mutant | str) -> types.ModuleType:
 
 
 def modules(mutant: Mutant | str) -> types.SimpleNamespace:
-  """The kernel modules the proof traces (harness.proofs.prove_extracted's
+  """The kernel modules the proof traces (harness.proofs.tracing.shipped_modules'
   ``forward``, ``backward``, ``common``, ``backward_plan``), with the traced
   kernel executed afresh over ``mutant``'s edits (:func:`load`)."""
   from kernel import backward, common, forward

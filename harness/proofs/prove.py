@@ -13,7 +13,7 @@ kernel's events under every environment (the premise of
 :mod:`harness.proofs.role_programs`; :mod:`harness.proofs.premise`, from the jaxpr
 read with symbolic integers, :mod:`harness.proofs.symbolic`), and the search
 proves them for every number of tiles and key blocks
-(:mod:`harness.proofs.prove_extracted`, :mod:`harness.proofs.extracted_proof`);
+(:mod:`harness.proofs.prove_pool`, :mod:`harness.proofs.search`);
 launches whose programs are equal up to the names of their buffers and
 barriers share one check.  A failure prints its trace in kernel source
 lines and the environment that shows it.  ``docs/proof.md`` says what is
@@ -48,6 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from harness.proofs import cases
+from harness.proofs.events import ExtractionError, UnknownPrimitive
 from kernel.tiling import plan as plan_lib
 
 # 192: a head dim the cache has no entries of, which reads the wider 256's;
@@ -179,13 +180,13 @@ def format_results(results) -> str:
 
 def format_spent(spent) -> str:
   """The CPU seconds of this run's work by phase, all workers together."""
-  from harness.proofs import prove_extracted as pe
-  total = sum(spent[p] for p in pe.PHASES)
+  from harness.proofs import tracing
+  total = sum(spent[p] for p in tracing.PHASES)
   if not total:
     return "CPU time: none spent learning or searching (all from the cache)"
-  parts = ", ".join(f"{label} {spent[p]:.1f} s" for p, label in pe.PHASES.items())
+  parts = ", ".join(f"{label} {spent[p]:.1f} s" for p, label in tracing.PHASES.items())
   return (f"CPU time by phase, all workers: {parts} (total {total:.1f} s); "
-          f"{spent[pe.TRACES]} JAX traces")
+          f"{spent[tracing.TRACES]} JAX traces")
 
 
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
   listed_key = repr((first, args.experiments, args.every_config))
   hit = cache.get("listed", listed_key) if cache is not None else None
   pending = _listed_aside(first, args.experiments, args.every_config) if hit is None else None
-  from harness.proofs import prove_extracted as pe  # JAX and the kernels, meanwhile
+  from harness.proofs import prove_pool  # JAX and the kernels, meanwhile
 
   everything: list = []   # every item, before --select
   selected = lambda item: all(w in item[1].describe() for w in words)
@@ -325,20 +326,20 @@ def main(argv=None) -> int:
 
   try:
     if args.fail_fast or args.jobs <= 1:
-      results = pe.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
-                         cache=cache, premise=premise, spent=spent, on_failure=failed)
+      results = prove_pool.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
+                                 cache=cache, premise=premise, spent=spent, on_failure=failed)
       held = _representatives_held(args, listing(), everything, cache, None, failed)
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed, then take the listing's order.
       early = [("backward", c) for c in cases.backward_cases(experiments=args.experiments)
                if selected(("backward", c))]
-      with pe.workers(args.jobs, fork=True) as pool:
-        results = pe.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
-                           cache=cache, early=early, premise=premise, spent=spent,
-                           on_failure=failed)
+      with prove_pool.workers(args.jobs, fork=True) as pool:
+        results = prove_pool.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
+                                   cache=cache, early=early, premise=premise, spent=spent,
+                                   on_failure=failed)
         held = _representatives_held(args, listing(), everything, cache, pool, failed)
-  except (pe.ex.UnknownPrimitive, pe.ex.ExtractionError) as err:
+  except (UnknownPrimitive, ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
     return 1
@@ -372,7 +373,8 @@ def main(argv=None) -> int:
         f"or ragged, beyond the probes' one")
   # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
   # what the counts cost: docs/decisions/proof-traces-every-grid-point.md.
-  counts = pe.GRID_COUNTS
+  from harness.proofs import symbolic_dims
+  counts = symbolic_dims.GRID_COUNTS
   print(f"every grid point: each such proof, and the plain kernels' below, at every batch, "
         f"query head and key/value head of any number of batches (from {counts['batches']}) "
         f"and key/value heads (from {counts['kv_heads']}) in groups of any number of query "

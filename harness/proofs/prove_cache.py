@@ -3,7 +3,7 @@
 Three kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
 ``HARNESS_PROVE_CACHE`` names another folder, ``--no-cache`` skips it):
 
-* **learned**: a case's role programs (:func:`harness.proofs.prove_extracted._programs_of`),
+* **learned**: a case's role programs (:func:`harness.proofs.prove_pool.prove`),
   with Z3's proof of their premise, under a digest of everything that
   decides them: every file of ``kernel/`` (the autotuner's cache included),
   the extraction, learning and premise modules of ``harness/``, the
@@ -11,7 +11,7 @@ Three kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
   ``XLA_*`` environment.
 * **listed**: the list of cases, under that digest with the problem grid's
   module (``harness/proofs/prove.py``) too.
-* **checked**: a proof (:func:`harness.proofs.extracted_proof.check`) of one program
+* **checked**: a proof (:func:`harness.proofs.search.check`) of one program
   shape (:meth:`harness.proofs.role_programs.LaunchProgram.shape`), under a digest of
   the checker's sources only, so that a kernel edit that leaves a launch's
   program as it was (lines moved, say) does not search it again.
@@ -37,16 +37,26 @@ ENV = "HARNESS_PROVE_CACHE"
 # What the learned programs are made from (paths relative to the repository);
 # not the command's own module, nor the mutants (whose runs skip the cache),
 # so that an edit of what the command prints learns nothing again.
-LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/role_programs.py",
-                 "harness/proofs/prove_extracted.py", "harness/proofs/cases.py",
+LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/events.py",
+                 "harness/proofs/jaxprs.py", "harness/proofs/kernel_lines.py",
+                 "harness/proofs/role_programs.py",
+                 "harness/proofs/tracing.py", "harness/proofs/probes.py",
+                 "harness/proofs/symbolic_dims.py", "harness/proofs/forward_traces.py",
+                 "harness/proofs/forward_probes.py", "harness/proofs/backward_traces.py",
+                 "harness/proofs/backward_probes.py", "harness/proofs/premise_rounds.py",
+                 "harness/proofs/prove_pool.py", "harness/proofs/cases.py",
                  "harness/proofs/symbolic.py", "harness/proofs/terms.py",
+                 "harness/proofs/term_walks.py", "harness/proofs/z3_terms.py",
                  "harness/proofs/premise.py", "harness/proofs/prove_cache.py")
 # What the list of cases is made from: the heuristics and plans (kernel/) and
 # the problem grid of harness/proofs/prove.py.
 LIST_SOURCES = LEARN_SOURCES + ("harness/proofs/prove.py",)
 # What a check's verdict is made from.
-CHECK_SOURCES = ("harness/proofs/extracted_proof.py", "harness/proofs/role_programs.py",
-                 "harness/proofs/extract.py", "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
+CHECK_SOURCES = ("harness/proofs/search.py", "harness/proofs/search_environment.py",
+                 "harness/proofs/search_program.py", "harness/proofs/search_state.py",
+                 "harness/proofs/search_steps.py", "harness/proofs/violations.py",
+                 "harness/proofs/role_programs.py", "harness/proofs/events.py",
+                 "kernel/sync/barriers.py", "harness/proofs/prove_cache.py")
 
 
 def _files(paths):

@@ -41,9 +41,9 @@ def matched(exact_cases, representatives) -> list:
 
 def shape(case: cases.ForwardCase) -> str:
   """The digest of ``case``'s program learned from its probes."""
-  from harness.proofs import prove_extracted as pe
-  pe.ex.forget()   # the previous config's kernels: a worker traces thousands
-  return pe.forward_program(case, premise=False).shape_digest()
+  from harness.proofs import forward_probes, memos
+  memos.forget()   # the previous config's kernels: a worker traces thousands
+  return forward_probes.forward_program(case, premise=False).shape_digest()
 
 
 def compare(work, *, pool=None) -> tuple[list, int]:

@@ -16,7 +16,7 @@ counts each role's waits and each barrier's completed phases.
 
 **Units.**  :func:`segment` cuts the events :mod:`harness.proofs.extract` reads for
 one role under one environment by the while-loop iterations around them
-(:attr:`harness.proofs.extract.Extracted.loops`): *pre* (before the tile loop),
+(:attr:`harness.proofs.events.Extracted.loops`): *pre* (before the tile loop),
 per tile a *head*, the tile's key-loop iterations (*iter* j, numbered across
 the loops of one tile, e.g. the forward's plain and masked loops) and a
 *tail*, and *post* (after the tile loop).  A role iterates
@@ -38,7 +38,7 @@ for a trace of what the kernel does there.
 **Consequence.**  Under (P) a role's events under *any* environment are what
 a finite automaton emits while it reads the environment as the word
 ``B^{n_0} | B^{n_1} | ... $`` (:class:`LaunchProgram`): each unit chosen by
-symbols it has read.  :mod:`harness.proofs.extracted_proof` explores that automaton
+symbols it has read.  :mod:`harness.proofs.search` explores that automaton
 with the hardware's semantics for every word at once, the environment being
 chosen only as the roles read it, and every counter kept relative to the
 others (mbarrier phases against the waits that count them, copies against
@@ -47,7 +47,7 @@ exhaustive search covers every number of key blocks and of tiles, zero
 included: the ring position and the mbarrier parities carried across tiles
 of any trip count (``prev_iters``) are part of every state it explores.
 
-**How (P) is proved.**  The probes (:mod:`harness.proofs.prove_extracted`)
+**How (P) is proved.**  The probes (:mod:`harness.proofs.probes`)
 show every context the search can ask for under the learned features, and
 every instance must agree with its table; a context the search needs and no
 probe showed is a :class:`CoverageError`.  That tests (P) at the probed
@@ -76,7 +76,7 @@ import hashlib
 import itertools
 import math
 
-from harness.proofs.extract import Extracted
+from harness.proofs.events import Extracted
 
 # The features a unit kind may depend on, besides the ring position's.
 OTHER_FEATURES = {
@@ -245,7 +245,7 @@ class RoleProgram:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchProgram:
-  """Everything :mod:`harness.proofs.extracted_proof` explores for one launch."""
+  """Everything :mod:`harness.proofs.search` explores for one launch."""
 
   name: str
   ring: Ring
@@ -263,10 +263,10 @@ class LaunchProgram:
   # empty where it was not proved
   z3: tuple = dataclasses.field(default=(), compare=False)
   # the plain-call kernels (no key ranges) Z3 proved to run this program
-  # too (harness/proofs/prove_extracted.py's _plain_proved), by name
+  # too (harness/proofs/premise_rounds.py's plain_proved), by name
   plain: tuple = dataclasses.field(default=(), compare=False)
   # the lengths at which Z3 proved its own kernel to run it too, beyond the
-  # probes' one (prove_extracted.py's trace_ranged), by name
+  # probes' one (forward_traces.py's trace_ranged), by name
   lengths: tuple = dataclasses.field(default=(), compare=False)
 
   def key(self):
@@ -279,7 +279,7 @@ class LaunchProgram:
     lines: every buffer and barrier renamed by where it first appears (roles
     by name, each role's units in the order pre, head, iter, tail, post and
     by context, events in order), events without their lines.  The search
-    of :mod:`harness.proofs.extracted_proof` compares names only for equality and
+    of :mod:`harness.proofs.search` compares names only for equality and
     reads lines only to print a trace, so two launches of one shape have
     isomorphic state spaces, explored in the same order: one check decides
     both, and its trace (in one launch's names) is the other's renamed."""

@@ -27,7 +27,7 @@ targets are terms; :func:`units` cuts it into the units of
 :mod:`harness.proofs.role_programs`.
 
 Nothing is assumed silently: a primitive the extractor does not know is
-refused (:class:`harness.proofs.extract.UnknownPrimitive`), and an integer
+refused (:class:`harness.proofs.events.UnknownPrimitive`), and an integer
 that linear arithmetic cannot express (a product of two loop-dependent
 values, a division by one) is opaque; where the protocol depends on an
 opaque value (a slot, a guard, a loop bound, a named barrier id) the run
@@ -46,14 +46,17 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from harness.proofs import extract as ex
+from harness.proofs import jaxprs, kernel_lines
+from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
+from harness.proofs.events import OPAQUE, Buffer, Event, ExtractionError, Opaque, RefV
 
 _INT = (int, bool)
 _SYM = (tm.Lin, tm.Bool)
 _TERM = (int, bool, tm.Lin, tm.Bool)
 
 
-class Unexpressed(ex.Opaque):
+class Unexpressed(Opaque):
   """An integer the terms cannot express: the primitive and line that made it."""
 
   __slots__ = ("why",)
@@ -68,7 +71,7 @@ class Unexpressed(ex.Opaque):
 @dataclasses.dataclass(frozen=True)
 class Ev:
   guard: object          # a Bool term or True
-  event: ex.Event        # its slot fields may be terms
+  event: Event        # its slot fields may be terms
 
 
 @dataclasses.dataclass
@@ -110,14 +113,14 @@ def _need(value, what: str, src: str):
   if type(value) in _TERM:
     return value
   if isinstance(value, Unexpressed):
-    raise ex.ExtractionError(f"{src}: {what} depends on {value.why}, which linear "
-                             f"integer arithmetic cannot express")
-  raise ex.ExtractionError(f"{src}: {what} depends on a value the extractor cannot evaluate "
-                           f"(data, not an integer of the protocol)")
+    raise ExtractionError(f"{src}: {what} depends on {value.why}, which linear "
+                          f"integer arithmetic cannot express")
+  raise ExtractionError(f"{src}: {what} depends on a value the extractor cannot evaluate "
+                        f"(data, not an integer of the protocol)")
 
 
 def _int_aval(aval) -> bool:
-  return ex._int_scalar(aval)
+  return jaxprs.int_scalar(aval)
 
 
 def _items_events(items):
@@ -130,7 +133,7 @@ def _items_events(items):
 
 def _by_dimension(x) -> bool:
   """Whether the term ``x`` reads a symbolic dimension (:func:`dim_term`)."""
-  return any(a.op == "var" and a.args[0].startswith("dim.") for a in tm.atoms_of(x))
+  return any(a.op == "var" and a.args[0].startswith("dim.") for a in tw.atoms_of(x))
 
 
 class _Linear:
@@ -174,7 +177,7 @@ def _dim_int(x) -> int:
 
 def dim_term(dim, bounds: dict, src: str = ""):
   """A symbolic dimension of the trace (jax.export's: the lengths of a
-  plain call, :func:`harness.proofs.prove_extracted.trace_plain`) as a
+  plain call, :func:`harness.proofs.forward_traces.trace_plain`) as a
   term: symbol s of bound ``lo`` is ``lo + max(0, v_s)``, every value from
   the lower bound the trace was made under up; of bounds ``(lo, hi)``
   (a ragged remainder) ``min(lo + max(0, v_s), hi)``, every value between
@@ -188,15 +191,15 @@ def dim_term(dim, bounds: dict, src: str = ""):
   names = sorted(dim._get_vars())
   missing = [v for v in names if v not in bounds]
   if missing:
-    raise ex.ExtractionError(f"{src}: symbolic dimension {dim} has no lower bound for "
-                             f"{missing[0]}")
+    raise ExtractionError(f"{src}: symbolic dimension {dim} has no lower bound for "
+                          f"{missing[0]}")
   env = {v: _Linear(_bounded(tm.var("dim." + v), bounds[v])) for v in names}
   try:
     out = dim._evaluate(env)
   except _NotLinear:
     if not _counts_product(dim, bounds):
-      raise ex.ExtractionError(f"{src}: symbolic dimension {dim} is not linear in its "
-                               f"symbols") from None
+      raise ExtractionError(f"{src}: symbolic dimension {dim} is not linear in its "
+                            f"symbols") from None
     return _bounded(tm.var(f"dim.({dim})"), 1)
   return out.term if isinstance(out, _Linear) else _dim_int(out)
 
@@ -235,19 +238,19 @@ class _SymInterp(ex._Interp):
     self.role_items: dict = {}
     self.loop_no = 0
 
-  def _emit(self, ev: ex.Event):
+  def _emit(self, ev: Event):
     self.items.append(Ev(self.guard, ev))
 
   # -- values ---------------------------------------------------------------------
   def run(self, jaxpr, args, consts=()):
-    prog = ex._program(jaxpr)
+    prog = jaxprs.program(jaxpr)
     env = dict(prog.literals)
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     get = env.get
     for eqn, name, keys in prog.eqns:
-      ins = [get(k, ex.OPAQUE) for k in keys]
-      op = ex._INT_OPS.get(name)
+      ins = [get(k, OPAQUE) for k in keys]
+      op = jaxprs.INT_OPS.get(name)
       if op is not None and len(ins) == 2:
         a, b = ins
         ta, tb = type(a), type(b)
@@ -260,12 +263,12 @@ class _SymInterp(ex._Interp):
       outs = self.eqn_(eqn, name, ins, prog)
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
-    return [get(v, ex.OPAQUE) if not isinstance(v, jex_core.Literal)
-            else ex._literal_value(v.val) for v in jaxpr.outvars]
+    return [get(v, OPAQUE) if not isinstance(v, jex_core.Literal)
+            else jaxprs.literal_value(v.val) for v in jaxpr.outvars]
 
   def _src(self, eqn, prog):
     src = prog.frames.get(id(eqn))
-    return src or ex._kernel_frame(eqn.source_info, self.site)
+    return src or kernel_lines.kernel_frame(eqn.source_info, self.site)
 
   def _unexpressed(self, name, eqn, prog):
     return Unexpressed(f"primitive {name!r} at {self._src(eqn, prog)}")
@@ -301,7 +304,7 @@ class _SymInterp(ex._Interp):
   def eqn_(self, eqn, name, ins, prog):
     if name == "dim_as_value":
       return [dim_term(eqn.params["dim"], self.dims, self._src(eqn, prog))]
-    if name in ex.PURE and any(_int_aval(v.aval) for v in eqn.outvars):
+    if name in jaxprs.PURE and any(_int_aval(v.aval) for v in eqn.outvars):
       why = next((x for x in ins if isinstance(x, Unexpressed)), None)
       if why is not None:  # what it was made from cannot be expressed: nor can it
         return [why] * len(eqn.outvars)
@@ -313,7 +316,7 @@ class _SymInterp(ex._Interp):
           return [tm.to_int(x) if tm.is_bool(x) else x]
         if dt == np.bool_:
           return [x if tm.is_bool(x) else tm.ne(x, 0)]
-        return [ex.OPAQUE]
+        return [OPAQUE]
       if name == "select_n" and all(type(x) in _TERM for x in ins):
         which, *cases = ins
         out = cases[-1]
@@ -328,7 +331,7 @@ class _SymInterp(ex._Interp):
       if name == "clamp" and all(type(x) in _TERM for x in ins):
         lo, x, hi = ins
         return [tm.min_(tm.max_(x, lo), hi)]
-      if name in ex.PURE and any(_int_aval(v.aval) for v in eqn.outvars):
+      if name in jaxprs.PURE and any(_int_aval(v.aval) for v in eqn.outvars):
         return [self._unexpressed(name, eqn, prog)] * len(eqn.outvars)
     return super().eqn_(eqn, name, ins, prog)
 
@@ -341,24 +344,24 @@ class _SymInterp(ex._Interp):
 
   def p_get(self, eqn, ins, src):
     ref, *leaves = ins
-    if isinstance(ref, ex.RefV) and ref.buf.space == "gmem":
+    if isinstance(ref, RefV) and ref.buf.space == "gmem":
       out = eqn.outvars[0].aval
       if not out.shape and "int" in str(out.dtype):
         if all(type(x) in _TERM for x in leaves):
           return [tm.read(ref.buf.name, tuple(tm.to_int(x) if tm.is_bool(x) else x
                                               for x in leaves))]
         return [Unexpressed(f"a read of {ref.buf.name} at an index from data, at {src}")]
-      return [ex.OPAQUE]
+      return [OPAQUE]
     return super().p_get(eqn, ins, src)
 
   p_load = p_get
 
   def _ref_and_slot(self, ref, treedef, leaves, src=""):
-    if not isinstance(ref, ex.RefV):
-      raise ex.ExtractionError(f"{src}: a ref operand the extractor lost track of: {ref!r}")
+    if not isinstance(ref, RefV):
+      raise ExtractionError(f"{src}: a ref operand the extractor lost track of: {ref!r}")
     if treedef is None:
       return ref.buf, None
-    where, view = ex._transform_info(treedef)
+    where, view = jaxprs.transform_info(treedef)
     slot = None
     if where is not None and where[0] == "leaf":
       slot = _need(leaves[where[1]], "a shared-memory or barrier slot", src)
@@ -382,7 +385,7 @@ class _SymInterp(ex._Interp):
     outer = self.guard
     self.guard = tm.and_(outer, guard)
     try:
-      self._emit(ex.Event("arrive", self.role, src, buf.name, slot))
+      self._emit(Event("arrive", self.role, src, buf.name, slot))
     finally:
       self.guard = outer
     return []
@@ -394,11 +397,11 @@ class _SymInterp(ex._Interp):
   def p_mpmd_map(self, eqn, ins, src):
     mesh = eqn.params["meshes"][0]
     if type(mesh).__name__ != "WarpMesh":
-      raise ex.ExtractionError(f"{src}: nested mpmd_map over {mesh!r} is not modelled")
+      raise ExtractionError(f"{src}: nested mpmd_map over {mesh!r} is not modelled")
     (body,) = eqn.params["jaxprs"]
     outer, outer_items = self.role, self.items
     if any(True for _ in _items_events(outer_items)):
-      raise ex.ExtractionError(f"{src}: role {outer} synchronises outside its warp_map too")
+      raise ExtractionError(f"{src}: role {outer} synchronises outside its warp_map too")
     for warp in range(4):
       self.role = f"{outer}.warp{warp}"
       self.axes[mesh.axis_name] = warp
@@ -406,7 +409,7 @@ class _SymInterp(ex._Interp):
       self.run(body, ins)
     del self.axes[mesh.axis_name]
     self.role, self.items = outer, outer_items
-    return [ex.OPAQUE] * len(eqn.outvars)
+    return [OPAQUE] * len(eqn.outvars)
 
   # -- control ------------------------------------------------------------------------
   def p_cond(self, eqn, ins, src):
@@ -415,7 +418,7 @@ class _SymInterp(ex._Interp):
       return super().p_cond(eqn, ins, src)
     branches = eqn.params["branches"]
     if type(index) not in _SYM:
-      if any(ex._has_sync(b.jaxpr) for b in branches):
+      if any(jaxprs.has_sync(b.jaxpr) for b in branches):
         _need(index, "a cond whose branches synchronise", src)
       return self._data_cond(branches, ops, src, len(eqn.outvars))
     guards = _branch_guards(index, len(branches))
@@ -428,7 +431,7 @@ class _SymInterp(ex._Interp):
           continue
         # each branch's items relative to its own path; joined below
         self.guard, self.site, self.cells, self.items = True, src, dict(cells), []
-        outs = self.run(b.jaxpr, ops, [ex._const(c) for c in b.consts])
+        outs = self.run(b.jaxpr, ops, [jaxprs.const(c) for c in b.consts])
         taken.append((g, outs, self.cells))
         runs.append((g, self.items))
     finally:
@@ -445,24 +448,24 @@ class _SymInterp(ex._Interp):
     try:
       for b in branches:
         self.items, self.site, self.cells = [], src, dict(cells)
-        self.run(b.jaxpr, ops, [ex._const(c) for c in b.consts])
+        self.run(b.jaxpr, ops, [jaxprs.const(c) for c in b.consts])
         runs.append(self.items)
     finally:
       self.items, self.site, self.cells = outer_items, outer_site, cells
     ex.branches_alike(src, runs, _item_words)
     self.items.extend(runs[0])
-    return [ex.OPAQUE] * nout
+    return [OPAQUE] * nout
 
   def p_while(self, eqn, ins, src):
     p = eqn.params
     cc, bc = p["cond_nconsts"], p["body_nconsts"]
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-    if ex._has_sync(cj.jaxpr):  # its events would run once per iteration, unmodelled here
-      raise ex.ExtractionError(f"{src}: a while loop whose condition synchronises")
-    if not ex._has_sync(bj.jaxpr):
+    if jaxprs.has_sync(cj.jaxpr):  # its events would run once per iteration, unmodelled here
+      raise ExtractionError(f"{src}: a while loop whose condition synchronises")
+    if not jaxprs.has_sync(bj.jaxpr):
       return super().p_while(eqn, ins, src)
     cconsts, bconsts, carry = ins[:cc], ins[cc:cc + bc], ins[cc + bc:]
-    cjc, bjc = [ex._const(c) for c in cj.consts], [ex._const(c) for c in bj.consts]
+    cjc, bjc = [jaxprs.const(c) for c in cj.consts], [jaxprs.const(c) for c in bj.consts]
     self.loop_no += 1
     tag = f"L{self.loop_no}"
     avals = [v.aval for v in eqn.invars[cc + bc:]]
@@ -471,7 +474,7 @@ class _SymInterp(ex._Interp):
       if _int_aval(aval):
         fresh.append(tm.var(f"{tag}.c{i}"))
       else:
-        fresh.append(val if isinstance(val, ex.RefV) else ex.OPAQUE)
+        fresh.append(val if isinstance(val, RefV) else OPAQUE)
     (go,) = self.run(cj.jaxpr, [*cconsts, *fresh], cjc)
     counter, hi = _counter_and_bound(go, fresh, src)
     outer_items, outer_guard = self.items, self.guard
@@ -485,8 +488,8 @@ class _SymInterp(ex._Interp):
     lo = _need(carry[counter], f"the start of the loop at {src}", src)
     step = tm.sub(outs[counter], fresh[counter])
     if step != 1:
-      raise ex.ExtractionError(f"{src}: a while loop with synchronisation whose counter "
-                               f"advances by {step}, not 1")
+      raise ExtractionError(f"{src}: a while loop with synchronisation whose counter "
+                            f"advances by {step}, not 1")
     # Classify the other integer carries, substituting those with a closed
     # form until nothing changes (one's increment may mention another).
     mapping: dict = {}
@@ -498,33 +501,33 @@ class _SymInterp(ex._Interp):
         key = fresh[i].mono[0][0].key
         if type(outs[i]) not in _TERM:
           continue
-        d = tm.subst(tm.sub(outs[i], fresh[i]), mapping)
+        d = tw.subst(tm.sub(outs[i], fresh[i]), mapping)
         if type(d) is int and type(carry[i]) in _TERM:
           steps = tm.sub(fresh[counter], lo)
           mapping[key] = tm.add(carry[i], tm.scale(steps, d)) if d else carry[i]
           pending.remove(i)
           changed = True
     body = _subst_items(body, mapping)
-    hi = tm.subst(hi, mapping)
+    hi = tw.subst(hi, mapping)
     _need(hi, f"the bound of the loop at {src}", src)
     accumulators, results = [], []
     for i in pending:
       name = fresh[i].mono[0][0].args[0]
       init = carry[i] if type(carry[i]) in _TERM else None
-      incr = (tm.subst(tm.sub(outs[i], fresh[i]), mapping) if type(outs[i]) in _TERM
+      incr = (tw.subst(tm.sub(outs[i], fresh[i]), mapping) if type(outs[i]) in _TERM
               else None)
       accumulators.append((name, init, incr, f"{name}.end"))
     end = tm.max_(lo, hi)
     for i, val in enumerate(fresh):
       if type(val) is not tm.Lin:
-        results.append(ex.OPAQUE)
+        results.append(OPAQUE)
       elif i == counter:
         results.append(end)
       elif i in pending:
         results.append(tm.var(f"{val.mono[0][0].args[0]}.end"))
       else:
         key = val.mono[0][0].key
-        results.append(tm.subst(mapping[key], {k_key: end}))
+        results.append(tw.subst(mapping[key], {k_key: end}))
     self.items.append(Loop(self.guard, src, fresh[counter].mono[0][0].args[0], lo, hi, body,
                            tuple(accumulators)))
     return results
@@ -588,7 +591,7 @@ def _guarded(items, guard):
 def _merge(pairs):
   """One value from the branches' (guard, value) pairs."""
   if not pairs:
-    return ex.OPAQUE
+    return OPAQUE
   first = pairs[0][1]
   if all(v is first or (type(v) in _TERM and type(first) in _TERM and v == first and
                         type(v) is type(first)) for _, v in pairs):
@@ -598,19 +601,19 @@ def _merge(pairs):
     for g, v in reversed(pairs[:-1]):
       out = tm.ite(g, v, out)
     return out
-  if all(isinstance(v, ex.RefV) and v == first for _, v in pairs):
+  if all(isinstance(v, RefV) and v == first for _, v in pairs):
     return first
   for _, v in pairs:
     if isinstance(v, Unexpressed):
       return v
-  return ex.OPAQUE
+  return OPAQUE
 
 
 def _merge_cells(taken, before):
   keys = set(before)
   for _, _, cells in taken:
     keys |= set(cells)
-  return {k: _merge([(g, cells.get(k, ex.OPAQUE)) for g, _, cells in taken]) for k in keys}
+  return {k: _merge([(g, cells.get(k, OPAQUE)) for g, _, cells in taken]) for k in keys}
 
 
 def _counter_and_bound(go, fresh, src):
@@ -624,14 +627,14 @@ def _counter_and_bound(go, fresh, src):
       # counter + rest <= 0  <=>  counter < 1 - rest
       rest = tm.sub(go.args[0], fresh[i])
       return i, tm.sub(1, rest)
-  raise ex.ExtractionError(f"{src}: a while loop with synchronisation whose condition is not "
-                           f"`counter < bound` over its carry ({go!r})")
+  raise ExtractionError(f"{src}: a while loop with synchronisation whose condition is not "
+                        f"`counter < bound` over its carry ({go!r})")
 
 
-def _subst_event(e: ex.Event, mapping, memo) -> ex.Event:
-  slot, bar_slot = tm.subst(e.slot, mapping, memo), tm.subst(e.bar_slot, mapping, memo)
-  bar_id = tm.subst(e.bar_id, mapping, memo)
-  reads = tuple((b, tm.subst(s, mapping, memo)) for b, s in e.reads)
+def _subst_event(e: Event, mapping, memo) -> Event:
+  slot, bar_slot = tw.subst(e.slot, mapping, memo), tw.subst(e.bar_slot, mapping, memo)
+  bar_id = tw.subst(e.bar_id, mapping, memo)
+  reads = tuple((b, tw.subst(s, mapping, memo)) for b, s in e.reads)
   if slot is e.slot and bar_slot is e.bar_slot and bar_id is e.bar_id and all(
       r[1] is s for r, (_, s) in zip(reads, e.reads)):
     return e
@@ -644,14 +647,14 @@ def _subst_items(items, mapping, memo=None):
   memo = {} if memo is None else memo
   out = []
   for it in items:
-    g = tm.subst(it.guard, mapping, memo)
+    g = tw.subst(it.guard, mapping, memo)
     if g is False:
       continue
     if isinstance(it, Ev):
       e = _subst_event(it.event, mapping, memo)
       out.append(it if g is it.guard and e is it.event else Ev(g, e))
     else:
-      sub = lambda x: tm.subst(x, mapping, memo)
+      sub = lambda x: tw.subst(x, mapping, memo)
       out.append(Loop(g, it.src, it.counter, sub(it.lo), sub(it.hi),
                       _subst_items(it.body, mapping, memo),
                       tuple((v, sub(i), sub(d), e) for v, i, d, e in it.accumulators)))
@@ -676,7 +679,7 @@ def _size_term(n, dims):
     return n
   term = dim_term(n, dims)
   return None if any(a.op == "var" and a.args[0].startswith("dim.(")
-                     for a in tm.atoms_of(term)) else term
+                     for a in tw.atoms_of(term)) else term
 
 
 def grid_index(axis: str):
@@ -701,7 +704,7 @@ def extract_symbolic(kernel_eqn, dims: dict | None = None) -> SymLaunch:
     interp = _SymInterp(kernel_eqn, {mesh.thread_name: w}, dims)
     interp.role = f"wg{w}"
     interp.items = interp.role_items.setdefault(interp.role, [])
-    gm = [ex.RefV(ex.Buffer(f"gmem_in{i}", "gmem", tuple(getattr(v.aval, "shape", ()))))
+    gm = [RefV(Buffer(f"gmem_in{i}", "gmem", tuple(getattr(v.aval, "shape", ()))))
           for i, v in enumerate(body.invars)]
     interp.run(body, gm)
     for role, items in interp.role_items.items():
@@ -738,12 +741,12 @@ def units(name: str, items: list, *, persistent: bool) -> RoleUnits:
   for it in items:
     if isinstance(it, Loop):
       if tile is not None:
-        raise ex.ExtractionError(f"{name}: two loops with synchronisation outside any tile "
-                                 f"loop ({tile.src} and {it.src}); a persistent role's "
-                                 f"outermost loop must be its tile loop")
+        raise ExtractionError(f"{name}: two loops with synchronisation outside any tile "
+                              f"loop ({tile.src} and {it.src}); a persistent role's "
+                              f"outermost loop must be its tile loop")
       if it.guard is not True:
-        raise ex.ExtractionError(f"{name}: the tile loop at {it.src} runs under a condition "
-                                 f"({it.guard!r}), which the proof does not model")
+        raise ExtractionError(f"{name}: the tile loop at {it.src} runs under a condition "
+                              f"({it.guard!r}), which the proof does not model")
       tile = it
     else:
       (post if tile is not None else pre).append(it)
@@ -758,16 +761,16 @@ def _tile_body(name, items, where):
   for it in items:
     if isinstance(it, Loop):
       if tail:
-        raise ex.ExtractionError(f"{name}: events between two key loops in {where} "
-                                 f"(at {tail[0].event.src})")
+        raise ExtractionError(f"{name}: events between two key loops in {where} "
+                              f"(at {tail[0].event.src})")
       if it.guard is not True:
-        raise ex.ExtractionError(f"{name}: the key loop at {it.src} runs under a condition "
-                                 f"({it.guard!r}), which the proof does not model")
+        raise ExtractionError(f"{name}: the key loop at {it.src} runs under a condition "
+                              f"({it.guard!r}), which the proof does not model")
       for inner in it.body:
         if isinstance(inner, Loop):
-          raise ex.ExtractionError(f"{name}: a loop with synchronisation at {inner.src} "
-                                   f"inside the key loop at {it.src}, which the proof does "
-                                   f"not model")
+          raise ExtractionError(f"{name}: a loop with synchronisation at {inner.src} "
+                                f"inside the key loop at {it.src}, which the proof does "
+                                f"not model")
       loops.append(it)
     elif loops:
       tail.append(it)

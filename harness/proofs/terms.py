@@ -13,7 +13,9 @@ built (constants folded, linear parts collected, comparisons moved to one
 side), so that equal programs give equal terms: the premise's queries are
 keyed by them.
 
-Nothing here imports Z3: :func:`to_z3` does, when called.
+Nothing here imports Z3 (:mod:`harness.proofs.z3_terms` writes terms for it);
+:mod:`harness.proofs.term_walks` reads them: their atoms, substitution,
+generalisation and evaluation.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def _lead(x) -> int:
   return x.mono[0][1] if type(x) is Lin else (1 if x >= 0 else -1)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
   q = abs(a) // abs(b)
   return q if (a >= 0) == (b > 0) else -q
 
@@ -254,7 +256,7 @@ def div(a, c):
   if type(c) is not int or c == 0:
     return None
   if type(a) is int:
-    return _cdiv(a, c)
+    return cdiv(a, c)
   if c == 1:
     return a
   if c == -1:
@@ -286,7 +288,7 @@ def rem(a, c):
   if type(c) is not int or c == 0:
     return None
   if type(a) is int:
-    return a - c * _cdiv(a, c)
+    return a - c * cdiv(a, c)
   if c in (1, -1):
     return 0
   return of_atom(_atom("rem", (a, abs(c))))
@@ -332,13 +334,13 @@ def min_(a, b):
   return _extreme(a, b, sub(a, b), sub)
 
 
-def _cmp0(op, x):
+def cmp0(op, x):
   """x op 0, op in lt0 / le0 / eq0, normalised (a leading coefficient of 1
-  where the constant allows it)."""
+  where the constant allows it): the form every comparison is kept in."""
   if type(x) is int:
     return {"lt0": x < 0, "le0": x <= 0, "eq0": x == 0}[op]
   if op == "lt0":  # integers: x < 0 is x + 1 <= 0
-    return _cmp0("le0", add(x, 1))
+    return cmp0("le0", add(x, 1))
   import math
   g = 0
   for _, c in x.mono:
@@ -357,25 +359,25 @@ def _cmp0(op, x):
 
 
 def lt(a, b):
-  return _cmp0("lt0", sub(a, b))
+  return cmp0("lt0", sub(a, b))
 
 
 def le(a, b):
-  return _cmp0("le0", sub(a, b))
+  return cmp0("le0", sub(a, b))
 
 
 def gt(a, b):
-  return _cmp0("lt0", sub(b, a))
+  return cmp0("lt0", sub(b, a))
 
 
 def ge(a, b):
-  return _cmp0("le0", sub(b, a))
+  return cmp0("le0", sub(b, a))
 
 
 def eq(a, b):
   if is_bool(a) or is_bool(b):
     return iff(a, b)
-  return _cmp0("eq0", sub(a, b))
+  return cmp0("eq0", sub(a, b))
 
 
 def ne(a, b):
@@ -388,7 +390,7 @@ def not_(a):
   if a.op == "not":
     return a.args[0]
   if a.op == "le0":  # not (x <= 0)  <=>  -x + 1 <= 0
-    return _cmp0("le0", add(neg(a.args[0]), 1))
+    return cmp0("le0", add(neg(a.args[0]), 1))
   return _bool("not", (a,))
 
 
@@ -510,395 +512,3 @@ def serialise(x, memo=None) -> str:
     out = x.op + "{" + ",".join(serialise(a, memo) for a in x.args) + "}"
   memo[id(x)] = out
   return out
-
-
-# -- traversal -----------------------------------------------------------------
-
-def atoms_of(x, out=None) -> list:
-  """Every atom of ``x``, innermost first, each once."""
-  out = [] if out is None else out
-  seen = set(a.key for a in out)
-
-  def walk(t):
-    if type(t) is Lin:
-      for a, _ in t.mono:
-        walk_atom(a)
-    elif type(t) is Atom:
-      walk_atom(t)
-    elif type(t) is Bool:
-      for a in t.args:
-        walk(a)
-    elif type(t) is tuple:
-      for a in t:
-        walk(a)
-
-  def walk_atom(a):
-    if a.key in seen:
-      return
-    for arg in a.args:
-      walk(arg)
-    seen.add(a.key)
-    out.append(a)
-
-  walk(x)
-  return out
-
-
-def direct_atoms(x, out=None) -> list:
-  """The atoms of ``x`` not inside another atom."""
-  out = [] if out is None else out
-  t = type(x)
-  if t is Lin:
-    out.extend(a for a, _ in x.mono)
-  elif t is Atom:
-    out.append(x)
-  elif t is Bool or t is tuple:
-    for a in (x.args if t is Bool else x):
-      direct_atoms(a, out)
-  return out
-
-
-def contains(x, names: frozenset) -> bool:
-  """Whether ``x`` mentions a variable named in ``names``."""
-  return any(a.op == "var" and a.args[0] in names for a in atoms_of(x))
-
-
-def subst(x, mapping: dict, memo=None):
-  """``x`` with every atom whose key is in ``mapping`` replaced by its term,
-  inside other atoms too, renormalised."""
-  memo = {} if memo is None else memo
-  t = type(x)
-  if t is int or t is bool or t is str or x is None:
-    return x
-  if t is tuple:
-    return tuple(subst(v, mapping, memo) for v in x)
-  hit = memo.get(x)
-  if hit is not None:
-    return hit[0]
-  if t is Lin:
-    new = [(_subst_atom(a, mapping, memo), c) for a, c in x.mono]
-    if all(r is a.one for (r, _), (a, _) in zip(new, x.mono)):
-      out = x   # nothing in it changed
-    else:
-      out = x.const
-      for r, c in new:
-        out = add(out, scale(r, c))
-  elif t is Atom:
-    out = _subst_atom(x, mapping, memo)
-  else:
-    args = [subst(a, mapping, memo) for a in x.args]
-    if all(a is b for a, b in zip(args, x.args)):
-      out = x
-    elif x.op in ("lt0", "le0", "eq0"):
-      out = _cmp0(x.op, args[0])
-    elif x.op == "not":
-      out = not_(args[0])
-    elif x.op == "and":
-      out = and_(*args)
-    else:
-      out = or_(*args)
-  memo[x] = (out,)
-  return out
-
-
-def _same(a, b) -> bool:
-  if a is b:
-    return True
-  if type(a) is tuple and type(b) is tuple:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-  return type(a) in (int, str) and type(a) is type(b) and a == b
-
-
-def _subst_atom(a: Atom, mapping, memo, rebuild=None):
-  if a in mapping:
-    return mapping[a]
-  hit = memo.get(a)
-  if hit is not None:
-    return hit[0]
-  if a.op == "var":
-    out = of_atom(a)
-  else:
-    args = [(rebuild or (lambda v: subst(v, mapping, memo)))(v) for v in a.args]
-    if all(_same(x, y) for x, y in zip(args, a.args)):
-      out = of_atom(a)
-    elif a.op == "div":
-      out = div_by(args[0], args[1])
-    elif a.op == "rem":
-      out = rem_by(args[0], args[1])
-    elif a.op == "mul":
-      out = mul_by(args[0], args[1])
-    elif a.op == "pos":
-      out = pos(args[0])
-    elif a.op == "ite":
-      out = ite(*args)
-    else:
-      out = read(args[0], args[1])
-  memo[a] = (out,)
-  return out
-
-
-def generalise(x, essential: frozenset, table: dict, memo: dict, keep=()):
-  """``x`` with every atom that mentions no variable of ``essential`` (a read
-  never does: its values are free) replaced by a variable of its own
-  (``table``: atom -> that variable, shared by the calls that share it);
-  atoms whose op is in ``keep`` are rebuilt instead, their arguments
-  generalised."""
-  t = type(x)
-  if t is int or t is bool or t is str or x is None:
-    return x
-  if t is tuple:
-    return tuple(generalise(v, essential, table, memo, keep) for v in x)
-  hit = memo.get(x)
-  if hit is not None:
-    return hit[0]
-  if t is Lin:
-    out = x.const
-    for a, c in x.mono:
-      out = add(out, scale(_general_atom(a, essential, table, memo, keep), c))
-  else:
-    args = [generalise(a, essential, table, memo, keep) for a in x.args]
-    out = {"lt0": lambda: _cmp0("lt0", args[0]), "le0": lambda: _cmp0("le0", args[0]),
-           "eq0": lambda: _cmp0("eq0", args[0]), "not": lambda: not_(args[0]),
-           "and": lambda: and_(*args), "or": lambda: or_(*args)}[x.op]()
-  memo[x] = (out,)
-  return out
-
-
-def _essential(a: Atom, essential, memo) -> bool:
-  k = ("essential", a)
-  hit = memo.get(k)
-  if hit is None:
-    if a.op == "var":
-      hit = a.args[0] in essential
-    elif a.op == "read":
-      hit = False
-    else:
-      hit = any(_essential(b, essential, memo) for b in direct_atoms(a.args))
-    memo[k] = hit
-  return hit
-
-
-def _general_atom(a: Atom, essential, table, memo, keep):
-  hit = memo.get(a)
-  if hit is not None:
-    return hit[0]
-  if not _essential(a, essential, memo) and a.op not in keep:
-    out = table.get(a)
-    if out is None:
-      out = table[a] = var(f"gen:{len(table)}")
-  elif a.op == "var":
-    out = of_atom(a)
-  else:
-    out = _subst_atom(a, {}, {}, rebuild=lambda v: generalise(v, essential, table, memo, keep))
-  memo[a] = (out,)
-  return out
-
-
-def evaluate(x, values: dict, reads=None):
-  """``x`` with its variables given (name -> int; ``reads(buf, idx)`` for
-  reads), as a Python int or bool."""
-  t = type(x)
-  if t is int or t is bool:
-    return x
-  if t is tuple:
-    return tuple(evaluate(v, values, reads) for v in x)
-  if t is Lin:
-    return x.const + sum(c * _eval_atom(a, values, reads) for a, c in x.mono)
-  if t is Atom:
-    return _eval_atom(x, values, reads)
-  args = [evaluate(a, values, reads) for a in x.args]
-  if x.op == "lt0":
-    return args[0] < 0
-  if x.op == "le0":
-    return args[0] <= 0
-  if x.op == "eq0":
-    return args[0] == 0
-  if x.op == "not":
-    return not args[0]
-  return all(args) if x.op == "and" else any(args)
-
-
-def _eval_atom(a, values, reads):
-  if a.op == "var":
-    return values[a.args[0]]
-  if a.op == "read":
-    if reads is None:
-      raise KeyError(a.key)
-    return reads(a.args[0], evaluate(a.args[1], values, reads))
-  if a.op == "ite":
-    c = evaluate(a.args[0], values, reads)
-    return evaluate(a.args[1] if c else a.args[2], values, reads)
-  v = evaluate(a.args[0], values, reads)
-  if a.op == "pos":
-    return max(0, v)
-  d = evaluate(a.args[1], values, reads)
-  if a.op == "mul":
-    return v * d
-  if a.op == "div":
-    return _cdiv(v, d)
-  return v - d * _cdiv(v, d)
-
-
-# -- Z3 --------------------------------------------------------------------------
-
-def smt2(query) -> str:
-  """``query`` (a Bool term) as an SMT-LIB 2 script of declarations and
-  assertions, for a solver to parse (faster than building its terms one
-  call at a time): every div / rem atom as a quotient and a remainder with
-  linear constraints, reads as uninterpreted functions."""
-  decls: dict = {}
-  side: list = []
-  memo: dict = {}
-
-  def num(c):
-    return str(c) if c >= 0 else f"(- {-c})"
-
-  def name(v):
-    return "|" + v.replace("|", "/") + "|"
-
-  def term(x):
-    t = type(x)
-    if t is bool:
-      return "true" if x else "false"
-    if t is int:
-      return num(x)
-    hit = memo.get(x)
-    if hit is not None:
-      return hit
-    if t is Lin:
-      parts = [atom(a) if c == 1 else f"(* {num(c)} {atom(a)})" for a, c in x.mono]
-      if x.const:
-        parts.append(num(x.const))
-      out = parts[0] if len(parts) == 1 else "(+ " + " ".join(parts) + ")"
-    elif t is Atom:
-      out = atom(x)
-    else:
-      args = [term(a) for a in x.args]
-      out = {"lt0": lambda: f"(< {args[0]} 0)", "le0": lambda: f"(<= {args[0]} 0)",
-             "eq0": lambda: f"(= {args[0]} 0)", "not": lambda: f"(not {args[0]})",
-             "and": lambda: "(and " + " ".join(args) + ")",
-             "or": lambda: "(or " + " ".join(args) + ")"}[x.op]()
-    memo[x] = out
-    return out
-
-  def atom(a):
-    hit = memo.get(a)
-    if hit is not None:
-      return hit
-    if a.op == "var":
-      out = name(a.args[0])
-      decls[out] = f"(declare-const {out} Int)"
-    elif a.op == "pos":
-      v = term(a.args[0])
-      out = f"(ite (> {v} 0) {v} 0)"
-    elif a.op == "ite":
-      out = f"(ite {term(a.args[0])} {term(a.args[1])} {term(a.args[2])})"
-    elif a.op == "read":
-      buf, idx = a.args
-      f = name(f"read.{buf}.{len(idx)}")
-      decls[f] = f"(declare-fun {f} ({' '.join(['Int'] * len(idx))}) Int)"
-      out = f"({f} {' '.join(term(i) for i in idx)})" if idx else f
-    elif a.op == "mul":
-      out = f"(* {term(a.args[0])} {term(a.args[1])})"
-    else:  # div / rem by a positive constant or term, truncating toward zero
-      v, c = term(a.args[0]), term(a.args[1])
-      k = len(decls)
-      q, r = f"|q.{k}|", f"|r.{k}|"
-      decls[q], decls[r] = f"(declare-const {q} Int)", f"(declare-const {r} Int)"
-      side.append(f"(assert (= {v} (+ (* {c} {q}) {r})))")
-      side.append(f"(assert (=> (>= {v} 0) (and (>= {r} 0) (< {r} {c}))))")
-      side.append(f"(assert (=> (< {v} 0) (and (<= {r} 0) (> {r} (- {c})))))")
-      out = q if a.op == "div" else r
-    memo[a] = out
-    return out
-
-  body = term(query)
-  return "\n".join([*decls.values(), *side, f"(assert {body})"])
-
-
-class Z3Terms:
-  """Terms as Z3 expressions, within one solver: every div / rem atom gets
-  a quotient and a remainder bound by linear constraints (kept in
-  :attr:`side`), reads become uninterpreted functions."""
-
-  def __init__(self, z3):
-    self.z3 = z3
-    self.memo: dict = {}
-    self.side: list = []
-    self.funcs: dict = {}
-    self.vars: dict = {}
-
-  def var(self, name):
-    v = self.vars.get(name)
-    if v is None:
-      v = self.vars[name] = self.z3.Int(name)
-    return v
-
-  def __call__(self, x):
-    z3 = self.z3
-    t = type(x)
-    if t is bool:
-      return z3.BoolVal(x)
-    if t is int:
-      return z3.IntVal(x)
-    hit = self.memo.get(x.key)
-    if hit is not None:
-      return hit
-    if t is Lin:
-      parts = [self.atom(a) if c == 1 else c * self.atom(a) for a, c in x.mono]
-      out = parts[0] if len(parts) == 1 else z3.Sum(parts)
-      if x.const:
-        out = out + x.const
-    elif t is Atom:
-      out = self.atom(x)
-    else:
-      args = [self(a) for a in x.args]
-      if x.op == "lt0":
-        out = args[0] < 0
-      elif x.op == "le0":
-        out = args[0] <= 0
-      elif x.op == "eq0":
-        out = args[0] == 0
-      elif x.op == "not":
-        out = z3.Not(args[0])
-      elif x.op == "and":
-        out = z3.And(args)
-      else:
-        out = z3.Or(args)
-    self.memo[x.key] = out
-    return out
-
-  def atom(self, a: Atom):
-    z3 = self.z3
-    hit = self.memo.get(a.key)
-    if hit is not None:
-      return hit
-    if a.op == "var":
-      out = self.var(a.args[0])
-    elif a.op == "pos":
-      v = self(a.args[0])
-      out = z3.If(v > 0, v, 0)
-    elif a.op == "ite":
-      out = z3.If(self(a.args[0]), self(a.args[1]), self(a.args[2]))
-    elif a.op == "read":
-      buf, idx = a.args
-      f = self.funcs.get((buf, len(idx)))
-      if f is None:
-        f = self.funcs[(buf, len(idx))] = z3.Function(
-            f"read.{buf}", *([z3.IntSort()] * (len(idx) + 1)))
-      out = f(*[self(i) for i in idx]) if idx else f()
-    elif a.op == "mul":
-      out = self(a.args[0]) * self(a.args[1])
-    else:  # div / rem by a positive constant or term, truncating toward zero
-      v = self(a.args[0])
-      c = self(a.args[1])
-      n = len(self.memo)
-      q, r = z3.Int(f"q{n}"), z3.Int(f"r{n}")
-      self.side += [v == c * q + r,
-                    z3.Implies(v >= 0, z3.And(r >= 0, r < c)),
-                    z3.Implies(v < 0, z3.And(r <= 0, r > -c))]
-      out = q if a.op == "div" else r
-      self.memo[a.key] = out
-      self.memo[("other", a.key)] = r if a.op == "div" else q
-    self.memo[a.key] = out
-    return out

@@ -1,15 +1,17 @@
 """Places in the kernel's source found by syntax, and the edits spliced there.
 
 Both mutant catalogues (harness/tools/mutants.py, harness/proofs/protocol_mutants.py)
-say where a defect goes by an :class:`Anchor`: the function (or class) it
-lives in, named as written and found in whichever file under ``kernel/``
-defines it, and a pattern, the source of one expression or of one or more
-consecutive statements of that function.  The pattern is compared with the
-function's code as syntax trees (positions, layout, comments and a target's
-load/store context ignored), so moving the function to another file,
-re-indenting or re-wrapping it, or editing its comments keeps the anchor;
-a change of what the matched code says, or of the function's name, loses it,
-and :class:`AnchorError` says which and why.
+say where a defect goes by an :class:`Anchor`: the seam of the function (or
+class) it lives in, declared where the function is defined
+(``@seam("producer.fill")``, kernel/sync/seams.py) and found in whichever
+file under ``kernel/`` declares it, and a pattern, the source of one
+expression or of one or more consecutive statements of that function.  The
+pattern is compared with the function's code as syntax trees (positions,
+layout, comments and a target's load/store context ignored), so renaming
+the function, moving it to another file, re-indenting or re-wrapping it, or
+editing its comments keeps the anchor; a change of what the matched code
+says, or a seam removed or declared twice, loses it, and
+:class:`AnchorError` says which and why (docs/decisions/declared-seams.md).
 
 An :class:`Edit` puts new source in place of the matched code, spliced by
 the matched nodes' line and column range: the rest of the file is byte for
@@ -35,24 +37,15 @@ class AnchorError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Anchor:
-  """``function``: a def or class name, optionally preceded by names that
-  enclose it (packages, module, classes, functions; in order, not
-  necessarily adjacent), e.g. ``"loop_body.issue_then_softmax"``;
+  """``seam``: the seam a def or class is declared as (``@seam(...)``,
+  kernel/sync/seams.py), e.g. ``"mainloop.issue_then_softmax"``;
   ``pattern``: the source of one expression or of consecutive statements
   inside it; ``occurrence``: which match (1 = the first in the file), when
   the pattern occurs more than once (0: it must occur exactly once)."""
 
-  function: str
+  seam: str
   pattern: str
   occurrence: int = 0
-
-  @property
-  def name(self) -> str:
-    return self.function.rpartition(".")[2]
-
-  @property
-  def scope(self) -> tuple[str, ...]:
-    return tuple(n for n in self.function.split(".")[:-1] if n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +56,8 @@ class Edit:
   new: str
 
 
-def edit(function: str, pattern: str, new: str, occurrence: int = 0) -> Edit:
-  return Edit(Anchor(function, pattern, occurrence), new)
+def edit(seam: str, pattern: str, new: str, occurrence: int = 0) -> Edit:
+  return Edit(Anchor(seam, pattern, occurrence), new)
 
 
 # -- the source tree ----------------------------------------------------------------
@@ -91,8 +84,8 @@ def _module_scope(rel: Path) -> tuple[str, ...]:
 
 
 class Tree:
-  """The Python files under ``root/within``, each parsed once, and every
-  def and class they hold."""
+  """The Python files under ``root/within``, each parsed once, every def
+  and class they hold, and the seams declared on them."""
 
   def __init__(self, root: Path, within: str = "kernel", sources: dict | None = None):
     """``sources``: {path from ``root``: text} in place of the files on disk."""
@@ -100,6 +93,7 @@ class Tree:
     self.sources: dict[Path, bytes] = {}
     self.modules: dict[Path, ast.Module] = {}
     self.definitions: list[Definition] = []
+    self.seams: dict[str, list[Definition]] = {}
     if sources is None:
       base = self.root / within
       files = [base] if base.is_file() else sorted(base.rglob("*.py"))
@@ -114,37 +108,38 @@ class Tree:
   def _collect(self, node, scope, rel):
     for child in ast.iter_child_nodes(node):
       if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        self.definitions.append(Definition(child.name, scope, rel, child))
+        definition = Definition(child.name, scope, rel, child)
+        self.definitions.append(definition)
+        for name in _declared_seams(child):
+          self.seams.setdefault(name, []).append(definition)
         self._collect(child, scope + (child.name,), rel)
       else:
         self._collect(child, scope, rel)
 
-  def find(self, function: str) -> Definition:
-    """The one definition ``function`` names, else AnchorError."""
-    anchor = Anchor(function, "")
-    named = [d for d in self.definitions if d.name == anchor.name]
-    if not named:
-      near = difflib.get_close_matches(anchor.name, sorted({d.name for d in self.definitions}),
-                                       n=3, cutoff=0.6)
-      raise AnchorError(f"function {function}: no def or class named {anchor.name!r} under "
-                        f"{self.within}/" + (f" (nearest names: {', '.join(near)})" if near else ""))
-    inside = [d for d in named if _within(anchor.scope, d.scope)]
-    if len(inside) == 1:
-      return inside[0]
-    found = ", ".join(f"{d.where} ({d.qualified})" for d in named)
-    if not inside:
-      raise AnchorError(f"function {function}: {anchor.name!r} is defined at {found}, none of "
-                        f"them inside {'.'.join(anchor.scope)}")
-    raise AnchorError(f"function {function}: {anchor.name!r} is defined {len(inside)} times "
-                      f"under {self.within}/: {found}; qualify it by a name that encloses "
-                      f"one of them (e.g. {inside[0].qualified.split('.')[-2]}.{anchor.name})")
+  def find(self, seam: str) -> Definition:
+    """The one definition declared as ``seam``, else AnchorError."""
+    declared = self.seams.get(seam, [])
+    if not declared:
+      near = difflib.get_close_matches(seam, sorted(self.seams), n=3, cutoff=0.6)
+      raise AnchorError(f"seam {seam}: no def or class under {self.within}/ declares it"
+                        + (f" (nearest seams: {', '.join(near)})" if near else ""))
+    if len(declared) > 1:
+      found = ", ".join(f"{d.where} ({d.qualified})" for d in declared)
+      raise AnchorError(f"seam {seam}: declared {len(declared)} times under {self.within}/: "
+                        f"{found}; a seam names one function")
+    return declared[0]
 
 
-def _within(scope: tuple[str, ...], enclosing: tuple[str, ...]) -> bool:
-  """Whether the names of ``scope`` enclose, in order, a definition whose
-  enclosing names are ``enclosing``."""
-  rest = iter(enclosing)
-  return all(name in rest for name in scope)
+def _declared_seams(node) -> list[str]:
+  """The names of the ``@seam("...")`` decorators on a def or class."""
+  names = []
+  for d in node.decorator_list:
+    func = d.func if isinstance(d, ast.Call) else None
+    called = getattr(func, "id", None) or getattr(func, "attr", None)
+    if called == "seam" and d.args and isinstance(d.args[0], ast.Constant) \
+            and isinstance(d.args[0].value, str):
+      names.append(d.args[0].value)
+  return names
 
 
 # -- matching -----------------------------------------------------------------------
@@ -244,12 +239,12 @@ class Place:
 
 def locate(anchor: Anchor, tree: Tree) -> Place:
   """The one place ``anchor`` matches in ``tree``, else AnchorError naming
-  the function and why (with the nearest code where nothing matched)."""
-  definition = tree.find(anchor.function)
+  the seam and why (with the nearest code where nothing matched)."""
+  definition = tree.find(anchor.seam)
   pattern = _parse_pattern(anchor.pattern)
   expression, hits, others = _candidates(definition.node, pattern)
   hits.sort(key=_position)
-  where = f"function {anchor.function} ({definition.where})"
+  where = f"seam {anchor.seam} ({definition.qualified}, {definition.where})"
   shown = textwrap.indent(textwrap.dedent(anchor.pattern).strip("\n"), "      ")
   if not hits:
     near = "\n".join("      " + c for c in _nearest(pattern, others))
@@ -258,7 +253,7 @@ def locate(anchor: Anchor, tree: Tree) -> Place:
     lines = ", ".join(str(_position(h)[0]) for h in hits)
     asked = f"occurrence {anchor.occurrence} asked, " if anchor.occurrence else ""
     raise AnchorError(f"{where}: {asked}the pattern matched {len(hits)} times (lines {lines}); "
-                      f"qualify the function or give the occurrence:\n{shown}")
+                      f"anchor on a seam inside it or give the occurrence:\n{shown}")
   nodes = tuple(hits[max(anchor.occurrence, 1) - 1])
   statement = _statement_of(definition.node, nodes[0]) if expression else None
   if statement is not None:  # a call on its own is the statement: any statement may replace it

@@ -2,8 +2,9 @@
 
 A mutant is a small, named edit of the kernel's source that stands for one
 class of bug kernel engineers make (../shared/GUIDE.md, issue 18), anchored
-on the function it edits and a pattern of that function's code
-(harness/tools/anchors.py), not on a file or its exact text.  It is
+on the declared seam of the function it edits (kernel/sync/seams.py) and a
+pattern of that function's code (harness/tools/anchors.py), not on a file,
+a name or its exact text.  It is
 applied to a temporary copy of the package, never to the shipped kernel, and
 the tests expected to kill it run in a child process whose ``PYTHONPATH``
 and working directory are that copy, under a time limit: a hang is reported
@@ -97,7 +98,8 @@ MASKED_ROWS = (f"{FWD_T}::test_fully_masked_rows_follow_the_contract[False]",
 class Mutant:
   """One defect: ``edits`` are anchored edits (harness/tools/anchors.py) of
   the source under ``within`` (relative to the repository root), each
-  anchor matching exactly once, whichever file holds its function;
+  anchor a declared seam (kernel/sync/seams.py) and matching exactly once
+  there, whichever file holds it;
   ``tests`` the pytest node ids expected to kill it, run in order with
   ``-x``; ``equivalent``, where set, the one-line argument that no test can
   kill it (it is then listed, not run); ``probe``, the lowering
@@ -113,201 +115,206 @@ class Mutant:
   within: str = "kernel"
 
   @property
-  def functions(self) -> str:
-    return ", ".join(dict.fromkeys(e.anchor.function for e in self.edits))
+  def seams(self) -> str:
+    return ", ".join(dict.fromkeys(e.anchor.seam for e in self.edits))
 
 
-def _m(name, bug_class, function, old, new, tests, equivalent="", probe="fwd"):
-  return Mutant(name, bug_class, (anchors.edit(function, old, new),), tuple(tests), equivalent,
+def _m(name, bug_class, seam, old, new, tests, equivalent="", probe="fwd"):
+  return Mutant(name, bug_class, (anchors.edit(seam, old, new),), tuple(tests), equivalent,
                 probe)
 
 
-def _b(name, bug_class, function, old, new, tests, probe="grad"):
+def _b(name, bug_class, seam, old, new, tests, probe="grad"):
   """A mutant of the backward: its probe takes the gradients."""
-  return _m(name, bug_class, function, old, new, tests, probe=probe)
+  return _m(name, bug_class, seam, old, new, tests, probe=probe)
 
 
 CATALOG: tuple[Mutant, ...] = (
     # -- forward: arithmetic of the online softmax --------------------------------
-    _m("residual-m-base2", "residual in the wrong base (seed 000)", "epilogue",
+    _m("residual-m-base2", "residual in the wrong base (seed 000)", "epilogue.epilogue",
        "m_smems.at[wg][...] = m_i * (1.0 / LOG2E)", "m_smems.at[wg][...] = m_i",
        named("heuristic-basic-d64")),
-    _m("exp2-without-log2e", "exp2 without the log2(e) fold", "logits",
+    _m("exp2-without-log2e", "exp2 without the log2(e) fold", "softmax.logits",
        "sc *= LOG2E", "", named("heuristic-basic-d64")),
-    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", "rescaled",
+    _m("acc-not-rescaled", "alpha applied to l but not to the accumulator", "softmax.rescaled",
        "return acc * lax.broadcast_in_dim(factor, acc.shape, [0])", "return acc",
        named("heuristic-d128-gqa", "heuristic-threshold-0")),
-    _m("l-not-rescaled", "l not rescaled when the max moves", "softmax",
+    _m("l-not-rescaled", "l not rescaled when the max moves", "softmax.softmax",
        "factor = jnp.exp2(m_i - base)\nl_i = l_i * factor",
        "factor = jnp.exp2(m_i - base)", named("heuristic-d128-gqa"), probe="fwd-threshold-1"),
     _m("threshold-branch-skips-l", "rescale below the threshold applied to acc, not l",
-       "softmax", "factor = jnp.where(rescale, alpha, 1.0)\nl_i = l_i * factor",
+       "softmax.softmax", "factor = jnp.where(rescale, alpha, 1.0)\nl_i = l_i * factor",
        "factor = jnp.where(rescale, alpha, 1.0)",
        named("heuristic-threshold-0.5-unnormalised", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-from-l", "the pending scale dropped when the threshold is below 1",
-       "epilogue", "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
+       "epilogue.epilogue", "l_res = l_i * jnp.exp2(m_scale - safe(m_i))", "l_res = l_i",
        named("heuristic-threshold-0", "heuristic-threshold-tiny")),
     _m("pending-scale-dropped-unnormalised",
-       "the pending scale dropped from the unnormalised output", "epilogue",
+       "the pending scale dropped from the unnormalised output", "epilogue.epilogue",
        "out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)",
        "out = acc", named("heuristic-threshold-0.5-unnormalised"), probe="fwd-unnormalised"),
     Mutant("pv-operand-rewritten-in-flight",
            "a register an in-flight wgmma reads rewritten before its wait (ptxas then "
            "serialises every wgmma of the kernel)", (
-               anchors.edit("issue_then_softmax", "p_ref[...] = p", "p_ref[...] = p.astype(c.dtype)"),
-               anchors.edit("loop_body",
+               anchors.edit("mainloop.issue_then_softmax", "p_ref[...] = p",
+                            "p_ref[...] = p.astype(c.dtype)"),
+               anchors.edit("mainloop.loop_body",
                             "p_init = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)",
                             "p_init = p16")),
            ("properties/tools/test_ptxas_report.py::"
             "test_no_shipped_kernel_has_its_wgmmas_serialised[fwd-d256-causal]",)),
-    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection", "always_rescale",
+    _m("threshold-0.999-takes-the-1.0-branch", "threshold branch selection",
+       "context.always_rescale",
        "return self.threshold == 1.0", "return self.threshold >= 0.999", (),
        equivalent="rescaling at every block is what the threshold branch does when alpha < "
                   "0.999, and otherwise keeps acc and l relative to one max either way: same "
                   "values up to rounding, only speed differs"),
     _m("f16-threshold-guard-dropped", "float16 overflow of deferred probabilities",
-       "_effective_threshold",
+       "api.effective_threshold",
        "if np.dtype(dtype) == np.float16 and threshold < F16_MIN_THRESHOLD:\n"
        "  return F16_MIN_THRESHOLD\nreturn threshold",
        "return threshold",
        (f"{FWD_T}::test_float16_deferred_rescale_does_not_overflow",), probe="fwd-f16"),
-    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", "safe",
+    _m("safe-base-dropped", "fully masked row without its -inf guard (NaN)", "softmax.safe",
        "return jnp.where(x == NEG_INF, 0.0, x)", "return x", MASKED_ROWS),
-    _m("normalise-without-tiny", "0/0 for a fully masked row", "epilogue",
+    _m("normalise-without-tiny", "0/0 for a fully masked row", "epilogue.epilogue",
        "inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))", "inv = 1.0 / l_i", MASKED_ROWS),
     _m("default-scale-from-padded-head-dim", "default scale from the padded head dim",
-       "problem_of", "float(shapes.H ** -0.5 if call.scale is None else call.scale)",
+       "api.problem_of", "float(shapes.H ** -0.5 if call.scale is None else call.scale)",
        "float(plan_lib.padded_head_dim(shapes.H) ** -0.5 if call.scale is None else call.scale)",
        named("heuristic-ragged-113x203-d72-dv96"), probe="fwd-d72"),
     # -- forward: masks, bias, soft cap ------------------------------------------
-    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", "masked_logits",
+    _m("causal-diagonal-masked", "causal off by one (the diagonal masked)", "masks.masked_logits",
        "s = jnp.where(q_base + _iota(shape, 0) >= key, s, NEG_INF)",
        "s = jnp.where(q_base + _iota(shape, 0) > key, s, NEG_INF)", named("heuristic-causal-1024")),
-    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left", "masked_logits",
+    _m("causal-bottom-right", "causal aligned bottom-right instead of top-left",
+       "masks.masked_logits",
        "s = jnp.where(q_base + _iota(shape, 0) >= key, s, NEG_INF)",
        "s = jnp.where(q_base + _iota(shape, 0) + (mask.seq_kv - mask.seq_q) >= key, s, NEG_INF)",
        named("heuristic-ragged-1023x1024-causal")
        + feature("causal-kend-bias-softcap-threshold")),
-    _m("k-end-inclusive", "k_end treated as inclusive", "masked_logits",
+    _m("k-end-inclusive", "k_end treated as inclusive", "masks.masked_logits",
        "jnp.where(key < lax.broadcast_in_dim(k_end, shape, [0]), s, NEG_INF)",
        "jnp.where(key <= lax.broadcast_in_dim(k_end, shape, [0]), s, NEG_INF)",
        feature("key-ranges-with-empty")),
-    _m("k-start-exclusive", "k_start treated as exclusive", "masked_logits",
+    _m("k-start-exclusive", "k_start treated as exclusive", "masks.masked_logits",
        "jnp.where(key >= lax.broadcast_in_dim(k_start, shape, [0]), s, NEG_INF)",
        "jnp.where(key > lax.broadcast_in_dim(k_start, shape, [0]), s, NEG_INF)",
        feature("key-ranges-with-empty")),
-    _m("staged-mask-ignored", "the staged mask ignored", "logits",
+    _m("staged-mask-ignored", "the staged mask ignored", "softmax.logits",
        "keep = staged_tile(c, t, \"mask\", ki)\ns = jnp.where(keep != 0, s, NEG_INF)",
        "keep = staged_tile(c, t, \"mask\", ki)", feature("mask-2d-with-empty-row"),
        probe="fwd-staged"),
-    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply", "logits",
+    _m("softcap-without-outer-multiply", "the soft cap without its outer multiply",
+       "softmax.logits",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
        "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
     # -- forward: data movement and the ring protocol ----------------------------
-    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", "produce_tile",
+    _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", "producer.tile",
        "hk = lax.div(h, jnp.int32(c.group))",
        "hk = lax.rem(h, jnp.int32(c.num_heads // c.group))",
        named("heuristic-d128-gqa")),
-    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", "last_pv.pv",
+    _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", "mainloop.last_pv.pv",
        "issue_pv(c, acc_ref, p16, st)", "plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
-       "prefetch_queries", "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
+       "producer.prefetch_queries", "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",
        "rows = pl.ds((c.cw * qi + c.cw - 1 - w) * c.block_q, c.block_q)",
        named("heuristic-basic-d64")),
     _m("no-prev-iters-carry", "ring phase not carried across persistent tiles (tilelang #2674)",
-       "ring_state", "return keys.position(prev_iters + (ki - lb))",
+       "context.ring_state", "return keys.position(prev_iters + (ki - lb))",
        "return keys.position(ki - lb)", CARRY),
     # The refill rule is the ring's (PipelineState.refills, read by the
     # ring's producer_acquire), one for every kernel: the same patch twice,
     # against the forward's tests and against the backward's.
     _m("producer-skips-first-reuse-wait", "producer refills a slot before its release",
-       "PipelineState.refills", "return self.count >= self.num_stages",
+       "pipeline.refills", "return self.count >= self.num_stages",
        "return self.count >= self.num_stages + 1",
        named("heuristic-d128-gqa", "nonpersistent-bq128-3stages") + CARRY[:1]),
     _m("query-released-one-block-early", "a consumer released its slot one block early",
-       "release_query_after", "pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
+       "mainloop.release_query",
+       "pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
        "pl.when(ki + 2 == t.ub)(lambda: c.queries.consumer_release(c.wg))",
        CARRY[:1] + named("persistent-d128-gqa")),
     _m("empty-tile-keeps-query-slot", "an empty tile never releases its query slot (deadlock)",
-       "epilogue", "pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))", "None",
+       "epilogue.epilogue", "pl.when(t.ub == t.lb)(lambda: c.queries.consumer_release(wg))", "None",
        CARRY[3:]),
     _m("empty-tile-skips-token-pass", "an empty tile skips the pingpong token (Z3-found deadlock)",
-       "tile_prologue", "@pl.when(t.ub == t.lb)\ndef _():\n"
+       "mainloop.tile_prologue", "@pl.when(t.ub == t.lb)\ndef _():\n"
        "  barriers.schedule_release_other(c.wg, c.cw)\n  barriers.schedule_sync(c.wg, c.cw)",
        "pass", CARRY[3:]),
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
-       "launch_extent", "-(-seq_q // config.tile_q)", "-(-seq_q // config.tile_q) + 1", GUARD),
+       "launch.extent", "-(-seq_q // config.tile_q)", "-(-seq_q // config.tile_q) + 1", GUARD),
     _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
-       "H200 2026-12-01: the last tile's rows spilled into the next head)", "_out_type",
+       "H200 2026-12-01: the last tile's rows spilled into the next head)", "launch.out_type",
        "out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"
        "                                  jnp.float32)] * 2",
        "out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2",
        named("heuristic-ragged-1000-causal-gqa", "heuristic-ragged-776x1304-d64") + GUARD,
        probe="fwd-unpadded"),
     _m("l-store-one-row-late", "a store one row past its tile (one row past the end)",
-       "into_output", "c.l_ref.at[t.b, t.h, t.rows]",
+       "epilogue.into_output", "c.l_ref.at[t.b, t.h, t.rows]",
        "c.l_ref.at[t.b, t.h, pl.ds(t.q_base + 1, c.block_q)]", GUARD),
     # -- forward: FP8 ----------------------------------------------------------------
     _m("fp8-qk-descale-twice", "a descale applied twice (q_descale * k_descale squared)",
-       "logits", "sc = sc * t.descales[0]", "sc = sc * t.descales[0] * t.descales[0]",
+       "softmax.logits", "sc = sc * t.descales[0]", "sc = sc * t.descales[0] * t.descales[0]",
        fp8_named("heuristic-basic-d64", "heuristic-d128-gqa-head-descales"), probe="fwd-fp8"),
     _m("fp8-p-scale-dropped", "P quantised at its own value, not at 2^8 (e4m3 subnormals)",
-       "softmax", "base = base - fp8.P_SCALE_LOG2", "base = base",
+       "softmax.softmax", "base = base - fp8.P_SCALE_LOG2", "base = base",
        fp8_named("heuristic-basic-d64", "heuristic-broad-rows-4096"), probe="fwd-fp8"),
     _m("fp8-v-read-untransposed", "V read untransposed (its bytes taken for V^T's)",
-       "values_transposed", "v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))",
+       "padding.values_transposed", "v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))",
        "v = v.reshape(batch, heads, dv, seq // 16, 4, 2, 2)",
        FP8_VT + fp8_named("heuristic-basic-d64", "heuristic-d128-gqa-head-descales"),
        probe="fwd-fp8"),
     _m("fp8-keys-in-natural-order", "V^T's keys in natural order against P's relabelled "
-       "registers (each 16 keys paired with the wrong probabilities)", "values_transposed",
+       "registers (each 16 keys paired with the wrong probabilities)", "padding.values_transposed",
        "v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))",
        "v = jnp.transpose(v, (0, 5, 6, 1, 2, 3, 4))",
        FP8_VT + fp8_named("heuristic-basic-d64", "heuristic-ragged-113x203-d72-dv96"),
        probe="fwd-fp8"),
     # -- backward ------------------------------------------------------------------
-    _b("lse-base-e", "the backward reading lse in base e", "residual_rows",
+    _b("lse-base-e", "the backward reading lse in base e", "backward.residual_rows",
        "lse2 = jnp.where(live, m * LOG2E + jnp.log2(jnp.where(live, l, 1.0)), jnp.inf)",
        "lse2 = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), jnp.inf)",
        ("properties/kernel/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
-    _b("delta-in-bf16", "delta formed in bf16", "residual_rows",
+    _b("delta-in-bf16", "delta formed in bf16", "backward.residual_rows",
        "delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)",
        "delta = jnp.sum(d_out.astype(out.dtype) * out, axis=-1).astype(jnp.float32)",
        ("properties/kernel/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
     _b("fused-dq-missing-scale", "dq missing the scale (fused dQ)",
-       "attention_backward", "dq = dq_acc.astype(jnp.float32) * f.scale",
+       "backward.attention", "dq = dq_acc.astype(jnp.float32) * f.scale",
        "dq = dq_acc.astype(jnp.float32)", grads("gqa-d128"), probe="grad-fused"),
-    _b("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", "_dq_compute",
+    _b("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", "dq.compute",
        "q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)",
        "q_st[...] = dq_acc.astype(c.dtype)", grads("ragged-causal-d72-dv96"), probe="grad-causal"),
-    _b("dk-missing-scale", "dk missing the scale", "_dkv_compute",
+    _b("dk-missing-scale", "dk missing the scale", "dkv.compute",
        "if name == \"dk\":\n  acc = acc * c.f.scale", "", grads("gqa-d128")),
-    _b("dk-dv-swapped", "dk and dv swapped (joint launch)", "_dkv_compute",
+    _b("dk-dv-swapped", "dk and dv swapped (joint launch)", "dkv.compute",
        'results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}',
        'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)}', grads("gqa-d128")),
-    _b("backward-causal-diagonal-masked", "causal off by one in the backward", "Keep.select",
+    _b("backward-causal-diagonal-masked", "causal off by one in the backward", "masks.keep_select",
        "self.query_base", "self.query_base - 1",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
     _b("meets-diagonal-off-by-one", "causal mask skipped on a step that needs it",
-       "meets_diagonal", "return key_base + num_keys - 1 > query_base",
+       "masks.meets_diagonal", "return key_base + num_keys - 1 > query_base",
        "return key_base + num_keys - 1 > query_base + 1",
        ("properties/kernel/test_causal_skip.py::test_the_predicate_sees_the_corners",)
        + grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _b("dkv-causal-skips-first-query-block", "causal dK/dV skips the diagonal's query block",
-       "Mask.first_query_block",
+       "masks.first_query_block",
        "return lax.div(tile * key_tile, jnp.int32(block_q)) if self.causal else jnp.int32(0)",
        "return lax.div(tile * key_tile, jnp.int32(block_q)) + 1 if self.causal "
        "else jnp.int32(0)",
        grads("ragged-causal-d72-dv96", "causal-kv-longer"), probe="grad-causal"),
-    _b("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", "_dkv_coords",
+    _b("dkv-gqa-head-modulo", "GQA group summed over h % K heads in dK/dV", "dkv.coords",
        "return c.hk * c.group + lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        "return c.hk + c.num_kv_heads * lax.div(t, c.per_head), c.lo + lax.rem(t, c.per_head)",
        grads("gqa-d128")),
-    _b("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", "_dq_kernel",
+    _b("dq-kernel-gqa-head-modulo", "GQA mapping h % K in the dQ kernel", "dq.kernel",
        "hk = lax.div(h, jnp.int32(c.group))", "hk = lax.rem(h, jnp.int32(c.num_kv_heads))",
        grads("gqa-causal-dq-kernel"), probe="grad-causal"),
-    _b("bias-after-softcap", "bias added after the soft cap", "_scaled_logits",
+    _b("bias-after-softcap", "bias added after the soft cap", "scores.scaled_logits",
        "if bias is not None:\n  u = u + bias.astype(jnp.float32)\n"
        "if f.logits_soft_cap is None:\n  return u, None\n"
        "t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
@@ -318,34 +325,34 @@ CATALOG: tuple[Mutant, ...] = (
        "return t * f.logits_soft_cap + late, 1.0 - t * t",
        grads("bias-full-softcap")),
     _b("softcap-derivative-wrong", "the soft cap's derivative without its square",
-       "_scaled_logits", "return t * f.logits_soft_cap, 1.0 - t * t",
+       "scores.scaled_logits", "return t * f.logits_soft_cap, 1.0 - t * t",
        "return t * f.logits_soft_cap, 1.0 - t", grads("bias-full-softcap")),
     _b("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum",
-       "attention_backward",
+       "backward.attention",
        "summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)",
        "summed = jnp.mean(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)",
        grads("bias-row-neg-inf")),
-    _b("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", "_masked_to_zero",
+    _b("masked-ds-not-zeroed", "dS of a masked pair left at 0 * NaN", "scores.masked_to_zero",
        "return ds if keep is None else keep.select(ds)", "return ds",
        (f"{GRAD_T}::test_nan_in_the_cotangent_propagates_as_the_reference_says",),
        probe="grad-causal"),
     _b("backward-producer-skips-first-reuse-wait", "backward producer refills a slot early",
-       "PipelineState.refills", "return self.count >= self.num_stages",
+       "pipeline.refills", "return self.count >= self.num_stages",
        "return self.count >= self.num_stages + 1", grads("gqa-d128", "d256-head-split")),
     Mutant("dkv-releases-slot-before-its-products", "a consumer released its slot before the "
            "products reading it completed", (
-               anchors.edit("_dkv_step", "stream.consumer_release(st)", ""),
-               anchors.edit("_dkv_step", 'accs = {"dv": dv_acc, "dk": dk_acc}',
+               anchors.edit("dkv.step", "stream.consumer_release(st)", ""),
+               anchors.edit("dkv.step", 'accs = {"dv": dv_acc, "dk": dk_acc}',
                             'stream.consumer_release(st)\naccs = {"dv": dv_acc, "dk": dk_acc}')),
            grads("gqa-d128", "d256-head-split"), probe="grad"),
     # -- backward: the head split (head dims over 128) -------------------------
     _b("head-split-dv-other-half", "a warpgroup's dV half formed from the other half of dO",
-       "_wide_step.grads", "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
+       "dkv.wide_step.grads", "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, dv_cols])",
        "plgpu.wgmma(refs[\"dv\"], pt_st.at[x], do_slot.at[:, pl.ds((1 - wg) * "
        "dv_acc.shape[1], dv_acc.shape[1])])",
        grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
     _b("head-split-ds-halves-swapped", "the dQ kernel's dS halves staged in each other's "
-       "columns", "_wide_dq_step", "c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
+       "columns", "dq.wide_step", "c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)",
        "c.exchange.at[x, :, pl.ds((1 - wg) * half, half)][...] = ds.astype(c.dtype)",
        grads("d256-head-split", "d256-gqa-causal"), probe="grad-d256"),
 )
@@ -366,7 +373,7 @@ def patched_files(mutant: Mutant, root: Path = REPO, tree: anchors.Tree | None =
                   ) -> dict[Path, str]:
   """{path relative to ``root``: patched text} of the files the mutant's
   edits change; an anchor that does not find exactly one place means the
-  catalogue has rotted: MutantError names the mutant, the function and why."""
+  catalogue has rotted: MutantError names the mutant, the seam and why."""
   try:
     return anchors.splice(mutant.edits, tree or anchors.Tree(root, mutant.within))
   except anchors.AnchorError as err:
@@ -679,7 +686,7 @@ def main(argv=None) -> int:
     parser.error(str(err))
   if args.list:
     for m in chosen:
-      print(f"{m.name:44s} {m.functions:28s} {m.bug_class}")
+      print(f"{m.name:44s} {m.seams:28s} {m.bug_class}")
     return 0
   if args.check:
     problems = check(mutants=chosen)

@@ -26,7 +26,7 @@ def _memory_warpgroup(load_stationary, fill, start, stop, stream: ring_lib.Ring)
   the stationary tiles' copies, then fills ring step t in [start, stop) at
   position ``stream.position(t)`` with ``fill(t, st)``.  Steps 0..S-1 find
   fresh slots; every later one first waits for both compute warpgroups to
-  release the slot (the forward's rule; harness/proofs/extracted_proof.py checks it
+  release the slot (the forward's rule; harness/proofs/search.py checks it
   on the traced kernels)."""
   plgpu.set_max_registers(40, action="decrease")
 

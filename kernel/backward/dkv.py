@@ -24,6 +24,7 @@ from jax import lax
 
 from kernel.common import COL, ROW, WGMMA, batch_head, load_broadcast
 from kernel.sync import barriers, ring as ring_lib
+from kernel.sync.seams import seam
 from kernel.tiling import schedule as schedule_lib
 from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
 from kernel.backward.fused_dq import (_dq_product, _dq_reduce_add, dq_owner, ds_buffer,
@@ -237,6 +238,7 @@ def _at_key_tile(c: DkvKernel, qlo_ref, qhi_ref, inner_ref) -> DkvKernel:
                              inner_lo=inner_lo, inner_hi=inner_hi)
 
 
+@seam("dkv.coords")
 def _dkv_coords(c: DkvKernel, t):
   """(query head, query block) of step t: every key tile walks its query
   blocks in order, so without causal the tiles in flight add their dQ parts
@@ -263,6 +265,7 @@ def _dkv_fill(c: DkvKernel, t, st):
   stream.producer_copy(c.do_ref.at[c.b, qrows, h], st, "do")
 
 
+@seam("dkv.compute")
 def _dkv_compute(c: DkvKernel):
   """A compute warpgroup: its 64 keys' dK/dV over every step, then the
   results staged in the stationary tiles and stored."""
@@ -306,6 +309,7 @@ def _step_operands(c: DkvKernel, t):
   return st, h, i, q_base, stream.slot(st, "q"), stream.slot(st, "do")
 
 
+@seam("dkv.step")
 def _dkv_step(c: DkvKernel, kv_base, t, carry):
   """Step t: query block i of query head h against this warpgroup's keys:
   P^T and dS^T (:func:`_step_scores`), dV += P^T dO and dK += dS^T Q, and
@@ -332,6 +336,7 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   # dV += P^T dO and dK += dS^T Q: issued together, waited once.
   accs = {"dv": dv_acc, "dk": dk_acc}
 
+  @seam("dkv.step.grads")
   def grads(refs):
     if "dv" in refs:
       plgpu.wgmma(refs["dv"], p.astype(c.dtype), do_slot)
@@ -407,6 +412,7 @@ def _wide_load_stationary(c: DkvKernel):
   c.stationary.producer_copy(c.v_ref.at[c.b, keys, c.hk], 0, "v")
 
 
+@seam("dkv.wide_compute")
 def _wide_compute(c: DkvKernel):
   """A compute warpgroup of the head-split launch: its half of the head dim
   of dK and dV over every step, then staged in the stationary tiles and
@@ -439,6 +445,7 @@ def _wide_compute(c: DkvKernel):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@seam("dkv.wide_step")
 def _wide_step(c: DkvKernel, t, carry):
   """Step t of the head-split launch (the notes above
   kernel.tiling.backward_plan.EXCHANGE_BUFFERS)."""
@@ -461,6 +468,7 @@ def _wide_step(c: DkvKernel, t, carry):
   dk_cols = pl.ds(wg * dk_acc.shape[1], dk_acc.shape[1])
   dv_cols = pl.ds(wg * dv_acc.shape[1], dv_acc.shape[1])
 
+  @seam("dkv.wide_step.grads")
   def grads(refs):
     plgpu.wgmma(refs["dv"], pt_st.at[x], do_slot.at[:, dv_cols])
     plgpu.wgmma(refs["dk"], ds_st.at[x], q_slot.at[:, dk_cols])

@@ -20,6 +20,7 @@ from jax import lax
 
 from kernel.common import ROW, WGMMA, load_broadcast, tile_key_bounds
 from kernel.sync import barriers, ring as ring_lib
+from kernel.sync.seams import seam
 from kernel.tiling import schedule as schedule_lib
 from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
 from kernel.backward.head_split import _shared_slot, exchange_buffer
@@ -132,6 +133,7 @@ def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k
   return (results[0], results[1]) if want_ds else (results[0], None)
 
 
+@seam("dq.kernel")
 def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref, ks_ref,
                ke_ref, tiles_ref, dq_ref, *rest):
   """The dQ kernel's entry: its rings over the scratch, the query tile of
@@ -189,6 +191,7 @@ def _dq_load_stationary(c: DqKernel):
     c.stationary.producer_copy(c.rows_ref.at[c.b, c.h, :, rows_w], w, "rows")
 
 
+@seam("dq.fill")
 def _dq_fill(c: DqKernel, t, st):
   keys = pl.ds((c.lb + t) * c.bkv, c.bkv)
   stream = c.stream
@@ -196,6 +199,7 @@ def _dq_fill(c: DqKernel, t, st):
   stream.producer_copy(c.v_ref.at[c.b, keys, c.hk], st, "v")
 
 
+@seam("dq.compute")
 def _dq_compute(c: DqKernel):
   """A compute warpgroup: its 64 query rows' dQ over the tile's key
   blocks, then staged in its query tile and stored."""
@@ -255,6 +259,7 @@ def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
   return edge_terms, terms, interior
 
 
+@seam("dq.step")
 def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   """Key block ki against this warpgroup's query rows: P and dS
   (:func:`_step_scores`), dQ += dS K, and dS stored where wanted."""
@@ -342,6 +347,7 @@ def _wide_dq_compute(c: DqKernel):
   plgpu.wait_smem_to_gmem(0)
 
 
+@seam("dq.wide_step")
 def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   """Key block ki of the head-split dQ kernel (the notes above)."""
   f, wg, b, h, stream = c.f, c.wg, c.b, c.h, c.stream

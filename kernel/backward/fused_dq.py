@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from kernel.backward.context import CW
+from kernel.sync.seams import seam
 from kernel.tiling.backward_plan import DS_BUFFERS
 
 
@@ -135,6 +136,7 @@ MAGIC_BITS = np.uint32(((int(HI_MAGIC.view(np.uint32)) << 8) + int(LO_MAGIC.view
                        % (1 << 32)).view(np.int32)
 
 
+@seam("fused_dq.ds_buffer")
 def ds_buffer(t):
   return t % DS_BUFFERS
 

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernel.backward.context import CW
+from kernel.sync.seams import seam
 from kernel.tiling.backward_plan import EXCHANGE_BUFFERS
 
 
+@seam("head_split.exchange_buffer")
 def exchange_buffer(t):
   return t % EXCHANGE_BUFFERS
 

@@ -28,6 +28,7 @@ from jax import lax
 
 from kernel import padding
 from kernel.common import LOG2E
+from kernel.sync.seams import seam
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.backward.dkv import dkv_call
 from kernel.backward.dq import dq_call
@@ -43,6 +44,7 @@ from kernel.tiling.backward_plan import Backward, BackwardBlocks, fuses_dq, smem
 ORDER_DEPENDENT_GRADIENTS = ("dq",)
 
 
+@seam("backward.residual_rows")
 def residual_rows(m, l, out, d_out, t_pad: int):
   """(B, N, 2, Tp) f32, the per-row inputs the kernels stream: lse in base 2
   from the forward's natural-log residuals (+inf where l = 0, a fully masked
@@ -60,6 +62,7 @@ def residual_rows(m, l, out, d_out, t_pad: int):
   return jnp.stack([lse2, delta], axis=2).astype(jnp.float32)
 
 
+@seam("backward.attention")
 def attention_backward(problem: plan_lib.Problem, backward: Backward,
                        query, key, value, bias, mask, k_start, k_end, out, m, l, d_out,
                        *, num_sms: int = schedule_lib.DEFAULT_NUM_SMS):

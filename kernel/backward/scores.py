@@ -12,9 +12,11 @@ from jax import lax
 
 from kernel.common import LOG2E, WGMMA
 from kernel.masks.selects import keep_branches, masked_terms, meets_diagonal, pair_keep
+from kernel.sync.seams import seam
 from kernel.tiling.plan import Problem
 
 
+@seam("scores.scaled_logits")
 def _scaled_logits(s, f: Problem, bias):
   """(s_final, dsdu): the logits after scale, bias and soft cap, and the soft
   cap's derivative d s_final / d u (None without a cap)."""
@@ -33,6 +35,7 @@ def _probabilities(s, lse2, keep):
   return p if keep is None else keep.select(p)
 
 
+@seam("scores.masked_to_zero")
 def _masked_to_zero(ds, keep):
   """dS is exactly 0 for a masked pair, as in the reference: p = 0 there, but
   p * (dP - delta) would be 0 * NaN = NaN when a NaN in dO reaches dP."""

@@ -16,6 +16,7 @@ from jax import lax
 from kernel import common
 from kernel.common import piece_block_range, tile_key_bounds
 from kernel.sync import barriers, ring as ring_lib
+from kernel.sync.seams import seam
 from kernel.tiling import plan as plan_lib, schedule as schedule_lib
 from kernel.tiling.config import Config
 
@@ -92,10 +93,12 @@ class ForwardContext(common.OperandRefs):
     return float(self.f.rescale_threshold)
 
   @property
+  @seam("context.always_rescale")
   def always_rescale(self) -> bool:
     return self.threshold == 1.0
 
   @property
+  @seam("context.ragged_kv")
   def ragged_kv(self) -> bool:
     return self.f.seq_kv % self.config.block_kv != 0
 
@@ -207,12 +210,14 @@ def for_each_tile(c: ForwardContext, tile_body, init):
   return final
 
 
+@seam("context.ring_state")
 def ring_state(keys, prev_iters, lb, ki):
   """The ring position of tile-local key block ki, for producer and
   consumers alike: the global block count, carried across tiles."""
   return keys.position(prev_iters + (ki - lb))
 
 
+@seam("context.key_position")
 def key_position(c: ForwardContext, t: Tile, ki):
   """The position of the tile's key block ki, as a compute warpgroup sees it."""
   return ring_state(c.keys, t.prev_iters, t.lb, ki)

@@ -16,8 +16,10 @@ from kernel.forward import fp8
 from kernel.forward.context import ForwardContext, Tile
 from kernel.forward.mainloop import each_part, pass_token_for_the_last_time
 from kernel.forward.softmax import safe
+from kernel.sync.seams import seam
 
 
+@seam("epilogue.epilogue")
 def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
   """Normalise (or bring to m_i), stage in shared memory, TMA to global."""
   f, wg, layout = c.f, c.wg, c.layout
@@ -86,6 +88,7 @@ def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
       plgpu.copy_smem_to_gmem(m_smems.at[wg], m_at())
       plgpu.copy_smem_to_gmem(l_smems.at[wg], l_at())
 
+  @seam("epilogue.into_output")
   def into_output():
     store(lambda: c.out_ref.at[t.b, t.rows, t.h], lambda: c.m_ref.at[t.b, t.h, t.rows],
           lambda: c.l_ref.at[t.b, t.h, t.rows])

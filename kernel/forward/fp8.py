@@ -15,6 +15,7 @@ import numpy as np
 from jax import lax
 
 from kernel.common import batch_head
+from kernel.sync.seams import seam
 from kernel.tiling.plan import FP8_P_SCALE_LOG2
 
 # P = exp2(s - m + 8) lies in [0, 2^8]: e4m3's normal range (up to 448)
@@ -57,6 +58,7 @@ def relabel(p8):
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(shape, E4M3,
                                                         layout=plgpu.Layout.WGMMA_8BIT))
+  @seam("fp8.regroup")
   def regroup(_ctx, x):
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils

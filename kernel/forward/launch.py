@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernel.sync import barriers
+from kernel.sync.seams import seam
 from kernel.tiling import plan as plan_lib
 from kernel.tiling.config import Config
 from kernel.forward.block import _kernel
@@ -31,6 +32,7 @@ from kernel.forward.context import ForwardContext
 from kernel.forward.order import _schedule, merge_pieces
 
 
+@seam("launch.extent")
 def launch_extent(config: Config, seq_q: int, seq_kv: int) -> tuple[int, int]:
   """(query tiles, padded key length) of a launch: whole tiles of
   ``config.tile_q`` rows, whole blocks of ``config.block_kv`` keys."""
@@ -154,6 +156,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
   return out, None
 
 
+@seam("launch.out_type")
 def _out_type(f: plan_lib.Problem, config: Config, order, *, batch, seq_q, num_heads, num_tiles,
               out_row, dtype) -> list:
   """The kernel's outputs: out, then m and l with residuals, then the

@@ -21,8 +21,10 @@ from kernel.sync import barriers
 from kernel.forward import fp8
 from kernel.forward.context import ForwardContext, Tile, key_position, tile_range
 from kernel.forward.softmax import rescaled, softmax
+from kernel.sync.seams import seam
 
 
+@seam("mainloop.last_token")
 def pass_token_for_the_last_time(c: ForwardContext):
   """Every warpgroup but the last passes once more than it acquires: the
   next one's last acquire (before its last PV) waits for it."""
@@ -30,6 +32,7 @@ def pass_token_for_the_last_time(c: ForwardContext):
   pl.when(last)(lambda: barriers.schedule_release_other(c.wg, c.cw))
 
 
+@seam("mainloop.tile_start")
 def tile_start(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   """The tile's indices and key ranges, the zeroed softmax state and
   accumulator; then wait for its queries and its first key block."""
@@ -60,11 +63,13 @@ def tile_start(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   return t, acc, m_i, l_i
 
 
+@seam("mainloop.tile_prologue")
 def tile_prologue(c: ForwardContext, t: Tile, m_i):
   """QK of the tile's first block (the loop issues each next one); the
   pending scale, if carried; the end of the blocks that need no mask."""
   s0 = plgpu.layout_cast(jnp.zeros(c.bq_kv, jnp.float32), WGMMA)
 
+  @seam("mainloop.first_qk")
   def first_qk():
     s = qk(c, t, t.lb)
     if not c.staged:
@@ -114,6 +119,7 @@ def qk(c: ForwardContext, t: Tile, ki):
   """Issue QK^T of key block ki, let the other warpgroup issue, wait."""
   st = key_position(c, t, ki)
 
+  @seam("mainloop.compute_qk")
   def compute_qk(s_ref):
     issue_qk(c, s_ref, st)
     wait_staged(c, st)
@@ -159,12 +165,14 @@ def each_part(fn, acc):
   return tuple(map(fn, acc)) if isinstance(acc, tuple) else fn(acc)
 
 
+@seam("mainloop.release_query")
 def release_query_after(c: ForwardContext, t: Tile, ki):
   if c.config.persistent and not c.layout.overlay_q_with_output:
     # The tile's last QK has completed: the query slot may be refilled.
     pl.when(ki + 1 == t.ub)(lambda: c.queries.consumer_release(c.wg))
 
 
+@seam("mainloop.key_loop")
 def key_loop(c: ForwardContext, t: Tile, s0, acc, m_i, l_i, pending, plain):
   """The tile's key blocks lb .. ub - 1 given the first one's logits s0:
   its softmax, the loop over blocks lb .. ub - 2 (PV of ki, QK and
@@ -213,6 +221,7 @@ def key_loop(c: ForwardContext, t: Tile, s0, acc, m_i, l_i, pending, plain):
   return acc, m, l, pend
 
 
+@seam("mainloop.loop_body")
 def loop_body(c: ForwardContext, t: Tile, ki, carry, *, edge):
   """PV of key block ki and QK of block ki + 1 in one turn on the tensor
   cores (QK issued first), then the softmax of block ki + 1 as soon as
@@ -225,6 +234,7 @@ def loop_body(c: ForwardContext, t: Tile, ki, carry, *, edge):
   c.values.consumer_wait(st)
   barriers.schedule_sync(c.wg, c.cw)
 
+  @seam("mainloop.issue_then_softmax")
   def issue_then_softmax(refs):
     acc_ref, s_ref, factor_ref, p_ref, m_ref_, l_ref_, *pending_refs = refs
     c.keys.consumer_wait(next_st)
@@ -268,12 +278,14 @@ def loop_body(c: ForwardContext, t: Tile, ki, carry, *, edge):
   return (each_part(lambda a: rescaled(a, factor), acc), p16, m_i, l_i, *pending)
 
 
+@seam("mainloop.last_pv")
 def last_pv(c: ForwardContext, t: Tile, last, p16, acc):
   """The PV of the tile's last key block, alone."""
   st = key_position(c, t, last)
   c.values.consumer_wait(st)
   barriers.schedule_sync(c.wg, c.cw)
 
+  @seam("mainloop.last_pv.pv")
   def pv(acc_ref):
     issue_pv(c, acc_ref, p16, st)
   acc = pl.run_state(pv)(each_part(plgpu.ACC.init, acc))

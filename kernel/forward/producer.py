@@ -15,6 +15,7 @@ from jax import lax
 from kernel.common import batch_head
 from kernel.forward.context import (ForwardContext, MEMORY_REGISTERS, for_each_tile, ring_state,
                                     tile_range)
+from kernel.sync.seams import seam
 
 
 # -- the memory warpgroup --------------------------------------------------------
@@ -35,12 +36,14 @@ def memory_warpgroup(c: ForwardContext):
       for_each_tile(c, functools.partial(prefetch_queries, c), 0)
 
 
+@seam("producer.tile")
 def produce_tile(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   """Warp 0: every key/value TMA of the tile into the ring."""
   lb, ub, _, _ = tile_range(c, qi, b, h, piece)
   hk = lax.div(h, jnp.int32(c.group))
   keys, values = c.keys, c.values
 
+  @seam("producer.fill")
   def fill(ki):
     st = ring_state(keys, prev_iters, lb, ki)
     kb = pl.ds(ki * c.block_kv, c.block_kv)
@@ -66,6 +69,7 @@ def produce_tile(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   return prev_iters + (ub - lb)
 
 
+@seam("producer.prefetch_queries")
 def prefetch_queries(c: ForwardContext, b, h, qi, step, piece=None):
   """Warp 1: the tile's queries, once the previous tile's are consumed (a
   piece's are the whole tile's)."""

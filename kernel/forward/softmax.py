@@ -18,14 +18,17 @@ from kernel.common import LOG2E, NEG_INF, WGMMA, load_broadcast
 from kernel.forward import fp8
 from kernel.forward.context import ForwardContext, Tile, key_position
 from kernel.masks.selects import masked_logits
+from kernel.sync.seams import seam
 
 
+@seam("softmax.safe")
 def safe(x):
   # exp2(x - base) with base = -inf would be NaN; rows that have seen no
   # unmasked key use base 0, where every p is exp2(-inf) = 0.
   return jnp.where(x == NEG_INF, 0.0, x)
 
 
+@seam("softmax.rescaled")
 def rescaled(acc, factor):
   """acc with row i times factor[i]: at every key block, whatever
   ``rescale_threshold``.  Skipping the multiply in warps whose factors are
@@ -46,6 +49,7 @@ def staged_tile(c: ForwardContext, t: Tile, buffer, ki):
   return lax.switch(c.wg, [rows(w) for w in range(c.cw)])
 
 
+@seam("softmax.logits")
 def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
   """Scaled base-2 logits of one block, masked to -inf; returns (s, sc)
   with the true logits being s * sc (deferred so exp2 fuses, where sc > 0:
@@ -84,6 +88,7 @@ def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
   return s, 1.0
 
 
+@seam("softmax.softmax")
 def softmax(c: ForwardContext, t: Tile, s, ki, m_i, l_i, pending, *, edge):
   """Online softmax of key block ki's raw logits s: returns the factor
   that brings the accumulator (and, already applied, l_i) to the new

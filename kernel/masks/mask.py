@@ -15,6 +15,8 @@ import dataclasses
 
 import numpy as np
 
+from kernel.sync.seams import seam
+
 
 def _jax():
   """(lax, jax.numpy), for the traced bounds only."""
@@ -130,8 +132,8 @@ class Mask:
     given.  Never a negative range.
 
     Shared by the memory and every compute warpgroup (they must agree), by
-    the schedules' weights and by the proof's environments
-    (harness/proofs/prove_extracted.py).  Works on Python ints and traced
+    the schedules' weights and by the proof's probes of the forward and the
+    backward (harness/proofs/*_probes.py).  Works on Python ints and traced
     int32 scalars."""
     ints = isinstance(qi, int)
     traced = not (ints and isinstance(k_start_min, (int, type(None))))
@@ -186,6 +188,7 @@ class Mask:
 
   # -- the query blocks of a key tile ---------------------------------------------
 
+  @seam("masks.first_query_block")
   def first_query_block(self, tile, *, key_tile: int, block_q: int):
     """The first query block (of ``block_q`` rows) that may see key tile
     ``tile`` (keys ``tile * key_tile`` on): its first key's row under

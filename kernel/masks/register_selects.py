@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
 
+from kernel.sync.seams import seam
+
 _FILL_HEX = {0.0: "0f00000000", float("-inf"): "0fFF800000"}
 
 
@@ -115,6 +117,7 @@ def _split_select(x, delta, *, key_dim, fill, causal):
 
   @plgpu.inline_mgpu(arg_types=(layout, plgpu.Layout.WG_SPLAT),
                      return_type=plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=layout))
+  @seam("masks.register_select")
   def select(_ctx, xa, d):
     from jax.experimental.mosaic import gpu as mgpu
     from jax._src.lib.mlir import ir

@@ -18,12 +18,14 @@ from jax import lax
 from kernel.common import NEG_INF, WGMMA
 from kernel.masks import register_selects
 from kernel.masks.mask import Mask
+from kernel.sync.seams import seam
 
 
 def _iota(shape, dim):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
 
 
+@seam("masks.masked_logits")
 def masked_logits(mask: Mask, s, *, q_base, k_base, edge: bool, ragged: bool,
                   k_start=None, k_start_max=None, k_end=None, k_end_min=None):
   """The forward's (rows, keys) WGMMA tile of logits ``s`` (rows
@@ -83,6 +85,7 @@ class Keep:
   terms: Any
   key_limit: Any = None
 
+  @seam("masks.keep_select")
   def select(self, x):
     """x where the pair counts, 0 elsewhere."""
     if self.terms is not None:
@@ -117,6 +120,7 @@ def pair_keep(shape, key_base, query_base, key_dim, *, causal, terms):
   return Keep(causal, key_base, query_base, key_dim, keep, limits[0] if limits else None)
 
 
+@seam("masks.meets_diagonal")
 def meets_diagonal(key_base, num_keys, query_base):
   """Whether a tile of keys [key_base, key_base + num_keys) holds a key
   above the first query of its block (query_base), i.e. whether the causal
@@ -131,6 +135,7 @@ def keep_branches(mask: Mask, interior) -> bool:
   return mask.causal or interior is not None
 
 
+@seam("masks.masked_terms")
 def masked_terms(mask: Mask, terms, keep_of, *, on_diagonal, interior=None):
   """``terms(keep)`` for the step's kept pairs, by a branch on what the step
   can drop.  ``keep_of(causal, edges)``: the keep array with the causal mask

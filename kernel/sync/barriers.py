@@ -16,12 +16,14 @@ Two kinds of barrier synchronise one thread block:
 A named barrier completes a generation when ``num_threads`` threads have
 arrived (``bar.sync`` arrives and waits, ``bar.arrive`` only arrives); surplus
 arrivals count toward the next generation.  That rule is what the proof of
-the extracted protocol (``harness/proofs/extracted_proof.py``) encodes.
+the extracted protocol (``harness/proofs/search_steps.py``) encodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from kernel.sync.seams import seam
 
 # The compute warpgroup counts a config may ask for (Config.compute_warpgroups):
 # the barriers of each are declared below.
@@ -150,6 +152,7 @@ def _bar(kind: str, barrier_id, num_threads: int) -> None:
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  @seam("barriers.named")
   def _emit(_ctx, bid):
     mgpu_utils.inline_ptx(
         f"bar.{kind} $0, {num_threads};", bid.registers[()],

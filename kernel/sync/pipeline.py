@@ -22,6 +22,8 @@ import dataclasses
 import functools
 from typing import Any
 
+from kernel.sync.seams import seam
+
 
 def _rem(x: Any, n: int) -> Any:
   """x mod n for Python ints and traced int32 scalars alike (x >= 0)."""
@@ -77,6 +79,7 @@ class PipelineState:
     return PipelineState(self.num_stages, index, phase, self.count + n)
 
   @functools.cached_property
+  @seam("pipeline.refills")
   def refills(self) -> Any:
     """Whether the producer's fill at this position reuses a slot that
     consumers held: from the ``num_stages``-th fill on.  The first round

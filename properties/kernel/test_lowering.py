@@ -487,7 +487,7 @@ def _kernel_int_operands(**kw):
   and backward (their shapes), traced on the CPU."""
   import jax
   import jax.numpy as jnp
-  from harness.proofs import extract
+  from harness.proofs import jaxprs
   from kernel import api, experiments
   sds = jax.ShapeDtypeStruct
   args = (sds((2, 1000, 4, 64), jnp.bfloat16), sds((2, 1000, 2, 64), jnp.bfloat16),
@@ -500,7 +500,7 @@ def _kernel_int_operands(**kw):
   with api.lowering_only():
     closed = jax.make_jaxpr(grads)(*args)
   return [[tuple(v.aval.shape) for v in kernel.invars if jnp.issubdtype(v.aval.dtype, jnp.integer)]
-          for kernel in extract.find_kernels(closed.jaxpr)]
+          for kernel in jaxprs.find_kernels(closed.jaxpr)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -508,8 +508,9 @@ def test_ranges_always_launches_the_kernels_the_proof_traces(causal):
   """kernel.experiments' ranges_always: a call without lengths, window or
   segments lowers for CUDA, forward and backward, and each of its kernels
   reads per-row key ranges, (1, 1, rows) as the kernels ``python -m harness
-  prove`` traces do (harness/proofs/extract.py's trace_forward); the shipped
-  call's kernels read none, and are not the ones proved (docs/proof.md)."""
+  prove`` traces do (harness/proofs/forward_traces.py's trace_forward); the
+  shipped call's kernels read none, and are not the ones proved
+  (docs/proof.md)."""
   shapes = dict(B=2, T=1000, N=4, H=64, S=1000, K=2, Hv=64)
   lowered = lower_attention(shapes, gradients=True, is_causal=causal, ranges_always=True)
   assert all(plan.fits_in_smem(b) for b in lowered.kernel_smem)

@@ -1,6 +1,6 @@
 """The protocol read out of the traced kernels (harness/proofs/extract.py), learned
 as role programs (harness/proofs/role_programs.py) and proved for every environment
-(harness/proofs/extracted_proof.py): the shipped kernels prove, each protocol defect
+(harness/proofs/search.py): the shipped kernels prove, each protocol defect
 written into a copy of the kernel's source makes ``python -m harness prove``
 fail with a trace naming the mutated file's lines, safe reorderings still
 prove, an unknown primitive is refused, a kernel whose events depend on more
@@ -20,18 +20,25 @@ import numpy as np
 import pytest
 
 from harness.numerics import strategies as hs
-from harness.proofs import cases, extract
-from harness.proofs import extracted_proof as xp
+from harness.proofs import cases, extract, jaxprs
+from harness.proofs import search
 from harness.proofs import prove as prove_cli
-from harness.proofs import prove_extracted as pe
+from harness.proofs import backward_probes as bwd
+from harness.proofs import forward_traces as ft
+from harness.proofs import forward_probes as fwd
+from harness.proofs import probes as pb
+from harness.proofs import prove_pool
+from harness.proofs import premise_rounds as rounds
+from harness.proofs import tracing
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import representatives
 from harness.proofs import role_programs as rp
+from harness.proofs.events import Event, ExtractionError, UnknownPrimitive
 from kernel.tiling.config import Config
 
-ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
-PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
-FUSED = pe.BackwardCase(64, False, False, True)
+ONE_TILE = cases.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
+PERSISTENT = cases.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+FUSED = cases.BackwardCase(64, False, False, True)
 
 
 def _run_prove(*argv):
@@ -43,19 +50,19 @@ def _run_prove(*argv):
 
 @pytest.fixture(scope="module")
 def shipped_programs():
-  return {case: pe.forward_program(case) for case in (ONE_TILE, PERSISTENT)}
+  return {case: fwd.forward_program(case) for case in (ONE_TILE, PERSISTENT)}
 
 
 def test_shipped_kernel_proves_for_every_environment(shipped_programs):
   for case, prog in shipped_programs.items():
-    r = xp.check(prog)
+    r = search.check(prog)
     assert r.ok, r.violation.format()
     assert r.states > 1000  # the ring really turned
 
 
 def test_shipped_backward_proves():
-  for prog in pe.backward_programs(FUSED):
-    r = xp.check(prog)
+  for prog in bwd.backward_programs(FUSED):
+    r = search.check(prog)
     assert r.ok, r.violation.format()
     assert r.states > 1000
 
@@ -85,8 +92,8 @@ def _failures(results) -> list[str]:
 
 @pytest.mark.parametrize("safe", pmut.SAFE, ids=lambda m: m.name)
 def test_safe_reordering_proves(safe):
-  results = pe.prove([("forward", ONE_TILE, 1), ("forward", PERSISTENT, 1)], mutant=safe.name,
-                     fail_fast=True)
+  results = prove_pool.prove([("forward", ONE_TILE, 1), ("forward", PERSISTENT, 1)],
+                             mutant=safe.name, fail_fast=True)
   assert results and all(r.ok for r in results), _failures(results)
 
 
@@ -97,7 +104,7 @@ def test_events_equal_but_for_their_lines_are_one_event():
   table, a cond's branches (symbolic and on data), two probes of one
   context.  The line stays, a label for traces."""
   from harness.proofs import premise, symbolic as sy, terms as tm
-  a = extract.Event("wait", "wg0", "kernel/x.py:1", "keys.produced", 0)
+  a = Event("wait", "wg0", "kernel/x.py:1", "keys.produced", 0)
   b = dataclasses.replace(a, src="kernel/x.py:2")
   c = dataclasses.replace(a, src="kernel/x.py:3", slot=1)
   assert a == b and hash(a) == hash(b) and a != c and b.src == "kernel/x.py:2"
@@ -110,7 +117,7 @@ def test_events_equal_but_for_their_lines_are_one_event():
   assert len(sy._join([(x, [sy.Ev(True, a)]), (tm.not_(x), [sy.Ev(True, c)])], True)) == 2
   words = lambda e: f"{e.src} {e.describe()}"
   extract.branches_alike("kernel/x.py:0", [[a], [b]], words)
-  with pytest.raises(extract.ExtractionError, match="kernel/x.py:1 wait .* against kernel/x.py:3"):
+  with pytest.raises(ExtractionError, match="kernel/x.py:1 wait .* against kernel/x.py:3"):
     extract.branches_alike("kernel/x.py:0", [[a], [c]], words)
   learner = rp.Learner("x", rp.Ring(2), persistent=False)
   for probe, e in enumerate((a, b)):
@@ -127,11 +134,11 @@ MOVED_LINES = ("same_acquire_in_both_branches", "cond_of_two_equal_lambdas")
 def _lines_compared(monkeypatch):
   """Events compared with their source lines, as the proof once did."""
   from harness.proofs import premise
-  fields = [f.name for f in dataclasses.fields(extract.Event)]
+  fields = [f.name for f in dataclasses.fields(Event)]
   key = lambda e: tuple(getattr(e, f) for f in fields)
-  monkeypatch.setattr(extract.Event, "__eq__",
-                      lambda a, b: type(b) is extract.Event and key(a) == key(b))
-  monkeypatch.setattr(extract.Event, "__hash__", lambda e: hash(key(e)))
+  monkeypatch.setattr(Event, "__eq__",
+                      lambda a, b: type(b) is Event and key(a) == key(b))
+  monkeypatch.setattr(Event, "__hash__", lambda e: hash(key(e)))
   static = premise._static
   monkeypatch.setattr(premise, "_static", lambda e: (e.src, *static(e)))
 
@@ -147,15 +154,15 @@ def test_an_event_written_on_two_lines_is_refuted_only_with_lines_compared(name,
   compared again."""
   assert pmut.BY_NAME[name] in pmut.SAFE
   _lines_compared(monkeypatch)
-  refuted = _failures(pe.prove([("forward", ONE_TILE, 1)], mutant=name, fail_fast=True))
+  refuted = _failures(prove_pool.prove([("forward", ONE_TILE, 1)], mutant=name, fail_fast=True))
   assert refuted and f".mutant_{name}.py:" in refuted[0], refuted
 
 
 def test_unknown_primitive_refused(monkeypatch):
   # commit_smem stands in for a synchronisation the extractor was never taught.
   monkeypatch.setattr(extract, "HANDLED", extract.HANDLED - {"commit_smem"})
-  with pytest.raises(extract.UnknownPrimitive, match="commit_smem"):
-    pe.forward_program(ONE_TILE)
+  with pytest.raises(UnknownPrimitive, match="commit_smem"):
+    fwd.forward_program(ONE_TILE)
 
 
 def test_a_premise_the_kernel_breaks_fails_loudly():
@@ -165,7 +172,7 @@ def test_a_premise_the_kernel_breaks_fails_loudly():
   checked as they are, which shows the overwrite."""
   mutant = pmut.BY_NAME["producer_first_reuse_wait_skipped"]
   with pytest.raises(rp.PremiseError, match="wg2.warp0") as err:
-    pe.forward_program(ONE_TILE, modules=pmut.modules(mutant))
+    fwd.forward_program(ONE_TILE, modules=pmut.modules(mutant))
   assert len(err.value.probes) == 2
   rc, out = _run_prove("--mutant", mutant.name, "--fail-fast")
   assert rc == 1 and "the events depend on more than the proof's contexts" in out, out
@@ -190,13 +197,13 @@ def test_a_context_no_probe_showed_is_a_coverage_error(shipped_programs):
   thin = rp.Table(wg0.head.features, wg0.head.units[:1])
   roles = tuple(dataclasses.replace(r, head=thin) if r.name == "wg0" else r
                 for r in prog.roles)
-  r = xp.check(dataclasses.replace(prog, roles=roles))
+  r = search.check(dataclasses.replace(prog, roles=roles))
   assert not r.ok and r.violation.kind == "coverage", r.violation
 
 
 def test_segments_follow_the_loops():
   # n, not the line, tells them apart: lines are labels
-  ev = lambda i: extract.Event("store_wait", "r", f"kernel/x.py:{i}", n=i)
+  ev = lambda i: Event("store_wait", "r", f"kernel/x.py:{i}", n=i)
   events = [ev(i) for i in range(7)]
   loops = [(), (("t", 0),), (("t", 0), ("k", 0)), (("t", 0), ("k", 1)), (("t", 0),),
            (("t", 1),), ()]
@@ -217,8 +224,8 @@ def test_the_reductions_lose_no_violation(name):
   """On one-tile blocks every reduction of the search (steps taken alone,
   lazy copy completion, the ring's rotation) off and on give the same
   verdict and the same kind of violation."""
-  prog = pe.forward_program(ONE_TILE, modules=pmut.modules(name) if name else None)
-  full, reduced = xp.check(prog, reduce=False), xp.check(prog)
+  prog = fwd.forward_program(ONE_TILE, modules=pmut.modules(name) if name else None)
+  full, reduced = search.check(prog, reduce=False), search.check(prog)
   assert full.ok == reduced.ok
   if not full.ok:
     assert full.violation.kind == reduced.violation.kind
@@ -229,7 +236,7 @@ def test_the_search_runs_every_unit(shipped_programs):
   """Not vacuous: every event of every unit the probes showed is taken in
   some explored state."""
   for prog in shipped_programs.values():
-    r = xp.check(prog, record=True)
+    r = search.check(prog, record=True)
     assert r.ok
     missed = [(role, e.src, e.describe()) for role, e in r.unexecuted]
     assert not missed, missed[:5]
@@ -262,12 +269,12 @@ def test_named_barriers_past_the_budget_are_refused():
     barriers.check_budget(barriers.NAMED_BARRIERS + extra)
   with pytest.raises(ValueError, match="overlap"):
     barriers.check_budget(barriers.NAMED_BARRIERS + (barriers.NamedBarrier("clash", 1, 256, ""),))
-  ev = extract.Event("bar_arrive", "wg0", "kernel/x.py:1", bar_id=16, threads=256, family="x")
+  ev = Event("bar_arrive", "wg0", "kernel/x.py:1", bar_id=16, threads=256, family="x")
   empty = rp.Table((), (((), ()),))
   roles = tuple(rp.RoleProgram(name, 128, None, (ev,) if name == "wg0" else (), empty,
                                rp.Table((), ()), empty, empty, "tiles") for name in ("wg0", "wg1"))
   prog = rp.LaunchProgram("x", rp.Ring(1), False, 0, None, roles, (), ())
-  r = xp.check(prog)
+  r = search.check(prog)
   assert not r.ok and r.violation.kind == "named barrier id", r.violation
 
 
@@ -303,7 +310,7 @@ def test_programs_equal_up_to_names_share_one_check(shipped_programs):
   assert renamed.key() != prog.key() and renamed.shape() == prog.shape()
   # the digest the runs group by follows the shape, through a pickle too
   assert renamed.shape_digest() == pickle.loads(pickle.dumps(prog)).shape_digest()
-  a, b = xp.check(prog), xp.check(renamed)
+  a, b = search.check(prog), search.check(renamed)
   assert a.ok and b.ok and a.states == b.states
   merged = _renamed(prog, {bufs[1]: bufs[0]})
   assert merged.shape() != prog.shape() and merged.shape_digest() != prog.shape_digest()
@@ -317,27 +324,28 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   cache = prove_cache.Cache(tmp_path)
   items = [("forward", ONE_TILE, 1)]
   spent, spent_again = collections.Counter(), collections.Counter()
-  first = pe.prove(items, jobs=1, cache=cache, spent=spent)
+  first = prove_pool.prove(items, jobs=1, cache=cache, spent=spent)
   assert all(r.ok for r in first) and cache.hits == {"learned": 0, "listed": 0, "checked": 0}
   # the cold run's work by phase; every phase took time, none is negative; and
   # its traces: the probes' and the ranged and plain kernels' at every length
-  assert set(spent) == {*pe.PHASES, pe.TRACES} and all(spent[p] > 0 for p in pe.PHASES), spent
-  assert spent[pe.TRACES] >= 1 + len(pe.RANGED_LENGTHS) + len(pe.PLAIN_KERNELS), spent
+  assert set(spent) == {*tracing.PHASES, tracing.TRACES}, spent
+  assert all(spent[p] > 0 for p in tracing.PHASES), spent
+  assert spent[tracing.TRACES] >= 1 + len(rounds.RANGED_LENGTHS) + len(rounds.PLAIN_KERNELS), spent
   again = prove_cache.Cache(tmp_path)
-  second = pe.prove(items, jobs=1, cache=again, spent=spent_again)
+  second = prove_pool.prove(items, jobs=1, cache=again, spent=spent_again)
   assert again.hits["learned"] == 1 and again.hits["checked"] == len(first)
   assert [(r.name, r.ok, r.states) for r in second] == [(r.name, r.ok, r.states) for r in first]
   assert not spent_again   # what the cache gave cost nothing
   # A failing check is recomputed, not kept.
-  prog = pe.forward_program(ONE_TILE, modules=pmut.modules("key_released_before_qk"))
-  failed = pe._checked(prog.shape_digest(), prog, pe.Result(prog.name, []), again,
-                       collections.Counter())
+  prog = fwd.forward_program(ONE_TILE, modules=pmut.modules("key_released_before_qk"))
+  failed = prove_pool._checked(prog.shape_digest(), prog, prove_pool.Result(prog.name, []), again,
+                               collections.Counter())
   assert not failed.ok
   assert again.get("checked", repr(prog.shape_digest())) is None
   # Another checker source is another digest: nothing of the first is found.
   other = prove_cache.Cache(tmp_path)
   other.digests = {k: v + "x" for k, v in other.digests.items()}
-  assert other.get("learned", pe._learn_key(("forward", ONE_TILE), None)) is None
+  assert other.get("learned", prove_pool._learn_key(("forward", ONE_TILE), None)) is None
 
 
 def test_the_pool_reports_what_one_process_does(tmp_path):
@@ -345,9 +353,9 @@ def test_the_pool_reports_what_one_process_does(tmp_path):
   cache, the results are those of one process, in the listing's order."""
   from harness.proofs import prove_cache
   items = [("forward", ONE_TILE, 1), ("backward", FUSED, 0)]
-  alone = pe.prove(items, jobs=1)
-  pooled = pe.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),
-                    early=[("backward", FUSED)])
+  alone = prove_pool.prove(items, jobs=1)
+  pooled = prove_pool.prove(lambda: items, jobs=2, cache=prove_cache.Cache(tmp_path),
+                            early=[("backward", FUSED)])
   assert [(r.name, r.cases, r.ok, r.states) for r in pooled] == \
       [(r.name, r.cases, r.ok, r.states) for r in alone]
 
@@ -359,8 +367,8 @@ def test_a_failure_is_reported_when_found(jobs):
   results still list it: ``python -m harness prove`` prints the first one
   before the run ends."""
   heard = []
-  results = pe.prove([("forward", ONE_TILE, 1)], jobs=jobs, mutant="key_released_before_qk",
-                     on_failure=heard.append)
+  results = prove_pool.prove([("forward", ONE_TILE, 1)], jobs=jobs, mutant="key_released_before_qk",
+                             on_failure=heard.append)
   failed = [r for r in results if not r.ok]
   assert failed and len(heard) == len(failed), (heard, failed)
   assert heard[0].startswith(f"{failed[0].name}: {failed[0].violation.kind}: "), heard
@@ -369,8 +377,8 @@ def test_a_failure_is_reported_when_found(jobs):
 def test_only_the_mask_selects_count_as_register_only():
   """kernel/masks/register_selects.py's selects (causal, key limit) run
   under data-dependent conds (the diagonal and edge steps): the extractor
-  lets them pass as register-only, while any other inline_mgpu there still
-  counts as synchronisation."""
+  lets them pass as register-only by their seam, while any other
+  inline_mgpu, even one of the same name, still counts as synchronisation."""
   import jax
   import jax.numpy as jnp
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -379,28 +387,28 @@ def test_only_the_mask_selects_count_as_register_only():
   x = jnp.zeros((64, 128), jnp.float32)
   select = jax.make_jaxpr(lambda x: register_selects.causal_select(
       x, key_base=0, query_base=3, key_dim=1, fill=0.0))(x)
-  assert not extract._has_sync(select.jaxpr)
+  assert not jaxprs.has_sync(select.jaxpr)
   limit = jax.make_jaxpr(lambda x: register_selects.key_limit_select(
       x, key_base=0, limit=100, key_dim=1, fill=0.0))(x)
-  assert not extract._has_sync(limit.jaxpr)
+  assert not jaxprs.has_sync(limit.jaxpr)
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32,
                                                         layout=plgpu.Layout.WGMMA))
-  def select(_ctx, a):  # same name, another file's function
+  def select(_ctx, a):  # same name, no seam
     return a
 
-  assert extract._has_sync(jax.make_jaxpr(select)(x).jaxpr)
+  assert jaxprs.has_sync(jax.make_jaxpr(select)(x).jaxpr)
 
 
 def test_the_split_tail_case_probes_blocks_that_end_in_pieces():
   """The traced split tail has half a wave more than whole waves, so the
   probed blocks (0 and 1) run whole tiles and then pieces (slot >= 0) over
   part of their tiles' key blocks: the proof sees pieces, not only tiles."""
-  case = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
-  closed, kernel, _ = pe.trace_case(case)
-  table = pe._split_tail_table(pe._const_values(closed, kernel), case)
-  for block in range(pe.PROBED_BLOCKS):
+  case = cases.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+  closed, kernel, _ = ft.trace_case(case)
+  table = fwd._split_tail_table(pb.const_values(closed, kernel), case)
+  for block in range(pb.PROBED_BLOCKS):
     slots, lo, hi = table[block, 3], table[block, 1], table[block, 2]
     assert (slots == -1).any() and (slots >= 0).any(), table[block]
     assert ((hi - lo)[slots >= 0] < hi.max()).all()
@@ -410,8 +418,8 @@ def test_the_split_tail_proves_with_its_pieces():
   """The split tail, its probed blocks ending in pieces, proves whole: a
   piece's stores (to its slot) must read as the same events as a tile's
   (to the output), and its cut trip counts as any tile's."""
-  case = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
-  results = pe.prove([("forward", case, 1)], jobs=1)
+  case = cases.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+  results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
 
@@ -432,15 +440,15 @@ def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
   is an overlay the proof refuses: the rule that merges them is what
   proves it."""
   assert case.parts == ((1, 1) if case is UNTILED else (2, 2))
-  results = pe.prove([("forward", case, 1)], jobs=1)
+  results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
-  kept = extract._mirror_groups
+  kept = extract.mirror_groups
   try:
-    extract._mirror_groups = lambda groups: {}
-    r = xp.check(pe.forward_program(case))
+    extract.mirror_groups = lambda groups: {}
+    r = search.check(fwd.forward_program(case))
   finally:
-    extract._mirror_groups = kept
+    extract.mirror_groups = kept
   assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
 
 
@@ -454,11 +462,11 @@ def test_only_groups_of_identical_layouts_are_mirrors():
   aval = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   qk = (aval((2, 64, 64)), aval((2, 128, 64)))
   out = (aval((2, 64, 64)), aval((2, 64), jnp.float32), aval((2, 64), jnp.float32))
-  assert extract._mirror_groups((qk, out)) == {}
-  assert extract._mirror_groups((qk, out, qk, out)) == {2: 0, 3: 1}
-  assert extract._mirror_groups((aval((2, 64, 64)), aval((2, 64, 64)))) == {1: 0}
-  assert extract._mirror_groups((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16))) == {}
-  assert extract._mirror_groups(None) == {}
+  assert jaxprs.mirror_groups((qk, out)) == {}
+  assert jaxprs.mirror_groups((qk, out, qk, out)) == {2: 0, 3: 1}
+  assert jaxprs.mirror_groups((aval((2, 64, 64)), aval((2, 64, 64)))) == {1: 0}
+  assert jaxprs.mirror_groups((aval((2, 64, 64)), aval((2, 64, 64), jnp.float16))) == {}
+  assert jaxprs.mirror_groups(None) == {}
 
 
 def test_the_word_ends_with_every_block_the_producer_copied():
@@ -469,9 +477,9 @@ def test_the_word_ends_with_every_block_the_producer_copied():
   output overlay that reaches the keys (head dims 64 and 256,
   non-persistent) over a copy the kernel never issues; a kernel traced for
   one tile of two blocks issues two."""
-  case = pe.ForwardCase(4, False, "round-robin", False, False, True, 64, 64, 4,
-                        layout_head_dim=64, layout_head_dim_out=256, output_over_keys=True)
-  results = pe.prove([("forward", case, 1)], jobs=1)
+  case = cases.ForwardCase(4, False, "round-robin", False, False, True, 64, 64, 4,
+                           layout_head_dim=64, layout_head_dim_out=256, output_over_keys=True)
+  results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]
 
@@ -536,7 +544,7 @@ def test_the_output_overlays_slots_part_the_cases(shipped_cases):
   assert with_ml, f"no case like {case.describe()} with m and l in the overlay"
   other = with_ml[0]
   assert {name for name, _ in other.output_slots} == {"o", "m", "l"}
-  a, b = pe.forward_program(case), pe.forward_program(other)
+  a, b = fwd.forward_program(case), fwd.forward_program(other)
   assert a.shape() != b.shape()
 
 
@@ -566,6 +574,48 @@ def test_an_edit_of_the_command_keeps_the_learned_programs(tmp_path, monkeypatch
     f.write("# edited\n")
   kernel = digests()
   assert kernel["learned"] != command["learned"] and kernel["listed"] != command["listed"]
+
+
+def _proof_modules(*roots: str) -> set[str]:
+  """The files of harness/proofs/ that ``roots`` (paths from the repository)
+  import, inside functions too, transitively, themselves included."""
+  import ast
+  from harness.proofs import prove_cache
+  seen, todo = set(), list(roots)
+  while todo:
+    path = todo.pop()
+    if path in seen:
+      continue
+    seen.add(path)
+    for node in ast.walk(ast.parse((prove_cache.REPO / path).read_text())):
+      names = []
+      if isinstance(node, ast.ImportFrom) and node.module == "harness.proofs":
+        names = [f"harness.proofs.{a.name}" for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness.proofs."):
+        names = [node.module]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names if a.name.startswith("harness.proofs.")]
+      todo += [name.replace(".", "/") + ".py" for name in names]
+  return seen
+
+
+def test_the_cache_keys_every_proof_module_it_runs():
+  """A check's digest reads every module the search imports; the learned
+  programs' digest every module learning imports, but the search's (keyed
+  with the checks) and the mutants' (whose runs skip the cache): a module
+  split off one of them is listed, or an edit of it would be served stale."""
+  import inspect
+  from harness.proofs import prove_cache
+  repo = prove_cache.REPO
+  listed = lambda sources: {str(f.relative_to(repo)) for f in prove_cache._files(sources)}
+  rel = lambda module: str(__import__("pathlib").Path(inspect.getfile(module)).relative_to(repo))
+  checked = _proof_modules(rel(search))
+  assert len(checked) > 3 and not checked - listed(prove_cache.CHECK_SOURCES), \
+      sorted(checked - listed(prove_cache.CHECK_SOURCES))
+  learning = _proof_modules(rel(inspect.getmodule(prove_pool._programs_of))) - checked - {
+      rel(pmut)}
+  assert len(learning) > 3 and not learning - listed(prove_cache.LEARN_SOURCES), \
+      sorted(learning - listed(prove_cache.LEARN_SOURCES))
 
 
 def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, capsys, tmp_path):
@@ -600,7 +650,7 @@ def test_jobs_default_to_the_usable_cpus_and_refuse_fewer_than_one(monkeypatch, 
 
   asked = []
   monkeypatch.setattr(prove_cli, "usable_cpus", lambda: 3)
-  monkeypatch.setattr(pe, "workers", workers)
+  monkeypatch.setattr(prove_pool, "workers", workers)
   with pytest.raises(Started):
     prove_cli.main(["--no-cache"])
   assert asked == [3]
@@ -735,7 +785,7 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
   lines, _ = representatives.check(lambda: work)
   assert lines and all("block" in line for line in lines), lines
   # the command: nothing to prove (the search is stood in for), one config that differs
-  monkeypatch.setattr(pe, "prove", lambda *a, **k: [])
+  monkeypatch.setattr(prove_pool, "prove", lambda *a, **k: [])
   monkeypatch.setattr(representatives, "compare", lambda work, pool=None: (work[:1], 1))
   rc, out = _run_prove("--select", "stages=2,one tile", "--jobs", "1", "--no-cache")
   assert rc == 1 and "DIFFERS: " in out and "learns another program" in out, out

@@ -1,7 +1,7 @@
 """The kernels a call without key ranges launches (their key-block count
 compiled in), proved by Z3 to run the launch programs of the kernels that
-read ranges (harness/proofs/prove_extracted.py's trace_plain and
-_plain_proved): traced with the keys' length a symbolic dimension, read
+read ranges (harness/proofs/forward_traces.py's trace_plain and
+premise_rounds.py's plain_proved): traced with the keys' length a symbolic dimension, read
 with its trip count a variable, and held against the ranged program's
 tables at every trip count and ring position."""
 
@@ -12,27 +12,35 @@ import numpy as np
 import pytest
 from jax import export
 
-from harness.proofs import cases, extract
-from harness.proofs import prove_extracted as pe
+from harness.proofs import cases
+from harness.proofs import backward_traces as bt
+from harness.proofs import backward_probes as bwd
+from harness.proofs import forward_traces as ft
+from harness.proofs import forward_probes as fwd
+from harness.proofs import premise_rounds as rounds
+from harness.proofs import symbolic_dims as sd
+from harness.proofs import tracing
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
+from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
+from harness.proofs.events import ExtractionError
 from harness.tools.anchors import edit
 
-ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
-PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
-CAUSAL = pe.ForwardCase(2, False, "round-robin", False, False, True, 64, 128, 2)
-SPLIT = pe.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
-LONGEST = pe.ForwardCase(2, True, "longest-first", False, False, True, 64, 128, 2)
+ONE_TILE = cases.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
+PERSISTENT = cases.ForwardCase(2, True, "round-robin", False, False, False, 64, 128, 2)
+CAUSAL = cases.ForwardCase(2, False, "round-robin", False, False, True, 64, 128, 2)
+SPLIT = cases.ForwardCase(2, True, "split-tail", False, False, False, 64, 128, 2)
+LONGEST = cases.ForwardCase(2, True, "longest-first", False, False, True, 64, 128, 2)
 SLIP = "plain_key_loop_one_block_short"
 
 
 @pytest.mark.parametrize("case", [ONE_TILE, PERSISTENT, CAUSAL, SPLIT, LONGEST],
                          ids=["one tile", "persistent", "causal", "split tail", "longest-first"])
 def test_a_plain_kernel_is_proved_to_run_the_ranged_program(case):
-  prog = pe.forward_program(case)
-  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+  prog = fwd.forward_program(case)
+  assert prog.plain == tuple(rounds.PLAIN_KERNELS)
   assert prog.z3 and prog.z3[0] > 0
 
 
@@ -43,7 +51,7 @@ def _producer_loop(kernel, dims):
   return loop.hi
 
 
-# The grid's counts' variables (prove_extracted.GRID_COUNTS), in every trace's dims.
+# The grid's counts' variables (symbolic_dims.GRID_COUNTS), in every trace's dims.
 COUNTS = {"batches": 1, "kv_heads": 1, "group": 1}
 # Every dimension variable at its least (symbolic.dim_term: lo + max(0, v)).
 LEAST = {f"dim.{n}": 0 for n in ("m", "mq", "sq", "r")}
@@ -55,22 +63,22 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
   block when the keys are ragged); causal, cut at the queries' end, whose
   length (whole tiles and the rows short of the last) is a variable too."""
   for ragged in (False, True):
-    (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=ragged)
+    (kernel,), dims = ft.trace_plain(ONE_TILE, ragged=ragged)
     assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS,
                     **({"r": (1, 127)} if ragged else {})}
     hi = _producer_loop(kernel, dims)
     assert "dim.m" in tm.serialise(hi) and "dim.mq" not in tm.serialise(hi), hi
-    assert tm.evaluate(hi, LEAST) == 2   # the ring's stages, the ragged block counted
-  (kernel,), dims = pe.trace_plain(CAUSAL, ragged=True)
+    assert tw.evaluate(hi, LEAST) == 2   # the ring's stages, the ragged block counted
+  (kernel,), dims = ft.trace_plain(CAUSAL, ragged=True)
   hi = _producer_loop(kernel, dims)
   assert all(f"dim.{n}" in tm.serialise(hi) for n in ("m", "mq", "sq")), hi
   # one tile of 128 queries: the causal bound's one block
-  assert tm.evaluate(hi, {**LEAST, "axis.q_tiles": 0}) == 1
+  assert tw.evaluate(hi, {**LEAST, "axis.q_tiles": 0}) == 1
   # 192 queries (64 short of two tiles): the second tile's rows end in key block 1
-  assert tm.evaluate(hi, {**LEAST, "dim.mq": 1, "dim.sq": 65, "dim.m": 5,
+  assert tw.evaluate(hi, {**LEAST, "dim.mq": 1, "dim.sq": 65, "dim.m": 5,
                           "axis.q_tiles": 1}) == 2
-  with pytest.raises(extract.ExtractionError, match="no lower bound for m"):
-    sy.extract_symbolic(pe.trace_plain(ONE_TILE, ragged=False)[0][0], {})
+  with pytest.raises(ExtractionError, match="no lower bound for m"):
+    sy.extract_symbolic(ft.trace_plain(ONE_TILE, ragged=False)[0][0], {})
 
 
 def test_a_persistent_block_walks_a_variable_count_of_tiles():
@@ -79,14 +87,14 @@ def test_a_persistent_block_walks_a_variable_count_of_tiles():
   not to a traced constant (from the grid's blocks up, as the ranged traces
   have).  The split tail's too: its tile ids unpack by that variable, its
   entry table a stand-in of the host's, read as free values."""
-  (kernel,), dims = pe.trace_plain(PERSISTENT, ragged=False)
+  (kernel,), dims = ft.trace_plain(PERSISTENT, ragged=False)
   assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   walk = tm.serialise(units.tile.hi)
   # the tiles: batches * heads * mq, a product of counts (symbolic.dim_term)
   assert re.search(r"dim\.\([^)]*mq", walk) and "axis.sm" in walk, walk
-  assert pe.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
+  assert ft.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
 
 
 def test_the_ranged_kernel_is_proved_at_every_length():
@@ -96,22 +104,22 @@ def test_the_ranged_kernel_is_proved_at_every_length():
   runs to a variable count of tiles, not the probes' compiled one, and a
   ragged key length bounds the unmasked blocks by a variable."""
   for ragged in (False, True):
-    (kernel,), dims = pe.trace_ranged(PERSISTENT, ragged=ragged)
+    (kernel,), dims = ft.trace_ranged(PERSISTENT, ragged=ragged)
     assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS,
                     **({"r": (1, 127)} if ragged else {})}
     units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                      persistent=True)
     assert re.search(r"dim\.\([^)]*mq", tm.serialise(units.tile.hi))
   traced = []
-  real = pe.trace_ranged
+  real = ft.trace_ranged
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(pe, "trace_ranged", lambda case, **kw: traced.append(kw["ragged"]) or
+    mp.setattr(ft, "trace_ranged", lambda case, **kw: traced.append(kw["ragged"]) or
                real(case, **kw))
-    prog = pe.forward_program(PERSISTENT)
-  assert traced == [False, True] and prog.lengths == tuple(pe.RANGED_LENGTHS)
-  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+    prog = fwd.forward_program(PERSISTENT)
+  assert traced == [False, True] and prog.lengths == tuple(rounds.RANGED_LENGTHS)
+  assert prog.plain == tuple(rounds.PLAIN_KERNELS)
   # the split tail's tile ids, unpacked by the symbolic count of tiles
-  (kernel,), dims = pe.trace_ranged(SPLIT, ragged=True)
+  (kernel,), dims = ft.trace_ranged(SPLIT, ragged=True)
   assert dims == {"m": 1, "mq": 1, "r": (1, 127), "sq": (1, 128), **COUNTS}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
@@ -126,7 +134,7 @@ RANGED_SHORT_TAIL = pmut.Mutant(
     "ranged_short_tail_values_unacquired",
     "with key ranges, the values of a last key block of under 16 keys copied without "
     "waiting for their slot",
-    (edit("produce_tile.fill", "values.producer_acquire(st)",
+    (edit("producer.fill", "values.producer_acquire(st)",
           "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
           "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16) | (not c.key_ranges))("
           "lambda: values.producer_acquire(st))"),))
@@ -138,13 +146,13 @@ def test_a_slip_in_a_ranged_call_at_ragged_lengths_only_is_refuted():
   kernels prove as the shipped ones do; Z3, given the ranged kernel at
   every ragged length, refutes it, naming the mutated line."""
   modules = pmut.modules(RANGED_SHORT_TAIL)
-  prober = pe._ForwardProber(ONE_TILE, modules, None)
-  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  (plain,) = pe._plain_proved([prog], lambda ragged: pe.trace_plain(ONE_TILE, ragged=ragged,
-                                                                    modules=modules))
+  prober = fwd._ForwardProber(ONE_TILE, modules, None)
+  prog = rounds.proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  (plain,) = rounds.plain_proved([prog], lambda ragged: ft.trace_plain(ONE_TILE, ragged=ragged,
+                                                                       modules=modules))
   assert plain.z3[0] > prog.z3[0]   # the plain kernels' claims held
   with pytest.raises(rp.PremiseError, match="reads key ranges, at every ragged length") as err:
-    pe.forward_program(ONE_TILE, modules=modules)
+    fwd.forward_program(ONE_TILE, modules=modules)
   assert "kernel/forward/producer.mutant_ranged_short_tail_values_unacquired.py:" in \
       str(err.value), err.value
 
@@ -160,14 +168,14 @@ def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
   (broadcasting's ``d == 1``) are not the kernel's."""
   name = "tile_count_special"
   m = pmut.Mutant(name, f"a grid whose tile count is {asks} taken as ragged",
-                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                  (edit("context.ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         "return self.f.seq_kv % self.config.block_kv != 0 or "
                         f"self.num_tiles {asks}"),))
-  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
-    pe.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
+  with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
+    ft.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
   assert named in str(err.value), err.value
-  pe.trace_plain(ONE_TILE, ragged=False)   # the shipped kernel's are all decided
+  ft.trace_plain(ONE_TILE, ragged=False)   # the shipped kernel's are all decided
 
 
 def test_a_length_from_zero_is_traced_from_zero():
@@ -176,15 +184,15 @@ def test_a_length_from_zero_is_traced_from_zero():
   1, so that JAX decides nothing for it that fails at 0, and dim_term
   reads each length back within its bounds."""
   from jax._src.export.shape_poly import InconclusiveDimensionOperation
-  values, bounds = pe._symbols({"m": 0, "r": (1, 127), "sq": (0, 127)})
+  values, bounds = sd.dimensions({"m": 0, "r": (1, 127), "sq": (0, 127)})
   assert bounds == {"m": 1, "r": (1, 127), "sq": (1, 128)}
   assert values["m"] >= 0
   with pytest.raises(InconclusiveDimensionOperation):
     bool(values["m"] >= 1)
   for name, least, most in (("m", 0, None), ("r", 1, 127), ("sq", 0, 127)):
     term = sy.dim_term(values[name], bounds)
-    assert tm.evaluate(term, {f"dim.{name}": -5}) == least
-    assert tm.evaluate(term, {f"dim.{name}": 1000}) == (most or 1000)
+    assert tw.evaluate(term, {f"dim.{name}": -5}) == least
+    assert tw.evaluate(term, {f"dim.{name}": 1000}) == (most or 1000)
 
 
 def test_the_ragged_keys_are_every_remainder():
@@ -193,7 +201,7 @@ def test_the_ragged_keys_are_every_remainder():
   divisions of the length by the block are exact over that range
   (block_kv * m + r split into m whole blocks and r keys), and the key
   mask reads r."""
-  (kernel,), dims = pe.trace_plain(ONE_TILE, ragged=True)
+  (kernel,), dims = ft.trace_plain(ONE_TILE, ragged=True)
   terms = []
   real = sy.dim_term
   with pytest.MonkeyPatch.context() as mp:
@@ -201,7 +209,7 @@ def test_the_ragged_keys_are_every_remainder():
     sy.extract_symbolic(kernel, dims)
   assert any("dim.r" in tm.serialise(t) for t in terms if tm.is_term(t)), terms
   a, b = export.symbolic_shape("a, b", constraints=("a >= 1", "b >= 1", "b <= 127"))
-  with pe._exact_divisions():
+  with sd.exact_divisions():
     assert (128 * a + b) // 128 == a and (128 * a + b) % 128 == b
     assert -(-(128 * a + b) // 128) == a + 1
     assert str((128 * a + b) // 64).startswith("floordiv")   # b // 64 is not fixed
@@ -213,7 +221,7 @@ def test_the_ragged_keys_are_every_remainder():
 SHORT_TAIL = pmut.Mutant(
     "short_tail_values_unacquired",
     "the values of a last key block of under 16 keys copied without waiting for their slot",
-    (edit("produce_tile.fill", "values.producer_acquire(st)",
+    (edit("producer.fill", "values.producer_acquire(st)",
           "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
           "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16))("
           "lambda: values.producer_acquire(st))"),))
@@ -225,15 +233,15 @@ def test_a_slip_at_short_remainders_only_is_refuted():
   whole blocks run the shipped program; Z3, given every remainder, finds
   one under 16 and refutes the plain kernel, naming the mutated line."""
   modules = pmut.modules(SHORT_TAIL)
-  prober = pe._ForwardProber(ONE_TILE, modules, None)
-  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  at_37 = lambda _: pe._trace_symbolic(ONE_TILE, {"m": 1, "r": (37, 37), "mq": 1}, 1,
+  prober = fwd._ForwardProber(ONE_TILE, modules, None)
+  prog = rounds.proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  at_37 = lambda _: ft._trace_symbolic(ONE_TILE, {"m": 1, "r": (37, 37), "mq": 1}, 1,
                                        key_ranges=False, modules=modules)
-  (at_37_proved,) = pe._also_proved([prog], at_37, {"37 keys past": None}, "{name}")
+  (at_37_proved,) = rounds.also_proved([prog], at_37, {"37 keys past": None}, "{name}")
   assert at_37_proved.z3 and at_37_proved.z3[0] > prog.z3[0]   # its claims held too
   with pytest.raises(rp.PremiseError, match=r"without key ranges \(ragged lengths\)") as err:
-    pe._plain_proved([prog], lambda ragged: pe.trace_plain(ONE_TILE, ragged=ragged,
-                                                           modules=modules))
+    rounds.plain_proved([prog], lambda ragged: ft.trace_plain(ONE_TILE, ragged=ragged,
+                                                              modules=modules))
   assert "kernel/forward/producer.mutant_short_tail_values_unacquired.py:" in str(err.value)
 
 
@@ -249,10 +257,10 @@ def test_a_branch_on_the_remainder_is_refused(ragged, named):
   trace is refused, naming the line."""
   name = "ragged_otherwise"
   m = pmut.Mutant(name, "raggedness decided otherwise",
-                  (edit("ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                  (edit("context.ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
                         f"return {ragged}"),))
-  with pytest.raises(extract.ExtractionError, match="compares its symbolic lengths") as err:
-    pe.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
+  with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
+    ft.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
   assert f": kernel/forward/context.mutant_{name}.py:" in str(err.value), err.value
   assert named in str(err.value), err.value
 
@@ -264,12 +272,12 @@ def test_only_the_plain_proof_refutes_a_slip_in_the_plain_loop(case):
   loop, so its program is learned and (P) proved as the shipped one's; Z3
   refutes the plain kernel, naming the mutated loop's line."""
   modules = pmut.modules(pmut.BY_NAME[SLIP])
-  prober = pe._ForwardProber(case, modules, None)
-  prog = pe._proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
+  prober = fwd._ForwardProber(case, modules, None)
+  prog = rounds.proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
   assert prog.z3 and not prog.plain
   with pytest.raises(rp.PremiseError, match=r"without key ranges \(whole blocks\)") as err:
-    pe._plain_proved([prog], lambda ragged: pe.trace_plain(case, ragged=ragged,
-                                                           modules=modules))
+    rounds.plain_proved([prog], lambda ragged: ft.trace_plain(case, ragged=ragged,
+                                                              modules=modules))
   assert f"kernel/forward/mainloop.mutant_{SLIP}.py:" in str(err.value), err.value
 
 
@@ -288,8 +296,8 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
             s_pad=40 * 128, head_dim=64, head_dim_out=64, itemsize=2, k_range_tiles=None,
             num_sms=16)
   host_order, host_tables = order_lib._schedule(f, config, **kw)
-  modules = pe.shipped_modules()
-  with pe._symbolic_schedule(modules, 8 * 128, 16):
+  modules = tracing.shipped_modules()
+  with ft._symbolic_schedule(modules, 8 * 128, 16):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
         f, config, **kw)
   _like_the_hosts(order, tables, host_order, host_tables)
@@ -317,8 +325,8 @@ def test_the_split_tails_stand_in_is_the_hosts_at_the_traced_tiles():
             head_dim_out=64, itemsize=2, k_range_tiles=None, num_sms=16)
   host_order, host_tables = order_lib._schedule(f, config, **kw)
   assert host_order.split.size   # the host merges pieces of these tiles
-  modules = pe.shipped_modules()
-  with pe._symbolic_schedule(modules, 8 * 128, 20):
+  modules = tracing.shipped_modules()
+  with ft._symbolic_schedule(modules, 8 * 128, 20):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
         f, config, **kw)
   _like_the_hosts(order, tables, host_order, host_tables)
@@ -329,17 +337,17 @@ def test_a_symbolic_dimension_is_a_term_only_while_it_is_linear():
   a, b = export.symbolic_shape("a, b")
   t = sy.dim_term(3 * a + 2 * b + 5, {"a": 2, "b": 0})
   # each symbol is its floor plus a variable's positive part
-  assert tm.evaluate(t, {"dim.a": 4, "dim.b": -3}) == 3 * (2 + 4) + 2 * 0 + 5
+  assert tw.evaluate(t, {"dim.a": 4, "dim.b": -3}) == 3 * (2 + 4) + 2 * 0 + 5
   assert sy.dim_term(7, {}) == 7
   for bad in (a * b, a // 2, a % 3):
-    with pytest.raises(extract.ExtractionError, match="not linear"):
+    with pytest.raises(ExtractionError, match="not linear"):
       sy.dim_term(bad, {"a": 0, "b": 0})
   # a product of counts, each at least 1 (a persistent walk's batch * heads
   # * tiles): any value from 1, a variable named by it; not past a division
   product = sy.dim_term(a * b + a, {"a": 1, "b": 2})
-  assert tm.evaluate(product, {"dim.(a*b + a)": -5}) == 1
-  assert tm.evaluate(product, {"dim.(a*b + a)": 6}) == 7
-  with pytest.raises(extract.ExtractionError, match="not linear"):
+  assert tw.evaluate(product, {"dim.(a*b + a)": -5}) == 1
+  assert tw.evaluate(product, {"dim.(a*b + a)": 6}) == 7
+  with pytest.raises(ExtractionError, match="not linear"):
     sy.dim_term((a * b) // 2, {"a": 1, "b": 1})
 
 
@@ -350,23 +358,23 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   times t (premise's fixed ring), which the proof holds it to."""
   cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
   assert cut.ring_cut
-  _, dims = pe.trace_plain(cut, ragged=False)
+  _, dims = ft.trace_plain(cut, ragged=False)
   assert dims == {"mq": 1, "sq": (1, 128), **COUNTS}   # no key-length symbol
-  prog = pe.forward_program(cut)
-  assert prog.plain == tuple(pe.PLAIN_KERNELS)
+  prog = fwd.forward_program(cut)
+  assert prog.plain == tuple(rounds.PLAIN_KERNELS)
   # a plain kernel whose producer keeps no ring position across tiles (so
   # never waits for a release after the first tile), held to the shipped
   # program
   m = pmut.Mutant("producer_forgets_the_ring", "the producer's position restarts each tile",
-                  (edit("produce_tile.fill", "st = ring_state(keys, prev_iters, lb, ki)",
+                  (edit("producer.fill", "st = ring_state(keys, prev_iters, lb, ki)",
                         "st = ring_state(keys, 0 * prev_iters, lb, ki)"),))
   modules = pmut.modules(m)
   with pytest.raises(rp.PremiseError, match="without key ranges"):
-    pe._plain_proved([prog], lambda ragged: pe.trace_plain(cut, ragged=ragged, modules=modules))
+    rounds.plain_proved([prog], lambda ragged: ft.trace_plain(cut, ragged=ragged, modules=modules))
 
 
 # causal, fused dQ, the head split: 64-row tiles, 8 pairings of remainders
-BACKWARD = pe.BackwardCase(256, True, False, True)
+BACKWARD = cases.BackwardCase(256, True, False, True)
 
 
 def _order_scopes(modules):
@@ -381,19 +389,19 @@ def test_the_plain_backward_is_proved_to_run_the_ranged_launches():
   pairing of the queries' and the keys' remainders.  Causal: head by head
   and in L2 sections, the two orders the host may build from the lengths
   (put back after the trace)."""
-  progs = pe.backward_programs(BACKWARD)
-  plain = tuple(pe.backward_pairings(BACKWARD))
+  progs = bwd.backward_programs(BACKWARD)
+  plain = tuple(bt.backward_pairings(BACKWARD))
   assert progs and all(p.plain == plain and p.lengths == plain for p in progs)
   assert all(any("L2 sections" in name for name in p.plain) for p in progs)
-  dkv_scope, dq_scope = _order_scopes(pe.shipped_modules())
+  dkv_scope, dq_scope = _order_scopes(tracing.shipped_modules())
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
   for sectioned in (False, True):
-    kernels, dims = pe.trace_backward_at(BACKWARD, (1, 63), 0, sectioned)
+    kernels, dims = bt.trace_backward_at(BACKWARD, (1, 63), 0, sectioned)
     assert dims == {"mq": 1, "mk": 1, "rq": (1, 63), **COUNTS} and len(kernels) == len(progs)
     assert (dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]) == hosts
-  flat_case = pe.BackwardCase(64, False, False, True)
-  (flat,) = pe.backward_programs(flat_case)
-  assert flat.plain == tuple(pe.backward_pairings(flat_case))
+  flat_case = cases.BackwardCase(64, False, False, True)
+  (flat,) = bwd.backward_programs(flat_case)
+  assert flat.plain == tuple(bt.backward_pairings(flat_case))
   assert not any("L2 sections" in name for name in flat.plain)
 
 
@@ -404,14 +412,14 @@ def test_the_unpadded_backward_is_proved_at_lengths_in_eights(monkeypatch):
   (the pairs of two ragged ones are the shipped backward's); its traces
   hand the kernels each length's arrays as the API does."""
   from kernel import padding
-  case = dataclasses.replace(pe.BackwardCase(64, False, False, True), unpadded=True)
+  case = dataclasses.replace(cases.BackwardCase(64, False, False, True), unpadded=True)
   assert case in cases.backward_cases(experiments=True)
   assert case not in cases.backward_cases()
-  pairings = pe.backward_pairings(case)
+  pairings = bt.backward_pairings(case)
   assert all(not (rq.tail and rk.tail) for rq, rk, _ in pairings.values())
   assert any(not rq.tail and not rk.tail and rq.units and rk.units
              for rq, rk, _ in pairings.values())
-  progs = pe.backward_programs(case)
+  progs = bwd.backward_programs(case)
   # z3: (claims, sent to Z3, seconds); a process that proved the same
   # claims before answers them from its cache, sending none
   assert progs and all(p.plain == tuple(pairings) and p.z3[0] > 0 for p in progs)
@@ -419,9 +427,9 @@ def test_the_unpadded_backward_is_proved_at_lengths_in_eights(monkeypatch):
   original = padding.pad_to_multiple
   monkeypatch.setattr(padding, "pad_to_multiple",
                       lambda x, *a, **k: copies.append(x.shape) or original(x, *a, **k))
-  for rq, rk, want in ((pe.Eights(1), pe.Eights((2, 7)), 0), (pe.Eights(1, True), pe.Eights(0), 2)):
+  for rq, rk, want in ((bt.Eights(1), bt.Eights((2, 7)), 0), (bt.Eights(1, True), bt.Eights(0), 2)):
     copies.clear()
-    pe.trace_backward_at(case, rq, rk)
+    bt.trace_backward_at(case, rq, rk)
     assert len(copies) == want, (rq, rk, copies)   # q and dO, the ragged queries
 
 
@@ -431,21 +439,21 @@ def test_the_remainders_cover_every_length_once_each_at_fixed_quotients(whole, d
   """The plain backward's remainders past whole multiples: every length
   from 0 to whole - 1 in exactly one, and within a range each divisor's
   quotient the same (so that the trace's divisions are exact)."""
-  pieces = pe.remainders(whole, divisors)
+  pieces = bt.remainders(whole, divisors)
   covered = [r for p in pieces for r in (range(p[0], p[1] + 1) if isinstance(p, tuple) else [p])]
   assert sorted(covered) == list(range(whole))
   for p in pieces:
     if isinstance(p, tuple):
       assert p[0] < p[1]
       assert all(p[0] // d == p[1] // d for d in divisors), (p, divisors)
-  assert pe.remainders(128, (128, 64)) == [0, (1, 63), 64, (65, 127)]
+  assert bt.remainders(128, (128, 64)) == [0, (1, 63), 64, (65, 127)]
 
 
 def test_loads_under_a_branch_on_data_are_events():
   """The dK/dV step reads its rows (lse, delta) from the stream's slot under
   the range test, a cond on data the protocol must not depend on: the
   loads are events of the learned program (each branch makes the same)."""
-  (prog,) = [p for p in pe.backward_programs(pe.BackwardCase(64, False, False, True))]
+  (prog,) = [p for p in bwd.backward_programs(cases.BackwardCase(64, False, False, True))]
   (wg0,) = [r for r in prog.roles if r.name == "wg0"]
   loads = {e.buf for _, events in wg0.iter.units for e in events if e.kind == "smem_load"}
   assert any("rows" in prog_label for prog_label in
@@ -456,17 +464,17 @@ def test_a_branch_on_data_that_reads_shared_memory_otherwise_fails():
   """The range test's two branches must read the rows alike: one that reads
   them twice is refused, naming the cond's line."""
   m = pmut.Mutant("edge_step_reads_its_rows_twice", "the edge branch computes its terms twice",
-                  (edit("masked_terms", "terms(keep_of(causal, True))",
+                  (edit("masks.masked_terms", "terms(keep_of(causal, True))",
                         "(terms(keep_of(causal, True)), terms(keep_of(causal, True)))[0]"),),
                   kernel="backward")
   modules = pmut.modules(m)
-  with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
-    pe.backward_programs(pe.BackwardCase(64, False, False, True), modules=modules)
+  with pytest.raises(ExtractionError, match="touch shared memory differently") as err:
+    bwd.backward_programs(cases.BackwardCase(64, False, False, True), modules=modules)
   assert "kernel/masks/selects." in str(err.value), err.value
   # the symbolic run refuses it alike, naming the first access that differs
-  _, kernels = pe.trace_backward(64, causal=False, bias=False, fuse_dq=True, seq_q=256,
+  _, kernels = bt.trace_backward(64, causal=False, bias=False, fuse_dq=True, seq_q=256,
                                  seq_kv=256, modules=modules)
-  with pytest.raises(extract.ExtractionError, match="touch shared memory differently") as err:
+  with pytest.raises(ExtractionError, match="touch shared memory differently") as err:
     for kernel in kernels:
       sy.extract_symbolic(kernel)
   assert "against" in str(err.value) and "kernel/masks/selects." in str(err.value), err.value
@@ -481,14 +489,14 @@ def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():
   f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True, scale=0.125)
   shared = dict(batch=4, group=1, t_pad=8192, s_pad=8192, head_dims=(64, 64),
                 dtype=jnp.bfloat16, num_sms=132)
-  modules = pe.shipped_modules()
+  modules = tracing.shipped_modules()
   dkv_scope, dq_scope = _order_scopes(modules)
 
   def orders():
     return (dkv_scope["dkv_launch_order"](f, blocks, num_kv_heads=8, fused=False, **shared),
             dq_scope["dq_launch_order"](f, blocks, num_heads=8, **shared))
   host = orders()
-  with pe._launch_orders(modules, sectioned=True):
+  with bt._launch_orders(modules, sectioned=True):
     traced = orders()
   for mine, theirs in zip(traced, host, strict=True):
     assert theirs is not None and (mine.units, mine.tiles) == (theirs.units, theirs.tiles)

@@ -11,18 +11,21 @@ import re
 
 import pytest
 
-from harness.proofs import extract
 from harness.proofs import premise as pr
 from harness.proofs import prove as prove_cli
-from harness.proofs import prove_extracted as pe
+from harness.proofs import cases
+from harness.proofs import forward_probes as fwd
+from harness.proofs import prove_pool
 from harness.proofs import protocol_mutants as pmut
 from harness.proofs import symbolic as sy
+from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
+from harness.proofs.events import ExtractionError
 from harness.tools.anchors import edit
 
-ONE_TILE = pe.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
-ONE_TILE_4 = pe.ForwardCase(4, False, "round-robin", False, False, False, 64, 128, 4)
-PERSISTENT = pe.ForwardCase(2, True, "round-robin", False, False, True, 64, 128, 2)
+ONE_TILE = cases.ForwardCase(2, False, "round-robin", False, False, False, 64, 128, 2)
+ONE_TILE_4 = cases.ForwardCase(4, False, "round-robin", False, False, False, 64, 128, 4)
+PERSISTENT = cases.ForwardCase(2, True, "round-robin", False, False, True, 64, 128, 2)
 LONG_PERIOD = "refill_test_on_a_6_bit_position"
 
 
@@ -38,8 +41,8 @@ def test_the_probes_alone_accept_a_defect_past_every_probed_position():
   """The producer's refill test on a 6-bit ring position skips its wait for
   a release at positions 64 and on: no probe reaches them, so with (P)
   only tested (the path before Z3) the launch is reported proven."""
-  results = pe.prove([("forward", ONE_TILE, 1)], mutant=LONG_PERIOD, fail_fast=True,
-                     premise=False)
+  results = prove_pool.prove([("forward", ONE_TILE, 1)], mutant=LONG_PERIOD, fail_fast=True,
+                             premise=False)
   assert results and all(r.ok for r in results)
   assert all(not z for r in results for z in r.z3)   # and nothing claims (P) proved
 
@@ -49,7 +52,7 @@ def test_z3_refutes_it_with_position_trip_counts_and_a_trace():
   ring position (64 or more) and the trip count; its environment probed
   shows the kernel's events disagree with the table's, and checked alone
   gives a trace of the mutated kernel's lines."""
-  results = pe.prove([("forward", ONE_TILE, 1)], mutant=LONG_PERIOD, fail_fast=True)
+  results = prove_pool.prove([("forward", ONE_TILE, 1)], mutant=LONG_PERIOD, fail_fast=True)
   failed = [r for r in results if not r.ok]
   assert failed
   text = "\n".join(r.premise or "" for r in failed)
@@ -70,8 +73,8 @@ def test_a_table_the_probes_generalised_too_far_is_corrected():
   table learned from them keys the tail by slot and gives a tile of 4 or
   5 blocks no last PV and no epilogue.  Z3 finds the context, its probe
   refines the table."""
-  probed = pe.forward_program(ONE_TILE_4, premise=False)
-  proved = pe.forward_program(ONE_TILE_4)
+  probed = fwd.forward_program(ONE_TILE_4, premise=False)
+  proved = fwd.forward_program(ONE_TILE_4)
   assert _unit(probed, "wg0", "tail", cls=4, n=2) == ()
   tail = _unit(proved, "wg0", "tail", cls=4, n=2)
   assert {e.kind for e in tail} >= {"wait", "wgmma", "tma_store"}, tail
@@ -80,7 +83,7 @@ def test_a_table_the_probes_generalised_too_far_is_corrected():
 
 @pytest.fixture(scope="module")
 def persistent():
-  prober = pe._ForwardProber(PERSISTENT, None, None)
+  prober = fwd._ForwardProber(PERSISTENT, None, None)
   return prober.learn(), prober.kernel
 
 
@@ -120,10 +123,10 @@ def test_what_linear_arithmetic_cannot_express_fails_naming_it():
   every probe: the remainder by 1 is 0) is no linear term: the symbolic
   run refuses the slot it reaches, naming the primitive and both lines."""
   m = pmut.Mutant("slot_through_a_product", "a slot computed through ki * ki",
-                  (edit("ring_state", "keys.position(prev_iters + (ki - lb))",
+                  (edit("context.ring_state", "keys.position(prev_iters + (ki - lb))",
                         "keys.position(prev_iters + (ki - lb) + lax.rem(ki * ki, 1))"),))
-  with pytest.raises(extract.ExtractionError) as err:
-    pe.forward_program(ONE_TILE, modules=pmut.modules(m))
+  with pytest.raises(ExtractionError) as err:
+    fwd.forward_program(ONE_TILE, modules=pmut.modules(m))
   msg = str(err.value)
   assert "primitive 'mul'" in msg and "slot" in msg, msg
   assert re.search(r"kernel/forward/context\.mutant_slot_through_a_product\.py:\d+", msg), msg
@@ -137,15 +140,15 @@ def test_terms_normalise_and_evaluate_as_the_kernel_computes():
   assert tm.max_(x, tm.add(x, 2)) is tm.add(x, 2)
   for v in (-7, -1, 0, 5, 13):
     for c in (3, 4):
-      assert tm.evaluate(tm.div(x, c), {"x": v}) == int(v / c)
-      assert tm.evaluate(tm.rem(x, c), {"x": v}) == v - c * int(v / c)
-      assert tm.evaluate(tm.min_(x, c), {"x": v}) == min(v, c)
+      assert tw.evaluate(tm.div(x, c), {"x": v}) == int(v / c)
+      assert tw.evaluate(tm.rem(x, c), {"x": v}) == v - c * int(v / c)
+      assert tw.evaluate(tm.min_(x, c), {"x": v}) == min(v, c)
   assert tm.nonneg(tm.sub(tm.max_(x, 5), x)) and not tm.nonneg(tm.sub(x, tm.max_(x, 5)))
 
 
 def test_the_command_shows_how_the_premise_stands_per_protocol():
-  proved = pe.Result("a", ["a"], z3=[(3, 1, 0.1), (2, 0, 0.0)])
-  tested = pe.Result("b", ["b"], z3=[()])
+  proved = prove_pool.Result("a", ["a"], z3=[(3, 1, 0.1), (2, 0, 0.0)])
+  tested = prove_pool.Result("b", ["b"], z3=[()])
   assert prove_cli._premise_column(proved) == "Z3 2/2"
   assert prove_cli._premise_column(tested) == "probes"
   assert proved.premise_proved and not tested.premise_proved

@@ -139,7 +139,7 @@ def test_the_suite_and_the_proofs_need_no_z3(tmp_path):
                        cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
   assert "test_gradients_gpu.py" in run.stdout and "test_extracted_proof.py" in run.stdout
-  imp = subprocess.run([sys.executable, "-c", "import harness.proofs.prove, harness.proofs.extracted_proof"],
+  imp = subprocess.run([sys.executable, "-c", "import harness.proofs.prove, harness.proofs.search"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=120)
   assert imp.returncode == 0, imp.stderr[-2000:]
 

@@ -19,7 +19,7 @@ import pytest
 from harness.numerics import strategies as hs
 from harness.tools import anchors, mutants, watchdog
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_every_patch_applies_exactly_once_and_compiles():
@@ -52,15 +52,20 @@ def test_every_killer_is_a_test_that_exists():
 def test_a_patch_that_does_not_find_one_place_is_refused(tmp_path):
   (tmp_path / "kernel").mkdir()
   (tmp_path / "kernel" / "k.py").write_text(
-      "def mask(s, keep):\n  s = where(keep, s)\n  s = where(keep, s)\n  return s\n")
-  gone = mutants.Mutant("gone", "test", (anchors.edit("mask", "no_such_call()", "x"),), ("t",))
-  with pytest.raises(mutants.MutantError, match=r"^gone: edit 0: function mask "
-                                                r"\(kernel/k.py:1\): the pattern matched 0 times"):
+      '@seam("k.mask")\ndef mask(s, keep):\n  s = where(keep, s)\n  s = where(keep, s)\n'
+      '  return s\n')
+  gone = mutants.Mutant("gone", "test", (anchors.edit("k.mask", "no_such_call()", "x"),), ("t",))
+  with pytest.raises(mutants.MutantError, match=r"^gone: edit 0: seam k.mask \(kernel.k.mask, "
+                                                r"kernel/k.py:2\): the pattern matched 0 times"):
     mutants.patched_files(gone, tmp_path)
-  twice = dataclasses.replace(gone, edits=(anchors.edit("mask", "s = where(keep, s)", "s = s"),))
+  twice = dataclasses.replace(gone, edits=(anchors.edit("k.mask", "s = where(keep, s)", "s = s"),))
   with pytest.raises(mutants.MutantError, match="matched 2 times"):
     mutants.patched_files(twice, tmp_path)
-  assert mutants.check(tmp_path, mutants=(gone,))[0].startswith("gone: edit 0: function mask")
+  assert mutants.check(tmp_path, mutants=(gone,))[0].startswith("gone: edit 0: seam k.mask")
+  lost = dataclasses.replace(gone, edits=(anchors.edit("k.masks", "s = where(keep, s)", "s"),))
+  with pytest.raises(mutants.MutantError, match=r"seam k.masks: no def or class under kernel/ "
+                                                r"declares it \(nearest seams: k.mask\)"):
+    mutants.patched_files(lost, tmp_path)
 
 
 def test_the_shipped_kernel_holds_no_mutant_branch():
@@ -99,7 +104,7 @@ def test_a_hang_is_stopped_and_the_test_named(tmp_path):
   name = "properties/kernel/test_causal_skip.py::test_the_predicate_sees_the_corners"
   first = "assert not selects.meets_diagonal(0, 64, 63)"
   sleeper = mutants.Mutant("sleeper", "hang", (anchors.edit(
-      "test_the_predicate_sees_the_corners", first, f"import time\ntime.sleep(120)\n{first}"),),
+      "tests.predicate_corners", first, f"import time\ntime.sleep(120)\n{first}"),),
       (name,), within="properties/kernel/test_causal_skip.py")
   result = mutants.run_mutant(sleeper, timeout=100, test_timeout=3, workdir=tmp_path)
   assert result.verdict == "hang" and result.killed_by == [name], result
@@ -197,11 +202,12 @@ _LOWERING_DEFECTS = """
 import ast, dataclasses
 from harness.tools import anchors, mutants, mutant_lowering
 # The docstring of a function a catalogued mutant edits: dead code to every probe.
-carry = mutants.by_name("no-prev-iters-carry").edits[0].anchor.function
+carry = mutants.by_name("no-prev-iters-carry").edits[0].anchor.seam
 doc = ast.get_docstring(anchors.Tree(mutants.REPO).find(carry).node, clean=False)
 dead = mutants.Mutant("dead", "test", (anchors.edit(carry, repr(doc), repr("edited")),), ("t",))
 broken = mutants.Mutant("broken", "test", (anchors.edit(
-    "tile_start", "rows = pl.ds(q_base, c.block_q)", "rows = pl.ds(q_base, c.block_q + 8)"),),
+    "mainloop.tile_start", "rows = pl.ds(q_base, c.block_q)",
+    "rows = pl.ds(q_base, c.block_q + 8)"),),
     ("t",))
 equivalent = dataclasses.replace(dead, name="argued", equivalent="a docstring")
 for p in mutant_lowering.check_lowering([dead, broken, equivalent], out=lambda s: None):

@@ -1,0 +1,158 @@
+"""The symbolic dimensions a trace of the proof takes: the queries' and the
+keys' lengths and the grid's counts (batches, key/value heads, the group of
+query heads), each a ``jax.export`` symbol within its bounds, read by
+:func:`harness.proofs.symbolic.dim_term` as a variable; and, while such a
+trace runs, divisions of a length made exact where the bounds decide them
+(:func:`exact_divisions`), and every equality the kernel asks of a length
+decided for every length (:func:`decided_lengths`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+
+from harness.proofs.events import ExtractionError
+
+# The counts of every symbolic trace's grid (the forward's and the
+# backward's), symbolic dimensions from these lower bounds (grid_counts):
+# batches, key/value heads, and the group of query heads over each, so
+# that a grid index read as a variable (symbolic.grid_index) takes every
+# place in a group of every size.  The probes' traces have one of each
+# (their events at every other grid point are held to the same tables).
+# A count of 1 is left out for batches and key/value heads only:
+# kernel/common.py's batch_head reads a dim of 1 at index 0, its only
+# index, so the trace at 2 and more stands for it (docs/proof.md, "What is
+# assumed").
+GRID_COUNTS = {"batches": 2, "kv_heads": 2, "group": 1}
+
+
+def grid_counts(symbols: dict) -> dict:
+  """forward_traces.trace_forward's batch, heads and kv_heads: the symbols of
+  :data:`GRID_COUNTS` where traced, else :data:`GQA_GRID`'s."""
+  if "group" not in symbols:
+    return GQA_GRID
+  return {"batch": symbols["batches"], "kv_heads": symbols["kv_heads"],
+          "heads": symbols["kv_heads"] * symbols["group"]}
+
+
+# Counts where the host needs integers while the trace's are symbolic (the
+# split tail's entry table, built at these and read as global-memory
+# indices), and the trace's own where GRID_COUNTS is emptied (a test).
+GQA_GRID = {"batch": 2, "heads": 8, "kv_heads": 2}
+
+
+def dimensions(dims: dict) -> tuple[dict, dict]:
+  """(values, bounds): per name of ``dims`` (its lower bound, or (lower,
+  upper)) a length of jax.export's symbolic dimensions taking every value
+  within them, and the bounds of the dimension variables it is made of,
+  for :func:`harness.proofs.symbolic.dim_term`.  JAX takes every dimension
+  variable to be at least 1, so a length from ``lo`` is the variable plus
+  ``lo - 1``: one that may be 0 (no whole key block of a one-stage ring,
+  no row short of a whole tile) is traced as such."""
+  from jax import export
+  names = sorted(dims)
+  if not names:
+    return {}, {}
+  bounds = {n: dims[n] if isinstance(dims[n], tuple) else (dims[n], None) for n in names}
+  constraints = tuple(f"{n} <= {hi - lo + 1}" for n, (lo, hi) in bounds.items()
+                      if hi is not None)
+  variables = export.symbolic_shape(", ".join(names), constraints=constraints)
+  values = {n: v + (bounds[n][0] - 1) for n, v in zip(names, variables)}
+  return values, {n: 1 if hi is None else (1, hi - lo + 1) for n, (lo, hi) in bounds.items()}
+
+
+@contextlib.contextmanager
+def exact_divisions():
+  """While a kernel is traced with symbolic lengths: a floor division or
+  remainder of a length by a constant d is exact wherever the symbols'
+  bounds decide it.  JAX divides the terms d divides and leaves the rest
+  as floordiv(...) and mod(...), which no comparison decides and no term
+  of the proof reads; but the rest's bounds (a ragged remainder r in
+  [1, d - 1]) often fix its quotient, and then ``(d*m + r) // d`` is
+  ``m`` and ``(d*m + r) % d`` is ``r``, for every length the symbols
+  stand for.  Where they do not, JAX's answer stands."""
+  from jax._src.export import shape_poly
+  cls = shape_poly._DimExpr
+  original = cls._divmod
+
+  def divmod_(self, divisor):
+    quotient, remainder = original(self, divisor)
+    if not (shape_poly.is_symbolic_dim(quotient) or shape_poly.is_symbolic_dim(remainder)) \
+            or shape_poly.is_symbolic_dim(divisor) or int(divisor) <= 0:
+      return quotient, remainder
+    d = int(divisor)
+    whole, rest = 0, 0   # self = d * whole + rest
+    for term, count in self._sorted_terms:
+      if term.is_constant:
+        rest += count
+      elif count % d == 0:
+        whole += cls._from_term(term, count // d, self.scope)
+      else:
+        rest += cls._from_term(term, count, self.scope)
+    if not shape_poly.is_symbolic_dim(rest):
+      return quotient, remainder
+    lo, hi = shape_poly._bounds_decision(rest, shape_poly.BoundsPrecision.BEST)
+    if not (np.isfinite(lo) and np.isfinite(hi)) or lo // d != hi // d:
+      return quotient, remainder
+    return whole + int(lo // d), rest - d * int(lo // d)
+
+  cls._divmod = divmod_
+  try:
+    yield
+  finally:
+    cls._divmod = original
+
+
+@contextlib.contextmanager
+def decided_lengths(what: str):
+  """While a kernel is traced with symbolic lengths: every ``==`` or
+  ``!=`` the kernel's own Python code asks of them must hold, or fail,
+  for every length the symbols stand for.  JAX answers an equality it
+  cannot decide False (its documented shape_poly convention), which
+  would trace one branch for all lengths; the trace then fails, naming
+  the kernel's line.  Comparisons JAX makes itself (broadcasting's
+  ``d == 1``) follow that convention and are not the kernel's branches."""
+  import traceback
+  from jax._src.export import shape_poly
+  import kernel
+  kernel_dir = os.path.dirname(os.path.abspath(kernel.__file__)) + os.sep
+  line = lambda path, n: f"{os.path.relpath(path, os.path.dirname(kernel_dir[:-1]))}:{n}"
+  cls, original = shape_poly._DimExpr, shape_poly._DimExpr.__eq__
+  undecided: list = []
+
+  def eq(self, other):
+    answer = original(self, other)
+    if answer or not (isinstance(other, cls) and self.scope is other.scope
+                      or shape_poly.core.is_constant_dim(other)):
+      return answer   # decided, or not a length
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == shape_poly.__file__:
+      frame = frame.f_back   # __ne__, reflected comparisons
+    if frame is None or not os.path.abspath(frame.f_code.co_filename).startswith(kernel_dir):
+      return answer
+    diff = self - other
+    if shape_poly.is_symbolic_dim(diff):
+      lo, hi = shape_poly._bounds_decision(diff, shape_poly.BoundsPrecision.BEST)
+      if lo <= 0 <= hi:
+        undecided.append(f"{line(frame.f_code.co_filename, frame.f_lineno)}: {self} == {other}")
+    return answer
+
+  cls.__eq__ = eq
+  try:
+    yield
+  except shape_poly.InconclusiveDimensionOperation as err:
+    # JAX refuses an undecided order (<, >=, ...) itself: named the same way
+    lines = [line(t.filename, t.lineno) for t in traceback.extract_tb(err.__traceback__)
+             if os.path.abspath(t.filename).startswith(kernel_dir)]
+    undecided.append(f"{lines[-1] if lines else 'JAX'}: {str(err).splitlines()[0]}")
+  finally:
+    cls.__eq__ = original
+  if undecided:
+    raise ExtractionError(
+        f"{what}: the kernel compares its symbolic lengths where the answer depends on the "
+        f"length, so one trace cannot stand for every length: {undecided[0]}"
+        + (f" (and {len(undecided) - 1} more)" if len(undecided) > 1 else ""))

@@ -38,6 +38,7 @@ ENV = "HARNESS_PROVE_CACHE"
 # not the command's own module, nor the mutants (whose runs skip the cache),
 # so that an edit of what the command prints learns nothing again.
 LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/events.py",
+                 "harness/proofs/memos.py",
                  "harness/proofs/jaxprs.py", "harness/proofs/kernel_lines.py",
                  "harness/proofs/role_programs.py",
                  "harness/proofs/tracing.py", "harness/proofs/probes.py",

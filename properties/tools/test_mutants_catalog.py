@@ -19,7 +19,7 @@ import pytest
 from harness.numerics import strategies as hs
 from harness.tools import anchors, mutants, watchdog
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_patch_applies_exactly_once_and_compiles():

@@ -128,11 +128,17 @@ class _Interp:
     self.event_loops.setdefault(self.role, []).append(self.loops)
 
   # -- running --------------------------------------------------------------
-  def run(self, jaxpr, args, consts=()):
+  @staticmethod
+  def bound(jaxpr, args, consts):
+    """(its program, the environment of one run: literals, consts, arguments)."""
     prog = program(jaxpr)
     env = dict(prog.literals)
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    return prog, env
+
+  def run(self, jaxpr, args, consts=()):
+    prog, env = self.bound(jaxpr, args, consts)
     get = env.get
     for eqn, name, keys in prog.eqns:
       ins = [get(k, OPAQUE) for k in keys]

@@ -215,6 +215,23 @@ def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
   return max(1, min(cpus, -(-int(limit) // int(period))))
 
 
+# The command's on/off switches: flag -> what it does.
+SWITCHES = {
+    "--fail-fast": "one process, smallest cases first, stop at the first failure",
+    "--no-cache": "learn and check everything anew (harness/proofs/prove_cache.py: the cache "
+                  "keeps what passed, keyed by the sources; --mutant and --fail-fast never use it)",
+    "--experiments": "also every problem with the forward's copies through untiled views "
+                     "(kernel.experiments' untiled_copies) and every backward launch kind reading "
+                     "q, k, v and dO unpadded (its pallas-unpadded), before those switches ship",
+    "--every-config": "prove every emitted config at its own block sizes, stages, head dims and "
+                      "16-bit dtype with Z3, not one representative per protocol whose program "
+                      "each config is held to (about ten times the cases)",
+    "--probes-only": "test the premise (P) with the probes alone, without Z3: the proof as it "
+                     "stood before Z3 proved (P), for comparison; it covers the probed trip "
+                     "counts only, and the command then always fails",
+}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m harness prove", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,30 +240,13 @@ def main(argv=None) -> int:
                       f"{usable_cpus()} here)")
   parser.add_argument("--mutant", help="a protocol mutant of harness/proofs/protocol_mutants.py to "
                       "prove instead of the shipped kernel")
-  parser.add_argument("--fail-fast", action="store_true",
-                      help="one process, smallest cases first, stop at the first failure")
-  parser.add_argument("--no-cache", action="store_true",
-                      help="learn and check everything anew (harness/proofs/prove_cache.py: the "
-                      "cache keeps what passed, keyed by the sources; --mutant and --fail-fast never "
-                      "use it)")
-  parser.add_argument("--experiments", action="store_true",
-                      help="also every problem with the forward's copies through untiled views "
-                      "(kernel.experiments' untiled_copies) and every backward launch kind "
-                      "reading q, k, v and dO unpadded (its pallas-unpadded), before those "
-                      "switches ship")
-  parser.add_argument("--every-config", action="store_true",
-                      help="trace every emitted config at its own block sizes, stages, head dims "
-                      "and 16-bit dtype, not one representative per protocol (what docs/proof.md "
-                      "otherwise assumes; about ten times the cases)")
   parser.add_argument("--select", metavar="WORDS",
                       help="only the forward protocols and backward launch kinds whose "
                       "description (as the table names them) contains each comma-separated "
                       "word, e.g. 'persistent,causal' or 'backward d=128': a quick proof of "
                       "what a change touches; the gate proves them all")
-  parser.add_argument("--probes-only", action="store_true",
-                      help="test the premise (P) with the probes alone, without Z3: the proof "
-                      "as it stood before Z3 proved (P), for comparison; it covers the probed "
-                      "trip counts only, and the command then always fails")
+  for flag, text in SWITCHES.items():
+    parser.add_argument(flag, action="store_true", help=text)
   args = parser.parse_args(argv)
   if args.jobs is not None and args.jobs < 1:
     parser.error(f"--jobs: {args.jobs} worker processes; give 1 or more")

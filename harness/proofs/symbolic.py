@@ -243,10 +243,7 @@ class _SymInterp(ex._Interp):
 
   # -- values ---------------------------------------------------------------------
   def run(self, jaxpr, args, consts=()):
-    prog = jaxprs.program(jaxpr)
-    env = dict(prog.literals)
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    prog, env = self.bound(jaxpr, args, consts)
     get = env.get
     for eqn, name, keys in prog.eqns:
       ins = [get(k, OPAQUE) for k in keys]

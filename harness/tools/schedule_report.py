@@ -163,21 +163,27 @@ def render(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+# The report's options: flag -> (default, or None for an on/off switch; help).
+OPTIONS = {
+    "--head-dims": ("64,128,256", "comma-separated head dims"),
+    "--seqs": ("", "comma-separated sequence lengths (default: bench --grid's forward lengths "
+                   "and its ragged ones; with --backward its backward lengths)"),
+    "--gqa": ("1,4", "comma-separated query heads per kv head"),
+    "--device-kind": (DEVICE_KIND, "the autotune cache's device whose configs are dealt"),
+    "--non-causal": (None, "also the points without a causal mask"),
+    "--backward": (None, "the backward's causal launch orders instead (the dK/dV grid, and the "
+                         "dQ grid where dQ is not fused)"),
+}
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m harness schedule", description=__doc__.split(
       "\n\n")[0])
-  p.add_argument("--head-dims", default="64,128,256")
-  p.add_argument("--seqs", default=None,
-                 help="comma-separated sequence lengths (default: bench --grid's forward "
-                      "lengths and its ragged ones; with --backward its backward lengths)")
-  p.add_argument("--gqa", default="1,4", help="comma-separated query heads per kv head")
-  p.add_argument("--non-causal", action="store_true",
-                 help="also the points without a causal mask")
-  p.add_argument("--device-kind", default=DEVICE_KIND,
-                 help="the autotune cache's device whose configs are dealt")
-  p.add_argument("--backward", action="store_true",
-                 help="the backward's causal launch orders instead (the dK/dV grid, and "
-                      "the dQ grid where dQ is not fused)")
+  for flag, (default, text) in OPTIONS.items():
+    if default is None:
+      p.add_argument(flag, action="store_true", help=text)
+    else:
+      p.add_argument(flag, default=default or None, help=text)
   return p
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import linecache
 import os
 import re
+
 from harness.proofs.memos import IdMemo
 
-# harness/proofs/extract.py -> the repository's kernel/
+# harness/proofs/kernel_lines.py -> the repository's kernel/
 KERNEL_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernel")
 

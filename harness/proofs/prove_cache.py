@@ -9,8 +9,9 @@ Three kinds of entries, each a pickle under ``.cache/prove/`` (git-ignored;
   the extraction, learning and premise modules of ``harness/``, the
   versions of Python, JAX, jaxlib, NumPy, ml_dtypes and Z3, and the ``JAX_*`` /
   ``XLA_*`` environment.
-* **listed**: the list of cases, under that digest with the problem grid's
-  module (``harness/proofs/prove.py``) too.
+* **listed**: the list of cases, and a run where every emitted config had its
+  representative's program (``harness/proofs/representatives.py``), under that
+  digest with the problem grid's module and that one too.
 * **checked**: a proof (:func:`harness.proofs.search.check`) of one program
   shape (:meth:`harness.proofs.role_programs.LaunchProgram.shape`), under a digest of
   the checker's sources only, so that a kernel edit that leaves a launch's
@@ -51,7 +52,7 @@ LEARN_SOURCES = ("kernel", "harness/proofs/extract.py", "harness/proofs/events.p
                  "harness/proofs/premise.py", "harness/proofs/prove_cache.py")
 # What the list of cases is made from: the heuristics and plans (kernel/) and
 # the problem grid of harness/proofs/prove.py.
-LIST_SOURCES = LEARN_SOURCES + ("harness/proofs/prove.py",)
+LIST_SOURCES = LEARN_SOURCES + ("harness/proofs/prove.py", "harness/proofs/representatives.py")
 # What a check's verdict is made from.
 CHECK_SOURCES = ("harness/proofs/search.py", "harness/proofs/search_environment.py",
                  "harness/proofs/search_program.py", "harness/proofs/search_state.py",

@@ -11,14 +11,12 @@ set -uo pipefail
 dest="${1:?usage: prove.sh OUTDIR}"
 out="$(mktemp -d)/prove"
 mkdir -p "$out" "$dest"
-if [ -n "${Z3_SITE:-}" ]; then
-  export PYTHONPATH="$(cd "$Z3_SITE" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-elif ls .whl/*.whl >/dev/null 2>&1; then
-  site="$(mktemp -d)"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" .whl/*.whl && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
 source "$(dirname "$0")/steps.sh"
+if [ -n "${Z3_SITE:-}" ]; then
+  export PYTHONPATH="$(cd "$Z3_SITE" && pwd):$PYTHONPATH"
+else
+  use_wheels
+fi
 record_device
 echo "cpus $(nproc)" >> "$out/device.txt"
 # an empty cache of its own: the cold run a fresh clone makes

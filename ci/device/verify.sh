@@ -28,12 +28,8 @@ esac
 # (the device returns only a few files), with the summaries beside it.
 out="$(mktemp -d)/verify"
 mkdir -p "$out" "$dest"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  site="$(mktemp -d)"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" .whl/*.whl && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
 source "$(dirname "$0")/steps.sh"
+use_wheels
 
 record_device
 if [ "$part" = all ] || [ "$part" = gate ]; then

@@ -255,9 +255,6 @@ class Representatives:
         return rep
     raise KeyError(f"no representative covers {case.describe()}")
 
-  def __iter__(self):
-    return (rep for reps in self.by_protocol.values() for rep in reps)
-
 
 def representatives_of(exact_cases) -> Representatives:
   """:class:`Representatives` of ``exact_cases`` (in their emitted order)."""

@@ -118,7 +118,9 @@ def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: b
       problem,
       bias_2d=staged and is_2d(call.bias),
       mask_2d=staged and is_2d(routed.mask if routed is not None else call.mask),
-      untiled_copies=variant.untiled_copies, even_sections=variant.even_sections,
+      untiled_copies=(problem.untiled_copies if variant.untiled_copies is None
+                      else variant.untiled_copies),
+      even_sections=variant.even_sections,
       defer_light=variant.defer_light,
       scale=float(shapes.H ** -0.5 if call.scale is None else call.scale),
       logits_soft_cap=None if call.logits_soft_cap is None else float(call.logits_soft_cap),

@@ -18,12 +18,9 @@ from jax import lax
 import jax.numpy as jnp
 
 from kernel.sync.seams import seam
+from kernel.tiling.plan import ROW_TILING
 
 
-# Mosaic GPU's tiled TMA descriptors take a sequence length that is a
-# multiple of 8 rows only (jax 0.11.2: "dimension 2 must have size smaller
-# or a multiple of its tiling 8").
-ROW_TILING = 8
 
 
 def _copied(x, width: int, multiple: int, tiling: int) -> bool:

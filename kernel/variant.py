@@ -47,8 +47,9 @@ class Variant:
   defer_light: bool | None = None
   # Copies of q, k, v and the output through untiled views of their
   # buffers, in column parts (kernel.tiling.plan.copy_parts): no padded copy
-  # at lengths that are no multiple of 8.
-  untiled_copies: bool = False
+  # at lengths that are no multiple of 8.  Always (True), never (False), or
+  # where kernel.tiling.plan.untiled_copies_pay says (None).
+  untiled_copies: bool | None = None
   # True: the backward copies q, k, v and dO padded to whole tiles at every
   # length; False: only where the forward pads (a head dim computed wider, a
   # length shorter than a tile or no multiple of 8), the kernels reading
@@ -65,11 +66,11 @@ class Variant:
                           ("backward_schedule", BACKWARD_SCHEDULES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
-    for name in ("fuse_dq", "narrow_rows", "stage_2d", "even_sections", "untiled_copies",
+    for name in ("fuse_dq", "narrow_rows", "stage_2d", "even_sections",
                  "backward_whole_tiles", "ranges_always"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-    for name in ("fuse_dq_causal", "defer_light"):
+    for name in ("fuse_dq_causal", "defer_light", "untiled_copies"):
       value = getattr(self, name)
       if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name}: expected a bool or None, got {value!r}")

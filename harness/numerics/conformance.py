@@ -49,12 +49,13 @@ def _descale_kwargs(case: Call) -> dict:
 
 
 def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
-               untiled_copies=False, ranges_always=False):
+               untiled_copies=None, ranges_always=False):
   """(out, m, l) as NumPy float64 (m, l None without residuals).
 
   ``stage_2d`` the staging of 2-D bias/mask through the ring (the API's
   default; False reads them from global memory, kernel.experiments' stage_2d);
-  ``untiled_copies`` and ``ranges_always`` kernel.experiments' switches.
+  ``untiled_copies`` (None: where the API takes them) and ``ranges_always``
+  kernel.experiments' switches.
   """
   import jax
   import jax.numpy as jnp

@@ -57,24 +57,38 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 # float8_e4m3fn: the FP8 forward's configs (its protocols equal to 16-bit
 # ones up to names share their checks).
 DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn))
-# (seq_q, seq_kv): one key block, a partial block, a few blocks, many blocks.
+# (seq_q, seq_kv): one key block, a partial block, a few blocks, many
+# blocks; each also at its twin (:func:`length_twin`).
 SEQ_LENGTHS = ((1, 1), (100, 64), (128, 200), (1000, 1000), (8192, 8192))
 
 
+def length_twin(seq_q: int, seq_kv: int) -> tuple[int, int]:
+  """Lengths of the same blocks as (seq_q, seq_kv) that the API copies the
+  other way: a ragged pair (a length no multiple of 8, copied through
+  untiled views where kernel.tiling.plan.untiled_copies_pay says) rounded
+  up to whole 8-row tiles, an aligned pair one row and one key longer."""
+  tiling = plan_lib.ROW_TILING
+  if seq_q % tiling or seq_kv % tiling:
+    return -(-seq_q // tiling) * tiling, -(-seq_kv // tiling) * tiling
+  return seq_q + 1, seq_kv + 1
+
+
 def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
-  """Every problem above as the API runs it; with ``experiments`` each once
-  more with the copies through untiled views (kernel.experiments'
-  untiled_copies), which ``python -m harness prove --experiments`` proves
-  before that switch ships."""
+  """Every problem above as the API runs it, each length pair with its
+  :func:`length_twin`; with ``experiments`` each once more with the copies
+  the other way (kernel.experiments' untiled_copies), which ``python -m
+  harness prove --experiments`` proves."""
+  lengths = sorted({pair for base in SEQ_LENGTHS for pair in (base, length_twin(*base))})
   out = []
   for head_dim, same_out, dtype, bias, mask, causal, residuals, (sq, skv) in itertools.product(
       HEAD_DIMS, (True, False), DTYPES, (False, True), (False, True), (False, True),
-      (False, True), SEQ_LENGTHS):
+      (False, True), lengths):
     head_dim_out = head_dim if same_out else 64 if head_dim != 64 else 256
     p = plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
                          bias_2d=bias, mask_2d=mask, return_residuals=residuals)
-    untiled = experiments and not p.fp8   # the FP8 forward copies whole rows
-    out += [p, dataclasses.replace(p, untiled_copies=True)] if untiled else [p]
+    p = dataclasses.replace(p, untiled_copies=plan_lib.untiled_copies_pay(p))
+    other = experiments and not p.fp8   # the FP8 forward copies whole rows
+    out += [p, dataclasses.replace(p, untiled_copies=not p.untiled_copies)] if other else [p]
   return out
 
 

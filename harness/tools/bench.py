@@ -359,8 +359,9 @@ def main(argv=None) -> int:
                          "longest-first order with its L2 sections filled, not evened, "
                          "a trailing ,lt or ,lo that order with its light tiles last "
                          "or in order (by default where the schedule's model says), a "
-                         "trailing ,ut the copies through untiled views (no padded copy at "
-                         "lengths no multiple of 8), a trailing ,up the backward reading q, "
+                         "trailing ,ut or ,pc the copies through untiled views or padded at "
+                         "every length no multiple of 8 (by default where "
+                         "kernel.tiling.plan.untiled_copies_pay says), a trailing ,up the backward reading q, "
                          "k, v and dO unpadded where the forward does (kernel.experiments' "
                          "pallas-unpadded)")
   grid.add_argument("--out-dir", default=None,

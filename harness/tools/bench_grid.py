@@ -113,9 +113,10 @@ def parse_variant(text: str):
   light tiles last and ``,lo`` in order, where the shipped order defers
   them where the schedule's model predicts that it pays
   (:func:`deferred_light`, kernel.experiments' ``defer_light``), a
-  trailing ``,ut`` copies through untiled views, in column parts
-  (:func:`untiled_copies`, kernel.experiments' ``untiled_copies``: no padded
-  copy at lengths no multiple of 8), a trailing ``,kr`` a call without
+  trailing ``,ut`` copies through untiled views, in column parts, and
+  ``,pc`` padded copies, at every length no multiple of 8 (:func:`untiled_copies`,
+  kernel.experiments' ``untiled_copies``; by default where
+  kernel.tiling.plan.untiled_copies_pay says), a trailing ``,kr`` a call without
   key ranges run by the kernels that read them (:func:`ranges_always`,
   kernel.experiments' ``ranges_always``: the kernels the proof traces);
   ``auto,st``
@@ -192,9 +193,14 @@ def deferred_light(text: str) -> bool | None:
   return True if "lt" in fields else False if "lo" in fields else None
 
 
-def untiled_copies(text: str) -> bool:
-  """Whether ``text`` ends in ``ut``: copies through untiled views."""
-  return "ut" in text.split(",")
+def untiled_copies(text: str) -> bool | None:
+  """True where ``text`` ends in ``ut`` (copies through untiled views at
+  every length), False in ``pc`` (padded copies at every length no multiple
+  of 8), else None (where kernel.tiling.plan.untiled_copies_pay says)."""
+  fields = text.split(",")
+  if "ut" in fields and "pc" in fields:
+    raise ValueError(f"--variants: both ut and pc in {text!r}")
+  return True if "ut" in fields else False if "pc" in fields else None
 
 
 def unpadded_backward(text: str) -> bool:
@@ -209,7 +215,7 @@ def ranges_always(text: str) -> bool:
 
 
 # Trailing flags of a variant that change the call, not the config.
-MODIFIERS = ("det", "fs", "lt", "lo", "ut", "kr", "up")
+MODIFIERS = ("det", "fs", "lt", "lo", "ut", "pc", "kr", "up")
 
 
 def _config_fields(text: str) -> list[str]:
@@ -256,7 +262,7 @@ def implementations(point: Point, variants, *, backward: bool, example: bool = T
       config = split_tail_of(q, k, v, is_causal=point.causal)
     if heuristic:
       config = heuristic_of(q, k, v, is_causal=point.causal)
-    if filled or light_last is not None or untiled or ranges or unpadded:
+    if filled or light_last is not None or untiled is not None or ranges or unpadded:
       return experiments.dot_product_attention(q, k, v, is_causal=point.causal, config=config,
                                                deterministic=det, even_sections=not filled,
                                                defer_light=light_last, untiled_copies=untiled,

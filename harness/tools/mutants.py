@@ -215,7 +215,9 @@ CATALOG: tuple[Mutant, ...] = (
        "hk = lax.rem(h, jnp.int32(c.num_heads // c.group))",
        named("heuristic-d128-gqa")),
     _m("last-pv-reads-k", "V read from K's slot (the tile's last PV)", "mainloop.last_pv.pv",
-       "issue_pv(c, acc_ref, p16, st)", "plgpu.wgmma(acc_ref, p16, c.keys.slot(st))",
+       "issue_pv(c, acc_ref, p16, st)",
+       # the keys' ring as the values' (whole rows or column parts alike)
+       "issue_pv(__import__('dataclasses').replace(c, values=c.keys), acc_ref, p16, st)",
        named("heuristic-basic-d64")),
     _m("query-prefetch-swapped", "the query prefetch of the wrong rows (warpgroups swapped)",
        "producer.prefetch_queries", "rows = pl.ds((c.cw * qi + w) * c.block_q, c.block_q)",

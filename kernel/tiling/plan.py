@@ -159,6 +159,11 @@ class Problem:
     return -(-self.seq_kv // block_kv)
 
 
+# Mosaic GPU's tiled TMA descriptors take a sequence length that is a
+# multiple of 8 rows only (jax 0.11.2: "dimension 2 must have size smaller
+# or a multiple of its tiling 8").
+ROW_TILING = 8
+
 # Mosaic GPU's swizzles in bytes, widest first (plgpu.find_swizzle's order).
 SWIZZLES = (128, 64, 32, 16)
 
@@ -197,23 +202,44 @@ def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
   return width // columns, columns
 
 
+# Past this many keys a row wider than 128 columns without causal keeps
+# the padded copy: its column parts' PVs cost more than the copy saves
+# (docs/decisions/untiled-copies.md).
+UNTILED_WIDE_NONCAUSAL_KEYS = 8192
+
+
+def untiled_copies_pay(problem: Problem) -> bool:
+  """Whether the shipped API copies q, k, v and the output through untiled
+  views (:func:`copy_parts`) for ``problem``: where a sequence length is no
+  multiple of the TMA's 8-row tiling, and so would be copied padded, but
+  not in FP8 (whole rows, V transposed) nor for rows wider than 128 columns
+  without causal from :data:`UNTILED_WIDE_NONCAUSAL_KEYS` keys on
+  (docs/decisions/untiled-copies.md)."""
+  ragged = problem.seq_q % ROW_TILING != 0 or problem.seq_kv % ROW_TILING != 0
+  wide = max(problem.head_dim, problem.head_dim_out) > 128
+  padded_wins = wide and not problem.is_causal and problem.seq_kv >= UNTILED_WIDE_NONCAUSAL_KEYS
+  return ragged and not problem.fp8 and not padded_wins
+
+
 def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
                 return_residuals=False) -> Problem:
   """The Problem of a call with these (B, T, N, H)/(B, S, K, H)/(B, S, K, Hv)
   shapes; ``dtype`` is the input dtype (f32 is computed in bf16; FP8 gets
   per-tensor descales and a bfloat16 output: kernel.api.problem_of sets
-  the call's own)."""
+  the call's own), copied through untiled views where
+  :func:`untiled_copies_pay`."""
   import ml_dtypes
   dt = np.dtype(dtype)
   if dt == np.float32:
     dt = np.dtype(ml_dtypes.bfloat16)
   head_dim, head_dim_out = padded_head_dims(query_shape[-1], value_shape[-1])
   fp8 = dt.itemsize == 1
-  return Problem(dtype=dt, head_dim=head_dim, head_dim_out=head_dim_out, seq_q=query_shape[1],
-                 seq_kv=key_shape[1], is_causal=bool(is_causal),
-                 return_residuals=bool(return_residuals),
-                 out_dtype=np.dtype(ml_dtypes.bfloat16) if fp8 else None,
-                 descales="tensor" if fp8 else None)
+  problem = Problem(dtype=dt, head_dim=head_dim, head_dim_out=head_dim_out,
+                    seq_q=query_shape[1], seq_kv=key_shape[1], is_causal=bool(is_causal),
+                    return_residuals=bool(return_residuals),
+                    out_dtype=np.dtype(ml_dtypes.bfloat16) if fp8 else None,
+                    descales="tensor" if fp8 else None)
+  return dataclasses.replace(problem, untiled_copies=untiled_copies_pay(problem))
 
 
 # FP8's P enters the PV product as e4m3 at 2^FP8_P_SCALE_LOG2 times its

@@ -210,17 +210,18 @@ _LAUNCHES = pytest.mark.parametrize(
 
 
 def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, bitwise=True,
-                                       **switch):
+                                       against=None, **switch):
   """A case of a kernel.experiments ``switch`` (one of run_kernel's): within
   the rule of float64, and (``bitwise``) bit for bit the shipped path's
-  results."""
+  results, or those of run_kernel with the switches ``against``."""
   from harness.numerics.conformance import random_case
   fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
   cfg = None
   if persistent is not None:
     # the problem as the switch plans it (untiled copies change the layout)
-    problem = dataclasses.replace(problem_of(fc),
-                                  untiled_copies=switch.get("untiled_copies", False))
+    problem = problem_of(fc)
+    if switch.get("untiled_copies") is not None:
+      problem = dataclasses.replace(problem, untiled_copies=switch["untiled_copies"])
     cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
                               persistent=persistent, schedule=schedule)
     if not plan.config_fits(problem, cfg):
@@ -231,13 +232,14 @@ def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, bitw
   assert report.passed, report.summary()
   if not bitwise:
     return
-  shipped = run_kernel(fc, config=cfg)
+  shipped = run_kernel(fc, config=cfg, **(against or {}))
   for a, b, what in zip(switched, shipped, ("out", "m", "l")):
-    assert np.array_equal(a, b, equal_nan=True), f"{what}: {switch} differs from the shipped path"
+    assert np.array_equal(a, b, equal_nan=True), \
+        f"{what}: {switch} differs from the {against or 'shipped'} path"
 
 
-# Lengths no multiple of 8, which the shipped path pads (kernel/api.py)
-# and kernel.experiments' untiled_copies reads unpadded, in each head dim's
+# Lengths no multiple of 8, which the padded path pads (kernel/padding.py)
+# and the untiled copies read unpadded, in each head dim's
 # column parts (kernel.tiling.plan.copy_parts): MHA and GQA, causal, the last query
 # tile nearly empty, a key length shorter than one block, unnormalised; head
 # dims 64 (one part), 128 (two), 96 (three of 32), 256 (four), and the
@@ -287,8 +289,10 @@ def test_ranges_always_matches_float64(name, kwargs, persistent, schedule):
 @pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
 @_LAUNCHES
 def test_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent, schedule):
-  """kernel.experiments' untiled_copies: within the rule of float64, and
-  bit for bit the shipped path's results, which pads q, k and v to whole
-  tiles (the same values; each product's wgmma over the parts of a row
-  issue the instructions one wgmma over the row does)."""
-  _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, untiled_copies=True)
+  """The untiled copies (shipped at these lengths: kernel.tiling.plan.untiled_copies_pay):
+  within the rule of float64, and bit for bit the padded path's results,
+  which pads q, k and v to whole tiles (the same values; each product's
+  wgmma over the parts of a row issue the instructions one wgmma over the
+  row does)."""
+  _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, untiled_copies=True,
+                                      against={"untiled_copies": False})

@@ -212,7 +212,7 @@ def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
   assert lowered.smem_bytes > 0
 
 
-# Copies through untiled views (kernel.experiments' untiled_copies): lengths
+# Copies through untiled views (kernel.tiling.plan.untiled_copies_pay): lengths
 # no multiple of 8, under every kind of schedule and with every feature,
 # at head dims of one column part (64) and of several (kernel.tiling.plan.copy_parts:
 # 128 in two of 64, 96 in three of 32, 256 in four), the value's parts
@@ -274,14 +274,41 @@ def test_untiled_copies_lower_at_any_length_without_padded_copies(name, feat, cf
       f"estimate {est} vs lowering {lowered.smem_bytes}")
   range_kw = {k: v for k, v in kw.items() if k != "k_range_shape"}
   untiled = _jaxpr_text(shapes, config=cfg, untiled_copies=True, **range_kw)
-  tiled = _jaxpr_text(shapes, config=cfg, **range_kw)
-  # Where the head dims compute as they are, the shipped path pads the
+  tiled = _jaxpr_text(shapes, config=cfg, untiled_copies=False, **range_kw)
+  # Where the head dims compute as they are, the padded path pads the
   # queries to whole tiles and untiled copies pad nothing.  (Where they
   # compute wider, 72 as 96, both copy q, k and v to pad the head dim, and
   # pad the length in the same copy.)
   if (d, dv) == plan.padded_head_dims(d, dv):
     assert f"bf16[2,{-(-T // cfg.tile_q) * cfg.tile_q},4,{d}]" in tiled
     assert " pad[" not in untiled
+
+
+# The shipped API's forward at lengths no multiple of 8: q, k and v read
+# unpadded through untiled views, but where the padded copy wins (rows
+# wider than 128 columns, no causal, from 8192 keys:
+# kernel.tiling.plan.untiled_copies_pay); at aligned lengths nothing is copied.
+_SHIPPED_LENGTHS = [(d, T, S, causal) for d in (64, 128, 256) for causal in (False, True)
+                    for T, S in ((1001, 777), (4001, 4001), (12017, 12017), (1024, 1024))]
+
+
+@pytest.mark.parametrize("d,T,S,causal", _SHIPPED_LENGTHS,
+                         ids=[f"d{d}-{T}x{S}{'-causal' if c else ''}"
+                              for d, T, S, c in _SHIPPED_LENGTHS])
+def test_the_api_forward_copies_no_padded_operand_where_untiled_copies_pay(d, T, S, causal):
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((1, T, 4, d), jnp.bfloat16), sds((1, S, 2, d), jnp.bfloat16)
+  problem = _problem(q.shape, k.shape, k.shape, dict(is_causal=causal))
+  with api.lowering_only():
+    text = str(jax.make_jaxpr(lambda q, k, v: api.dot_product_attention(
+        q, k, v, is_causal=causal))(q, k, k))
+  padded_wins = d > 128 and not causal and S >= plan.UNTILED_WIDE_NONCAUSAL_KEYS
+  ragged = T % 8 or S % 8
+  assert problem.untiled_copies == bool(ragged and not padded_wins)
+  assert (" pad[" in text) == bool(ragged and padded_wins), text[:2000]
 
 
 @pytest.mark.parametrize("width,parts", [(64, (1, 64)), (96, (3, 32)), (128, (2, 64)),

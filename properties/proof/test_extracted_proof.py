@@ -511,16 +511,30 @@ def test_an_output_overlay_over_the_keys_is_a_case_of_its_own(shipped_cases):
                                      Config(64, 64, 2)).output_reaches_keys
 
 
-def test_the_experiments_cases_are_proved_on_request(shipped_cases):
+def test_the_shipped_untiled_copies_are_proved_and_the_other_way_on_request(shipped_cases):
   """``python -m harness prove`` proves the configs the shipped API can
-  run; ``--experiments`` adds every problem once more with the copies
-  through untiled views, in each head dim's column parts."""
-  shipped = shipped_cases
-  both = list(prove_cli.forward_listing(experiments=True))
-  assert not any(c.untiled_copies for c, _ in shipped)
-  untiled = [c for c, _ in both if c.untiled_copies]
+  run: at lengths no multiple of 8 the copies through untiled views, in
+  each head dim's column parts (kernel.tiling.plan.untiled_copies_pay),
+  never in FP8; ``--experiments`` adds every problem once more copied the
+  other way."""
+  shipped = {c for c, _ in shipped_cases}
+  untiled = [c for c in shipped if c.untiled_copies]
   assert {c.parts for c in untiled} >= {(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (2, 1)}
-  assert len(both) - len(untiled) == len(shipped)
+  assert not any(c.dtype == "float8_e4m3fn" for c in untiled)
+  assert any(not c.untiled_copies and c.dtype != "float8_e4m3fn" for c in shipped)
+  both = {c.protocol_key() for c, _ in prove_cli.forward_listing(experiments=True)}
+  assert {c.protocol_key() for c in shipped} < both
+
+
+@pytest.mark.parametrize("pair,twin", [((1000, 1000), (1001, 1001)), ((100, 64), (104, 64)),
+                                       ((1, 1), (8, 8)), ((128, 200), (129, 201))])
+def test_every_length_of_the_proof_grid_is_listed_with_its_twin(pair, twin):
+  """Each length pair of the grid comes with lengths of the same blocks
+  copied the other way, so each config the heuristics emit there is proved
+  both ways the API may copy (kernel.tiling.plan.untiled_copies_pay)."""
+  assert prove_cli.length_twin(*pair) == twin
+  lengths = {(p.seq_q, p.seq_kv) for p in prove_cli.problem_grid()}
+  assert {pair, twin} <= lengths
 
 
 def test_the_output_overlays_slots_part_the_cases(shipped_cases):

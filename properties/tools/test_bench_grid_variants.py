@@ -30,6 +30,7 @@ from kernel.tiling.config import Config
     ("auto,lt", None, False),
     ("64,64,2,lf,lo", Config(64, 64, 2, False, "longest-first"), False),
     ("auto,ut", None, False),
+    ("auto,pc", None, False),
     ("auto,up", None, False),
 ])
 def test_variants_parse(text, config, det):
@@ -37,21 +38,26 @@ def test_variants_parse(text, config, det):
   assert bg.is_deterministic(text) is det
   assert bg.filled_sections(text) is (text in ("auto,fs", "64,128,2,p,lf,fs,det"))
   assert bg.deferred_light(text) is {"auto,lt": True, "64,64,2,lf,lo": False}.get(text)
-  assert bg.untiled_copies(text) is (text == "auto,ut")
+  assert bg.untiled_copies(text) is {"auto,ut": True, "auto,pc": False}.get(text)
   assert bg.unpadded_backward(text) is (text == "auto,up")
 
 
-def test_the_untiled_variant_times_the_call_without_padded_copies():
-  """``ut`` at a length no multiple of 8 and head dim 64 (the grid's
-  12017 point): the call pads nothing, where the shipped one pads q, k
-  and v (kernel.experiments' untiled_copies)."""
-  point = bg.Point(64, 12017, True)
-  fns = bg.implementations(point, ["auto", "auto,ut"], backward=False, example=False)
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (256, False)])
+def test_the_untiled_and_padded_variants_time_the_call_with_and_without_padded_copies(
+    head_dim, causal):
+  """At the grid's 12017 point, ``ut`` pads nothing and ``pc`` pads q, k and
+  v (kernel.experiments' untiled_copies); ``auto`` does as
+  kernel.tiling.plan.untiled_copies_pay says: untiled at head dim 64
+  causal, padded at head dim 256 without causal."""
+  point = bg.Point(head_dim, 12017, causal)
+  texts = ("auto", "auto,ut", "auto,pc")
+  fns = bg.implementations(point, texts, backward=False, example=False)
   q = jax.ShapeDtypeStruct((point.batch, point.seq, point.heads, point.head_dim), jnp.bfloat16)
   with api.lowering_only():
     pads = {text: str(jax.make_jaxpr(fns[f"ours {text}"])(q, q, q)).count(" pad[")
-            for text in ("auto", "auto,ut")}
-  assert pads["auto,ut"] == 0 < pads["auto"], pads
+            for text in texts}
+  assert pads["auto,ut"] == 0 < pads["auto,pc"], pads
+  assert pads["auto"] == (pads["auto,pc"] if head_dim > 128 else 0), pads
 
 
 def test_the_unpadded_variant_times_the_backward_without_padded_copies():

@@ -330,6 +330,7 @@ def main(argv=None) -> int:
 
   spent: collections.Counter = collections.Counter()
   first_failure: list = []
+  shapes: dict = {}   # each proved case's program shape, which the configs' check reads
 
   def failed(text):
     # red as soon as it is known, not after the whole run: the table at the end has them all
@@ -341,8 +342,9 @@ def main(argv=None) -> int:
   try:
     if args.fail_fast or args.jobs <= 1:
       results = prove_pool.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
-                                 cache=cache, premise=premise, spent=spent, on_failure=failed)
-      held = _representatives_held(args, listing(), everything, cache, None, failed)
+                                 cache=cache, premise=premise, spent=spent, on_failure=failed,
+                                 shapes=shapes)
+      held = _representatives_held(args, listing(), everything, cache, None, failed, shapes)
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed, then take the listing's order.
@@ -351,8 +353,8 @@ def main(argv=None) -> int:
       with prove_pool.workers(args.jobs, fork=True) as pool:
         results = prove_pool.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
                                    cache=cache, early=early, premise=premise, spent=spent,
-                                   on_failure=failed)
-        held = _representatives_held(args, listing(), everything, cache, pool, failed)
+                                   on_failure=failed, shapes=shapes)
+        held = _representatives_held(args, listing(), everything, cache, pool, failed, shapes)
   except (UnknownPrimitive, ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
@@ -421,10 +423,12 @@ def main(argv=None) -> int:
   return 0 if proven == len(results) and every and not held[0] else 1
 
 
-def _representatives_held(args, listed, everything, cache, pool, failed) -> tuple[list, str]:
+def _representatives_held(args, listed, everything, cache, pool, failed,
+                          shapes=None) -> tuple[list, str]:
   """harness.proofs.representatives.check over the emitted configs of the
   listed forward protocols, where the run proves representatives: (lines
-  naming the configs that differ, the summary line)."""
+  naming the configs that differ, the summary line); ``shapes``: the
+  representatives' program shapes the proof learned."""
   from harness.proofs import representatives
   if args.mutant or args.fail_fast or args.every_config:
     why = ("--mutant" if args.mutant else "--fail-fast" if args.fail_fast
@@ -440,7 +444,7 @@ def _representatives_held(args, listed, everything, cache, pool, failed) -> tupl
         exact, [case for kind, case, _ in everything if kind == "forward"]) if rep in chosen]
 
   lines, summary = representatives.check(
-      work, pool=pool, cache=cache, key=repr((args.experiments, args.select)))
+      work, pool=pool, cache=cache, key=repr((args.experiments, args.select)), known=shapes)
   if lines:
     failed(lines[0])
   return lines, summary

@@ -147,7 +147,8 @@ def _check(prog):
 
 def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = False,
           pool=None, cache=None, early=(), premise: bool = True,
-          spent: collections.Counter | None = None, on_failure=None) -> list[Result]:
+          spent: collections.Counter | None = None, on_failure=None,
+          shapes: dict | None = None) -> list[Result]:
   """Learn the programs of ``items`` (("forward", ForwardCase, configs) or
   ("backward", BackwardCase, 0)), check each distinct one, and return one
   Result per check (premise failures included).  ``items`` may be a callable
@@ -160,7 +161,10 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   checks from, and to keep new ones in.  ``spent``: a Counter that gets the
   CPU seconds, by phase of :data:`harness.proofs.tracing.PHASES`, of the work done (what the cache
   gave cost nothing).  ``on_failure(text)``: called with a line as soon as a
-  case's premise fails or a check finds a violation, before the run ends."""
+  case's premise fails or a check finds a violation, before the run ends.
+  ``shapes``: a dict that gets each forward case's program shape
+  (:meth:`harness.proofs.role_programs.LaunchProgram.shape_digest`), where
+  its premise held."""
   spent = collections.Counter() if spent is None else spent
   on_failure = on_failure or (lambda text: None)
   if fail_fast or (pool is None and jobs <= 1):
@@ -172,7 +176,7 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
     results = []
     for w in work:
       learned = _learned(w, mutant, None, premise, spent)
-      new = _collect([w], [learned], configs, distinct)
+      new = _collect([w], [learned], configs, distinct, shapes)
       results += new
       for prog, result in list(distinct.values()):
         if result in new:
@@ -181,15 +185,17 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
         break
     return results
   if pool is not None:
-    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent, on_failure)
+    return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent, on_failure,
+                         shapes)
   if jobs > 1:
     with workers(jobs) as pool:
-      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent, on_failure)
+      return _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent, on_failure,
+                         shapes)
   learned = []
   for w in work:
     learned.append(_learned(w, mutant, cache, premise, spent))
     _report_premise(w, learned[-1], on_failure)
-  results = _collect(work, learned, configs, distinct)
+  results = _collect(work, learned, configs, distinct, shapes)
   for key, (prog, result) in distinct.items():
     _record(result, _checked(key, prog, result, cache, spent))
     _report_violation(result.name, result.violation, on_failure)
@@ -288,7 +294,7 @@ def _warm_up():
 
 
 def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent,
-                  on_failure) -> list[Result]:
+                  on_failure, shapes=None) -> list[Result]:
   """Learn and check on the pool as results come: a worker that frees up
   takes a pending check first (the costliest cases are learned first, so
   their checks start early), else the next case to learn; what the cache
@@ -358,7 +364,7 @@ def _prove_pooled(pool, jobs, items, early, mutant, cache, premise, spent,
   work = [(kind, case) for kind, case, _ in listed]
   configs = {id(c): n for _, c, n in listed}
   final: dict = {}
-  results = _collect(work, [learned[w] for w in work], configs, final)
+  results = _collect(work, [learned[w] for w in work], configs, final, shapes)
   for key, (prog, result) in final.items():
     _record(result, checked[key])
   return results
@@ -369,11 +375,11 @@ def _record(result, res):
   result.violation = res.violation
 
 
-def _collect(work, learned, configs, distinct) -> list[Result]:
+def _collect(work, learned, configs, distinct, shapes=None) -> list[Result]:
   """Group the learned programs by shape (equal up to the names of buffers
   and barriers: :meth:`harness.proofs.role_programs.LaunchProgram.shape`); a case
   whose premise failed gets its own results (its probes' programs), marked
-  with the failure."""
+  with the failure; ``shapes`` (a dict) gets each forward case's shape."""
   results = []
   for (kind, case), (progs, premise, seconds, _) in zip(work, learned):
     for i, (name, prog) in enumerate(progs):
@@ -382,6 +388,8 @@ def _collect(work, learned, configs, distinct) -> list[Result]:
                               configs.get(id(case), 0), seconds=seconds, premise=premise))
         continue
       key = prog.shape_digest()
+      if shapes is not None and kind == "forward" and premise is None and len(progs) == 1:
+        shapes[case] = key
       if premise is None and key in distinct:
         r = distinct[key][1]
         r.cases.append(case.describe() if kind == "forward" else name)

@@ -46,25 +46,39 @@ def shape(case: cases.ForwardCase) -> str:
   return forward_probes.forward_program(case, premise=False).shape_digest()
 
 
-def compare(work, *, pool=None) -> tuple[list, int]:
+def same_trace(case: cases.ForwardCase, rep: cases.ForwardCase) -> bool:
+  """Whether the config ``case`` is traced as its representative ``rep``
+  is: the same protocol, sizes and reach (what tells exact cases apart,
+  :meth:`harness.proofs.cases.ForwardCase.key`), so the same program."""
+  whole = lambda c: (c.protocol_key(), c.reach, *(getattr(c, f) for f in cases.REPRESENTED))
+  return whole(case) == whole(rep)
+
+
+def compare(work, *, pool=None, known=None) -> tuple[list, int]:
   """(the pairs of ``work`` whose config learns another program than its
   representative, how many program shapes the representatives have);
-  ``pool``: an executor to learn them on."""
-  todo = list(dict.fromkeys([rep for _, rep in work] + [case for case, _ in work]))
+  ``pool``: an executor to learn them on; ``known``: {case: shape} already
+  learned (the representatives' own, by the proof); a config traced as its
+  representative is (:func:`same_trace`) is not learned again."""
+  shapes = dict(known or {})
+  traced = [(case, rep) for case, rep in work if not same_trace(case, rep)]
+  todo = list(dict.fromkeys([rep for _, rep in work] + [case for case, _ in traced]))
+  todo = [case for case in todo if case not in shapes]
   if pool is None:
-    shapes = {case: shape(case) for case in todo}
+    shapes.update((case, shape(case)) for case in todo)
   else:
-    shapes = dict(zip(todo, pool.map(shape, todo, chunksize=16)))
-  differ = [(case, rep) for case, rep in work if shapes[case] != shapes[rep]]
+    shapes.update(zip(todo, pool.map(shape, todo, chunksize=16)))
+  differ = [(case, rep) for case, rep in traced if shapes[case] != shapes[rep]]
   return differ, len({shapes[rep] for _, rep in work})
 
 
-def check(work, *, pool=None, cache=None, key: str = "") -> tuple[list[str], str]:
+def check(work, *, pool=None, cache=None, key: str = "",
+          known=None) -> tuple[list[str], str]:
   """``prove``'s check of ``work()`` (pairs as :func:`pairs` makes them): (a
   line per config that learns another program than its representative, the
   summary line).  ``cache`` keeps a run where every config agreed, under
   ``key`` (the selection) and the listing's sources; a warm run does not
-  list the configs again."""
+  list the configs again; ``known`` as :func:`compare` takes it."""
   start = time.perf_counter()
   entry = repr(("representatives", key))
   hit = cache.get("listed", entry) if cache is not None else None
@@ -72,7 +86,7 @@ def check(work, *, pool=None, cache=None, key: str = "") -> tuple[list[str], str
     differ, (configs, shapes) = [], hit
   else:
     work = work()
-    differ, shapes = compare(work, pool=pool)
+    differ, shapes = compare(work, pool=pool, known=known)
     configs = len(work)
     if cache is not None and not differ:
       cache.put("listed", entry, (configs, shapes))

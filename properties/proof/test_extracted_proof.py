@@ -769,7 +769,7 @@ def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped
   representative their case is traced at: each, traced at its own sizes and
   16-bit dtype, learns the same program as the representative, up to the
   names of its buffers and barriers (the shape the search checks).
-  ``python -m harness.proofs.representatives`` tests every emitted config."""
+  ``python -m harness prove`` tests every emitted config."""
   pairs = representatives.pairs(prove_cli.problem_grid()[::5],
                                 [c for c, _ in shipped_cases], differing_only=True)
   sample = pairs[::max(1, len(pairs) // EXACT_SAMPLE)]
@@ -800,9 +800,34 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
   assert lines and all("block" in line for line in lines), lines
   # the command: nothing to prove (the search is stood in for), one config that differs
   monkeypatch.setattr(prove_pool, "prove", lambda *a, **k: [])
-  monkeypatch.setattr(representatives, "compare", lambda work, pool=None: (work[:1], 1))
+  monkeypatch.setattr(representatives, "compare",
+                      lambda work, pool=None, known=None: (work[:1], 1))
   rc, out = _run_prove("--select", "stages=2,one tile", "--jobs", "1", "--no-cache")
   assert rc == 1 and "DIFFERS: " in out and "learns another program" in out, out
+
+
+def test_the_configs_check_reads_the_shapes_the_proof_learned(shipped_cases):
+  """``prove`` hands the configs' check the program shapes it learned for
+  the representatives (prove_pool.prove's ``shapes``): each is the shape
+  the check would learn from the probes alone, and a config traced as its
+  representative is (representatives.same_trace) is not traced again."""
+  reps = [c for c, _ in shipped_cases if c.num_stages == 2 and not c.persistent][:3]
+  shapes: dict = {}
+  results = prove_pool.prove([("forward", c, 1) for c in reps], jobs=1, shapes=shapes)
+  assert all(r.ok for r in results)
+  assert set(shapes) == set(reps)
+  assert all(shapes[c] == representatives.shape(c) for c in reps)
+  twin = dataclasses.replace(reps[0], exact=True)
+  assert representatives.same_trace(twin, reps[0])
+  assert not representatives.same_trace(dataclasses.replace(twin, block_kv=2 * twin.block_kv),
+                                        reps[0])
+  traced = []
+  real = representatives.shape
+  learn = lambda c: traced.append(c) or real(c)
+  import unittest.mock as mock
+  with mock.patch.object(representatives, "shape", learn):
+    differ, _ = representatives.compare([(twin, reps[0])], known=shapes)
+  assert differ == [] and traced == []
 
 
 def test_a_mutants_words_describe_cases_that_show_it(shipped_cases):

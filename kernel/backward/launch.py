@@ -130,8 +130,7 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
       dk[...], dv[...] = got["dk"], got["dv"]
 
     acc_dtype = jnp.int32 if fixed_point_dq else jnp.float32
-    # Under untiled copies the f32 reduce-adds keep their tiled TMA: the
-    # accumulator covers the grid's whole tiles (Tp rows), a zeroed array.
+    # Untiled copies leave the f32 reduce-adds tiled: their rows are whole tiles.
     acc_shape = (q.shape[0], t_pad, *q.shape[2:]) if blocks.untiled_copies else q.shape
     dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
         (jnp.zeros(acc_shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))

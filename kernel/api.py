@@ -177,7 +177,8 @@ def resolve_backward(call: Call, problem: plan_lib.Problem,
   blocks = get_backward_config(*dims, causal=problem.mask.causal,
                                schedule=variant.backward_schedule,
                                fuse_dq_causal=variant.fuse_dq_causal, fuse_dq=variant.fuse_dq,
-                               whole_tiles=variant.backward_whole_tiles)
+                               whole_tiles=variant.backward_whole_tiles,
+                               untiled_copies=variant.backward_untiled_copies)
   return backward_plan.Backward(variant.backward, dims, blocks)
 
 

@@ -18,6 +18,9 @@ public one and the switches of a :class:`kernel.variant.Variant`
   (kernel.tiling.plan.backward_head_dims says why it waits);
 * ``"pallas-unpadded"``: q, k, v and dO copied padded only where the forward
   pads them, not to whole tiles at every length (kernel.padding.backward_inputs);
+* ``"pallas-untiled"``: q, k, v and dO read unpadded at any length of at least
+  one block, copied through untiled views in column parts
+  (docs/decisions/backward-untiled-copies.md);
 * ``"xla"``: the kernels' executable specification in plain JAX
   (kernel/backward/xla.py), which tests compare them with.
 
@@ -43,6 +46,7 @@ BACKWARDS = {
     "pallas-fused-causal": ({"fuse_dq_causal": True}, False),
     "pallas-narrow-rows": ({"narrow_rows": True}, False),
     "pallas-unpadded": ({"backward_whole_tiles": False}, False),
+    "pallas-untiled": ({"backward_whole_tiles": False, "backward_untiled_copies": True}, False),
     "xla": ({"backward": "xla"}, False),
 }
 # The Variant fields this module's dot_product_attention takes by name.

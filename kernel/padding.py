@@ -252,16 +252,20 @@ def backward_inputs(query, key, value, d_out, *, head_dims, blocks, whole_tiles:
   (Tp, Sp): the query rows and keys its grids cover, whole tiles of its
   tiling (kernel.tiling.backward_plan.BackwardBlocks).  ``whole_tiles``:
   the arrays padded to (Tp, Sp) at every length; else padded only where
-  the forward pads them (:func:`forward_inputs`), q with dO and k with v,
-  the kernels reading past the end as zeros and their stores cut at it."""
+  the forward pads them (:func:`forward_inputs`; under the blocks' untiled
+  copies at any length but one shorter than a block), q with dO and k
+  with v, the kernels reading past the end as zeros and their stores cut
+  at it."""
   d, dv = head_dims
   t_mult, s_mult = blocks.query_multiple, blocks.key_multiple
   t_pad, s_pad = whole(query.shape[1], t_mult), whole(key.shape[1], s_mult)
+  # Untiled copies take any length (docs/decisions/backward-untiled-copies.md).
+  tiling = 1 if blocks.untiled_copies else ROW_TILING
   # q with dO and k with v: both copied where either is
-  pad_q = whole_tiles or _copied(query, d, t_mult, ROW_TILING) or \
-      _copied(d_out, dv, t_mult, ROW_TILING)
-  pad_k = whole_tiles or _copied(key, d, s_mult, ROW_TILING) or \
-      _copied(value, dv, s_mult, ROW_TILING)
+  pad_q = whole_tiles or _copied(query, d, t_mult, tiling) or \
+      _copied(d_out, dv, t_mult, tiling)
+  pad_k = whole_tiles or _copied(key, d, s_mult, tiling) or \
+      _copied(value, dv, s_mult, tiling)
   padded = lambda x, width, multiple, pad: (pad_to_multiple(pad_head_dim(x, width), 1, multiple)
                                             if pad else x)
   q, k = padded(query, d, t_mult, pad_q), padded(key, d, s_mult, pad_k)

@@ -55,6 +55,10 @@ class Variant:
   # length shorter than a tile or no multiple of 8), the kernels reading
   # past the end as zeros and their stores cut at it.
   backward_whole_tiles: bool = True
+  # The backward's copies of q, k, v and dO (and of its results) through
+  # untiled views in column parts, as untiled_copies does the forward's: with
+  # backward_whole_tiles False, no padded copy at lengths no multiple of 8.
+  backward_untiled_copies: bool = False
   # A call without lengths, window or segments runs the kernels that read
   # key ranges, every row's range the whole keys (the proof reads the plain
   # kernels too: docs/proof.md, "Calls without key ranges"); too slow to
@@ -67,7 +71,7 @@ class Variant:
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
     for name in ("fuse_dq", "narrow_rows", "stage_2d", "even_sections",
-                 "backward_whole_tiles", "ranges_always"):
+                 "backward_whole_tiles", "backward_untiled_copies", "ranges_always"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
     for name in ("fuse_dq_causal", "defer_light", "untiled_copies"):

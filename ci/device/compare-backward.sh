@@ -4,12 +4,19 @@
 # timed against the shipped backward and cuDNN in one process (the headline
 # shape, non-causal and causal), then ptxas's
 # register and spill report for its kernels.
-#   bash ci/device/compare-backward.sh OUTDIR VARIANT
+#   bash ci/device/compare-backward.sh OUTDIR VARIANT [TESTS]
+# TESTS: a pytest -k expression of the variant's own tests in
+# properties/gpu/test_gradients_gpu.py, run with the named cases.  The
+# backward's copies through untiled views, at lengths no multiple of 8
+# (docs/decisions/backward-untiled-copies.md):
+#   bash ci/device/compare-backward.sh OUTDIR pallas-untiled untiled
 # Every step has its own time limit, so a variant that hangs on the GPU ends
 # the step (exit 124 in steps.txt) instead of the device call.
 set -uo pipefail
-dest="${1:?usage: compare-backward.sh OUTDIR VARIANT}"
-variant="${2:?usage: compare-backward.sh OUTDIR VARIANT}"
+usage="usage: compare-backward.sh OUTDIR VARIANT [TESTS]"
+dest="${1:?$usage}"
+variant="${2:?$usage}"
+tests="${3:+ or ($3)}"
 out="$(mktemp -d)/compare"
 mkdir -p "$out" "$dest"
 source "$(dirname "$0")/steps.sh"
@@ -17,8 +24,8 @@ source "$(dirname "$0")/steps.sh"
 record_device
 # A hang shows first on the small named cases; the drawn cases follow only
 # when those pass.
-if GRADIENT_BACKWARD="$variant" step gradients-named 150 "$py" -m pytest -m gpu -rs \
-     properties/gpu/test_gradients_gpu.py -k "named or reproducible" --junitxml "$out/named.xml"; then
+if GRADIENT_BACKWARD="$variant" step gradients-named 240 "$py" -m pytest -m gpu -rs \
+     properties/gpu/test_gradients_gpu.py -k "named or reproducible$tests" --junitxml "$out/named.xml"; then
   GRADIENT_BACKWARD="$variant" step gradients-drawn 240 "$py" -m pytest -n 4 -m gpu -rs \
     properties/gpu/test_gradients_gpu.py -k "float64" --junitxml "$out/drawn.xml"
   step bench 150 "$py" -m harness.tools.bench --shapes headline-both --backward --configs auto \

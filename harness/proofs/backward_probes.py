@@ -84,7 +84,7 @@ def backward_programs(case: BackwardCase, *, modules=None,
     closed, kernels = bt.trace_backward(case.head_dim, causal=case.causal, bias=case.bias,
                                         fuse_dq=case.fuse_dq, seq_q=seq_q, seq_kv=seq_kv,
                                         modules=modules, fixed_point=case.fixed_point,
-                                        unpadded=case.unpadded)
+                                        unpadded=case.unpadded, untiled=case.untiled)
     learners = _learners(case, learners, rings, kernels)
     for learner, kernel in zip(learners, kernels):
       traced.setdefault(id(learner), []).append(kernel)

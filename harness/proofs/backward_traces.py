@@ -18,11 +18,12 @@ from harness.proofs.cases import BackwardCase
 from harness.proofs.jaxprs import find_kernels
 
 def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=True,
-                   modules=None, fixed_point=False, unpadded=False, batch=1, heads=1,
-                   kv_heads=1):
+                   modules=None, fixed_point=False, unpadded=False, untiled=False, batch=1,
+                   heads=1, kv_heads=1):
   """The closed jaxpr of ``kernel.backward.attention_backward`` traced on the
   CPU, and its Mosaic GPU kernels in launch order (``unpadded``: q, k, v
-  and dO read unpadded where the forward reads them so; ``batch``,
+  and dO read unpadded where the forward reads them so; ``untiled``: read
+  unpadded at every length, copied through untiled views; ``batch``,
   ``heads``, ``kv_heads``: its grid, :data:`GQA_GRID` in the symbolic
   traces)."""
   import jax
@@ -42,7 +43,8 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
                              is_causal=causal, scale=0.125, deterministic=fixed_point)
   dims = backward_plan.computed_head_dims(head_dim, head_dim)
   backward = backward_plan.Backward("pallas", dims, get_backward_config(
-      *dims, causal=causal, fuse_dq=fuse_dq, whole_tiles=not unpadded))
+      *dims, causal=causal, fuse_dq=fuse_dq, whole_tiles=not (unpadded or untiled),
+      untiled_copies=untiled))
 
   def fn(q, k, v, b, ks, ke, o, m, l, do):
     return modules.backward.attention_backward(problem, backward, q, k, v, b, None, ks, ke, o,
@@ -169,7 +171,7 @@ def trace_backward_at(case: BackwardCase, rem_q=0, rem_k=0, sectioned: bool = Fa
         seq_q=whole_q * symbols["mq"] + symbols["rq"],
         seq_kv=whole_k * symbols["mk"] + symbols["rk"], ranges=ranges,
         modules=modules, fixed_point=case.fixed_point, unpadded=case.unpadded,
-        **sd.grid_counts(symbols))
+        untiled=case.untiled, **sd.grid_counts(symbols))
   return kernels, variables
 
 

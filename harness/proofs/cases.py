@@ -283,19 +283,25 @@ class BackwardCase:
   # (kernel.experiments' "pallas-unpadded"): traced at lengths past whole
   # tiles in multiples of 8 as well (backward_traces.backward_pairings).
   unpadded: bool = False
+  # q, k, v and dO copied through untiled views in column parts, read
+  # unpadded at every length past whole tiles (kernel.experiments'
+  # "pallas-untiled"): traced at the shipped backward's lengths.
+  untiled: bool = False
 
   def describe(self) -> str:
     return (f"backward d={self.head_dim}{' causal' if self.causal else ''}"
             f"{' bias' if self.bias else ''} {'fused dQ' if self.fuse_dq else 'dQ kernel'}"
             f"{' in fixed point' if self.fixed_point else ''}"
-            f"{' read unpadded' if self.unpadded else ''}")
+            f"{' read unpadded' if self.unpadded else ''}"
+            f"{' copied untiled' if self.untiled else ''}")
 
 
 def backward_cases(*, experiments: bool = False) -> list[BackwardCase]:
   """Every launch kind kernel/backward.py makes: with and without the fused
   dQ, and where it applies (kernel.tiling.backward_plan.fuses_dq) its fixed-point sum
   as well; with ``experiments`` each once more read unpadded
-  (:attr:`BackwardCase.unpadded`)."""
+  (:attr:`BackwardCase.unpadded`) and once copied untiled
+  (:attr:`BackwardCase.untiled`)."""
   from kernel.tiling import backward_plan
   plain = [BackwardCase(d, c, b, f) for d in BACKWARD_HEAD_DIMS for c in (False, True)
            for b in (False, True) for f in (True, False)]
@@ -304,5 +310,7 @@ def backward_cases(*, experiments: bool = False) -> list[BackwardCase]:
                backward_plan.blocks_for(case.head_dim, case.head_dim, causal=case.causal),
                with_bias=case.bias, causal=case.causal)]
   shipped = plain + fixed
-  return shipped + ([dataclasses.replace(c, unpadded=True) for c in shipped]
-                    if experiments else [])
+  if not experiments:
+    return shipped
+  return (shipped + [dataclasses.replace(c, unpadded=True) for c in shipped]
+          + [dataclasses.replace(c, untiled=True) for c in shipped])

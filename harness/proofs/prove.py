@@ -236,7 +236,8 @@ SWITCHES = {
                   "keeps what passed, keyed by the sources; --mutant and --fail-fast never use it)",
     "--experiments": "also every problem with the forward's copies through untiled views "
                      "(kernel.experiments' untiled_copies) and every backward launch kind reading "
-                     "q, k, v and dO unpadded (its pallas-unpadded), before those switches ship",
+                     "q, k, v and dO unpadded (its pallas-unpadded) and copied through untiled "
+                     "views (its pallas-untiled), before those switches ship",
     "--every-config": "prove every emitted config at its own block sizes, stages, head dims and "
                       "16-bit dtype with Z3, not one representative per protocol whose program "
                       "each config is held to (about ten times the cases)",
@@ -374,7 +375,7 @@ def main(argv=None) -> int:
         + ("for every trip count: every number of tiles and key blocks" if every else
            "for the trip counts the probes showed (the premise (P) not proved)")
         + (f" ({args.mutant})" if args.mutant else "")
-        + (" (with kernel.experiments' untiled copies and unpadded backward)"
+        + (" (with kernel.experiments' untiled copies, unpadded and untiled backward)"
            if args.experiments else "")
         + (" (each config traced at its own block sizes, stages, head dims and dtype)"
            if args.every_config else ""))

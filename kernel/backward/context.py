@@ -48,9 +48,33 @@ def _barrier_refs(plan):
                for b in plan)
 
 
-def _allocate(buffers):
-  """Scratch refs for buffer descriptions (None stays None: an unused slot)."""
-  return tuple(None if b is None else smem(b) for b in buffers)
+# The buffers the TMA copies of the inputs fill: under untiled copies each
+# allocated beside its untiled view (kernel.common.untiled_smem).
+COPIED = ("q", "k", "v", "do")
+
+
+def _allocate(buffers, untiled: bool = False):
+  """Scratch refs for buffer descriptions (None stays None: an unused slot);
+  ``untiled``: q, k, v and dO each a RefUnion of the buffer and its
+  untiled view, which Mosaic GPU places on the same bytes."""
+  def one(b):
+    if untiled and b.name in COPIED:
+      return plgpu.RefUnion(smem(b), common.untiled_smem(b))
+    return smem(b)
+  return tuple(None if b is None else one(b) for b in buffers)
+
+
+def _copy_views(untiled: bool, named: dict):
+  """({name: the ref read}, {name: the view its TMA copies use}) of
+  ``named``, scratch :func:`_allocate` made: the same refs and no views
+  without untiled copies; with them the untiled view, its parts moved
+  behind its rows (a copy's rows land as (rows, parts, columns) of the
+  global array)."""
+  if not untiled:
+    return named, {}
+  behind = lambda u: u.transpose((0, 2, 1, 3))
+  return ({n: t for n, (t, _) in named.items()},
+          {n: behind(u) for n, (_, u) in named.items()})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,3 +106,15 @@ class _Launch(common.OperandRefs):
   inner_hi: Any = None      # inside every row's key range (None: no table)
   ds_st: Any = None
   exchange: Any = None      # the head split's exchange buffers (dK/dV: P^T and dS^T)
+  # Under untiled copies, {buffer: the view its copies use}, which the
+  # results staged in q, k or v are stored from too.
+  views: Any = None
+
+  @property
+  def untiled(self) -> bool:
+    return self.blocks.untiled_copies
+
+  def copied(self, name: str, ref):
+    """The ref a TMA copy of buffer ``name`` (read as ``ref``) uses:
+    ``ref`` itself without untiled copies."""
+    return ref if not self.views else self.views[name]

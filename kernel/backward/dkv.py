@@ -26,13 +26,15 @@ from kernel.common import COL, ROW, WGMMA, batch_head, load_broadcast
 from kernel.sync import barriers, ring as ring_lib
 from kernel.sync.seams import seam
 from kernel.tiling import schedule as schedule_lib
-from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
+from kernel.backward import parts
+from kernel.backward.context import (CW, _Launch, _allocate, _barrier_refs, _copy_views,
+                                     _memory_warpgroup)
 from kernel.backward.fused_dq import (_dq_product, _dq_reduce_add, dq_owner, ds_buffer,
                                       to_fixed_point)
 from kernel.backward.head_split import _shared_slot, exchange_buffer
 from kernel.backward.scores import _step_scores
 from kernel.masks.selects import KeysBelow
-from kernel.tiling.backward_plan import BackwardBlocks, dkv_buffers, dkv_mbarriers
+from kernel.tiling.backward_plan import BackwardBlocks, copy_row, dkv_buffers, dkv_mbarriers
 from kernel.tiling.plan import Problem
 
 
@@ -151,11 +153,16 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
 
   if (dq_scales is not None) != (fused and dq_accum.dtype == jnp.int32):
     raise ValueError("the fixed-point dQ takes an int32 dq_accum and dq_scales together")
+  untiled = blocks.untiled_copies
   scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused,
-                                   dq_dtype=np.float32 if dq_accum is None else dq_accum.dtype)),
+                                   dq_dtype=np.float32 if dq_accum is None else dq_accum.dtype),
+                       untiled),
              _barrier_refs(dkv_mbarriers(blocks))]
-  out_type = [jax.ShapeDtypeStruct((batch, s, num_kv_heads, d), dtype)
+  out_type = [jax.ShapeDtypeStruct((batch, s, num_kv_heads, *copy_row(blocks, d, dtype)), dtype)
               for d in (head_dim, head_dim_out)]
+  if untiled:  # rows in column parts (kernel.tiling.backward_plan.copy_row): free reshapes
+    q, k, v, do = (x.reshape(*x.shape[:3], *copy_row(blocks, x.shape[3], dtype))
+                   for x in (q, k, v, do))
   results = plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
       # Mosaic GPU launches the LAST grid dimension fastest (blockIdx.x):
@@ -172,6 +179,8 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
     *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_scales,
     dq_accum)
+  if untiled:
+    results = [x.reshape(*x.shape[:3], -1) for x in results]
   return dict(zip(("dk", "dv"), results))
 
 
@@ -183,13 +192,17 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
   (the head split's where ``c.blocks.head_split``)."""
   k_st, v_st, q_ring, do_ring, rows_ring, *staging = scratch
   k_stat, v_stat, q_prod, do_prod, rows_prod, consumed = bars
+  read, views = _copy_views(c.untiled, dict(k=k_st, v=v_st, q=q_ring, do=do_ring))
+  k_st, v_st, q_ring, do_ring = (read[n] for n in ("k", "v", "q", "do"))
   # K and V stationary, filled once: one tile per compute warpgroup, or one
   # for both under the head split; each step streams a query block's q,
   # residual rows and dO.
-  stationary = ring_lib.WarpgroupSlots({"k": (k_st, k_stat), "v": (v_st, v_stat)})
+  stationary = ring_lib.WarpgroupSlots({"k": (k_st, k_stat), "v": (v_st, v_stat)},
+                                       copy_views={n: views[n] for n in ("k", "v") if n in views})
   stream = ring_lib.Ring(c.blocks.num_stages, {"q": (q_ring, q_prod),
                                                "rows": (rows_ring, rows_prod),
-                                               "do": (do_ring, do_prod)}, consumed)
+                                               "do": (do_ring, do_prod)}, consumed,
+                         {n: views[n] for n in ("q", "do") if n in views})
   split = c.blocks.head_split
   # The rest of the scratch: the fused dQ's dS^T and f32 staging (None
   # without it), or the head split's exchange buffers of P^T and dS^T.
@@ -200,7 +213,8 @@ def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, m
       bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref, ke_ref=ke_ref, dq_ref=dq_ref,
       dq_scales_ref=dq_scales_ref, out_refs=(dk_ref, dv_ref), k_st=k_st, v_st=v_st, ds_st=ds_st,
       dq_st=dq_st,
-      exchange=tuple(staging) if split else None, stationary=stationary, stream=stream)
+      exchange=tuple(staging) if split else None, stationary=stationary, stream=stream,
+      views=views)
   pl.when(c.wg < CW)(functools.partial(_wide_compute if split else _dkv_compute, c))
   pl.when(c.wg == CW)(lambda: _memory_warpgroup(
       functools.partial(_wide_load_stationary if split else _dkv_load_stationary, c),
@@ -274,8 +288,8 @@ def _dkv_compute(c: DkvKernel):
   kv_base = (CW * c.j + wg) * c.bkv
   c.stationary.consumer_wait(wg, "k")
   c.stationary.consumer_wait(wg, "v")
-  zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
-  dk_acc, dv_acc = zeros(c.head_dim), zeros(c.head_dim_out)
+  dk_acc = parts.zeros(c.bkv, c.head_dim, parts.columns(c.k_st, c.untiled))
+  dv_acc = parts.zeros(c.bkv, c.head_dim_out, parts.columns(c.v_st, c.untiled))
   dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_dkv_step, c, kv_base),
                                  (dk_acc, dv_acc))
   if c.fused:  # the last dQ product has read both K tiles before they stage dK
@@ -285,12 +299,18 @@ def _dkv_compute(c: DkvKernel):
   results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}
   for name, ref in zip(("dk", "dv"), c.out_refs):
     acc, buf = results[name]
+    if c.untiled:  # column parts (kernel/backward/parts.py)
+      scale = c.f.scale if name == "dk" else None
+      parts.store(buf.at[wg], tuple((a if scale is None else a * scale).astype(c.dtype)
+                                    for a in acc))
+      continue
     if name == "dk":
       acc = acc * c.f.scale
     buf.at[wg][...] = acc.astype(c.dtype)
   plgpu.commit_smem()
   for name, ref in zip(("dk", "dv"), c.out_refs):
-    plgpu.copy_smem_to_gmem(results[name][1].at[wg], ref.at[c.b, rows_out, c.hk])
+    staged = c.copied(name[1], results[name][1])
+    plgpu.copy_smem_to_gmem(staged.at[wg], ref.at[c.b, rows_out, c.hk])
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   if c.fused:  # the last dQ reduce-add has landed before the kernel ends
     plgpu.wait_smem_to_gmem(0)
@@ -306,7 +326,8 @@ def _step_operands(c: DkvKernel, t):
   stream.consumer_wait(st, "q")
   stream.consumer_wait(st, "rows")
   stream.consumer_wait(st, "do")
-  return st, h, i, q_base, stream.slot(st, "q"), stream.slot(st, "do")
+  return (st, h, i, q_base, parts.of(stream.slot(st, "q"), c.untiled),
+          parts.of(stream.slot(st, "do"), c.untiled))
 
 
 @seam("dkv.step")
@@ -320,9 +341,9 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
   scales = None
   if c.dq_scales_ref is not None:  # loaded early: the owner needs it last
     scales = load_broadcast(c.dq_scales_ref, (b, h, pl.ds(q_base, c.bq)), (c.bq,), ROW)
+  stationary = lambda name: parts.of(c.stationary.slot(wg, name), c.untiled)
   p, ds = _dkv_scores(c, st, i, h, kv_base, q_base, c.bq,
-                      s_ops=(c.stationary.slot(wg, "k"), q_slot),
-                      dp_ops=(c.stationary.slot(wg, "v"), do_slot),
+                      s_ops=(stationary("k"), q_slot), dp_ops=(stationary("v"), do_slot),
                       rows=lambda r: stream.slot(st, "rows", r))
   if c.fused:
     # This warpgroup's dS^T into the step's staging buffer, visible to
@@ -338,16 +359,22 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
 
   @seam("dkv.step.grads")
   def grads(refs):
+    if c.untiled:  # dV and dK in column parts, one wgmma each
+      for n, (a, b) in (("dv", (p, do_slot)), ("dk", (ds, q_slot))):
+        if n in refs:
+          parts.issue_ab(refs[n], a.astype(c.dtype), b)
+      return
     if "dv" in refs:
       plgpu.wgmma(refs["dv"], p.astype(c.dtype), do_slot)
     if "dk" in refs:
       plgpu.wgmma(refs["dk"], ds.astype(c.dtype), q_slot)
 
+  init = lambda a: parts.each(plgpu.ACC.init, a)
   if c.blocks.schedule == "paired":
-    accs = pl.run_state(grads)({n: plgpu.ACC.init(a) for n, a in accs.items()})
+    accs = pl.run_state(grads)({n: init(a) for n, a in accs.items()})
   else:
     for n in list(accs):
-      accs[n] = pl.run_state(grads)({n: plgpu.ACC.init(accs[n])})[n]
+      accs[n] = pl.run_state(grads)({n: init(accs[n])})[n]
   dv_acc, dk_acc = accs.get("dv"), accs.get("dk")
   # Every product reading the slot has completed (run_state waits).
   stream.consumer_release(st)
@@ -356,9 +383,9 @@ def _dkv_step(c: DkvKernel, kv_base, t, carry):
     # the rendezvous above) and reduce-adds it.
     @pl.when(wg == dq_owner(t))
     def _():
-      part = _dq_product(c.ds_st, ds_buffer(t), c.k_st)
+      part = _dq_product(c.ds_st, ds_buffer(t), c.k_st, c.untiled)
       if scales is not None:
-        part = to_fixed_point(part, scales)
+        part = parts.each(lambda x: to_fixed_point(x, scales, c.head_dim), part)
       _dq_reduce_add(part, c.dq_st.at[wg], c.dq_ref.at[b, pl.ds(q_base, c.bq), h])
   return dk_acc, dv_acc
 
@@ -422,13 +449,18 @@ def _wide_compute(c: DkvKernel):
   c.stationary.consumer_wait(_shared_slot(c), "k")
   c.stationary.consumer_wait(_shared_slot(c), "v")
   dk_cols, dv_cols = c.head_dim // CW, c.head_dim_out // CW
-  zeros = lambda d: plgpu.layout_cast(jnp.zeros((c.bkv, d), jnp.float32), WGMMA)
+  zeros = lambda d, buf: parts.zeros(c.bkv, d, parts.columns(buf, c.untiled))
   dk_acc, dv_acc = lax.fori_loop(0, c.steps, functools.partial(_wide_step, c),
-                                 (zeros(dk_cols), zeros(dv_cols)))
+                                 (zeros(dk_cols, c.k_st), zeros(dv_cols, c.v_st)))
   # K and V are free to stage dK and dV: each step's last reads of them (S^T
   # and dP^T) precede its rendezvous, which both warpgroups passed.
-  c.k_st.at[0, :, pl.ds(wg * dk_cols, dk_cols)][...] = (dk_acc * c.f.scale).astype(c.dtype)
-  c.v_st.at[0, :, pl.ds(wg * dv_cols, dv_cols)][...] = dv_acc.astype(c.dtype)
+  if c.untiled:  # this warpgroup's column parts (kernel/backward/parts.py)
+    for buf, acc, scale in ((c.k_st, dk_acc, c.f.scale), (c.v_st, dv_acc, None)):
+      parts.store(parts.span(buf.at[0], wg * len(acc), len(acc)),
+                  tuple((a if scale is None else a * scale).astype(c.dtype) for a in acc))
+  else:
+    c.k_st.at[0, :, pl.ds(wg * dk_cols, dk_cols)][...] = (dk_acc * c.f.scale).astype(c.dtype)
+    c.v_st.at[0, :, pl.ds(wg * dv_cols, dv_cols)][...] = dv_acc.astype(c.dtype)
   plgpu.commit_smem()
   barriers.epilogue_sync()  # both halves staged before the copy reads them
   keys = pl.ds(c.j * c.bkv, c.bkv)
@@ -436,11 +468,11 @@ def _wide_compute(c: DkvKernel):
 
   @pl.when(wg == 0)
   def _():
-    plgpu.copy_smem_to_gmem(c.k_st.at[0], dk_ref.at[c.b, keys, c.hk])
+    plgpu.copy_smem_to_gmem(c.copied("k", c.k_st).at[0], dk_ref.at[c.b, keys, c.hk])
 
   @pl.when(wg == 1)
   def _():
-    plgpu.copy_smem_to_gmem(c.v_st.at[0], dv_ref.at[c.b, keys, c.hk])
+    plgpu.copy_smem_to_gmem(c.copied("v", c.v_st).at[0], dv_ref.at[c.b, keys, c.hk])
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -456,24 +488,43 @@ def _wide_step(c: DkvKernel, t, carry):
   half = c.bq // CW
   mine = pl.ds(wg * half, half)
   kv_base = c.j * c.bkv
+  shared = lambda name: parts.of(c.stationary.slot(_shared_slot(c), name), c.untiled)
   p, ds = _dkv_scores(c, st, i, h, kv_base, q_base + wg * half, half,
-                      s_ops=(c.stationary.slot(_shared_slot(c), "k"), q_slot.at[mine]),
-                      dp_ops=(c.stationary.slot(_shared_slot(c), "v"), do_slot.at[mine]),
+                      s_ops=(shared("k"), parts.rows_at(q_slot, mine)),
+                      dp_ops=(shared("v"), parts.rows_at(do_slot, mine)),
                       rows=lambda r: stream.slot(st, "rows", r).at[mine])
   x = exchange_buffer(t)
   pt_st.at[x, :, mine][...] = p.astype(c.dtype)
   ds_st.at[x, :, mine][...] = ds.astype(c.dtype)
   plgpu.commit_smem()
   barriers.halves_ready()
-  dk_cols = pl.ds(wg * dk_acc.shape[1], dk_acc.shape[1])
-  dv_cols = pl.ds(wg * dv_acc.shape[1], dv_acc.shape[1])
+  if c.untiled:
+    accs = _wide_grads_in_parts(c, st, x, dk_acc, dv_acc)
+  else:
+    dk_cols = pl.ds(wg * dk_acc.shape[1], dk_acc.shape[1])
+    dv_cols = pl.ds(wg * dv_acc.shape[1], dv_acc.shape[1])
 
-  @seam("dkv.wide_step.grads")
-  def grads(refs):
-    plgpu.wgmma(refs["dv"], pt_st.at[x], do_slot.at[:, dv_cols])
-    plgpu.wgmma(refs["dk"], ds_st.at[x], q_slot.at[:, dk_cols])
+    @seam("dkv.wide_step.grads")
+    def grads(refs):
+      plgpu.wgmma(refs["dv"], pt_st.at[x], do_slot.at[:, dv_cols])
+      plgpu.wgmma(refs["dk"], ds_st.at[x], q_slot.at[:, dk_cols])
 
-  accs = pl.run_state(grads)({"dv": plgpu.ACC.init(dv_acc), "dk": plgpu.ACC.init(dk_acc)})
+    accs = pl.run_state(grads)({"dv": plgpu.ACC.init(dv_acc), "dk": plgpu.ACC.init(dk_acc)})
   # Both products that read the slot have completed (run_state waits).
   stream.consumer_release(st)
   return accs["dk"], accs["dv"]
+
+
+def _wide_grads_in_parts(c: DkvKernel, st, x, dk_acc, dv_acc):
+  """dV += P^T dO and dK += dS^T Q of the head split's step in this
+  warpgroup's column parts (untiled copies: kernel/backward/parts.py),
+  waited for."""
+  pt_st, ds_st = c.exchange
+
+  def grads(refs):
+    for name, a, b in (("dv", pt_st, "do"), ("dk", ds_st, "q")):
+      count = len(refs[name])
+      parts.issue_ab(refs[name], a.at[x], parts.span(c.stream.slot(st, b), c.wg * count, count))
+
+  init = lambda acc: tuple(map(plgpu.ACC.init, acc))
+  return pl.run_state(grads)({"dv": init(dv_acc), "dk": init(dk_acc)})

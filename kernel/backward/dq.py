@@ -22,11 +22,13 @@ from kernel.common import ROW, WGMMA, load_broadcast, tile_key_bounds
 from kernel.sync import barriers, ring as ring_lib
 from kernel.sync.seams import seam
 from kernel.tiling import schedule as schedule_lib
-from kernel.backward.context import CW, _Launch, _allocate, _barrier_refs, _memory_warpgroup
+from kernel.backward import parts
+from kernel.backward.context import (CW, _Launch, _allocate, _barrier_refs, _copy_views,
+                                     _memory_warpgroup)
 from kernel.backward.head_split import _shared_slot, exchange_buffer
 from kernel.backward.scores import _step_scores
 from kernel.masks.selects import KeysBelow
-from kernel.tiling.backward_plan import BackwardBlocks, dq_buffers, dq_mbarriers
+from kernel.tiling.backward_plan import BackwardBlocks, copy_row, dq_buffers, dq_mbarriers
 from kernel.tiling.plan import Problem
 
 
@@ -112,8 +114,14 @@ def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k
   def body(*refs):
     _dq_kernel(kernel, *refs)
 
-  scratch = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds))
-  out_type = [jax.ShapeDtypeStruct((batch, t, num_heads, head_dim), dtype)]
+  untiled = blocks.untiled_copies
+  scratch = _allocate(dq_buffers(blocks, head_dim, head_dim_out, dtype, want_ds=want_ds),
+                      untiled)
+  out_type = [jax.ShapeDtypeStruct((batch, t, num_heads, *copy_row(blocks, head_dim, dtype)),
+                                   dtype)]
+  if untiled:  # rows in column parts (kernel.tiling.backward_plan.copy_row): free reshapes
+    q, k, v, do = (x.reshape(*x.shape[:3], *copy_row(blocks, x.shape[3], dtype))
+                   for x in (q, k, v, do))
   if want_ds:
     out_type.append(jax.ShapeDtypeStruct((batch, num_heads, t_pad, s_pad), jnp.float32))
   results = plgpu.kernel(
@@ -130,7 +138,8 @@ def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
   )(q, k, v, do, rows, bias, mask, k_start, k_end, k_range_tiles)
-  return (results[0], results[1]) if want_ds else (results[0], None)
+  dq = results[0].reshape(*results[0].shape[:3], -1) if untiled else results[0]
+  return (dq, results[1]) if want_ds else (dq, None)
 
 
 @seam("dq.kernel")
@@ -142,12 +151,15 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
   (q_st, do_st, rows_st, k_ring, v_ring, exchange, ds_st), bars = (
       rest[1:] if c.want_ds else rest)
   q_stat, do_stat, rows_stat, k_prod, v_prod, consumed = bars
+  read, views = _copy_views(c.untiled, dict(q=q_st, do=do_st, k=k_ring, v=v_ring))
+  q_st, do_st, k_ring, v_ring = (read[n] for n in ("q", "do", "k", "v"))
   # Q, dO and the residual rows stationary, one tile per compute warpgroup;
   # each step streams a key block's k and v.
   stationary = ring_lib.WarpgroupSlots(
-      {"q": (q_st, q_stat), "do": (do_st, do_stat), "rows": (rows_st, rows_stat)})
+      {"q": (q_st, q_stat), "do": (do_st, do_stat), "rows": (rows_st, rows_stat)},
+      copy_views={n: views[n] for n in ("q", "do") if n in views})
   stream = ring_lib.Ring(c.blocks.num_stages, {"k": (k_ring, k_prod), "v": (v_ring, v_prod)},
-                         consumed)
+                         consumed, {n: views[n] for n in ("k", "v") if n in views})
   wg = lax.axis_index("wg")
   qi, h, b = (lax.axis_index(n) for n in ("q_tiles", "heads", "batch"))
   if c.order is not None:
@@ -175,7 +187,7 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
       k_end_min=end_min, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
       do_ref=do_ref, rows_ref=rows_ref, bias_ref=bias_ref, mask_ref=mask_ref, ks_ref=ks_ref,
       ke_ref=ke_ref, dq_ref=dq_ref, ds_ref=ds_ref, ds_st=ds_st, exchange=exchange,
-      stationary=stationary, stream=stream)
+      stationary=stationary, stream=stream, views=views)
   split = c.blocks.head_split
   pl.when(wg < CW)(functools.partial(_wide_dq_compute if split else _dq_compute, c))
   pl.when(wg == CW)(lambda: _memory_warpgroup(
@@ -209,13 +221,17 @@ def _dq_compute(c: DqKernel):
   rows = pl.ds(q_base, c.bq)
   lse2, delta, ks, ke = _dq_row_inputs(c, wg, rows)
   step = functools.partial(_dq_step, c, q_base, rows, lse2, delta, ks, ke)
-  dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, c.head_dim), jnp.float32), WGMMA)
+  q_st = c.stationary.slot(wg, "q")
+  dq_acc = parts.zeros(c.bq, c.head_dim, parts.columns(q_st, c.untiled))
   dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
   # q is no longer read: it stages dQ.
-  q_st = c.stationary.slot(wg, "q")
-  q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)
+  if c.untiled:  # column parts (kernel/backward/parts.py)
+    parts.store(q_st, tuple((a * c.f.scale).astype(c.dtype) for a in dq_acc))
+  else:
+    q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
+  plgpu.copy_smem_to_gmem(c.copied("q", q_st).at[wg] if c.untiled else q_st,
+                          c.dq_ref.at[c.b, rows, c.h])
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -268,12 +284,13 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   k_base = ki * c.bkv
   stream.consumer_wait(st, "k")
   stream.consumer_wait(st, "v")
-  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  k_slot, v_slot = (parts.of(stream.slot(st, n), c.untiled) for n in ("k", "v"))
   tile = (b, h, rows, pl.ds(k_base, c.bkv))
   edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
+  stationary = lambda name: parts.of(c.stationary.slot(wg, name), c.untiled)
   _, ds = _step_scores(
-      f, shape, s_ops=(c.stationary.slot(wg, "q"), k_slot),
-      dp_ops=(c.stationary.slot(wg, "do"), v_slot), paired=c.blocks.schedule == "paired",
+      f, shape, s_ops=(stationary("q"), k_slot),
+      dp_ops=(stationary("do"), v_slot), paired=c.blocks.schedule == "paired",
       want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
                                                                      WGMMA),
@@ -282,9 +299,12 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
       interior=interior)
 
   def dsk(acc):
+    if c.untiled:  # dQ in column parts, one wgmma each
+      parts.issue_ab(acc, ds.astype(c.dtype), k_slot)
+      return
     plgpu.wgmma(acc, ds.astype(c.dtype), k_slot)
 
-  dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+  dq_acc = pl.run_state(dsk)(parts.each(plgpu.ACC.init, dq_acc))
   _release_and_store_ds(c, st, ds, rows, pl.ds(k_base, c.bkv))
   return dq_acc
 
@@ -331,18 +351,23 @@ def _wide_dq_compute(c: DqKernel):
   lse2, delta, ks, ke = _dq_row_inputs(c, shared, rows)
   cols = c.head_dim // CW
   step = functools.partial(_wide_dq_step, c, shared, q_base, rows, lse2, delta, ks, ke)
-  dq_acc = plgpu.layout_cast(jnp.zeros((c.bq, cols), jnp.float32), WGMMA)
-  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
   q_st = c.stationary.slot(shared, "q")
+  dq_acc = parts.zeros(c.bq, cols, parts.columns(q_st, c.untiled))
+  dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
   # Q is free to stage dQ: each step's last read of it (S) precedes its
   # rendezvous, which both warpgroups passed.
-  q_st.at[:, pl.ds(wg * cols, cols)][...] = (dq_acc * c.f.scale).astype(c.dtype)
+  if c.untiled:  # this warpgroup's column parts (kernel/backward/parts.py)
+    parts.store(parts.span(q_st, wg * len(dq_acc), len(dq_acc)),
+                tuple((a * c.f.scale).astype(c.dtype) for a in dq_acc))
+  else:
+    q_st.at[:, pl.ds(wg * cols, cols)][...] = (dq_acc * c.f.scale).astype(c.dtype)
   plgpu.commit_smem()
   barriers.epilogue_sync()  # both halves staged before the copy reads them
 
   @pl.when(wg == 0)
   def _():
-    plgpu.copy_smem_to_gmem(q_st, c.dq_ref.at[c.b, rows, c.h])
+    plgpu.copy_smem_to_gmem(c.copied("q", q_st).at[shared] if c.untiled else q_st,
+                            c.dq_ref.at[c.b, rows, c.h])
 
   plgpu.wait_smem_to_gmem(0)
 
@@ -356,7 +381,7 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
   k_base = ki * c.bkv
   stream.consumer_wait(st, "k")
   stream.consumer_wait(st, "v")
-  k_slot, v_slot = stream.slot(st, "k"), stream.slot(st, "v")
+  k_slot, v_slot = (parts.of(stream.slot(st, n), c.untiled) for n in ("k", "v"))
   half = c.bkv // CW
   mine = pl.ds(wg * half, half)
   my_base = k_base + wg * half
@@ -365,8 +390,10 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
   # interior() judges the whole key block (both halves).
   edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
   _, ds = _step_scores(
-      f, shape, s_ops=(c.stationary.slot(shared, "q"), k_slot.at[mine]),
-      dp_ops=(c.stationary.slot(shared, "do"), v_slot.at[mine]),
+      f, shape, s_ops=(parts.of(c.stationary.slot(shared, "q"), c.untiled),
+                       parts.rows_at(k_slot, mine)),
+      dp_ops=(parts.of(c.stationary.slot(shared, "do"), c.untiled),
+              parts.rows_at(v_slot, mine)),
       paired=c.blocks.schedule == "paired", want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
                                                                      WGMMA),
@@ -377,11 +404,18 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
   c.exchange.at[x, :, mine][...] = ds.astype(c.dtype)
   plgpu.commit_smem()
   barriers.halves_ready()
-  cols = pl.ds(wg * dq_acc.shape[1], dq_acc.shape[1])
+  if c.untiled:  # this warpgroup's column parts of dQ
+    def dsk_in_parts(accs):
+      count = len(accs)
+      parts.issue_ab(accs, c.exchange.at[x], parts.span(stream.slot(st, "k"), wg * count, count))
 
-  def dsk(acc):
-    plgpu.wgmma(acc, c.exchange.at[x], k_slot.at[:, cols])
+    dq_acc = pl.run_state(dsk_in_parts)(tuple(map(plgpu.ACC.init, dq_acc)))
+  else:
+    cols = pl.ds(wg * dq_acc.shape[1], dq_acc.shape[1])
 
-  dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+    def dsk(acc):
+      plgpu.wgmma(acc, c.exchange.at[x], k_slot.at[:, cols])
+
+    dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
   _release_and_store_ds(c, st, ds, rows, pl.ds(my_base, half))
   return dq_acc

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernel.backward import parts
 from kernel.backward.context import CW
 from kernel.sync.seams import seam
 from kernel.tiling.backward_plan import DS_BUFFERS
@@ -96,9 +97,11 @@ def fixed_point_scales(k, v, do, rows, group: int):
   return jnp.where(jnp.isfinite(bound), jnp.exp2(exponent), jnp.nan).astype(f32)
 
 
-def to_fixed_point(part, scales):
+def to_fixed_point(part, scales, width: int | None = None):
   """c_i * part as int32: ``scales`` (the part's rows, ROW layout) are powers
   of two, so y = c_i * part is exact and |y| <= 2^FIXED_POINT_BITS.
+  ``width``: the head dim the rounding is chosen by, where ``part`` is one
+  column part of it (untiled copies; None: the part's own width).
 
   Up to head dim 64, y is rounded to the nearest integer by float adds
   (:func:`_round_by_adds`); wider parts are converted (truncated) by cvt,
@@ -106,7 +109,7 @@ def to_fixed_point(part, scales):
   exponentials use; beside a 128-column part the adds' temporaries cost
   more than the conversion (docs/decisions/fixed-point-rounding.md)."""
   y = part * lax.broadcast_in_dim(scales, part.shape, [0])
-  if part.shape[1] > 64:
+  if (width or part.shape[1]) > 64:
     return y.astype(jnp.int32)
   return _round_by_adds(y)
 
@@ -145,10 +148,19 @@ def dq_owner(t):
   return t % CW
 
 
-def _dq_product(ds_st, buf, k_st):
+def _dq_product(ds_st, buf, k_st, untiled: bool = False):
   """dS_i,tile K_tile (f32, unscaled): the contraction runs over both
   warpgroups' 64 keys, from their dS^T tiles staged in buffer ``buf`` of
-  ``ds_st`` (buffers, CW, keys, queries) and the stationary K tiles."""
+  ``ds_st`` (buffers, CW, keys, queries) and the stationary K tiles;
+  ``untiled``: K in column parts, the result a tuple of parts."""
+  if untiled:
+    def product_parts(accs):
+      for w in range(CW):
+        parts.issue_ab(accs, ds_st.at[buf, w].T, parts.Parts(k_st.at[w]))
+      return tuple(acc[...] for acc in accs)
+    acc_type = plgpu.ACC((ds_st.shape[3], k_st.shape[-1]), jnp.float32)
+    return pl.run_scoped(product_parts, (acc_type,) * k_st.shape[1])
+
   def product(acc):
     for w in range(CW):
       plgpu.wgmma(acc, ds_st.at[buf, w].T, k_st.at[w])
@@ -160,6 +172,9 @@ def _dq_reduce_add(part, staging, dq_dst):
   """TMA reduce-add of one dQ part through this warpgroup's f32 staging tile."""
   # The previous reduce-add from this staging tile has read it.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  staging[...] = part
+  if isinstance(part, tuple):  # column parts (untiled copies)
+    parts.store_columns(staging, part)
+  else:
+    staging[...] = part
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(staging, dq_dst, reduction_op="add")

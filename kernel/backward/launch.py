@@ -130,13 +130,15 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
       dk[...], dv[...] = got["dk"], got["dv"]
 
     acc_dtype = jnp.int32 if fixed_point_dq else jnp.float32
+    # Untiled copies leave the f32 reduce-adds tiled: their rows are whole tiles.
+    acc_shape = (q.shape[0], t_pad, *q.shape[2:]) if blocks.untiled_copies else q.shape
     dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
-        (jnp.zeros(q.shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
+        (jnp.zeros(acc_shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
     dkv = {"dk": dk_pad, "dv": dv_pad}
     dq = dq_acc.astype(jnp.float32) * f.scale
     if fixed_point_dq:
       # the scales cover the grid's Tp rows; dq those of q
-      dq = dq / jnp.swapaxes(scales if q.shape[1] == t_pad else scales[:, :, :q.shape[1]],
+      dq = dq / jnp.swapaxes(scales if acc_shape[1] == t_pad else scales[:, :, :acc_shape[1]],
                              1, 2)[..., None]
     dq, ds = dq.astype(dtype), None
   else:

@@ -10,6 +10,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from kernel.backward import parts
 from kernel.common import LOG2E, WGMMA
 from kernel.masks.selects import keep_branches, masked_terms, meets_diagonal, pair_keep
 from kernel.sync.seams import seam
@@ -43,9 +44,13 @@ def _masked_to_zero(ds, keep):
 
 
 def _product(shape, a, b):
-  """A B^T into a fresh f32 accumulator, waited for."""
+  """A B^T into a fresh f32 accumulator, waited for (A and B whole, or
+  in parts: kernel/backward/parts.py)."""
   def product(acc):
-    plgpu.wgmma(acc, a, b.T)
+    if isinstance(a, parts.Parts):
+      parts.issue_abt(acc, a, b)
+    else:
+      plgpu.wgmma(acc, a, b.T)
     return acc[...]
   return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
@@ -74,6 +79,10 @@ def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
     # S and dP depend on nothing computed here: issue both, wait once.
     def s_and_dp(refs):
       s_ref, dp_ref = refs
+      if isinstance(s_ops[0], parts.Parts):  # rows in parts (untiled copies)
+        parts.issue_abt(s_ref, *s_ops)
+        parts.issue_abt(dp_ref, *dp_ops)
+        return
       plgpu.wgmma(s_ref, s_ops[0], s_ops[1].T)
       plgpu.wgmma(dp_ref, dp_ops[0], dp_ops[1].T)
     s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))

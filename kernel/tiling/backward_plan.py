@@ -47,6 +47,10 @@ class BackwardBlocks:
   # True: q, k, v and dO copied padded to whole tiles at every length;
   # False: only where the forward pads them (kernel.padding.backward_inputs).
   whole_tiles: bool = True
+  # q, k, v and dO (and the results staged in their buffers) copied through
+  # untiled views in column parts (:func:`part_rows`): no padded copy at a length
+  # that is no multiple of 8 (docs/decisions/backward-untiled-copies.md).
+  untiled_copies: bool = False
 
   @property
   def dq_tile(self) -> int:
@@ -174,6 +178,28 @@ def fuses_dq(blocks: BackwardBlocks, *, with_bias: bool, causal: bool) -> bool:
   return fused_dq_fits(blocks, with_bias=with_bias) and (not causal or blocks.fuse_dq_causal)
 
 
+def part_rows(blocks: BackwardBlocks, n: int, width: int, dtype, swizzle: int | None = None):
+  """The shape of ``n`` rows of ``width`` columns of q, k, v or dO in a
+  buffer: whole, or under ``blocks.untiled_copies`` in
+  kernel.tiling.plan.copy_parts' parts of one ``swizzle`` atom,
+  (parts, n, columns)."""
+  if not blocks.untiled_copies:
+    return (n, width)
+  parts, columns = plan_lib.copy_parts(width, np.dtype(dtype).itemsize, swizzle)
+  return (parts, n, columns)
+
+
+def copy_row(blocks: BackwardBlocks, width: int, dtype) -> tuple[int, ...]:
+  """A row of q, k, v, dO or a result in global memory as the kernels'
+  copies read or write it: (width,), or under untiled copies the
+  (parts, columns) of :func:`part_rows` (a free reshape)."""
+  if not blocks.untiled_copies:
+    return (width,)
+  parts, _, columns = part_rows(blocks, 0, width, dtype,
+                                WIDE_SWIZZLE if blocks.head_split else None)
+  return (parts, columns)
+
+
 def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, *,
                 fused: bool, dq_dtype=np.float32) -> tuple:
   """The dK/dV kernel's shared memory, as :func:`dkv_call` allocates it
@@ -182,10 +208,11 @@ def dkv_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype,
   B, dt = plan_lib.Buffer, np.dtype(dtype)
   if blocks.head_split:
     return _wide_buffers(blocks, head_dim, head_dim_out, dtype)
-  return (B("k", (CW, bkv, head_dim), dt),
-          B("v", (CW, bkv, head_dim_out), dt),
-          B("q", (stages, bq, head_dim), dt),
-          B("do", (stages, bq, head_dim_out), dt),
+  r = functools.partial(part_rows, blocks, dtype=dt)
+  return (B("k", (CW, *r(bkv, head_dim)), dt),
+          B("v", (CW, *r(bkv, head_dim_out)), dt),
+          B("q", (stages, *r(bq, head_dim)), dt),
+          B("do", (stages, *r(bq, head_dim_out)), dt),
           B("rows", (stages, 2, bq), np.dtype(np.float32), swizzled=False),
           *(_fused_dq_buffers(bkv, bq, head_dim, dtype, dq_dtype) if fused else (None, None)))
 
@@ -199,15 +226,17 @@ def dq_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtype, 
   B, dt, f32 = plan_lib.Buffer, np.dtype(dtype), np.dtype(np.float32)
   if blocks.head_split:
     W = functools.partial(B, swizzle=WIDE_SWIZZLE)
-    return (W("q", (1, bq, head_dim), dt), W("do", (1, bq, head_dim_out), dt),
+    w = functools.partial(part_rows, blocks, dtype=dt, swizzle=WIDE_SWIZZLE)
+    return (W("q", (1, *w(bq, head_dim)), dt), W("do", (1, *w(bq, head_dim_out)), dt),
             B("rows", (1, 2, bq), f32, swizzled=False),
-            W("k", (stages, bkv, head_dim), dt), W("v", (stages, bkv, head_dim_out), dt),
+            W("k", (stages, *w(bkv, head_dim)), dt), W("v", (stages, *w(bkv, head_dim_out)), dt),
             W("ds_exchange", (EXCHANGE_BUFFERS, bq, bkv), dt),
             B("ds", (CW, bq, bkv // CW), f32) if want_ds else None)
-  return (B("q", (CW, bq, head_dim), dt), B("do", (CW, bq, head_dim_out), dt),
+  r = functools.partial(part_rows, blocks, dtype=dt)
+  return (B("q", (CW, *r(bq, head_dim)), dt), B("do", (CW, *r(bq, head_dim_out)), dt),
           B("rows", (CW, 2, bq), f32, swizzled=False),
-          B("k", (stages, bkv, head_dim), dt),
-          B("v", (stages, bkv, head_dim_out), dt), None,
+          B("k", (stages, *r(bkv, head_dim)), dt),
+          B("v", (stages, *r(bkv, head_dim_out)), dt), None,
           B("ds", (CW, bq, bkv), f32) if want_ds else None)
 
 
@@ -294,8 +323,9 @@ def _wide_buffers(blocks: BackwardBlocks, head_dim: int, head_dim_out: int, dtyp
   bkv, bq, stages = blocks.rows, blocks.dkv_stream_q, blocks.num_stages
   dt, f32 = np.dtype(dtype), np.dtype(np.float32)
   B = functools.partial(plan_lib.Buffer, swizzle=WIDE_SWIZZLE)
-  return (B("k", (1, bkv, head_dim), dt), B("v", (1, bkv, head_dim_out), dt),
-          B("q", (stages, bq, head_dim), dt), B("do", (stages, bq, head_dim_out), dt),
+  w = functools.partial(part_rows, blocks, dtype=dt, swizzle=WIDE_SWIZZLE)
+  return (B("k", (1, *w(bkv, head_dim)), dt), B("v", (1, *w(bkv, head_dim_out)), dt),
+          B("q", (stages, *w(bq, head_dim)), dt), B("do", (stages, *w(bq, head_dim_out)), dt),
           plan_lib.Buffer("rows", (stages, 2, bq), f32, swizzled=False),
           B("pt", (EXCHANGE_BUFFERS, bkv, bq), dt), B("ds", (EXCHANGE_BUFFERS, bkv, bq), dt))
 

@@ -110,7 +110,7 @@ def get_backward_config(head_dim: int, head_dim_out: int, *, causal: bool,
                         **switches) -> backward_plan.BackwardBlocks:
   """The backward's tiling for these (padded) head dims:
   kernel.tiling.backward_plan.blocks_for's rule, with ``switches``
-  (BackwardBlocks' ``schedule``, ``fuse_dq``, ``whole_tiles``, and
+  (BackwardBlocks' ``schedule``, ``fuse_dq``, ``whole_tiles``, ``untiled_copies``, and
   ``fuse_dq_causal`` where not None) replacing its choices.  Every tiling
   it returns fits shared memory (backward_plan's estimate, checked again at
   the launch)."""

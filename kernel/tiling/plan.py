@@ -178,10 +178,11 @@ def row_swizzle_bytes(columns: int, itemsize: int, what: str = "") -> int:
                    f"holds no swizzle of {SWIZZLES} bytes")
 
 
-def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
+def copy_parts(width: int, itemsize: int, swizzle: int | None = None) -> tuple[int, int]:
   """(parts, columns): a row of ``width`` columns cut into parts of one
-  swizzle atom each, as :attr:`Problem.untiled_copies` lays out q, k, v
-  and the output.
+  swizzle atom each (``swizzle`` bytes; None: the widest a row holds), as
+  :attr:`Problem.untiled_copies` lays out q, k, v and the output, and the
+  backward's untiled copies (kernel.tiling.backward_plan) its q, k, v, dO.
 
   Why parts: Mosaic GPU's tiled TMA views the global array in (8, atom)
   tiles, so it refuses a sequence axis that is no multiple of 8 (jax
@@ -198,7 +199,7 @@ def copy_parts(width: int, itemsize: int) -> tuple[int, int]:
   wgmma over the whole row issues) and PV one per part into an accumulator
   of its own (``columns`` wide, where one wgmma was as wide as the row:
   what that costs is not yet timed)."""
-  columns = row_swizzle_bytes(width, itemsize) // itemsize
+  columns = (swizzle or row_swizzle_bytes(width, itemsize)) // itemsize
   return width // columns, columns
 
 

@@ -228,6 +228,44 @@ def test_the_unpadded_backward_matches_the_padded_one(name, shapes, kw, determin
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
 
+# Lengths no multiple of 8, where kernel.experiments' "pallas-untiled" hands
+# the kernels q, k, v and dO as they are, copied through untiled views in
+# column parts: the fused dQ with GQA, the dQ kernel under causal, a bias
+# (dS written), the head split, and the fixed-point dQ.
+_UNTILED = [
+    ("d64-gqa-fused", dict(B=2, T=1001, N=4, H=64, S=777, K=2, Hv=64), {}, False),
+    ("d128-gqa-causal", dict(B=1, T=4001, N=4, H=128, S=4001, K=2, Hv=128),
+     dict(is_causal=True), False),
+    ("d128-bias", dict(B=1, T=329, N=2, H=128, S=201, K=1, Hv=128), dict(bias=True), False),
+    ("d256-head-split", dict(B=1, T=1001, N=2, H=256, S=457, K=1, Hv=256), {}, False),
+    ("d256-causal", dict(B=1, T=1001, N=2, H=256, S=1001, K=1, Hv=256), dict(is_causal=True),
+     False),
+    ("d128-fixed-point", dict(B=1, T=1001, N=4, H=128, S=1001, K=2, Hv=128), {}, True),
+]
+
+
+@pytest.mark.parametrize("name,shapes,kw,deterministic", _UNTILED, ids=[n for n, *_ in _UNTILED])
+def test_the_untiled_backward_matches_the_padded_one(name, shapes, kw, deterministic):
+  """Copied through untiled views in column parts, unpadded, the kernels
+  give dk, dv (and dbias) bitwise equal to the padded copies' and dq within
+  the run-to-run bound (bitwise in fixed point), all within the float64
+  rule (docs/decisions/backward-untiled-copies.md)."""
+  T, S = shapes["T"], shapes["S"]
+  bias = hs.BiasSpec((1, shapes["N"], T, S), 1.0, 43) if kw.get("bias") else None
+  spec = hs.CaseSpec(shapes=hs.AttentionShapes(**shapes), dtype="bfloat16", seed=42,
+                     is_causal=kw.get("is_causal", False), bias=bias)
+  case = hs.build_case(spec)
+  padded = kernel_grads(case, backward="pallas", deterministic=deterministic)
+  untiled = kernel_grads(case, backward="pallas-untiled", deterministic=deterministic)
+  for grad, x, y in zip(("dq", "dk", "dv", "dbias"), padded, untiled):
+    if grad == "dq" and not deterministic:
+      assert run_to_run_bound(x, y, case.dtype) <= 1.0, grad
+    else:
+      assert (x is None and y is None) or np.array_equal(x, y), grad
+  for r in gradient_reports(case, untiled):
+    assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
+
+
 def test_causal_rows_padded_by_the_caller_match_the_unpadded_problem():
   """docs/contracts.md's tip for lengths that are no multiple of 8: under causal
   self-attention a caller who appends zero rows to q, k and v (cotangent 0

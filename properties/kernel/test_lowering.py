@@ -442,6 +442,44 @@ def test_the_unpadded_backward_lowers_without_padded_copies(name, shapes, kw):
   assert _grad_pads(shapes, backward="pallas-unpadded", **kw) == []
 
 
+# Lengths no multiple of 8 (kernel.experiments' "pallas-untiled" with the
+# forward's untiled copies): the fused dQ (GQA, causal at head dim 64, fixed
+# point), the dQ kernel under causal, the head split, value head dims unlike
+# the queries'.
+UNTILED_BACKWARD = [
+    ("d64-gqa", dict(B=2, T=1001, N=4, H=64, S=777, K=2, Hv=64), {}),
+    ("d64-gqa-causal", dict(B=1, T=4001, N=4, H=64, S=4001, K=2, Hv=64), dict(is_causal=True)),
+    ("d128-causal", dict(B=1, T=4001, N=4, H=128, S=4001, K=2, Hv=128), dict(is_causal=True)),
+    ("d128-fixed-point", dict(B=1, T=1001, N=4, H=128, S=1001, K=2, Hv=128),
+     dict(deterministic=True)),
+    ("d256-head-split", dict(B=1, T=12017, N=2, H=256, S=12017, K=1, Hv=256), {}),
+    ("d256-gqa-causal", dict(B=1, T=1001, N=4, H=256, S=4001, K=2, Hv=256), dict(is_causal=True)),
+    ("d128-dv256", dict(B=1, T=1001, N=2, H=128, S=777, K=1, Hv=256), {}),
+]
+
+
+def _wide_pads(shapes, **kw) -> list[str]:
+  """The arrays of rank 4 or more (q, k, v, dO, or their column parts'
+  reshapes) that the program of jax.grad through the API pads."""
+  text = _jaxpr_text(shapes, gradients=True, **kw)
+  return re.findall(r"(\w+\[\d+,\d+,\d+,\d+(?:,\d+)*\]) = pad\[", text)
+
+
+@pytest.mark.parametrize("name,shapes,kw", UNTILED_BACKWARD, ids=[n for n, *_ in UNTILED_BACKWARD])
+def test_the_untiled_backward_lowers_at_any_length_without_padded_copies(name, shapes, kw):
+  """kernel.experiments' "pallas-untiled" (the backward's copies through
+  untiled views in column parts) lowers for CUDA at lengths no multiple of
+  8, every kernel within 227 KiB, and with the forward's untiled copies the
+  program of the gradients pads none of q, k, v and dO, which the padded
+  backward and the unpadded one both copy padded there."""
+  untiled = dict(backward="pallas-untiled", untiled_copies=True, **kw)
+  lowered = lower_attention(shapes, gradients=True, **untiled)
+  assert lowered.kernel_smem and all(plan.fits_in_smem(b) for b in lowered.kernel_smem)
+  assert _wide_pads(shapes, **untiled) == []
+  for other in ("pallas", "pallas-unpadded"):
+    assert _wide_pads(shapes, backward=other, untiled_copies=True, **kw), other
+
+
 # Key ranges in every shape the API takes: per row and head, per row for
 # every head, one range for every row (a query axis of 1), one per batch row.
 RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]

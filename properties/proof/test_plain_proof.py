@@ -433,6 +433,48 @@ def test_the_unpadded_backward_is_proved_at_lengths_in_eights(monkeypatch):
     assert len(copies) == want, (rq, rk, copies)   # q and dO, the ragged queries
 
 
+UNTILED_CASES = [cases.BackwardCase(64, False, False, True, untiled=True),
+                 cases.BackwardCase(128, True, False, False, untiled=True),
+                 cases.BackwardCase(256, False, False, False, untiled=True)]
+
+
+@pytest.mark.parametrize("case", UNTILED_CASES, ids=["d64-fused-dq", "d128-causal-dq-kernel",
+                                                      "d256-head-split"])
+def test_the_untiled_backward_is_proved_at_every_length(monkeypatch, case):
+  """kernel.experiments' "pallas-untiled" (``prove --experiments``): the
+  fused dQ, the dQ kernel and the head split with q, k, v and dO copied
+  through untiled views, proved at every pairing of the queries' and the
+  keys' remainders past whole tiles, ragged ones included, none of them
+  copied padded; its traces hand the kernels each length's arrays as the
+  API does.  Read as views that share bytes, a read of the buffers after
+  a copy into their untiled views is an overlay the proof refuses: the rule
+  that merges them (harness.proofs.jaxprs.mirror_groups) is what proves it."""
+  from harness.proofs import extract, search
+  from kernel import padding
+  assert case in cases.backward_cases(experiments=True)
+  assert case not in cases.backward_cases()
+  pairings = bt.backward_pairings(case)
+  assert pairings == bt.backward_pairings(dataclasses.replace(case, untiled=False))
+  progs = bwd.backward_programs(case)
+  assert progs and all(p.plain == tuple(pairings) and p.z3[0] > 0 for p in progs)
+  for prog in progs:
+    r = search.check(prog)
+    assert r.ok and r.states > 1000, r.violation and r.violation.format()
+  monkeypatch.setattr(extract, "mirror_groups", lambda groups: {})
+  r = search.check(bwd.backward_programs(case, premise=False)[0])
+  assert not r.ok and r.violation.kind == "overlay", r.violation and r.violation.format()
+  monkeypatch.undo()
+  copies = []
+  original = padding.pad_to_multiple
+  monkeypatch.setattr(padding, "pad_to_multiple",
+                      lambda x, *a, **k: copies.append(x.shape) or original(x, *a, **k))
+  for traced in (case, dataclasses.replace(case, untiled=False)):
+    copies.clear()
+    bt.trace_backward_at(traced, (1, 63), (1, 63))
+    # q, k, v and dO: none copied untiled, all four padded as shipped
+    assert len(copies) == (0 if traced.untiled else 4), (traced, copies)
+
+
 @pytest.mark.parametrize("whole, divisors", [(64, (64,)), (128, (128, 64)), (128, (64, 128)),
                                               (192, (64, 96))])
 def test_the_remainders_cover_every_length_once_each_at_fixed_quotients(whole, divisors):

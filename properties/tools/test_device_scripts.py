@@ -105,6 +105,25 @@ def test_compare_forward_names_a_modifier_and_tests_that_exist():
     assert selected, run.stdout + run.stderr
 
 
+def test_compare_backward_names_a_variant_and_tests_that_exist():
+  """compare-backward.sh's example names a kernel.experiments.BACKWARDS
+  variant and a -k expression that selects tests of
+  properties/gpu/test_gradients_gpu.py beside the named cases."""
+  from kernel import experiments
+  text = (ROOT / "ci" / "device" / "compare-backward.sh").read_text()
+  examples = re.findall(r"^#\s+bash ci/device/compare-backward.sh OUTDIR ([a-z-]+) (\S+)", text,
+                        flags=re.M)
+  assert examples, "compare-backward.sh shows no example"
+  for variant, tests in examples:
+    assert variant in experiments.BACKWARDS, variant
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "properties/gpu/test_gradients_gpu.py", "-k", f"named or reproducible or ({tests})"],
+        cwd=ROOT, capture_output=True, text=True)
+    selected = [l for l in run.stdout.splitlines() if "::" in l]
+    assert any(variant.split("-")[1] in l for l in selected), run.stdout + run.stderr
+
+
 def test_fp8_script_runs_the_fp8_tests_goldens_and_page_within_ten_minutes():
   """ci/device/fp8.sh: the FP8 GPU properties, the corpus's FP8 goldens, and
   the FP8 page by its bench command, each step under a time limit, their

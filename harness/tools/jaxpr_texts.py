@@ -98,6 +98,10 @@ def cases() -> dict[str, dict]:
   # backward in its own 64-column rows.
   c["d96-grad-narrow-causal-gqa"] = (dict(B=1, T=200, N=4, H=96, S=328, K=2, Hv=96),
                                      dict(is_causal=True), {}, True)
+  # Lengths no multiple of 8 copied padded (the API copies them through
+  # untiled views but in FP8 and for wide rows without causal past 8192 keys).
+  c["d128-p-padded-copies"] = (d128, dict(config=Config(64, 128, 2, True), untiled_copies=False,
+                                          return_residuals=True), {}, False)
   # The guarded launch (outputs as mutable operands: no fresh outputs).
   c["d128-p-guarded-outputs"] = (d128, dict(config=Config(64, 128, 2, True),
                                             return_residuals=True, _guarded=True), {}, False)
@@ -164,6 +168,7 @@ def _guarded(args, kwargs):
   ``dot_product_attention`` resolves them), replaced by one into mutable
   outputs 16 rows longer than the padded query length, as
   properties/gpu/test_guard_band_gpu.py does."""
+  import dataclasses
   import jax
   import jax.numpy as jnp
   from unittest import mock
@@ -172,7 +177,10 @@ def _guarded(args, kwargs):
   got = {}
 
   def record(problem, config, backward, num_sms):
-    got.update(problem=api.launch_problem(problem, config), config=config, num_sms=num_sms)
+    # copied padded: untiled copies write the output into a fresh array
+    got.update(problem=dataclasses.replace(api.launch_problem(problem, config),
+                                           untiled_copies=False),
+               config=config, num_sms=num_sms)
     return lambda *a: (None, (None, None))
 
   with mock.patch.object(api, "_differentiable", record), api.lowering_only():

@@ -69,8 +69,10 @@ class ForwardCase:
     if not self.untiled_copies:
       return (1, 1)
     from kernel.tiling import plan as plan_lib
-    # 16-bit elements, as every problem of the grid and every traced case.
-    return (plan_lib.copy_parts(self.head_dim, 2)[0], plan_lib.copy_parts(self.head_dim_out, 2)[0])
+    # FP8's one-byte queries and keys; its output, like every other, 16-bit.
+    itemsize = 1 if self.dtype == "float8_e4m3fn" else 2
+    return (plan_lib.copy_parts(self.head_dim, itemsize)[0],
+            plan_lib.copy_parts(self.head_dim_out, 2)[0])
 
   def protocol_key(self):
     """What tells protocols apart: :data:`KEYED`."""

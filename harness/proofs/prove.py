@@ -87,8 +87,7 @@ def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
     p = plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
                          bias_2d=bias, mask_2d=mask, return_residuals=residuals)
     p = dataclasses.replace(p, untiled_copies=plan_lib.untiled_copies_pay(p))
-    other = experiments and not p.fp8   # the FP8 forward copies whole rows
-    out += [p, dataclasses.replace(p, untiled_copies=not p.untiled_copies)] if other else [p]
+    out += [p, dataclasses.replace(p, untiled_copies=not p.untiled_copies)] if experiments else [p]
   return out
 
 

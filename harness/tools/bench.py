@@ -399,6 +399,9 @@ def main(argv=None) -> int:
     if args.backward or args.forward_only_backward or args.sections != "dense":
       parser.error("--dtype float8_e4m3fn times the forward grid only (no --backward, "
                    "--backward-only or --sections)")
+    if args.variants not in ("auto", "auto;auto,ut"):
+      parser.error(f"--variants: the FP8 grid times auto, or auto;auto,ut (the untiled "
+                   f"copies beside it), got {args.variants!r}")
     from harness.tools import bench_fp8
     args.raw_argv = list(argv if argv is not None else sys.argv[1:])
     return bench_fp8.main(args)

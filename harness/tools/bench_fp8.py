@@ -32,6 +32,9 @@ from pathlib import Path
 from harness.tools import bench_grid
 
 OURS, BF16, CUDNN, TRANSPOSE = "ours fp8", "ours bf16", "cudnn fp8", "V^T transpose"
+# With --variants "auto;auto,ut": q and k copied through untiled views
+# (kernel.experiments' untiled_copies), the A/B of docs/decisions/fp8-untiled-copies.md.
+UNTILED = "ours fp8 untiled"
 DTYPE = "float8_e4m3fn"
 DESCALES = (0.25, 0.5, 1.0)   # q, k, v
 P_SCALE = 256.0               # cuDNN's scale_s: P quantised at 2^8, as ours
@@ -73,16 +76,21 @@ def _cudnn_fp8(point: bench_grid.Point, descales=DESCALES, scale_o: float = 1.0)
   return run
 
 
-def implementations(point: bench_grid.Point) -> dict:
-  """name -> jitted function of (q8, k8, v8, q16, k16, v16) for one point."""
+def implementations(point: bench_grid.Point, untiled: bool = False) -> dict:
+  """name -> jitted function of (q8, k8, v8, q16, k16, v16) for one point;
+  ``untiled``: with :data:`UNTILED` too."""
   import jax
   import jax.numpy as jnp
-  from kernel import api, padding
+  from kernel import api, experiments, padding
   qd, kd, vd = (jnp.float32(d) for d in DESCALES)
 
   def ours(q8, k8, v8, *_):
     return api.dot_product_attention(q8, k8, v8, is_causal=point.causal, q_descale=qd,
                                      k_descale=kd, v_descale=vd)
+
+  def ours_untiled(q8, k8, v8, *_):
+    return experiments.dot_product_attention(q8, k8, v8, is_causal=point.causal, q_descale=qd,
+                                             k_descale=kd, v_descale=vd, untiled_copies=True)
 
   def bf16(_q8, _k8, _v8, q, k, v):
     return api.dot_product_attention(q, k, v, is_causal=point.causal)
@@ -95,14 +103,15 @@ def implementations(point: bench_grid.Point) -> dict:
   cudnn = _cudnn_fp8(point)
   return {OURS: jax.jit(ours), BF16: jax.jit(bf16),
           CUDNN: jax.jit(lambda q8, k8, v8, *_: cudnn(q8, k8, v8)),
-          TRANSPOSE: jax.jit(transpose)}
+          TRANSPOSE: jax.jit(transpose),
+          **({UNTILED: jax.jit(ours_untiled)} if untiled else {})}
 
 
-def run_grid(points, *, sets: int = 3, log=print, on_row=None) -> list[dict]:
+def run_grid(points, *, sets: int = 3, log=print, on_row=None, untiled: bool = False) -> list[dict]:
   """One row per point (bench_grid's row format; the transpose in ms only)."""
   rows = []
   for point in points:
-    fns = implementations(point)
+    fns = implementations(point, untiled=untiled)
     times, errors = bench_grid.time_interleaved(fns, _inputs(point, sets))
     row = dict(dataclasses.asdict(point), heads=point.heads, kv_heads=point.kv_heads, batch=point.batch,
                dtype=DTYPE, pass_="forward", results={})
@@ -187,21 +196,25 @@ def render_rows(rows, header: bool = True) -> str:
   """Markdown: TFLOP/s of each (the transpose in ms), FP8 over bf16 and over
   cuDNN's FP8, and the transpose's share of the FP8 call."""
   lines = []
+  untiled = any(UNTILED in r["results"] for r in rows)
+  extra = [UNTILED, "untiled / fp8"] if untiled else []
   if header:
     lines += bench_grid.markdown_header(
         ("D", "seq", "causal", "B", "N/K"),
         [OURS, BF16, CUDNN, f"{TRANSPOSE} ms", "fp8 / bf16", "fp8 / cudnn fp8",
-         "transpose / fp8 call"])
+         "transpose / fp8 call", *extra])
   ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"
   for r in rows:
     res = r["results"]
     ours_ms, vt_ms = res.get(OURS, {}).get("ms"), res.get(TRANSPOSE, {}).get("ms")
+    more = ((_cell(res.get(UNTILED)), ratio(_tflops(r, UNTILED), _tflops(r, OURS)))
+            if untiled else ())
     lines.append(bench_grid.markdown_row(
         (r["head_dim"], r["seq"], "yes" if r["causal"] else "no", r["batch"],
          f"{r['heads']}/{r['kv_heads']}"),
         [_cell(res.get(n)) for n in (OURS, BF16, CUDNN, TRANSPOSE)],
         (ratio(_tflops(r, OURS), _tflops(r, BF16)), ratio(_tflops(r, OURS), _tflops(r, CUDNN)),
-         ratio(vt_ms, ours_ms))))
+         ratio(vt_ms, ours_ms), *more)))
   return "\n".join(lines)
 
 
@@ -251,7 +264,8 @@ def main(args) -> int:
               command="python -m harness bench " + " ".join(
                   bench_grid._portable(args.raw_argv)))
   out_dir = Path(args.out_dir) if args.out_dir else None
-  rows = run_grid(points, on_row=bench_grid.partial_writer(out_dir, meta))
+  untiled = "auto,ut" in args.variants.split(";")
+  rows = run_grid(points, on_row=bench_grid.partial_writer(out_dir, meta), untiled=untiled)
   if out_dir is not None:
     write(dict(meta, rows=rows), out_dir)
     (out_dir / bench_grid.PARTIAL).unlink(missing_ok=True)

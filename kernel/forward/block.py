@@ -56,7 +56,8 @@ def _kernel(c: ForwardContext, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_re
               counts_ref=counts_ref, descale_ref=descale_ref, out_ref=out_ref, m_ref=m_ref,
               l_ref=l_ref,
               piece_refs=piece_refs)
-  v_alloc = plgpu.RefUnion(*v) if untiled else smem(layout.v)
+  # FP8's V^T is copied whole under untiled copies too (a copy made whole)
+  v_alloc = plgpu.RefUnion(*v) if untiled and not c.f.fp8 else smem(layout.v)
   pl.run_scoped(
       lambda *scoped: _dispatch(c, refs, *scoped),
       (overlay, v_alloc, staged(layout.bias), staged(layout.mask)),
@@ -81,10 +82,14 @@ def _scratch_views(c: ForwardContext, smems):
       qk_t, out_t, qk_u, out_u = overlay
     else:
       (qk_t, qk_u), (out_t, out_u) = overlay
-    v_t, v_u = v
     behind = lambda x: None if x is None else x.transpose((0, 2, 1, 3))
     pairs = dict(q=(qk_t[0], behind(qk_u[0])), k=(qk_t[1], behind(qk_u[1])),
-                 v=(v_t[0], behind(v_u[0])), o=(out_t[0], behind(out_u[0])))
+                 o=(out_t[0], behind(out_u[0])))
+    if c.f.fp8:   # V^T whole (_kernel)
+      pairs["v"] = (v, v)
+    else:
+      v_t, v_u = v
+      pairs["v"] = (v_t[0], behind(v_u[0]))
     m, l = out_t[1], out_t[2]
   if c.layout.overlay_q_with_output:
     pairs["o"] = pairs["q"]  # each warpgroup stages its output in its query slot

@@ -120,8 +120,9 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
       raise ValueError("outputs: untiled copies write the output in column parts, "
                        "into a fresh array; run them without outputs")
     in_parts = lambda x: x.reshape(*x.shape[:3], *plan_lib.copy_parts(x.shape[3], x.itemsize))
-    q, k, v = in_parts(q), in_parts(k), in_parts(v)
-    out_row = plan_lib.copy_parts(head_dim_out, np.dtype(dtype).itemsize)
+    # FP8's V^T stays whole: a copy made whole before the kernel
+    q, k, v = in_parts(q), in_parts(k), v if f.fp8 else in_parts(v)
+    out_row = plan_lib.copy_parts(head_dim_out, f.output_dtype.itemsize)
   out_type = _out_type(f, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
                        num_tiles=num_tiles, out_row=out_row,
                        dtype=f.output_dtype if f.fp8 else dtype)

@@ -18,6 +18,7 @@ from jax import lax
 
 from kernel.common import NEG_INF, ROW, WGMMA, load_broadcast
 from kernel.sync import barriers
+from kernel.tiling import plan as plan_lib
 from kernel.forward import fp8
 from kernel.forward.context import ForwardContext, Tile, key_position, tile_range
 from kernel.forward.softmax import rescaled, softmax
@@ -48,8 +49,8 @@ def tile_start(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   m_i = plgpu.layout_cast(jnp.full((c.block_q,), NEG_INF, jnp.float32), ROW)
   l_i = plgpu.layout_cast(jnp.zeros((c.block_q,), jnp.float32), ROW)
   zeros = lambda cols: plgpu.layout_cast(jnp.zeros((c.block_q, cols), jnp.float32), WGMMA)
-  if c.layout.untiled_copies:  # one accumulator per column part of the values
-    parts, _, cols = c.layout.v.shape[1:]
+  if c.layout.untiled_copies:  # one accumulator per column part of the output
+    parts, cols = plan_lib.copy_parts(c.head_dim_out, c.f.output_dtype.itemsize)
     acc = tuple(zeros(cols) for _ in range(parts))
   else:
     acc = zeros(c.head_dim_out)
@@ -151,7 +152,11 @@ def issue_pv(c: ForwardContext, acc_ref, p16, st):
     plgpu.wgmma(acc_ref, p16, v.T if c.f.fp8 else v)
     return
   for part, ref in enumerate(acc_ref):
-    plgpu.wgmma(ref, p16, v.at[part])
+    if c.f.fp8:  # V^T's rows of this part of the output's columns
+      cols = ref.shape[1]
+      plgpu.wgmma(ref, p16, v.at[pl.ds(part * cols, cols)].T)
+    else:
+      plgpu.wgmma(ref, p16, v.at[part])
 
 
 def pv_operand(c: ForwardContext, p):

@@ -213,9 +213,9 @@ def untiled_copies_pay(problem: Problem) -> bool:
   """Whether the shipped API copies q, k, v and the output through untiled
   views (:func:`copy_parts`) for ``problem``: where a sequence length is no
   multiple of the TMA's 8-row tiling, and so would be copied padded, but
-  not in FP8 (whole rows, V transposed) nor for rows wider than 128 columns
-  without causal from :data:`UNTILED_WIDE_NONCAUSAL_KEYS` keys on
-  (docs/decisions/untiled-copies.md)."""
+  not in FP8 (until its GPU run: docs/decisions/fp8-untiled-copies.md) nor
+  for rows wider than 128 columns without causal from
+  :data:`UNTILED_WIDE_NONCAUSAL_KEYS` keys on (docs/decisions/untiled-copies.md)."""
   ragged = problem.seq_q % ROW_TILING != 0 or problem.seq_kv % ROW_TILING != 0
   wide = max(problem.head_dim, problem.head_dim_out) > 128
   padded_wins = wide and not problem.is_causal and problem.seq_kv >= UNTILED_WIDE_NONCAUSAL_KEYS
@@ -468,23 +468,22 @@ def _layout(problem: Problem, config: Config, *, overlay_q: bool) -> ScratchLayo
   bq, bkv = config.block_q, config.block_kv
   dt = np.dtype(problem.dtype)
   res = problem.return_residuals
-  def rows(width, n):
+  def rows(width, n, dtype=dt):
     """n rows of ``width`` columns: whole, or in copy_parts' parts."""
     if not problem.untiled_copies:
       return (n, width)
-    parts, columns = copy_parts(width, dt.itemsize)
+    parts, columns = copy_parts(width, np.dtype(dtype).itemsize)
     return (parts, n, columns)
 
   d, dv = problem.head_dim, problem.head_dim_out
-  if problem.fp8 and problem.untiled_copies:
-    raise ValueError("untiled_copies: the FP8 forward copies whole rows (V transposed)")
   out_dt = problem.output_dtype
   return ScratchLayout(
       q=Buffer("q", (cw, *rows(d, bq)), dt),
       k=Buffer("k", (s, *rows(d, bkv)), dt),
-      # FP8: each slot holds V^T, keys fastest (fp8_key_order).
+      # FP8: each slot holds V^T, keys fastest (fp8_key_order), whole
+      # rows of keys under untiled copies too (V^T is a copy made whole).
       v=Buffer("v", (s, dv, bkv) if problem.fp8 else (s, *rows(dv, bkv)), dt),
-      o=None if overlay_q else Buffer("o", (cw, *rows(dv, bq)), out_dt),
+      o=None if overlay_q else Buffer("o", (cw, *rows(dv, bq, out_dt)), out_dt),
       m=Buffer("m", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       l=Buffer("l", (cw, bq), np.dtype(np.float32), swizzled=False) if res else None,
       bias=Buffer("bias", (s, cw * bq, bkv), problem.bias_dtype) if problem.bias_2d else None,

@@ -148,3 +148,44 @@ def test_the_yardstick_sums_fp8_as_coarsely_as_the_kernels_wgmma(head_dim):
     e_wgmma, e_yard = (float(np.abs(x - exact).max()) for x in (wgmma, yardstick))
     assert e_yard > 0 and e_wgmma / 4 <= e_yard <= 4 * e_wgmma, (
         f"{kind}: max error against float64, wgmma {e_wgmma:.4g}, yardstick {e_yard:.4g}")
+
+
+# Lengths no multiple of 8 in FP8, queries and keys copied through untiled
+# views in column parts of one-byte swizzle atoms, V^T whole, the output in
+# 16-bit parts (kernel.experiments' untiled_copies): head dims 64 (one part
+# of 64 bytes), 128 (one of 128), 256 (two), 72/96 (three of 32), the
+# value's parts unlike the queries', GQA with per-head descales, causal.
+_UNTILED = [
+    ("d64-1001x777-causal", dict(seq_q=1001, seq_kv=777, is_causal=True)),
+    ("d128-gqa-head-1001", dict(batch=2, seq_q=1001, seq_kv=1001, heads=4, kv_heads=2,
+                                head_dim=128, fp8=hs.Fp8Spec(layout="head", spread=2.0))),
+    ("d256-300x457", dict(seq_q=300, seq_kv=457, head_dim=256)),
+    ("d72-dv96-113x203", dict(seq_q=113, seq_kv=203, head_dim=72, head_dim_out=96)),
+    ("d64-dv256-300x1001-causal", dict(seq_q=300, seq_kv=1001, head_dim_out=256,
+                                       is_causal=True)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
+@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
+                                                 (True, "longest-first")],
+                         ids=["heuristic", "nonpersistent", "persistent-lf"])
+def test_fp8_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent,
+                                                              schedule):
+  """kernel.experiments' untiled_copies in FP8: within the rule of float64,
+  and bit for bit the padded path's results (the same products: QK^T's
+  wgmma over the parts of a row issue one wgmma's instructions, and each
+  part of the output takes its columns of V^T)."""
+  call = fp8_case(name, **kwargs)
+  problem = dataclasses.replace(problem_of(call), untiled_copies=True)
+  cfg = heuristics.get_heuristics_config(problem)
+  if persistent is not None:
+    cfg = dataclasses.replace(cfg, persistent=persistent, schedule=schedule)
+    if not plan.config_fits(problem, cfg):
+      pytest.skip(f"{cfg} does not fit for this case")
+  untiled = run_kernel(call, config=cfg, untiled_copies=True)
+  report = check_forward(call, *untiled)
+  assert report.passed, report.summary()
+  padded = run_kernel(call, config=cfg, untiled_copies=False)
+  for a, b, what in zip(untiled, padded, ("out", "m", "l")):
+    assert np.array_equal(a, b, equal_nan=True), f"{what}: untiled differs from padded"

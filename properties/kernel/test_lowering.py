@@ -311,6 +311,46 @@ def test_the_api_forward_copies_no_padded_operand_where_untiled_copies_pay(d, T,
   assert (" pad[" in text) == bool(ragged and padded_wins), text[:2000]
 
 
+# FP8 through untiled views (kernel.experiments' untiled_copies): queries
+# and keys in parts of one-byte swizzle atoms, V^T whole, the output in
+# 16-bit parts, at lengths no multiple of 8 under each kind of launch.
+FP8_UNTILED = [
+    ("d128-one-tile", (128, 128), Config(64, 128, 2, False), dict()),
+    ("d128-persistent-lf-causal", (128, 128), Config(64, 128, 2, True, "longest-first"),
+     dict(is_causal=True)),
+    ("d64-bkv256-residuals", (64, 64), Config(64, 256, 2, True), dict(return_residuals=True)),
+    ("d256-one-tile", (256, 256), Config(64, 128, 2, False), dict()),
+    ("d64-dv256-heuristic", (64, 256), None, dict()),
+    ("d128-split-tail", (128, 128), Config(64, 128, 2, True, "split-tail"), dict()),
+]
+
+
+@pytest.mark.parametrize("name,dims,cfg,kw", FP8_UNTILED, ids=[n for n, *_ in FP8_UNTILED])
+def test_fp8_untiled_copies_lower_and_copy_only_the_values_transposed(name, dims, cfg, kw):
+  import jax
+  import jax.numpy as jnp
+  from kernel import api, experiments
+  T, S = 1001, 777
+  d, dv = dims
+  shapes = dict(B=2, T=T, N=4, H=d, S=S, K=2, Hv=dv)
+  lowered = lower_attention(shapes, dtype="float8_e4m3fn", config=cfg, untiled_copies=True,
+                            **kw)
+  assert lowered.smem_bytes > 0
+  sds = jax.ShapeDtypeStruct
+  f8 = jnp.float8_e4m3fn
+  args = (sds((2, T, 4, d), f8), sds((2, S, 2, d), f8), sds((2, S, 2, dv), f8))
+  descales = {n: 1.0 for n in ("q_descale", "k_descale", "v_descale")}
+
+  def pads(untiled):
+    call = lambda q, k, v: experiments.dot_product_attention(
+        q, k, v, config=cfg, untiled_copies=untiled, **descales, **kw)
+    with api.lowering_only():   # each jnp.pad a call named _pad (its body printed once)
+      return str(jax.make_jaxpr(call)(*args)).count("name=_pad")
+  # untiled: V^T's one copy, made whole before the transpose; padded: q and
+  # k as well
+  assert pads(True) == 1 < pads(False)
+
+
 @pytest.mark.parametrize("width,parts", [(64, (1, 64)), (96, (3, 32)), (128, (2, 64)),
                                          (192, (3, 64)), (256, (4, 64))])
 def test_copy_parts_are_one_swizzle_atom_each(width, parts):

@@ -431,7 +431,13 @@ UNTILED_PARTS = dataclasses.replace(PERSISTENT, untiled_copies=True, layout_head
                                     layout_head_dim_out=128)
 
 
-@pytest.mark.parametrize("case", [UNTILED, UNTILED_PARTS], ids=["d64", "d128-parts"])
+# FP8: one-byte queries and keys in one part of 128 bytes at head dim 128,
+# V^T whole, the 16-bit output in two parts (each its columns of V^T).
+UNTILED_FP8 = dataclasses.replace(UNTILED_PARTS, dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize("case", [UNTILED, UNTILED_PARTS, UNTILED_FP8],
+                         ids=["d64", "d128-parts", "fp8-d128-parts"])
 def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
   """Copies through untiled views (kernel.common.untiled_smem): the TMA
   writes one group of a union and wgmma reads the other, the same bytes,
@@ -439,7 +445,7 @@ def test_untiled_copies_prove_as_copies_into_the_buffers_read(case):
   bytes, a read of the tiled buffers after a copy into the untiled views
   is an overlay the proof refuses: the rule that merges them is what
   proves it."""
-  assert case.parts == ((1, 1) if case is UNTILED else (2, 2))
+  assert case.parts == {UNTILED: (1, 1), UNTILED_PARTS: (2, 2), UNTILED_FP8: (1, 2)}[case]
   results = prove_pool.prove([("forward", case, 1)], jobs=1)
   assert results and all(r.ok for r in results), [
       r.premise or r.violation.format() for r in results if not r.ok]

@@ -73,9 +73,33 @@ def test_the_fp8_calls_it_times_lower_for_cuda():
   assert "transpose" in lowered[fp8.TRANSPOSE], "the V^T transpose lowered to no transpose"
 
 
-@pytest.mark.parametrize("flag", [["--backward"], ["--sections", "windows-segments"]])
-def test_fp8_grid_refuses_what_it_does_not_time(flag, capsys):
+def test_the_untiled_variant_is_timed_beside_ours_and_shown_with_its_ratio():
+  """``--variants "auto;auto,ut"``: ours copied through untiled views at a
+  ragged point, lowered with no padded copy of q or k (the transpose's own
+  copy of V only), and a column with its ratio to ours on the table."""
+  import jax
+  from kernel import api
+  point = bench_grid.Point(64, 1001, True)
+  fns = fp8.implementations(point, untiled=True)
+  args = fp8._inputs(point, 1)[0]
+  with api.lowering_only():
+    # each jnp.pad is a call named _pad (the printer shares its body)
+    pads = {name: str(jax.make_jaxpr(fns[name])(*args)).count("name=_pad")
+            for name in (fp8.OURS, fp8.UNTILED)}
+  assert pads[fp8.UNTILED] == 1 < pads[fp8.OURS], pads
+  row = _row(128, 3000, False, 800.0, 600.0, 700.0)
+  row["results"][fp8.UNTILED] = dict(ms=1.0, tflops=880.0)
+  table = fp8.render_rows([row])
+  assert fp8.UNTILED in table.splitlines()[0] and "| 880.0 | 1.10 |" in table, table
+  assert fp8.UNTILED not in fp8.render_rows(ROWS)
+
+
+@pytest.mark.parametrize("flag,why", [
+    (["--backward"], "--dtype float8_e4m3fn times the forward grid only"),
+    (["--sections", "windows-segments"], "--dtype float8_e4m3fn times the forward grid only"),
+    (["--variants", "auto;64,128,2"], "--variants: the FP8 grid times auto, or auto;auto,ut")])
+def test_fp8_grid_refuses_what_it_does_not_time(flag, why, capsys):
   from harness.tools import bench
   with pytest.raises(SystemExit):
     bench.main(["--grid", "--dtype", "float8_e4m3fn", *flag])
-  assert "--dtype float8_e4m3fn times the forward grid only" in capsys.readouterr().err
+  assert why in capsys.readouterr().err

@@ -88,18 +88,21 @@ def test_pages_script_times_nothing_on_another_gpu(tmp_path, part, gpu, other):
 
 
 def test_compare_forward_names_a_modifier_and_tests_that_exist():
-  """compare-forward.sh's example names a bench --grid modifier and a -k
-  expression that selects tests of properties/gpu/test_forward_gpu.py."""
+  """compare-forward.sh's examples name a bench --grid modifier and a -k
+  expression that selects tests of properties/gpu/test_forward_gpu.py, or
+  with DTYPE float8_e4m3fn of test_fp8_gpu.py."""
   from harness.tools import bench_grid
   text = (ROOT / "ci" / "device" / "compare-forward.sh").read_text()
-  examples = re.findall(r"^#\s+bash ci/device/compare-forward.sh OUTDIR ([a-z]+) (\S+)", text,
-                        flags=re.M)
+  examples = re.findall(r"^#\s+bash ci/device/compare-forward.sh OUTDIR ([a-z]+) (\S+)"
+                        r"(?: \S+ \S+)?(?: (\S+))?$", text, flags=re.M)
   assert examples, "compare-forward.sh shows no example"
-  for modifier, tests in examples:
+  assert any(dtype == "float8_e4m3fn" for *_, dtype in examples), examples
+  for modifier, tests, dtype in examples:
     assert modifier in bench_grid.MODIFIERS, modifier
+    tests_file = "test_fp8_gpu.py" if dtype == "float8_e4m3fn" else "test_forward_gpu.py"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "properties/gpu/test_forward_gpu.py", "-k", tests], cwd=ROOT, capture_output=True,
+         f"properties/gpu/{tests_file}", "-k", tests], cwd=ROOT, capture_output=True,
         text=True)
     selected = [l for l in run.stdout.splitlines() if "::" in l]
     assert selected, run.stdout + run.stderr

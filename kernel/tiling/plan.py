@@ -15,6 +15,7 @@ One source of truth for three consumers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -458,7 +459,25 @@ def overlays_query_with_output(problem: Problem, config: Config) -> bool:
 
 
 def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
-  problem = kernel_problem(problem, config)
+  return _scratch_layout(_layout_problem(problem, config), config)
+
+
+def _layout_problem(problem: Problem, config: Config) -> Problem:
+  """``problem`` as the kernel runs it (:func:`kernel_problem`) with only
+  the fields its scratch layout and shared-memory estimate read, and its
+  keys cut to the blocks the ring holds (:func:`effective_stages`): the
+  key of their memo, which the heuristics over a grid of lengths ask many
+  times (properties/kernel/test_heuristics.py holds it to the uncut
+  problem's)."""
+  p = kernel_problem(problem, config)
+  return Problem(p.dtype, p.head_dim, p.head_dim_out, seq_q=1,
+                 seq_kv=min(p.seq_kv, config.num_stages * config.block_kv),
+                 bias_2d=p.bias_2d, mask_2d=p.mask_2d, return_residuals=p.return_residuals,
+                 untiled_copies=p.untiled_copies, out_dtype=p.out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
   return _layout(problem, config, overlay_q=overlays_query_with_output(problem, config))
 
 
@@ -513,7 +532,12 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   descriptions the kernel allocates; the CPU tests check it against the
   lowering's own count (never below it, within a stated margin above).
   """
-  return _estimate(scratch_layout(problem, config), kernel_problem(problem, config), config)
+  return _estimate_of(_layout_problem(problem, config), config)
+
+
+@functools.lru_cache(maxsize=None)
+def _estimate_of(problem: Problem, config: Config) -> int:
+  return _estimate(_scratch_layout(problem, config), problem, config)
 
 
 def _estimate(lay: ScratchLayout, problem: Problem, config: Config) -> int:

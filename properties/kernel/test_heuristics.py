@@ -224,3 +224,21 @@ def test_heuristics_cache_and_validation_share_the_limit(monkeypatch, tmp_path):
   assert autotune.lookup(problem, "NVIDIA H200", path=cache) is None
   with pytest.raises(ValueError, match="estimated"):
     plan.check_fits(problem, default)
+
+
+def test_the_memoised_layout_and_estimate_are_the_problems_own():
+  """kernel.tiling.plan memoises the scratch layout and the shared-memory
+  estimate by the fields they read (plan._layout_problem): over problems
+  of every head dim, dtype, staged operand, residuals, copy, causal and
+  length, and every config the autotuner may time, each is what the
+  problem's own computation gives."""
+  from harness.proofs import prove as prove_cli
+  checked = 0
+  for problem in prove_cli.problem_grid(experiments=True)[::53]:
+    for config in heuristics.get_autotuning_configs(problem):
+      kp = plan.kernel_problem(problem, config)
+      own = plan._layout(kp, config, overlay_q=plan.overlays_query_with_output(kp, config))
+      assert plan.scratch_layout(problem, config) == own, (problem, config)
+      assert plan.estimate_smem_bytes(problem, config) == plan._estimate(own, kp, config)
+      checked += 1
+  assert checked > 1000, checked

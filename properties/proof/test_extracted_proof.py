@@ -528,8 +528,14 @@ def test_the_shipped_untiled_copies_are_proved_and_the_other_way_on_request(ship
   assert {c.parts for c in untiled} >= {(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (2, 1)}
   assert not any(c.dtype == "float8_e4m3fn" for c in untiled)
   assert any(not c.untiled_copies and c.dtype != "float8_e4m3fn" for c in shipped)
-  both = {c.protocol_key() for c, _ in prove_cli.forward_listing(experiments=True)}
-  assert {c.protocol_key() for c in shipped} < both
+  grid, both = prove_cli.problem_grid(), prove_cli.problem_grid(experiments=True)
+  assert both[::2] == grid
+  assert all(o == dataclasses.replace(p, untiled_copies=not p.untiled_copies)
+             for p, o in zip(both[::2], both[1::2]))
+  # the other way's protocols (a spread of them): FP8 untiled among them
+  other = [c for c, _ in cases.forward_cases(both[1::2][::7])]
+  assert {c.protocol_key() for c in other} - {c.protocol_key() for c in shipped}
+  assert any(c.untiled_copies and c.dtype == "float8_e4m3fn" for c in other)
 
 
 @pytest.mark.parametrize("pair,twin", [((1000, 1000), (1001, 1001)), ((100, 64), (104, 64)),

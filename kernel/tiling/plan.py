@@ -459,19 +459,25 @@ def overlays_query_with_output(problem: Problem, config: Config) -> bool:
 
 
 def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
-  return _scratch_layout(_layout_problem(problem, config), config)
+  key = _layout_problem(problem, config)
+  if key is None:   # symbolic lengths (the proof's traces): not memoised
+    kp = kernel_problem(problem, config)
+    return _layout(kp, config, overlay_q=overlays_query_with_output(kp, config))
+  return _scratch_layout(key, config)
 
 
-def _layout_problem(problem: Problem, config: Config) -> Problem:
+def _layout_problem(problem: Problem, config: Config) -> Problem | None:
   """``problem`` as the kernel runs it (:func:`kernel_problem`) with only
   the fields its scratch layout and shared-memory estimate read, and its
   keys cut to the blocks the ring holds (:func:`effective_stages`): the
   key of their memo, which the heuristics over a grid of lengths ask many
   times (properties/kernel/test_heuristics.py holds it to the uncut
-  problem's)."""
+  problem's); None for symbolic lengths."""
   p = kernel_problem(problem, config)
+  if not isinstance(p.seq_kv, (int, np.integer)):
+    return None
   return Problem(p.dtype, p.head_dim, p.head_dim_out, seq_q=1,
-                 seq_kv=min(p.seq_kv, config.num_stages * config.block_kv),
+                 seq_kv=effective_stages(p, config) * config.block_kv,
                  bias_2d=p.bias_2d, mask_2d=p.mask_2d, return_residuals=p.return_residuals,
                  untiled_copies=p.untiled_copies, out_dtype=p.out_dtype)
 
@@ -532,7 +538,10 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
   descriptions the kernel allocates; the CPU tests check it against the
   lowering's own count (never below it, within a stated margin above).
   """
-  return _estimate_of(_layout_problem(problem, config), config)
+  key = _layout_problem(problem, config)
+  if key is None:   # symbolic lengths (the proof's traces): not memoised
+    return _estimate(scratch_layout(problem, config), kernel_problem(problem, config), config)
+  return _estimate_of(key, config)
 
 
 @functools.lru_cache(maxsize=None)

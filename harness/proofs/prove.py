@@ -91,10 +91,15 @@ def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
   return out
 
 
-@functools.lru_cache(maxsize=2)
 def forward_listing(experiments: bool = False, every_config: bool = False) -> tuple:
   """``cases.forward_cases`` over :func:`problem_grid`: once per process,
-  however many runs ask (the tests run prove once per mutant)."""
+  however many runs ask (the tests run prove once per mutant), however
+  they spell the arguments."""
+  return _forward_listing(bool(experiments), bool(every_config))
+
+
+@functools.lru_cache(maxsize=4)
+def _forward_listing(experiments: bool, every_config: bool) -> tuple:
   return tuple(cases.forward_cases(problem_grid(experiments=experiments),
                                    every_config=every_config))
 

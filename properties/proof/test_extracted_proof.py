@@ -721,7 +721,7 @@ def test_every_config_lists_each_config_at_its_own_sizes():
   stages, head dims and dtype, each of them a refinement of a default case
   (the same key, and more), and traced at its own sizes (its description
   names them)."""
-  grid = prove_cli.problem_grid()[::23]
+  grid = prove_cli.problem_grid()[::47]
   listed = cases.forward_cases(grid)
   default = {c.key() for c, _ in listed}
   exact = cases.forward_cases(grid, every_config=True)
@@ -740,7 +740,7 @@ def test_a_chunked_or_windowed_calls_protocols_are_among_the_proved(shipped_case
   protocols of such a call are its unmasked twin's, each one prove lists."""
   reps = cases.Representatives(c for c, _ in shipped_cases)
   listed = {c.key() for c, _ in shipped_cases}
-  for p in prove_cli.problem_grid()[::97]:
+  for p in prove_cli.problem_grid()[::195]:
     plain = list(cases.emitted([p]))
     for static in (dict(chunk=64), dict(window=(100, 0)), dict(chunk=300, window=(50, 50))):
       masked = list(cases.emitted([dataclasses.replace(p, static_ranges=True, **static)]))
@@ -755,7 +755,7 @@ def test_a_representative_shows_every_remainder_of_the_configs_it_stands_for(shi
   config at block_kv 256 is traced at 256), and a protocol whose configs'
   largest block and largest tile are not one config's is traced at more
   than one."""
-  grid = prove_cli.problem_grid()[::7]
+  grid = prove_cli.problem_grid()[::15]
   reps = cases.Representatives(c for c, _ in shipped_cases)
   for c, _ in cases.forward_cases(grid, every_config=True):
     rep = reps.of(c)
@@ -782,7 +782,7 @@ def test_configs_at_their_own_sizes_learn_their_representatives_programs(shipped
   16-bit dtype, learns the same program as the representative, up to the
   names of its buffers and barriers (the shape the search checks).
   ``python -m harness prove`` tests every emitted config."""
-  pairs = representatives.pairs(prove_cli.problem_grid()[::5],
+  pairs = representatives.pairs(prove_cli.problem_grid()[::11],
                                 [c for c, _ in shipped_cases], differing_only=True)
   sample = pairs[::max(1, len(pairs) // EXACT_SAMPLE)]
   assert len(sample) >= EXACT_SAMPLE, len(pairs)
@@ -801,7 +801,7 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
   (harness.proofs.representatives.check): all agree over a few problems;
   where one would not, it is named and the run fails, even when every
   launch program proves."""
-  grid = prove_cli.problem_grid()[::400]
+  grid = prove_cli.problem_grid()[::801]
   work = representatives.pairs(grid, [c for c, _ in shipped_cases])
   real, learned = representatives.shape, {}
 
@@ -824,6 +824,7 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
   listing = prove_cli.forward_listing
   monkeypatch.setattr(prove_cli, "forward_listing",
                       lambda experiments=False, every_config=False: listing(experiments))
+  assert listing() is listing(False, False)   # one listing, however it is asked for
   rc, out = _run_prove("--select", "stages=2,one tile", "--jobs", "1", "--no-cache")
   assert rc == 1 and "DIFFERS: " in out and "learns another program" in out, out
 

@@ -17,6 +17,7 @@ from harness.numerics import strategies as hs
 from harness.numerics.conformance import (check_forward, poison_device_memory,
                                           run_and_check_forward, run_kernel)
 from harness.tools.device_check import emitted_configs, extra_cases, fixed_cases, problem_of
+from properties.gpu.switches import LAUNCHES, assert_switch_matches, launch_config
 from kernel.call import Call
 from kernel.tiling import heuristics, plan
 
@@ -202,13 +203,6 @@ def test_staged_2d_bias_and_mask(name, fc, cfg, persistent):
     assert np.array_equal(a, b, equal_nan=True), f"{what}: staged differs from unstaged"
 
 
-# Each switch's test runs the heuristic config, and its tiling one tile per
-# block and persistent (longest-first).
-_LAUNCHES = pytest.mark.parametrize(
-    "persistent,schedule", [(None, None), (False, "round-robin"), (True, "longest-first")],
-    ids=["heuristic", "nonpersistent", "persistent-lf"])
-
-
 def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, bitwise=True,
                                        against=None, **switch):
   """A case of a kernel.experiments ``switch`` (one of run_kernel's): within
@@ -216,26 +210,9 @@ def _switch_matches_float64_and_shipped(name, kwargs, persistent, schedule, bitw
   results, or those of run_kernel with the switches ``against``."""
   from harness.numerics.conformance import random_case
   fc = random_case(np.random.default_rng(zlib.crc32(name.encode())), **kwargs)
-  cfg = None
-  if persistent is not None:
-    # the problem as the switch plans it (untiled copies change the layout)
-    problem = problem_of(fc)
-    if switch.get("untiled_copies") is not None:
-      problem = dataclasses.replace(problem, untiled_copies=switch["untiled_copies"])
-    cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
-                              persistent=persistent, schedule=schedule)
-    if not plan.config_fits(problem, cfg):
-      pytest.skip(f"{cfg} does not fit for this case")
-  poison_device_memory(4 * fc.query.nbytes)
-  switched = run_kernel(fc, config=cfg, **switch)
-  report = check_forward(fc, *switched)
-  assert report.passed, report.summary()
-  if not bitwise:
-    return
-  shipped = run_kernel(fc, config=cfg, **(against or {}))
-  for a, b, what in zip(switched, shipped, ("out", "m", "l")):
-    assert np.array_equal(a, b, equal_nan=True), \
-        f"{what}: {switch} differs from the {against or 'shipped'} path"
+  # the problem as the switch plans it (untiled copies change the layout)
+  cfg = launch_config(fc, persistent, schedule, switch.get("untiled_copies"))
+  assert_switch_matches(fc, cfg, switch, against, bitwise)
 
 
 # Lengths no multiple of 8, which the padded path pads (kernel/padding.py)
@@ -277,7 +254,7 @@ _WHOLE_KEYS = [
 
 
 @pytest.mark.parametrize("name,kwargs", _WHOLE_KEYS, ids=[n for n, _ in _WHOLE_KEYS])
-@_LAUNCHES
+@LAUNCHES
 def test_ranges_always_matches_float64(name, kwargs, persistent, schedule):
   """kernel.experiments' ranges_always: within the rule of float64.  Not bit
   for bit the plain path's: at the non-causal ragged lengths the last bits
@@ -287,7 +264,7 @@ def test_ranges_always_matches_float64(name, kwargs, persistent, schedule):
 
 
 @pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
-@_LAUNCHES
+@LAUNCHES
 def test_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent, schedule):
   """The untiled copies (shipped at these lengths: kernel.tiling.plan.untiled_copies_pay):
   within the rule of float64, and bit for bit the padded path's results,

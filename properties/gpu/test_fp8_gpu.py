@@ -23,6 +23,7 @@ from harness.numerics.fp8_cases import FP8_NAMED, fp8_case
 from harness.tools.device_check import emitted_configs, problem_of
 from kernel.tiling import heuristics, plan
 from kernel.tiling.config import Config
+from properties.gpu.switches import LAUNCHES, assert_switch_matches, launch_config
 
 pytestmark = pytest.mark.gpu
 
@@ -167,9 +168,7 @@ _UNTILED = [
 
 
 @pytest.mark.parametrize("name,kwargs", _UNTILED, ids=[n for n, _ in _UNTILED])
-@pytest.mark.parametrize("persistent,schedule", [(None, None), (False, "round-robin"),
-                                                 (True, "longest-first")],
-                         ids=["heuristic", "nonpersistent", "persistent-lf"])
+@LAUNCHES
 def test_fp8_untiled_copies_match_float64_and_the_padded_path(name, kwargs, persistent,
                                                               schedule):
   """kernel.experiments' untiled_copies in FP8: within the rule of float64,
@@ -177,15 +176,5 @@ def test_fp8_untiled_copies_match_float64_and_the_padded_path(name, kwargs, pers
   wgmma over the parts of a row issue one wgmma's instructions, and each
   part of the output takes its columns of V^T)."""
   call = fp8_case(name, **kwargs)
-  problem = dataclasses.replace(problem_of(call), untiled_copies=True)
-  cfg = heuristics.get_heuristics_config(problem)
-  if persistent is not None:
-    cfg = dataclasses.replace(cfg, persistent=persistent, schedule=schedule)
-    if not plan.config_fits(problem, cfg):
-      pytest.skip(f"{cfg} does not fit for this case")
-  untiled = run_kernel(call, config=cfg, untiled_copies=True)
-  report = check_forward(call, *untiled)
-  assert report.passed, report.summary()
-  padded = run_kernel(call, config=cfg, untiled_copies=False)
-  for a, b, what in zip(untiled, padded, ("out", "m", "l")):
-    assert np.array_equal(a, b, equal_nan=True), f"{what}: untiled differs from padded"
+  cfg = launch_config(call, persistent, schedule, untiled_copies=True)
+  assert_switch_matches(call, cfg, {"untiled_copies": True}, against={"untiled_copies": False})

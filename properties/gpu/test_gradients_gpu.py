@@ -212,19 +212,27 @@ def test_the_unpadded_backward_matches_the_padded_one(name, shapes, kw, determin
   """Read unpadded, past their ends as zeros, the kernels give dk, dv (and
   dbias) bitwise equal to the padded copies' and dq within the run-to-run
   bound (bitwise in fixed point), all within the float64 rule."""
+  _matches_the_padded_backward("pallas-unpadded", shapes, kw, deterministic, seed=40)
+
+
+def _matches_the_padded_backward(backward, shapes, kw, deterministic, *, seed):
+  """The gradients of kernel.experiments' ``backward`` on a case of these
+  shapes: dk, dv (and dbias) bitwise the shipped padded backward's, dq
+  within the run-to-run bound (bitwise in fixed point), all within the
+  float64 rule."""
   T, S = shapes["T"], shapes["S"]
-  bias = hs.BiasSpec((1, shapes["N"], T, S), 1.0, 41) if kw.get("bias") else None
-  spec = hs.CaseSpec(shapes=hs.AttentionShapes(**shapes), dtype="bfloat16", seed=40,
+  bias = hs.BiasSpec((1, shapes["N"], T, S), 1.0, seed + 1) if kw.get("bias") else None
+  spec = hs.CaseSpec(shapes=hs.AttentionShapes(**shapes), dtype="bfloat16", seed=seed,
                      is_causal=kw.get("is_causal", False), bias=bias)
   case = hs.build_case(spec)
   padded = kernel_grads(case, backward="pallas", deterministic=deterministic)
-  unpadded = kernel_grads(case, backward="pallas-unpadded", deterministic=deterministic)
-  for grad, x, y in zip(("dq", "dk", "dv", "dbias"), padded, unpadded):
+  other = kernel_grads(case, backward=backward, deterministic=deterministic)
+  for grad, x, y in zip(("dq", "dk", "dv", "dbias"), padded, other):
     if grad == "dq" and not deterministic:
       assert run_to_run_bound(x, y, case.dtype) <= 1.0, grad
     else:
       assert (x is None and y is None) or np.array_equal(x, y), grad
-  for r in gradient_reports(case, unpadded):
+  for r in gradient_reports(case, other):
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
 
@@ -250,20 +258,7 @@ def test_the_untiled_backward_matches_the_padded_one(name, shapes, kw, determini
   give dk, dv (and dbias) bitwise equal to the padded copies' and dq within
   the run-to-run bound (bitwise in fixed point), all within the float64
   rule (docs/decisions/backward-untiled-copies.md)."""
-  T, S = shapes["T"], shapes["S"]
-  bias = hs.BiasSpec((1, shapes["N"], T, S), 1.0, 43) if kw.get("bias") else None
-  spec = hs.CaseSpec(shapes=hs.AttentionShapes(**shapes), dtype="bfloat16", seed=42,
-                     is_causal=kw.get("is_causal", False), bias=bias)
-  case = hs.build_case(spec)
-  padded = kernel_grads(case, backward="pallas", deterministic=deterministic)
-  untiled = kernel_grads(case, backward="pallas-untiled", deterministic=deterministic)
-  for grad, x, y in zip(("dq", "dk", "dv", "dbias"), padded, untiled):
-    if grad == "dq" and not deterministic:
-      assert run_to_run_bound(x, y, case.dtype) <= 1.0, grad
-    else:
-      assert (x is None and y is None) or np.array_equal(x, y), grad
-  for r in gradient_reports(case, untiled):
-    assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
+  _matches_the_padded_backward("pallas-untiled", shapes, kw, deterministic, seed=42)
 
 
 def test_causal_rows_padded_by_the_caller_match_the_unpadded_problem():

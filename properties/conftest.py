@@ -90,7 +90,44 @@ def _sm90_unavailable_reason() -> str | None:
   return None
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    "--part", default=None, metavar="K/N",
+    help="run only part K of N of the selected tests (1-based): the tests in "
+         "node-id order, every N-th from the K-th, so that each part gets a share "
+         "of every file and N parts together run each test once")
+
+
+def parse_part(spec: str) -> tuple[int, int]:
+  """(K, N) of a ``--part K/N`` value, checked: 1 <= K <= N."""
+  try:
+    k, n = (int(x) for x in spec.split("/"))
+  except ValueError:
+    raise pytest.UsageError(f"--part: expected K/N (say 1/3), got {spec!r}") from None
+  if not 1 <= k <= n:
+    raise pytest.UsageError(f"--part: need 1 <= K <= N, got {spec!r}")
+  return k, n
+
+
+def _keep_part(config, items) -> None:
+  """Deselect every test outside ``--part K/N``.  Node-id order is the same in
+  every xdist worker, so the workers agree on the part."""
+  spec = config.getoption("--part")
+  if spec is None:
+    return
+  k, n = parse_part(spec)
+  order = {item.nodeid: i for i, item in enumerate(sorted(items, key=lambda it: it.nodeid))}
+  kept = [item for item in items if order[item.nodeid] % n == k - 1]
+  dropped = [item for item in items if order[item.nodeid] % n != k - 1]
+  if dropped:
+    config.hook.pytest_deselected(items=dropped)
+  items[:] = kept
+
+
+# Last, so that --part splits what -m and -k left (pytest's own deselection).
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+  _keep_part(config, items)
   gpu_items = [item for item in items if item.get_closest_marker("gpu")]
   if not gpu_items:
     return

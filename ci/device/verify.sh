@@ -2,7 +2,10 @@
 # Verify HEAD on an H200 in one call: the whole gate, then the headline
 # benchmarks (forward, forward + backward, and a 2-D bias unstaged/staged),
 # each side by side with cuDNN in the same process.
-#   bash ci/device/verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|bench]
+#   bash ci/device/verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|bench] [K/N]
+# K/N (gpu-properties only) runs part K of N of the GPU properties (pytest's
+# --part, properties/conftest.py): the whole step outgrew one 10-minute
+# command on the H200, so run "gpu-properties 1/2" and "gpu-properties 2/2".
 # "gpu-gate" runs only the gate's GPU steps (gpu-properties, golden): for
 # when the CPU steps passed on the same commit elsewhere (`bash ci/tox.sh -e
 # gate` here).  Measured on the H200 (2026-12-02, 3944b85): gpu-properties
@@ -20,6 +23,7 @@
 set -uo pipefail
 dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|bench]}"
 part="${2:-all}"
+slice="${3:-}"
 case "$part" in all|gate|gpu-gate|gpu-properties|golden|bench) ;;
   *) echo "verify.sh: part must be all, gate, gpu-gate, gpu-properties, golden or bench," \
        "got '$part'" >&2; exit 2 ;;
@@ -41,7 +45,7 @@ case "$part" in
   gpu-gate) step gate 570 "$py" -m harness gate --results "$out/gate" \
               --steps gpu-properties,golden -- -rs ;;
   gpu-properties|golden) step gate 570 "$py" -m harness gate --results "$out/gate" \
-                           --steps "$part" -- -rs ;;
+                           --steps "$part" -- -rs ${slice:+--part "$slice"} ;;
 esac
 if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench-forward 50 "$py" -m harness.tools.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" \

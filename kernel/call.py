@@ -326,6 +326,18 @@ def normalize_chunk(attention_chunk: Any) -> int | None:
   return chunk
 
 
+# jax.nn's window and FlashAttention-3's chunk shape the kernel's block
+# range, so they reach it as Python ints; lengths and segment ids are arrays.
+STATIC_VARIANTS = ("local_window_size", "attention_chunk")
+
+
+def api_variants(variants: dict[str, Any]) -> dict[str, Any]:
+  """``variants`` (a :attr:`Call.variants`) as the API takes them: the
+  static ones as they are, the others as JAX arrays."""
+  import jax.numpy as jnp
+  return {n: x if n in STATIC_VARIANTS else jnp.asarray(x) for n, x in variants.items()}
+
+
 def validate_variant_args(
   shapes: AttentionShapes,
   *,

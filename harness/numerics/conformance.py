@@ -16,7 +16,7 @@ import numpy as np
 
 from harness.numerics import reference as ref_lib
 from harness.numerics import tolerance
-from kernel.call import Call
+from kernel.call import Call, api_variants
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -72,8 +72,7 @@ def run_kernel(case: Call, *, config=None, return_residuals=True, stage_2d=True,
       config=config, stage_2d=stage_2d, untiled_copies=untiled_copies,
       ranges_always=ranges_always,
       segment_layout=case.segment_layout, **_descale_kwargs(case),
-      **{name: x if name == "local_window_size" else jnp.asarray(x)
-         for name, x in case.variants.items()})
+      **api_variants(case.variants))
   result = jax.block_until_ready(result)
   if return_residuals:
     out, (m, l) = result

@@ -49,7 +49,7 @@ from typing import Callable
 import numpy as np
 
 from harness.numerics.conformance import check_forward, check_gradients
-from kernel.call import Call
+from kernel.call import Call, api_variants
 from harness.numerics.strategies import Fp8Spec, SegmentSpec, VariantSpec
 from harness.numerics.tolerance import rtol_for, run_to_run_bound
 
@@ -266,9 +266,7 @@ def kernel_function(spec: GoldenSpec) -> tuple[Callable, tuple]:
   from kernel import api
   case = spec.build()
   j = lambda x: None if x is None else jnp.asarray(x)
-  # The window is static (a Python int or pair); lengths and ids are arrays.
-  variant_kwargs = {name: x if name == "local_window_size" else jnp.asarray(x)
-                    for name, x in case.variants.items()}
+  variant_kwargs = api_variants(case.variants)
 
   fp8_kwargs = {}
   if case.fp8:

@@ -32,7 +32,7 @@ from harness.numerics import tolerance
 from harness.numerics.conformance import check_gradients, compute_dtype
 from kernel import api
 from kernel.tiling.config import Config
-from kernel.call import AttentionShapes
+from kernel.call import AttentionShapes, api_variants
 
 LONGEST_FIRST = Config(64, 128, 2, persistent=True, schedule="longest-first")
 VARIANT_EXAMPLES = int(os.environ.get("VARIANT_EXAMPLES", "12"))
@@ -74,6 +74,9 @@ NAMED = {
         local_window_size=(128, 0)), config=LONGEST_FIRST),
     "window-pair": Named(_WIDE, False, hs.VariantSpec(local_window_size=(200, 64))),
     "window-wider-than-sequence": Named(_RAGGED, False, hs.VariantSpec(local_window_size=5000)),
+    "chunk-causal": Named(_SQUARE, True, hs.VariantSpec(attention_chunk=224)),
+    "chunk-window": Named(_RAGGED, False, hs.VariantSpec(attention_chunk=300,
+                                                         local_window_size=(223, 0))),
     "segments-causal": Named(_SQUARE, True, hs.VariantSpec(segments=_PACKED)),
     "segments-causal-longest-first": Named(_SQUARE, True, hs.VariantSpec(segments=_PACKED),
                                            config=LONGEST_FIRST),
@@ -96,7 +99,7 @@ def _call(case: hs.AttentionCase, config, q, k, v):
   return api.dot_product_attention(
       q, k, v, is_causal=case.spec.is_causal, return_residual=True, return_residuals=True,
       segment_layout=case.segment_layout, config=config,
-      **{n: x if n == "local_window_size" else jnp.asarray(x) for n, x in kw.items()})
+      **api_variants(kw))
 
 
 def _forward_and_grads(case: hs.AttentionCase, config):

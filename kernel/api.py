@@ -229,6 +229,11 @@ def _chosen_config(call: Call, problem: plan_lib.Problem, routed, *, device_kind
   config, source = autotune.choice(
       autotune.selection_problem(layout), device_kind, has_bias=call.bias is not None,
       has_mask=mask is not None, has_key_ranges=k_start is not None or k_end is not None)
+  if config.schedule == "split-tail":
+    # Off config=None's path until its gradients pass on the GPU: the same tiling,
+    # round-robin (docs/decisions/split-tail-off-the-default.md).
+    config = dataclasses.replace(config, schedule="round-robin")
+    source += ", its split tail run round-robin"
   return (config, source) if with_source else config
 
 

@@ -9,6 +9,7 @@ through the merged residuals against float64.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -50,14 +51,8 @@ def test_split_tail_forward_matches_float64(case):
   assert report.passed, report.summary()
 
 
-@given(case=cases)
-@settings(max_examples=12)
-def test_gradients_through_the_split_tail_match_float64(case):
-  """The backward reads the merged (m, l): dq, dk, dv (dbias) within the
-  tolerance rule of float64."""
-  config = _split_tail_config(case)
-  assume(config is not None and not case.variant_kwargs)
-  note(f"{case.describe()} config={config}")
+def _split_tail_gradient_reports(case, config):
+  """(dq, dk, dv, dbias) of ``case`` run under ``config`` against float64."""
   kw = case.kwargs
   j = lambda x: None if x is None else jnp.asarray(x)
   d_out = jnp.asarray(case.d_out, jnp.float32)
@@ -73,7 +68,45 @@ def test_gradients_through_the_split_tail_match_float64(case):
   grads = jax.grad(loss, argnums=argnums)(j(case.query), j(case.key), j(case.value),
                                           j(case.bias))
   grads = [np.asarray(g.astype(jnp.float32), np.float64) for g in grads]
-  for r in gradient_reports(case, grads + [None] * (4 - len(grads))):
+  return gradient_reports(case, grads + [None] * (4 - len(grads)))
+
+
+@given(case=cases)
+@settings(max_examples=12)
+def test_gradients_through_the_split_tail_match_float64(case):
+  """The backward reads the merged (m, l): dq, dk, dv (dbias) within the
+  tolerance rule of float64."""
+  config = _split_tail_config(case)
+  assume(config is not None and not case.variant_kwargs)
+  note(f"{case.describe()} config={config}")
+  for r in _split_tail_gradient_reports(case, config):
     note(f"{r.name}: err {r.max_error:.3g} bound {r.bound:.3g}")
     assert r.passed, f"{r.name}: err {r.max_error} > bound {r.bound}"
 
+
+# The drawn case whose dk broke the rule under the split tail on the H200 at
+# d7b1b53 (1.95 times its bound), replayed under the split tail and under the
+# same tiling round-robin, which config=None now runs in its place
+# (docs/decisions/split-tail-off-the-default.md).
+ONE_KEY = hs.CaseSpec(
+    shapes=hs.AttentionShapes(B=2, T=1433, N=4, H=256, S=1, K=2, Hv=256), dtype="float16",
+    seed=4294967294, scale=-0.2, logits_soft_cap=32.522261632380726,
+    mask=hs.MaskSpec(shape=(2, 4, 1, 1), density=0.9, seed=14172),
+    bias=hs.BiasSpec(shape=(2, 4, 1433, 1), std=1.0, seed=80827))
+
+
+@pytest.mark.parametrize("schedule", [
+    pytest.param("split-tail", marks=pytest.mark.xfail(
+        strict=True, reason="dk at 1.95 times its bound on the H200 at d7b1b53; "
+                            "docs/decisions/split-tail-off-the-default.md")),
+    "round-robin"])
+def test_gradients_at_one_key_under_the_split_tail_and_round_robin(schedule):
+  """The case the split tail's gradient property drew at d7b1b53: dq, dk,
+  dv, dbias within the rule of float64 under the split tail (known to
+  break it: strict, so a fix shows) and round-robin (must pass)."""
+  case = hs.build_case(ONE_KEY)
+  config = _split_tail_config(case)
+  assert config is not None and config.schedule == "split-tail"
+  config = dataclasses.replace(config, schedule=schedule)
+  reports = _split_tail_gradient_reports(case, config)
+  assert all(r.passed for r in reports), "\n".join(str(r) for r in reports)

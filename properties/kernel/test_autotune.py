@@ -670,3 +670,24 @@ def test_a_split_tail_borrowed_from_the_nearest_entry_is_timed_beside_its_siblin
   assert planned[short].candidates == (Config(64, 128, 2, True, "round-robin"), split)
   assert planned[short].tunes
   assert planned[long].status == "cached"
+
+
+def test_config_none_runs_no_split_tail_the_cache_picked():
+  """Where the shipped cache's entry picked the split tail, config=None runs
+  the same tiling round-robin and says so in its source: the split tail is
+  off the default path (docs/decisions/split-tail-off-the-default.md)."""
+  from kernel import api
+  picked = [(sig, Config(**e["config"]))
+            for sig, e in autotune.load_cache()[autotune.REFERENCE_DEVICE_KIND].items()
+            if e["config"].get("schedule") == "split-tail"]
+  assert picked
+  for sig, split in picked:
+    got = autotune._SIGNATURE.fullmatch(sig)
+    assert got["rest"] == "full", sig
+    d, dv = autotune._head_dims(got["head"])
+    sds = lambda s, h: jax.ShapeDtypeStruct((1, s, 2, h), jnp.dtype(got["dtype"]))
+    config, source = api.chosen_config_source(
+        sds(int(got["q"]), d), sds(int(got["kv"]), d), sds(int(got["kv"]), dv),
+        device_kind=autotune.REFERENCE_DEVICE_KIND)
+    assert config == dataclasses.replace(split, schedule="round-robin"), sig
+    assert source == "autotune cache, its split tail run round-robin", (sig, source)

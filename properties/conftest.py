@@ -74,6 +74,8 @@ def pytest_configure(config):
   config.addinivalue_line(
     "markers", "gpu: needs an sm90 (H100/H200) GPU visible to JAX")
   config.addinivalue_line("markers", "slow: takes more than a few seconds")
+  config.addinivalue_line(
+    "markers", "smoke: one call of every shipped path (the gate's smoke step)")
 
 
 @functools.cache

@@ -1,32 +1,28 @@
 #!/usr/bin/env bash
-# Verify HEAD on an H200 in one call: the whole gate, then the headline
-# benchmarks (forward, forward + backward, and a 2-D bias unstaged/staged),
-# each side by side with cuDNN in the same process.
-#   bash ci/device/verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|bench] [K/N]
-# K/N (gpu-properties only) runs part K of N of the GPU properties (pytest's
-# --part, properties/conftest.py): the whole step outgrew one 10-minute
-# command on the H200, so run "gpu-properties 1/2" and "gpu-properties 2/2".
-# "gpu-gate" runs only the gate's GPU steps (gpu-properties, golden): for
-# when the CPU steps passed on the same commit elsewhere (`bash ci/tox.sh -e
-# gate` here).  Measured on the H200 (2026-12-02, 3944b85): gpu-properties
-# 359 s, golden 144 s, so "gpu-gate" takes about 8.5 minutes and the whole
-# gate ("gate", "all") more than 10; where one command may run only 10
-# minutes, run "gpu-properties" and "golden" (each the gate with that one
-# step, its own summary.md) and "bench" as separate commands, back to back
-# while the machine is still warm.  On an H100 "gpu-gate" outgrows the 570 s
-# limit (2026-12-05, 4747f8a: gpu-properties 438 s, golden 149 s): run
-# "gpu-properties" and "golden" there.
+# Verify HEAD on an H200: the gate, then the headline benchmarks (forward,
+# forward + backward, and a 2-D bias unstaged/staged), each side by side
+# with cuDNN in the same process.
+#   bash ci/device/verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|smoke|bench] [K/N]
+# Where one command may run only 10 minutes, run the GPU steps as separate
+# commands, back to back while the machine is still warm:
+#   "gpu-properties 1/2", "gpu-properties 2/2" (part K of N of the GPU
+#   properties, the gate's --part), then "golden" (measured on the H200 at
+#   d7b1b53, 2026-12-07: 303 s, 404 s and 161 s); "gpu-gate" (both steps in
+#   one command, some 15 minutes) and "gate"/"all" fit no such command.
+# "smoke" runs the gate's smoke step alone (one call of every shipped path
+# against float64, properties/gpu/test_smoke_gpu.py): first, where the GPU
+# time may not reach the whole gate.
 # FLASH_COMMIT=<commit> names the measured commit in the summary (a copied
 # tree may carry no .git).
 # Wheels in .whl/, when that folder is present, are installed first (for a
 # dependency the machine lacks).  Each step has its own time limit.
 set -uo pipefail
-dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|bench]}"
+dest="${1:?usage: verify.sh OUTDIR [all|gate|gpu-gate|gpu-properties|golden|smoke|bench] [K/N]}"
 part="${2:-all}"
 slice="${3:-}"
-case "$part" in all|gate|gpu-gate|gpu-properties|golden|bench) ;;
-  *) echo "verify.sh: part must be all, gate, gpu-gate, gpu-properties, golden or bench," \
-       "got '$part'" >&2; exit 2 ;;
+case "$part" in all|gate|gpu-gate|gpu-properties|golden|smoke|bench) ;;
+  *) echo "verify.sh: part must be all, gate, gpu-gate, gpu-properties, golden, smoke or" \
+       "bench, got '$part'" >&2; exit 2 ;;
 esac
 # Everything goes to a work folder, packed into OUTDIR/verify.tgz at the end
 # (the device returns only a few files), with the summaries beside it.
@@ -44,8 +40,8 @@ fi
 case "$part" in
   gpu-gate) step gate 570 "$py" -m harness gate --results "$out/gate" \
               --steps gpu-properties,golden -- -rs ;;
-  gpu-properties|golden) step gate 570 "$py" -m harness gate --results "$out/gate" \
-                           --steps "$part" -- -rs ${slice:+--part "$slice"} ;;
+  gpu-properties|golden|smoke) step gate 570 "$py" -m harness gate --results "$out/gate" \
+                                 --steps "$part" ${slice:+--part "$slice"} -- -rs ;;
 esac
 if [ "$part" = all ] || [ "$part" = bench ]; then
   step bench-forward 50 "$py" -m harness.tools.bench --shapes headline --configs "auto;64,128,2,p;64,128,2" \

@@ -182,3 +182,97 @@ def check_gradients(call: Call, d_out, grads, *, rtol) -> list[tolerance.Toleran
                                              rtol=rtol, name=name))
   log_ratios(reports)
   return reports
+
+
+@dataclasses.dataclass
+class ApiRun:
+  """What the public API returned for one call, as float64 NumPy: out,
+  jax.nn's log-sum-exp (B, T, N), m and l (B, N, T), and, for a 16-bit call,
+  the gradients (dq, dk, dv, dbias or None) of sum(out * d_out) with
+  ``d_out`` the cotangent as it was fed (rounded to the compute dtype)."""
+  out: np.ndarray
+  lse: np.ndarray
+  m: np.ndarray
+  l: np.ndarray
+  grads: tuple | None = None
+  d_out: np.ndarray | None = None
+
+
+def api_program(case, *, config=None, deterministic: bool = False, gradients: bool = True):
+  """(program, arguments): ``program(*arguments)`` runs ``case`` (a
+  strategies.AttentionCase) through ``kernel.api.dot_product_attention`` as
+  a user calls it -- jax.nn's arguments (lengths, window, segment ids), the
+  chunk, bias, mask, key ranges, soft cap, FP8 descales, both residual
+  forms, ``config`` (None: what config=None runs), ``deterministic`` -- and
+  returns (out, lse, m, l, grads): the gradients (dq, dk, dv, and dbias
+  where there is a bias) of sum(out * d_out) from one ``jax.vjp``, or ()
+  for FP8 or without ``gradients``.  The arguments are q, k, v, the bias
+  (where there is one) and d_out, as JAX arrays; ``jax.export`` lowers the
+  program for CUDA on any host (under ``api.lowering_only()``)."""
+  import jax
+  import jax.numpy as jnp
+  from kernel import api
+  call = case.call
+  j = lambda x: None if x is None else jnp.asarray(x)
+  with_bias = call.bias is not None
+  backward = gradients and not call.fp8
+
+  def attend(q, k, v, bias):
+    out, lse, (m, l) = api.dot_product_attention(
+        q, k, v, bias, j(call.mask), scale=call.scale, is_causal=call.is_causal,
+        k_start=j(call.k_start), k_end=j(call.k_end), logits_soft_cap=call.logits_soft_cap,
+        rescale_threshold=call.rescale_threshold, normalize_output=call.normalize_output,
+        segment_layout=call.segment_layout, return_residual=True, return_residuals=True,
+        config=config, deterministic=deterministic, **_descale_kwargs(call),
+        **api_variants(call.variants))
+    return out, (lse, m, l)
+
+  def program(q, k, v, *rest):
+    bias, d_out = rest if with_bias else (None, rest[0])
+    if not backward:
+      out, (lse, m, l) = attend(q, k, v, bias)
+      return out, lse, m, l, ()
+    inputs = (q, k, v, bias) if with_bias else (q, k, v)
+    out, pullback, (lse, m, l) = jax.vjp(
+        lambda *x: attend(*x, *((None,) if not with_bias else ())), *inputs, has_aux=True)
+    return out, lse, m, l, pullback(d_out)
+
+  d_out = jnp.asarray(case.d_out, compute_dtype(call.query.dtype))
+  arguments = [jnp.asarray(x) for x in (call.query, call.key, call.value)]
+  return program, arguments + ([jnp.asarray(call.bias)] if with_bias else []) + [d_out]
+
+
+def run_api(case, *, config=None, deterministic: bool = False,
+            gradients: bool = True) -> ApiRun:
+  """:func:`api_program` of ``case`` run, as float64 NumPy."""
+  import jax
+  import jax.numpy as jnp
+  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  program, arguments = api_program(case, config=config, deterministic=deterministic,
+                                   gradients=gradients)
+  out, lse, m, l, grads = jax.block_until_ready(program(*arguments))
+  if not grads:
+    return ApiRun(f64(out), f64(lse), f64(m), f64(l))
+  grads = tuple(f64(g) for g in grads) + (None,) * (4 - len(grads))
+  return ApiRun(f64(out), f64(lse), f64(m), f64(l), grads, f64(arguments[-1]))
+
+
+def check_api_run(case, run: ApiRun) -> list[tolerance.ToleranceReport]:
+  """Every array of ``run`` against float64 under the rule: out, m, l
+  (:func:`check_forward`), the log-sum-exp, and the gradients where they
+  were taken (:func:`check_gradients`)."""
+  call = case.call
+  forward = check_forward(call, run.out, run.m, run.l)
+  ref = ref_lib.attention_reference(call)
+  _, n_m, n_l = tolerance.naive_forward(call, compute_dtype(call.query.dtype))
+  with np.errstate(divide="ignore"):
+    lse_of = lambda m_, l_: np.transpose(m_ + np.log(l_), (0, 2, 1))
+    want_lse, naive_lse = lse_of(ref.m, ref.l), lse_of(n_m, n_l)
+  dt = tolerance.floor_dtype(compute_dtype(call.query.dtype), call.result_dtype)
+  lse = tolerance.check_tolerance(run.lse, want_lse, naive_lse, dt,
+                                  rtol=tolerance.rtol_for(call.logits_soft_cap), name="lse")
+  log_ratios([lse])
+  reports = [r for r in (forward.out, forward.m, forward.l, lse) if r is not None]
+  if run.grads is not None:
+    reports += check_gradients(call, run.d_out, run.grads, rtol=case.rtol)
+  return reports

@@ -14,14 +14,20 @@ Steps, in order:
 
 Optional steps, run only when named in ``--steps``:
 
-5. **mutants** — ``python -m harness mutants``: every catalogued kernel defect
+5. **smoke** — ``pytest -n auto properties/ -m "gpu and smoke"``: one call of
+   every shipped path through the public API against float64
+   (properties/gpu/test_smoke_gpu.py), for a GPU run too short for step 3.
+6. **mutants** — ``python -m harness mutants``: every catalogued kernel defect
    against the tests that must kill it; its table and mutation score go into
    the summary (harness/tools/mutants.py).
-6. **memcheck** — ``compute-sanitizer --tool memcheck`` on one small forward
+7. **memcheck** — ``compute-sanitizer --tool memcheck`` on one small forward
    and backward, restricted to the kernels; SKIPPED with the tool's own
    message where it is missing or the runtime refuses it.
 
-Steps 3 to 6 are reported as SKIPPED, with the reason, on a machine without
+``--part K/N`` runs part K of N of step 3 (pytest's ``--part``,
+properties/conftest.py; the step is named "gpu-properties K/N" and its files
+"gpu-properties-partKofN"): the whole step outgrew one 10-minute command on
+the H200.  Steps 3 to 7 are reported as SKIPPED, with the reason, on a machine without
 an sm90 GPU.  Every step runs under a time limit (``--step-timeout``), and
 every pytest test under a per-test one (``--test-timeout``, the watchdog of
 harness/tools/watchdog.py): a hang fails the step and the summary names the test
@@ -155,14 +161,33 @@ def run_limited(cmd: list[str], *, timeout: float, env=None, capture=False):
   return proc.returncode, None
 
 
+def parse_part(spec: str) -> tuple[int, int]:
+  """(K, N) of a ``--part K/N`` value: 1 <= K <= N, else ValueError."""
+  m = re.fullmatch(r"(\d+)/(\d+)", spec.strip())
+  if m is None or not 1 <= int(m[1]) <= int(m[2]):
+    raise ValueError(f"--part: expected K/N with 1 <= K <= N (say 1/2), got {spec!r}")
+  return int(m[1]), int(m[2])
+
+
+def step_files(name: str) -> str:
+  """The stem of a step's files: its name, "gpu-properties 1/2" as
+  "gpu-properties-part1of2"."""
+  step, _, part = name.partition(" ")
+  return step if not part else f"{step}-part{part.replace('/', 'of')}"
+
+
 def run_pytest(name: str, marker: str, results: Path, extra: list[str], *,
                step_timeout: float = STEP_TIMEOUT,
-               test_timeout: float = TEST_TIMEOUT) -> StepResult:
-  junit = results / f"{name}.xml"
+               test_timeout: float = TEST_TIMEOUT, part: str | None = None) -> StepResult:
+  if part is not None:
+    k, n = parse_part(part)
+    name, extra = f"{name} {k}/{n}", [*extra, "--part", f"{k}/{n}"]
+  files = step_files(name)
+  junit = results / f"{files}.xml"
   cmd = [sys.executable, "-m", "pytest", "-n", "auto", "properties/", "-m", marker,
          f"--junitxml={junit}", "-q", *extra]
-  ratios = results / f"{name}-ratios"
-  hangs = results / f"{name}-hangs"
+  ratios = results / f"{files}-ratios"
+  hangs = results / f"{files}-hangs"
   for folder in (ratios, hangs):
     shutil.rmtree(folder, ignore_errors=True)
   ratios.mkdir(parents=True)
@@ -178,7 +203,7 @@ def run_pytest(name: str, marker: str, results: Path, extra: list[str], *,
                       detail=f"stopped at the step's limit of {step_timeout:.0f} s {hung_note}".strip())
   table = error_ratio_table(ratios)
   if table is not None:
-    (results / f"{name}-error-ratios.md").write_text(
+    (results / f"{files}-error-ratios.md").write_text(
         f"# Worst error ratio per property ({name})\n\n{table}")
   if not junit.exists():
     return StepResult(name, "FAIL", seconds=seconds,
@@ -268,7 +293,8 @@ def run_memcheck(results: Path, *, step_timeout: float = 300.0) -> StepResult:
                     detail=summary[0])
 
 
-STEPS = ("cpu-properties", "proofs", "gpu-properties", "golden", "mutants", "memcheck")
+STEPS = ("cpu-properties", "proofs", "gpu-properties", "golden", "smoke", "mutants",
+         "memcheck")
 DEFAULT_STEPS = STEPS[:4]
 NOT_SELECTED = "not selected (--steps)"
 
@@ -330,10 +356,14 @@ def main(argv: list[str] | None = None) -> int:
                       help="seconds a step may run before it is stopped (FAIL)")
   parser.add_argument("--test-timeout", type=float, default=TEST_TIMEOUT,
                       help="seconds one pytest test may run (the watchdog names it)")
+  parser.add_argument("--part", metavar="K/N", default=None,
+                      help="run part K of N of gpu-properties (each test in one part)")
   parser.add_argument("pytest_args", nargs="*", help="extra arguments for pytest")
   args = parser.parse_args(argv)
   try:
     chosen = selected_steps(args.steps)
+    if args.part is not None:
+      parse_part(args.part)
   except ValueError as err:
     parser.error(str(err))
   results = (REPO / args.results).resolve()
@@ -347,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                                            args.pytest_args, **tests),
       "proofs": lambda: run_module_step("proofs", "harness.proofs.prove", [], results, **limits),
       "gpu-properties": lambda: run_pytest("gpu-properties", "gpu", results, args.pytest_args,
-                                           **tests),
+                                           part=args.part, **tests),
+      "smoke": lambda: run_pytest("smoke", "gpu and smoke", results, args.pytest_args, **tests),
       "golden": lambda: run_module_step("golden", "harness.tools.golden", ["check"], results,
                                         **limits),
       "mutants": lambda: run_module_step(
@@ -356,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
           results, **limits),
       "memcheck": lambda: run_memcheck(results, step_timeout=min(args.step_timeout, 300)),
   }
-  needs_gpu = ("gpu-properties", "golden", "mutants", "memcheck")
+  needs_gpu = ("gpu-properties", "golden", "smoke", "mutants", "memcheck")
   steps = []
   for name in STEPS:
     if name not in chosen:
@@ -369,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
   text = render(steps, device, provenance())
   for s in steps:
-    ratios = results / f"{s.name}-error-ratios.md"
+    ratios = results / f"{step_files(s.name)}-error-ratios.md"
     if s.status != "SKIPPED" and ratios.exists():
       text += "\n" + ratios.read_text().replace("# Worst", "## Worst", 1)
   table = results / "mutants" / "mutants.md"

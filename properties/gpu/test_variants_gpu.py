@@ -29,7 +29,8 @@ from hypothesis import given, note, settings, strategies as st
 from harness.numerics import reference as ref_lib
 from harness.numerics import strategies as hs
 from harness.numerics import tolerance
-from harness.numerics.conformance import check_gradients, compute_dtype
+from harness.numerics.conformance import (api_program, check_api_run, compute_dtype,
+                                          run_api)
 from kernel import api
 from kernel.tiling.config import Config
 from kernel.call import AttentionShapes, api_variants
@@ -98,43 +99,14 @@ def _call(case: hs.AttentionCase, config, q, k, v):
   kw = dict(case.variant_kwargs)
   return api.dot_product_attention(
       q, k, v, is_causal=case.spec.is_causal, return_residual=True, return_residuals=True,
-      segment_layout=case.segment_layout, config=config,
-      **api_variants(kw))
-
-
-def _forward_and_grads(case: hs.AttentionCase, config):
-  """((out, lse, m, l), (dq, dk, dv)) as float64 NumPy; one vjp, so the
-  forward and backward come from one trace."""
-  d_out = jnp.asarray(case.d_out, jnp.bfloat16)
-
-  def f(q, k, v):
-    out, lse, (m, l) = _call(case, config, q, k, v)
-    return out, (lse, m, l)
-
-  args = [jnp.asarray(x) for x in (case.query, case.key, case.value)]
-  out, pullback, (lse, m, l) = jax.vjp(f, *args, has_aux=True)
-  grads = pullback(d_out)
-  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-  return (f64(out), f64(lse), f64(m), f64(l)), tuple(f64(g) for g in grads)
+      segment_layout=case.segment_layout, config=config, **api_variants(kw))
 
 
 def _check_case(case: hs.AttentionCase, config) -> None:
-  (out, lse, m, l), grads = _forward_and_grads(case, config)
-  dt = compute_dtype(case.dtype)
-  kw = case.kwargs
-  ref = ref_lib.attention_reference(*case.args, **kw)
-  n_out, n_m, n_l = ref_lib.naive_attention(*case.args, dtype=dt, **kw)
-  with np.errstate(divide="ignore"):
-    lse_of = lambda m_, l_: np.transpose(m_ + np.log(l_), (0, 2, 1))
-    want_lse, naive_lse = lse_of(ref.m, ref.l), lse_of(n_m, n_l)
-  reports = [tolerance.check_tolerance(out, ref.out, n_out, dt, name="out"),
-             tolerance.check_tolerance(m, ref.m, n_m, dt, name="m"),
-             tolerance.check_tolerance(l, ref.l, n_l, dt, name="l"),
-             tolerance.check_tolerance(lse, want_lse, naive_lse, dt, name="lse")]
-  # The gradients are of sum(out * d_out) with d_out rounded as it was fed.
-  d_out = np.asarray(jnp.asarray(case.d_out, jnp.bfloat16).astype(jnp.float32), np.float64)
-  reports += check_gradients(case.call, d_out, list(grads) + [None], rtol=case.rtol)
-  # Every report in the message: a failing array is read beside the others.
+  """out, m, l, the log-sum-exp and the gradients through the public API
+  within the rule, every report in the message (a failing array is read
+  beside the others)."""
+  reports = check_api_run(case, run_api(case, config=config))
   assert all(r.passed for r in reports), "\n".join(str(r) for r in reports)
 
 
@@ -193,7 +165,8 @@ def test_rows_the_contiguous_layout_cannot_serve_are_nan():
     where = np.nonzero(kv_ids[b] == q_ids[b, i])[0]
     holes[b, i] = where.size > 0 and where[-1] - where[0] + 1 > where.size
   assert holes.any() and not holes.all()
-  (out, lse, m, l), (dq, _, _) = _forward_and_grads(case, None)
+  run = run_api(case)
+  out, lse, m, l, dq = run.out, run.lse, run.m, run.l, run.grads[0]
   rows = holes[:, :, None]                       # (B, T, 1) against (B, T, N)
   assert np.isnan(out[holes]).all() and np.isnan(lse[np.broadcast_to(rows, lse.shape)]).all()
   assert np.isnan(dq[holes]).all()
@@ -239,18 +212,10 @@ def test_named_variant_lowers_for_cuda(name):
   program of Mosaic GPU kernels, with the key ranges fed to them."""
   named = NAMED[name]
   case = _case(named)
-  sds = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-
-  def f(q, k, v, d_out):
-    def g(q, k, v):
-      out, lse, (m, l) = _call(case, named.config, q, k, v)
-      return out, (lse, m, l)
-    out, pullback, aux = jax.vjp(g, q, k, v, has_aux=True)
-    return out, aux, pullback(d_out)
-
+  program, arguments = api_program(case, config=named.config)
   with api.lowering_only():
-    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
-        sds(case.query), sds(case.key), sds(case.value), sds(case.query[..., :case.shapes.Hv]))
+    exported = jax.export.export(jax.jit(program), platforms=["cuda"])(
+        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arguments])
   sh = named.shapes
   shapes = [tuple(a.shape) for a in exported.out_avals]
   assert shapes == [(sh.B, sh.T, sh.N, sh.Hv), (sh.B, sh.T, sh.N), (sh.B, sh.N, sh.T),

@@ -209,3 +209,41 @@ def test_the_summary_names_jax_commit_and_date(monkeypatch):
   assert "commit abc1234" in about and "jax " in about
   text = gate.render([gate.StepResult("proofs", "PASS")], "no GPU", about)
   assert text.splitlines()[2] == f"device: no GPU; {about}"
+
+
+def test_a_part_of_the_gpu_properties_is_named_and_filed_apart(tmp_path, monkeypatch):
+  """--part K/N reaches pytest as --part K/N; the step is "gpu-properties
+  K/N" and its JUnit file gpu-properties-partKofN.xml, so two parts can
+  share a results folder; a malformed part is refused by name."""
+  import pytest
+  seen = []
+
+  def run(cmd, *, timeout, env=None, capture=False):
+    seen.append(cmd)
+    junit = next(c.split("=", 1)[1] for c in cmd if c.startswith("--junitxml="))
+    Path(junit).write_text('<testsuite tests="3" failures="1" errors="0" skipped="0"/>')
+    return 1, None
+
+  from pathlib import Path
+  monkeypatch.setattr(gate, "run_limited", run)
+  step = gate.run_pytest("gpu-properties", "gpu", tmp_path, ["-rs"], part="2/3")
+  assert (step.name, step.status, step.passed, step.failed) == ("gpu-properties 2/3", "FAIL", 2, 1)
+  assert seen[0][-3:] == ["-rs", "--part", "2/3"]
+  assert (tmp_path / "gpu-properties-part2of3.xml").exists()
+  assert gate.step_files(step.name) == "gpu-properties-part2of3"
+  for bad in ("0/2", "3/2", "1-2", "a/b"):
+    with pytest.raises(ValueError, match="--part"):
+      gate.parse_part(bad)
+
+
+def test_the_smoke_step_runs_the_smoke_marker_only_when_named(tmp_path, monkeypatch):
+  ran = []
+  monkeypatch.setattr(gate, "run_pytest",
+                      lambda name, marker, *a, **kw: (ran.append((name, marker)),
+                                                      gate.StepResult(name, "PASS", 1))[1])
+  monkeypatch.setattr(gate, "run_module_step", lambda name, *a, **kw: gate.StepResult(name, "PASS", 1))
+  monkeypatch.setattr(gate, "gpu_summary", lambda: (True, "fake device"))
+  assert gate.main(["--results", str(tmp_path)]) == 0
+  assert ("smoke", "gpu and smoke") not in ran
+  assert gate.main(["--results", str(tmp_path), "--steps", "smoke"]) == 0
+  assert ran[-1] == ("smoke", "gpu and smoke")

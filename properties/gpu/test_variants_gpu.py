@@ -75,7 +75,6 @@ NAMED = {
         local_window_size=(128, 0)), config=LONGEST_FIRST),
     "window-pair": Named(_WIDE, False, hs.VariantSpec(local_window_size=(200, 64))),
     "window-wider-than-sequence": Named(_RAGGED, False, hs.VariantSpec(local_window_size=5000)),
-    "chunk-causal": Named(_SQUARE, True, hs.VariantSpec(attention_chunk=224)),
     "chunk-window": Named(_RAGGED, False, hs.VariantSpec(attention_chunk=300,
                                                          local_window_size=(223, 0))),
     "segments-causal": Named(_SQUARE, True, hs.VariantSpec(segments=_PACKED)),

@@ -16,6 +16,29 @@ class ExtractionError(ValueError):
   """The kernel's protocol cannot be read as a sequence of events."""
 
 
+class KernelTraceError(ExtractionError):
+  """The kernel failed to trace at all (an edit that does not run): the
+  proof cannot read it, and says at which of its lines."""
+
+
+def kernel_trace_error(what: str, err: BaseException) -> KernelTraceError:
+  """``err``, raised while tracing ``what``, as a :class:`KernelTraceError`
+  naming the deepest line of kernel/ it passed through (a mutant's copy of
+  kernel/ named as kernel/ too): a plain message, which a worker process
+  sends back whole."""
+  import traceback
+  frames = traceback.extract_tb(err.__traceback__)
+  ours = [f for f in frames if "/kernel/" in f.filename.replace("\\", "/")]
+  where = ""
+  if ours:
+    f = ours[-1]
+    path = "kernel/" + f.filename.replace("\\", "/").rsplit("/kernel/", 1)[1]
+    where = f" at {path}:{f.lineno} ({(f.line or '').strip()})"
+  first = (str(err).strip().splitlines() or [""])[0]
+  return KernelTraceError(f"{what}: the kernel failed to trace{where}: "
+                          f"{type(err).__name__}: {first}")
+
+
 
 class Opaque:
   """A value the protocol does not depend on (arrays, floats, unknown ints)."""

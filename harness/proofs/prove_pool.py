@@ -40,6 +40,7 @@ from harness.proofs import forward_probes as fwd
 from harness.proofs import role_programs as rp
 from harness.proofs import search
 from harness.proofs import tracing
+from harness.proofs.events import ExtractionError, UnknownPrimitive, kernel_trace_error
 from harness.proofs.violations import Violation
 from harness.proofs import memos
 
@@ -121,6 +122,8 @@ def _learn_programs(kind, case, mutant, premise):
       progs = [(p.name, p) for p in bwd.backward_programs(case, modules=modules,
                                                           premise=premise)]
     return progs, None
+  except (UnknownPrimitive, ExtractionError):
+    raise
   except rp.PremiseError as err:
     if kind == "forward":
       stages, persistent = case.num_stages, case.persistent
@@ -139,6 +142,10 @@ def _learn_programs(kind, case, mutant, premise):
     if not concrete:
       return [(case.describe(), None)], why
     return [(c.name, c) for c in concrete], str(err)
+  except Exception as err:
+    # a kernel that does not trace is one the proof cannot read: named by its line,
+    # in a message a worker sends back whole (not a broken pool or a raw traceback)
+    raise kernel_trace_error(case.describe(), err) from None
 
 
 def _check(prog):
@@ -176,11 +183,13 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
     results = []
     for w in work:
       learned = _learned(w, mutant, None, premise, spent)
+      _report_premise(w, learned, on_failure)
       new = _collect([w], [learned], configs, distinct, shapes)
       results += new
       for prog, result in list(distinct.values()):
         if result in new:
           _record(result, _searched(search.check(prog), spent))
+          _report_violation(result.name, result.violation, on_failure)
       if any(not r.ok for r in new):
         break
     return results

@@ -84,6 +84,31 @@ def test_a_deadlock_that_needs_three_tiles_is_found():
   The search chooses the number of tiles itself."""
   rc, out = _run_prove("--mutant", "empty_tile_skips_token", "--fail-fast")
   assert rc == 1 and "deadlock" in out and "tiles of 0, 0, 0 key blocks" in out, out
+  # --fail-fast says so as soon as it knows, as a pooled run does
+  assert re.search(r"^FAILED after [0-9.]+ s .*deadlock", out, re.M), out
+
+
+def test_a_kernel_that_does_not_trace_is_named_by_its_line(monkeypatch):
+  """An edit that makes the kernel fail to trace is a kernel the proof
+  cannot read, said with the kernel line that raised, by --fail-fast as by
+  the workers (whose message must cross a process boundary whole), never
+  a raw traceback."""
+  from harness.proofs.events import KernelTraceError
+  from kernel import call as call_lib
+
+  def broken(case, **kw):
+    call_lib.normalize_chunk(0)   # raises inside kernel/call.py
+
+  monkeypatch.setattr(fwd, "forward_program", broken)
+  with pytest.raises(KernelTraceError) as err:
+    prove_pool._learn_programs("forward", ONE_TILE, None, True)
+  text = str(err.value)
+  assert re.search(r"the kernel failed to trace at kernel/call\.py:\d+ \(raise ValueError", text), text
+  assert "ValueError: attention_chunk" in text and ONE_TILE.describe() in text
+  assert str(pickle.loads(pickle.dumps(err.value))) == text
+  rc, out = _run_prove("--mutant", "empty_tile_skips_token", "--fail-fast")
+  assert rc == 1 and "the proof cannot read the kernel: KernelTraceError" in out, out
+  assert "kernel/call.py:" in out and "Traceback" not in out, out
 
 
 def _failures(results) -> list[str]:

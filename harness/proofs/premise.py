@@ -597,7 +597,7 @@ def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = No
     verdict, model, zt = _solve(full, _item_terms(items))
     if verdict == "sat":
       verdict, model, zt = _small(full, _item_terms(items), (verdict, model, zt),
-                                  _in_grid(L.grid))
+                                  _in_grid(L.grid), [term for term, _ in L.grid.values()])
     stats.seconds += time.perf_counter() - start
     stats.solved += 1
     if verdict == "unsat":
@@ -618,13 +618,14 @@ def prove(prog: rp.LaunchProgram, launch: sy.SymLaunch, labels: dict | None = No
 _BOUNDS = (16, 128, 1024)
 
 
-def _small(query, extra, found, grid=True):
-  """A model of ``query`` with its trip count and ring positions as small as
-  one of :data:`_BOUNDS` allows, inside the traced grid (``grid``) where
-  one is, else ``found``."""
+def _small(query, extra, found, grid=True, indices=()):
+  """A model of ``query`` with its trip count, ring positions and grid
+  ``indices`` as small as one of :data:`_BOUNDS` allows, inside the traced
+  grid (``grid``) where one is, else ``found``."""
   for inside in (grid, True) if grid is not True else (True,):
     for b in _BOUNDS:
-      bounded = tm.and_(query, inside, tm.le(N, b), tm.le(G, b), tm.le(GT, b))
+      bounded = tm.and_(query, inside, tm.le(N, b), tm.le(G, b), tm.le(GT, b),
+                        *(tm.le(i, b) for i in indices))
       got = _solve(bounded, extra)
       if got[0] == "sat":
         return got
@@ -684,10 +685,21 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
       counts = [f"{n} {value(t)}" for n, t in sorted(L.counts.items())
                 if f"dim.{n}" in names]
       lines.insert(1, "  at grid point " + ", ".join(
-          f"{axis} {i}" + (f" of {value(size)}" if size is not None else "")
+          _grid_axis(axis, i, None if size is None else value(size))
           for axis, (i, size) in grid.items())
           + (f" ({', '.join(counts)})" if counts else ""))
   return PremiseFailure("\n".join(lines), ctx)
+
+
+def _grid_axis(axis: str, index: int, size: int | None) -> str:
+  """One axis of a counterexample's grid point, never an index past the
+  count it names: one past the traced grid's size stands for a launch with
+  more (grid_index takes every index)."""
+  if size is None:
+    return f"{axis} {index}"
+  if index < size:
+    return f"{axis} {index} of {size}"
+  return f"{axis} {index} (of a launch with {index + 1} or more; the trace's {size})"
 
 
 def _grid_point(grid: dict, items, value) -> dict:

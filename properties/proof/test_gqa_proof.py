@@ -165,3 +165,14 @@ def test_the_counterexamples_head_overwrites_a_value_slot(monkeypatch):
   assert not result.ok, "the checker found nothing at the counterexample's head"
   text = result.violation.format()
   assert "overwrite before release" in text and "values" in text, text
+
+
+def test_a_grid_point_past_the_traced_count_says_so():
+  """A counterexample's index is never printed past the count it names:
+  inside the traced grid as "i of n", past it as a launch with i + 1 or
+  more (grid indices take every value, premise._grid_axis)."""
+  from harness.proofs import premise
+  assert premise._grid_axis("batch", 1, 2) == "batch 1 of 2"
+  assert premise._grid_axis("sm", 3, None) == "sm 3"
+  said = premise._grid_axis("batch", 7, 1)
+  assert "of 1" not in said and "8 or more" in said and "the trace's 1" in said

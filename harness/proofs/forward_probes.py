@@ -129,11 +129,15 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   prog = prober.learn()
   if not premise:
     return prog
+  probed = prog.shape_digest()
   prog = rounds.proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
   (prog,) = rounds.lengths_proved([prog], lambda ragged: ft.trace_ranged(
       case, ragged=ragged, modules=prober.modules), rounds.RANGED_LENGTHS)
   (prog,) = rounds.plain_proved([prog], lambda ragged: ft.trace_plain(
       case, ragged=ragged, modules=prober.modules))
+  # what the probes alone learned, which a config at its own sizes is held to
+  # (harness/proofs/representatives.py): Z3's rounds refine 4-stage rings further
+  object.__setattr__(prog, "_probes_digest", probed)
   return prog
 
 

@@ -169,8 +169,9 @@ def prove(items, *, jobs: int = 2, mutant: str | None = None, fail_fast: bool = 
   CPU seconds, by phase of :data:`harness.proofs.tracing.PHASES`, of the work done (what the cache
   gave cost nothing).  ``on_failure(text)``: called with a line as soon as a
   case's premise fails or a check finds a violation, before the run ends.
-  ``shapes``: a dict that gets each forward case's program shape
-  (:meth:`harness.proofs.role_programs.LaunchProgram.shape_digest`), where
+  ``shapes``: a dict that gets each forward case's program shape as its
+  probes learned it
+  (:meth:`harness.proofs.role_programs.LaunchProgram.probes_digest`), where
   its premise held."""
   spent = collections.Counter() if spent is None else spent
   on_failure = on_failure or (lambda text: None)
@@ -398,7 +399,7 @@ def _collect(work, learned, configs, distinct, shapes=None) -> list[Result]:
         continue
       key = prog.shape_digest()
       if shapes is not None and kind == "forward" and premise is None and len(progs) == 1:
-        shapes[case] = key
+        shapes[case] = prog.probes_digest()
       if premise is None and key in distinct:
         r = distinct[key][1]
         r.cases.append(case.describe() if kind == "forward" else name)

@@ -58,8 +58,10 @@ def compare(work, *, pool=None, known=None) -> tuple[list, int]:
   """(the pairs of ``work`` whose config learns another program than its
   representative, how many program shapes the representatives have);
   ``pool``: an executor to learn them on; ``known``: {case: shape} already
-  learned (the representatives' own, by the proof); a config traced as its
-  representative is (:func:`same_trace`) is not learned again."""
+  learned (the representatives' own, by the proof, as their probes learned
+  them: LaunchProgram.probes_digest, like for like with :func:`shape`); a
+  config traced as its representative is (:func:`same_trace`) is not
+  learned again."""
   shapes = dict(known or {})
   traced = [(case, rep) for case, rep in work if not same_trace(case, rep)]
   todo = list(dict.fromkeys([rep for _, rep in work] + [case for case, _ in traced]))

@@ -310,6 +310,14 @@ class LaunchProgram:
     return (self.ring, self.persistent, self.min_blocks, self.max_blocks, tuple(roles),
             barriers, overlaps, self.word)
 
+  def probes_digest(self) -> str:
+    """The :meth:`shape_digest` of the program its first round of probes
+    learned, before Z3's counterexamples refined it (kept on the program
+    by :func:`harness.proofs.forward_probes.forward_program`; the program's
+    own where none was kept): what a config learned from its probes alone
+    is compared with (:mod:`harness.proofs.representatives`)."""
+    return self.__dict__.get("_probes_digest") or self.shape_digest()
+
   def shape_digest(self) -> str:
     """A SHA-256 of :meth:`shape`'s repr, kept on the program once made (its
     pickle carries it), for grouping and caching by shape: hashing the shape

@@ -887,3 +887,22 @@ def test_a_mutants_words_describe_cases_that_show_it(shipped_cases):
   assert worded, "no mutant names the cases that show it"
   for m in worded:
     assert any(m.shows in d for d in described), (m.name, m.shows)
+
+
+def test_the_configs_check_compares_programs_learned_alike(shipped_cases):
+  """The configs' check holds a config's program, learned from its probes,
+  to its representative's as the proof's probes learned it
+  (LaunchProgram.probes_digest), not as Z3's rounds refined it: at four
+  stages the refined program has more to it, and comparing the two kinds
+  named 1,152 configs of main at b4a2565 as differing that learn the very
+  same program."""
+  case = next(c for c, _ in shipped_cases if c.num_stages == 4 and not c.persistent
+              and c.untiled_copies and c.parts == (3, 3))
+  proved = fwd.forward_program(case)
+  probed = fwd.forward_program(case, premise=False)
+  assert proved.probes_digest() == probed.shape_digest() == representatives.shape(case)
+  assert proved.shape_digest() != probed.shape_digest()
+  shapes: dict = {}
+  prove_pool._collect([("forward", case)], [([(case.describe(), proved)], None, 0.0, {})],
+                      {id(case): 1}, {}, shapes)
+  assert shapes == {case: probed.shape_digest()}

@@ -349,7 +349,8 @@ def main(argv=None) -> int:
       results = prove_pool.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
                                  cache=cache, premise=premise, spent=spent, on_failure=failed,
                                  shapes=shapes)
-      held = _representatives_held(args, listing(), everything, cache, None, failed, shapes)
+      held = _representatives_held(args, listing(), everything, cache, None, failed, shapes,
+                                   spent)
     else:
       # The backward's cases need no heuristics: the workers start on them
       # while the forward's are listed, then take the listing's order.
@@ -359,7 +360,8 @@ def main(argv=None) -> int:
         results = prove_pool.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
                                    cache=cache, early=early, premise=premise, spent=spent,
                                    on_failure=failed, shapes=shapes)
-        held = _representatives_held(args, listing(), everything, cache, pool, failed, shapes)
+        held = _representatives_held(args, listing(), everything, cache, pool, failed, shapes,
+                                     spent)
   except (UnknownPrimitive, ExtractionError) as err:
     # a kernel the proof cannot read is a failure, named where it happens
     print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
@@ -429,7 +431,7 @@ def main(argv=None) -> int:
 
 
 def _representatives_held(args, listed, everything, cache, pool, failed,
-                          shapes=None) -> tuple[list, str]:
+                          shapes=None, spent=None) -> tuple[list, str]:
   """harness.proofs.representatives.check over the emitted configs of the
   listed forward protocols, where the run proves representatives: (lines
   naming the configs that differ, the summary line); ``shapes``: the
@@ -449,7 +451,8 @@ def _representatives_held(args, listed, everything, cache, pool, failed,
         exact, [case for kind, case, _ in everything if kind == "forward"]) if rep in chosen]
 
   lines, summary = representatives.check(
-      work, pool=pool, cache=cache, key=repr((args.experiments, args.select)), known=shapes)
+      work, pool=pool, cache=cache, key=repr((args.experiments, args.select)), known=shapes,
+      spent=spent)
   if lines:
     failed(lines[0])
   return lines, summary

@@ -46,6 +46,15 @@ def shape(case: cases.ForwardCase) -> str:
   return forward_probes.forward_program(case, premise=False).shape_digest()
 
 
+def timed_shape(case: cases.ForwardCase) -> tuple[str, float, int]:
+  """(:func:`shape` of ``case``, the CPU seconds it took, the JAX traces it
+  made): a worker's share of the check, for ``prove``'s phase count."""
+  from harness.proofs import tracing
+  start, traces = time.process_time(), tracing.SPENT["tracing count"]
+  digest = shape(case)
+  return digest, time.process_time() - start, tracing.SPENT["tracing count"] - traces
+
+
 def same_trace(case: cases.ForwardCase, rep: cases.ForwardCase) -> bool:
   """Whether the config ``case`` is traced as its representative ``rep``
   is: the same protocol, sizes and reach (what tells exact cases apart,
@@ -54,33 +63,39 @@ def same_trace(case: cases.ForwardCase, rep: cases.ForwardCase) -> bool:
   return whole(case) == whole(rep)
 
 
-def compare(work, *, pool=None, known=None) -> tuple[list, int]:
+def compare(work, *, pool=None, known=None, spent=None) -> tuple[list, int]:
   """(the pairs of ``work`` whose config learns another program than its
   representative, how many program shapes the representatives have);
   ``pool``: an executor to learn them on; ``known``: {case: shape} already
   learned (the representatives' own, by the proof, as their probes learned
   them: LaunchProgram.probes_digest, like for like with :func:`shape`); a
   config traced as its representative is (:func:`same_trace`) is not
-  learned again."""
+  learned again.  ``spent``: a Counter that gets the CPU seconds and JAX
+  traces of the learning (the phase ``configs`` of
+  :data:`harness.proofs.tracing.PHASES`)."""
+  from harness.proofs import tracing
   shapes = dict(known or {})
   traced = [(case, rep) for case, rep in work if not same_trace(case, rep)]
   todo = list(dict.fromkeys([rep for _, rep in work] + [case for case, _ in traced]))
   todo = [case for case in todo if case not in shapes]
-  if pool is None:
-    shapes.update((case, shape(case)) for case in todo)
-  else:
-    shapes.update(zip(todo, pool.map(shape, todo, chunksize=16)))
+  timed = (map(timed_shape, todo) if pool is None
+           else pool.map(timed_shape, todo, chunksize=16))
+  for case, (digest, seconds, traces) in zip(todo, timed):
+    shapes[case] = digest
+    if spent is not None:
+      spent["configs"] += seconds
+      spent[tracing.TRACES] += traces
   differ = [(case, rep) for case, rep in traced if shapes[case] != shapes[rep]]
   return differ, len({shapes[rep] for _, rep in work})
 
 
 def check(work, *, pool=None, cache=None, key: str = "",
-          known=None) -> tuple[list[str], str]:
+          known=None, spent=None) -> tuple[list[str], str]:
   """``prove``'s check of ``work()`` (pairs as :func:`pairs` makes them): (a
   line per config that learns another program than its representative, the
   summary line).  ``cache`` keeps a run where every config agreed, under
   ``key`` (the selection) and the listing's sources; a warm run does not
-  list the configs again; ``known`` as :func:`compare` takes it."""
+  list the configs again; ``known`` and ``spent`` as :func:`compare` takes them."""
   start = time.perf_counter()
   entry = repr(("representatives", key))
   hit = cache.get("listed", entry) if cache is not None else None
@@ -88,7 +103,7 @@ def check(work, *, pool=None, cache=None, key: str = "",
     differ, (configs, shapes) = [], hit
   else:
     work = work()
-    differ, shapes = compare(work, pool=pool, known=known)
+    differ, shapes = compare(work, pool=pool, known=known, spent=spent)
     configs = len(work)
     if cache is not None and not differ:
       cache.put("listed", entry, (configs, shapes))

@@ -12,7 +12,7 @@ import time
 # What proving costs, by phase (name: what ``python -m harness prove`` calls
 # it when it prints the run's); each learned case reports its share.
 PHASES = {"tracing": "JAX traces", "probes": "probes", "premise": "(P) by Z3",
-          "search": "search"}
+          "search": "search", "configs": "every config at its own sizes"}
 SPENT: collections.Counter = collections.Counter()   # this process's CPU seconds, and counts
 TRACES = "traces"   # how many JAX traces a learned case made, beside its phases' seconds
 

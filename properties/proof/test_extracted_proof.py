@@ -353,8 +353,10 @@ def test_the_cache_keeps_what_passed_and_only_that(tmp_path):
   assert all(r.ok for r in first) and cache.hits == {"learned": 0, "listed": 0, "checked": 0}
   # the cold run's work by phase; every phase took time, none is negative; and
   # its traces: the probes' and the ranged and plain kernels' at every length
-  assert set(spent) == {*tracing.PHASES, tracing.TRACES}, spent
-  assert all(spent[p] > 0 for p in tracing.PHASES), spent
+  # (the configs' check is prove's, after the pool: test_prove_holds_every_config_...)
+  learning = [p for p in tracing.PHASES if p != "configs"]
+  assert set(spent) == {*learning, tracing.TRACES}, spent
+  assert all(spent[p] > 0 for p in learning), spent
   assert spent[tracing.TRACES] >= 1 + len(rounds.RANGED_LENGTHS) + len(rounds.PLAIN_KERNELS), spent
   again = prove_cache.Cache(tmp_path)
   second = prove_pool.prove(items, jobs=1, cache=again, spent=spent_again)
@@ -835,8 +837,11 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
       learned[case] = real(case)
     return learned[case]
   monkeypatch.setattr(representatives, "shape", once)
-  lines, summary = representatives.check(lambda: work)
+  spent = collections.Counter()
+  lines, summary = representatives.check(lambda: work, spent=spent)
   assert not lines and f"{len(work)} of {len(work)} emitted configs" in summary, summary
+  # its learning counted in prove's phases, traces and all
+  assert spent["configs"] > 0 and spent[tracing.TRACES] > 0, spent
   monkeypatch.setattr(representatives, "shape",
                       lambda c: "other" if c.exact and c.block_kv == 64 else once(c))
   lines, _ = representatives.check(lambda: work)
@@ -845,7 +850,7 @@ def test_prove_holds_every_config_to_its_representatives_program(shipped_cases, 
   # (of the listing's own cases: the emitted configs' listing is not the point here)
   monkeypatch.setattr(prove_pool, "prove", lambda *a, **k: [])
   monkeypatch.setattr(representatives, "compare",
-                      lambda work, pool=None, known=None: (work[:1], 1))
+                      lambda work, pool=None, known=None, spent=None: (work[:1], 1))
   listing = prove_cli.forward_listing
   monkeypatch.setattr(prove_cli, "forward_listing",
                       lambda experiments=False, every_config=False: listing(experiments))

@@ -228,13 +228,12 @@ def api_program(case, *, config=None, deterministic: bool = False, gradients: bo
     return out, (lse, m, l)
 
   def program(q, k, v, *rest):
-    bias, d_out = rest if with_bias else (None, rest[0])
+    *bias, d_out = rest       # the bias where the call has one, then d_out
     if not backward:
-      out, (lse, m, l) = attend(q, k, v, bias)
+      out, (lse, m, l) = attend(q, k, v, *bias or [None])
       return out, lse, m, l, ()
-    inputs = (q, k, v, bias) if with_bias else (q, k, v)
-    out, pullback, (lse, m, l) = jax.vjp(
-        lambda *x: attend(*x, *((None,) if not with_bias else ())), *inputs, has_aux=True)
+    differentiated = attend if with_bias else (lambda q, k, v: attend(q, k, v, None))
+    out, pullback, (lse, m, l) = jax.vjp(differentiated, q, k, v, *bias, has_aux=True)
     return out, lse, m, l, pullback(d_out)
 
   d_out = jnp.asarray(case.d_out, compute_dtype(call.query.dtype))

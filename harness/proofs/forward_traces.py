@@ -19,6 +19,7 @@ from harness.proofs import tracing
 from harness.proofs.cases import ForwardCase
 from harness.proofs.events import ExtractionError
 from harness.proofs.jaxprs import find_kernels
+from kernel.tiling import schedule as schedule_lib
 
 
 def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
@@ -156,27 +157,38 @@ def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules)
   dims = {} if case.ring_cut else {"m": floor}
   if ragged:
     dims["r"] = (1, case.block_kv - 1)
-  # a persistent grid of PROBE_SMS blocks: at least as many tiles, as
-  # the probes' traces have (min(SMs, tiles) is then decided)
-  dims["mq"] = probes.PROBE_SMS if case.persistent else 1
+  dims["mq"] = 1
+  at_least = ()
+  if case.persistent and sd.PERSISTENT_GRID:
+    # a persistent grid of any number of blocks: the launch's SMs, each a
+    # block while the tiles last (min(SMs, tiles) is sms, tiles >= sms),
+    # or the split tail's table's rows, as many as the SMs
+    dims.update(sd.PERSISTENT_GRID)
+    if case.schedule != "split-tail":
+      at_least = ((("batches", "kv_heads", "group", "mq"), "sms"),)
+  elif case.persistent:
+    # PROBE_SMS blocks, as the probes' traces have: at least as many tiles
+    dims["mq"] = probes.PROBE_SMS
   # the last tile's rows short of whole: the kernel never asks whether
   # they are, so one trace takes whole and ragged queries
   dims["sq"] = (0, case.tile_q - 1)
   return _trace_symbolic(case, {**dims, **sd.GRID_COUNTS}, floor, key_ranges=key_ranges,
-                         modules=modules)
+                         modules=modules, at_least=at_least)
 
 
-def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
+def _trace_symbolic(case, dims, blocks, *, key_ranges, modules, at_least=()):
   """([kernel eqn], its dimension variables' bounds,
   :func:`harness.proofs.symbolic_dims.dimensions`):
   ``case`` traced with ``block_kv * m + r`` keys and ``tile_q * mq - sq``
   queries, each of m, r, mq and sq a symbolic length within its bounds in
   ``dims`` where named there (else ``blocks`` key blocks, no ragged keys,
-  the ranged traces' tiles, and whole ones)."""
+  the ranged traces' tiles, and whole ones), on a persistent grid of
+  ``sms`` blocks where named (else PROBE_SMS); ``at_least`` as
+  :func:`harness.proofs.symbolic_dims.dimensions` takes it."""
   from jax.experimental import pallas as pl
   modules = modules or tracing.shipped_modules()
   ring = rp.Ring(case.num_stages)
-  symbols, variables = sd.dimensions(dims)
+  symbols, variables = sd.dimensions(dims, at_least)
   blocks = symbols.get("m", blocks)
   num_tiles = symbols.get("mq", probes.PROBE_SMS * probes.probe_tiles(ring) if case.persistent
                           else probes.probe_trips(ring) + 1)
@@ -185,6 +197,7 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
           pl.pallas_export_experimental(dynamic_shapes="mq" in dims), \
           _symbolic_schedule(modules, probes.kv_blocks(ring) * case.block_kv,
                              probes.PROBE_SMS * probes.probe_tiles(ring)), \
+          sd.symbolic_axis_sizes({"sm": symbols["sms"]} if "sms" in symbols else {}), \
           sd.decided_lengths(case.describe()):
     config, traced = _traced_problem(case, num_tiles,
                                      blocks * case.block_kv + symbols.get("r", 0),
@@ -193,9 +206,20 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules):
                               kv_blocks=blocks + (1 if "r" in symbols else 0),
                               head_dim=case.head_dim, head_dim_out=case.head_dim_out,
                               bias=case.bias, mask=case.mask, key_ranges=key_ranges,
-                              module=modules.forward, num_sms=probes.PROBE_SMS,
+                              module=modules.forward,
+                              num_sms=symbols.get("sms", probes.PROBE_SMS),
                               **sd.grid_counts(symbols))
   return [kernel], variables
+
+
+@dataclasses.dataclass(frozen=True)
+class _SplitTailRows(schedule_lib.SplitTail):
+  """The split tail's order on a grid of ``rows`` blocks, a symbolic count."""
+  rows: object = None
+
+  @property
+  def grid_blocks(self):
+    return self.rows
 
 
 @contextlib.contextmanager
@@ -213,25 +237,32 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
   proof does not follow); round-robin, none, as on the host.
   properties/proof/test_plain_proof.py holds the shapes to the host's."""
   import jax.numpy as jnp
-  from kernel.tiling import schedule as schedule_lib
   scope = modules.forward.flash_attention_forward.__globals__
   host = scope["_schedule"]
 
   def schedule(f, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
     if config.schedule == "split-tail":
-      # at GQA_GRID's counts where the traced ones are symbolic: the table's
-      # tile ids are global-memory indices, read as the kernel reads them
+      # at GQA_GRID's counts and PROBE_SMS where the traced ones are
+      # symbolic: the table's entries are global-memory values, read as
+      # the kernel reads them
+      concrete = lambda x, n: x if isinstance(x, int) else n
       order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config,
-                           batch=batch if isinstance(batch, int) else sd.GQA_GRID["batch"],
-                           num_heads=(num_heads if isinstance(num_heads, int)
-                                      else sd.GQA_GRID["heads"]),
-                           num_tiles=stand_in_tiles, num_sms=num_sms, **lengths)
+                           batch=concrete(batch, sd.GQA_GRID["batch"]),
+                           num_heads=concrete(num_heads, sd.GQA_GRID["heads"]),
+                           num_tiles=stand_in_tiles,
+                           num_sms=concrete(num_sms, probes.PROBE_SMS), **lengths)
       # the traced tiles and counts, which the kernel's tile ids unpack by;
       # the merge of pieces after the kernel, which the proof does not
       # read, left out
-      return dataclasses.replace(order, num_tiles=num_tiles, batch=batch, num_heads=num_heads,
-                                 split=np.zeros(0, np.int32),
-                                 piece_slots=np.zeros((0, 0), np.int32)), tables
+      order = dataclasses.replace(order, num_tiles=num_tiles, batch=batch, num_heads=num_heads,
+                                  split=np.zeros(0, np.int32),
+                                  piece_slots=np.zeros((0, 0), np.int32))
+      if isinstance(num_sms, int):
+        return order, tables
+      # a row per block of the symbolic grid: tables of the host's entries
+      rows = _SplitTailRows(**{fd.name: getattr(order, fd.name)
+                               for fd in dataclasses.fields(order)}, rows=num_sms)
+      return rows, tuple(jnp.zeros((num_sms, *t.shape[1:]), t.dtype) for t in tables)
     if config.schedule != "longest-first":
       return host(f, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
                   num_sms=num_sms, **lengths)

@@ -678,17 +678,24 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
       lines += [f"    {e.src:<26} {e.describe()}" for e in entry] or ["    (none)"]
     ctx["key"] = key
     grid = _grid_point(L.grid, items, value)
+    # the counts the unit's events read (a group of heads, the persistent
+    # grid's size), where symbolic
+    names = {a.args[0] for a in tw.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
+    counts = [f"{_COUNT_WORDS.get(n, n)} {value(t)}" for n, t in sorted(L.counts.items())
+              if f"dim.{n}" in names]
     if grid:
       ctx["grid"] = grid
-      # the counts the unit's events read (a group of heads), where symbolic
-      names = {a.args[0] for a in tw.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
-      counts = [f"{n} {value(t)}" for n, t in sorted(L.counts.items())
-                if f"dim.{n}" in names]
       lines.insert(1, "  at grid point " + ", ".join(
           _grid_axis(axis, i, None if size is None else value(size))
           for axis, (i, size) in grid.items())
           + (f" ({', '.join(counts)})" if counts else ""))
+    elif counts:
+      lines.insert(1, "  with " + ", ".join(counts))
   return PremiseFailure("\n".join(lines), ctx)
+
+
+# A symbolic count as a counterexample names it (symbolic_dims' names).
+_COUNT_WORDS = {"sms": "persistent blocks"}
 
 
 def _grid_axis(axis: str, index: int, size: int | None) -> str:

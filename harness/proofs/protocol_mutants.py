@@ -158,6 +158,16 @@ MUTANTS = (
                  "pl.when((ki * c.block_kv + c.block_kv <= c.f.seq_kv) | "
                  "(ki * c.block_kv + 128 >= c.f.seq_kv))(lambda: values.producer_acquire(st))"),),
            shows="x256"),
+    # Only a persistent grid whose size is no multiple of 4 shows it (6
+    # blocks, an H100 PCIe's 114 SMs): the probes' traces have 16 blocks;
+    # the symbolic traces' grid size is a symbol (forward_traces' "sms").
+    Mutant("values_unacquired_on_a_grid_of_no_multiple_of_4",
+           "the producer copies values without waiting for their slot's release when the "
+           "persistent grid's size is no multiple of 4",
+           (edit("producer.fill", "values.producer_acquire(st)",
+                 "(pl.when(jnp.remainder(lax.axis_size('sm'), 4) == 0) if c.config.persistent "
+                 "else (lambda f: f()))(lambda: values.producer_acquire(st))"),),
+           persistent=True, shows="persistent round-robin"),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
     # of the plain kernels (forward_traces.trace_plain) can refute it.

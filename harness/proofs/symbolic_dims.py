@@ -10,6 +10,8 @@ decided for every length (:func:`decided_lengths`).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import os
 import sys
 
@@ -30,6 +32,14 @@ from harness.proofs.events import ExtractionError
 GRID_COUNTS = {"batches": 2, "kv_heads": 2, "group": 1}
 
 
+# The persistent grid's size, its blocks (min(SMs, tiles), or the split
+# tail's table's rows), a symbolic dimension from 1 like the counts: the
+# walk's stride (plgpu.nd_loop) and lax.axis_size("sm") are then terms of
+# it (symbolic_axis_sizes), so no defect keyed on the grid's size hides
+# behind the probes' PROBE_SMS.
+PERSISTENT_GRID = {"sms": 1}
+
+
 def grid_counts(symbols: dict) -> dict:
   """forward_traces.trace_forward's batch, heads and kv_heads: the symbols of
   :data:`GRID_COUNTS` where traced, else :data:`GQA_GRID`'s."""
@@ -45,14 +55,17 @@ def grid_counts(symbols: dict) -> dict:
 GQA_GRID = {"batch": 2, "heads": 8, "kv_heads": 2}
 
 
-def dimensions(dims: dict) -> tuple[dict, dict]:
+def dimensions(dims: dict, at_least: tuple = ()) -> tuple[dict, dict]:
   """(values, bounds): per name of ``dims`` (its lower bound, or (lower,
   upper)) a length of jax.export's symbolic dimensions taking every value
   within them, and the bounds of the dimension variables it is made of,
   for :func:`harness.proofs.symbolic.dim_term`.  JAX takes every dimension
   variable to be at least 1, so a length from ``lo`` is the variable plus
   ``lo - 1``: one that may be 0 (no whole key block of a one-stage ring,
-  no row short of a whole tile) is traced as such."""
+  no row short of a whole tile) is traced as such.  ``at_least``: pairs
+  (names whose lengths' product, name) of lengths the first is at least
+  the second (a persistent grid's tiles and its blocks), a constraint of
+  every length the trace stands for."""
   from jax import export
   names = sorted(dims)
   if not names:
@@ -60,9 +73,23 @@ def dimensions(dims: dict) -> tuple[dict, dict]:
   bounds = {n: dims[n] if isinstance(dims[n], tuple) else (dims[n], None) for n in names}
   constraints = tuple(f"{n} <= {hi - lo + 1}" for n, (lo, hi) in bounds.items()
                       if hi is not None)
+  constraints += tuple(f"{_expanded(product, bounds)} >= {_expanded((least,), bounds)}"
+                       for product, least in at_least)
   variables = export.symbolic_shape(", ".join(names), constraints=constraints)
   values = {n: v + (bounds[n][0] - 1) for n, v in zip(names, variables)}
   return values, {n: 1 if hi is None else (1, hi - lo + 1) for n, (lo, hi) in bounds.items()}
+
+
+def _expanded(names, bounds) -> str:
+  """The product of the lengths ``names`` (each its variable plus its lower
+  bound less 1) as a sum of monomials of the variables, the form JAX's
+  constraints parse."""
+  monomials = []
+  for chosen in itertools.product((False, True), repeat=len(names)):
+    coeff = math.prod(bounds[n][0] - 1 for n, c in zip(names, chosen) if not c)
+    if coeff:
+      monomials.append("*".join([str(coeff)] + [n for n, c in zip(names, chosen) if c]))
+  return " + ".join(monomials)
 
 
 @contextlib.contextmanager
@@ -105,6 +132,29 @@ def exact_divisions():
     yield
   finally:
     cls._divmod = original
+
+
+@contextlib.contextmanager
+def symbolic_axis_sizes(sizes: dict):
+  """While a kernel is traced on a grid of symbolic size: ``lax.axis_size``
+  of each axis of ``sizes`` (a persistent grid's ``sm``) is that size, as
+  on the GPU it is the launch's, where JAX asks the traced grid for an
+  integer; a walk's stride (plgpu.nd_loop) or the kernel's own question
+  is then a term of it."""
+  from jax._src.lax import parallel
+  original = parallel._axis_size
+
+  def axis_size(axis_name, *groups):
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not groups and names and all(n in sizes for n in names):
+      return math.prod(sizes[n] for n in names)
+    return original(axis_name, *groups)
+
+  parallel._axis_size = axis_size
+  try:
+    yield
+  finally:
+    parallel._axis_size = original
 
 
 @contextlib.contextmanager

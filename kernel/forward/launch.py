@@ -184,7 +184,7 @@ def _grid(config: Config, order, *, batch, num_heads, num_tiles, num_sms):
   split tail's SMs), a block per tile in the order's launch order, or the
   round-robin (heads, query tiles, batch) grid."""
   if config.schedule == "split-tail":
-    return (len(order.counts),), ("sm",)
+    return (order.grid_blocks,), ("sm",)
   if config.persistent:
     return (min(num_sms, batch * num_heads * num_tiles),), ("sm",)
   if order is not None:

@@ -319,6 +319,11 @@ class SplitTail:
     return self.batch * self.num_heads * self.num_tiles
 
   @property
+  def grid_blocks(self) -> int:
+    """The persistent blocks the launch runs: one per row."""
+    return len(self.counts)
+
+  @property
   def num_slots(self) -> int:
     return int((self.slot >= 0).sum())
 

@@ -84,17 +84,18 @@ def test_the_keys_length_is_a_variable_from_the_ring_up():
 def test_a_persistent_block_walks_a_variable_count_of_tiles():
   """Not causal, the query tiles are a variable too: a persistent block's
   walk over the tiles the grid deals it runs to a count of that variable,
-  not to a traced constant (from the grid's blocks up, as the ranged traces
-  have).  The split tail's too: its tile ids unpack by that variable, its
+  not to a traced constant, on a grid of any number of blocks (as the
+  ranged traces have).  The split tail's too: its tile ids unpack by that variable, its
   entry table a stand-in of the host's, read as free values."""
   (kernel,), dims = ft.trace_plain(PERSISTENT, ragged=False)
-  assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
+  assert dims == {"m": 1, "mq": 1, "sms": 1, "sq": (1, 128), **COUNTS}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   walk = tm.serialise(units.tile.hi)
   # the tiles: batches * heads * mq, a product of counts (symbolic.dim_term)
   assert re.search(r"dim\.\([^)]*mq", walk) and "axis.sm" in walk, walk
-  assert ft.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS}
+  assert ft.trace_plain(SPLIT, ragged=False)[1] == {"m": 1, "mq": 1, "sms": 1, "sq": (1, 128),
+                                                     **COUNTS}
 
 
 def test_the_ranged_kernel_is_proved_at_every_length():
@@ -105,7 +106,7 @@ def test_the_ranged_kernel_is_proved_at_every_length():
   ragged key length bounds the unmasked blocks by a variable."""
   for ragged in (False, True):
     (kernel,), dims = ft.trace_ranged(PERSISTENT, ragged=ragged)
-    assert dims == {"m": 1, "mq": 1, "sq": (1, 128), **COUNTS,
+    assert dims == {"m": 1, "mq": 1, "sms": 1, "sq": (1, 128), **COUNTS,
                     **({"r": (1, 127)} if ragged else {})}
     units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                      persistent=True)
@@ -120,7 +121,7 @@ def test_the_ranged_kernel_is_proved_at_every_length():
   assert prog.plain == tuple(rounds.PLAIN_KERNELS)
   # the split tail's tile ids, unpacked by the symbolic count of tiles
   (kernel,), dims = ft.trace_ranged(SPLIT, ragged=True)
-  assert dims == {"m": 1, "mq": 1, "r": (1, 127), "sq": (1, 128), **COUNTS}
+  assert dims == {"m": 1, "mq": 1, "r": (1, 127), "sms": 1, "sq": (1, 128), **COUNTS}
   units = sy.units("wg2.warp0", sy.extract_symbolic(kernel, dims).roles["wg2.warp0"],
                    persistent=True)
   (loop,) = units.loops
@@ -359,7 +360,7 @@ def test_a_ring_cut_to_the_key_blocks_runs_one_length_everywhere():
   cut = dataclasses.replace(PERSISTENT, num_stages=1, config_stages=2)
   assert cut.ring_cut
   _, dims = ft.trace_plain(cut, ragged=False)
-  assert dims == {"mq": 1, "sq": (1, 128), **COUNTS}   # no key-length symbol
+  assert dims == {"mq": 1, "sms": 1, "sq": (1, 128), **COUNTS}   # no key-length symbol
   prog = fwd.forward_program(cut)
   assert prog.plain == tuple(rounds.PLAIN_KERNELS)
   # a plain kernel whose producer keeps no ring position across tiles (so

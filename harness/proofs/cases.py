@@ -271,7 +271,18 @@ def representatives_of(exact_cases) -> Representatives:
 
 # -- backward -------------------------------------------------------------------
 
-BACKWARD_HEAD_DIMS = (64, 128, 256)  # two stages, one dK/dV launch (fused dQ where it fits); one stage, dK and dV apart
+def _backward_head_dims() -> tuple[int, ...]:
+  """Every head dim the backward kernels compute with, of a call whose
+  value head dim is its own: kernel.tiling.plan.backward_head_dims of every
+  head dim the API takes (64: two stages, one dK/dV launch, the fused dQ
+  where it fits; 128; 192, the head split's 96-column halves, for 129 to
+  192; 256: one stage, dK and dV apart)."""
+  from kernel.tiling import plan as plan_lib
+  return tuple(sorted({plan_lib.backward_head_dims(d, d)[0]
+                       for d in range(1, plan_lib.MAX_HEAD_DIM + 1)}))
+
+
+BACKWARD_HEAD_DIMS = _backward_head_dims()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -393,7 +393,8 @@ def main(argv=None) -> int:
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   print(f"calls with lengths, a window, chunks or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
-        f"or ragged, beyond the probes' one")
+        f"or ragged, beyond the probes' one, with their key ranges free values (the window's "
+        f"and the chunk's own sizes are traced at none: docs/proof.md, \"Coverage\")")
   # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
   # what the counts cost: docs/decisions/proof-traces-every-grid-point.md.
   from harness.proofs import symbolic_dims
@@ -401,7 +402,9 @@ def main(argv=None) -> int:
   print(f"every grid point: each such proof, and the plain kernels' below, at every batch, "
         f"query head and key/value head of any number of batches (from {counts['batches']}) "
         f"and key/value heads (from {counts['kv_heads']}) in groups of any number of query "
-        f"heads (from {counts['group']}), beyond the probes' first")
+        f"heads (from {counts['group']}), beyond the probes' first"
+        + (", on a persistent grid of any number of blocks (from "
+           f"{symbolic_dims.PERSISTENT_GRID['sms']})" if symbolic_dims.PERSISTENT_GRID else ""))
   plain = sum(r.plain for r in results)
   print(f"calls without lengths, a window, chunks or segments: {plain} kernels of theirs, whose "
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "

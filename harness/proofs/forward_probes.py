@@ -122,7 +122,8 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
   (:func:`harness.proofs.premise_rounds.proved`), each of its
   counterexamples probed until it holds or a probe shows the kernel's
   events disagree with themselves; then for the same kernel at every
-  length of its queries and keys, whole and ragged
+  length of its queries and keys, whole and ragged, without and with a
+  window and chunks of every size
   (:func:`harness.proofs.forward_traces.trace_ranged`), and for the plain
   kernels (:func:`harness.proofs.forward_traces.trace_plain`)."""
   prober = _ForwardProber(case, modules, traced)
@@ -131,8 +132,8 @@ def forward_program(case: ForwardCase, *, modules=None, traced=None,
     return prog
   probed = prog.shape_digest()
   prog = rounds.proved(prober.learner, [prober.kernel], prober.learn, prober.realise)
-  (prog,) = rounds.lengths_proved([prog], lambda ragged: ft.trace_ranged(
-      case, ragged=ragged, modules=prober.modules), rounds.RANGED_LENGTHS)
+  (prog,) = rounds.lengths_proved([prog], lambda how: ft.trace_ranged(
+      case, ragged=how[0], windows=how[1], modules=prober.modules), rounds.RANGED_LENGTHS)
   (prog,) = rounds.plain_proved([prog], lambda ragged: ft.trace_plain(
       case, ragged=ragged, modules=prober.modules))
   # what the probes alone learned, which a config at its own sizes is held to

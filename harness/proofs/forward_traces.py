@@ -22,6 +22,12 @@ from harness.proofs.jaxprs import find_kernels
 from kernel.tiling import schedule as schedule_lib
 
 
+# A window's sides (jax.nn's local window: keys left and right of a row's
+# diagonal, from 0) and a chunk's size (from 1), symbolic dimensions of the
+# ranged traces with ``windows``.
+WINDOWS = {"window_left": 0, "window_right": 0, "chunk": 1}
+
+
 def trace_forward(problem, config, *, batch=1, heads=1, num_tiles=2, kv_blocks=3,
                   head_dim=64, head_dim_out=None, bias=False, mask=False, key_ranges=True,
                   num_sms=1, module=None, kv_heads=None):
@@ -125,18 +131,24 @@ def trace_plain(case: ForwardCase, *, ragged: bool, modules=None):
   return _every_length(case, ragged=ragged, key_ranges=False, modules=modules)
 
 
-def trace_ranged(case: ForwardCase, *, ragged: bool, modules=None):
+def trace_ranged(case: ForwardCase, *, ragged: bool, windows: bool = False, modules=None):
   """([kernel eqn], dims) of the kernel :func:`trace_case` traces (it reads
   key ranges: a call with lengths, a window or segments), traced at every
   length of its queries and keys (:func:`_every_length`), where the probes'
   trace takes one: whatever the kernel's code decides from the lengths
   (``ragged_kv``, the bound a ragged key length puts on its blocks, a
   persistent round-robin block's count of tiles) is then held to the
-  probes' tables at every length."""
-  return _every_length(case, ragged=ragged, key_ranges=True, modules=modules)
+  probes' tables at every length.  ``windows``: the problem carries a
+  window and a chunk, each side and size a symbolic dimension (from 0
+  and 1), as the kernels receive a call's: whatever their code decides
+  from them is held to the same tables for every window and chunk, and a
+  Python branch on a size fails the trace, naming its line."""
+  return _every_length(case, ragged=ragged, key_ranges=True, modules=modules,
+                       windows=windows)
 
 
-def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules):
+def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules,
+                  windows: bool = False):
   """([kernel eqn], dims): ``case``'s kernel (``key_ranges``: the one that
   reads them) traced with the keys' length a symbolic dimension:
   ``block_kv * m`` keys (``ragged``: and r more, every r from 1 to
@@ -172,6 +184,8 @@ def _every_length(case: ForwardCase, *, ragged: bool, key_ranges: bool, modules)
   # the last tile's rows short of whole: the kernel never asks whether
   # they are, so one trace takes whole and ragged queries
   dims["sq"] = (0, case.tile_q - 1)
+  if windows:
+    dims.update(WINDOWS)
   return _trace_symbolic(case, {**dims, **sd.GRID_COUNTS}, floor, key_ranges=key_ranges,
                          modules=modules, at_least=at_least)
 
@@ -202,6 +216,10 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules, at_least=()):
     config, traced = _traced_problem(case, num_tiles,
                                      blocks * case.block_kv + symbols.get("r", 0),
                                      symbols.get("sq", 0))
+    if "chunk" in symbols:
+      traced = dataclasses.replace(
+          traced, window=(symbols["window_left"], symbols["window_right"]),
+          chunk=symbols["chunk"])
     _, kernel = trace_forward(traced, config, num_tiles=num_tiles,
                               kv_blocks=blocks + (1 if "r" in symbols else 0),
                               head_dim=case.head_dim, head_dim_out=case.head_dim_out,

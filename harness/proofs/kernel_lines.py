@@ -41,6 +41,9 @@ def kernel_frame(source_info, site: str | None = None) -> str:
   return source_info_util.summarize(source_info)
 
 
+# The barrier helpers' files, never an event's line (a mutant's file whose
+# name ends like one is the kernel's own).
+_HELPERS = frozenset({"barriers.py", "pipeline.py", "ring.py"})
 _KERNEL_FILES: dict = {}  # a frame's file name -> its path from the repository, or None
 
 
@@ -50,7 +53,7 @@ def _kernel_file(file_name: str) -> str | None:
   if hit is _KERNEL_FILES:
     fn = os.path.abspath(file_name)
     hit = None
-    if fn.startswith(KERNEL_DIR) and not fn.endswith(("barriers.py", "pipeline.py", "ring.py")):
+    if fn.startswith(KERNEL_DIR) and os.path.basename(fn) not in _HELPERS:
       hit = os.path.relpath(fn, os.path.dirname(KERNEL_DIR))
     _KERNEL_FILES[file_name] = hit
   return hit

@@ -70,6 +70,7 @@ import time
 
 from harness.proofs import role_programs as rp
 from harness.proofs import symbolic as sy
+from harness.proofs import symbolic_dims
 from harness.proofs import term_walks as tw
 from harness.proofs import terms as tm
 from harness.proofs import z3_terms
@@ -681,8 +682,8 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
     # the counts the unit's events read (a group of heads, the persistent
     # grid's size), where symbolic
     names = {a.args[0] for a in tw.atoms_of(tuple(_item_terms(items))) if a.op == "var"}
-    counts = [f"{_COUNT_WORDS.get(n, n)} {value(t)}" for n, t in sorted(L.counts.items())
-              if f"dim.{n}" in names]
+    counts = [f"{_COUNT_WORDS.get(n, n)} {symbolic_dims.length(n, value(t))}"
+              for n, t in sorted(L.counts.items()) if f"dim.{n}" in names]
     if grid:
       ctx["grid"] = grid
       lines.insert(1, "  at grid point " + ", ".join(
@@ -695,7 +696,8 @@ def _failure(prog, L, what, role, kind, model, zt, extra) -> PremiseFailure:
 
 
 # A symbolic count as a counterexample names it (symbolic_dims' names).
-_COUNT_WORDS = {"sms": "persistent blocks"}
+_COUNT_WORDS = {"sms": "persistent blocks", "window_left": "a window's left side",
+                "window_right": "a window's right side", "chunk": "chunks of"}
 
 
 def _grid_axis(axis: str, index: int, size: int | None) -> str:

@@ -14,8 +14,15 @@ from harness.proofs import tracing
 from harness.proofs.events import ExtractionError
 
 # The lengths at which each case's proof traces its ranged kernel again
-# (forward_traces.trace_ranged's ``ragged``), as failures name them.
-RANGED_LENGTHS = {"every length of whole key blocks": False, "every ragged length": True}
+# (forward_traces.trace_ranged's ``ragged`` and ``windows``: a call with
+# lengths or segments only, and one with a window and chunks of every
+# size, as the kernels receive them), as failures name them.
+RANGED_LENGTHS = {
+    "every length of whole key blocks": (False, False),
+    "every ragged length": (True, False),
+    "every length of whole key blocks, with a window and chunks of every size": (False, True),
+    "every ragged length, with a window and chunks of every size": (True, True),
+}
 
 # The launches of a call without key ranges each case's proof traces
 # (forward_traces.trace_plain's ``ragged``; the backward's are

@@ -168,6 +168,25 @@ MUTANTS = (
                  "(pl.when(jnp.remainder(lax.axis_size('sm'), 4) == 0) if c.config.persistent "
                  "else (lambda f: f()))(lambda: values.producer_acquire(st))"),),
            persistent=True, shows="persistent round-robin"),
+    # Only a chunked call shows it, and only with chunks that fit the ring:
+    # no trace carried a chunk until the ranged traces took a chunk of every
+    # size (forward_traces.WINDOWS).
+    Mutant("values_unacquired_under_chunks_that_fit",
+           "the producer copies values without waiting for their slot's release when the "
+           "call's chunks fit the ring",
+           (edit("producer.fill", "values.producer_acquire(st)",
+                 "(pl.when(jnp.asarray(c.f.chunk, jnp.int32) > c.stages * c.config.block_kv) "
+                 "if c.f.chunk is not None else (lambda f: f()))("
+                 "lambda: values.producer_acquire(st))"),)),
+    # Only a call with a window shows it (a left side under one key block):
+    # likewise.
+    Mutant("values_unacquired_under_a_narrow_window",
+           "the producer copies values without waiting for their slot's release when the "
+           "call's window reaches less than a key block to the left",
+           (edit("producer.fill", "values.producer_acquire(st)",
+                 "(pl.when(jnp.asarray(c.f.window[0], jnp.int32) >= c.config.block_kv) "
+                 "if c.f.window is not None else (lambda f: f()))("
+                 "lambda: values.producer_acquire(st))"),)),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
     # of the plain kernels (forward_traces.trace_plain) can refute it.

@@ -77,7 +77,19 @@ def dimensions(dims: dict, at_least: tuple = ()) -> tuple[dict, dict]:
                        for product, least in at_least)
   variables = export.symbolic_shape(", ".join(names), constraints=constraints)
   values = {n: v + (bounds[n][0] - 1) for n, v in zip(names, variables)}
+  _OFFSETS.update({n: bounds[n][0] - 1 for n in names})
   return values, {n: 1 if hi is None else (1, hi - lo + 1) for n, (lo, hi) in bounds.items()}
+
+
+# Each dimension's length less its variable, as the latest trace made it
+# (a name keeps its lower bound: GRID_COUNTS, PERSISTENT_GRID, the
+# windows'), for a counterexample's words.
+_OFFSETS: dict = {}
+
+
+def length(name: str, variable: int) -> int:
+  """The length of dimension ``name`` whose variable is ``variable``."""
+  return variable + _OFFSETS.get(name, 0)
 
 
 def _expanded(names, bounds) -> str:

@@ -117,7 +117,7 @@ def test_the_ranged_kernel_is_proved_at_every_length():
     mp.setattr(ft, "trace_ranged", lambda case, **kw: traced.append(kw["ragged"]) or
                real(case, **kw))
     prog = fwd.forward_program(PERSISTENT)
-  assert traced == [False, True] and prog.lengths == tuple(rounds.RANGED_LENGTHS)
+  assert traced == [False, True, False, True] and prog.lengths == tuple(rounds.RANGED_LENGTHS)
   assert prog.plain == tuple(rounds.PLAIN_KERNELS)
   # the split tail's tile ids, unpacked by the symbolic count of tiles
   (kernel,), dims = ft.trace_ranged(SPLIT, ragged=True)

@@ -393,8 +393,8 @@ def main(argv=None) -> int:
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   print(f"calls with lengths, a window, chunks or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
-        f"or ragged, beyond the probes' one, with their key ranges free values (the window's "
-        f"and the chunk's own sizes are traced at none: docs/proof.md, \"Coverage\")")
+        f"or ragged, beyond the probes' one, with their key ranges free values, and once more "
+        f"with a window and chunks of every size")
   # What the probes' one batch and head leave out: docs/proof.md, "Every grid point";
   # what the counts cost: docs/decisions/proof-traces-every-grid-point.md.
   from harness.proofs import symbolic_dims

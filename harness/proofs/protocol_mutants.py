@@ -280,6 +280,21 @@ SAFE = (
                  "st, next_st = key_position(c, t, ki), key_position(c, t, ki + 1)\n"
                  "lax.cond(lax.rem(ki, 2) == 0, lambda: c.values.consumer_wait(st),\n"
                  "         lambda: c.values.consumer_wait(st))"),)),
+    # Guards that hold for every size the API runs: the proof must follow the
+    # symbolic sizes to see that, not refuse a guard that reads them.
+    Mutant("value_acquire_under_chunks_of_at_least_one",
+           "the producer's value acquire under a guard that the call's chunks hold at least "
+           "one position (always)",
+           (edit("producer.fill", "values.producer_acquire(st)",
+                 "(pl.when(jnp.asarray(c.f.chunk, jnp.int32) >= 1) if c.f.chunk is not None "
+                 "else (lambda f: f()))(lambda: values.producer_acquire(st))"),)),
+    Mutant("key_acquire_on_a_grid_of_at_least_one_block",
+           "the producer's key acquire under a guard that the persistent grid has a block "
+           "(always)",
+           (edit("producer.fill", "keys.producer_acquire(st)",
+                 "(pl.when(lax.axis_size('sm') >= 1) "
+                 "if c.config.persistent else (lambda f: f()))("
+                 "lambda: keys.producer_acquire(st))"),)),
 )
 
 BY_NAME = {m.name: m for m in MUTANTS + BACKWARD_MUTANTS + SAFE}

@@ -275,7 +275,7 @@ def assert_within_tolerance(
 def run_to_run_bound(a: np.ndarray, b: np.ndarray, dtype: Any) -> float:
   """Largest |a - b| allowed between two runs of a gradient that the kernel
   accumulates in float32 across thread blocks in no fixed order (the fused
-  dQ, kernel/backward.py), elementwise: one ``dtype`` ulp at the larger
+  dQ, kernel/backward/fused_dq.py), elementwise: one ``dtype`` ulp at the larger
   magnitude (two float32 sums that differ in their last bits can round to
   neighbouring ``dtype`` values), plus 2^-20 of max|a| for entries where the
   partial sums cancel.  Returns the worst ratio |a - b| / bound (<= 1 passes).

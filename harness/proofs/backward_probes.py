@@ -43,7 +43,7 @@ def _last_tile_point(kernel, tables, consts, blocks, grid, num_tiles) -> int:
   """The dQ kernel's grid point whose block reads the last query tile's
   range (the one whose causal bound leaves room for the longest stream): the
   grid's last point, or its first where the kernel walks its tiles heaviest
-  first (under causal: kernel.backward._dq_kernel)."""
+  first (under causal: kernel.backward.dq._dq_kernel)."""
   for at in (num_tiles - 1, 0):
     env = probes.Env(tables, consts, blocks.dq_stream_kv, lambda qi: (0, 0))
     ex.extract_kernel(kernel, env=env, grid={**grid, "q_tiles": at}, name="dq")
@@ -57,7 +57,7 @@ def backward_programs(case: BackwardCase, *, modules=None,
   """The role programs of every launch of one backward, learned from probes.
 
   The dK/dV kernels stream the query blocks (``blocks.dkv_stream_q`` rows,
-  as kernel.backward.blocks_for chooses them) of the band their
+  as kernel.tiling.backward_plan.blocks_for chooses them) of the band their
   key tile reads from its tables, under causal from key tile j's first key
   on: with the whole length as band, one causal trace shows streams of
   every even length from its longest down to 0 (non-causal: a long trace

@@ -57,7 +57,7 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
 
 def backward_stages(case: BackwardCase, *, modules=None) -> list[int]:
   """The ring depth of each launch of one backward, in launch order, from
-  the mbarrier plans kernel.backward.launches gives (its "consumed"
+  the mbarrier plans kernel.tiling.backward_plan.launches gives (its "consumed"
   barriers, one per slot): the launches of one backward may differ."""
   modules = modules or tracing.shipped_modules()
   plans = modules.backward_plan.launches(case.head_dim, case.head_dim, with_bias=case.bias,

@@ -1,9 +1,9 @@
 """The cases ``python -m harness prove`` proves: every distinct forward
 protocol the heuristics and the autotuner emit (:func:`forward_cases`) and
-every launch kind of ``kernel/backward.py`` (:func:`backward_cases`).
+every launch kind of ``kernel/backward/`` (:func:`backward_cases`).
 
 Listing the forward's needs the kernel's heuristics and plans only, not
-JAX (the backward's asks kernel/backward.py, which imports it, where the
+JAX (the backward's asks kernel/backward/, which imports it, where the
 fused dQ applies): the command lists them while it imports JAX for the tracing
 (:mod:`harness.proofs.prove`); :mod:`harness.proofs.prove_pool` traces
 and learns each.
@@ -310,7 +310,7 @@ class BackwardCase:
 
 
 def backward_cases(*, experiments: bool = False) -> list[BackwardCase]:
-  """Every launch kind kernel/backward.py makes: with and without the fused
+  """Every launch kind kernel/backward/ makes: with and without the fused
   dQ, and where it applies (kernel.tiling.backward_plan.fuses_dq) its fixed-point sum
   as well; with ``experiments`` each once more read unpadded
   (:attr:`BackwardCase.unpadded`) and once copied untiled

@@ -102,7 +102,7 @@ class _Chooser:
 
 def _split_tail_table(consts: dict, case: ForwardCase):
   """The split tail's entry table (blocks, 4, entries) among the traced
-  constants (kernel.schedule.SplitTail.table), or None for other schedules."""
+  constants (kernel.tiling.schedule.SplitTail.table), or None for other schedules."""
   if case.schedule != "split-tail":
     return None
   found = [v for v in consts.values() if v.ndim == 3 and v.shape[1] == 4]

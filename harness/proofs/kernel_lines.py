@@ -16,7 +16,7 @@ KERNEL_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernel")
 
 
-_FRAMES = IdMemo()  # id(traceback) -> (traceback, "kernel/file.py:line")
+_FRAMES = IdMemo()  # id(traceback) -> (traceback, "kernel/<file>.py:line")
 
 
 def kernel_frame(source_info, site: str | None = None) -> str:
@@ -48,7 +48,7 @@ _KERNEL_FILES: dict = {}  # a frame's file name -> its path from the repository,
 
 
 def _kernel_file(file_name: str) -> str | None:
-  """kernel/x.py for a kernel file other than the helpers, else None."""
+  """kernel/<file>.py for a kernel file other than the helpers, else None."""
   hit = _KERNEL_FILES.get(file_name, _KERNEL_FILES)
   if hit is _KERNEL_FILES:
     fn = os.path.abspath(file_name)

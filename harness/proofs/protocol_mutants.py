@@ -6,8 +6,8 @@ function's declared seam, found in whichever file under ``kernel/``
 declares it, and a pattern of its code) that keep the file's line count (statements joined
 with ``;`` where one moves, blank lines where code shrinks), so every source
 line a refutation names is the mutated file's line.  :func:`load` compiles
-each edited file as a module of its own (``kernel/forward.mutant_<name>.py``
-beside ``kernel/forward.py``, registered with ``linecache`` so traces print
+each edited file as a module of its own (``kernel/forward/producer.mutant_<name>.py``
+beside ``kernel/forward/producer.py``, registered with ``linecache`` so traces print
 the mutated lines) without touching the file on disk or the imported
 modules.  The kernel the proof traces (``kernel``: the forward or the
 backward) is executed afresh over the edited module, and so is every module
@@ -123,7 +123,7 @@ MUTANTS = (
     Mutant("missing_commit_smem_before_store",
            "the output tile stored to shared memory and TMA-stored without commit_smem",
            (edit("epilogue.epilogue", "plgpu.commit_smem()", "pass"),)),
-    # kernel/forward.py before 0b8ad79: deadlocks only after two tiles
+    # the forward kernel before 0b8ad79: deadlocks only after two tiles
     # without key blocks in a row (trip counts 0, 0, 0), which no check of
     # two tiles could show.
     Mutant("empty_tile_skips_token",
@@ -311,7 +311,7 @@ def mutated_sources(mutant: Mutant, tree: anchors.Tree | None = None) -> dict[Pa
 
 
 def module_name(path: Path) -> str:
-  """kernel/forward.py -> kernel.forward; kernel/sync/__init__.py -> kernel.sync."""
+  """kernel/forward/producer.py -> kernel.forward.producer; kernel/sync/__init__.py -> kernel.sync."""
   return ".".join(anchors._module_scope(Path(path)))
 
 

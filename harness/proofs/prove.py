@@ -7,7 +7,7 @@ The configs are those :func:`kernel.tiling.heuristics.get_heuristics_config` and
 :func:`problem_grid` (head dims, dtypes, staged bias/mask, causal, residuals,
 sequence lengths), reduced to the forward protocols they differ in
 (:func:`harness.proofs.cases.forward_cases`); the backward's are every
-launch kind of ``kernel/backward.py``.  Each is traced on the CPU, its roles'
+launch kind of ``kernel/backward/``.  Each is traced on the CPU, its roles'
 programs are learned from probe environments, Z3 proves that they are the
 kernel's events under every environment (the premise of
 :mod:`harness.proofs.role_programs`; :mod:`harness.proofs.premise`, from the jaxpr

@@ -20,7 +20,7 @@ Per case, ``check`` reports one of
 
 * **identical** — every array bit for bit equal to the golden;
 * **reordered** — identical except for gradients the kernel sums across
-  blocks in no fixed order (``kernel.backward.ORDER_DEPENDENT_GRADIENTS``:
+  blocks in no fixed order (``kernel.backward.launch.ORDER_DEPENDENT_GRADIENTS``:
   the fused dQ), and those within ``harness.numerics.tolerance.run_to_run_bound`` of
   the golden (one ulp): what two runs of the same kernel may differ by;
 * **drift** — not identical, but within the tolerance rule against float64

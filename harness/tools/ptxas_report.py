@@ -11,7 +11,7 @@ wgmma still in flight, so every wgmma of the kernel is followed by a wait).
 A serialised kernel loses its tensor-core overlap: measured on the H200
 (2026-12-01), the d256 causal forward ran at 378 TFLOP/s serialised against
 666 once the PV's register operand was no longer rewritten in flight
-(kernel/forward.py).  Spills are reported, not refused.
+(kernel/forward/).  Spills are reported, not refused.
 
 Needs an sm90 GPU (the compile happens when the kernel is first run).
 ``--out DIR`` keeps the PTX and ptxas logs.
@@ -54,7 +54,7 @@ FEATURES = {
     "softcap": "logits_soft_cap=30.0",
     "lengths": "key_value_seq_lengths=jnp.array([3000], jnp.int32)",
     "window": "local_window_size=(1024, 0)",
-    # Three compute warpgroups at 160 registers each (kernel/forward.py's
+    # Three compute warpgroups at 160 registers each (kernel/forward/context.py's
     # COMPUTE_REGISTERS), in the one tiling they run: whether the key loop
     # fits them without spills.
     "three-warpgroups": "config=Config(*THREE_WARPGROUP_TILING, {persistent}, "

@@ -1,7 +1,7 @@
 """Gradients through the kernel's custom_vjp on the GPU (marker ``gpu``).
 
 The forward kernel stores (out, m, l); the backward (the Pallas kernels of
-kernel/backward.py; kernel/backward/xla.py is their specification) reads
+kernel/backward/; kernel/backward/xla.py is their specification) reads
 exactly those.
 """
 
@@ -94,7 +94,7 @@ def test_deterministic_gradients_match_float64(shard, case):
 def test_gradients_are_reproducible():
   """dk and dv are bitwise identical from run to run.  dq, summed over key
   tiles in float32 by reduce-adds in no fixed order (the fused dQ,
-  kernel/backward.py), stays within harness.numerics.tolerance.run_to_run_bound of
+  kernel/backward/fused_dq.py), stays within harness.numerics.tolerance.run_to_run_bound of
   the first run; the two-kernel backward's dq and the fixed-point sum's
   (deterministic=True) are bitwise identical."""
   spec = hs.CaseSpec(shapes=hs.AttentionShapes(B=2, T=300, N=4, H=128, S=700, K=2, Hv=128),
@@ -114,7 +114,7 @@ def test_gradients_are_reproducible():
 
 
 def _named_gradient_specs():
-  """One case per path of the backward kernels (kernel/backward.py)."""
+  """One case per path of the backward kernels (kernel/backward/)."""
   S = hs.AttentionShapes
   yield "gqa-d128", hs.CaseSpec(shapes=S(B=2, T=256, N=4, H=128, S=384, K=2, Hv=128),
                                 dtype="bfloat16", seed=21)

@@ -67,7 +67,7 @@ def test_deterministic_changes_nothing_where_there_is_no_fused_dq():
 
 
 def test_rounding_by_float_adds_is_exact():
-  """kernel.backward._round_by_adds is round-half-even to int32 for |y| <
+  """kernel.backward.fused_dq._round_by_adds is round-half-even to int32 for |y| <
   2^30.  Evaluated op by op: XLA's CPU compiler reassociates the adds under
   jit (the kernel's Mosaic GPU lowering does not)."""
   rng = np.random.default_rng(0)
@@ -108,7 +108,7 @@ def _fixed_point_problems(draw):
 @settings(deadline=None)
 @given(_fixed_point_problems())
 def test_fixed_point_bound_holds_every_partial_sum_in_int32(p):
-  """c_i (kernel.backward.fixed_point_scales) times any partial sum of row
+  """c_i (kernel.backward.fused_dq.fixed_point_scales) times any partial sum of row
   i's dQ parts over 128-key tiles stays within 2^FIXED_POINT_BITS, so the
   int32 reduce-adds never overflow: dP, delta and dS from the float64
   reference's probabilities and output, for bfloat16 inputs of mixed magnitudes, GQA, causal, zero cotangent rows."""

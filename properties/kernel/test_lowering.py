@@ -407,7 +407,7 @@ BACKWARD_HEAD_DIMS = [(64, 64), (128, 128), (72, 96), (256, 256), (256, 128), (1
 @pytest.mark.parametrize("feat", ["plain", "everything"])
 def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   """jax.grad through the API lowers for CUDA (forward + the dK/dV and dQ
-  kernels of kernel/backward.py) for every head-dim class, with every
+  kernels of kernel/backward/) for every head-dim class, with every
   feature; every kernel fits in 227 KiB."""
   T, S = 300, 200
   kw = _features(T, S, N=4)[feat]

@@ -340,7 +340,7 @@ def test_a_launch_order_that_repeats_a_block_is_refuted():
 def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_heads,
                                                dkv_sections):
   """The backward's grids take the sectioned order under causal where it
-  was measured faster (kernel.backward.dkv_call's notes), never without
+  was measured faster (kernel.backward.dkv.dkv_call's notes), never without
   causal, and the orders cover their grids."""
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
@@ -380,7 +380,7 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
 def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, left, right,
                                                    causal, group):
   """The tile weights the backward's launch order balances
-  (kernel.backward.key_tile_weights, query_tile_weights) are the steps the
+  (kernel.backward.dkv.key_tile_weights, query_tile_weights) are the steps the
   kernels take, at any lengths (ragged, T != S): the dK/dV kernel's query
   blocks per key tile from the tables a local window's key ranges give
   (kernel.padding, padded as attention_backward pads them, read as
@@ -447,7 +447,7 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
 
 def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
   """The launch orders above, and the grids' axis orders measured in
-  kernel/backward.py and kernel/forward.py, rest on Mosaic GPU putting a
+  kernel/backward/ and kernel/forward/, rest on Mosaic GPU putting a
   kernel's LAST grid axis on blockIdx.x, which the hardware hands out
   fastest.  Lowered here, a (2, 3, 5) grid named (a, b, c) launches as CUDA
   grid (x, y, z) = (5, 3, 2), and axis_index reads c from blockIdx.x, b from

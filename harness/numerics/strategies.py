@@ -743,3 +743,10 @@ def examples(ci: int) -> int:
   """The examples a slow CPU property draws: ``ci`` under the ci and mutants
   profiles, :data:`THOROUGH_FACTOR` times as many under thorough."""
   return ci * (THOROUGH_FACTOR if thorough() else 1)
+
+
+def ci_sample(items, every: int) -> list:
+  """What a slow CPU check takes of ``items``: every ``every``-th from the
+  first under the ci and mutants profiles, all of them under thorough."""
+  items = list(items)
+  return items if thorough() or every <= 1 else items[::every]

@@ -205,7 +205,8 @@ def test_drawn_variants_match_float64(data):
 # Any host: every named case lowers for CUDA, forward and backward.
 
 
-@pytest.mark.parametrize("name", list(NAMED))
+# Every second named case under the ci profile (docs/decisions/cpu-suite-time.md).
+@pytest.mark.parametrize("name", hs.ci_sample(NAMED, 2))
 def test_named_variant_lowers_for_cuda(name):
   """The named cases' forward (both residual forms) and vjp lower to one
   program of Mosaic GPU kernels, with the key ranges fed to them."""

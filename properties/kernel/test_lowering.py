@@ -32,8 +32,8 @@ SMEM_MARGIN_BYTES = 2048
 # lowers them all.
 # The profile is the one properties/conftest.py loaded.
 THOROUGH = hs.thorough()
-FULLEST_STRIDE = 9
-OTHERS_STRIDE = 24
+FULLEST_STRIDE = 18
+OTHERS_STRIDE = 48
 
 
 def _configs_to_lower(problem, *, fullest: bool, may_refuse: bool = False) -> list:
@@ -155,7 +155,7 @@ def test_split_tail_configs_lower_and_the_estimate_holds(name, cls, feat, cfg):
 # profile: all of them, and the ragged shapes below).  One-byte rows admit
 # configs 16-bit ones cannot (wider key blocks, deeper rings); a lowering
 # with every feature takes several seconds, so the ci profile samples.
-FP8_STRIDE = 32
+FP8_STRIDE = 64
 
 
 def _fp8_grid():
@@ -195,17 +195,19 @@ def test_fp8_per_head_descales_and_output_dtypes_lower(out_dtype):
 RAGGED = [(113, 203), (239, 1), (1, 1), (1023, 1024), (300, 77)]
 
 
-# Every 16-bit and 32-bit dtype with every feature, and the plain features in
-# bfloat16; the thorough profile adds the plain features in float16 and
-# float32, and FP8 with both.
-_RAGGED_KINDS = [(dtype, feat) for dtype in ("bfloat16", "float16", "float32", "float8_e4m3fn")
+# bfloat16 with the plain features and with every feature at every length;
+# float16 and float32 (cast to a 16-bit kernel) with every feature at every
+# other length each, so that together they take every length; the thorough
+# profile adds them at every length, the plain features in both, and FP8.
+_RAGGED_KINDS = [(T, S, dtype, feat) for i, (T, S) in enumerate(RAGGED)
+                 for dtype in ("bfloat16", "float16", "float32", "float8_e4m3fn")
                  for feat in ("plain", "everything")
-                 if THOROUGH or (dtype == "bfloat16" or feat == "everything")
-                 and dtype != "float8_e4m3fn"]
+                 if THOROUGH or dtype == "bfloat16"
+                 or (feat == "everything" and dtype == ("float16", "float32")[i % 2])]
 
 
-@pytest.mark.parametrize("T,S", RAGGED)
-@pytest.mark.parametrize("dtype,feat", _RAGGED_KINDS, ids=[f"{d}-{f}" for d, f in _RAGGED_KINDS])
+@pytest.mark.parametrize("T,S,dtype,feat", _RAGGED_KINDS,
+                         ids=[f"{d}-{f}-{T}-{S}" for T, S, d, f in _RAGGED_KINDS])
 def test_ragged_shapes_lower_with_the_heuristic_config(T, S, feat, dtype):
   kw = _features(T, S, N=4)[feat]
   lowered = lower_attention(dict(B=2, T=T, N=4, H=72, S=S, K=2, Hv=96), dtype=dtype, **kw)
@@ -403,8 +405,15 @@ def test_a_config_that_does_not_fit_is_refused_with_its_estimate():
 BACKWARD_HEAD_DIMS = [(64, 64), (128, 128), (72, 96), (256, 256), (256, 128), (128, 256)]
 
 
-@pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
-@pytest.mark.parametrize("feat", ["plain", "everything"])
+# Under the ci profile each head-dim class with one feature set, alternating
+# (docs/decisions/cpu-suite-time.md); thorough, both.
+_BACKWARD_FEATURES = [(d, dv, feat) for i, (d, dv) in enumerate(BACKWARD_HEAD_DIMS)
+                      for j, feat in enumerate(("plain", "everything"))
+                      if THOROUGH or i % 2 == j]
+
+
+@pytest.mark.parametrize("d,dv,feat", _BACKWARD_FEATURES,
+                         ids=[f"{feat}-d{d}-dv{dv}" for d, dv, feat in _BACKWARD_FEATURES])
 def test_the_backward_kernels_lower_and_fit(d, dv, feat):
   """jax.grad through the API lowers for CUDA (forward + the dK/dV and dQ
   kernels of kernel/backward/) for every head-dim class, with every
@@ -432,9 +441,13 @@ def test_the_fused_causal_experiment_lowers_without_the_dq_kernel():
 NARROW_HEAD_DIMS = [(96, 96), (80, 80), (72, 64), (64, 96)]
 
 
-@pytest.mark.parametrize("d,dv", NARROW_HEAD_DIMS,
-                         ids=[f"d{d}-dv{dv}" for d, dv in NARROW_HEAD_DIMS])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+# Under the ci profile each head-dim pair full or causal, alternating; thorough, both.
+_NARROW = [(d, dv, causal) for i, (d, dv) in enumerate(NARROW_HEAD_DIMS)
+           for causal in (False, True) if THOROUGH or causal == bool(i % 2)]
+
+
+@pytest.mark.parametrize("d,dv,causal", _NARROW,
+                         ids=[f"{'causal' if c else 'full'}-d{d}-dv{dv}" for d, dv, c in _NARROW])
 def test_the_backward_lowers_in_narrow_rows(d, dv, causal):
   """kernel.experiments' "pallas-narrow-rows" (the backward in the
   forward's 32-column rows: kernel.tiling.plan.backward_head_dims) lowers for CUDA
@@ -525,8 +538,14 @@ def test_the_untiled_backward_lowers_at_any_length_without_padded_copies(name, s
 RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]
 
 
-@pytest.mark.parametrize("shape", RANGE_SHAPES, ids=["x".join(map(str, s)) for s in RANGE_SHAPES])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+# Under the ci profile each shape full or causal, alternating; thorough, both.
+_RANGED = [(shape, causal) for i, shape in enumerate(RANGE_SHAPES)
+           for causal in (False, True) if THOROUGH or causal == bool(i % 2)]
+
+
+@pytest.mark.parametrize("shape,causal", _RANGED,
+                         ids=[f"{'causal' if c else 'full'}-{'x'.join(map(str, s))}"
+                              for s, c in _RANGED])
 def test_the_backward_lowers_with_key_ranges_of_every_shape(shape, causal):
   """The dK/dV kernels' query bands (kernel.padding.query_block_ranges) are
   formed from key ranges of every broadcast shape, and the whole backward
@@ -536,8 +555,14 @@ def test_the_backward_lowers_with_key_ranges_of_every_shape(shape, causal):
   assert lowered.smem_bytes > 0
 
 
-@pytest.mark.parametrize("d,dv", BACKWARD_HEAD_DIMS, ids=[f"d{d}-dv{dv}" for d, dv in BACKWARD_HEAD_DIMS])
-@pytest.mark.parametrize("path", ["fused-dq", "bias", "causal"])
+# Under the ci profile each head-dim class on one dQ path, in turn, so that
+# every path is checked at two classes; thorough, every path at every class.
+_ESTIMATED = [(d, dv, path) for i, (d, dv) in enumerate(BACKWARD_HEAD_DIMS)
+              for j, path in enumerate(("fused-dq", "bias", "causal")) if THOROUGH or i % 3 == j]
+
+
+@pytest.mark.parametrize("d,dv,path", _ESTIMATED,
+                         ids=[f"{path}-d{d}-dv{dv}" for d, dv, path in _ESTIMATED])
 def test_the_backward_smem_estimate_matches_each_launch(d, dv, path):
   """kernel.tiling.backward_plan.smem_estimates, computed from the buffer descriptions
   the backward kernels allocate, is never below what the lowering counts for

@@ -172,7 +172,7 @@ def test_the_lowering_chunks_cover_the_catalogue_once():
 # suite under CI's 8 minutes (docs/decisions/cpu-suite-time.md).
 # `python -m harness mutants --lower` lowers all.
 THOROUGH = hs.thorough()
-LOWER_EVERY = 3
+LOWER_EVERY = 6
 
 
 @pytest.mark.parametrize("chunk", _lowering_chunks(), ids=lambda c: f"{c[0]}+{len(c) - 1}")

@@ -57,14 +57,14 @@ _NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 # gpu: fresh examples, reported as drawn.  On the H200 each shrink step
 # compiles kernels for a new shape: shrinking a drawn gradient case that
 # broke the rule ran past the 300 s per-test watchdog, which stopped the
-# worker before Hypothesis printed the example (2026-12-02), so the failure
-# named no case.  An unshrunk example with its note() is a report; a killed
+# worker before Hypothesis printed the example, so the failure named no
+# case.  An unshrunk example with its note() is a report; a killed
 # shrink is none.
 settings.register_profile("gpu", max_examples=50, phases=_NO_SHRINK, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
 # mutants: the ci examples without shrinking.  A mutant needs one failing
 # example, not the smallest: shrinking a broken kernel's failure took the
-# residual-rows property past its 60 s watchdog (H200, 2026-12-02).
+# residual-rows property past its 60 s watchdog on the H200.
 settings.register_profile("mutants", max_examples=30, phases=_NO_SHRINK,
                           **{**_common, "derandomize": True})
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

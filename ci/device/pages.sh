@@ -59,7 +59,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name" | tee -a "$out/log.txt
 
 if [ "$part" = forward ]; then
   mkdir -p "$out/docs" && cp docs/performance.json docs/performance.md docs/performance.png "$out/docs/"
-  # 116 s on the H200 (2026-12-05); the section with its backward after it.
+  # Its limit: docs/decisions/device-step-time-limits.md; the section with its backward after it.
   step forward-grid 300 "$py" -m harness bench --grid --no-example --out-dir "$out/docs" \
     --commit "$commit"
   step windows-segments 270 "$py" -m harness bench --grid --sections windows-segments --backward \

@@ -6,8 +6,8 @@
 # Where one command may run only 10 minutes, run the GPU steps as separate
 # commands, back to back while the machine is still warm:
 #   "gpu-properties 1/2", "gpu-properties 2/2" (part K of N of the GPU
-#   properties, the gate's --part), then "golden" (measured on the H200 at
-#   d7b1b53, 2026-12-07: 303 s, 404 s and 161 s); "gpu-gate" (both steps in
+#   properties, the gate's --part), then "golden" (their times:
+#   docs/decisions/device-step-time-limits.md); "gpu-gate" (both steps in
 #   one command, some 15 minutes) and "gate"/"all" fit no such command.
 # "smoke" runs the gate's smoke step alone (one call of every shipped path
 # against float64, properties/gpu/test_smoke_gpu.py): first, where the GPU
@@ -33,8 +33,8 @@ use_wheels
 
 record_device
 if [ "$part" = all ] || [ "$part" = gate ]; then
-  # More than 570 s on the H200 since 2026-12-02 (see the head): this
-  # limit fits a 600 s command, so a run that outgrows it fails by name.
+  # Outgrown (see the head): this limit fits a 600 s command, so a run
+  # that outgrows it fails by name (docs/decisions/device-step-time-limits.md).
   step gate 570 "$py" -m harness gate --results "$out/gate" -- -rs
 fi
 case "$part" in

@@ -234,9 +234,8 @@ def split_tail_twins(problem: plan.Problem, entry: dict | None,
           else autotune.choice(problem, device_kind)[0])
   if entry is None and pick.schedule == "split-tail":
     # A split tail borrowed from the nearest entry (not measured here):
-    # timed beside its round-robin sibling.  The split tail won at d128
-    # and d256 from 8k tokens without a mask and lost at 4k and below on
-    # the H200 (2026-12-05), so a signature must not keep it unmeasured.
+    # timed beside its round-robin sibling, since it wins at some lengths
+    # and loses at others (docs/decisions/split-tail-off-the-default.md).
     return (dataclasses.replace(pick, schedule="round-robin"), pick)
   twin = dataclasses.replace(pick, persistent=True, schedule="split-tail")
   if twin == pick or not plan.config_fits(problem, twin):

@@ -56,8 +56,8 @@ def fixed_cases():
                                             is_causal=True), None),
       ("softcap-scale", dict(seq_q=256, seq_kv=256, head_dim=128, logits_soft_cap=5.0, scale=0.5), None),
       # A negative scale through unmasked key blocks: the row max is then the
-      # scaled minimum of the raw logits (m and l were wrong before
-      # 2026-12-03; the output, normalised, was not).
+      # scaled minimum of the raw logits (a defect there once gave wrong m
+      # and l while the normalised output stayed right).
       ("negative-scale", dict(seq_q=256, seq_kv=1024, head_dim=64, scale=-0.2), None),
       ("negative-scale-threshold-0.5", dict(seq_q=256, seq_kv=1024, head_dim=64, scale=-0.2,
                                             rescale_threshold=0.5), None),

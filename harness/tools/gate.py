@@ -135,9 +135,8 @@ def error_ratio_table(folder: Path) -> str | None:
   return "\n".join(lines) + "\n"
 
 
-# Seconds: a whole step, and one pytest test (the watchdog).  The GPU
-# properties took ~4 minutes in all on the H200 (2026-11-30); no single test
-# took more than ~1 minute.
+# Seconds: a whole step, and one pytest test (the watchdog), a few times what
+# they took on the H200 (docs/decisions/device-step-time-limits.md).
 STEP_TIMEOUT = 1200.0
 TEST_TIMEOUT = 300.0
 

@@ -522,10 +522,9 @@ def update(runner: Callable[[GoldenSpec], dict] = run_kernel_for, corpus=CORPUS,
 
 
 # XLA picks GEMM algorithms by timing them in each process, so the XLA parts
-# of a call (today the backward) can round differently from one process to the
-# next: measured on the H200, 5 of 19 cases drifted (up to 13386 ulp in a
-# gradient near zero) between an update and the check right after it.  Goldens
-# are generated and checked with the choice made deterministically.
+# of a call (the backward's) can round differently from one process to the
+# next (docs/decisions/goldens-pin-xla-autotuning.md): goldens are generated
+# and checked with the choice made deterministically.
 PINNED_XLA_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_deterministic_ops=true")
 
 

@@ -248,7 +248,7 @@ CATALOG: tuple[Mutant, ...] = (
     _m("extra-query-tile", "tile count rounded up past the padded end (out-of-bounds write)",
        "launch.extent", "-(-seq_q // config.tile_q)", "-(-seq_q // config.tile_q) + 1", GUARD),
     _m("residuals-clipped-at-T", "m, l stored clipped at the unpadded length (seen on the "
-       "H200 2026-12-01: the last tile's rows spilled into the next head)", "launch.out_type",
+       "H200: the last tile's rows spilled into the next head)", "launch.out_type",
        "out_type += [jax.ShapeDtypeStruct((batch, num_heads, num_tiles * tile_q),\n"
        "                                  jnp.float32)] * 2",
        "out_type += [jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)] * 2",

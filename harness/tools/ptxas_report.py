@@ -8,10 +8,9 @@ Mosaic GPU's dumps on (``MOSAIC_GPU_DUMP_PTXAS``, ``MOSAIC_GPU_DUMP_PTX``,
 stack frame and spill bytes, and whether ptxas **serialised the wgmmas**
 (its message C7513: a non-wgmma instruction defines an input register of a
 wgmma still in flight, so every wgmma of the kernel is followed by a wait).
-A serialised kernel loses its tensor-core overlap: measured on the H200
-(2026-12-01), the d256 causal forward ran at 378 TFLOP/s serialised against
-666 once the PV's register operand was no longer rewritten in flight
-(kernel/forward/).  Spills are reported, not refused.
+A serialised kernel loses its tensor-core overlap: the d256 causal
+forward ran at half its speed so (docs/decisions/pv-operand-cast-after-pv.md).
+Spills are reported, not refused.
 
 Needs an sm90 GPU (the compile happens when the kernel is first run).
 ``--out DIR`` keeps the PTX and ptxas logs.

@@ -31,8 +31,11 @@ TEMPLATE = re.compile(r"[<>{}]")
 def prose(path: Path) -> str:
   """A page's text; a Python file's comments and docstrings."""
   text = path.read_text()
-  if path.suffix != ".py":
-    return text
+  return prose_of_source(text) if path.suffix == ".py" else text
+
+
+def prose_of_source(text: str) -> str:
+  """The comments and docstrings of Python source ``text``."""
   out = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline)
          if tok.type == tokenize.COMMENT]
   for node in ast.walk(ast.parse(text)):
@@ -105,3 +108,35 @@ def test_a_stale_reference_is_caught(text):
     "harness.proofs.prove"])
 def test_a_resolving_reference_passes(text):
   assert not stale(text)
+
+
+# A day's date in code prose is history: a measurement or an incident that
+# belongs in its decision or gate record, which the comment names instead.
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+SHELL = ("ci/**/*.sh", ".ci/*")
+
+
+def shell_comments(path: Path) -> str:
+  """A shell script's comments (the text after a ``#`` that starts a word)."""
+  return "\n".join(m.group(1) for m in re.finditer(r"(?:^|\s)#(.*)$", path.read_text(), re.M))
+
+
+def dated(text: str) -> list[str]:
+  """The dates ``text`` names."""
+  return DATE.findall(text)
+
+
+def test_no_comment_or_docstring_names_a_date():
+  """Code prose under kernel/, harness/, properties/ and ci/ names no day:
+  what was measured or seen then lives in docs/decisions/ or docs/gate/."""
+  code = [p for pattern in SOURCES for p in sorted(ROOT.glob(pattern)) if ".tox" not in p.parts]
+  scripts = [p for pattern in SHELL for p in sorted(ROOT.glob(pattern)) if p.is_file()]
+  bad = [f"{p.relative_to(ROOT)}: {d}" for p in code for d in dated(prose(p))]
+  bad += [f"{p.relative_to(ROOT)}: {d}" for p in scripts for d in dated(shell_comments(p))]
+  assert not bad, "dates in code prose (move the history to its record):\n" + "\n".join(bad)
+
+
+def test_a_dated_comment_is_caught():
+  source = "x = 1  # 5 % faster on the H200 (2026-12-05)\ndef f():\n  'Seen 2026-11-30.'\n"
+  assert len(dated(prose_of_source(source))) == 2
+  assert not dated(prose_of_source("date = '2026-12-05'  # a record's field, not prose\n"))

@@ -167,9 +167,9 @@ def _named_gradient_specs():
       key_range=hs.KeyRangeSpec((1, 2, 256), 384, 10), bias=hs.BiasSpec((1, 2, 256, 384), 1.0, 11))
   yield "f32-inputs-scale", hs.CaseSpec(shapes=S(B=1, T=64, N=1, H=64, S=64, K=1, Hv=64),
                                         dtype="float32", seed=30, scale=0.3)
-  # Drawn on the H200 (2026-12-02): rows that see one key, where dP - delta
-  # is exactly 0, from float32 inputs; delta formed from the unrounded
-  # cotangent put dq, dk and dbias at 2.2-4.3x the bound (kernel/api.py).
+  # Drawn on the H200: rows that see one key, where dP - delta is exactly 0,
+  # from float32 inputs; the cotangent must be rounded as the forward's
+  # output was (docs/decisions/cotangent-in-compute-dtype.md).
   yield "f32-one-key-rows", hs.CaseSpec(
       shapes=S(B=2, T=2, N=4, H=72, S=291, K=1, Hv=256), dtype="float32", seed=4499,
       is_causal=True, logits_soft_cap=30.0,

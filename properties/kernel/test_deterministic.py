@@ -202,7 +202,7 @@ def _reruns(case, deterministic, reruns):
   of the memory this process may use for the whole loop: half of what the
   allocator has free, shared among the xdist workers on this GPU (each of
   them sees the whole GPU as its limit; holding half of it in every worker
-  ran the gate's other workers out of memory on the H200, 2026-12-02)."""
+  runs the gate's other workers out of memory)."""
   fn, args = _runner(case, deterministic)
   device = jax.devices("gpu")[0]
   stats = device.memory_stats() or {}

@@ -124,8 +124,7 @@ def test_the_golden_steps_counts_come_from_the_golden_tools_own_summary(tmp_path
 
 
 def test_the_suite_and_the_proofs_need_no_z3(tmp_path):
-  """GPU machines may have no z3-solver (the H200 runners of 2026-11-30 had
-  none): with z3 made unimportable every test module still collects, the
+  """GPU machines may have no z3-solver (the H200 image has none): with z3 made unimportable every test module still collects, the
   proofs' included, and the proof command's modules import."""
   import os
   import subprocess

@@ -1,7 +1,7 @@
 """ptxas's view of the shipped kernels (harness/tools/ptxas_report.py).
 
 CPU: the report reads ptxas's own logs right (two logs as Mosaic GPU wrote
-them on the H200, 2026-12-01: a forward whose wgmmas ptxas serialised, and a
+them on the H200: a forward whose wgmmas ptxas serialised, and a
 backward kernel that spills).  GPU (marker ``gpu``): no shipped kernel kind
 has its wgmmas serialised, which would cost it its tensor-core overlap.
 """

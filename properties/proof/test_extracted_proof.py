@@ -10,6 +10,7 @@ the defects an unreduced search finds."""
 import collections
 import contextlib
 import dataclasses
+import functools
 import io
 import os
 import pickle
@@ -48,6 +49,13 @@ def _run_prove(*argv):
   return rc, out.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
+def _mutant_failing_fast(name: str) -> tuple[int, str]:
+  """``prove --mutant NAME --fail-fast``, run once per process: the
+  catalogue's test and a test of what one mutant's report says read one run."""
+  return _run_prove("--mutant", name, "--fail-fast")
+
+
 @pytest.fixture(scope="module")
 def shipped_programs():
   return {case: fwd.forward_program(case) for case in (ONE_TILE, PERSISTENT)}
@@ -71,7 +79,7 @@ def test_shipped_backward_proves():
 def test_kernel_mutant_fails_prove(mutant):
   """``python -m harness prove --mutant NAME`` (its smallest cases first,
   stopping at the first failure) fails with a trace of the mutated file."""
-  rc, out = _run_prove("--mutant", mutant.name, "--fail-fast")
+  rc, out = _mutant_failing_fast(mutant.name)
   assert rc == 1, out
   # The trace names the pass's kernel lines (the mutated file's where its
   # own lines issue the events: an edit of a helper shows at its callers).
@@ -82,7 +90,7 @@ def test_a_deadlock_that_needs_three_tiles_is_found():
   """Before 0b8ad79 the token was not passed on a tile without key blocks:
   two such tiles in a row deadlock, which no check of two tiles shows.
   The search chooses the number of tiles itself."""
-  rc, out = _run_prove("--mutant", "empty_tile_skips_token", "--fail-fast")
+  rc, out = _mutant_failing_fast("empty_tile_skips_token")
   assert rc == 1 and "deadlock" in out and "tiles of 0, 0, 0 key blocks" in out, out
   # --fail-fast says so as soon as it knows, as a pooled run does
   assert re.search(r"^FAILED after [0-9.]+ s .*deadlock", out, re.M), out
@@ -713,10 +721,10 @@ def test_select_proves_only_what_it_names_and_says_so(capsys):
   """``prove --select``: the protocols whose description has every word, and
   a line saying how many of all were selected; a selection that names none
   is refused before any work; a mutant among the selected still fails."""
-  rc, out = _run_prove("--select", "backward d=256 bias,dQ", "--no-cache", "--jobs", "1")
+  rc, out = _run_prove("--select", "backward d=64 bias,dQ", "--no-cache", "--jobs", "1")
   assert rc == 0, out
   assert "0 forward protocols" in out and "2 backward launch kinds" in out, out
-  assert re.search(r"--select 'backward d=256 bias,dQ': 0 of \d+ forward protocols and 2 of "
+  assert re.search(r"--select 'backward d=64 bias,dQ': 0 of \d+ forward protocols and 2 of "
                    r"\d+ backward launch kinds; the others are not proved", out), out
   with pytest.raises(SystemExit) as refused:
     prove_cli.main(["--select", "backward d=48"])

@@ -198,11 +198,24 @@ def validate_attention_args(
   _check_qkv("query", q_shape, "BTNH")
   _check_qkv("key", k_shape, "BSKH")
   _check_qkv("value", v_shape, ("B", "S", "K", "Hv"))
+  _check_qkv_dtypes(q_dtype, k_dtype, v_dtype, allowed)
+  shapes = _qkv_shapes(q_shape, k_shape, v_shape)
 
-  B, T, N, H = q_shape
-  kB, S, K, kH = k_shape
-  vB, vS, vK, Hv = v_shape
+  _check_operand("bias", bias, _is_floating, "a floating-point dtype",
+                 shapes.logits_shape, "(B, N, T, S)")
+  _check_operand("mask", mask, lambda d: d == np.dtype(bool), "dtype bool",
+                 shapes.logits_shape, "(B, N, T, S)")
+  for name, bound in (("k_start", k_start), ("k_end", k_end)):
+    _check_operand(name, bound, _is_integer, "an integer dtype", shapes.row_shape, "(B, N, T)")
 
+  _check_scalars(scale, logits_soft_cap, rescale_threshold)
+  return shapes
+
+
+def _check_qkv_dtypes(q_dtype: np.dtype, k_dtype: np.dtype, v_dtype: np.dtype,
+                      allowed: tuple[np.dtype, ...]) -> None:
+  """Refuse a query dtype outside ``allowed``, and a key or value dtype
+  other than the query's."""
   if q_dtype not in allowed:
     raise ValueError(
       f"query: unsupported dtype {_dtype_name(q_dtype)}; expected one of "
@@ -219,6 +232,15 @@ def validate_attention_args(
       f"{_dtype_name(q_dtype)}"
     )
 
+
+def _qkv_shapes(q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                v_shape: tuple[int, ...]) -> AttentionShapes:
+  """The sizes rank-4 query, key and value imply, refused where they
+  disagree (batch, head dim, key length, heads, GQA groups)."""
+  B, T, N, H = q_shape
+  kB, S, K, kH = k_shape
+  vB, vS, vK, Hv = v_shape
+
   if kB != B:
     raise ValueError(f"key: batch {kB} differs from query batch {B}")
   if kH != H:
@@ -234,15 +256,12 @@ def validate_attention_args(
       f"key: {K} key/value heads must divide the {N} query heads (GQA)"
     )
 
-  shapes = AttentionShapes(B=B, T=T, N=N, H=H, S=S, K=K, Hv=Hv)
+  return AttentionShapes(B=B, T=T, N=N, H=H, S=S, K=K, Hv=Hv)
 
-  _check_operand("bias", bias, _is_floating, "a floating-point dtype",
-                 shapes.logits_shape, "(B, N, T, S)")
-  _check_operand("mask", mask, lambda d: d == np.dtype(bool), "dtype bool",
-                 shapes.logits_shape, "(B, N, T, S)")
-  for name, bound in (("k_start", k_start), ("k_end", k_end)):
-    _check_operand(name, bound, _is_integer, "an integer dtype", shapes.row_shape, "(B, N, T)")
 
+def _check_scalars(scale: Any, logits_soft_cap: Any, rescale_threshold: Any) -> None:
+  """Refuse a scale that is not a finite real, a soft cap that is not a
+  finite real > 0 and a threshold outside [0, 1]."""
   if scale is not None:
     value_ = _check_scalar("scale", scale)
     if not math.isfinite(value_):
@@ -261,8 +280,6 @@ def validate_attention_args(
       raise ValueError(
         f"rescale_threshold: must be None or in [0, 1], got {thr}"
       )
-
-  return shapes
 
 
 # ---------------------------------------------------------------------------

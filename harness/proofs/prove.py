@@ -252,6 +252,43 @@ SWITCHES = {
 
 
 def main(argv=None) -> int:
+  parser = _parser()
+  args, words = _parse(parser, argv)
+  start = time.perf_counter()
+  premise = not args.probes_only
+  if premise and not _has_z3():
+    return 2
+  first = None
+  if args.mutant is not None:
+    from harness.proofs import protocol_mutants
+    if args.mutant not in protocol_mutants.BY_NAME:
+      parser.error(f"--mutant: {args.mutant!r} is none of {sorted(protocol_mutants.BY_NAME)}")
+    first = protocol_mutants.BY_NAME[args.mutant].kernel
+  elif args.fail_fast:
+    first = "forward"
+  cache = None
+  if args.mutant is None and not args.fail_fast and not args.no_cache:
+    from harness.proofs import prove_cache
+    cache = prove_cache.Cache()
+  listing = _Listing(args, words, first, cache)
+  from harness.proofs import prove_pool  # noqa: F401  (JAX and the kernels, meanwhile)
+
+  if words and not listing():   # an empty selection stops before any work
+    parser.error(f"--select: no forward protocol or backward launch kind is described "
+                 f"with each of {words}")
+
+  spent: collections.Counter = collections.Counter()
+  try:
+    results, held = _prove(args, listing, cache, premise, spent, start)
+  except (UnknownPrimitive, ExtractionError) as err:
+    # a kernel the proof cannot read is a failure, named where it happens
+    print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
+    return 1
+  return _report(args, words, listing, results, held, cache, premise, spent, start)
+
+
+def _parser() -> argparse.ArgumentParser:
+  """The command's arguments: --jobs, --mutant, --select and the switches."""
   parser = argparse.ArgumentParser(prog="python -m harness prove", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--jobs", type=int, default=None,
@@ -266,6 +303,11 @@ def main(argv=None) -> int:
                       "what a change touches; the gate proves them all")
   for flag, text in SWITCHES.items():
     parser.add_argument(flag, action="store_true", help=text)
+  return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[str]]:
+  """(the arguments, --select's words), ``args.jobs`` defaulted to the usable CPUs."""
   args = parser.parse_args(argv)
   if args.jobs is not None and args.jobs < 1:
     parser.error(f"--jobs: {args.jobs} worker processes; give 1 or more")
@@ -274,66 +316,77 @@ def main(argv=None) -> int:
     parser.error(f"--select: {args.select!r} names no word to select by")
   # the cases are independent: a runner with more cores proves in less time
   args.jobs = args.jobs or usable_cpus()
-  start = time.perf_counter()
-  premise = not args.probes_only
-  if premise:
-    try:
-      import z3  # noqa: F401  (the premise's prover: CPU hosts have it, GPU runners need not)
-    except ImportError:
-      print("python -m harness prove needs z3-solver to prove the premise (P) of "
-            "harness/proofs/role_programs.py: pip install z3-solver (the proof runs on CPU "
-            "hosts; --probes-only tests (P) without it, which proves nothing beyond the "
-            "probed trip counts)")
-      return 2
-  first = None
-  if args.mutant is not None:
-    from harness.proofs import protocol_mutants
-    if args.mutant not in protocol_mutants.BY_NAME:
-      parser.error(f"--mutant: {args.mutant!r} is none of {sorted(protocol_mutants.BY_NAME)}")
-    first = protocol_mutants.BY_NAME[args.mutant].kernel
-  elif args.fail_fast:
-    first = "forward"
-  cache = None
-  if args.mutant is None and not args.fail_fast and not args.no_cache:
-    from harness.proofs import prove_cache
-    cache = prove_cache.Cache()
-  listed: list = []
-  listed_key = repr((first, args.experiments, args.every_config))
-  hit = cache.get("listed", listed_key) if cache is not None else None
-  pending = _listed_aside(first, args.experiments, args.every_config) if hit is None else None
-  from harness.proofs import prove_pool  # JAX and the kernels, meanwhile
+  return args, words
 
-  everything: list = []   # every item, before --select
-  selected = lambda item: all(w in item[1].describe() for w in words)
 
-  def listing():
+def _has_z3() -> bool:
+  """Whether z3 imports; if not, says how to install it."""
+  try:
+    import z3  # noqa: F401  (the premise's prover: CPU hosts have it, GPU runners need not)
+  except ImportError:
+    print("python -m harness prove needs z3-solver to prove the premise (P) of "
+          "harness/proofs/role_programs.py: pip install z3-solver (the proof runs on CPU "
+          "hosts; --probes-only tests (P) without it, which proves nothing beyond the "
+          "probed trip counts)")
+    return False
+  return True
+
+
+class _Listing:
+  """The run's work items, listed once when first asked for (from the cache,
+  or by a process forked before JAX is imported), a mutant's own cases
+  first, then those --select's words describe: ``everything`` before the
+  selection, ``listed`` after it."""
+
+  def __init__(self, args: argparse.Namespace, words: list[str], first: str | None, cache):
+    self.args, self.words, self.cache = args, words, cache
+    self.listed: list = []
+    self.everything: list = []   # every item, before --select
+    self.key = repr((first, args.experiments, args.every_config))
+    self.hit = cache.get("listed", self.key) if cache is not None else None
+    self.pending = (_listed_aside(first, args.experiments, args.every_config)
+                    if self.hit is None else None)
+
+  def selected(self, item) -> bool:
+    """Whether each of --select's words is in ``item``'s description."""
+    return all(w in item[1].describe() for w in self.words)
+
+  def __call__(self) -> list:
+    """The selected items, listed on the first call."""
+    everything = self.everything
     if everything:   # listed already (--select lists before the pool starts)
-      return listed
-    everything[:] = hit if hit is not None else pending()
-    if cache is not None and hit is None:
-      cache.put("listed", listed_key, everything)
-    if args.mutant is not None:
-      # The backward case the mutant names, where it names one, first: its
-      # failure shows there without proving the smaller cases before it.
-      m = protocol_mutants.BY_NAME[args.mutant]
-      own = [it for it in everything if it[0] == "backward" and m.backward
-             and it[1] == cases.BackwardCase(*m.backward)]
-      # the forward cases that can show it first, smallest first: the ones
-      # its words describe, then (only a persistent block can show it) the
-      # persistent ones
-      own += [it for it in everything if it[0] == "forward" and m.shows
-              and m.shows in it[1].describe()]
-      if m.persistent:
-        own += [it for it in everything if it[0] == "forward" and it[1].persistent]
-      everything[:] = list(dict.fromkeys(own)) + [it for it in everything if it not in own]
-    listed[:] = [it for it in everything if selected(it)]
-    return listed
+      return self.listed
+    everything[:] = self.hit if self.hit is not None else self.pending()
+    if self.cache is not None and self.hit is None:
+      self.cache.put("listed", self.key, everything)
+    if self.args.mutant is not None:
+      everything[:] = _mutant_first(self.args.mutant, everything)
+    self.listed[:] = [it for it in everything if self.selected(it)]
+    return self.listed
 
-  if words and not listing():   # an empty selection stops before any work
-    parser.error(f"--select: no forward protocol or backward launch kind is described "
-                 f"with each of {words}")
 
-  spent: collections.Counter = collections.Counter()
+def _mutant_first(mutant: str, everything: list) -> list:
+  """``everything`` with the cases that can show ``mutant`` first."""
+  from harness.proofs import protocol_mutants
+  # The backward case the mutant names, where it names one, first: its
+  # failure shows there without proving the smaller cases before it.
+  m = protocol_mutants.BY_NAME[mutant]
+  own = [it for it in everything if it[0] == "backward" and m.backward
+         and it[1] == cases.BackwardCase(*m.backward)]
+  # the forward cases that can show it first, smallest first: the ones
+  # its words describe, then (only a persistent block can show it) the
+  # persistent ones
+  own += [it for it in everything if it[0] == "forward" and m.shows
+          and m.shows in it[1].describe()]
+  if m.persistent:
+    own += [it for it in everything if it[0] == "forward" and it[1].persistent]
+  return list(dict.fromkeys(own)) + [it for it in everything if it not in own]
+
+
+def _prove(args, listing: _Listing, cache, premise: bool, spent, start: float) -> tuple:
+  """(results, the configs' check) of proving the listed cases, in this
+  process or on a pool of workers; a failure is printed once known."""
+  from harness.proofs import prove_pool
   first_failure: list = []
   shapes: dict = {}   # each proved case's program shape, which the configs' check reads
 
@@ -344,29 +397,30 @@ def main(argv=None) -> int:
       print(f"FAILED after {time.perf_counter() - start:.1f} s (the run goes on; the table at "
             f"the end lists every failure): {text}", flush=True)
 
-  try:
-    if args.fail_fast or args.jobs <= 1:
-      results = prove_pool.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
-                                 cache=cache, premise=premise, spent=spent, on_failure=failed,
-                                 shapes=shapes)
-      held = _representatives_held(args, listing(), everything, cache, None, failed, shapes,
-                                   spent)
-    else:
-      # The backward's cases need no heuristics: the workers start on them
-      # while the forward's are listed, then take the listing's order.
-      early = [("backward", c) for c in cases.backward_cases(experiments=args.experiments)
-               if selected(("backward", c))]
-      with prove_pool.workers(args.jobs, fork=True) as pool:
-        results = prove_pool.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
-                                   cache=cache, early=early, premise=premise, spent=spent,
-                                   on_failure=failed, shapes=shapes)
-        held = _representatives_held(args, listing(), everything, cache, pool, failed, shapes,
-                                     spent)
-  except (UnknownPrimitive, ExtractionError) as err:
-    # a kernel the proof cannot read is a failure, named where it happens
-    print(f"the proof cannot read the kernel: {type(err).__name__}: {err}")
-    return 1
-  items = listed
+  if args.fail_fast or args.jobs <= 1:
+    results = prove_pool.prove(listing(), jobs=1, mutant=args.mutant, fail_fast=args.fail_fast,
+                               cache=cache, premise=premise, spent=spent, on_failure=failed,
+                               shapes=shapes)
+    held = _representatives_held(args, listing(), listing.everything, cache, None, failed,
+                                 shapes, spent)
+    return results, held
+  # The backward's cases need no heuristics: the workers start on them
+  # while the forward's are listed, then take the listing's order.
+  early = [("backward", c) for c in cases.backward_cases(experiments=args.experiments)
+           if listing.selected(("backward", c))]
+  with prove_pool.workers(args.jobs, fork=True) as pool:
+    results = prove_pool.prove(listing, jobs=args.jobs, mutant=args.mutant, pool=pool,
+                               cache=cache, early=early, premise=premise, spent=spent,
+                               on_failure=failed, shapes=shapes)
+    held = _representatives_held(args, listing(), listing.everything, cache, pool, failed,
+                                 shapes, spent)
+  return results, held
+
+
+def _report(args, words: list[str], listing: _Listing, results, held, cache, premise: bool,
+            spent, start: float) -> int:
+  """Prints the table and what the run proved, and returns the exit status."""
+  items, everything = listing.listed, listing.everything
   print(format_results(results))
   proven = sum(r.ok for r in results)
   forward = sum(kind == "forward" for kind, _, _ in items)
@@ -390,6 +444,24 @@ def main(argv=None) -> int:
     print(f"selected by --select {args.select!r}: {forward} of {every_forward} forward "
           f"protocols and {len(items) - forward} of {len(everything) - every_forward} backward "
           f"launch kinds; the others are not proved by this run")
+  _print_scope(results, launches)
+  print(held[1])
+  _print_premise(results, premise, by_z3, launches)
+  if cache is not None and (cache.hits["learned"] or cache.hits["checked"]):
+    print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
+          f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "
+          f"{cache.hits['checked']} of {len(results)} checks")
+  print(format_spent(spent))
+  # What a cold run costs and why: docs/decisions/prove-cold-time.md.
+  print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
+  for line in held[0]:
+    print(f"DIFFERS: {line}")
+  return 0 if proven == len(results) and every and not held[0] else 1
+
+
+def _print_scope(results, launches: int) -> None:
+  """Prints what the launch programs were proved for: lengths, windows and
+  chunks, every grid point, and the plain kernels."""
   # What the launch programs above are not: docs/proof.md, "What is not proved".
   print(f"calls with lengths, a window, chunks or segments: {sum(r.lengths for r in results)} of "
         f"{launches} launch programs proved by Z3 at every length of queries and keys, whole "
@@ -410,7 +482,11 @@ def main(argv=None) -> int:
         f"trip counts are compiled in, proved by Z3 to run the launch programs above (at every "
         f"length of queries and keys, whole or ragged; the "
         f"causal backward's head by head and in L2 sections)")
-  print(held[1])
+
+
+def _print_premise(results, premise: bool, by_z3: int, launches: int) -> None:
+  """Prints how the premise (P) stands: proved by Z3 (its claims and time),
+  or tested by the probes only."""
   stats = [z for r in results for z in r.z3 if z]
   if premise:
     # What proving (P) adds to a run: docs/decisions/premise-proof-time.md.
@@ -421,16 +497,6 @@ def main(argv=None) -> int:
   else:
     print("(P) tested by the probes only (--probes-only): nothing is proved beyond the "
           "probed trip counts")
-  if cache is not None and (cache.hits["learned"] or cache.hits["checked"]):
-    print(f"from the cache ({cache.root}, kept by runs of the same sources; --no-cache "
-          f"recomputes): the programs of {cache.hits['learned']} of {len(items)} cases, "
-          f"{cache.hits['checked']} of {len(results)} checks")
-  print(format_spent(spent))
-  # What a cold run costs and why: docs/decisions/prove-cold-time.md.
-  print(f"wall time {wall:.1f} s ({args.jobs if not args.fail_fast else 1} worker(s))")
-  for line in held[0]:
-    print(f"DIFFERS: {line}")
-  return 0 if proven == len(results) and every and not held[0] else 1
 
 
 def _representatives_held(args, listed, everything, cache, pool, failed,

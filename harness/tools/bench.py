@@ -324,6 +324,30 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.grid:
+    return _run_grid(parser, args, argv)
+  shapes = SHAPE_SETS[args.shapes]
+  if args.backward_parts:
+    return _run_backward_parts(shapes, args.out)
+  configs = [dataclasses.replace(c, backward=impl)
+             for impl in args.backward_impl.split(",") for c in _variants(args.configs)]
+  rows = [row for s in shapes
+          for row in bench_shape(s, configs, rescale_threshold=args.threshold,
+                                 backward=args.backward, bias_2d=args.bias_2d)]
+  dev = jax.devices()[0]
+  meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump(meta, fh, indent=1)
+  print(f"device {dev.device_kind}, jax {jax.__version__}")
+  print(render(rows))
+  return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+  """The command's arguments: the shapes' bench, then --grid's."""
   parser = argparse.ArgumentParser(prog="python -m harness.tools.bench")
   parser.add_argument("--shapes", choices=tuple(SHAPE_SETS), default="default",
                       help="default: every benchmark shape; headline: the issues' shape; "
@@ -346,6 +370,12 @@ def main(argv=None) -> int:
   parser.add_argument("--backward-parts", action="store_true",
                       help="per shape: the forward, the backward's glue and kernels alone, "
                            "and the whole forward + backward (ms; where the time goes)")
+  _add_grid_arguments(parser)
+  return parser
+
+
+def _add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+  """--grid and the arguments only the grid reads."""
   grid = parser.add_argument_group("--grid: the whole performance grid (harness/tools/bench_grid.py)")
   grid.add_argument("--grid", action="store_true",
                     help="time the grid: head dims x seq x causal, ours beside cuDNN and JAX's "
@@ -394,8 +424,12 @@ def main(argv=None) -> int:
   grid.add_argument("--section-head-dims", default=None,
                     help="comma-separated head dims of the windows-segments section "
                          "(default: bench_windows_segments.HEAD_DIMS, 128)")
-  args = parser.parse_args(argv)
-  if args.grid and args.dtype != "bfloat16":
+
+
+def _run_grid(parser: argparse.ArgumentParser, args, argv) -> int:
+  """--grid: the FP8 page (harness/tools/bench_fp8.py), or the grid and its
+  sections (harness/tools/bench_grid.py)."""
+  if args.dtype != "bfloat16":
     if args.backward or args.forward_only_backward or args.sections != "dense":
       parser.error("--dtype float8_e4m3fn times the forward grid only (no --backward, "
                    "--backward-only or --sections)")
@@ -405,56 +439,48 @@ def main(argv=None) -> int:
     from harness.tools import bench_fp8
     args.raw_argv = list(argv if argv is not None else sys.argv[1:])
     return bench_fp8.main(args)
-  if args.grid:
-    from harness.tools import bench_grid, bench_windows_segments
-    sections = {bench_windows_segments.NAME: bench_windows_segments}
-    try:
-      bench_grid.chosen_sections(args.sections, sections)
-    except ValueError as err:
-      parser.error(str(err))
-    args.raw_argv = list(argv if argv is not None else sys.argv[1:])
-    return bench_grid.main(args, sections)
-  shapes = SHAPE_SETS[args.shapes]
-  if args.backward_parts:
-    results = []
-    for shape in shapes:
-      results.append((shape, backward_parts(shape)))
-      print(render_parts(results[-1:]), flush=True)
-    print(render_parts(results))
-    if args.out:
-      with open(args.out, "w") as fh:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "parts": [{"shape": dataclasses.asdict(sh), "ms": ms}
-                             for sh, ms in results]}, fh, indent=1)
-    return 0
-  configs = [None]
-  if args.configs:
-    from kernel.tiling.config import Config
-    configs = []
-    for item in args.configs.split(";"):
-      fields = item.split(",")
-      staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (stage_2d=False)
-      fields = fields if staged else fields[:-1]
-      if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
-        configs.append(Variant(None, staged))
-        continue
-      bq, bkv, st, *p = fields
-      configs.append(Variant(Config(int(bq), int(bkv), int(st),
-                                    persistent=bool(p and p[0] == "p")), staged))
-  impls = args.backward_impl.split(",")
-  configs = [dataclasses.replace(c if isinstance(c, Variant) else Variant(c), backward=impl)
-             for impl in impls for c in configs]
-  rows = [row for s in shapes
-          for row in bench_shape(s, configs, rescale_threshold=args.threshold,
-                                 backward=args.backward, bias_2d=args.bias_2d)]
-  dev = jax.devices()[0]
-  meta = {"device": dev.device_kind, "jax": jax.__version__, "rows": rows}
-  if args.out:
-    with open(args.out, "w") as fh:
-      json.dump(meta, fh, indent=1)
-  print(f"device {dev.device_kind}, jax {jax.__version__}")
-  print(render(rows))
+  from harness.tools import bench_grid, bench_windows_segments
+  sections = {bench_windows_segments.NAME: bench_windows_segments}
+  try:
+    bench_grid.chosen_sections(args.sections, sections)
+  except ValueError as err:
+    parser.error(str(err))
+  args.raw_argv = list(argv if argv is not None else sys.argv[1:])
+  return bench_grid.main(args, sections)
+
+
+def _run_backward_parts(shapes, out: str | None) -> int:
+  """--backward-parts: each shape's table as it is timed, then all of them."""
+  results = []
+  for shape in shapes:
+    results.append((shape, backward_parts(shape)))
+    print(render_parts(results[-1:]), flush=True)
+  print(render_parts(results))
+  if out:
+    with open(out, "w") as fh:
+      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "parts": [{"shape": dataclasses.asdict(sh), "ms": ms}
+                           for sh, ms in results]}, fh, indent=1)
   return 0
+
+
+def _variants(configs: str | None) -> list[Variant]:
+  """--configs as variants of ours (one of config=None without it)."""
+  if not configs:
+    return [Variant(None)]
+  from kernel.tiling.config import Config
+  variants = []
+  for item in configs.split(";"):
+    fields = item.split(",")
+    staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (stage_2d=False)
+    fields = fields if staged else fields[:-1]
+    if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
+      variants.append(Variant(None, staged))
+      continue
+    bq, bkv, st, *p = fields
+    variants.append(Variant(Config(int(bq), int(bkv), int(st),
+                                   persistent=bool(p and p[0] == "p")), staged))
+  return variants
 
 
 if __name__ == "__main__":

@@ -22,6 +22,14 @@ def cases() -> dict[str, dict]:
   specialisation the forward has: causal, bias, mask, key ranges, GQA,
   persistent and not, head dims 64/128/256, a threshold below 1, residuals,
   soft cap, unnormalised output, and the backward kernels through jax.grad."""
+  d128 = dict(B=2, T=300, N=4, H=128, S=500, K=2, Hv=128)
+  return {**_head_dim_cases(), **_schedule_cases(d128), **_backward_cases(d128),
+          **_copy_cases(d128), **_fp8_cases(d128)}
+
+
+def _head_dim_cases() -> dict[str, tuple]:
+  """At head dims 64, 128 and 256: plain, causal with a threshold, bias,
+  mask and key ranges, persistent and not, and two gradients."""
   from kernel.tiling.config import Config
   c = {}
   for d in (64, 128, 256):
@@ -47,10 +55,16 @@ def cases() -> dict[str, dict]:
   c["d128-p-unpadded"] = (dict(B=2, T=296, N=4, H=128, S=512, K=2, Hv=128),
                           dict(config=Config(64, 128, 2, True), return_residuals=True), {}, False)
   c["d64-grad-unpadded"] = (dict(B=1, T=296, N=2, H=64, S=512, K=1, Hv=64), {}, {}, True)
+  return c
+
+
+def _schedule_cases(d128: dict) -> dict[str, tuple]:
+  """The forward's schedules and staging at head dim 128 (and one at 64)."""
+  from kernel.tiling.config import Config
+  c = {}
   # The longest-first schedule (its tables, and a local window it weighs
   # tiles by), three stages, 128-row warpgroup blocks, 2-D operands read from
-  # global memory instead of staged, and the private backward variants.
-  d128 = dict(B=2, T=300, N=4, H=128, S=500, K=2, Hv=128)
+  # global memory instead of staged.
   for persistent in (False, True):
     p = "p" if persistent else "np"
     lf = Config(64, 128, 2, persistent, "longest-first")
@@ -73,6 +87,14 @@ def cases() -> dict[str, dict]:
       dict(B=2, T=600, N=4, H=64, S=500, K=2, Hv=64),
       dict(config=Config(128, 64, 3, True), is_causal=True),
       dict(mask_shape=(2, 4, 600, 500)), False)
+  return c
+
+
+def _backward_cases(d128: dict) -> dict[str, tuple]:
+  """The backward's variants, chunks, windows, fixed-point dQ and head dim 96."""
+  from kernel.tiling.config import Config
+  c = {}
+  # The private backward variants.
   c["d128-grad-serial-causal-bias"] = (d128, dict(is_causal=True, backward="pallas-serial"),
                                        dict(bias_shape=(1, 4, 300, 500)), True)
   c["d128-grad-two-kernel"] = (d128, dict(backward="pallas-two-kernel"), {}, True)
@@ -98,6 +120,13 @@ def cases() -> dict[str, dict]:
   # backward in its own 64-column rows.
   c["d96-grad-narrow-causal-gqa"] = (dict(B=1, T=200, N=4, H=96, S=328, K=2, Hv=96),
                                      dict(is_causal=True), {}, True)
+  return c
+
+
+def _copy_cases(d128: dict) -> dict[str, tuple]:
+  """The output's copies: padded instead of untiled, and the guarded launch."""
+  from kernel.tiling.config import Config
+  c = {}
   # Lengths no multiple of 8 copied padded (the API copies them through
   # untiled views but in FP8 and for wide rows without causal past 8192 keys).
   c["d128-p-padded-copies"] = (d128, dict(config=Config(64, 128, 2, True), untiled_copies=False,
@@ -105,9 +134,15 @@ def cases() -> dict[str, dict]:
   # The guarded launch (outputs as mutable operands: no fresh outputs).
   c["d128-p-guarded-outputs"] = (d128, dict(config=Config(64, 128, 2, True),
                                             return_residuals=True, _guarded=True), {}, False)
-  # FP8 (float8_e4m3fn with its descales): per tensor and per (batch, kv
-  # head), persistent and not, causal with a threshold, staged operands and
-  # key ranges, 256-key blocks, head dim 256, a float16 output.
+  return c
+
+
+def _fp8_cases(d128: dict) -> dict[str, tuple]:
+  """FP8 (float8_e4m3fn with its descales): per tensor and per (batch, kv
+  head), persistent and not, causal with a threshold, staged operands and
+  key ranges, 256-key blocks, head dim 256, a float16 output."""
+  from kernel.tiling.config import Config
+  c = {}
   fp8 = dict(dtype="float8_e4m3fn")
   head = dict(fp8, descales="head")
   c["fp8-d128-p-plain"] = (d128, dict(config=Config(64, 128, 2, True), return_residuals=True),

@@ -148,22 +148,37 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
                      group=group, nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused,
                      order=order)
 
-  def body(*refs):
-    _dkv_kernel(kernel, *refs)
-
   if (dq_scales is not None) != (fused and dq_accum.dtype == jnp.int32):
     raise ValueError("the fixed-point dQ takes an int32 dq_accum and dq_scales together")
   untiled = blocks.untiled_copies
-  scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=fused,
-                                   dq_dtype=np.float32 if dq_accum is None else dq_accum.dtype),
-                       untiled),
-             _barrier_refs(dkv_mbarriers(blocks))]
-  out_type = [jax.ShapeDtypeStruct((batch, s, num_kv_heads, *copy_row(blocks, d, dtype)), dtype)
-              for d in (head_dim, head_dim_out)]
   if untiled:  # rows in column parts (kernel.tiling.backward_plan.copy_row): free reshapes
     q, k, v, do = (x.reshape(*x.shape[:3], *copy_row(blocks, x.shape[3], dtype))
                    for x in (q, k, v, do))
-  results = plgpu.kernel(
+  results = _dkv_launch(kernel, batch=batch, seq_kv=s, dq_accum=dq_accum)(
+      q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
+      *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_scales,
+      dq_accum)
+  if untiled:
+    results = [x.reshape(*x.shape[:3], -1) for x in results]
+  return dict(zip(("dk", "dv"), results))
+
+
+def _dkv_launch(kernel: DkvKernel, *, batch: int, seq_kv: int, dq_accum):
+  """The dK/dV ``plgpu.kernel`` of ``kernel``: its scratch, outputs and grid."""
+  blocks, dtype, num_kv_heads = kernel.blocks, kernel.dtype, kernel.num_kv_heads
+  head_dim, head_dim_out = kernel.head_dim, kernel.head_dim_out
+
+  def body(*refs):
+    _dkv_kernel(kernel, *refs)
+
+  scratch = [_allocate(dkv_buffers(blocks, head_dim, head_dim_out, dtype, fused=kernel.fused,
+                                   dq_dtype=np.float32 if dq_accum is None else dq_accum.dtype),
+                       blocks.untiled_copies),
+             _barrier_refs(dkv_mbarriers(blocks))]
+  out_type = [jax.ShapeDtypeStruct((batch, seq_kv, num_kv_heads, *copy_row(blocks, d, dtype)),
+                                   dtype)
+              for d in (head_dim, head_dim_out)]
+  return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
       # Mosaic GPU launches the LAST grid dimension fastest (blockIdx.x):
       # here the key tiles, so that the blocks in flight at once are the
@@ -172,16 +187,11 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
       # (docs/decisions/dkv-grid-key-tiles-fastest.md).
       # Under causal, _at_key_tile remaps a block's launch index through
       # kernel.tiling.schedule (sections of heads, heaviest first across them).
-      grid=(num_kv_heads, batch, s_pad // blocks.dkv_tile),
+      grid=(num_kv_heads, batch, kernel.s_pad // blocks.dkv_tile),
       grid_names=("kv_heads", "batch", "kv_tiles"),
       num_threads=barriers.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
-  )(q, k, v, do, rows, bias_t, mask_t, k_start, k_end,
-    *(query_blocks if query_blocks is not None else (None, None)), inner_blocks, dq_scales,
-    dq_accum)
-  if untiled:
-    results = [x.reshape(*x.shape[:3], -1) for x in results]
-  return dict(zip(("dk", "dv"), results))
+  )
 
 
 def _dkv_kernel(c: DkvKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mask_ref,

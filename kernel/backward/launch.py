@@ -84,16 +84,12 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   """
   f = problem
   blocks, (d, dv_dim) = backward.blocks, backward.head_dims
-  fuse_dq, fixed_point_dq = blocks.fuse_dq, problem.deterministic
+  fuse_dq = blocks.fuse_dq
   dtype = query.dtype
   batch, t, heads, hd = query.shape
   s, hdv = key.shape[1], value.shape[3]
-  for name, est in smem_estimates(d, dv_dim, dtype, with_bias=bias is not None,
-                                  causal=f.mask.causal, fuse_dq=fuse_dq).items():
-    if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
-      raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
-                       f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
-                       f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
+  _check_smem(f, (d, dv_dim), dtype, with_bias=bias is not None, fuse_dq=fuse_dq,
+              head_dims=(hd, hdv))
   q, k, v, do, (t_pad, s_pad) = padding.backward_inputs(
       query, key, value, d_out, head_dims=(d, dv_dim), blocks=blocks,
       whole_tiles=blocks.whole_tiles)
@@ -103,11 +99,8 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   bias4, mask4, ks, ke, tiles = padding.backward_masks(bias, mask, k_start, k_end, dtype=dtype,
                                                        seq_kv=s, t_pad=t_pad, blocks=blocks)
 
-  block_args = dict(seq_kv=s, num_rows=t_pad, block_q=blocks.dkv_stream_q,
-                    key_tile=blocks.dkv_tile, num_key_tiles=s_pad // blocks.dkv_tile,
-                    group=heads // key.shape[2])
-  query_blocks = padding.query_block_ranges(ks, ke, **block_args)
-  inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
+  query_blocks, inner_blocks = _streamed_query_blocks(
+      ks, ke, blocks, seq_kv=s, t_pad=t_pad, s_pad=s_pad, group=heads // key.shape[2])
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
   fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, causal=f.mask.causal)
   bias_t, mask_t = swap(bias4), swap(mask4)
@@ -117,29 +110,8 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
                     dq_accum=dq_accum, dq_scales=dq_scales, query_blocks=query_blocks,
                     inner_blocks=inner_blocks, num_sms=num_sms, padded=(t_pad, s_pad))
   if fused:
-    # The float32 dQ accumulator is a ref of a state scope of its own
-    # (run_state, which hands back its final value), not a jax.new_ref of
-    # the traced program: custom_partitioning (kernel/sharding.py) cannot
-    # lower a program that holds a mutable array's effect.
-    scales = (fixed_point_scales(k, v, do, rows, heads // key.shape[2])
-              if fixed_point_dq else None)
-
-    def fused_launch(refs):
-      acc, dk, dv = refs
-      got = launch(dq_accum=acc, dq_scales=scales)
-      dk[...], dv[...] = got["dk"], got["dv"]
-
-    acc_dtype = jnp.int32 if fixed_point_dq else jnp.float32
-    # Untiled copies leave the f32 reduce-adds tiled: their rows are whole tiles.
-    acc_shape = (q.shape[0], t_pad, *q.shape[2:]) if blocks.untiled_copies else q.shape
-    dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
-        (jnp.zeros(acc_shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
-    dkv = {"dk": dk_pad, "dv": dv_pad}
-    dq = dq_acc.astype(jnp.float32) * f.scale
-    if fixed_point_dq:
-      # the scales cover the grid's Tp rows; dq those of q
-      dq = dq / jnp.swapaxes(scales if acc_shape[1] == t_pad else scales[:, :, :acc_shape[1]],
-                             1, 2)[..., None]
+    dq, dkv = _fused_dq(f, launch, q, k, v, do, rows, blocks=blocks, t_pad=t_pad,
+                        group=heads // key.shape[2])
     dq, ds = dq.astype(dtype), None
   else:
     dkv = launch()
@@ -148,16 +120,77 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
 
   dbias = None
   if bias is not None:
-    # Blocks the dq kernel skipped (outside a tile's key range) are unwritten;
-    # every logit there is masked, so their gradient is 0.
-    visited = _visited_blocks(ds.shape, tiles, f, blocks)
-    ds = jnp.where(visited, ds, 0.0)[:, :, :t, :s]
-    bias_shape = jnp.shape(bias)
-    full = lax.broadcast_to_rank(jnp.zeros(bias_shape, jnp.float32), 4).shape
-    summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)
-    dbias = summed.reshape(bias_shape).astype(bias.dtype)
+    dbias = _bias_gradient(f, blocks, ds, tiles, bias, seq_q=t, seq_kv=s)
   return (*padding.backward_results(dq, dkv["dk"], dkv["dv"], seq_q=t, seq_kv=s, head_dim=hd,
                                     head_dim_out=hdv), dbias)
+
+
+def _check_smem(f: plan_lib.Problem, padded_dims, dtype, *, with_bias: bool, fuse_dq: bool,
+                head_dims):
+  """Refuse a launch whose estimated shared memory exceeds the limit."""
+  (d, dv_dim), (hd, hdv) = padded_dims, head_dims
+  for name, est in smem_estimates(d, dv_dim, dtype, with_bias=with_bias,
+                                  causal=f.mask.causal, fuse_dq=fuse_dq).items():
+    if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
+      raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
+                       f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
+                       f"{plan_lib.SMEM_LIMIT_BYTES} bytes (227 KiB)")
+
+
+def _streamed_query_blocks(ks, ke, blocks: BackwardBlocks, *, seq_kv, t_pad, s_pad, group):
+  """(query_blocks, inner_blocks) of the dK/dV launch: the query blocks each
+  key tile streams, and the run of them inside every row's key range."""
+  block_args = dict(seq_kv=seq_kv, num_rows=t_pad, block_q=blocks.dkv_stream_q,
+                    key_tile=blocks.dkv_tile, num_key_tiles=s_pad // blocks.dkv_tile,
+                    group=group)
+  query_blocks = padding.query_block_ranges(ks, ke, **block_args)
+  inner_blocks = padding.query_block_inner_bounds(ks, ke, **block_args)
+  return query_blocks, inner_blocks
+
+
+@seam("backward.fused_dq")
+def _fused_dq(f: plan_lib.Problem, launch, q, k, v, do, rows, *, blocks: BackwardBlocks,
+              t_pad: int, group: int):
+  """(dq in float32, {"dk", "dv"}) from the dK/dV launch with dQ accumulated
+  in it, in float32 or (``f.deterministic``) int32 fixed point."""
+  fixed_point_dq = f.deterministic
+  # The float32 dQ accumulator is a ref of a state scope of its own
+  # (run_state, which hands back its final value), not a jax.new_ref of
+  # the traced program: custom_partitioning (kernel/sharding.py) cannot
+  # lower a program that holds a mutable array's effect.
+  scales = fixed_point_scales(k, v, do, rows, group) if fixed_point_dq else None
+
+  def fused_launch(refs):
+    acc, dk, dv = refs
+    got = launch(dq_accum=acc, dq_scales=scales)
+    dk[...], dv[...] = got["dk"], got["dv"]
+
+  acc_dtype = jnp.int32 if fixed_point_dq else jnp.float32
+  # Untiled copies leave the f32 reduce-adds tiled: their rows are whole tiles.
+  acc_shape = (q.shape[0], t_pad, *q.shape[2:]) if blocks.untiled_copies else q.shape
+  dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
+      (jnp.zeros(acc_shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
+  dkv = {"dk": dk_pad, "dv": dv_pad}
+  dq = dq_acc.astype(jnp.float32) * f.scale
+  if fixed_point_dq:
+    # the scales cover the grid's Tp rows; dq those of q
+    dq = dq / jnp.swapaxes(scales if acc_shape[1] == t_pad else scales[:, :, :acc_shape[1]],
+                           1, 2)[..., None]
+  return dq, dkv
+
+
+@seam("backward.bias_gradient")
+def _bias_gradient(f: plan_lib.Problem, blocks: BackwardBlocks, ds, tiles, bias, *,
+                   seq_q: int, seq_kv: int):
+  """dbias: the dq kernel's dS summed down to the bias's own shape."""
+  # Blocks the dq kernel skipped (outside a tile's key range) are unwritten;
+  # every logit there is masked, so their gradient is 0.
+  visited = _visited_blocks(ds.shape, tiles, f, blocks)
+  ds = jnp.where(visited, ds, 0.0)[:, :, :seq_q, :seq_kv]
+  bias_shape = jnp.shape(bias)
+  full = lax.broadcast_to_rank(jnp.zeros(bias_shape, jnp.float32), 4).shape
+  summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)
+  return summed.reshape(bias_shape).astype(bias.dtype)
 
 
 def _visited_blocks(ds_shape, tiles, f: plan_lib.Problem, blocks: BackwardBlocks):

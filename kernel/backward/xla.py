@@ -55,12 +55,7 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
   m_safe = jnp.where(live, m, 0.0)
   inv_l = jnp.where(live, 1.0 / jnp.where(live, l, 1.0), 0.0)
 
-  bias4 = None if bias is None else lax.broadcast_to_rank(bias.astype(f32), 4)
-  mask4 = None if mask is None else lax.broadcast_to_rank(mask, 4)
-  if bias4 is not None and bias4.shape[3] != 1:
-    bias4 = _pad_keys(bias4, 3, s_pad)
-  if mask4 is not None and mask4.shape[3] != 1:
-    mask4 = _pad_keys(mask4, 3, s_pad)
+  bias4, mask4 = _rank4_operands(bias, mask, s_pad)
   rows = jnp.arange(t)[:, None]
 
   def by_group(x):  # (B, K, c, D) -> (B, N, c, D): query head n reads key head n // G
@@ -69,9 +64,6 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
   def sum_groups(x):  # (B, N, c, D) -> (B, K, c, D)
     return x.reshape(batch, kv_heads, group, *x.shape[2:]).sum(axis=2)
 
-  def chunk_of(x, c0, axis):
-    return x if x.shape[axis] == 1 else lax.dynamic_slice_in_dim(x, c0, chunk, axis)
-
   def step(c, carry):
     dq, dk, dv, dbias = carry
     c0 = c * chunk
@@ -79,17 +71,11 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
     vc = by_group(lax.dynamic_slice_in_dim(v, c0, chunk, 2))
     u = scale * jnp.einsum("bnth,bnch->bntc", q, kc)
     if bias4 is not None:
-      u = u + chunk_of(bias4, c0, 3)
+      u = u + _chunk_of(bias4, c0, chunk, 3)
     s = u if logits_soft_cap is None else logits_soft_cap * jnp.tanh(u / logits_soft_cap)
     cols = c0 + jnp.arange(chunk)[None, :]
-    visible = jnp.broadcast_to(problem.mask.keep(rows, cols), (t, chunk))[None, None]
-    if mask4 is not None:
-      visible = visible & chunk_of(mask4, c0, 3)
-    if k_start is not None:
-      visible = visible & (cols[None, None] >= lax.broadcast_to_rank(k_start, 3)[..., None])
-    if k_end is not None:
-      visible = visible & (cols[None, None] < lax.broadcast_to_rank(k_end, 3)[..., None])
-    visible = visible & live[..., None]
+    visible = _visible(problem, rows, cols, c0, mask4=mask4, k_start=k_start, k_end=k_end,
+                       live=live)
     p = jnp.where(visible, jnp.exp(jnp.where(visible, s, 0.0) - m_safe[..., None]), 0.0)
     p = p * inv_l[..., None]
     dv_c = jnp.einsum("bntc,bntd->bncd", p, do)
@@ -103,12 +89,7 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
     dk = lax.dynamic_update_slice_in_dim(dk, sum_groups(dk_c), c0, 2)
     dv = lax.dynamic_update_slice_in_dim(dv, sum_groups(dv_c), c0, 2)
     if dbias is not None:
-      keep = tuple(i for i, d in enumerate(dbias.shape[:3]) if d != 1)
-      red = jnp.sum(ds, axis=tuple(i for i in range(3) if i not in keep), keepdims=True)
-      if dbias.shape[3] == 1:
-        dbias = dbias + jnp.sum(red, axis=3, keepdims=True)
-      else:
-        dbias = lax.dynamic_update_slice_in_dim(dbias, red, c0, 3)
+      dbias = _summed_into_dbias(dbias, ds, c0)
     return dq, dk, dv, dbias
 
   dbias0 = None
@@ -124,3 +105,43 @@ def xla_backward(problem, query, key, value, bias, mask, k_start, k_end, out, m,
       dbias = dbias[..., :s_len]
     dbias = dbias.reshape(bias.shape).astype(bias.dtype)
   return dq, dk, dv, dbias
+
+
+def _rank4_operands(bias, mask, s_pad):
+  """(bias, mask) at rank 4, bias in float32, each padded to ``s_pad`` keys
+  where it has more than one."""
+  bias4 = None if bias is None else lax.broadcast_to_rank(bias.astype(jnp.float32), 4)
+  mask4 = None if mask is None else lax.broadcast_to_rank(mask, 4)
+  if bias4 is not None and bias4.shape[3] != 1:
+    bias4 = _pad_keys(bias4, 3, s_pad)
+  if mask4 is not None and mask4.shape[3] != 1:
+    mask4 = _pad_keys(mask4, 3, s_pad)
+  return bias4, mask4
+
+
+def _chunk_of(x, c0, chunk, axis):
+  """The ``chunk`` keys from ``c0`` along ``axis``, unless ``x`` broadcasts along it."""
+  return x if x.shape[axis] == 1 else lax.dynamic_slice_in_dim(x, c0, chunk, axis)
+
+
+def _visible(problem, rows, cols, c0, *, mask4, k_start, k_end, live):
+  """(B, N, T, chunk) bool: the pairs of ``rows`` and the chunk's ``cols``
+  the problem's mask, ``mask4`` and the key ranges keep, in live rows."""
+  t, chunk = rows.shape[0], cols.shape[1]
+  visible = jnp.broadcast_to(problem.mask.keep(rows, cols), (t, chunk))[None, None]
+  if mask4 is not None:
+    visible = visible & _chunk_of(mask4, c0, chunk, 3)
+  if k_start is not None:
+    visible = visible & (cols[None, None] >= lax.broadcast_to_rank(k_start, 3)[..., None])
+  if k_end is not None:
+    visible = visible & (cols[None, None] < lax.broadcast_to_rank(k_end, 3)[..., None])
+  return visible & live[..., None]
+
+
+def _summed_into_dbias(dbias, ds, c0):
+  """``dbias`` with the chunk's dS (from key ``c0``) summed down to its shape."""
+  keep = tuple(i for i, d in enumerate(dbias.shape[:3]) if d != 1)
+  red = jnp.sum(ds, axis=tuple(i for i in range(3) if i not in keep), keepdims=True)
+  if dbias.shape[3] == 1:
+    return dbias + jnp.sum(red, axis=3, keepdims=True)
+  return lax.dynamic_update_slice_in_dim(dbias, red, c0, 3)

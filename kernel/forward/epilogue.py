@@ -28,36 +28,7 @@ def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
     # Before the epilogue: warpgroup 1's last PV waits for this pass, and
     # the output overlay's epilogue barrier waits for warpgroup 1.
     pass_token_for_the_last_time(c)
-
-  # acc and l_i are relative to m_scale; alpha brings them to m_i.
-  if c.always_rescale:
-    l_res = l_i
-  else:
-    l_res = l_i * jnp.exp2(m_scale - safe(m_i))
-  if f.normalize_output:
-    # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
-    # fully masked rows (acc is 0 there).
-    inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
-    out = each_part(lambda a: a * lax.broadcast_in_dim(inv, a.shape, [0]), acc)
-  elif c.always_rescale:
-    out = acc
-  else:
-    alpha = jnp.exp2(m_scale - safe(m_i))
-    out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
-  if f.fp8:
-    # V was stored over v_descale, P at P_SCALE times its value (which
-    # the normalised output's l_i cancels).
-    v_descale = t.descales[1]
-    unit = v_descale if f.normalize_output else v_descale * (1.0 / fp8.P_SCALE)
-    out = each_part(lambda a: a * unit, out)
-    l_res = l_res * (1.0 / fp8.P_SCALE)
-
-  if f.poisons_rows:
-    poisoned = t.k_start == POISONED_START
-    out = each_part(
-        lambda o: jnp.where(lax.broadcast_in_dim(poisoned, o.shape, [0]), jnp.nan, o), out)
-    m_i = jnp.where(poisoned, jnp.nan, m_i)
-    l_res = jnp.where(poisoned, jnp.nan, l_res)
+  out, m_i, l_res = _final_rows(c, t, acc, m_i, l_i, m_scale)
 
   if c.config.persistent and not layout.overlay_q_with_output:
     # A tile without key blocks never ran a QK: release the query slot here.
@@ -113,3 +84,40 @@ def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
     # streaming; only its query load is exposed.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     c.queries.consumer_release(wg)
+
+
+@seam("epilogue.final_rows")
+def _final_rows(c: ForwardContext, t: Tile, acc, m_i, l_i, m_scale):
+  """(out, m_i, l) of the tile's rows as they are stored: normalised (or
+  brought to m_i), descaled under FP8, NaN in poisoned rows."""
+  f = c.f
+  # acc and l_i are relative to m_scale; alpha brings them to m_i.
+  if c.always_rescale:
+    l_res = l_i
+  else:
+    l_res = l_i * jnp.exp2(m_scale - safe(m_i))
+  if f.normalize_output:
+    # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
+    # fully masked rows (acc is 0 there).
+    inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
+    out = each_part(lambda a: a * lax.broadcast_in_dim(inv, a.shape, [0]), acc)
+  elif c.always_rescale:
+    out = acc
+  else:
+    alpha = jnp.exp2(m_scale - safe(m_i))
+    out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
+  if f.fp8:
+    # V was stored over v_descale, P at P_SCALE times its value (which
+    # the normalised output's l_i cancels).
+    v_descale = t.descales[1]
+    unit = v_descale if f.normalize_output else v_descale * (1.0 / fp8.P_SCALE)
+    out = each_part(lambda a: a * unit, out)
+    l_res = l_res * (1.0 / fp8.P_SCALE)
+
+  if f.poisons_rows:
+    poisoned = t.k_start == POISONED_START
+    out = each_part(
+        lambda o: jnp.where(lax.broadcast_in_dim(poisoned, o.shape, [0]), jnp.nan, o), out)
+    m_i = jnp.where(poisoned, jnp.nan, m_i)
+    l_res = jnp.where(poisoned, jnp.nan, l_res)
+  return out, m_i, l_res

@@ -74,31 +74,13 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
   """
   wanted = problem
   batch, seq_q, num_heads, head_dim = q.shape
-  if problem.fp8:
-    _, num_kv_heads, head_dim_out, seq_kv = v.shape
-    if descales is None or descales.ndim != 3 or descales.shape[2] != 2:
-      raise ValueError(f"descales: the FP8 forward takes (B|1, K|1, 2) float32 descales, "
-                       f"got {None if descales is None else descales.shape}")
-  else:
-    _, seq_kv, num_kv_heads, head_dim_out = v.shape
+  seq_kv, num_kv_heads, head_dim_out = _value_dims(problem, q, v, descales)
   dtype = q.dtype
-  if (np.dtype(dtype), head_dim, head_dim_out) != (np.dtype(problem.dtype), problem.head_dim,
-                                                   problem.head_dim_out):
-    raise ValueError(f"q, v: {np.dtype(dtype).name} with head dims {head_dim}, {head_dim_out}, "
-                     f"but the problem is {np.dtype(problem.dtype).name} with "
-                     f"{problem.head_dim}, {problem.head_dim_out}")
   num_tiles, s_pad = launch_extent(config, seq_q, seq_kv)
   # The split tail's pieces are weighed by their (m, l) in the merge, so the
   # kernel may return residuals the caller did not ask for.
   f = problem = plan_lib.kernel_problem(problem, config)
-  plan_lib.check_fits(problem, config)
-  if f.poisons_rows and k_start is None:
-    raise ValueError("problem.poisons_rows: the rows to poison are marked in k_start, "
-                     "and none was given")
-  pipe = plan_lib.pipeline_plan(problem, config)
-  if config.schedule == "split-tail" and outputs is not None:
-    raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
-                     "into fresh arrays; run it without outputs")
+  pipe = _pipeline(f, config, k_start=k_start, outputs=outputs)
   order, schedule_tables = _schedule(
       f, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
       num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
@@ -112,17 +94,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
   def kernel_body(*refs):
     _kernel(kernel, pipe.mbarriers, *refs)
 
-  # The output's row: whole, or under untiled copies in column parts
-  # (kernel.tiling.plan.copy_parts), q, k and v likewise (free reshapes).
-  out_row = (head_dim_out,)
-  if f.untiled_copies:
-    if outputs is not None:
-      raise ValueError("outputs: untiled copies write the output in column parts, "
-                       "into a fresh array; run them without outputs")
-    in_parts = lambda x: x.reshape(*x.shape[:3], *plan_lib.copy_parts(x.shape[3], x.itemsize))
-    # FP8's V^T stays whole: a copy made whole before the kernel
-    q, k, v = in_parts(q), in_parts(k), v if f.fp8 else in_parts(v)
-    out_row = plan_lib.copy_parts(head_dim_out, f.output_dtype.itemsize)
+  q, k, v, out_row = _in_copy_parts(f, q, k, v, head_dim_out, outputs)
   out_type = _out_type(f, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
                        num_tiles=num_tiles, out_row=out_row,
                        dtype=f.output_dtype if f.fp8 else dtype)
@@ -141,6 +113,65 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
     launch(out_type=[])(*operands, *outputs)
     return None, None
   results = launch(out_type=out_type)(*operands)
+  return _returned(results, f, config, order, head_dim_out=head_dim_out,
+                   residuals=wanted.return_residuals)
+
+
+def _value_dims(problem: plan_lib.Problem, q, v, descales) -> tuple[int, int, int]:
+  """(key length, kv heads, value head dim) read from ``v`` (V^T under FP8),
+  with the FP8 descales' shape and q's dtype and head dims checked against
+  the problem's."""
+  _, _, _, head_dim = q.shape
+  if problem.fp8:
+    _, num_kv_heads, head_dim_out, seq_kv = v.shape
+    if descales is None or descales.ndim != 3 or descales.shape[2] != 2:
+      raise ValueError(f"descales: the FP8 forward takes (B|1, K|1, 2) float32 descales, "
+                       f"got {None if descales is None else descales.shape}")
+  else:
+    _, seq_kv, num_kv_heads, head_dim_out = v.shape
+  dtype = q.dtype
+  if (np.dtype(dtype), head_dim, head_dim_out) != (np.dtype(problem.dtype), problem.head_dim,
+                                                   problem.head_dim_out):
+    raise ValueError(f"q, v: {np.dtype(dtype).name} with head dims {head_dim}, {head_dim_out}, "
+                     f"but the problem is {np.dtype(problem.dtype).name} with "
+                     f"{problem.head_dim}, {problem.head_dim_out}")
+  return seq_kv, num_kv_heads, head_dim_out
+
+
+def _pipeline(f: plan_lib.Problem, config: Config, *, k_start, outputs) -> plan_lib.PipelinePlan:
+  """The launch's pipeline plan, once the problem is known to fit the
+  config and to have the inputs and outputs it needs."""
+  plan_lib.check_fits(f, config)
+  if f.poisons_rows and k_start is None:
+    raise ValueError("problem.poisons_rows: the rows to poison are marked in k_start, "
+                     "and none was given")
+  pipe = plan_lib.pipeline_plan(f, config)
+  if config.schedule == "split-tail" and outputs is not None:
+    raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
+                     "into fresh arrays; run it without outputs")
+  return pipe
+
+
+def _in_copy_parts(f: plan_lib.Problem, q, k, v, head_dim_out: int, outputs):
+  """(q, k, v, the output's row): whole, or under untiled copies in column
+  parts (kernel.tiling.plan.copy_parts), free reshapes."""
+  out_row = (head_dim_out,)
+  if f.untiled_copies:
+    if outputs is not None:
+      raise ValueError("outputs: untiled copies write the output in column parts, "
+                       "into a fresh array; run them without outputs")
+    in_parts = lambda x: x.reshape(*x.shape[:3], *plan_lib.copy_parts(x.shape[3], x.itemsize))
+    # FP8's V^T stays whole: a copy made whole before the kernel
+    q, k, v = in_parts(q), in_parts(k), v if f.fp8 else in_parts(v)
+    out_row = plan_lib.copy_parts(head_dim_out, f.output_dtype.itemsize)
+  return q, k, v, out_row
+
+
+def _returned(results, f: plan_lib.Problem, config: Config, order, *, head_dim_out: int,
+              residuals: bool):
+  """(out, (m, l) or None) from the kernel's results: rows made whole again
+  under untiled copies, the split tail's pieces merged; ``residuals``: the
+  caller asked for m and l."""
   results = tuple(results) if isinstance(results, (list, tuple)) else (results,)
   if f.untiled_copies:  # the output (and a piece's) back to whole rows
     whole = lambda x: x.reshape(*x.shape[:-2], head_dim_out)
@@ -149,7 +180,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
     out, m, l, *pieces = results
     out, m, l = merge_pieces(out, m, l, pieces, order, tile_q=config.tile_q,
                              normalized=f.normalize_output)
-    return out, (m, l) if wanted.return_residuals else None
+    return out, (m, l) if residuals else None
   if f.return_residuals:
     out, m, l = results
     return out, (m, l)

@@ -60,8 +60,8 @@ from harness.proofs.memos import IdMemo
 # Protocol and control primitives this module interprets.
 HANDLED = frozenset("""
 axis_index barrier_arrive barrier_wait commit_smem cond copy_gmem_to_smem copy_smem_to_gmem
-get inline_mgpu_p jit pjit closed_call load mpmd_map run_scoped run_state swap while
-wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref
+get inline_mgpu_p jit pjit closed_call load mpmd_map run_scoped run_state scan swap while
+wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref wgmma_wait
 """.split())
 MAX_LOOP_TRIPS = 10_000
 # The seam of kernel/sync/barriers.py's emitter of bar.sync and bar.arrive,
@@ -255,6 +255,26 @@ class _Interp:
       self.loops = outer
     raise ExtractionError(f"{src}: while loop ran past {MAX_LOOP_TRIPS} trips")
 
+  def p_scan(self, eqn, ins, src):
+    """A loop of a trip count fixed when tracing (``fori_loop`` over static
+    bounds): run like a while, each trip's slices of its inputs opaque, its
+    stacked outputs too."""
+    p = eqn.params
+    # jax 0.11's scan: its operands as a flat tree of (consts, carry, xs)
+    consts, carry, xs = map(list, p["ft_in"].update(ins).unpack())
+    ncarry = len(carry)
+    body = p["jaxpr"]
+    body_consts = [const(c) for c in body.consts]
+    if p["length"] > MAX_LOOP_TRIPS:
+      raise ExtractionError(f"{src}: scan of {p['length']} trips, past {MAX_LOOP_TRIPS}")
+    outer = self.loops
+    for trip in (reversed(range(p["length"])) if p["reverse"] else range(p["length"])):
+      self.loops = outer + ((src, trip),)
+      outs = self.run(body.jaxpr, [*consts, *carry, *[OPAQUE] * len(xs)], body_consts)
+      carry = outs[:ncarry]
+      self.loops = outer
+    return [*carry, *[OPAQUE] * (len(eqn.outvars) - ncarry)]
+
   def p_run_scoped(self, eqn, ins, src):
     sub = eqn.params["jaxpr"]
     args = []
@@ -445,6 +465,11 @@ class _Interp:
         buf, slot = self._ref_and_slot(opnd, *part, src)
         reads.append((buf.name, slot))
     self._emit(Event("wgmma", self.role, src, reads=tuple(reads)))
+    return []
+
+  def p_wgmma_wait(self, eqn, ins, src):
+    """``plgpu.wgmma_wait(n)``: the same wait as an accumulator's load."""
+    self._emit(Event("wgmma_wait", self.role, src, n=int(eqn.params["n"])))
     return []
 
   def p_wgmma_accumulator_deref_p(self, eqn, ins, src):

@@ -75,7 +75,7 @@ def find_kernels(jaxpr) -> list:
 
 SYNC_PRIMS = frozenset("""barrier_arrive barrier_wait commit_smem copy_gmem_to_smem
 copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_deref_p
-run_state swap""".split())
+run_state swap wgmma_wait""".split())
 
 
 # The seams (kernel/sync/seams.py) of the inline_mgpu functions on registers

@@ -254,6 +254,8 @@ SWITCHES = {
 def main(argv=None) -> int:
   parser = _parser()
   args, words = _parse(parser, argv)
+  if args.kernel is not None:
+    return _prove_kernel(parser, args.kernel)
   start = time.perf_counter()
   premise = not args.probes_only
   if premise and not _has_z3():
@@ -301,9 +303,24 @@ def _parser() -> argparse.ArgumentParser:
                       "description (as the table names them) contains each comma-separated "
                       "word, e.g. 'persistent,causal' or 'backward d=128': a quick proof of "
                       "what a change touches; the gate proves them all")
+  parser.add_argument("--kernel", metavar="MODULE:FUNCTION",
+                      help="prove another author's kernels instead, at the shapes given: "
+                      "FUNCTION returns (label, fn, args) triples, each a call that launches "
+                      "Mosaic GPU kernels (harness/proofs/any_kernel.py)")
   for flag, text in SWITCHES.items():
     parser.add_argument(flag, action="store_true", help=text)
   return parser
+
+
+def _prove_kernel(parser, spec: str) -> int:
+  """``--kernel``: every verdict of the named cases, 0 when all are proven."""
+  from harness.proofs import any_kernel
+  try:
+    results, report = any_kernel.prove_spec(spec)
+  except (ImportError, AttributeError, ValueError) as err:
+    parser.error(f"--kernel: {err}")
+  print(report)
+  return 0 if all(r.ok for r in results) else 1
 
 
 def _parse(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[str]]:

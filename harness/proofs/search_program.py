@@ -46,7 +46,7 @@ class Static:
                            for e in evs)
     self._named()
     self._unit_tables(units_of)
-    self.tma_writer = [self.writer[b] for b, _ in self.tma_slots]
+    self.tma_writer = [self.writer[key] for key in self.tma_slots]
     self.rotation = None if prog.word is not None else self._rotation()
     # per unit, per event: taken alone when reached (see check's reductions)
     self.alone = [[(self.local_any(e) and e.kind not in ("wgmma_wait", "store_wait"))
@@ -54,7 +54,7 @@ class Static:
 
   def _slots_of(self, units_of):
     """The shared-memory slots, barriers and copies the units touch, numbered."""
-    # Copies: (buffer, slot) -> the (barrier, slot) they complete; the writer role.
+    # Copies: (buffer, slot) -> the (barrier, slot) they complete; its writer role.
     self.copy_bar, self.writer, stationary, ring_slots = {}, {}, set(), set()
     smem_slots, bar_keys, access = set(), set(), {}
     self.async_readers: dict = {}
@@ -64,9 +64,10 @@ class Static:
           where = [(self.names[ri], e, "")]
           if e.kind == "tma_load":
             key = (e.buf, e.slot)
-            if self.writer.setdefault(e.buf, ri) != ri:
-              raise ValueError(f"{e.src}: {e.buf} is written by TMA from two roles: "
-                               f"not modelled")
+            # one writer per slot: roles may fill slots of one buffer each
+            if self.writer.setdefault(key, ri) != ri:
+              raise ValueError(f"{e.src}: {e.buf}[{e.slot}] is written by TMA from two "
+                               f"roles: not modelled")
             prev = self.copy_bar.setdefault(key, (e.bar, e.bar_slot))
             if prev != (e.bar, e.bar_slot):
               self.violations.append(Violation(

@@ -137,22 +137,22 @@ ATTENTION_MUTANTS = {
           "        plgpu.barrier_arrive(v_consumed_barriers.at[slot])\n",
           "        plgpu.barrier_arrive(v_consumed_barriers.at[slot])\n"
           "        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))\n")],
-        "overwrite"),
+        "overwrite before release"),
     "key-released-before-qk": (
         [("        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))\n"
           "        plgpu.barrier_arrive(k_consumed_barriers.at[slot])\n",
           "        plgpu.barrier_arrive(k_consumed_barriers.at[slot])\n"
           "        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))\n")],
-        "overwrite"),
+        "overwrite before release"),
     "next-key-wait-on-this-slot": (
         [("            plgpu.barrier_wait(k_barriers.at[wait_slot])\n",
           "            plgpu.barrier_wait(k_barriers.at[slot])\n")],
-        ""),
+        "parity alias"),
     "fence-before-store-dropped": (
         # the forward's, first of the two the file holds
         [("      plgpu.commit_smem()\n      plgpu.copy_smem_to_gmem(\n          qo_smem,",
           "      plgpu.copy_smem_to_gmem(\n          qo_smem,", 2)],
-        "fence"),
+        "async-proxy ordering"),
 }
 # Rewrites of it that keep the protocol: each must prove.
 ATTENTION_REWRITES = {

@@ -1,0 +1,103 @@
+"""``python -m harness prove --kernel``: kernels of another author, JAX's
+own sm90 attention (``jax.experimental.pallas.ops.gpu.attention_mgpu``),
+read by the same extractor and checked by the same search at the shapes
+given; defects written into a temporary copy of their file are refused with
+the violation they make, and rewrites that keep the protocol prove."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import re
+
+import pytest
+
+from harness.proofs import any_kernel
+from harness.proofs import prove as prove_cli
+from harness.tools import jax_kernel_cases as jc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _verdicts(module=None) -> list:
+  return [r for label, fn, args in jc.attention(module)
+          for r in any_kernel.prove_call(fn, *args, label=label)]
+
+
+def test_jax_attention_forward_proves_at_the_shapes_given():
+  results = _verdicts()
+  assert len(results) == 16 and all(r.ok for r in results), [r.line() for r in results]
+  # the search turned the ring: more states where more key blocks run
+  assert max(r.states for r in results) > 2 * min(r.states for r in results)
+
+
+@pytest.mark.parametrize("name", sorted(jc.ATTENTION_MUTANTS))
+def test_a_defect_written_into_their_code_is_refuted(name):
+  edits, violation = jc.ATTENTION_MUTANTS[name]
+  failed = [r for r in _verdicts(jc.patched(jc.ATTENTION, edits)) if not r.ok]
+  assert failed, f"{name} proves"
+  assert all(r.states > 0 for r in failed), failed[0].violation   # read, then refuted
+  assert violation in failed[0].violation, failed[0].violation
+  # the trace names their file's lines
+  assert re.search(r"attention_mgpu_copy\d+\.py:\d+", failed[0].violation), failed[0].violation
+
+
+@pytest.mark.parametrize("name", sorted(jc.ATTENTION_REWRITES))
+def test_a_rewrite_that_keeps_their_protocol_proves(name):
+  results = _verdicts(jc.patched(jc.ATTENTION, jc.ATTENTION_REWRITES[name]))
+  assert all(r.ok for r in results), [r.violation for r in results if not r.ok][:1]
+
+
+def test_an_anchor_the_installed_jax_lacks_is_refused_by_name():
+  with pytest.raises(ValueError, match="occurs 0 times"):
+    jc.patched(jc.ATTENTION, [("no such line\n", "")])
+
+
+def test_the_proof_knows_no_kernel_of_theirs():
+  """harness/proofs/ names no module, function or buffer of JAX's kernels:
+  what it reads it learns from Mosaic GPU's primitives."""
+  words = ("attention_mgpu", "hopper_matmul", "ragged_dot", "k_consumed", "TuningConfig",
+           "jax_kernel_cases")
+  found = [f"{path.name}: {w}" for path in sorted((ROOT / "harness/proofs").glob("*.py"))
+           for w in words if w in path.read_text()]
+  assert not found, found
+
+
+def test_a_primitive_the_proof_cannot_read_is_a_row_not_a_crash():
+  """attention_mgpu's backward stores through a commit group the search does
+  not model: each kernel is reported unreadable, naming the primitive."""
+  results = [r for label, fn, args in jc.attention_backward()
+             for r in any_kernel.prove_call(fn, *args, label=label)]
+  unread = [r for r in results if not r.ok and r.states == 0]
+  assert unread and all("the proof cannot read the kernel" in r.violation for r in unread)
+  assert any("'commit_group'" in r.violation for r in unread), unread[0].violation
+  assert "UNREADABLE" in unread[0].line()
+
+
+def test_a_call_that_fails_to_trace_is_named_by_its_line():
+  def broken(x):
+    raise RuntimeError("no kernel here")
+  import jax.numpy as jnp
+  import jax
+  with pytest.raises(ValueError, match=r"failed to trace at .*test_any_kernel\.py:\d+"):
+    any_kernel.prove_call(broken, jax.ShapeDtypeStruct((8,), jnp.float32), label="broken")
+
+
+def _prove(*argv):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rc = prove_cli.main(list(argv))
+  return rc, out.getvalue()
+
+
+def test_prove_kernel_proves_their_forward_and_says_how_far():
+  rc, out = _prove("--kernel", "harness.tools.jax_kernel_cases:attention")
+  assert rc == 0, out
+  assert "16/16 proven" in out and "at the shapes given" in out, out
+
+
+def test_prove_kernel_refuses_a_bad_name_by_argument(capsys):
+  with pytest.raises(SystemExit) as refused:
+    prove_cli.main(["--kernel", "harness.tools.jax_kernel_cases"])
+  assert refused.value.code == 2 and "--kernel" in capsys.readouterr().err

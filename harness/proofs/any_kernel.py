@@ -81,7 +81,8 @@ def _check(kernel_eqn, grid: dict, label: str) -> KernelResult:
   """Read one kernel at one grid point and search its interleavings."""
   start = time.perf_counter()
   try:
-    ex = extract.extract_kernel(kernel_eqn, env=lambda buffer, index: 0, grid=grid, name=label)
+    ex = extract.extract_kernel(kernel_eqn, env=lambda buffer, index: 0, grid=grid, name=label,
+                                every_index=True)
   except (ExtractionError, UnknownPrimitive) as err:
     return KernelResult(label, False, 0, time.perf_counter() - start,
                         f"the proof cannot read the kernel: {err}")

@@ -52,7 +52,8 @@ from jax.extend import core as jex_core
 from harness.proofs.events import (OPAQUE, Buffer, Event, Extracted, ExtractionError, RefV,
                                    UnknownPrimitive)
 from harness.proofs.jaxprs import (INT, INT_OPS, PURE, const, has_sync, is_register_select,
-                                   literal_value, mirror_groups, program, transform_info)
+                                   leading_indices, literal_value, mirror_groups, program,
+                                   transform_info)
 from harness.proofs.kernel_lines import barrier_family, kernel_frame, name_buffers
 from kernel.sync.seams import seam_of
 from harness.proofs.memos import IdMemo
@@ -61,7 +62,7 @@ from harness.proofs.memos import IdMemo
 HANDLED = frozenset("""
 axis_index barrier_arrive barrier_wait commit_smem cond copy_gmem_to_smem copy_smem_to_gmem
 get inline_mgpu_p jit pjit closed_call load mpmd_map run_scoped run_state scan swap while
-wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref wgmma_wait
+wait_smem_to_gmem wgmma_accumulator_deref_p wgmma_ref wgmma_wait commit_group
 """.split())
 MAX_LOOP_TRIPS = 10_000
 # The seam of kernel/sync/barriers.py's emitter of bar.sync and bar.arrive,
@@ -84,8 +85,11 @@ def branches_alike(src, runs: list, words) -> None:
 
 
 class _Interp:
-  def __init__(self, kernel_eqn, env: Callable, axes: dict):
+  def __init__(self, kernel_eqn, env: Callable, axes: dict, every_index: bool = False):
     self.eqn = kernel_eqn
+    # a slot named by every leading integer index (row-major), not the first
+    # alone: buffers of other authors indexed [warpgroup, slot]
+    self.every_index = every_index
     self.env = env          # (gmem buffer name, index tuple) -> int
     self.axes = dict(axes)  # grid axis name -> value
     self.events: dict[str, list] = {}
@@ -104,6 +108,9 @@ class _Interp:
     self.mirrors: dict[str, dict] = {}  # union allocation -> its mirror_groups
     self.loops: tuple = ()               # the enclosing while iterations (Extracted.loops)
     self.site = None                     # the kernel line of the cond whose branch runs
+    # per role: (stores in each committed bulk group, oldest first; stores
+    # not yet committed), so that a wait on n groups names its stores
+    self.store_groups: dict[str, tuple[tuple[int, ...], int]] = {}
 
   def _buffer(self, aval, var, space_hint=None):
     inner = getattr(aval, "inner_aval", aval)
@@ -216,11 +223,14 @@ class _Interp:
     ones, emitted once."""
     role, cells = self.role, dict(self.cells)
     saved = self.events.get(role, []), self.event_loops.get(role, [])
+    groups = self.store_groups.get(role)
     runs = []
     outer = self.site
     try:
       for b in branches:
         self.events[role], self.event_loops[role], self.cells = [], [], dict(cells)
+        if groups is not None:   # each branch from the stores before the cond
+          self.store_groups[role] = groups
         self.site = src
         self.run(b.jaxpr, ops, [const(c) for c in b.consts])
         runs.append((self.events[role], self.event_loops[role]))
@@ -343,7 +353,20 @@ class _Interp:
       slot = int(slot)
     elif where is not None and where[0] == "static":
       slot = where[1]
+    if self.every_index and slot is not None:
+      slot = self._flat_slot(ref.buf, leading_indices(treedef), leaves, src)
     return (self._view(ref.buf, view) if view is not None else ref.buf), slot
+
+  def _flat_slot(self, buf, leading, leaves, src) -> int:
+    """The row-major number of the sub-array ``leading`` indices select."""
+    slot = 0
+    for axis, (kind, value) in enumerate(leading):
+      index = leaves[value] if kind == "leaf" else value
+      if type(index) not in INT:
+        raise ExtractionError(f"{src}: a shared-memory or barrier slot the extractor "
+                              f"cannot evaluate (an index computed from data)")
+      slot = slot * (buf.shape[axis] if axis < len(buf.shape) else 1) + int(index)
+    return slot
 
   def _view(self, buf, t):
     """A RefUnion member is a view at a byte offset of one allocation: a buffer
@@ -440,14 +463,30 @@ class _Interp:
                                        p["dst_transforms_treedef"])
     if p.get("has_user_predicate"):
       raise ExtractionError(f"{src}: a predicated TMA store is not modelled")
-    if not p.get("commit_group", True):
-      raise ExtractionError(f"{src}: a TMA store outside a commit group is not modelled")
     sbuf, sslot = self._ref_and_slot(srcref, *parts[0], src)
     self._emit(Event("tma_store", self.role, src, sbuf.name, sslot))
+    groups, pending = self.store_groups.get(self.role, ((), 0))
+    pending += 1
+    if p.get("commit_group", True):   # this store and every one before it not yet committed
+      groups, pending = groups + (pending,), 0
+    self.store_groups[self.role] = (groups, pending)
+    return []
+
+  def p_commit_group(self, eqn, ins, src):
+    groups, pending = self.store_groups.get(self.role, ((), 0))
+    if pending:
+      self.store_groups[self.role] = (groups + (pending,), 0)
     return []
 
   def p_wait_smem_to_gmem(self, eqn, ins, src):
-    self._emit(Event("store_wait", self.role, src, n=int(eqn.params["n"])))
+    """A wait until at most n bulk groups are in flight, as the search
+    counts stores: the stores of the last n groups, and any not yet
+    committed, stay in flight."""
+    n = int(eqn.params["n"])
+    groups, pending = self.store_groups.get(self.role, ((), 0))
+    kept = groups[len(groups) - n:] if n else ()
+    self.store_groups[self.role] = (kept, pending)
+    self._emit(Event("store_wait", self.role, src, n=sum(kept) + pending))
     return []
 
   def p_commit_smem(self, eqn, ins, src):
@@ -499,16 +538,18 @@ class _Interp:
     return []
 
 
-def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel") -> Extracted:
+def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel",
+                   every_index: bool = False) -> Extracted:
   """The events of every role of one ``mpmd_map`` kernel for one grid point
   (``grid``: axis name -> index) and environment (``env(buffer, index)``: the
-  integer a kernel reads from global memory)."""
+  integer a kernel reads from global memory); ``every_index``: a slot is
+  named by every leading integer index of an access, not the first alone."""
   mesh = eqn_mesh = kernel_eqn.params["meshes"][0]
   (body,) = kernel_eqn.params["jaxprs"]
   roles, threads, loops = {}, {}, {}
   all_buffers, views = {}, {}
   for w in range(mesh.num_threads):
-    interp = _Interp(kernel_eqn, env, {**grid, eqn_mesh.thread_name: w})
+    interp = _Interp(kernel_eqn, env, {**grid, eqn_mesh.thread_name: w}, every_index)
     interp.role = f"wg{w}"
     gm = []
     for v in body.invars:

@@ -75,7 +75,7 @@ def find_kernels(jaxpr) -> list:
 
 SYNC_PRIMS = frozenset("""barrier_arrive barrier_wait commit_smem copy_gmem_to_smem
 copy_smem_to_gmem inline_mgpu_p wait_smem_to_gmem wgmma_ref wgmma_accumulator_deref_p
-run_state swap wgmma_wait""".split())
+run_state swap wgmma_wait commit_group""".split())
 
 
 # The seams (kernel/sync/seams.py) of the inline_mgpu functions on registers
@@ -233,6 +233,29 @@ def transform_info(treedef):
       slot = ("none",)
   _TRANSFORMS[id(treedef)] = (treedef, slot, view)
   return slot, view
+
+
+def leading_indices(treedef) -> tuple:
+  """The integer indices that lead the first indexer of a chain of ref
+  transforms, up to its first slice: ("leaf", k) or ("static", int) each."""
+  try:
+    transforms = tree_util.tree_unflatten(treedef, [_Leaf(k) for k in range(treedef.num_leaves)])
+  except Exception as e:  # noqa: BLE001 -- reported with context
+    raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
+  for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
+    indices = getattr(t, "indices", None)
+    if indices is None or type(t).__name__ == "ExtractAliasedRef":
+      continue
+    out = []
+    for i in indices:
+      if isinstance(i, _Leaf):
+        out.append(("leaf", i.k))
+      elif isinstance(i, int) and not isinstance(i, bool):
+        out.append(("static", i))
+      else:
+        break
+    return tuple(out)
+  return ()
 
 
 def mirror_groups(groups) -> dict[int, int]:

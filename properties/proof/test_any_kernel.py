@@ -64,15 +64,27 @@ def test_the_proof_knows_no_kernel_of_theirs():
   assert not found, found
 
 
-def test_a_primitive_the_proof_cannot_read_is_a_row_not_a_crash():
-  """attention_mgpu's backward stores through a commit group the search does
-  not model: each kernel is reported unreadable, naming the primitive."""
-  results = [r for label, fn, args in jc.attention_backward()
-             for r in any_kernel.prove_call(fn, *args, label=label)]
-  unread = [r for r in results if not r.ok and r.states == 0]
-  assert unread and all("the proof cannot read the kernel" in r.violation for r in unread)
-  assert any("'commit_group'" in r.violation for r in unread), unread[0].violation
-  assert "UNREADABLE" in unread[0].line()
+@pytest.mark.parametrize("cases", [jc.attention_backward, jc.hopper_matmul],
+                         ids=["attention-backward", "hopper-matmul"])
+def test_their_backward_and_matmul_prove_at_the_shapes_given(cases):
+  """attention_mgpu's three backward kernels, and hopper_matmul_mgpu's
+  persistent blocks with their TMA stores in bulk groups and an output
+  buffer indexed [warpgroup, slot]."""
+  results = [r for label, fn, args in cases() for r in any_kernel.prove_call(fn, *args, label=label)]
+  assert results and all(r.ok for r in results), [r.violation for r in results if not r.ok][:1]
+  assert max(r.states for r in results) > 50   # not a block with nothing to do
+
+
+def test_a_primitive_the_proof_cannot_read_is_a_row_not_a_crash(monkeypatch):
+  """A kernel using a primitive the extractor does not model is reported
+  unreadable, naming the primitive and its line (here scan, made unknown)."""
+  from harness.proofs import extract
+  monkeypatch.setattr(extract, "HANDLED", extract.HANDLED - {"scan"})
+  label, fn, args = jc.attention()[0]
+  results = any_kernel.prove_call(fn, *args, label=label)
+  assert results and all(not r.ok and r.states == 0 for r in results)
+  assert "primitive 'scan' is not understood" in results[0].violation, results[0].violation
+  assert "UNREADABLE" in results[0].line()
 
 
 def test_a_call_that_fails_to_trace_is_named_by_its_line():

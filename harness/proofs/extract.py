@@ -548,8 +548,10 @@ def extract_kernel(kernel_eqn, *, env: Callable, grid: dict, name: str = "kernel
   (body,) = kernel_eqn.params["jaxprs"]
   roles, threads, loops = {}, {}, {}
   all_buffers, views = {}, {}
-  for w in range(mesh.num_threads):
-    interp = _Interp(kernel_eqn, env, {**grid, eqn_mesh.thread_name: w}, every_index)
+  for w in range(mesh.num_threads or 1):
+    # a kernel of one warpgroup has no thread axis
+    thread = {eqn_mesh.thread_name: w} if eqn_mesh.thread_name else {}
+    interp = _Interp(kernel_eqn, env, {**grid, **thread}, every_index)
     interp.role = f"wg{w}"
     gm = []
     for v in body.invars:

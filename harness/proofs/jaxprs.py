@@ -59,17 +59,18 @@ def subjaxprs(params):
         yield s
 
 
-def find_kernels(jaxpr) -> list:
-  """Every Mosaic GPU kernel (``mpmd_map`` over a thread axis) in the jaxpr, in order."""
+def find_kernels(jaxpr, *, one_thread_too: bool = False) -> list:
+  """Every Mosaic GPU kernel (``mpmd_map`` over a thread axis) in the jaxpr,
+  in order; ``one_thread_too``: and those of one warpgroup, without one."""
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "mpmd_map":
       mesh = eqn.params["meshes"][0]
-      if getattr(mesh, "thread_name", None):
+      if getattr(mesh, "thread_name", None) or (one_thread_too and hasattr(mesh, "num_threads")):
         found.append(eqn)
         continue
     for sub in subjaxprs(eqn.params):
-      found += find_kernels(sub)
+      found += find_kernels(sub, one_thread_too=one_thread_too)
   return found
 
 

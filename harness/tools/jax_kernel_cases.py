@@ -85,14 +85,22 @@ H200_SMS = 132
 
 
 def _on_sms(module, fn):
-  """``fn`` with ``module``'s SM count read as the H200's while it traces."""
+  """``fn`` with ``module``'s SM count read as the H200's while it traces
+  (its ``get_num_sms``, or the device its ``backend`` gives)."""
+  import types
+  if hasattr(module, "get_num_sms"):
+    name, stand_in = "get_num_sms", lambda: H200_SMS
+  else:
+    device = types.SimpleNamespace(core_count=H200_SMS)
+    name, stand_in = "backend", types.SimpleNamespace(get_default_device=lambda: device)
+
   def call(*args):
-    was = module.get_num_sms
-    module.get_num_sms = lambda: H200_SMS
+    was = getattr(module, name)
+    setattr(module, name, stand_in)
     try:
       return fn(*args)
     finally:
-      module.get_num_sms = was
+      setattr(module, name, was)
   return call
 
 
@@ -166,3 +174,16 @@ ATTENTION_REWRITES = {
         ("      @pl.when(kv_steps > 0)\n",
          "      plgpu.barrier_wait(q_barriers.at[wg_idx])\n\n      @pl.when(kv_steps > 0)\n")],
 }
+
+
+def mixed_type_matmul() -> list:
+  """hopper_mixed_type_matmul_mgpu: int8 by bfloat16, at its benchmark's
+  tile sizes, on a small problem, on the H200's grid."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm
+  config = mm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+  a, b = _sds((512, 256), jnp.int8), _sds((256, 512), jnp.bfloat16)
+  return [("hopper_mixed_type_matmul_mgpu 512x256x512 int8 x bfloat16",
+           _on_sms(mm, lambda a, b: mm.mixed_matmul_kernel(a, b, out_dtype=jnp.bfloat16,
+                                                           config=config)), (a, b))]
+

@@ -64,8 +64,8 @@ def test_the_proof_knows_no_kernel_of_theirs():
   assert not found, found
 
 
-@pytest.mark.parametrize("cases", [jc.attention_backward, jc.hopper_matmul],
-                         ids=["attention-backward", "hopper-matmul"])
+@pytest.mark.parametrize("cases", [jc.attention_backward, jc.hopper_matmul, jc.mixed_type_matmul],
+                         ids=["attention-backward", "hopper-matmul", "mixed-type-matmul"])
 def test_their_backward_and_matmul_prove_at_the_shapes_given(cases):
   """attention_mgpu's three backward kernels, and hopper_matmul_mgpu's
   persistent blocks with their TMA stores in bulk groups and an output

@@ -486,7 +486,10 @@ class _Interp:
     groups, pending = self.store_groups.get(self.role, ((), 0))
     kept = groups[len(groups) - n:] if n else ()
     self.store_groups[self.role] = (kept, pending)
-    self._emit(Event("store_wait", self.role, src, n=sum(kept) + pending))
+    # every store its own group so far: the wait as written, the same event
+    # whatever came before it
+    alone = not pending and all(size == 1 for size in groups)
+    self._emit(Event("store_wait", self.role, src, n=n if alone else sum(kept) + pending))
     return []
 
   def p_commit_smem(self, eqn, ins, src):

@@ -104,16 +104,20 @@ def _on_sms(module, fn):
   return call
 
 
-def hopper_matmul() -> list:
-  """hopper_matmul_mgpu at its benchmark's tile sizes, on small problems, on
-  the H200's grid."""
+MATMUL = "jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu"
+
+
+def hopper_matmul(hm=None) -> list:
+  """hopper_matmul_mgpu (``hm``: the module, or a patched copy of it) at its
+  benchmark's tile sizes, on small problems, on the H200's grid."""
   import jax.numpy as jnp
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+  hm = hm or importlib.import_module(MATMUL)
   out = []
   for tile_m, tile_n in ((128, 128), (256, 64)):
     config = hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4)
-    a, b = _sds((512, 256), jnp.float16), _sds((256, 512), jnp.float16)
-    out.append((f"hopper_matmul_mgpu 512x256x512 tiles {tile_m}x{tile_n}",
+    # K of 8 steps of tile_k on a ring of 4: every slot is refilled
+    a, b = _sds((512, 512), jnp.float16), _sds((512, 512), jnp.float16)
+    out.append((f"hopper_matmul_mgpu 512x512x512 tiles {tile_m}x{tile_n}",
                 _on_sms(hm, lambda a, b, config=config: hm.matmul(a, b, None, config)), (a, b)))
   return out
 
@@ -187,3 +191,16 @@ def mixed_type_matmul() -> list:
            _on_sms(mm, lambda a, b: mm.mixed_matmul_kernel(a, b, out_dtype=jnp.bfloat16,
                                                            config=config)), (a, b))]
 
+
+
+# Defects written into hopper_matmul_mgpu, inside its use of emit_pipeline
+# (the body's wgmma and the pipeline's release of its slots) and in its
+# double-buffered epilogue: (edits, the violation the proof must report).
+MATMUL_MUTANTS = {
+    "pipeline-body-without-wgmma-wait": (
+        [("        plgpu.wgmma_wait(delay_release)\n", "")],
+        "overwrite before release"),
+    "epilogue-slot-rewritten-under-its-store": (
+        [("              plgpu.wait_smem_to_gmem(1, wait_read_only=True)\n", "")],
+        "still reads"),
+}

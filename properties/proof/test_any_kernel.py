@@ -43,6 +43,19 @@ def test_a_defect_written_into_their_code_is_refuted(name):
   assert re.search(r"attention_mgpu_copy\d+\.py:\d+", failed[0].violation), failed[0].violation
 
 
+@pytest.mark.parametrize("name", sorted(jc.MATMUL_MUTANTS))
+def test_a_defect_in_their_pipelined_matmul_is_refuted(name):
+  """Inside emit_pipeline's use: the body's wait dropped leaves the pipeline
+  releasing a slot a wgmma still reads; the epilogue's store wait dropped
+  rewrites a buffer its TMA store still reads."""
+  edits, violation = jc.MATMUL_MUTANTS[name]
+  results = [r for label, fn, args in jc.hopper_matmul(jc.patched(jc.MATMUL, edits))
+             for r in any_kernel.prove_call(fn, *args, label=label)]
+  failed = [r for r in results if not r.ok]
+  assert failed and all(r.states > 0 for r in failed), [r.line() for r in results]
+  assert violation in failed[0].violation, failed[0].violation
+
+
 @pytest.mark.parametrize("name", sorted(jc.ATTENTION_REWRITES))
 def test_a_rewrite_that_keeps_their_protocol_proves(name):
   results = _verdicts(jc.patched(jc.ATTENTION, jc.ATTENTION_REWRITES[name]))

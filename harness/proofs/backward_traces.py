@@ -39,8 +39,8 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   b = sds((batch, heads, seq_q, seq_kv), jnp.bfloat16) if bias else None
   kr = sds((batch, heads, seq_q), jnp.int32) if ranges else None
 
-  problem = plan_lib.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
-                             is_causal=causal, scale=0.125, deterministic=fixed_point)
+  problem = plan_lib.problem_for(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
+                                 is_causal=causal, scale=0.125, deterministic=fixed_point)
   dims = backward_plan.computed_head_dims(head_dim, head_dim)
   backward = backward_plan.Backward("pallas", dims, get_backward_config(
       *dims, causal=causal, fuse_dq=fuse_dq, whole_tiles=not (unpadded or untiled),

@@ -204,8 +204,8 @@ def backward_part_fns(shape: BenchShape) -> dict:
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   from kernel.tiling import plan as plan_lib
-  f = plan_lib.Problem(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim, shape.seq, shape.seq,
-                       is_causal=shape.causal, scale=1.0 / math.sqrt(shape.head_dim))
+  f = plan_lib.problem_for(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim, shape.seq,
+                           shape.seq, is_causal=shape.causal, scale=1.0 / math.sqrt(shape.head_dim))
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,

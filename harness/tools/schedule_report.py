@@ -98,7 +98,7 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
   point = bg.Point(head_dim, seq, True, gqa)
   d = plan.backward_head_dims(head_dim, head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, causal=True)
-  f = plan.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq, seq, is_causal=True)
+  f = plan.problem_for(np.dtype("bfloat16"), head_dim, head_dim, seq, seq, is_causal=True)
   t_pad = -(-seq // blocks.query_multiple) * blocks.query_multiple
   s_pad = -(-seq // blocks.key_multiple) * blocks.key_multiple
   fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=True)

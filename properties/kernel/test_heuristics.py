@@ -19,7 +19,7 @@ DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 @st.composite
 def problems(draw) -> plan.Problem:
   head_dim = draw(st.sampled_from((64, 128, 192, 256)))
-  return plan.Problem(
+  return plan.problem_for(
       dtype=draw(st.sampled_from(DTYPES)),
       head_dim=head_dim,
       head_dim_out=draw(st.sampled_from((head_dim, 64, 128, 256))),
@@ -37,8 +37,8 @@ _fits = plan.config_fits
 
 def _problem(head_dim=128, *, is_causal=False, bias_2d=False, mask_2d=False,
              seq_q=4096, seq_kv=4096, head_dim_out=None):
-  return plan.Problem(np.dtype(np.float16), head_dim, head_dim_out or head_dim,
-                      seq_q, seq_kv, is_causal, bias_2d, mask_2d)
+  return plan.problem_for(np.dtype(np.float16), head_dim, head_dim_out or head_dim,
+                          seq_q, seq_kv, is_causal=is_causal, bias_2d=bias_2d, mask_2d=mask_2d)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

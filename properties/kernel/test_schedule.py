@@ -20,7 +20,7 @@ from hypothesis import example, given, note, settings, strategies as st
 from harness.numerics import strategies as hs
 from kernel.masks import Mask
 from kernel.tiling import schedule
-from kernel.tiling.plan import Problem
+from kernel.tiling.plan import problem_for
 
 
 @st.composite
@@ -346,8 +346,8 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   for causal in (False, True):
-    f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=causal,
-                  scale=0.1)
+    f = problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=causal,
+                    scale=0.1)
     blocks = backward_plan.blocks_for(head_dim, head_dim, causal=causal)
     fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=causal)
     common_args = dict(batch=batch, group=heads // kv_heads, t_pad=seq, s_pad=seq,
@@ -395,8 +395,8 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
   blocks = backward_plan.blocks_for(head_dim, head_dim, causal=causal)
   whole = lambda n, m: -(-n // m) * m
   t_pad, s_pad = whole(seq_q, blocks.query_multiple), whole(seq_kv, blocks.key_multiple)
-  f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq_q, seq_kv, is_causal=causal,
-              scale=0.1, window=(left, right))
+  f = problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, seq_q, seq_kv, is_causal=causal,
+                  scale=0.1, window=(left, right))
   shapes = AttentionShapes(B=1, T=seq_q, S=seq_kv, N=group, K=1, H=head_dim, Hv=head_dim)
   ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
   ks, ke, (start_min, _, _, end_max) = padding.key_ranges(
@@ -431,8 +431,8 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
-  f = lambda w: Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=True,
-                        scale=0.1, window=w)
+  f = lambda w: problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=True,
+                            scale=0.1, window=w)
   blocks = backward_plan.blocks_for(head_dim, head_dim, causal=True)
   fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=True)
   args = dict(batch=batch, group=1, t_pad=seq, s_pad=seq, head_dims=(head_dim, head_dim),
@@ -486,8 +486,8 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
       jax.export.export(jax.jit(toy), platforms=["cuda"])()
     assert grids == [(5, 3, 2)] and reads == {"a": "z", "b": "y", "c": "x"}
     grids.clear()
-    f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 512, 768, is_causal=False,
-                  scale=0.1)
+    f = problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, 512, 768, is_causal=False,
+                    scale=0.1)
     blocks = backward_plan.blocks_for(64, 64, causal=False)
     sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
     dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None,

@@ -291,8 +291,8 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
   from kernel.tiling import config as config_lib, plan as plan_lib
   config = config_lib.Config(64, 128, num_stages=2, persistent=persistent,
                              schedule="longest-first")
-  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 40 * 128, 40 * 128, is_causal=True,
-                       scale=0.125)
+  f = plan_lib.problem_for(np.dtype("bfloat16"), 64, 64, 40 * 128, 40 * 128, is_causal=True,
+                           scale=0.125)
   kw = dict(batch=2, num_heads=2, num_kv_heads=1, num_tiles=40 * 128 // config.tile_q,
             s_pad=40 * 128, head_dim=64, head_dim_out=64, itemsize=2, k_range_tiles=None,
             num_sms=16)
@@ -321,7 +321,7 @@ def test_the_split_tails_stand_in_is_the_hosts_at_the_traced_tiles():
   from kernel.forward import order as order_lib
   from kernel.tiling import config as config_lib, plan as plan_lib
   config = config_lib.Config(64, 128, num_stages=2, persistent=True, schedule="split-tail")
-  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 20 * 128, 8 * 128, scale=0.125)
+  f = plan_lib.problem_for(np.dtype("bfloat16"), 64, 64, 20 * 128, 8 * 128, scale=0.125)
   kw = dict(batch=1, num_heads=2, num_kv_heads=1, num_tiles=20, s_pad=8 * 128, head_dim=64,
             head_dim_out=64, itemsize=2, k_range_tiles=None, num_sms=16)
   host_order, host_tables = order_lib._schedule(f, config, **kw)
@@ -529,7 +529,8 @@ def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():
   import jax.numpy as jnp
   from kernel.tiling import backward_plan, plan as plan_lib
   blocks = backward_plan.blocks_for(64, 64, causal=True)
-  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True, scale=0.125)
+  f = plan_lib.problem_for(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True,
+                           scale=0.125)
   shared = dict(batch=4, group=1, t_pad=8192, s_pad=8192, head_dims=(64, 64),
                 dtype=jnp.bfloat16, num_sms=132)
   modules = tracing.shipped_modules()

@@ -190,7 +190,7 @@ def _launch_orders(modules, sectioned: bool):
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
 
   def order(f, units, tiles):
-    if not (f.is_causal and sectioned):
+    if not (f.mask.causal and sectioned):
       return None
     return schedule_lib.LaunchOrder(units, tiles, (units,))
 

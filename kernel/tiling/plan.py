@@ -77,16 +77,21 @@ class Problem:
   """The static facts of one call that the tilings and both passes'
   kernels specialise on, made once by the API (kernel.api.problem_of) from
   the call record (kernel.call.Call).  The tiling reads the layout facts
-  (the first ten); the kernels read them all.  Hashable: the jitted
-  launches take it as a static argument.  Made by :func:`problem_for`
-  only, and changed by :meth:`replace`, which makes it again."""
+  (the head dims, the dtype, the lengths, the staged operands, residuals
+  and copies); the kernels read them all.  Hashable: the jitted launches
+  take it as a static argument.  Made by :func:`problem_for` only, and
+  changed by :meth:`replace`, which makes it again."""
 
   dtype: np.dtype          # bf16, f16 or float8_e4m3fn (f32 inputs are cast before)
   head_dim: int            # padded: padded_head_dims
   head_dim_out: int        # padded likewise
-  seq_q: int               # unpadded
-  seq_kv: int              # unpadded
-  is_causal: bool = False  # the kernels read it, with the window, as ``mask``
+  # Which keys each row may see, as known when tracing: the lengths
+  # (unpadded), causal, jax.nn's local window (left, right) and
+  # FlashAttention-3's attention_chunk.  The longest-first order and the
+  # backward's launch order weigh tiles by the window and the chunk; the
+  # kernels read the key ranges they became, traced and so hidden from a
+  # schedule (kernel/masks).
+  mask: Mask
   bias_2d: bool = False    # bias varies along both T and S (staged through the ring)
   mask_2d: bool = False    # mask varies along both T and S
   return_residuals: bool = False
@@ -106,12 +111,6 @@ class Problem:
   # float16, where deferred probabilities could overflow).
   rescale_threshold: float = 1.0
   normalize_output: bool = True
-  # jax.nn's local window (left, right): the longest-first order and the
-  # backward's launch order weigh tiles by it (the kernels read the key
-  # ranges it became, which are traced and so hidden from a schedule).
-  window: tuple[int, int] | None = None
-  # FlashAttention-3's attention_chunk C, weighed as the window is.
-  chunk: int | None = None
   # The key ranges are known when tracing, so the static longest-first order
   # already weighs them: a window's or a chunk's alone, or the whole keys
   # (ranges_always).
@@ -128,9 +127,13 @@ class Problem:
   descales: str | None = None
 
   def replace(self, **changes) -> Problem:
-    """This problem with ``changes`` (the fields :func:`problem_for` takes),
-    made again by it."""
-    facts = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+    """This problem with ``changes`` (the facts :func:`problem_for` takes),
+    made again by it: its mask follows its lengths."""
+    facts = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+             if field.name != "mask"}
+    mask = self.mask
+    facts.update(seq_q=mask.seq_q, seq_kv=mask.seq_kv, is_causal=mask.causal,
+                 window=mask.window, chunk=mask.chunk)
     return problem_for(**{**facts, **changes})
 
   def for_launch(self, config: Config, *, residuals: bool = False) -> Problem:
@@ -147,10 +150,14 @@ class Problem:
     return problem
 
   @property
-  def mask(self) -> Mask:
-    """Which keys each row may see, as known when tracing: the record
-    the kernels, the schedules and the tiling ask (kernel/masks)."""
-    return Mask.of(self)
+  def seq_q(self) -> int:
+    """The queries' length, unpadded."""
+    return self.mask.seq_q
+
+  @property
+  def seq_kv(self) -> int:
+    """The keys' length, unpadded."""
+    return self.mask.seq_kv
 
   @property
   def itemsize(self) -> int:
@@ -239,7 +246,7 @@ def untiled_copies_pay(problem: Problem) -> bool:
   :data:`UNTILED_WIDE_NONCAUSAL_KEYS` keys on (docs/decisions/untiled-copies.md)."""
   ragged = problem.seq_q % ROW_TILING != 0 or problem.seq_kv % ROW_TILING != 0
   wide = max(problem.head_dim, problem.head_dim_out) > 128
-  padded_wins = wide and not problem.is_causal and problem.seq_kv >= UNTILED_WIDE_NONCAUSAL_KEYS
+  padded_wins = wide and not problem.mask.causal and problem.seq_kv >= UNTILED_WIDE_NONCAUSAL_KEYS
   return ragged and not problem.fp8 and not padded_wins
 
 
@@ -247,11 +254,12 @@ def problem_for(dtype, head_dim: int, head_dim_out: int, seq_q: int, seq_kv: int
                 is_causal: bool = False, window: tuple[int, int] | None = None,
                 chunk: int | None = None, **facts) -> Problem:
   """The one maker of a :class:`Problem`: of these facts as they are
-  given (the compute dtype, the head dims as computed, the lengths, the
-  mask's causal, window and chunk, and ``facts``, its other fields).  The
-  API reads a call's through :func:`problem_of_shapes`."""
-  return Problem(dtype, head_dim, head_dim_out, seq_q, seq_kv, is_causal=bool(is_causal),
-                 window=window, chunk=chunk, **facts)
+  given (the compute dtype, the head dims as computed, and ``facts``, its
+  other fields), its mask made here, once, of the lengths, ``is_causal``,
+  the window and the chunk.  The API reads a call's through
+  :func:`problem_of_shapes`."""
+  mask = Mask(seq_q=seq_q, seq_kv=seq_kv, causal=bool(is_causal), window=window, chunk=chunk)
+  return Problem(dtype, head_dim, head_dim_out, mask, **facts)
 
 
 def compute_dtype(dtype) -> np.dtype:

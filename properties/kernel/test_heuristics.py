@@ -51,8 +51,8 @@ def test_default_is_the_seeds_starting_point(is_causal):
 @hypothesis.given(problems())
 def test_heuristic_config_is_the_first_fallback_that_fits(problem):
   """The emitted config fits, and no earlier step of the fallback chain did."""
-  chain = [Config(64, 128, 2, not problem.is_causal),
-           Config(64, 64, 2, not problem.is_causal),
+  chain = [Config(64, 128, 2, not problem.mask.causal),
+           Config(64, 64, 2, not problem.mask.causal),
            Config(64, 64, 2, False)]
   fitting = [c for c in chain if _fits(problem, c)]
   hypothesis.note(f"estimates: {[plan.estimate_smem_bytes(problem, c) for c in chain]}")
@@ -157,7 +157,7 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
       continue
     if not persistent and stages > -(-problem.seq_kv // bkv):
       continue
-    schedules = (("round-robin", "longest-first") if problem.is_causal
+    schedules = (("round-robin", "longest-first") if problem.mask.causal
                  else ("round-robin",) + (("split-tail",) if persistent else ()))
     for schedule in schedules:
       config = Config(bq, bkv, stages, persistent, schedule, compute_warpgroups=cw)

@@ -142,7 +142,7 @@ def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Conf
   config picked for that problem (head dims of 256 with both a 2-D bias and
   mask, say; the results are the same bits either way,
   properties/gpu/test_forward_gpu.py).  Raises if the config does not fit."""
-  def problem_for(staged):
+  def staged_problem(staged):
     return problem_of(call, routed, staged=staged, deterministic=deterministic, variant=variant)
 
   def config_for(problem):
@@ -151,14 +151,14 @@ def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Conf
     return _chosen_config(call, problem, routed, device_kind=None)
 
   if variant.stage_2d and (is_2d(call.bias) or is_2d(routed.mask if routed else call.mask)):
-    problem = problem_for(True)
+    problem = staged_problem(True)
     try:
       chosen = config_for(problem)   # the heuristic refuses a problem nothing fits
       if plan_lib.config_fits(problem, chosen):
         return problem, chosen
     except ValueError:
       pass
-  problem = problem_for(False)
+  problem = staged_problem(False)
   chosen = config_for(problem)
   plan_lib.check_fits(problem, chosen)
   return problem, chosen

@@ -189,16 +189,16 @@ def _launch_orders(modules, sectioned: bool):
   dkv_scope, dq_scope = scope["dkv_call"].__globals__, scope["dq_call"].__globals__
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
 
-  def order(f, units, tiles):
-    if not (f.mask.causal and sectioned):
+  def order(problem, units, tiles):
+    if not (problem.mask.causal and sectioned):
       return None
     return schedule_lib.LaunchOrder(units, tiles, (units,))
 
-  def dkv(f, blocks, *, batch, num_kv_heads, s_pad, **_):
-    return order(f, num_kv_heads * batch, s_pad // blocks.dkv_tile)
+  def dkv(problem, blocks, *, batch, num_kv_heads, s_pad, **_):
+    return order(problem, num_kv_heads * batch, s_pad // blocks.dkv_tile)
 
-  def dq(f, blocks, *, batch, num_heads, t_pad, **_):
-    return order(f, batch * num_heads, t_pad // blocks.dq_tile)
+  def dq(problem, blocks, *, batch, num_heads, t_pad, **_):
+    return order(problem, batch * num_heads, t_pad // blocks.dq_tile)
 
   dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"] = dkv, dq
   try:

@@ -257,13 +257,13 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
   scope = modules.forward.flash_attention_forward.__globals__
   host = scope["_schedule"]
 
-  def schedule(f, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
+  def schedule(problem, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
     if config.schedule == "split-tail":
       # at GQA_GRID's counts and PROBE_SMS where the traced ones are
       # symbolic: the table's entries are global-memory values, read as
       # the kernel reads them
       concrete = lambda x, n: x if isinstance(x, int) else n
-      order, tables = host(f.replace(seq_kv=seq_kv), config,
+      order, tables = host(problem.replace(seq_kv=seq_kv), config,
                            batch=concrete(batch, sd.GQA_GRID["batch"]),
                            num_heads=concrete(num_heads, sd.GQA_GRID["heads"]),
                            num_tiles=stand_in_tiles,
@@ -281,7 +281,7 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
                                for fd in dataclasses.fields(order)}, rows=num_sms)
       return rows, tuple(jnp.zeros((num_sms, *t.shape[1:]), t.dtype) for t in tables)
     if config.schedule != "longest-first":
-      return host(f, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
+      return host(problem, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
                   num_sms=num_sms, **lengths)
     order = schedule_lib.Schedule(batch, num_heads, num_tiles, np.zeros(0, np.int32),
                                   np.zeros(0, np.int64))

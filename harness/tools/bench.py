@@ -204,8 +204,9 @@ def backward_part_fns(shape: BenchShape) -> dict:
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   from kernel.tiling import plan as plan_lib
-  f = plan_lib.problem_for(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim, shape.seq,
-                           shape.seq, is_causal=shape.causal, scale=1.0 / math.sqrt(shape.head_dim))
+  problem = plan_lib.problem_for(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim,
+                                 shape.seq, shape.seq, is_causal=shape.causal,
+                                 scale=1.0 / math.sqrt(shape.head_dim))
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
@@ -215,7 +216,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
                                                               **kw)
 
   def dkv(q, k, v, do, rows, acc=None):
-    return bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None, None, None,
+    return bwd_dkv.dkv_call(problem, blocks, q, k, v, do, rows, None, None, None, None,
                             dq_accum=acc)
 
   def fused(q, k, v, do, rows):
@@ -231,10 +232,10 @@ def backward_part_fns(shape: BenchShape) -> dict:
       "forward+residuals": lambda q, k, v, *_: attention(q, k, v, return_residuals=True),
       "rows": lambda q, k, v, do, out, m, l, *_: bwd_launch.residual_rows(m, l, out, do, shape.seq),
       "zeros": lambda q, *_: jnp.zeros(q.shape, jnp.float32),
-      "scale+cast": lambda *a: (a[-1] * f.scale).astype(dtype),
+      "scale+cast": lambda *a: (a[-1] * problem.scale).astype(dtype),
       "dkv": lambda q, k, v, do, out, m, l, rows, acc: dkv(q, k, v, do, rows),
       "dq kernel": lambda q, k, v, do, out, m, l, rows, acc: bwd_dq.dq_call(
-          f, blocks, q, k, v, do, rows, None, None, None, None, tiles, want_ds=False)[0],
+          problem, blocks, q, k, v, do, rows, None, None, None, None, tiles, want_ds=False)[0],
   }
   # The fused kernel is timed wherever it can run (causal too), so that the
   # path the backward does not take shows too; so is deterministic=True's
@@ -248,7 +249,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
 
     def fixed_point(q, k, v, do, rows, c):
       acc = jax.new_ref(jnp.zeros(q.shape, jnp.int32))
-      return bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None, None, None,
+      return bwd_dkv.dkv_call(problem, blocks, q, k, v, do, rows, None, None, None, None,
                               dq_accum=acc, dq_scales=c), acc[...]
 
     fns["rows+scales"] = lambda q, k, v, do, out, m, l, *_: scales(k, v, do, out, m, l)

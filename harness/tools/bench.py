@@ -105,8 +105,8 @@ def _with_backward(attention):
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-  """One row of ours: a config (None: what config=None runs), whether a
+class BenchRow:
+  """What one row of ours runs: a config (None: what config=None runs), whether a
   2-D bias goes through the stage ring (kernel.experiments' stage_2d), and with
   --backward, which backward (kernel.experiments.BACKWARDS; None: --backward-impl)."""
   config: object = None
@@ -120,14 +120,14 @@ class Variant:
 def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
                 rescale_threshold: float = 1.0, backward: bool = False,
                 backward_impl: str = "pallas", bias_2d: bool = False) -> list[dict]:
-  """One row per config (or :class:`Variant`), each with cuDNN timed in the
+  """One row per config (or :class:`BenchRow`), each with cuDNN timed in the
   same interleaved trials.  With ``backward``, each call is a forward plus a
   backward (jax.grad); with ``bias_2d``, every call gets a random (B, N, T, S)
   bias."""
   from kernel import experiments
-  variants = [c if isinstance(c, Variant) else Variant(c) for c in configs]
-  variants = [v if v.backward else dataclasses.replace(v, backward=backward_impl)
-              for v in variants]
+  ours = [c if isinstance(c, BenchRow) else BenchRow(c) for c in configs]
+  ours = [row if row.backward else dataclasses.replace(row, backward=backward_impl)
+          for row in ours]
   inputs = []
   for i, (q, k, v) in enumerate(_inputs(shape, sets)):
     bias = None
@@ -143,11 +143,11 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
       q, k, v, bias=bias, is_causal=shape.causal, implementation="cudnn")))}
   errors = {}
   flops = shape.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0)
-  for i, var in enumerate(variants):
-    fn = jax.jit(wrap(lambda q, k, v, bias, var=var: experiments.dot_product_attention(
-        q, k, v, bias, is_causal=shape.causal, config=var.config,
-        rescale_threshold=rescale_threshold, backward=var.backward,
-        stage_2d=var.stage_2d)))
+  for i, runs in enumerate(ours):
+    fn = jax.jit(wrap(lambda q, k, v, bias, runs=runs: experiments.dot_product_attention(
+        q, k, v, bias, is_causal=shape.causal, config=runs.config,
+        rescale_threshold=rescale_threshold, backward=runs.backward,
+        stage_2d=runs.stage_2d)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -160,13 +160,13 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
     times = time_fns(fns, inputs)
     times["cudnn_error"] = f"{type(err).__name__}: {str(err)[:160]}"
   rows = []
-  for i, var in enumerate(variants):
+  for i, runs in enumerate(ours):
     row = dataclasses.asdict(shape)
-    row["config"] = None if var.config is None else str(var.config)
-    row["stage_2d"] = var.stage_2d
+    row["config"] = None if runs.config is None else str(runs.config)
+    row["stage_2d"] = runs.stage_2d
     row["bias_2d"] = bias_2d
     row["rescale_threshold"] = rescale_threshold
-    row["pass"] = f"forward+backward ({var.backward})" if backward else "forward"
+    row["pass"] = f"forward+backward ({runs.backward})" if backward else "forward"
     if i in times:
       row["ours_ms"] = times[i] * 1e3
       row["ours_tflops"] = flops / times[i] / 1e12
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
   if args.backward_parts:
     return _run_backward_parts(shapes, args.out)
   configs = [dataclasses.replace(c, backward=impl)
-             for impl in args.backward_impl.split(",") for c in _variants(args.configs)]
+             for impl in args.backward_impl.split(",") for c in _bench_rows(args.configs)]
   rows = [row for s in shapes
           for row in bench_shape(s, configs, rescale_threshold=args.threshold,
                                  backward=args.backward, bias_2d=args.bias_2d)]
@@ -465,23 +465,23 @@ def _run_backward_parts(shapes, out: str | None) -> int:
   return 0
 
 
-def _variants(configs: str | None) -> list[Variant]:
-  """--configs as variants of ours (one of config=None without it)."""
+def _bench_rows(configs: str | None) -> list[BenchRow]:
+  """--configs as rows of ours (one of config=None without it)."""
   if not configs:
-    return [Variant(None)]
+    return [BenchRow(None)]
   from kernel.tiling.config import Config
-  variants = []
+  rows = []
   for item in configs.split(";"):
     fields = item.split(",")
     staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (stage_2d=False)
     fields = fields if staged else fields[:-1]
     if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
-      variants.append(Variant(None, staged))
+      rows.append(BenchRow(None, staged))
       continue
     bq, bkv, st, *p = fields
-    variants.append(Variant(Config(int(bq), int(bkv), int(st),
-                                   persistent=bool(p and p[0] == "p")), staged))
-  return variants
+    rows.append(BenchRow(Config(int(bq), int(bkv), int(st),
+                                persistent=bool(p and p[0] == "p")), staged))
+  return rows
 
 
 if __name__ == "__main__":

@@ -109,22 +109,20 @@ def problem_of(call: Call, routed: key_ranges.Routed | None = None, *, staged: b
   its ranges and the poisoned rows as ``routed`` made them (None: the
   call's own, unrouted)."""
   shapes = call.shapes
-  problem = plan_lib.problem_for(
+  dtype = plan_lib.compute_dtype(call.query.dtype)
+  return plan_lib.problem_of_shapes(
       (shapes.B, shapes.T, shapes.N, shapes.H), (shapes.B, shapes.S, shapes.K, shapes.H),
-      (shapes.B, shapes.S, shapes.K, shapes.Hv), np.dtype(call.query.dtype),
-      is_causal=call.is_causal, return_residuals=bool(
-          routed.kernel_residuals if routed is not None else call.return_residuals))
-  return dataclasses.replace(
-      problem,
+      (shapes.B, shapes.S, shapes.K, shapes.Hv), dtype, is_causal=call.is_causal,
+      return_residuals=bool(
+          routed.kernel_residuals if routed is not None else call.return_residuals),
       bias_2d=staged and is_2d(call.bias),
       mask_2d=staged and is_2d(routed.mask if routed is not None else call.mask),
-      untiled_copies=(problem.untiled_copies if variant.untiled_copies is None
-                      else variant.untiled_copies),
+      untiled_copies=variant.untiled_copies,
       even_sections=variant.even_sections,
       defer_light=variant.defer_light,
       scale=float(shapes.H ** -0.5 if call.scale is None else call.scale),
       logits_soft_cap=None if call.logits_soft_cap is None else float(call.logits_soft_cap),
-      rescale_threshold=_effective_threshold(float(call.rescale_threshold), problem.dtype),
+      rescale_threshold=_effective_threshold(float(call.rescale_threshold), dtype),
       normalize_output=bool(call.normalize_output),
       window=routed.window if routed is not None else call.window,
       chunk=routed.chunk if routed is not None else call.attention_chunk,
@@ -144,7 +142,7 @@ def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Conf
   config picked for that problem (head dims of 256 with both a 2-D bias and
   mask, say; the results are the same bits either way,
   properties/gpu/test_forward_gpu.py).  Raises if the config does not fit."""
-  def problem_for(staged):
+  def staged_problem(staged):
     return problem_of(call, routed, staged=staged, deterministic=deterministic, variant=variant)
 
   def config_for(problem):
@@ -153,14 +151,14 @@ def resolve(call: Call, routed: key_ranges.Routed | None = None, *, config: Conf
     return _chosen_config(call, problem, routed, device_kind=None)
 
   if variant.stage_2d and (is_2d(call.bias) or is_2d(routed.mask if routed else call.mask)):
-    problem = problem_for(True)
+    problem = staged_problem(True)
     try:
       chosen = config_for(problem)   # the heuristic refuses a problem nothing fits
       if plan_lib.config_fits(problem, chosen):
         return problem, chosen
     except ValueError:
       pass
-  problem = problem_for(False)
+  problem = staged_problem(False)
   chosen = config_for(problem)
   plan_lib.check_fits(problem, chosen)
   return problem, chosen
@@ -225,9 +223,8 @@ def _chosen_config(call: Call, problem: plan_lib.Problem, routed, *, device_kind
   k_start = routed.k_start if routed is not None else call.k_start
   k_end = routed.k_end if routed is not None else call.k_end
   mask = routed.mask if routed is not None else call.mask
-  layout = dataclasses.replace(problem, return_residuals=False)
   config, source = autotune.choice(
-      autotune.selection_problem(layout), device_kind, has_bias=call.bias is not None,
+      autotune.selection_problem(problem), device_kind, has_bias=call.bias is not None,
       has_mask=mask is not None, has_key_ranges=k_start is not None or k_end is not None)
   if config.schedule == "split-tail":
     # Off config=None's path until its gradients pass on the GPU: the same tiling,
@@ -332,7 +329,7 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
   if variant.ranges_always and k_start is None and k_end is None:
     k_start, k_end = key_ranges.whole_keys(call.shapes.T, call.shapes.S)
     # known when tracing: the plain call's static order, not one re-ranked on the device
-    problem = dataclasses.replace(problem, static_ranges=True)
+    problem = problem.replace(static_ranges=True)
   attention = _differentiable(problem, config, resolve_backward(call, problem, variant),
                               _num_sms())
   descales = None
@@ -343,20 +340,6 @@ def attend(call: Call, *, config: Config | None = None, deterministic: bool = Fa
   out, residuals = attention(call.query, call.key, call.value, call.bias, routed.mask,
                              k_start, k_end, descales)
   return routed.finish(out, residuals)
-
-
-def launch_problem(problem: plan_lib.Problem, config: Config, *,
-                   residuals: bool = False) -> plan_lib.Problem:
-  """The problem the forward's launch is compiled for: the window and its
-  ranges only where the longest-first order weighs tiles by them, so that
-  the window's value keys no other compile; with m and l where the
-  gradient (``residuals``) wants them, refused if they do not fit."""
-  if config.schedule != "longest-first":
-    problem = dataclasses.replace(problem, window=None, chunk=None, static_ranges=False)
-  if residuals:
-    problem = dataclasses.replace(problem, return_residuals=True)
-    plan_lib.check_fits(problem, config)
-  return problem
 
 
 def _differentiable(problem: plan_lib.Problem, config: Config, backward: backward_plan.Backward,
@@ -394,7 +377,7 @@ def _sharded_forward(problem: plan_lib.Problem, config: Config, num_sms: int,
                      q, k, v, bias, mask, ks, ke, descales, *, residuals: bool = False):
   """The forward on each device's batch/head shard (kernel.sharding), with
   m and l where the call or (``residuals``) the gradient wants them."""
-  problem = launch_problem(problem, config, residuals=residuals)
+  problem = problem.for_launch(config, residuals=residuals)
 
   def local(q, k, v, bias, mask, ks, ke, descales=None):
     out, res = _forward(problem, config, num_sms, q, k, v, bias, mask, ks, ke,

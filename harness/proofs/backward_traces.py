@@ -39,8 +39,8 @@ def trace_backward(head_dim, *, causal, bias, fuse_dq, seq_q, seq_kv, ranges=Tru
   b = sds((batch, heads, seq_q, seq_kv), jnp.bfloat16) if bias else None
   kr = sds((batch, heads, seq_q), jnp.int32) if ranges else None
 
-  problem = plan_lib.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
-                             is_causal=causal, scale=0.125, deterministic=fixed_point)
+  problem = plan_lib.problem_for(np.dtype("bfloat16"), head_dim, head_dim, seq_q, seq_kv,
+                                 is_causal=causal, scale=0.125, deterministic=fixed_point)
   dims = backward_plan.computed_head_dims(head_dim, head_dim)
   backward = backward_plan.Backward("pallas", dims, get_backward_config(
       *dims, causal=causal, fuse_dq=fuse_dq, whole_tiles=not (unpadded or untiled),
@@ -189,16 +189,16 @@ def _launch_orders(modules, sectioned: bool):
   dkv_scope, dq_scope = scope["dkv_call"].__globals__, scope["dq_call"].__globals__
   hosts = dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"]
 
-  def order(f, units, tiles):
-    if not (f.is_causal and sectioned):
+  def order(problem, units, tiles):
+    if not (problem.mask.causal and sectioned):
       return None
     return schedule_lib.LaunchOrder(units, tiles, (units,))
 
-  def dkv(f, blocks, *, batch, num_kv_heads, s_pad, **_):
-    return order(f, num_kv_heads * batch, s_pad // blocks.dkv_tile)
+  def dkv(problem, blocks, *, batch, num_kv_heads, s_pad, **_):
+    return order(problem, num_kv_heads * batch, s_pad // blocks.dkv_tile)
 
-  def dq(f, blocks, *, batch, num_heads, t_pad, **_):
-    return order(f, batch * num_heads, t_pad // blocks.dq_tile)
+  def dq(problem, blocks, *, batch, num_heads, t_pad, **_):
+    return order(problem, batch * num_heads, t_pad // blocks.dq_tile)
 
   dkv_scope["dkv_launch_order"], dq_scope["dq_launch_order"] = dkv, dq
   try:

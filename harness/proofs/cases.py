@@ -220,7 +220,7 @@ def emitted(problems):
       layout = plan_lib.scratch_layout(p, c)
       overlay, reach = layout.overlay_q_with_output, layout.output_reaches_keys
       slots = plan_lib.output_slots(p, c)
-      yield ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.is_causal,
+      yield ForwardCase(stages, c.persistent, c.schedule, p.bias_2d, p.mask_2d, p.mask.causal,
                         c.block_q, c.block_kv, c.num_stages, overlay,
                         p.head_dim, (overlay or reach or bool(slots)) and p.return_residuals,
                         c.compute_warpgroups, p.head_dim_out, p.untiled_copies, reach,

@@ -183,9 +183,9 @@ class _ForwardProber:
   def actual(self, qi, lb, n):
     """The key blocks the kernel visits for a requested range (the causal
     bound may cut it), by the kernel's own rule."""
-    case, f, bkv = self.case, self.problem, self.case.block_kv
-    lo, hi = f.mask.key_blocks(qi, tile_q=case.tile_q, block_kv=bkv,
-                               k_start_min=lb * bkv, k_end_max=(lb + n) * bkv)
+    case, problem, bkv = self.case, self.problem, self.case.block_kv
+    lo, hi = problem.mask.key_blocks(qi, tile_q=case.tile_q, block_kv=bkv,
+                                     k_start_min=lb * bkv, k_end_max=(lb + n) * bkv)
     return lo, hi - lo
 
   def cap(self, qi):

@@ -110,7 +110,7 @@ def _traced_problem(case: ForwardCase, num_tiles: int, seq_kv, short_q=0):
                              num_stages=case.config_stages or case.num_stages,
                              persistent=case.persistent, schedule=case.schedule,
                              compute_warpgroups=case.compute_warpgroups)
-  traced = plan_lib.Problem(
+  traced = plan_lib.problem_for(
       dtype=np.dtype(case.dtype), head_dim=case.head_dim, head_dim_out=case.head_dim_out,
       seq_q=num_tiles * case.tile_q - short_q, seq_kv=seq_kv, is_causal=case.causal,
       bias_2d=case.bias, mask_2d=case.mask, return_residuals=case.residuals,
@@ -217,9 +217,8 @@ def _trace_symbolic(case, dims, blocks, *, key_ranges, modules, at_least=()):
                                      blocks * case.block_kv + symbols.get("r", 0),
                                      symbols.get("sq", 0))
     if "chunk" in symbols:
-      traced = dataclasses.replace(
-          traced, window=(symbols["window_left"], symbols["window_right"]),
-          chunk=symbols["chunk"])
+      traced = traced.replace(window=(symbols["window_left"], symbols["window_right"]),
+                              chunk=symbols["chunk"])
     _, kernel = trace_forward(traced, config, num_tiles=num_tiles,
                               kv_blocks=blocks + (1 if "r" in symbols else 0),
                               head_dim=case.head_dim, head_dim_out=case.head_dim_out,
@@ -258,13 +257,13 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
   scope = modules.forward.flash_attention_forward.__globals__
   host = scope["_schedule"]
 
-  def schedule(f, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
+  def schedule(problem, config, *, batch, num_heads, num_tiles, num_sms, **lengths):
     if config.schedule == "split-tail":
       # at GQA_GRID's counts and PROBE_SMS where the traced ones are
       # symbolic: the table's entries are global-memory values, read as
       # the kernel reads them
       concrete = lambda x, n: x if isinstance(x, int) else n
-      order, tables = host(dataclasses.replace(f, seq_kv=seq_kv), config,
+      order, tables = host(problem.replace(seq_kv=seq_kv), config,
                            batch=concrete(batch, sd.GQA_GRID["batch"]),
                            num_heads=concrete(num_heads, sd.GQA_GRID["heads"]),
                            num_tiles=stand_in_tiles,
@@ -282,7 +281,7 @@ def _symbolic_schedule(modules, seq_kv: int, stand_in_tiles: int):
                                for fd in dataclasses.fields(order)}, rows=num_sms)
       return rows, tuple(jnp.zeros((num_sms, *t.shape[1:]), t.dtype) for t in tables)
     if config.schedule != "longest-first":
-      return host(f, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
+      return host(problem, config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
                   num_sms=num_sms, **lengths)
     order = schedule_lib.Schedule(batch, num_heads, num_tiles, np.zeros(0, np.int32),
                                   np.zeros(0, np.int64))

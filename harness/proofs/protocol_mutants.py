@@ -155,8 +155,9 @@ MUTANTS = (
            "the producer copies a ragged last key block's values without waiting for their "
            "slot's release when more than 128 keys are left",
            (edit("producer.fill", "values.producer_acquire(st)",
-                 "pl.when((ki * c.block_kv + c.block_kv <= c.f.seq_kv) | "
-                 "(ki * c.block_kv + 128 >= c.f.seq_kv))(lambda: values.producer_acquire(st))"),),
+                 "pl.when((ki * c.block_kv + c.block_kv <= c.problem.seq_kv) | "
+                 "(ki * c.block_kv + 128 >= c.problem.seq_kv))"
+                 "(lambda: values.producer_acquire(st))"),),
            shows="x256"),
     # Only a persistent grid whose size is no multiple of 4 shows it (6
     # blocks, an H100 PCIe's 114 SMs): the probes' traces have 16 blocks;
@@ -175,8 +176,9 @@ MUTANTS = (
            "the producer copies values without waiting for their slot's release when the "
            "call's chunks fit the ring",
            (edit("producer.fill", "values.producer_acquire(st)",
-                 "(pl.when(jnp.asarray(c.f.chunk, jnp.int32) > c.stages * c.config.block_kv) "
-                 "if c.f.chunk is not None else (lambda f: f()))("
+                 "(pl.when(jnp.asarray(c.problem.mask.chunk, jnp.int32) "
+                 "> c.stages * c.config.block_kv) "
+                 "if c.problem.mask.chunk is not None else (lambda f: f()))("
                  "lambda: values.producer_acquire(st))"),)),
     # Only a call with a window shows it (a left side under one key block):
     # likewise.
@@ -184,8 +186,8 @@ MUTANTS = (
            "the producer copies values without waiting for their slot's release when the "
            "call's window reaches less than a key block to the left",
            (edit("producer.fill", "values.producer_acquire(st)",
-                 "(pl.when(jnp.asarray(c.f.window[0], jnp.int32) >= c.config.block_kv) "
-                 "if c.f.window is not None else (lambda f: f()))("
+                 "(pl.when(jnp.asarray(c.problem.mask.window[0], jnp.int32) >= c.config.block_kv) "
+                 "if c.problem.mask.window is not None else (lambda f: f()))("
                  "lambda: values.producer_acquire(st))"),)),
     # Only a call without key ranges runs this loop (no causal bound, whole
     # key blocks): the kernels that read ranges never do, so only the proof
@@ -286,7 +288,8 @@ SAFE = (
            "the producer's value acquire under a guard that the call's chunks hold at least "
            "one position (always)",
            (edit("producer.fill", "values.producer_acquire(st)",
-                 "(pl.when(jnp.asarray(c.f.chunk, jnp.int32) >= 1) if c.f.chunk is not None "
+                 "(pl.when(jnp.asarray(c.problem.mask.chunk, jnp.int32) >= 1) "
+                 "if c.problem.mask.chunk is not None "
                  "else (lambda f: f()))(lambda: values.producer_acquire(st))"),)),
     Mutant("key_acquire_on_a_grid_of_at_least_one_block",
            "the producer's key acquire under a guard that the persistent grid has a block "

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import functools
 import itertools
 import os
@@ -84,10 +83,10 @@ def problem_grid(*, experiments: bool = False) -> list[plan_lib.Problem]:
       HEAD_DIMS, (True, False), DTYPES, (False, True), (False, True), (False, True),
       (False, True), lengths):
     head_dim_out = head_dim if same_out else 64 if head_dim != 64 else 256
-    p = plan_lib.Problem(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
-                         bias_2d=bias, mask_2d=mask, return_residuals=residuals)
-    p = dataclasses.replace(p, untiled_copies=plan_lib.untiled_copies_pay(p))
-    out += [p, dataclasses.replace(p, untiled_copies=not p.untiled_copies)] if experiments else [p]
+    p = plan_lib.problem_for(dtype, head_dim, head_dim_out, sq, skv, is_causal=causal,
+                             bias_2d=bias, mask_2d=mask, return_residuals=residuals)
+    p = p.replace(untiled_copies=plan_lib.untiled_copies_pay(p))
+    out += [p, p.replace(untiled_copies=not p.untiled_copies)] if experiments else [p]
   return out
 
 

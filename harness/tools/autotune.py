@@ -129,8 +129,8 @@ class Job(BenchShape):
 
   def problem(self) -> plan.Problem:
     shape = (self.batch, self.seq, self.heads, self.head_dim)
-    return autotune.selection_problem(plan.problem_for(shape, shape, shape, self.dtype,
-                                                       is_causal=self.causal))
+    return autotune.selection_problem(plan.problem_of_shapes(shape, shape, shape, self.dtype,
+                                                             is_causal=self.causal))
 
   def signature(self) -> str:
     return autotune.signature(self.problem())

@@ -105,8 +105,8 @@ def _with_backward(attention):
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-  """One row of ours: a config (None: what config=None runs), whether a
+class BenchRow:
+  """What one row of ours runs: a config (None: what config=None runs), whether a
   2-D bias goes through the stage ring (kernel.experiments' stage_2d), and with
   --backward, which backward (kernel.experiments.BACKWARDS; None: --backward-impl)."""
   config: object = None
@@ -120,14 +120,14 @@ class Variant:
 def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
                 rescale_threshold: float = 1.0, backward: bool = False,
                 backward_impl: str = "pallas", bias_2d: bool = False) -> list[dict]:
-  """One row per config (or :class:`Variant`), each with cuDNN timed in the
+  """One row per config (or :class:`BenchRow`), each with cuDNN timed in the
   same interleaved trials.  With ``backward``, each call is a forward plus a
   backward (jax.grad); with ``bias_2d``, every call gets a random (B, N, T, S)
   bias."""
   from kernel import experiments
-  variants = [c if isinstance(c, Variant) else Variant(c) for c in configs]
-  variants = [v if v.backward else dataclasses.replace(v, backward=backward_impl)
-              for v in variants]
+  ours = [c if isinstance(c, BenchRow) else BenchRow(c) for c in configs]
+  ours = [row if row.backward else dataclasses.replace(row, backward=backward_impl)
+          for row in ours]
   inputs = []
   for i, (q, k, v) in enumerate(_inputs(shape, sets)):
     bias = None
@@ -143,11 +143,11 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
       q, k, v, bias=bias, is_causal=shape.causal, implementation="cudnn")))}
   errors = {}
   flops = shape.flops * (BACKWARD_FLOP_FACTOR if backward else 1.0)
-  for i, var in enumerate(variants):
-    fn = jax.jit(wrap(lambda q, k, v, bias, var=var: experiments.dot_product_attention(
-        q, k, v, bias, is_causal=shape.causal, config=var.config,
-        rescale_threshold=rescale_threshold, backward=var.backward,
-        stage_2d=var.stage_2d)))
+  for i, runs in enumerate(ours):
+    fn = jax.jit(wrap(lambda q, k, v, bias, runs=runs: experiments.dot_product_attention(
+        q, k, v, bias, is_causal=shape.causal, config=runs.config,
+        rescale_threshold=rescale_threshold, backward=runs.backward,
+        stage_2d=runs.stage_2d)))
     try:
       jax.block_until_ready(fn(*inputs[0]))
       fns[i] = fn
@@ -160,13 +160,13 @@ def bench_shape(shape: BenchShape, configs=(None,), sets: int = 3,
     times = time_fns(fns, inputs)
     times["cudnn_error"] = f"{type(err).__name__}: {str(err)[:160]}"
   rows = []
-  for i, var in enumerate(variants):
+  for i, runs in enumerate(ours):
     row = dataclasses.asdict(shape)
-    row["config"] = None if var.config is None else str(var.config)
-    row["stage_2d"] = var.stage_2d
+    row["config"] = None if runs.config is None else str(runs.config)
+    row["stage_2d"] = runs.stage_2d
     row["bias_2d"] = bias_2d
     row["rescale_threshold"] = rescale_threshold
-    row["pass"] = f"forward+backward ({var.backward})" if backward else "forward"
+    row["pass"] = f"forward+backward ({runs.backward})" if backward else "forward"
     if i in times:
       row["ours_ms"] = times[i] * 1e3
       row["ours_tflops"] = flops / times[i] / 1e12
@@ -204,8 +204,9 @@ def backward_part_fns(shape: BenchShape) -> dict:
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   from kernel.tiling import plan as plan_lib
-  f = plan_lib.Problem(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim, shape.seq, shape.seq,
-                       is_causal=shape.causal, scale=1.0 / math.sqrt(shape.head_dim))
+  problem = plan_lib.problem_for(jnp.dtype(shape.dtype), shape.head_dim, shape.head_dim,
+                                 shape.seq, shape.seq, is_causal=shape.causal,
+                                 scale=1.0 / math.sqrt(shape.head_dim))
   d = plan_lib.backward_head_dims(shape.head_dim, shape.head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, causal=shape.causal)
   tiles = padding.key_ranges(None, None, seq_kv=shape.seq, tile=blocks.dq_tile,
@@ -215,7 +216,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
                                                               **kw)
 
   def dkv(q, k, v, do, rows, acc=None):
-    return bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None, None, None,
+    return bwd_dkv.dkv_call(problem, blocks, q, k, v, do, rows, None, None, None, None,
                             dq_accum=acc)
 
   def fused(q, k, v, do, rows):
@@ -231,10 +232,10 @@ def backward_part_fns(shape: BenchShape) -> dict:
       "forward+residuals": lambda q, k, v, *_: attention(q, k, v, return_residuals=True),
       "rows": lambda q, k, v, do, out, m, l, *_: bwd_launch.residual_rows(m, l, out, do, shape.seq),
       "zeros": lambda q, *_: jnp.zeros(q.shape, jnp.float32),
-      "scale+cast": lambda *a: (a[-1] * f.scale).astype(dtype),
+      "scale+cast": lambda *a: (a[-1] * problem.scale).astype(dtype),
       "dkv": lambda q, k, v, do, out, m, l, rows, acc: dkv(q, k, v, do, rows),
       "dq kernel": lambda q, k, v, do, out, m, l, rows, acc: bwd_dq.dq_call(
-          f, blocks, q, k, v, do, rows, None, None, None, None, tiles, want_ds=False)[0],
+          problem, blocks, q, k, v, do, rows, None, None, None, None, tiles, want_ds=False)[0],
   }
   # The fused kernel is timed wherever it can run (causal too), so that the
   # path the backward does not take shows too; so is deterministic=True's
@@ -248,7 +249,7 @@ def backward_part_fns(shape: BenchShape) -> dict:
 
     def fixed_point(q, k, v, do, rows, c):
       acc = jax.new_ref(jnp.zeros(q.shape, jnp.int32))
-      return bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None, None, None,
+      return bwd_dkv.dkv_call(problem, blocks, q, k, v, do, rows, None, None, None, None,
                               dq_accum=acc, dq_scales=c), acc[...]
 
     fns["rows+scales"] = lambda q, k, v, do, out, m, l, *_: scales(k, v, do, out, m, l)
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
   if args.backward_parts:
     return _run_backward_parts(shapes, args.out)
   configs = [dataclasses.replace(c, backward=impl)
-             for impl in args.backward_impl.split(",") for c in _variants(args.configs)]
+             for impl in args.backward_impl.split(",") for c in _bench_rows(args.configs)]
   rows = [row for s in shapes
           for row in bench_shape(s, configs, rescale_threshold=args.threshold,
                                  backward=args.backward, bias_2d=args.bias_2d)]
@@ -464,23 +465,23 @@ def _run_backward_parts(shapes, out: str | None) -> int:
   return 0
 
 
-def _variants(configs: str | None) -> list[Variant]:
-  """--configs as variants of ours (one of config=None without it)."""
+def _bench_rows(configs: str | None) -> list[BenchRow]:
+  """--configs as rows of ours (one of config=None without it)."""
   if not configs:
-    return [Variant(None)]
+    return [BenchRow(None)]
   from kernel.tiling.config import Config
-  variants = []
+  rows = []
   for item in configs.split(";"):
     fields = item.split(",")
     staged = fields[-1] != "u"  # a trailing ",u": 2-D bias unstaged (stage_2d=False)
     fields = fields if staged else fields[:-1]
     if fields == ["auto"]:  # what config=None runs: the autotune cache, else the heuristic
-      variants.append(Variant(None, staged))
+      rows.append(BenchRow(None, staged))
       continue
     bq, bkv, st, *p = fields
-    variants.append(Variant(Config(int(bq), int(bkv), int(st),
-                                   persistent=bool(p and p[0] == "p")), staged))
-  return variants
+    rows.append(BenchRow(Config(int(bq), int(bkv), int(st),
+                                persistent=bool(p and p[0] == "p")), staged))
+  return rows
 
 
 if __name__ == "__main__":

@@ -107,9 +107,10 @@ NO_SEGMENTS_IN_JAX_NN = ("jax.nn.dot_product_attention has no segment ids; its "
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
-  """One problem of the section: its shapes are a grid point's (heads from
-  the head dim, B = 16k tokens / seq) unless overridden."""
+class MaskedShape:
+  """One problem of the section (a row of its table): a grid point's shapes
+  (heads from the head dim, B = 16k tokens / seq, unless overridden) and
+  the mask of its ``kind``, a window, packed documents or chunks."""
   kind: str                              # one of KINDS
   head_dim: int
   seq: int
@@ -145,12 +146,12 @@ class Problem:
     return f"d{self.head_dim} {what} seq {self.seq}{' causal' if self.causal else ''}"
 
 
-def problems(head_dims=HEAD_DIMS) -> list[Problem]:
-  out = [Problem("window", d, s, c, window=WINDOW)
+def masked_shapes(head_dims=HEAD_DIMS) -> list[MaskedShape]:
+  out = [MaskedShape("window", d, s, c, window=WINDOW)
          for d in head_dims for c in (False, True) for s in WINDOW_SEQS]
-  out += [Problem("packed", d, PACKED_SEQ, True, documents=PACKED_DOCUMENTS)
+  out += [MaskedShape("packed", d, PACKED_SEQ, True, documents=PACKED_DOCUMENTS)
           for d in head_dims]
-  out += [Problem("chunk", d, CHUNK_SEQ, True, chunk=CHUNK) for d in head_dims]
+  out += [MaskedShape("chunk", d, CHUNK_SEQ, True, chunk=CHUNK) for d in head_dims]
   return out
 
 
@@ -158,38 +159,38 @@ def problems(head_dims=HEAD_DIMS) -> list[Problem]:
 # What each problem computes: the pairs that take part.
 
 
-def row_key_bounds(problem: Problem, *, variant: bool = True):
+def row_key_bounds(shape: MaskedShape, *, variant: bool = True):
   """Per query row i (NumPy, (T,)), the first and last key it sees (the
   keys in between all take part: a window, a document and the causal mask
   are each an interval); ``variant=False``: the problem without its window
   or documents."""
   import numpy as np
-  t = problem.seq
+  t = shape.seq
   i = np.arange(t)
   first, last = np.zeros(t, np.int64), np.full(t, t - 1, np.int64)
-  if variant and problem.kind == "window":
-    first, last = np.maximum(first, i - problem.window), np.minimum(last, i + problem.window)
-  if variant and problem.kind == "chunk":
-    start = i // problem.chunk * problem.chunk
-    first, last = np.maximum(first, start), np.minimum(last, start + problem.chunk - 1)
-  if variant and problem.kind == "packed":
-    edges = np.concatenate([[0], np.cumsum(problem.documents)])
-    doc = np.repeat(np.arange(len(problem.documents)), problem.documents)
+  if variant and shape.kind == "window":
+    first, last = np.maximum(first, i - shape.window), np.minimum(last, i + shape.window)
+  if variant and shape.kind == "chunk":
+    start = i // shape.chunk * shape.chunk
+    first, last = np.maximum(first, start), np.minimum(last, start + shape.chunk - 1)
+  if variant and shape.kind == "packed":
+    edges = np.concatenate([[0], np.cumsum(shape.documents)])
+    doc = np.repeat(np.arange(len(shape.documents)), shape.documents)
     first, last = edges[doc], edges[doc + 1] - 1
-  if problem.causal:
+  if shape.causal:
     last = np.minimum(last, i)
   return first, last
 
 
-def visible_pairs(problem: Problem, *, variant: bool = True) -> int:
+def visible_pairs(shape: MaskedShape, *, variant: bool = True) -> int:
   """(query, key) pairs that take part, over batch and heads."""
   import numpy as np
-  first, last = row_key_bounds(problem, variant=variant)
-  return problem.batch * problem.heads * int(np.maximum(last - first + 1, 0).sum())
+  first, last = row_key_bounds(shape, variant=variant)
+  return shape.batch * shape.heads * int(np.maximum(last - first + 1, 0).sum())
 
 
-def flops(problem: Problem, *, backward: bool, variant: bool = True) -> float:
-  f = 4.0 * problem.head_dim * visible_pairs(problem, variant=variant)
+def flops(shape: MaskedShape, *, backward: bool, variant: bool = True) -> float:
+  f = 4.0 * shape.head_dim * visible_pairs(shape, variant=variant)
   return f * (bg.BACKWARD_FLOP_FACTOR if backward else 1.0)
 
 
@@ -197,7 +198,7 @@ def flops(problem: Problem, *, backward: bool, variant: bool = True) -> float:
 # The routes.
 
 
-def aux_arrays(problem: Problem) -> dict:
+def aux_arrays(shape: MaskedShape) -> dict:
   """The arrays the routes read besides q, k, v, built on the default device
   (jit-fused, so the (T, S) masks are the only large buffers): the dense
   mask; for packed documents also the segment ids, each row's document as
@@ -206,9 +207,9 @@ def aux_arrays(problem: Problem) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  t = problem.seq
-  if problem.kind in ("window", "chunk"):
-    w, size = problem.window, problem.chunk
+  t = shape.seq
+  if shape.kind in ("window", "chunk"):
+    w, size = shape.window, shape.chunk
 
     @jax.jit
     def dense_mask():   # (1, 1, T, S): row i, key j
@@ -216,53 +217,53 @@ def aux_arrays(problem: Problem) -> dict:
       j = jax.lax.broadcasted_iota(jnp.int32, (1, 1, t, t), 3)
       return (j >= i - w) & (j <= i + w) if size is None else i // size == j // size
     return {"mask": dense_mask()}
-  docs = problem.documents
+  docs = shape.documents
   ids = np.repeat(np.arange(len(docs), dtype=np.int32), docs)
-  ids = jnp.asarray(np.broadcast_to(ids, (problem.batch, t)))
+  ids = jnp.asarray(np.broadcast_to(ids, (shape.batch, t)))
   starts = np.concatenate([[0], np.cumsum(docs)[:-1]]).astype(np.int32)
-  row = lambda x: jnp.asarray(np.broadcast_to(x, (problem.batch, len(x))).astype(np.int32))
+  row = lambda x: jnp.asarray(np.broadcast_to(x, (shape.batch, len(x))).astype(np.int32))
   mask = jax.jit(lambda ids: ids[:, None, :, None] == ids[:, None, None, :])(ids)
   # cuDNN's packed layout: per batch row the length of each document and its
   # offset, the offsets padded with -1 to one more entry than documents
   # (jax._src.cudnn.fused_attention_stablehlo.dot_product_attention).
   # Each row's document as its key range: the problem's own bounds, without
   # the causal mask (the route passes is_causal itself).
-  first, last = row_key_bounds(dataclasses.replace(problem, causal=False))
-  per_row = lambda x: jnp.asarray(np.broadcast_to(x.astype(np.int32), (problem.batch, 1, t)))
+  first, last = row_key_bounds(dataclasses.replace(shape, causal=False))
+  per_row = lambda x: jnp.asarray(np.broadcast_to(x.astype(np.int32), (shape.batch, 1, t)))
   return {"mask": mask, "ids": ids, "seqlen": row(np.asarray(docs)),
           "offsets": row(np.concatenate([starts, [-1]])),
           "k_start": per_row(first), "k_end": per_row(last + 1)}
 
 
-def jax_nn_cudnn_refusal(problem: Problem) -> str | None:
+def jax_nn_cudnn_refusal(shape: MaskedShape) -> str | None:
   """Why jax.nn.dot_product_attention (jax 0.11.2) cannot hand this problem
   to cuDNN, or None when it can: it has no segment ids, and it gives cuDNN a
   window only under causal or with a right size of 0 (cuDNN's sliding window
   looks left only); properties/tools/test_bench_windows_segments.py holds jax.nn
   to both."""
-  if problem.kind == "packed":
+  if shape.kind == "packed":
     return NO_SEGMENTS_IN_JAX_NN
-  if problem.kind == "chunk":
+  if shape.kind == "chunk":
     return NO_CHUNKS_IN_JAX_NN
-  if not problem.causal:
+  if not shape.causal:
     return (f"jax.nn gives cuDNN a window only under causal or with right size 0; "
-            f"({problem.window}, {problem.window}) without causal it refuses")
+            f"({shape.window}, {shape.window}) without causal it refuses")
   return None
 
 
-def route_functions(problem: Problem) -> tuple[dict, dict]:
+def route_functions(shape: MaskedShape) -> tuple[dict, dict]:
   """({route: f(q, k, v, aux) -> out}, {route: why it is not timed}) for
-  ``problem``."""
+  ``shape``."""
   import jax
   from kernel import api, experiments
-  c, w = problem.causal, problem.window
+  c, w = shape.causal, shape.window
   fns, unavailable = {}, {}
-  if problem.kind == "chunk":
+  if shape.kind == "chunk":
     fns[OURS] = lambda q, k, v, aux: api.dot_product_attention(
-        q, k, v, is_causal=c, attention_chunk=problem.chunk)
+        q, k, v, is_causal=c, attention_chunk=shape.chunk)
     fns[DENSE_MASK] = lambda q, k, v, aux: api.dot_product_attention(
         q, k, v, mask=aux["mask"], is_causal=c)
-  elif problem.kind == "window":
+  elif shape.kind == "window":
     fns[OURS] = lambda q, k, v, aux: api.dot_product_attention(
         q, k, v, is_causal=c, local_window_size=w)
     fns[NO_WINDOW] = lambda q, k, v, aux: api.dot_product_attention(q, k, v, is_causal=c)
@@ -281,37 +282,37 @@ def route_functions(problem: Problem) -> tuple[dict, dict]:
     fns[OTHER_BOUNDS] = lambda q, k, v, aux: experiments.dot_product_attention(
         q, k, v, is_causal=c, q_segment_ids=aux["ids"], kv_segment_ids=aux["ids"],
         segment_bounds=OTHER_BOUNDS_METHOD)
-  refusal = jax_nn_cudnn_refusal(problem)
+  refusal = jax_nn_cudnn_refusal(shape)
   if refusal is None:
     fns[CUDNN] = lambda q, k, v, aux: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, local_window_size=w, implementation="cudnn")
   else:
     unavailable[CUDNN] = refusal
-  if problem.kind == "packed":
-    fns[CUDNN_PACKED] = cudnn_packed_route(problem)
+  if shape.kind == "packed":
+    fns[CUDNN_PACKED] = cudnn_packed_route(shape)
   return fns, unavailable
 
 
-def cudnn_packed_route(problem: Problem):
+def cudnn_packed_route(shape: MaskedShape):
   """cuDNN's packed-document attention (private jax API), causal inside each
   document as the problem has it."""
-  scale = 1.0 / math.sqrt(problem.head_dim)
+  scale = 1.0 / math.sqrt(shape.head_dim)
 
   def packed(q, k, v, aux):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
-    mask_type = cudnn.MaskType.CAUSAL if problem.causal else cudnn.MaskType.NO_MASK
+    mask_type = cudnn.MaskType.CAUSAL if shape.causal else cudnn.MaskType.NO_MASK
     return cudnn.dot_product_attention(
         q, k, v, q_seqlen=aux["seqlen"], kv_seqlen=aux["seqlen"], q_offsets=aux["offsets"],
         kv_offsets=aux["offsets"], scale=scale, mask_type=mask_type)
   return packed
 
 
-def implementations(problem: Problem, *, backward: bool) -> tuple[dict, dict]:
+def implementations(shape: MaskedShape, *, backward: bool) -> tuple[dict, dict]:
   """({route: jitted f(q, k, v[, d_out], aux)}, {route: why not timed}): the
   forward's output, or with ``backward`` (dq, dk, dv) of sum(out * d_out)
   through jax.vjp."""
   import jax
-  routes, unavailable = route_functions(problem)
+  routes, unavailable = route_functions(shape)
 
   def with_grad(route):
     if not backward:
@@ -344,28 +345,28 @@ def _agreement(fns: dict, inputs: tuple, timed) -> dict:
   return out
 
 
-def time_problem(problem: Problem, *, backward: bool, dtype="bfloat16", sets: int = 3) -> dict:
-  """One row: every route of ``problem`` timed interleaved."""
+def time_shape(shape: MaskedShape, *, backward: bool, dtype="bfloat16", sets: int = 3) -> dict:
+  """One row: every route of ``shape`` timed interleaved."""
   import jax.numpy as jnp
-  fns, unavailable = implementations(problem, backward=backward)
-  aux = aux_arrays(problem)
-  inputs = [x + (aux,) for x in bg._inputs(problem, jnp.dtype(dtype), sets, backward)]
+  fns, unavailable = implementations(shape, backward=backward)
+  aux = aux_arrays(shape)
+  inputs = [x + (aux,) for x in bg._inputs(shape, jnp.dtype(dtype), sets, backward)]
   times, errors = bg.time_interleaved(fns, inputs)
   results = {}
   for name in ROUTES:
     if name in times:
-      f = flops(problem, backward=backward, variant=name != NO_WINDOW)
+      f = flops(shape, backward=backward, variant=name != NO_WINDOW)
       results[name] = dict(ms=times[name] * 1e3, tflops=f / times[name] / 1e12)
     elif name in errors:
       results[name] = dict(error=errors[name])
     elif name in unavailable:
       results[name] = dict(unavailable=unavailable[name])
-  return dict(problem=problem.kind, head_dim=problem.head_dim, seq=problem.seq,
-              causal=problem.causal, window=problem.window, documents=problem.documents,
-              chunk=problem.chunk,
-              batch=problem.batch, heads=problem.heads, dtype=dtype,
+  return dict(problem=shape.kind, head_dim=shape.head_dim, seq=shape.seq,
+              causal=shape.causal, window=shape.window, documents=shape.documents,
+              chunk=shape.chunk,
+              batch=shape.batch, heads=shape.heads, dtype=dtype,
               pass_=bg.pass_name(backward),
-              pairs=visible_pairs(problem), results=results,
+              pairs=visible_pairs(shape), results=results,
               max_abs_diff_to_ours={} if backward else _agreement(fns, inputs[0], times))
 
 
@@ -377,9 +378,9 @@ def run(args, *, passes, log=print) -> list[dict]:
       int(d) for d in args.section_head_dims.split(","))
   rows = []
   for backward in passes:
-    for problem in problems(head_dims):
-      rows.append(time_problem(problem, backward=backward))
-      new_kind = len(rows) == 1 or rows[-2]["problem"] != problem.kind
+    for shape in masked_shapes(head_dims):
+      rows.append(time_shape(shape, backward=backward))
+      new_kind = len(rows) == 1 or rows[-2]["problem"] != shape.kind
       log(render_table(rows[-1:], header=new_kind), flush=True)
   return rows
 

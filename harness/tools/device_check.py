@@ -132,8 +132,9 @@ def _variant(cfg, variant: str, case):
 
 def problem_of(case):
   from kernel.tiling import plan
-  return plan.problem_for(case.query.shape, case.key.shape, case.value.shape,
-                          case.query.dtype, is_causal=case.is_causal, return_residuals=True)
+  return plan.problem_of_shapes(case.query.shape, case.key.shape, case.value.shape,
+                                case.query.dtype, is_causal=case.is_causal,
+                                return_residuals=True)
 
 
 def emitted_configs(call) -> list:

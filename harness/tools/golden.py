@@ -193,7 +193,7 @@ CORPUS: tuple[GoldenSpec, ...] = (
                variants=VariantSpec(local_window_size=40)),
     GoldenSpec("window-pair-ragged", 23, seq_q=300, seq_kv=421,
                variants=VariantSpec(local_window_size=(150, 17))),
-    # The window reaches the longest-first schedule (Problem.window).
+    # The window reaches the longest-first schedule (Problem.mask).
     GoldenSpec("window-pair-causal-longest-first", 24, seq_q=512, seq_kv=512, is_causal=True,
                config=(64, 128, 2, True, "longest-first"),
                variants=VariantSpec(local_window_size=(130, 64))),

@@ -203,7 +203,6 @@ def _guarded(args, kwargs):
   ``dot_product_attention`` resolves them), replaced by one into mutable
   outputs 16 rows longer than the padded query length, as
   properties/gpu/test_guard_band_gpu.py does."""
-  import dataclasses
   import jax
   import jax.numpy as jnp
   from unittest import mock
@@ -213,8 +212,7 @@ def _guarded(args, kwargs):
 
   def record(problem, config, backward, num_sms):
     # copied padded: untiled copies write the output into a fresh array
-    got.update(problem=dataclasses.replace(api.launch_problem(problem, config),
-                                           untiled_copies=False),
+    got.update(problem=problem.for_launch(config).replace(untiled_copies=False),
                config=config, num_sms=num_sms)
     return lambda *a: (None, (None, None))
 

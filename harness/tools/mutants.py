@@ -207,8 +207,9 @@ CATALOG: tuple[Mutant, ...] = (
        probe="fwd-staged"),
     _m("softcap-without-outer-multiply", "the soft cap without its outer multiply",
        "softmax.logits",
-       "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap",
-       "s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), 1.0", named("heuristic-softcap-scale")),
+       "s, sc = jnp.tanh(s * (sc / problem.logits_soft_cap)), problem.logits_soft_cap",
+       "s, sc = jnp.tanh(s * (sc / problem.logits_soft_cap)), 1.0",
+       named("heuristic-softcap-scale")),
     # -- forward: data movement and the ring protocol ----------------------------
     _m("gqa-head-modulo", "GQA mapping h % K instead of h // group", "producer.tile",
        "hk = lax.div(h, jnp.int32(c.group))",
@@ -285,13 +286,13 @@ CATALOG: tuple[Mutant, ...] = (
        "delta = jnp.sum(d_out.astype(out.dtype) * out, axis=-1).astype(jnp.float32)",
        ("properties/kernel/test_residual_rows.py::test_rows_match_float64",) + grads("gqa-d128")),
     _b("fused-dq-missing-scale", "dq missing the scale (fused dQ)",
-       "backward.fused_dq", "dq = dq_acc.astype(jnp.float32) * f.scale",
+       "backward.fused_dq", "dq = dq_acc.astype(jnp.float32) * problem.scale",
        "dq = dq_acc.astype(jnp.float32)", grads("gqa-d128"), probe="grad-fused"),
     _b("dq-kernel-missing-scale", "dq missing the scale (dQ kernel)", "dq.compute",
-       "q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)",
+       "q_st[...] = (dq_acc * c.problem.scale).astype(c.dtype)",
        "q_st[...] = dq_acc.astype(c.dtype)", grads("ragged-causal-d72-dv96"), probe="grad-causal"),
     _b("dk-missing-scale", "dk missing the scale", "dkv.compute",
-       "if name == \"dk\":\n  acc = acc * c.f.scale", "", grads("gqa-d128")),
+       "if name == \"dk\":\n  acc = acc * c.problem.scale", "", grads("gqa-d128")),
     _b("dk-dv-swapped", "dk and dv swapped (joint launch)", "dkv.compute",
        'results = {"dk": (dk_acc, c.k_st), "dv": (dv_acc, c.v_st)}',
        'results = {"dk": (dv_acc, c.k_st), "dv": (dk_acc, c.v_st)}', grads("gqa-d128")),
@@ -318,17 +319,17 @@ CATALOG: tuple[Mutant, ...] = (
        grads("gqa-causal-dq-kernel"), probe="grad-causal"),
     _b("bias-after-softcap", "bias added after the soft cap", "scores.scaled_logits",
        "if bias is not None:\n  u = u + bias.astype(jnp.float32)\n"
-       "if f.logits_soft_cap is None:\n  return u, None\n"
-       "t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
-       "return t * f.logits_soft_cap, 1.0 - t * t",
+       "if problem.logits_soft_cap is None:\n  return u, None\n"
+       "t = jnp.tanh(u * (1.0 / problem.logits_soft_cap))\n"
+       "return t * problem.logits_soft_cap, 1.0 - t * t",
        "late = 0.0 if bias is None else bias.astype(jnp.float32)\n"
-       "if f.logits_soft_cap is None:\n  return u + late, None\n"
-       "t = jnp.tanh(u * (1.0 / f.logits_soft_cap))\n"
-       "return t * f.logits_soft_cap + late, 1.0 - t * t",
+       "if problem.logits_soft_cap is None:\n  return u + late, None\n"
+       "t = jnp.tanh(u * (1.0 / problem.logits_soft_cap))\n"
+       "return t * problem.logits_soft_cap + late, 1.0 - t * t",
        grads("bias-full-softcap")),
     _b("softcap-derivative-wrong", "the soft cap's derivative without its square",
-       "scores.scaled_logits", "return t * f.logits_soft_cap, 1.0 - t * t",
-       "return t * f.logits_soft_cap, 1.0 - t", grads("bias-full-softcap")),
+       "scores.scaled_logits", "return t * problem.logits_soft_cap, 1.0 - t * t",
+       "return t * problem.logits_soft_cap, 1.0 - t", grads("bias-full-softcap")),
     _b("dbias-mean-not-sum", "dbias reduced over broadcast axes by mean, not sum",
        "backward.bias_gradient",
        "summed = jnp.sum(ds, axis=tuple(a for a in range(4) if full[a] == 1), keepdims=True)",

@@ -98,20 +98,20 @@ def backward_row(head_dim: int, seq: int, gqa: int = 1) -> dict:
   point = bg.Point(head_dim, seq, True, gqa)
   d = plan.backward_head_dims(head_dim, head_dim)[0]
   blocks = backward_plan.blocks_for(d, d, causal=True)
-  f = plan.Problem(np.dtype("bfloat16"), head_dim, head_dim, seq, seq, is_causal=True)
+  problem = plan.problem_for(np.dtype("bfloat16"), head_dim, head_dim, seq, seq, is_causal=True)
   t_pad = -(-seq // blocks.query_multiple) * blocks.query_multiple
   s_pad = -(-seq // blocks.key_multiple) * blocks.key_multiple
   fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=True)
   common = dict(batch=point.batch, group=gqa, t_pad=t_pad, s_pad=s_pad, head_dims=(d, d),
                 dtype=jnp.bfloat16, num_sms=schedule.DEFAULT_NUM_SMS)
-  grids = {"dkv": (bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=point.kv_heads, fused=fused,
-                                        **common),
+  grids = {"dkv": (bwd_dkv.dkv_launch_order(problem, blocks, num_kv_heads=point.kv_heads,
+                                            fused=fused, **common),
                    point.batch * point.kv_heads, s_pad // blocks.dkv_tile,
-                   bwd_dkv.key_tile_weights(f, blocks, group=gqa, t_pad=t_pad, s_pad=s_pad))}
+                   bwd_dkv.key_tile_weights(problem, blocks, group=gqa, t_pad=t_pad, s_pad=s_pad))}
   if not fused:
-    grids["dq"] = (bwd_dq.dq_launch_order(f, blocks, num_heads=point.heads, **common),
+    grids["dq"] = (bwd_dq.dq_launch_order(problem, blocks, num_heads=point.heads, **common),
                    point.batch * point.heads, t_pad // blocks.dq_tile,
-                   bwd_dq.query_tile_weights(f, blocks, t_pad=t_pad))
+                   bwd_dq.query_tile_weights(problem, blocks, t_pad=t_pad))
   out = dict(head_dim=head_dim, seq=seq, gqa=gqa, batch=point.batch, heads=point.heads,
              fused=fused)
   for name, (order, units, tiles, weights) in grids.items():

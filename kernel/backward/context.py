@@ -83,7 +83,7 @@ class _Launch(common.OperandRefs):
   come first): the launch's sizes, and inside the kernel the operands as
   refs, the grid point, the rings."""
 
-  f: Problem
+  problem: Problem
   blocks: BackwardBlocks
   head_dim: int
   dtype: Any

@@ -65,37 +65,37 @@ class DkvKernel(_Launch):
   shape_t = property(lambda self: (self.bkv, self.bq))
 
 
-def key_tile_weights(f: Problem, blocks: BackwardBlocks, *, group: int, t_pad: int,
+def key_tile_weights(problem: Problem, blocks: BackwardBlocks, *, group: int, t_pad: int,
                      s_pad: int) -> list[int]:
   """Per key tile, the query blocks the dK/dV kernel streams for it (times
   the group's query heads), by the call's mask
   (:meth:`kernel.masks.Mask.key_tile_blocks`)."""
   tile, bq = blocks.dkv_tile, blocks.dkv_stream_q
-  return [group * f.mask.key_tile_blocks(r, key_tile=tile, block_q=bq, num_blocks=t_pad // bq)
+  return [group * problem.mask.key_tile_blocks(r, key_tile=tile, block_q=bq, num_blocks=t_pad // bq)
           for r in range(s_pad // tile)]
 
 
-def dkv_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
+def dkv_launch_order(problem: Problem, blocks: BackwardBlocks, *, batch: int,
                      num_kv_heads: int, group: int, t_pad: int, s_pad: int,
                      head_dims: tuple[int, int], dtype, fused: bool,
                      num_sms: int) -> schedule_lib.LaunchOrder | None:
   """The dK/dV grid's launch order under causal (None: head by head): see
   :func:`dkv_call`.  A local window the key ranges come from (the mask's)
   evens the tiles' work out."""
-  if not f.mask.causal:
+  if not problem.mask.causal:
     return None
   order = schedule_lib.LaunchOrder.for_grid(
       num_kv_heads * batch, s_pad // blocks.dkv_tile, num_sms=num_sms,
       unit_bytes=group * t_pad * sum(head_dims) * jnp.dtype(dtype).itemsize)
   # With the fused dQ, or under a window, sections only where they repay
   # their spread of the blocks in flight (kernel.tiling.schedule.MIN_SECTION_GAIN).
-  if (fused or f.mask.window is not None) and not schedule_lib.sections_repay(
-      order, key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad), num_sms):
+  if (fused or problem.mask.window is not None) and not schedule_lib.sections_repay(
+      order, key_tile_weights(problem, blocks, group=group, t_pad=t_pad, s_pad=s_pad), num_sms):
     return None
   return order
 
 
-def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask_t, k_start,
+def dkv_call(problem: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask_t, k_start,
              k_end, *, dq_accum=None, dq_scales=None, query_blocks=None,
              inner_blocks=None, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
              padded: tuple[int, int] | None = None):
@@ -140,10 +140,10 @@ def dkv_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias_t, mask
   if fused and blocks.head_split:
     raise ValueError("the head-split dK/dV launch does not accumulate dQ (fused_dq_fits)")
   group = num_heads // num_kv_heads
-  order = dkv_launch_order(f, blocks, batch=batch, num_kv_heads=num_kv_heads, group=group,
+  order = dkv_launch_order(problem, blocks, batch=batch, num_kv_heads=num_kv_heads, group=group,
                            t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
                            dtype=dtype, fused=fused, num_sms=num_sms)
-  kernel = DkvKernel(f=f, blocks=blocks, head_dim=head_dim,
+  kernel = DkvKernel(problem=problem, blocks=blocks, head_dim=head_dim,
                      head_dim_out=head_dim_out, dtype=dtype, num_kv_heads=num_kv_heads,
                      group=group, nq=t_pad // blocks.dkv_stream_q, s_pad=s_pad, fused=fused,
                      order=order)
@@ -246,7 +246,7 @@ def _at_key_tile(c: DkvKernel, qlo_ref, qhi_ref, inner_ref) -> DkvKernel:
     batch = jnp.int32(c.order.units // c.num_kv_heads)
     unit, j = c.order.locate((hk * batch + b) * jnp.int32(c.order.tiles) + j)
     hk, b = lax.div(unit, batch), lax.rem(unit, batch)
-  lo = c.f.mask.first_query_block(j, key_tile=c.blocks.dkv_tile, block_q=c.bq)
+  lo = c.problem.mask.first_query_block(j, key_tile=c.blocks.dkv_tile, block_q=c.bq)
   hi = jnp.int32(c.nq)
   if qlo_ref is not None:
     lo = lax.max(lo, qlo_ref[(*batch_head(qlo_ref, b, hk), j)])
@@ -310,12 +310,12 @@ def _dkv_compute(c: DkvKernel):
   for name, ref in zip(("dk", "dv"), c.out_refs):
     acc, buf = results[name]
     if c.untiled:  # column parts (kernel/backward/parts.py)
-      scale = c.f.scale if name == "dk" else None
+      scale = c.problem.scale if name == "dk" else None
       parts.store(buf.at[wg], tuple((a if scale is None else a * scale).astype(c.dtype)
                                     for a in acc))
       continue
     if name == "dk":
-      acc = acc * c.f.scale
+      acc = acc * c.problem.scale
     buf.at[wg][...] = acc.astype(c.dtype)
   plgpu.commit_smem()
   for name, ref in zip(("dk", "dv"), c.out_refs):
@@ -426,14 +426,14 @@ def _dkv_scores(c: DkvKernel, st, i, h, kv_base, q_base, num_queries, *, s_ops, 
     edge_terms.append(lambda key: key < per_query(c.ke_ref))
   if c.mask_ref is not None:
     terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
-  if c.fused and (c.f.seq_kv % c.bkv or c.s_pad != c.f.seq_kv):
+  if c.fused and (c.problem.seq_kv % c.bkv or c.s_pad != c.problem.seq_kv):
     # padded keys add nothing to dQ
-    (edge_terms if edge_terms else terms).append(KeysBelow(c.f.seq_kv))
+    (edge_terms if edge_terms else terms).append(KeysBelow(c.problem.seq_kv))
   inside = None
   if edge_terms:
     inside = lambda: (c.inner_lo <= i) & (i < c.inner_hi)
   return _step_scores(
-      c.f, shape, s_ops=s_ops, dp_ops=dp_ops, paired=c.blocks.schedule == "paired",
+      c.problem, shape, s_ops=s_ops, dp_ops=dp_ops, paired=c.blocks.schedule == "paired",
       want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(
           c.bias_ref, tile, shape, WGMMA),
@@ -465,11 +465,11 @@ def _wide_compute(c: DkvKernel):
   # K and V are free to stage dK and dV: each step's last reads of them (S^T
   # and dP^T) precede its rendezvous, which both warpgroups passed.
   if c.untiled:  # this warpgroup's column parts (kernel/backward/parts.py)
-    for buf, acc, scale in ((c.k_st, dk_acc, c.f.scale), (c.v_st, dv_acc, None)):
+    for buf, acc, scale in ((c.k_st, dk_acc, c.problem.scale), (c.v_st, dv_acc, None)):
       parts.store(parts.span(buf.at[0], wg * len(acc), len(acc)),
                   tuple((a if scale is None else a * scale).astype(c.dtype) for a in acc))
   else:
-    c.k_st.at[0, :, pl.ds(wg * dk_cols, dk_cols)][...] = (dk_acc * c.f.scale).astype(c.dtype)
+    c.k_st.at[0, :, pl.ds(wg * dk_cols, dk_cols)][...] = (dk_acc * c.problem.scale).astype(c.dtype)
     c.v_st.at[0, :, pl.ds(wg * dv_cols, dv_cols)][...] = dv_acc.astype(c.dtype)
   plgpu.commit_smem()
   barriers.epilogue_sync()  # both halves staged before the copy reads them

@@ -32,13 +32,13 @@ from kernel.tiling.backward_plan import BackwardBlocks, copy_row, dq_buffers, dq
 from kernel.tiling.plan import Problem
 
 
-def query_tile_weights(f: Problem, blocks: BackwardBlocks, *, t_pad: int) -> list[int]:
+def query_tile_weights(problem: Problem, blocks: BackwardBlocks, *, t_pad: int) -> list[int]:
   """Per rank of the dQ kernel's launch order (rank r: query tile
   ``tiles - 1 - r``), the key blocks it streams by the call's mask
   (:meth:`kernel.masks.Mask.tile_blocks`: the dQ kernel's own key blocks,
   with the keys a local window lets the tile's rows see)."""
   tile = blocks.dq_tile
-  return [f.mask.tile_blocks(qi, tile_q=tile, block_kv=blocks.dq_stream_kv)
+  return [problem.mask.tile_blocks(qi, tile_q=tile, block_kv=blocks.dq_stream_kv)
           for qi in reversed(range(t_pad // tile))]
 
 
@@ -66,7 +66,7 @@ class DqKernel(_Launch):
   shape = property(lambda self: (self.bq, self.bkv))
 
 
-def dq_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
+def dq_launch_order(problem: Problem, blocks: BackwardBlocks, *, batch: int,
                     num_heads: int, group: int, t_pad: int, s_pad: int,
                     head_dims: tuple[int, int], dtype,
                     num_sms: int) -> schedule_lib.LaunchOrder | None:
@@ -74,18 +74,18 @@ def dq_launch_order(f: Problem, blocks: BackwardBlocks, *, batch: int,
   :func:`dq_call`.  A unit is one query head; the heads of a group,
   adjacent in a section, read the same K and V.  Under the mask's local
   window only where the sections repay (as in :func:`dkv_launch_order`)."""
-  if not f.mask.causal:
+  if not problem.mask.causal:
     return None
   order = schedule_lib.LaunchOrder.for_grid(
       batch * num_heads, t_pad // blocks.dq_tile, num_sms=num_sms,
       unit_bytes=s_pad * sum(head_dims) * jnp.dtype(dtype).itemsize // group)
-  if f.mask.window is not None and not schedule_lib.sections_repay(
-      order, query_tile_weights(f, blocks, t_pad=t_pad), num_sms):
+  if problem.mask.window is not None and not schedule_lib.sections_repay(
+      order, query_tile_weights(problem, blocks, t_pad=t_pad), num_sms):
     return None
   return order
 
 
-def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k_start, k_end,
+def dq_call(problem: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k_start, k_end,
             k_range_tiles, *, want_ds: bool, num_sms: int = schedule_lib.DEFAULT_NUM_SMS,
             padded: tuple[int, int] | None = None):
   """dQ, as long as q (and dS, the logits gradient, when ``want_ds``).
@@ -104,10 +104,10 @@ def dq_call(f: Problem, blocks: BackwardBlocks, q, k, v, do, rows, bias, mask, k
   t_pad, s_pad = padded or (t, s)
   dtype = q.dtype
   group = num_heads // num_kv_heads
-  order = dq_launch_order(f, blocks, batch=batch, num_heads=num_heads, group=group,
+  order = dq_launch_order(problem, blocks, batch=batch, num_heads=num_heads, group=group,
                           t_pad=t_pad, s_pad=s_pad, head_dims=(head_dim, head_dim_out),
                           dtype=dtype, num_sms=num_sms)
-  kernel = DqKernel(f=f, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
+  kernel = DqKernel(problem=problem, blocks=blocks, want_ds=want_ds, head_dim=head_dim, dtype=dtype,
                     num_kv_heads=num_kv_heads, group=group, s_pad=s_pad,
                     num_tiles=t_pad // blocks.dq_tile, order=order)
 
@@ -169,19 +169,19 @@ def _dq_kernel(c: DqKernel, q_ref, k_ref, v_ref, do_ref, rows_ref, bias_ref, mas
     unit, rank = c.order.locate((b * heads + h) * jnp.int32(c.num_tiles) + qi)
     b, h = lax.div(unit, heads), lax.rem(unit, heads)
     qi = jnp.int32(c.num_tiles - 1) - rank
-  elif c.f.mask.causal:
+  elif c.problem.mask.causal:
     # The last query tiles see the most keys: they go first (dq_call).
     qi = jnp.int32(c.num_tiles - 1) - qi
   hk = lax.div(h, jnp.int32(c.group))
-  f = c.f
+  problem = c.problem
   start_max = end_min = None
   tile = c.blocks.dq_tile
   if tiles_ref is None:
-    lb, ub = f.mask.key_blocks(qi, tile_q=tile, block_kv=c.bkv)
+    lb, ub = problem.mask.key_blocks(qi, tile_q=tile, block_kv=c.bkv)
   else:
     start_min, start_max, end_min, end_max = tile_key_bounds(tiles_ref, b, h, qi)
-    lb, ub = f.mask.key_blocks(qi, tile_q=tile, block_kv=c.bkv, k_start_min=start_min,
-                               k_end_max=end_max)
+    lb, ub = problem.mask.key_blocks(qi, tile_q=tile, block_kv=c.bkv, k_start_min=start_min,
+                                     k_end_max=end_max)
   c = dataclasses.replace(
       c, wg=wg, qi=qi, h=h, b=b, hk=hk, lb=lb, ub=ub, k_start_max=start_max,
       k_end_min=end_min, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref,
@@ -226,9 +226,9 @@ def _dq_compute(c: DqKernel):
   dq_acc = lax.fori_loop(c.lb, c.ub, step, dq_acc)
   # q is no longer read: it stages dQ.
   if c.untiled:  # column parts (kernel/backward/parts.py)
-    parts.store(q_st, tuple((a * c.f.scale).astype(c.dtype) for a in dq_acc))
+    parts.store(q_st, tuple((a * c.problem.scale).astype(c.dtype) for a in dq_acc))
   else:
-    q_st[...] = (dq_acc * c.f.scale).astype(c.dtype)
+    q_st[...] = (dq_acc * c.problem.scale).astype(c.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(c.copied("q", q_st).at[wg] if c.untiled else q_st,
                           c.dq_ref.at[c.b, rows, c.h])
@@ -256,19 +256,19 @@ def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
   range bound (from the tile's largest start to its smallest end) apply the
   range and padded-key terms (_masked_terms); without ranges the padded-key
   term stays on every step, as in the dK/dV kernel."""
-  f = c.f
+  problem = c.problem
   edge_terms, terms = [], []
   if ks is not None:
     edge_terms.append(lambda key: key >= lax.broadcast_in_dim(ks, shape, [0]))
   if ke is not None:
     edge_terms.append(lambda key: key < lax.broadcast_in_dim(ke, shape, [0]))
-  padded_keys = bool(f.seq_kv % c.bkv or c.s_pad != f.seq_kv)
+  padded_keys = bool(problem.seq_kv % c.bkv or c.s_pad != problem.seq_kv)
   if padded_keys:
-    (edge_terms if edge_terms else terms).append(KeysBelow(f.seq_kv))
+    (edge_terms if edge_terms else terms).append(KeysBelow(problem.seq_kv))
 
   def interior():
     inside = (c.k_start_max <= k_base) & (k_base + c.bkv <= c.k_end_min)
-    return inside & (k_base + c.bkv <= f.seq_kv) if padded_keys else inside
+    return inside & (k_base + c.bkv <= problem.seq_kv) if padded_keys else inside
 
   if c.mask_ref is not None:
     terms.append(lambda key: load_broadcast(c.mask_ref, tile, shape, WGMMA) != 0)
@@ -279,7 +279,7 @@ def _dq_keep_terms(c: DqKernel, shape, tile, ks, ke, k_base):
 def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   """Key block ki against this warpgroup's query rows: P and dS
   (:func:`_step_scores`), dQ += dS K, and dS stored where wanted."""
-  f, wg, b, h, stream, shape = c.f, c.wg, c.b, c.h, c.stream, c.shape
+  problem, wg, b, h, stream, shape = c.problem, c.wg, c.b, c.h, c.stream, c.shape
   st = stream.position(ki - c.lb)
   k_base = ki * c.bkv
   stream.consumer_wait(st, "k")
@@ -289,7 +289,7 @@ def _dq_step(c: DqKernel, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
   stationary = lambda name: parts.of(c.stationary.slot(wg, name), c.untiled)
   _, ds = _step_scores(
-      f, shape, s_ops=(stationary("q"), k_slot),
+      problem, shape, s_ops=(stationary("q"), k_slot),
       dp_ops=(stationary("do"), v_slot), paired=c.blocks.schedule == "paired",
       want_ds=True,
       bias_of=lambda: None if c.bias_ref is None else load_broadcast(c.bias_ref, tile, shape,
@@ -358,9 +358,9 @@ def _wide_dq_compute(c: DqKernel):
   # rendezvous, which both warpgroups passed.
   if c.untiled:  # this warpgroup's column parts (kernel/backward/parts.py)
     parts.store(parts.span(q_st, wg * len(dq_acc), len(dq_acc)),
-                tuple((a * c.f.scale).astype(c.dtype) for a in dq_acc))
+                tuple((a * c.problem.scale).astype(c.dtype) for a in dq_acc))
   else:
-    q_st.at[:, pl.ds(wg * cols, cols)][...] = (dq_acc * c.f.scale).astype(c.dtype)
+    q_st.at[:, pl.ds(wg * cols, cols)][...] = (dq_acc * c.problem.scale).astype(c.dtype)
   plgpu.commit_smem()
   barriers.epilogue_sync()  # both halves staged before the copy reads them
 
@@ -375,7 +375,7 @@ def _wide_dq_compute(c: DqKernel):
 @seam("dq.wide_step")
 def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq_acc):
   """Key block ki of the head-split dQ kernel (the notes above)."""
-  f, wg, b, h, stream = c.f, c.wg, c.b, c.h, c.stream
+  problem, wg, b, h, stream = c.problem, c.wg, c.b, c.h, c.stream
   t = ki - c.lb
   st = stream.position(t)
   k_base = ki * c.bkv
@@ -390,8 +390,8 @@ def _wide_dq_step(c: DqKernel, shared, q_base, rows, lse2, delta, ks, ke, ki, dq
   # interior() judges the whole key block (both halves).
   edge_terms, terms, interior = _dq_keep_terms(c, shape, tile, ks, ke, k_base)
   _, ds = _step_scores(
-      f, shape, s_ops=(parts.of(c.stationary.slot(shared, "q"), c.untiled),
-                       parts.rows_at(k_slot, mine)),
+      problem, shape, s_ops=(parts.of(c.stationary.slot(shared, "q"), c.untiled),
+                             parts.rows_at(k_slot, mine)),
       dp_ops=(parts.of(c.stationary.slot(shared, "do"), c.untiled),
               parts.rows_at(v_slot, mine)),
       paired=c.blocks.schedule == "paired", want_ds=True,

@@ -82,13 +82,12 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   order balances over (kernel.tiling.schedule.LaunchOrder), weighing its
   tiles by the problem's mask (its window, which the key ranges came from).
   """
-  f = problem
   blocks, (d, dv_dim) = backward.blocks, backward.head_dims
   fuse_dq = blocks.fuse_dq
   dtype = query.dtype
   batch, t, heads, hd = query.shape
   s, hdv = key.shape[1], value.shape[3]
-  _check_smem(f, (d, dv_dim), dtype, with_bias=bias is not None, fuse_dq=fuse_dq,
+  _check_smem(problem, (d, dv_dim), dtype, with_bias=bias is not None, fuse_dq=fuse_dq,
               head_dims=(hd, hdv))
   q, k, v, do, (t_pad, s_pad) = padding.backward_inputs(
       query, key, value, d_out, head_dims=(d, dv_dim), blocks=blocks,
@@ -102,35 +101,35 @@ def attention_backward(problem: plan_lib.Problem, backward: Backward,
   query_blocks, inner_blocks = _streamed_query_blocks(
       ks, ke, blocks, seq_kv=s, t_pad=t_pad, s_pad=s_pad, group=heads // key.shape[2])
   swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
-  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, causal=f.mask.causal)
+  fused = fuse_dq and fuses_dq(blocks, with_bias=bias is not None, causal=problem.mask.causal)
   bias_t, mask_t = swap(bias4), swap(mask4)
 
   def launch(dq_accum=None, dq_scales=None):
-    return dkv_call(f, blocks, q, k, v, do, rows, bias_t, mask_t, ks, ke,
+    return dkv_call(problem, blocks, q, k, v, do, rows, bias_t, mask_t, ks, ke,
                     dq_accum=dq_accum, dq_scales=dq_scales, query_blocks=query_blocks,
                     inner_blocks=inner_blocks, num_sms=num_sms, padded=(t_pad, s_pad))
   if fused:
-    dq, dkv = _fused_dq(f, launch, q, k, v, do, rows, blocks=blocks, t_pad=t_pad,
+    dq, dkv = _fused_dq(problem, launch, q, k, v, do, rows, blocks=blocks, t_pad=t_pad,
                         group=heads // key.shape[2])
     dq, ds = dq.astype(dtype), None
   else:
     dkv = launch()
-    dq, ds = dq_call(f, blocks, q, k, v, do, rows, bias4, mask4, ks, ke, tiles,
+    dq, ds = dq_call(problem, blocks, q, k, v, do, rows, bias4, mask4, ks, ke, tiles,
                      want_ds=bias is not None, num_sms=num_sms, padded=(t_pad, s_pad))
 
   dbias = None
   if bias is not None:
-    dbias = _bias_gradient(f, blocks, ds, tiles, bias, seq_q=t, seq_kv=s)
+    dbias = _bias_gradient(problem, blocks, ds, tiles, bias, seq_q=t, seq_kv=s)
   return (*padding.backward_results(dq, dkv["dk"], dkv["dv"], seq_q=t, seq_kv=s, head_dim=hd,
                                     head_dim_out=hdv), dbias)
 
 
-def _check_smem(f: plan_lib.Problem, padded_dims, dtype, *, with_bias: bool, fuse_dq: bool,
+def _check_smem(problem: plan_lib.Problem, padded_dims, dtype, *, with_bias: bool, fuse_dq: bool,
                 head_dims):
   """Refuse a launch whose estimated shared memory exceeds the limit."""
   (d, dv_dim), (hd, hdv) = padded_dims, head_dims
   for name, est in smem_estimates(d, dv_dim, dtype, with_bias=with_bias,
-                                  causal=f.mask.causal, fuse_dq=fuse_dq).items():
+                                  causal=problem.mask.causal, fuse_dq=fuse_dq).items():
     if not plan_lib.fits_in_smem(est):  # by construction never; said clearly if it were
       raise ValueError(f"backward launch {name} needs an estimated {est} bytes of shared "
                        f"memory for head_dim={hd}, head_dim_out={hdv}; the limit is "
@@ -149,11 +148,11 @@ def _streamed_query_blocks(ks, ke, blocks: BackwardBlocks, *, seq_kv, t_pad, s_p
 
 
 @seam("backward.fused_dq")
-def _fused_dq(f: plan_lib.Problem, launch, q, k, v, do, rows, *, blocks: BackwardBlocks,
+def _fused_dq(problem: plan_lib.Problem, launch, q, k, v, do, rows, *, blocks: BackwardBlocks,
               t_pad: int, group: int):
   """(dq in float32, {"dk", "dv"}) from the dK/dV launch with dQ accumulated
   in it, in float32 or (``f.deterministic``) int32 fixed point."""
-  fixed_point_dq = f.deterministic
+  fixed_point_dq = problem.deterministic
   # The float32 dQ accumulator is a ref of a state scope of its own
   # (run_state, which hands back its final value), not a jax.new_ref of
   # the traced program: custom_partitioning (kernel/sharding.py) cannot
@@ -171,7 +170,7 @@ def _fused_dq(f: plan_lib.Problem, launch, q, k, v, do, rows, *, blocks: Backwar
   dq_acc, dk_pad, dv_pad = pl.run_state(fused_launch)(
       (jnp.zeros(acc_shape, acc_dtype), jnp.zeros_like(k), jnp.zeros_like(v)))
   dkv = {"dk": dk_pad, "dv": dv_pad}
-  dq = dq_acc.astype(jnp.float32) * f.scale
+  dq = dq_acc.astype(jnp.float32) * problem.scale
   if fixed_point_dq:
     # the scales cover the grid's Tp rows; dq those of q
     dq = dq / jnp.swapaxes(scales if acc_shape[1] == t_pad else scales[:, :, :acc_shape[1]],
@@ -180,12 +179,12 @@ def _fused_dq(f: plan_lib.Problem, launch, q, k, v, do, rows, *, blocks: Backwar
 
 
 @seam("backward.bias_gradient")
-def _bias_gradient(f: plan_lib.Problem, blocks: BackwardBlocks, ds, tiles, bias, *,
+def _bias_gradient(problem: plan_lib.Problem, blocks: BackwardBlocks, ds, tiles, bias, *,
                    seq_q: int, seq_kv: int):
   """dbias: the dq kernel's dS summed down to the bias's own shape."""
   # Blocks the dq kernel skipped (outside a tile's key range) are unwritten;
   # every logit there is masked, so their gradient is 0.
-  visited = _visited_blocks(ds.shape, tiles, f, blocks)
+  visited = _visited_blocks(ds.shape, tiles, problem, blocks)
   ds = jnp.where(visited, ds, 0.0)[:, :, :seq_q, :seq_kv]
   bias_shape = jnp.shape(bias)
   full = lax.broadcast_to_rank(jnp.zeros(bias_shape, jnp.float32), 4).shape
@@ -193,21 +192,21 @@ def _bias_gradient(f: plan_lib.Problem, blocks: BackwardBlocks, ds, tiles, bias,
   return summed.reshape(bias_shape).astype(bias.dtype)
 
 
-def _visited_blocks(ds_shape, tiles, f: plan_lib.Problem, blocks: BackwardBlocks):
+def _visited_blocks(ds_shape, tiles, problem: plan_lib.Problem, blocks: BackwardBlocks):
   """(B|1, N|1, Tp, Sp) bool: the dS entries the dq kernel wrote."""
   _, _, t_pad, s_pad = ds_shape
   tile, bkv = blocks.dq_tile, blocks.dq_stream_kv
   qi = jnp.arange(t_pad // tile, dtype=jnp.int32)
   if tiles is None:
-    lb, ub = f.mask.key_blocks(qi, tile_q=tile, block_kv=bkv)
+    lb, ub = problem.mask.key_blocks(qi, tile_q=tile, block_kv=bkv)
     lb, ub = (jnp.broadcast_to(x, qi.shape)[None, None] for x in (lb, ub))
   else:
     start_min, _, _, end_max = tiles
     shape = jnp.broadcast_shapes(start_min.shape, end_max.shape)
     qi3 = jnp.broadcast_to(qi, shape)
-    lb, ub = f.mask.key_blocks(qi3, tile_q=tile, block_kv=bkv,
-                               k_start_min=jnp.broadcast_to(start_min, shape),
-                               k_end_max=jnp.broadcast_to(end_max, shape))
+    lb, ub = problem.mask.key_blocks(qi3, tile_q=tile, block_kv=bkv,
+                                     k_start_min=jnp.broadcast_to(start_min, shape),
+                                     k_end_max=jnp.broadcast_to(end_max, shape))
   block = jnp.arange(s_pad, dtype=jnp.int32) // bkv                 # (Sp,)
   lb = jnp.repeat(lb, tile, axis=2)[..., None]                        # (.., Tp, 1)
   ub = jnp.repeat(ub, tile, axis=2)[..., None]

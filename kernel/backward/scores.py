@@ -18,16 +18,16 @@ from kernel.tiling.plan import Problem
 
 
 @seam("scores.scaled_logits")
-def _scaled_logits(s, f: Problem, bias):
+def _scaled_logits(s, problem: Problem, bias):
   """(s_final, dsdu): the logits after scale, bias and soft cap, and the soft
   cap's derivative d s_final / d u (None without a cap)."""
-  u = s * f.scale
+  u = s * problem.scale
   if bias is not None:
     u = u + bias.astype(jnp.float32)
-  if f.logits_soft_cap is None:
+  if problem.logits_soft_cap is None:
     return u, None
-  t = jnp.tanh(u * (1.0 / f.logits_soft_cap))
-  return t * f.logits_soft_cap, 1.0 - t * t
+  t = jnp.tanh(u * (1.0 / problem.logits_soft_cap))
+  return t * problem.logits_soft_cap, 1.0 - t * t
 
 
 def _probabilities(s, lse2, keep):
@@ -55,7 +55,7 @@ def _product(shape, a, b):
   return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
-def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
+def _step_scores(problem: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
                  terms, key_dim, key_base, num_keys, query_base, lse2_of, delta_of,
                  edge_terms=(), interior=None):
   """The step both kernels share, on tiles transposed to each other: S (and,
@@ -88,7 +88,7 @@ def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
     s, dp = pl.run_state(s_and_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
   else:
     s, dp = _product(shape, *s_ops), None
-  s, dsdu = _scaled_logits(s, f, bias_of())
+  s, dsdu = _scaled_logits(s, problem, bias_of())
   if not edge_terms:
     interior = None
   keep_of = lambda causal, edges: pair_keep(
@@ -108,8 +108,8 @@ def _step_scores(f: Problem, shape, *, s_ops, dp_ops, paired, want_ds, bias_of,
       ds = _masked_to_zero(ds, keep)
     return p, ds
 
-  if keep_branches(f.mask, interior) and want_ds and dp is None:
+  if keep_branches(problem.mask, interior) and want_ds and dp is None:
     dp = _product(shape, *dp_ops)  # outside the branch: both sides read it
-  return masked_terms(f.mask, lambda keep: step_terms(keep, dp), keep_of,
+  return masked_terms(problem.mask, lambda keep: step_terms(keep, dp), keep_of,
                       on_diagonal=lambda: meets_diagonal(key_base, num_keys, query_base),
                       interior=interior)

@@ -28,12 +28,12 @@ def _kernel(c: ForwardContext, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_re
   """The kernel's entry: allocate the scratch of kernel/tiling/plan.py's layout and
   mbarrier plan, build the rings over it, and dispatch the warpgroups.  After
   the inputs, FP8's descales; then the outputs."""
-  descale_ref, (out_ref, *residual_refs) = (rest[0], rest[1:]) if c.f.fp8 else (None, rest)
+  descale_ref, (out_ref, *residual_refs) = (rest[0], rest[1:]) if c.problem.fp8 else (None, rest)
   m_ref, l_ref = residual_refs[:2] if residual_refs else (None, None)
   piece_refs = tuple(residual_refs[2:]) or None   # split tail: the pieces' out, m, l
   layout = c.layout
-  m_buf = layout.m if c.f.return_residuals else None
-  l_buf = layout.l if c.f.return_residuals else None
+  m_buf = layout.m if c.problem.return_residuals else None
+  l_buf = layout.l if c.problem.return_residuals else None
   # A group of buffers as RefUnion groups: the tiled one wgmma reads, and
   # under untiled copies a mirror of it, the views the TMA copies use.
   untiled = layout.untiled_copies
@@ -57,7 +57,7 @@ def _kernel(c: ForwardContext, mbarriers, q_ref, k_ref, v_ref, bias_ref, mask_re
               l_ref=l_ref,
               piece_refs=piece_refs)
   # FP8's V^T is copied whole under untiled copies too (a copy made whole)
-  v_alloc = plgpu.RefUnion(*v) if untiled and not c.f.fp8 else smem(layout.v)
+  v_alloc = plgpu.RefUnion(*v) if untiled and not c.problem.fp8 else smem(layout.v)
   pl.run_scoped(
       lambda *scoped: _dispatch(c, refs, *scoped),
       (overlay, v_alloc, staged(layout.bias), staged(layout.mask)),
@@ -85,7 +85,7 @@ def _scratch_views(c: ForwardContext, smems):
     behind = lambda x: None if x is None else x.transpose((0, 2, 1, 3))
     pairs = dict(q=(qk_t[0], behind(qk_u[0])), k=(qk_t[1], behind(qk_u[1])),
                  o=(out_t[0], behind(out_u[0])))
-    if c.f.fp8:   # V^T whole (_kernel)
+    if c.problem.fp8:   # V^T whole (_kernel)
       pairs["v"] = (v, v)
     else:
       v_t, v_u = v

@@ -38,7 +38,7 @@ class ForwardContext(common.OperandRefs):
   :func:`flash_attention_forward`) and, inside the kernel, its refs, rings
   and warpgroup index (set by :func:`_dispatch`)."""
 
-  f: plan_lib.Problem        # the call's static facts, as the kernel runs them
+  problem: plan_lib.Problem        # the call's static facts, as the kernel runs them
   config: Config
   batch: int
   num_heads: int
@@ -86,11 +86,11 @@ class ForwardContext(common.OperandRefs):
   @property
   def out_dtype(self):
     """The output's dtype: the inputs', or FP8's (Problem.output_dtype)."""
-    return self.f.output_dtype if self.f.fp8 else self.dtype
+    return self.problem.output_dtype if self.problem.fp8 else self.dtype
 
   @property
   def threshold(self) -> float:
-    return float(self.f.rescale_threshold)
+    return float(self.problem.rescale_threshold)
 
   @property
   @seam("context.always_rescale")
@@ -100,11 +100,11 @@ class ForwardContext(common.OperandRefs):
   @property
   @seam("context.ragged_kv")
   def ragged_kv(self) -> bool:
-    return self.f.seq_kv % self.config.block_kv != 0
+    return self.problem.seq_kv % self.config.block_kv != 0
 
   @property
   def has_edge(self) -> bool:
-    return self.f.mask.causal or self.ragged_kv or self.key_ranges
+    return self.problem.mask.causal or self.ragged_kv or self.key_ranges
 
   @property
   def stage_bias(self) -> bool:
@@ -154,12 +154,12 @@ def tile_range(c: ForwardContext, qi, b, h, piece=None):
   (b, h), and the bounds of its key ranges (None without ranges).  A split
   tail's ``piece`` (lo, hi, slot) visits only the blocks in [lo, hi)."""
   if c.tiles_ref is None:
-    lb, ub = c.f.mask.key_blocks(qi, tile_q=c.tile_q, block_kv=c.block_kv)
+    lb, ub = c.problem.mask.key_blocks(qi, tile_q=c.tile_q, block_kv=c.block_kv)
     start_max = end_min = None
   else:
     start_min, start_max, end_min, end_max = tile_key_bounds(c.tiles_ref, b, h, qi)
-    lb, ub = c.f.mask.key_blocks(qi, tile_q=c.tile_q, block_kv=c.block_kv,
-                                 k_start_min=start_min, k_end_max=end_max)
+    lb, ub = c.problem.mask.key_blocks(qi, tile_q=c.tile_q, block_kv=c.block_kv,
+                                       k_start_min=start_min, k_end_max=end_max)
   if piece is not None:
     lb, ub = piece_block_range(lb, ub, *piece[:2])
   return lb, ub, start_max, end_min

@@ -22,7 +22,7 @@ from kernel.sync.seams import seam
 @seam("epilogue.epilogue")
 def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
   """Normalise (or bring to m_i), stage in shared memory, TMA to global."""
-  f, wg, layout = c.f, c.wg, c.layout
+  problem, wg, layout = c.problem, c.wg, c.layout
   m_scale = m_i if c.always_rescale else pending[0]
   if not c.config.persistent:
     # Before the epilogue: warpgroup 1's last PV waits for this pass, and
@@ -47,7 +47,7 @@ def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
       o_smem.at[part][...] = o.astype(c.out_dtype)
   else:
     o_smem[...] = out.astype(c.out_dtype)
-  if f.return_residuals:
+  if problem.return_residuals:
     m_smems.at[wg][...] = m_i * (1.0 / LOG2E)
     l_smems.at[wg][...] = l_res
 
@@ -55,7 +55,7 @@ def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
     # One place issues the stores, wherever they go: the proof reads the
     # same events (by source line) from a tile's stores and a piece's.
     plgpu.copy_smem_to_gmem(o_copied, out_at())
-    if f.return_residuals:
+    if problem.return_residuals:
       plgpu.copy_smem_to_gmem(m_smems.at[wg], m_at())
       plgpu.copy_smem_to_gmem(l_smems.at[wg], l_at())
 
@@ -90,13 +90,13 @@ def epilogue(c: ForwardContext, t: Tile, acc, m_i, l_i, pending):
 def _final_rows(c: ForwardContext, t: Tile, acc, m_i, l_i, m_scale):
   """(out, m_i, l) of the tile's rows as they are stored: normalised (or
   brought to m_i), descaled under FP8, NaN in poisoned rows."""
-  f = c.f
+  problem = c.problem
   # acc and l_i are relative to m_scale; alpha brings them to m_i.
   if c.always_rescale:
     l_res = l_i
   else:
     l_res = l_i * jnp.exp2(m_scale - safe(m_i))
-  if f.normalize_output:
+  if problem.normalize_output:
     # The pending factor cancels in acc / l_i; tiny keeps 0/0 at 0 for
     # fully masked rows (acc is 0 there).
     inv = 1.0 / (l_i + float(np.finfo(np.float32).tiny))
@@ -106,15 +106,15 @@ def _final_rows(c: ForwardContext, t: Tile, acc, m_i, l_i, m_scale):
   else:
     alpha = jnp.exp2(m_scale - safe(m_i))
     out = each_part(lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [0]), acc)
-  if f.fp8:
+  if problem.fp8:
     # V was stored over v_descale, P at P_SCALE times its value (which
     # the normalised output's l_i cancels).
     v_descale = t.descales[1]
-    unit = v_descale if f.normalize_output else v_descale * (1.0 / fp8.P_SCALE)
+    unit = v_descale if problem.normalize_output else v_descale * (1.0 / fp8.P_SCALE)
     out = each_part(lambda a: a * unit, out)
     l_res = l_res * (1.0 / fp8.P_SCALE)
 
-  if f.poisons_rows:
+  if problem.poisons_rows:
     poisoned = t.k_start == POISONED_START
     out = each_part(
         lambda o: jnp.where(lax.broadcast_in_dim(poisoned, o.shape, [0]), jnp.nan, o), out)

@@ -79,14 +79,14 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
   num_tiles, s_pad = launch_extent(config, seq_q, seq_kv)
   # The split tail's pieces are weighed by their (m, l) in the merge, so the
   # kernel may return residuals the caller did not ask for.
-  f = problem = plan_lib.kernel_problem(problem, config)
-  pipe = _pipeline(f, config, k_start=k_start, outputs=outputs)
+  problem = plan_lib.kernel_problem(problem, config)
+  pipe = _pipeline(problem, config, k_start=k_start, outputs=outputs)
   order, schedule_tables = _schedule(
-      f, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      problem, config, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
       num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
       itemsize=np.dtype(dtype).itemsize, k_range_tiles=k_range_tiles, num_sms=num_sms)
   kernel = ForwardContext(
-      f=f, config=config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
+      problem=problem, config=config, batch=batch, num_heads=num_heads, num_tiles=num_tiles,
       group=num_heads // num_kv_heads, head_dim_out=head_dim_out, dtype=dtype,
       stages=pipe.num_stages, layout=plan_lib.scratch_layout(problem, config), order=order,
       masks_any_block=mask is not None, key_ranges=k_start is not None or k_end is not None)
@@ -94,10 +94,10 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
   def kernel_body(*refs):
     _kernel(kernel, pipe.mbarriers, *refs)
 
-  q, k, v, out_row = _in_copy_parts(f, q, k, v, head_dim_out, outputs)
-  out_type = _out_type(f, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
+  q, k, v, out_row = _in_copy_parts(problem, q, k, v, head_dim_out, outputs)
+  out_type = _out_type(problem, config, order, batch=batch, seq_q=seq_q, num_heads=num_heads,
                        num_tiles=num_tiles, out_row=out_row,
-                       dtype=f.output_dtype if f.fp8 else dtype)
+                       dtype=problem.output_dtype if problem.fp8 else dtype)
   grid, grid_names = _grid(config, order, batch=batch, num_heads=num_heads,
                            num_tiles=num_tiles, num_sms=num_sms)
   launch = functools.partial(
@@ -105,7 +105,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
       num_threads=config.compute_warpgroups + barriers.MEMORY_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True))
   operands = (q, k, v, bias, mask, k_start, k_end, k_range_tiles,
-              *(schedule_tables or (None, None))) + ((descales,) if f.fp8 else ())
+              *(schedule_tables or (None, None))) + ((descales,) if problem.fp8 else ())
   if outputs is not None:
     _check_guarded_outputs(outputs, out_type)
     # Operands after the inputs and schedule tables: kernel_body takes them
@@ -113,7 +113,7 @@ def flash_attention_forward(problem: plan_lib.Problem, config: Config,
     launch(out_type=[])(*operands, *outputs)
     return None, None
   results = launch(out_type=out_type)(*operands)
-  return _returned(results, f, config, order, head_dim_out=head_dim_out,
+  return _returned(results, problem, config, order, head_dim_out=head_dim_out,
                    residuals=wanted.return_residuals)
 
 
@@ -138,50 +138,51 @@ def _value_dims(problem: plan_lib.Problem, q, v, descales) -> tuple[int, int, in
   return seq_kv, num_kv_heads, head_dim_out
 
 
-def _pipeline(f: plan_lib.Problem, config: Config, *, k_start, outputs) -> plan_lib.PipelinePlan:
+def _pipeline(problem: plan_lib.Problem, config: Config, *, k_start,
+              outputs) -> plan_lib.PipelinePlan:
   """The launch's pipeline plan, once the problem is known to fit the
   config and to have the inputs and outputs it needs."""
-  plan_lib.check_fits(f, config)
-  if f.poisons_rows and k_start is None:
+  plan_lib.check_fits(problem, config)
+  if problem.poisons_rows and k_start is None:
     raise ValueError("problem.poisons_rows: the rows to poison are marked in k_start, "
                      "and none was given")
-  pipe = plan_lib.pipeline_plan(f, config)
+  pipe = plan_lib.pipeline_plan(problem, config)
   if config.schedule == "split-tail" and outputs is not None:
     raise ValueError("outputs: the split-tail schedule merges its pieces after the kernel, "
                      "into fresh arrays; run it without outputs")
   return pipe
 
 
-def _in_copy_parts(f: plan_lib.Problem, q, k, v, head_dim_out: int, outputs):
+def _in_copy_parts(problem: plan_lib.Problem, q, k, v, head_dim_out: int, outputs):
   """(q, k, v, the output's row): whole, or under untiled copies in column
   parts (kernel.tiling.plan.copy_parts), free reshapes."""
   out_row = (head_dim_out,)
-  if f.untiled_copies:
+  if problem.untiled_copies:
     if outputs is not None:
       raise ValueError("outputs: untiled copies write the output in column parts, "
                        "into a fresh array; run them without outputs")
     in_parts = lambda x: x.reshape(*x.shape[:3], *plan_lib.copy_parts(x.shape[3], x.itemsize))
     # FP8's V^T stays whole: a copy made whole before the kernel
-    q, k, v = in_parts(q), in_parts(k), v if f.fp8 else in_parts(v)
-    out_row = plan_lib.copy_parts(head_dim_out, f.output_dtype.itemsize)
+    q, k, v = in_parts(q), in_parts(k), v if problem.fp8 else in_parts(v)
+    out_row = plan_lib.copy_parts(head_dim_out, problem.output_dtype.itemsize)
   return q, k, v, out_row
 
 
-def _returned(results, f: plan_lib.Problem, config: Config, order, *, head_dim_out: int,
+def _returned(results, problem: plan_lib.Problem, config: Config, order, *, head_dim_out: int,
               residuals: bool):
   """(out, (m, l) or None) from the kernel's results: rows made whole again
   under untiled copies, the split tail's pieces merged; ``residuals``: the
   caller asked for m and l."""
   results = tuple(results) if isinstance(results, (list, tuple)) else (results,)
-  if f.untiled_copies:  # the output (and a piece's) back to whole rows
+  if problem.untiled_copies:  # the output (and a piece's) back to whole rows
     whole = lambda x: x.reshape(*x.shape[:-2], head_dim_out)
     results = tuple(whole(x) if i in (0, 3) else x for i, x in enumerate(results))
   if config.schedule == "split-tail":
     out, m, l, *pieces = results
     out, m, l = merge_pieces(out, m, l, pieces, order, tile_q=config.tile_q,
-                             normalized=f.normalize_output)
+                             normalized=problem.normalize_output)
     return out, (m, l) if residuals else None
-  if f.return_residuals:
+  if problem.return_residuals:
     out, m, l = results
     return out, (m, l)
   (out,) = results
@@ -189,14 +190,14 @@ def _returned(results, f: plan_lib.Problem, config: Config, order, *, head_dim_o
 
 
 @seam("launch.out_type")
-def _out_type(f: plan_lib.Problem, config: Config, order, *, batch, seq_q, num_heads, num_tiles,
-              out_row, dtype) -> list:
+def _out_type(problem: plan_lib.Problem, config: Config, order, *, batch, seq_q, num_heads,
+              num_tiles, out_row, dtype) -> list:
   """The kernel's outputs: out, then m and l with residuals, then the
   split tail's pieces (out, m, l per slot); an output row's shape is
   ``out_row``."""
   tile_q = config.tile_q
   out_type = [jax.ShapeDtypeStruct((batch, seq_q, num_heads, *out_row), dtype)]
-  if f.return_residuals:
+  if problem.return_residuals:
     # m and l stay padded to whole tiles: a clipped store of the last
     # tile's rows of a (B, N, T) array was seen to land in the next head's
     # first rows, as if the copy were bounded by the flattened array, not

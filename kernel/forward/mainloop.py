@@ -45,12 +45,12 @@ def tile_start(c: ForwardContext, b, h, qi, prev_iters, piece=None):
   t = Tile(b, h, qi, prev_iters, lb, ub, k_start_max, k_end_min, q_base, rows,
            k_start=row_values(c.ks_ref), k_end=row_values(c.ke_ref),
            slot=None if piece is None else piece[2],
-           descales=fp8.tile_descales(c.descale_ref, b, h, c.group) if c.f.fp8 else None)
+           descales=fp8.tile_descales(c.descale_ref, b, h, c.group) if c.problem.fp8 else None)
   m_i = plgpu.layout_cast(jnp.full((c.block_q,), NEG_INF, jnp.float32), ROW)
   l_i = plgpu.layout_cast(jnp.zeros((c.block_q,), jnp.float32), ROW)
   zeros = lambda cols: plgpu.layout_cast(jnp.zeros((c.block_q, cols), jnp.float32), WGMMA)
   if c.layout.untiled_copies:  # one accumulator per column part of the output
-    parts, cols = plan_lib.copy_parts(c.head_dim_out, c.f.output_dtype.itemsize)
+    parts, cols = plan_lib.copy_parts(c.head_dim_out, c.problem.output_dtype.itemsize)
     acc = tuple(zeros(cols) for _ in range(parts))
   else:
     acc = zeros(c.head_dim_out)
@@ -101,7 +101,7 @@ def plain_blocks(c: ForwardContext, t: Tile):
   (kernel.masks.Mask.plain_blocks): under key ranges too, so that the
   blocks inside every range keep the unmasked path
   (docs/decisions/forward-plain-blocks-under-key-ranges.md)."""
-  return c.f.mask.plain_blocks(
+  return c.problem.mask.plain_blocks(
       t.lb, t.ub, q_base=t.q_base, block_kv=c.block_kv, ragged=c.ragged_kv, edge=c.has_edge,
       k_start_max=None if t.k_start is None else t.k_start_max,
       k_end_min=None if t.k_end is None else t.k_end_min)
@@ -149,10 +149,10 @@ def issue_pv(c: ForwardContext, acc_ref, p16, st):
   holds V^T, read K-major as FP8 wgmma must."""
   v = c.values.slot(st)
   if not c.layout.untiled_copies:
-    plgpu.wgmma(acc_ref, p16, v.T if c.f.fp8 else v)
+    plgpu.wgmma(acc_ref, p16, v.T if c.problem.fp8 else v)
     return
   for part, ref in enumerate(acc_ref):
-    if c.f.fp8:  # V^T's rows of this part of the output's columns
+    if c.problem.fp8:  # V^T's rows of this part of the output's columns
       cols = ref.shape[1]
       plgpu.wgmma(ref, p16, v.at[pl.ds(part * cols, cols)].T)
     else:
@@ -161,7 +161,7 @@ def issue_pv(c: ForwardContext, acc_ref, p16, st):
 
 def pv_operand(c: ForwardContext, p):
   """P as the PV product reads it: in the input dtype, or FP8's A operand."""
-  return fp8.p_operand(p) if c.f.fp8 else p.astype(c.dtype)
+  return fp8.p_operand(p) if c.problem.fp8 else p.astype(c.dtype)
 
 
 def each_part(fn, acc):
@@ -201,7 +201,7 @@ def key_loop(c: ForwardContext, t: Tile, s0, acc, m_i, l_i, pending, plain):
   else:
     first = functools.partial(first_softmax, False)
 
-  if c.f.fp8:
+  if c.problem.fp8:
     p16 = fp8.p_zeros(c.bq_kv)
   else:
     p16 = plgpu.layout_cast(jnp.zeros(c.bq_kv, c.dtype), WGMMA)

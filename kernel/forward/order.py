@@ -62,8 +62,8 @@ def range_tile_blocks(mask: Mask, k_range_tiles, *, num_tiles, tile_q, block_kv)
   return ub - lb
 
 
-def _schedule(f: plan_lib.Problem, config: Config, *, batch, num_heads,
-              num_kv_heads, num_tiles, s_pad, head_dim, head_dim_out, itemsize, k_range_tiles, num_sms):
+def _schedule(problem: plan_lib.Problem, config: Config, *, batch, num_heads, num_kv_heads,
+              num_tiles, s_pad, head_dim, head_dim_out, itemsize, k_range_tiles, num_sms):
   """(order, tables): the launch's tile order (kernel/tiling/schedule.py: the
   split tail's, the longest-first one, or None for the round-robin grid)
   and the int32 tables the kernel reads it from (None, or the order or
@@ -73,29 +73,29 @@ def _schedule(f: plan_lib.Problem, config: Config, *, batch, num_heads,
     # Every SM takes part, even with fewer tiles than SMs (then every tile
     # is cut into pieces, as a split-KV launch would): no more SMs than key
     # blocks, so that none is idle.
-    num_blocks = -(-f.seq_kv // block_kv)
+    num_blocks = -(-problem.seq_kv // block_kv)
     order = schedule_lib.split_tail(
         batch=batch, num_heads=num_heads, num_tiles=num_tiles, num_blocks=num_blocks,
         num_sms=min(num_sms, batch * num_heads * num_tiles * num_blocks))
     return order, (jnp.asarray(order.table()), jnp.asarray(order.counts))
   if config.schedule != "longest-first":
     return None, None
-  light_last = f.defer_light
-  if light_last is None and k_range_tiles is not None and not f.static_ranges:
+  light_last = problem.defer_light
+  if light_last is None and k_range_tiles is not None and not problem.static_ranges:
     # Key ranges known only on the device: the static weights are upper
     # bounds, so the model's case for deferring does not hold.
     light_last = False
   order = tile_schedule(
-      mask=f.mask, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      mask=problem.mask, batch=batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
       num_tiles=num_tiles, s_pad=s_pad, head_dim=head_dim, head_dim_out=head_dim_out,
       itemsize=itemsize, tile_q=tile_q, block_kv=block_kv, num_sms=num_sms,
-      even_sections=f.even_sections, light_last=light_last)
+      even_sections=problem.even_sections, light_last=light_last)
   if config.persistent:
     dealt, counts = order.assign(min(num_sms, order.total))
     return order, (jnp.asarray(dealt), jnp.asarray(counts))
-  if k_range_tiles is not None and not f.static_ranges:
+  if k_range_tiles is not None and not problem.static_ranges:
     return order, (order.reranked(range_tile_blocks(
-        f.mask, k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv)), None)
+        problem.mask, k_range_tiles, num_tiles=num_tiles, tile_q=tile_q, block_kv=block_kv)), None)
   return order, (jnp.asarray(order.order), None)
 
 

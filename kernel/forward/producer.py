@@ -60,7 +60,7 @@ def produce_tile(c: ForwardContext, b, h, qi, prev_iters, piece=None):
     if c.stage_mask:
       keys.producer_copy(staged_src(c.mask_ref), st, "mask")
     values.producer_acquire(st)
-    if c.f.fp8:  # V^T: (Dv, block_kv), keys fastest
+    if c.problem.fp8:  # V^T: (Dv, block_kv), keys fastest
       values.producer_copy(c.v_ref.at[b, hk, :, kb], st)
     else:
       values.producer_copy(c.v_ref.at[b, kb, hk], st)

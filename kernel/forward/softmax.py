@@ -55,11 +55,11 @@ def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
   with the true logits being s * sc (deferred so exp2 fuses, where sc > 0:
   the row max of s * sc is then the row max of s times sc).
   ``edge``: the block may reach the diagonal or the last (ragged) key."""
-  f, block_kv, bq_kv = c.f, c.block_kv, c.bq_kv
+  problem, block_kv, bq_kv = c.problem, c.block_kv, c.bq_kv
   k_base = ki * block_kv
-  sc = f.scale
+  sc = problem.scale
   # Descales are > 0 (kernel.call), so sc's sign is known while tracing.
-  positive = f.scale > 0 or c.bias_ref is not None or f.logits_soft_cap is not None
+  positive = problem.scale > 0 or c.bias_ref is not None or problem.logits_soft_cap is not None
   if t.descales is not None:  # FP8: q.k of the stored values
     sc = sc * t.descales[0]
   if c.stage_bias:
@@ -69,13 +69,13 @@ def logits(c: ForwardContext, t: Tile, s, ki, *, edge):
     bias = load_broadcast(c.bias_ref, (t.b, t.h, t.rows, pl.ds(k_base, block_kv)),
                           bq_kv, WGMMA)
     s, sc = s * sc + bias.astype(jnp.float32), 1.0
-  if f.logits_soft_cap is not None:
-    s, sc = jnp.tanh(s * (sc / f.logits_soft_cap)), f.logits_soft_cap
+  if problem.logits_soft_cap is not None:
+    s, sc = jnp.tanh(s * (sc / problem.logits_soft_cap)), problem.logits_soft_cap
   sc *= LOG2E
   if positive and not (c.masks_any_block or edge):
     return s, sc
   s = s * sc
-  s = masked_logits(f.mask, s, q_base=t.q_base, k_base=k_base, edge=edge,
+  s = masked_logits(problem.mask, s, q_base=t.q_base, k_base=k_base, edge=edge,
                     ragged=c.ragged_kv, k_start=t.k_start, k_start_max=t.k_start_max,
                     k_end=t.k_end, k_end_min=t.k_end_min)
   if c.stage_mask:
@@ -113,7 +113,7 @@ def softmax(c: ForwardContext, t: Tile, s, ki, m_i, l_i, pending, *, edge):
     m_scale = jnp.where(rescale, m_ij, m_scale)
     pending = [m_scale]
     base = safe(m_scale)
-  if c.f.fp8:  # P in [0, 2^8] for e4m3
+  if c.problem.fp8:  # P in [0, 2^8] for e4m3
     base = base - fp8.P_SCALE_LOG2
   p = jnp.exp2(s * sc - lax.broadcast_in_dim(base, s.shape, [0]))
   return factor, p, m_ij, l_i, pending

@@ -39,7 +39,8 @@ def _visible_blocks(first: int, last: int, block: int, count: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Mask:
   """Which keys each query row may see, as far as it is known when
-  tracing: made by kernel.tiling.plan.Problem.mask from the call's facts.
+  tracing: a call's is made by kernel.tiling.plan.problem_for, which its
+  problem holds (kernel.tiling.plan.Problem.mask).
 
   Row i sees key j iff j < seq_kv, and j <= i under ``causal`` (aligned
   top-left, as jax.nn's), and i - left <= j <= i + right under jax.nn's
@@ -59,12 +60,6 @@ class Mask:
   def __post_init__(self):
     if self.chunk is not None and self.chunk < 1:
       raise ValueError(f"chunk: expected a positive number of positions, got {self.chunk!r}")
-
-  @classmethod
-  def of(cls, problem) -> Mask:
-    """The mask of a kernel.tiling.plan.Problem."""
-    return cls(seq_q=problem.seq_q, seq_kv=problem.seq_kv, causal=problem.is_causal,
-               window=problem.window, chunk=problem.chunk)
 
   # -- which keys a row sees ---------------------------------------------------
 

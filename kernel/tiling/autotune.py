@@ -45,7 +45,7 @@ def selection_problem(problem: plan.Problem) -> plan.Problem:
   choice also fits the forward of ``jax.grad``, which stores them for the
   backward.  The API's lookup and the tuner both go through here, so what is
   tuned is what is found."""
-  return dataclasses.replace(problem, return_residuals=True)
+  return problem.replace(return_residuals=True)
 
 
 def signature(problem: plan.Problem, *, has_bias=False, has_mask=False,

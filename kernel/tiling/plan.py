@@ -77,15 +77,21 @@ class Problem:
   """The static facts of one call that the tilings and both passes'
   kernels specialise on, made once by the API (kernel.api.problem_of) from
   the call record (kernel.call.Call).  The tiling reads the layout facts
-  (the first ten); the kernels read them all.  Hashable: the jitted
-  launches take it as a static argument."""
+  (the head dims, the dtype, the lengths, the staged operands, residuals
+  and copies); the kernels read them all.  Hashable: the jitted launches
+  take it as a static argument.  Made by :func:`problem_for` only, and
+  changed by :meth:`replace`, which makes it again."""
 
   dtype: np.dtype          # bf16, f16 or float8_e4m3fn (f32 inputs are cast before)
   head_dim: int            # padded: padded_head_dims
   head_dim_out: int        # padded likewise
-  seq_q: int               # unpadded
-  seq_kv: int              # unpadded
-  is_causal: bool = False  # the kernels read it, with the window, as ``mask``
+  # Which keys each row may see, as known when tracing: the lengths
+  # (unpadded), causal, jax.nn's local window (left, right) and
+  # FlashAttention-3's attention_chunk.  The longest-first order and the
+  # backward's launch order weigh tiles by the window and the chunk; the
+  # kernels read the key ranges they became, traced and so hidden from a
+  # schedule (kernel/masks).
+  mask: Mask
   bias_2d: bool = False    # bias varies along both T and S (staged through the ring)
   mask_2d: bool = False    # mask varies along both T and S
   return_residuals: bool = False
@@ -105,12 +111,6 @@ class Problem:
   # float16, where deferred probabilities could overflow).
   rescale_threshold: float = 1.0
   normalize_output: bool = True
-  # jax.nn's local window (left, right): the longest-first order and the
-  # backward's launch order weigh tiles by it (the kernels read the key
-  # ranges it became, which are traced and so hidden from a schedule).
-  window: tuple[int, int] | None = None
-  # FlashAttention-3's attention_chunk C, weighed as the window is.
-  chunk: int | None = None
   # The key ranges are known when tracing, so the static longest-first order
   # already weighs them: a window's or a chunk's alone, or the whole keys
   # (ranges_always).
@@ -126,11 +126,38 @@ class Problem:
   out_dtype: np.dtype | None = None
   descales: str | None = None
 
+  def replace(self, **changes) -> Problem:
+    """This problem with ``changes`` (the facts :func:`problem_for` takes),
+    made again by it: its mask follows its lengths."""
+    facts = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+             if field.name != "mask"}
+    mask = self.mask
+    facts.update(seq_q=mask.seq_q, seq_kv=mask.seq_kv, is_causal=mask.causal,
+                 window=mask.window, chunk=mask.chunk)
+    return problem_for(**{**facts, **changes})
+
+  def for_launch(self, config: Config, *, residuals: bool = False) -> Problem:
+    """The problem the forward's launch is compiled for: the window and its
+    ranges only where the longest-first order weighs tiles by them, so that
+    the window's value keys no other compile; with m and l where the
+    gradient (``residuals``) wants them, refused if they do not fit."""
+    problem = self
+    if config.schedule != "longest-first":
+      problem = problem.replace(window=None, chunk=None, static_ranges=False)
+    if residuals:
+      problem = problem.replace(return_residuals=True)
+      check_fits(problem, config)
+    return problem
+
   @property
-  def mask(self) -> Mask:
-    """Which keys each row may see, as known when tracing: the record
-    the kernels, the schedules and the tiling ask (kernel/masks)."""
-    return Mask.of(self)
+  def seq_q(self) -> int:
+    """The queries' length, unpadded."""
+    return self.mask.seq_q
+
+  @property
+  def seq_kv(self) -> int:
+    """The keys' length, unpadded."""
+    return self.mask.seq_kv
 
   @property
   def itemsize(self) -> int:
@@ -219,29 +246,49 @@ def untiled_copies_pay(problem: Problem) -> bool:
   :data:`UNTILED_WIDE_NONCAUSAL_KEYS` keys on (docs/decisions/untiled-copies.md)."""
   ragged = problem.seq_q % ROW_TILING != 0 or problem.seq_kv % ROW_TILING != 0
   wide = max(problem.head_dim, problem.head_dim_out) > 128
-  padded_wins = wide and not problem.is_causal and problem.seq_kv >= UNTILED_WIDE_NONCAUSAL_KEYS
+  padded_wins = wide and not problem.mask.causal and problem.seq_kv >= UNTILED_WIDE_NONCAUSAL_KEYS
   return ragged and not problem.fp8 and not padded_wins
 
 
-def problem_for(query_shape, key_shape, value_shape, dtype, *, is_causal=False,
-                return_residuals=False) -> Problem:
-  """The Problem of a call with these (B, T, N, H)/(B, S, K, H)/(B, S, K, Hv)
-  shapes; ``dtype`` is the input dtype (f32 is computed in bf16; FP8 gets
-  per-tensor descales and a bfloat16 output: kernel.api.problem_of sets
-  the call's own), copied through untiled views where
-  :func:`untiled_copies_pay`."""
+def problem_for(dtype, head_dim: int, head_dim_out: int, seq_q: int, seq_kv: int, *,
+                is_causal: bool = False, window: tuple[int, int] | None = None,
+                chunk: int | None = None, **facts) -> Problem:
+  """The one maker of a :class:`Problem`: of these facts as they are
+  given (the compute dtype, the head dims as computed, and ``facts``, its
+  other fields), its mask made here, once, of the lengths, ``is_causal``,
+  the window and the chunk.  The API reads a call's through
+  :func:`problem_of_shapes`."""
+  mask = Mask(seq_q=seq_q, seq_kv=seq_kv, causal=bool(is_causal), window=window, chunk=chunk)
+  return Problem(dtype, head_dim, head_dim_out, mask, **facts)
+
+
+def compute_dtype(dtype) -> np.dtype:
+  """The dtype the kernels compute inputs of ``dtype`` in: float32 is cast
+  to bfloat16 before them."""
   import ml_dtypes
-  dt = np.dtype(dtype)
-  if dt == np.float32:
-    dt = np.dtype(ml_dtypes.bfloat16)
+  dtype = np.dtype(dtype)
+  return np.dtype(ml_dtypes.bfloat16) if dtype == np.float32 else dtype
+
+
+def problem_of_shapes(query_shape, key_shape, value_shape, dtype, *,
+                      untiled_copies: bool | None = None, **facts) -> Problem:
+  """The Problem of a call with these (B, T, N, H)/(B, S, K, H)/(B, S, K, Hv)
+  shapes (:func:`problem_for` of ``facts``); ``dtype`` is the input dtype
+  (f32 is computed in bf16: :func:`compute_dtype`), the head dims are
+  padded (:func:`padded_head_dims`), FP8 gets per-tensor descales and a
+  bfloat16 output unless ``facts`` name its own (kernel.api.problem_of
+  does), and the copies are untiled where :func:`untiled_copies_pay`
+  (``untiled_copies`` None) or as ``untiled_copies`` says."""
+  import ml_dtypes
+  dtype = compute_dtype(dtype)
   head_dim, head_dim_out = padded_head_dims(query_shape[-1], value_shape[-1])
-  fp8 = dt.itemsize == 1
-  problem = Problem(dtype=dt, head_dim=head_dim, head_dim_out=head_dim_out,
-                    seq_q=query_shape[1], seq_kv=key_shape[1], is_causal=bool(is_causal),
-                    return_residuals=bool(return_residuals),
-                    out_dtype=np.dtype(ml_dtypes.bfloat16) if fp8 else None,
-                    descales="tensor" if fp8 else None)
-  return dataclasses.replace(problem, untiled_copies=untiled_copies_pay(problem))
+  if dtype.itemsize == 1:
+    facts = {"out_dtype": np.dtype(ml_dtypes.bfloat16), "descales": "tensor", **facts}
+  problem = problem_for(dtype, head_dim, head_dim_out, query_shape[1], key_shape[1],
+                        untiled_copies=bool(untiled_copies), **facts)
+  if untiled_copies is None:
+    return problem.replace(untiled_copies=untiled_copies_pay(problem))
+  return problem
 
 
 # FP8's P enters the PV product as e4m3 at 2^FP8_P_SCALE_LOG2 times its
@@ -438,7 +485,7 @@ def kernel_problem(problem: Problem, config: Config) -> Problem:
   kernel returns the residuals whether or not the caller asked.  The scratch
   layout and the shared-memory estimate read this."""
   if config.schedule == "split-tail" and not problem.return_residuals:
-    return dataclasses.replace(problem, return_residuals=True)
+    return problem.replace(return_residuals=True)
   return problem
 
 
@@ -476,10 +523,10 @@ def _layout_problem(problem: Problem, config: Config) -> Problem | None:
   p = kernel_problem(problem, config)
   if not isinstance(p.seq_kv, (int, np.integer)):
     return None
-  return Problem(p.dtype, p.head_dim, p.head_dim_out, seq_q=1,
-                 seq_kv=effective_stages(p, config) * config.block_kv,
-                 bias_2d=p.bias_2d, mask_2d=p.mask_2d, return_residuals=p.return_residuals,
-                 untiled_copies=p.untiled_copies, out_dtype=p.out_dtype)
+  return problem_for(p.dtype, p.head_dim, p.head_dim_out, seq_q=1,
+                     seq_kv=effective_stages(p, config) * config.block_kv,
+                     bias_2d=p.bias_2d, mask_2d=p.mask_2d, return_residuals=p.return_residuals,
+                     untiled_copies=p.untiled_copies, out_dtype=p.out_dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,7 @@ def launch_config(call, persistent, schedule, untiled_copies=None):
     return None
   problem = problem_of(call)
   if untiled_copies is not None:
-    problem = dataclasses.replace(problem, untiled_copies=untiled_copies)
+    problem = problem.replace(untiled_copies=untiled_copies)
   cfg = dataclasses.replace(heuristics.get_heuristics_config(problem),
                             persistent=persistent, schedule=schedule)
   if not plan.config_fits(problem, cfg):

@@ -34,14 +34,12 @@ def _api_launch(fc: Call, config: Config):
   under untiled copies (kernel.tiling.plan.untiled_copies_pay) the output
   is written in column parts into a fresh array, whose end the TMA unit
   clips, and m and l are stored by the same code either way."""
-  import dataclasses
   from unittest import mock
   from kernel import api
   got = {}
 
   def record(problem, config, backward, num_sms):
-    got.update(problem=dataclasses.replace(api.launch_problem(problem, config),
-                                           untiled_copies=False),
+    got.update(problem=problem.for_launch(config).replace(untiled_copies=False),
                config=config, num_sms=num_sms)
     return lambda *args: (None, (None, None))  # (out, (m, l)), never used
 

@@ -17,20 +17,20 @@ from harness.tools import autotune as tuner
 from kernel.tiling import autotune, heuristics, plan
 from kernel.tiling.config import Config
 
-PROBLEM = plan.problem_for((4, 4096, 16, 128), (4, 4096, 16, 128), (4, 4096, 16, 128),
-                           "bfloat16")
+PROBLEM = plan.problem_of_shapes((4, 4096, 16, 128), (4, 4096, 16, 128),
+                                 (4, 4096, 16, 128), "bfloat16")
 
 
 def test_signature_buckets_sequence_lengths_and_names_features():
-  other = dataclasses.replace(PROBLEM, seq_q=3000, seq_kv=2100)
+  other = PROBLEM.replace(seq_q=3000, seq_kv=2100)
   assert autotune.signature(PROBLEM) == autotune.signature(other)
-  assert autotune.signature(PROBLEM) != autotune.signature(dataclasses.replace(PROBLEM, seq_q=5000))
+  assert autotune.signature(PROBLEM) != autotune.signature(PROBLEM.replace(seq_q=5000))
   assert autotune.signature(PROBLEM, has_bias=True).endswith("-bias")
-  assert "causal" in autotune.signature(dataclasses.replace(PROBLEM, is_causal=True))
+  assert "causal" in autotune.signature(PROBLEM.replace(is_causal=True))
   # nearest() reads signatures back: every one signature() writes.
   for p, features in itertools.product(
-      (PROBLEM, dataclasses.replace(PROBLEM, seq_q=100, seq_kv=70_000, is_causal=True),
-       dataclasses.replace(PROBLEM, dtype=np.dtype("float16"), head_dim=64, head_dim_out=192)),
+      (PROBLEM, PROBLEM.replace(seq_q=100, seq_kv=70_000, is_causal=True),
+       PROBLEM.replace(dtype=np.dtype("float16"), head_dim=64, head_dim_out=192)),
       ({}, {"has_bias": True}, {"has_mask": True, "has_key_ranges": True})):
     parts = autotune._SIGNATURE.fullmatch(autotune.signature(p, **features))
     assert parts is not None
@@ -50,7 +50,7 @@ def test_record_then_lookup_round_trips(tmp_path):
 
 def test_a_cached_config_that_no_longer_fits_is_ignored(tmp_path):
   cache = tmp_path / "cache.json"
-  big = dataclasses.replace(PROBLEM, head_dim=256, head_dim_out=256)
+  big = PROBLEM.replace(head_dim=256, head_dim_out=256)
   tuner.record(big, "NVIDIA H200", Config(128, 256, 4, persistent=True), {}, path=cache)
   assert autotune.lookup(big, "NVIDIA H200", path=cache) is None
 
@@ -110,13 +110,13 @@ def _at(problem, *, dtype=None, seq=None, causal=None, head_dim=None):
   """``problem`` in another dtype, sequence bucket, mask or head dim."""
   out = problem
   if dtype is not None:
-    out = dataclasses.replace(out, dtype=np.dtype(dtype))
+    out = out.replace(dtype=np.dtype(dtype))
   if seq is not None:
-    out = dataclasses.replace(out, seq_q=seq, seq_kv=seq)
+    out = out.replace(seq_q=seq, seq_kv=seq)
   if causal is not None:
-    out = dataclasses.replace(out, is_causal=causal)
+    out = out.replace(is_causal=causal)
   if head_dim is not None:
-    out = dataclasses.replace(out, head_dim=head_dim, head_dim_out=head_dim)
+    out = out.replace(head_dim=head_dim, head_dim_out=head_dim)
   return out
 
 
@@ -154,7 +154,7 @@ def test_a_head_dim_without_entries_reads_the_narrowest_wider_one(tmp_path):
   The shipped cache has no 192: config=None there runs the 256's pick,
   which is not the heuristic's under causal."""
   cache = tmp_path / "cache.json"
-  wide = lambda d, dv: dataclasses.replace(PROBLEM, head_dim=d, head_dim_out=dv, is_causal=True)
+  wide = lambda d, dv: PROBLEM.replace(head_dim=d, head_dim_out=dv, is_causal=True)
   c128, c256, c512 = (Config(64, 128, 2, True, "longest-first"),
                       Config(64, 64, 2, False, "longest-first"),
                       Config(64, 64, 2, False, "round-robin"))
@@ -256,7 +256,7 @@ def test_key_ranges_without_a_cache_entry_run_the_heuristic_longest_first_on_one
   """Uncached calls with key ranges: the heuristic's config, its schedule
   longest-first where the heuristic runs one tile per block (causal); a
   persistent heuristic config is kept as it is."""
-  problem = dataclasses.replace(PROBLEM, is_causal=causal)
+  problem = PROBLEM.replace(is_causal=causal)
   heuristic = heuristics.get_heuristics_config(problem)
   got = autotune.choose(problem, "a GPU nobody tuned", has_key_ranges=True)
   assert heuristic.persistent != causal
@@ -302,7 +302,8 @@ def test_what_the_tuner_records_is_what_config_none_finds(tmp_path, monkeypatch)
   monkeypatch.setattr(autotune, "CACHE_PATH", cache)
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
-  problem = autotune.selection_problem(plan.problem_for(q.shape, kv.shape, kv.shape, q.dtype))
+  problem = autotune.selection_problem(plan.problem_of_shapes(q.shape, kv.shape, kv.shape,
+                                                                 q.dtype))
   tuned = Config(64, 64, 3, persistent=False)
   assert tuned != heuristics.get_heuristics_config(problem)
   tuner.record(problem, "NVIDIA H200", tuned, {str(tuned): 0.1})

@@ -19,7 +19,7 @@ DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 @st.composite
 def problems(draw) -> plan.Problem:
   head_dim = draw(st.sampled_from((64, 128, 192, 256)))
-  return plan.Problem(
+  return plan.problem_for(
       dtype=draw(st.sampled_from(DTYPES)),
       head_dim=head_dim,
       head_dim_out=draw(st.sampled_from((head_dim, 64, 128, 256))),
@@ -37,8 +37,8 @@ _fits = plan.config_fits
 
 def _problem(head_dim=128, *, is_causal=False, bias_2d=False, mask_2d=False,
              seq_q=4096, seq_kv=4096, head_dim_out=None):
-  return plan.Problem(np.dtype(np.float16), head_dim, head_dim_out or head_dim,
-                      seq_q, seq_kv, is_causal, bias_2d, mask_2d)
+  return plan.problem_for(np.dtype(np.float16), head_dim, head_dim_out or head_dim,
+                          seq_q, seq_kv, is_causal=is_causal, bias_2d=bias_2d, mask_2d=mask_2d)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -51,8 +51,8 @@ def test_default_is_the_seeds_starting_point(is_causal):
 @hypothesis.given(problems())
 def test_heuristic_config_is_the_first_fallback_that_fits(problem):
   """The emitted config fits, and no earlier step of the fallback chain did."""
-  chain = [Config(64, 128, 2, not problem.is_causal),
-           Config(64, 64, 2, not problem.is_causal),
+  chain = [Config(64, 128, 2, not problem.mask.causal),
+           Config(64, 64, 2, not problem.mask.causal),
            Config(64, 64, 2, False)]
   fitting = [c for c in chain if _fits(problem, c)]
   hypothesis.note(f"estimates: {[plan.estimate_smem_bytes(problem, c) for c in chain]}")
@@ -157,7 +157,7 @@ def test_autotuning_candidates_are_the_seeds_enumeration(problem):
       continue
     if not persistent and stages > -(-problem.seq_kv // bkv):
       continue
-    schedules = (("round-robin", "longest-first") if problem.is_causal
+    schedules = (("round-robin", "longest-first") if problem.mask.causal
                  else ("round-robin",) + (("split-tail",) if persistent else ()))
     for schedule in schedules:
       config = Config(bq, bkv, stages, persistent, schedule, compute_warpgroups=cw)

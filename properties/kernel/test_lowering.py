@@ -9,7 +9,6 @@ Mosaic GPU's that the estimate rounds up.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import ml_dtypes
@@ -260,8 +259,8 @@ def test_untiled_copies_lower_at_any_length_without_padded_copies(name, feat, cf
   kw = _features(T, S, N=4).get(feat, dict(return_residuals=True))
   if "bias_shape" in kw:  # staged operands are padded copies of their own
     kw = {k: v for k, v in kw.items() if k not in ("bias_shape", "mask_shape")}
-  problem = dataclasses.replace(
-      _problem((2, T, 4, d), (2, S, 2, d), (2, S, 2, dv), kw), untiled_copies=True)
+  problem = _problem((2, T, 4, d), (2, S, 2, d), (2, S, 2, dv), kw).replace(
+      untiled_copies=True)
   cfg = cfg or heuristics.get_heuristics_config(problem)
   layout = plan.scratch_layout(problem, cfg)
   if "output-in-query-slot" in name:
@@ -591,9 +590,9 @@ def _staged_grid():
                    "both-causal": dict(bias_shape=(2, 2, T, S), mask_shape=(1, 2, T, S),
                                        is_causal=True)}.items():
     for d in (64, 128):
-      problem = dataclasses.replace(
-          plan.problem_for((2, T, 2, d), (2, S, 1, d), (2, S, 1, d), "bfloat16",
-                           is_causal=kw.get("is_causal", False), return_residuals=True),
+      problem = plan.problem_of_shapes(
+          (2, T, 2, d), (2, S, 1, d), (2, S, 1, d), "bfloat16",
+          is_causal=kw.get("is_causal", False), return_residuals=True,
           bias_2d="bias_shape" in kw, mask_2d="mask_shape" in kw)
       for cfg in _configs_to_lower(problem, fullest=name == "both-causal", may_refuse=True):
         yield pytest.param(d, kw, problem, cfg,

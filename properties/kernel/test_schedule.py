@@ -20,7 +20,7 @@ from hypothesis import example, given, note, settings, strategies as st
 from harness.numerics import strategies as hs
 from kernel.masks import Mask
 from kernel.tiling import schedule
-from kernel.tiling.plan import Problem
+from kernel.tiling.plan import problem_for
 
 
 @st.composite
@@ -346,15 +346,15 @@ def test_backward_launch_orders_where_measured(head_dim, seq, batch, heads, kv_h
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
   for causal in (False, True):
-    f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=causal,
-                  scale=0.1)
+    problem = problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=causal,
+                          scale=0.1)
     blocks = backward_plan.blocks_for(head_dim, head_dim, causal=causal)
     fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=causal)
     common_args = dict(batch=batch, group=heads // kv_heads, t_pad=seq, s_pad=seq,
                        head_dims=(head_dim, head_dim), dtype="bfloat16", num_sms=132)
-    dkv = bwd_dkv.dkv_launch_order(f, blocks, num_kv_heads=kv_heads, fused=fused,
+    dkv = bwd_dkv.dkv_launch_order(problem, blocks, num_kv_heads=kv_heads, fused=fused,
                                     **common_args)
-    dq = bwd_dq.dq_launch_order(f, blocks, num_heads=heads, **common_args)
+    dq = bwd_dq.dq_launch_order(problem, blocks, num_heads=heads, **common_args)
     if not causal:
       assert dkv is None and dq is None
       continue
@@ -395,8 +395,8 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
   blocks = backward_plan.blocks_for(head_dim, head_dim, causal=causal)
   whole = lambda n, m: -(-n // m) * m
   t_pad, s_pad = whole(seq_q, blocks.query_multiple), whole(seq_kv, blocks.key_multiple)
-  f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq_q, seq_kv, is_causal=causal,
-              scale=0.1, window=(left, right))
+  problem = problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, seq_q, seq_kv, is_causal=causal,
+                        scale=0.1, window=(left, right))
   shapes = AttentionShapes(B=1, T=seq_q, S=seq_kv, N=group, K=1, H=head_dim, Hv=head_dim)
   ks, ke, _ = variants.row_ranges(shapes, window=(left, right))
   ks, ke, (start_min, _, _, end_max) = padding.key_ranges(
@@ -410,13 +410,13 @@ def test_launch_order_weights_are_the_kernels_steps(head_dim, seq_q, seq_kv, lef
     first = j * blocks.dkv_tile // blocks.dkv_stream_q if causal else 0
     start, stop = max(first, int(lo[0, 0, j])), min(nq, int(hi[0, 0, j]))
     steps.append(group * max(stop - start, 0))
-  assert bwd_dkv.key_tile_weights(f, blocks, group=group, t_pad=t_pad, s_pad=s_pad) == steps
+  assert bwd_dkv.key_tile_weights(problem, blocks, group=group, t_pad=t_pad, s_pad=s_pad) == steps
   qi = jnp.arange(t_pad // blocks.dq_tile, dtype=jnp.int32)
   lb, ub = Mask(seq_q, seq_kv, causal=causal).key_blocks(
       qi, tile_q=blocks.dq_tile, block_kv=blocks.dq_stream_kv, k_start_min=start_min[0, 0],
       k_end_max=end_max[0, 0])
   steps = np.maximum(np.asarray(ub) - np.asarray(lb), 0)[::-1].tolist()
-  assert bwd_dq.query_tile_weights(f, blocks, t_pad=t_pad) == steps
+  assert bwd_dq.query_tile_weights(problem, blocks, t_pad=t_pad) == steps
 
 
 @pytest.mark.parametrize("head_dim,seq,batch,heads,window", [
@@ -431,15 +431,15 @@ def test_a_local_window_launches_head_by_head(head_dim, seq, batch, heads, windo
   from kernel.tiling import backward_plan
   from kernel.backward import dkv as bwd_dkv
   from kernel.backward import dq as bwd_dq
-  f = lambda w: Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq, is_causal=True,
-                        scale=0.1, window=w)
+  windowed = lambda w: problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, seq, seq,
+                                   is_causal=True, scale=0.1, window=w)
   blocks = backward_plan.blocks_for(head_dim, head_dim, causal=True)
   fused = backward_plan.fuses_dq(blocks, with_bias=False, causal=True)
   args = dict(batch=batch, group=1, t_pad=seq, s_pad=seq, head_dims=(head_dim, head_dim),
               dtype="bfloat16", num_sms=132)
-  dkv = lambda w: bwd_dkv.dkv_launch_order(f(w), blocks, num_kv_heads=heads, fused=fused,
-                                            **args)
-  dq = lambda w: bwd_dq.dq_launch_order(f(w), blocks, num_heads=heads, **args)
+  dkv = lambda w: bwd_dkv.dkv_launch_order(windowed(w), blocks, num_kv_heads=heads,
+                                            fused=fused, **args)
+  dq = lambda w: bwd_dq.dq_launch_order(windowed(w), blocks, num_heads=heads, **args)
   assert dkv(window) is None and dq(window) is None
   assert dq(None) is not None
   assert (dkv(None) is not None) == (not fused)
@@ -486,11 +486,11 @@ def test_mosaic_gpu_launches_the_last_grid_axis_fastest():
       jax.export.export(jax.jit(toy), platforms=["cuda"])()
     assert grids == [(5, 3, 2)] and reads == {"a": "z", "b": "y", "c": "x"}
     grids.clear()
-    f = Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 512, 768, is_causal=False,
-                  scale=0.1)
+    problem = problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, 512, 768, is_causal=False,
+                          scale=0.1)
     blocks = backward_plan.blocks_for(64, 64, causal=False)
     sds = lambda s, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, s, n, 64), dt)
-    dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(f, blocks, q, k, v, do, rows, None, None,
+    dkv = lambda q, k, v, do, rows: bwd_dkv.dkv_call(problem, blocks, q, k, v, do, rows, None, None,
                                                       None, None)
     with api.lowering_only():
       jax.export.export(jax.jit(dkv), platforms=["cuda"])(

@@ -232,10 +232,10 @@ def test_a_nan_in_one_piece_makes_its_rows_nan_and_no_other():
 
 def test_the_split_tail_is_refused_by_name_where_it_cannot_run():
   import ml_dtypes
-  problem = plan.Problem(np.dtype(ml_dtypes.bfloat16), 128, 128, 4096, 4096)
+  problem = plan.problem_for(np.dtype(ml_dtypes.bfloat16), 128, 128, 4096, 4096)
   with pytest.raises(ValueError, match=r"config\.schedule: split-tail deals tiles to persistent"):
     plan.check_fits(problem, Config(64, 128, 2, False, "split-tail"))
-  causal = plan.Problem(np.dtype(ml_dtypes.bfloat16), 128, 128, 4096, 4096, is_causal=True)
+  causal = plan.problem_for(np.dtype(ml_dtypes.bfloat16), 128, 128, 4096, 4096, is_causal=True)
   with pytest.raises(ValueError, match=r"config\.schedule: .*causal.*longest-first"):
     plan.check_fits(causal, Config(64, 128, 2, True, "split-tail"))
   assert plan.config_fits(problem, Config(64, 128, 2, True, "split-tail"))
@@ -245,14 +245,14 @@ def test_the_split_tail_always_allocates_the_residuals_it_merges_by():
   """The kernel returns (m, l) under the split tail whether or not the
   caller asked (kernel.tiling.plan.kernel_problem), and the estimate counts them."""
   import ml_dtypes
-  problem = plan.Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 4096, 4096)
+  problem = plan.problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, 4096, 4096)
   split = Config(64, 128, 2, True, "split-tail")
   rr = Config(64, 128, 2, True)
   assert plan.scratch_layout(problem, split).m is not None
   assert plan.scratch_layout(problem, rr).m is None
   assert plan.estimate_smem_bytes(problem, split) > plan.estimate_smem_bytes(problem, rr)
-  with_res = plan.Problem(np.dtype(ml_dtypes.bfloat16), 64, 64, 4096, 4096,
-                          return_residuals=True)
+  with_res = plan.problem_for(np.dtype(ml_dtypes.bfloat16), 64, 64, 4096, 4096,
+                              return_residuals=True)
   assert plan.estimate_smem_bytes(problem, split) == plan.estimate_smem_bytes(with_res, rr)
 
 
@@ -262,7 +262,7 @@ def test_the_split_tail_refuses_guarded_outputs_by_name():
   import jax
   from kernel import forward
   q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-  problem = plan.Problem(np.dtype(jnp.bfloat16), 64, 64, 256, 256, scale=0.125)
+  problem = plan.problem_for(np.dtype(jnp.bfloat16), 64, 64, 256, 256, scale=0.125)
   out = jax.new_ref(jnp.zeros((1, 384, 2, 64), jnp.bfloat16))
   with pytest.raises(ValueError, match="^outputs: the split-tail schedule"):
     forward.flash_attention_forward(problem, Config(64, 128, 2, True, "split-tail"),

@@ -742,12 +742,11 @@ def test_a_window_alone_is_ranked_at_trace_time(seq_q, seq_kv, left, right, is_c
 def test_poisoned_rows_without_key_ranges_are_refused_by_name():
   """The rows the epilogue writes NaN are marked in k_start: a launch asked
   to poison rows without one is refused at trace time, not run silently."""
-  import dataclasses
   from kernel import forward
   from kernel.tiling import plan
   from kernel.tiling.config import Config
-  problem = plan.Problem(np.dtype(jnp.bfloat16), 64, 64, 256, 256, is_causal=True,
-                         scale=0.125)
+  problem = plan.problem_for(np.dtype(jnp.bfloat16), 64, 64, 256, 256, is_causal=True,
+                             scale=0.125)
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   call = lambda p: jax.make_jaxpr(lambda q, k, v: forward.flash_attention_forward(
       p, Config(), q, k, v, None, None, None, None, None))(
@@ -755,7 +754,7 @@ def test_poisoned_rows_without_key_ranges_are_refused_by_name():
   with api.lowering_only():
     call(problem)
     with pytest.raises(ValueError, match="poisons_rows"):
-      call(dataclasses.replace(problem, poisons_rows=True))
+      call(problem.replace(poisons_rows=True))
 
 
 def test_the_api_hands_the_window_to_the_longest_first_schedule_only(monkeypatch):

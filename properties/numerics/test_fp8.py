@@ -438,8 +438,8 @@ def test_fp8_under_vmap_and_jit_lowers_for_cuda():
 def _fp8_problem(head_dim, seq=4096, causal=False, dtype=F8):
   shape = (1, seq, 8, head_dim)
   from kernel.tiling import autotune
-  return autotune.selection_problem(plan.problem_for(shape, shape, shape, dtype,
-                                                     is_causal=causal))
+  return autotune.selection_problem(plan.problem_of_shapes(shape, shape, shape, dtype,
+                                                           is_causal=causal))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])

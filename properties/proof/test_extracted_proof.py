@@ -546,9 +546,9 @@ def test_an_output_overlay_over_the_keys_is_a_case_of_its_own(shipped_cases):
   assert any(c.head_dim_out > c.head_dim for c in found)
   assert any(c.head_dim_out == c.head_dim and not c.residuals for c in found
              if c.dtype == "float8_e4m3fn")
-  problem = plan_lib.Problem(np.dtype(ml_dtypes.bfloat16), 64, 256, 1000, 1000)
+  problem = plan_lib.problem_for(np.dtype(ml_dtypes.bfloat16), 64, 256, 1000, 1000)
   assert plan_lib.scratch_layout(problem, Config(64, 64, 2)).output_reaches_keys
-  assert not plan_lib.scratch_layout(dataclasses.replace(problem, head_dim_out=64),
+  assert not plan_lib.scratch_layout(problem.replace(head_dim_out=64),
                                      Config(64, 64, 2)).output_reaches_keys
 
 
@@ -565,7 +565,7 @@ def test_the_shipped_untiled_copies_are_proved_and_the_other_way_on_request(ship
   assert any(not c.untiled_copies and c.dtype != "float8_e4m3fn" for c in shipped)
   grid, both = prove_cli.problem_grid(), prove_cli.problem_grid(experiments=True)
   assert both[::2] == grid
-  assert all(o == dataclasses.replace(p, untiled_copies=not p.untiled_copies)
+  assert all(o == p.replace(untiled_copies=not p.untiled_copies)
              for p, o in zip(both[::2], both[1::2]))
   # the other way's protocols (a spread of them): FP8 untiled among them
   other = [c for c, _ in cases.forward_cases(both[1::2][::7])]

@@ -136,7 +136,7 @@ RANGED_SHORT_TAIL = pmut.Mutant(
     "with key ranges, the values of a last key block of under 16 keys copied without "
     "waiting for their slot",
     (edit("producer.fill", "values.producer_acquire(st)",
-          "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
+          "tail = jnp.int32(c.problem.seq_kv % c.block_kv); "
           "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16) | (not c.key_ranges))("
           "lambda: values.producer_acquire(st))"),))
 
@@ -169,8 +169,9 @@ def test_a_branch_on_a_length_the_symbols_do_not_decide_is_refused(asks, named):
   (broadcasting's ``d == 1``) are not the kernel's."""
   name = "tile_count_special"
   m = pmut.Mutant(name, f"a grid whose tile count is {asks} taken as ragged",
-                  (edit("context.ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
-                        "return self.f.seq_kv % self.config.block_kv != 0 or "
+                  (edit("context.ragged_kv",
+                        "return self.problem.seq_kv % self.config.block_kv != 0",
+                        "return self.problem.seq_kv % self.config.block_kv != 0 or "
                         f"self.num_tiles {asks}"),))
   with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
     ft.trace_plain(ONE_TILE, ragged=False, modules=pmut.modules(m))
@@ -223,7 +224,7 @@ SHORT_TAIL = pmut.Mutant(
     "short_tail_values_unacquired",
     "the values of a last key block of under 16 keys copied without waiting for their slot",
     (edit("producer.fill", "values.producer_acquire(st)",
-          "tail = jnp.int32(c.f.seq_kv % c.block_kv); "
+          "tail = jnp.int32(c.problem.seq_kv % c.block_kv); "
           "pl.when((ki != ub - 1) | (tail == 0) | (tail >= 16))("
           "lambda: values.producer_acquire(st))"),))
 
@@ -247,8 +248,8 @@ def test_a_slip_at_short_remainders_only_is_refuted():
 
 
 @pytest.mark.parametrize("ragged, named", [
-    ("self.f.seq_kv % self.config.block_kv > 16", "'r' > '16'"),
-    ("self.f.seq_q % self.tile_q != 0 or self.f.seq_kv % self.config.block_kv != 0",
+    ("self.problem.seq_kv % self.config.block_kv > 16", "'r' > '16'"),
+    ("self.problem.seq_q % self.tile_q != 0 or self.problem.seq_kv % self.config.block_kv != 0",
      "mod(- sq + 128*mq + 1, 128) == 0")],
     ids=["keys past 16", "ragged queries"])
 def test_a_branch_on_the_remainder_is_refused(ragged, named):
@@ -258,7 +259,8 @@ def test_a_branch_on_the_remainder_is_refused(ragged, named):
   trace is refused, naming the line."""
   name = "ragged_otherwise"
   m = pmut.Mutant(name, "raggedness decided otherwise",
-                  (edit("context.ragged_kv", "return self.f.seq_kv % self.config.block_kv != 0",
+                  (edit("context.ragged_kv",
+                        "return self.problem.seq_kv % self.config.block_kv != 0",
                         f"return {ragged}"),))
   with pytest.raises(ExtractionError, match="compares its symbolic lengths") as err:
     ft.trace_plain(ONE_TILE, ragged=True, modules=pmut.modules(m))
@@ -291,16 +293,16 @@ def test_the_traced_order_tables_have_the_hosts_shapes(persistent):
   from kernel.tiling import config as config_lib, plan as plan_lib
   config = config_lib.Config(64, 128, num_stages=2, persistent=persistent,
                              schedule="longest-first")
-  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 40 * 128, 40 * 128, is_causal=True,
-                       scale=0.125)
+  problem = plan_lib.problem_for(np.dtype("bfloat16"), 64, 64, 40 * 128, 40 * 128, is_causal=True,
+                                 scale=0.125)
   kw = dict(batch=2, num_heads=2, num_kv_heads=1, num_tiles=40 * 128 // config.tile_q,
             s_pad=40 * 128, head_dim=64, head_dim_out=64, itemsize=2, k_range_tiles=None,
             num_sms=16)
-  host_order, host_tables = order_lib._schedule(f, config, **kw)
+  host_order, host_tables = order_lib._schedule(problem, config, **kw)
   modules = tracing.shipped_modules()
   with ft._symbolic_schedule(modules, 8 * 128, 16):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
-        f, config, **kw)
+        problem, config, **kw)
   _like_the_hosts(order, tables, host_order, host_tables)
 
 
@@ -321,15 +323,15 @@ def test_the_split_tails_stand_in_is_the_hosts_at_the_traced_tiles():
   from kernel.forward import order as order_lib
   from kernel.tiling import config as config_lib, plan as plan_lib
   config = config_lib.Config(64, 128, num_stages=2, persistent=True, schedule="split-tail")
-  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 20 * 128, 8 * 128, scale=0.125)
+  problem = plan_lib.problem_for(np.dtype("bfloat16"), 64, 64, 20 * 128, 8 * 128, scale=0.125)
   kw = dict(batch=1, num_heads=2, num_kv_heads=1, num_tiles=20, s_pad=8 * 128, head_dim=64,
             head_dim_out=64, itemsize=2, k_range_tiles=None, num_sms=16)
-  host_order, host_tables = order_lib._schedule(f, config, **kw)
+  host_order, host_tables = order_lib._schedule(problem, config, **kw)
   assert host_order.split.size   # the host merges pieces of these tiles
   modules = tracing.shipped_modules()
   with ft._symbolic_schedule(modules, 8 * 128, 20):
     order, tables = modules.forward.flash_attention_forward.__globals__["_schedule"](
-        f, config, **kw)
+        problem, config, **kw)
   _like_the_hosts(order, tables, host_order, host_tables)
   assert order.split.size == 0 and np.array_equal(order.slot, host_order.slot)
 
@@ -529,15 +531,16 @@ def test_the_traced_backward_orders_have_the_hosts_units_and_tiles():
   import jax.numpy as jnp
   from kernel.tiling import backward_plan, plan as plan_lib
   blocks = backward_plan.blocks_for(64, 64, causal=True)
-  f = plan_lib.Problem(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True, scale=0.125)
+  problem = plan_lib.problem_for(np.dtype("bfloat16"), 64, 64, 8192, 8192, is_causal=True,
+                                 scale=0.125)
   shared = dict(batch=4, group=1, t_pad=8192, s_pad=8192, head_dims=(64, 64),
                 dtype=jnp.bfloat16, num_sms=132)
   modules = tracing.shipped_modules()
   dkv_scope, dq_scope = _order_scopes(modules)
 
   def orders():
-    return (dkv_scope["dkv_launch_order"](f, blocks, num_kv_heads=8, fused=False, **shared),
-            dq_scope["dq_launch_order"](f, blocks, num_heads=8, **shared))
+    return (dkv_scope["dkv_launch_order"](problem, blocks, num_kv_heads=8, fused=False, **shared),
+            dq_scope["dq_launch_order"](problem, blocks, num_heads=8, **shared))
   host = orders()
   with bt._launch_orders(modules, sectioned=True):
     traced = orders()

@@ -6,7 +6,6 @@ dimensions, forward_traces.WINDOWS) and held to the same tables.  A defect
 only under a narrow window, or only under chunks that fit the ring, proves
 on every trace without them and is refuted there, naming the size."""
 
-import dataclasses
 import re
 
 import pytest
@@ -87,7 +86,7 @@ def test_the_counterexamples_chunks_overwrite_a_value_slot(monkeypatch):
   size = _refuted_size(err.value, CHUNKS, "chunks of")
   traced = ft._traced_problem
   monkeypatch.setattr(ft, "_traced_problem", lambda *a, **k: (
-      lambda config, problem: (config, dataclasses.replace(problem, chunk=size)))(
+      lambda config, problem: (config, problem.replace(chunk=size)))(
           *traced(*a, **k)))
   assert_value_slot_overwritten(ONE_TILE, modules, "with the counterexample's chunks")
 

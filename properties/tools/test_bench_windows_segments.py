@@ -25,20 +25,20 @@ from kernel import api
 from kernel.call import AttentionShapes, Call
 
 SMALL = {
-    "window": ws.Problem("window", 128, 512, False, window=100, batch_override=1,
+    "window": ws.MaskedShape("window", 128, 512, False, window=100, batch_override=1,
                          heads_override=2),
-    "window-causal": ws.Problem("window", 64, 512, True, window=100, batch_override=1,
+    "window-causal": ws.MaskedShape("window", 64, 512, True, window=100, batch_override=1,
                                 heads_override=2),
-    "packed-causal": ws.Problem("packed", 128, 512, True, documents=(100, 1, 155, 256),
+    "packed-causal": ws.MaskedShape("packed", 128, 512, True, documents=(100, 1, 155, 256),
                                 batch_override=1, heads_override=2),
-    "packed": ws.Problem("packed", 64, 384, False, documents=(129, 255), batch_override=2,
+    "packed": ws.MaskedShape("packed", 64, 384, False, documents=(129, 255), batch_override=2,
                          heads_override=1),
 }
 
 
-def _visibility(problem: ws.Problem, *, variant=True) -> np.ndarray:
+def _visibility(shape: ws.MaskedShape, *, variant=True) -> np.ndarray:
   """(B, N, T, S) from the float64 reference's own definitions."""
-  p = problem
+  p = shape
   shapes = AttentionShapes(B=p.batch, T=p.seq, N=p.heads, H=p.head_dim, S=p.seq, K=p.heads,
                            Hv=p.head_dim)
   kw = {}
@@ -53,18 +53,18 @@ def _visibility(problem: ws.Problem, *, variant=True) -> np.ndarray:
 def test_the_problems_are_issue_20s():
   """Windows of 1k at 8k and 16k, causal and not; documents of 1k-4k
   summing to 16k in one causal row; head dim 128 by default."""
-  problems = ws.problems()
-  windows = {(p.seq, p.causal) for p in problems if p.kind == "window"}
+  shapes = ws.masked_shapes()
+  windows = {(p.seq, p.causal) for p in shapes if p.kind == "window"}
   assert windows == {(8192, False), (8192, True), (16384, False), (16384, True)}
-  assert {p.window for p in problems if p.kind == "window"} == {1024}
-  packed = [p for p in problems if p.kind == "packed"]
+  assert {p.window for p in shapes if p.kind == "window"} == {1024}
+  packed = [p for p in shapes if p.kind == "packed"]
   assert len(packed) == 1 and packed[0].causal and packed[0].batch == 1
   docs = packed[0].documents
   assert sum(docs) == 16384 and all(1024 <= n <= 4096 for n in docs) and len(docs) >= 4
   assert any(n % 128 for n in docs)  # boundaries off the block grid
-  assert {p.head_dim for p in problems} == {128}
-  assert {p.batch * p.seq for p in problems} == {bg.TOKENS}
-  assert {p.head_dim for p in ws.problems((64, 128))} == {64, 128}
+  assert {p.head_dim for p in shapes} == {128}
+  assert {p.batch * p.seq for p in shapes} == {bg.TOKENS}
+  assert {p.head_dim for p in ws.masked_shapes((64, 128))} == {64, 128}
 
 
 @pytest.mark.parametrize("name", list(SMALL))
@@ -81,7 +81,7 @@ def test_flops_count_the_pairs_the_reference_sees(name):
 def test_the_16k_window_needs_a_quarter_of_the_work_or_less():
   """The precondition of the >= 4x target: at 16k a 1k window keeps at most a
   quarter of the pairs, causal or not; the documents a sixth of causal's."""
-  for p in ws.problems():
+  for p in ws.masked_shapes():
     ratio = ws.visible_pairs(p, variant=False) / ws.visible_pairs(p)
     if p.seq == 16384:
       assert ratio >= (6 if p.kind == "packed" else 4), (p.label(), ratio)
@@ -126,10 +126,10 @@ def cudnn_lowers_here(monkeypatch):
   monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
 
 
-def _lowered(fn, problem: ws.Problem, backward: bool) -> str:
-  sds = jax.ShapeDtypeStruct((problem.batch, problem.seq, problem.heads, problem.head_dim),
+def _lowered(fn, shape: ws.MaskedShape, backward: bool) -> str:
+  sds = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.heads, shape.head_dim),
                              jnp.bfloat16)
-  aux = jax.eval_shape(lambda: ws.aux_arrays(problem))
+  aux = jax.eval_shape(lambda: ws.aux_arrays(shape))
   args = (sds,) * (4 if backward else 3) + (aux,)
   with api.lowering_only():
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -193,26 +193,26 @@ def test_what_is_unavailable_through_jax_nn_is_what_it_refuses(cudnn_lowers_here
 
 
 def test_a_row_holds_times_errors_reasons_and_agreement(monkeypatch):
-  """time_problem's row, with XLA stand-ins for the routes (run on the CPU):
+  """time_shape's row, with XLA stand-ins for the routes (run on the CPU):
   each timed route's ms and TFLOP/s on the problem's pairs (no window: its
   own), a failing route's error, an unavailable one's reason, and the
   dense mask's max |out - ours| (the same problem: equal up to rounding;
   the window-free baseline is not compared)."""
   p = SMALL["window-causal"]
 
-  def stand_ins(problem, *, backward):
+  def stand_ins(shape, *, backward):
     nn = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=True, **kw)
 
     def fails(q, k, v, aux):
       raise RuntimeError("no such kernel")
-    fns = {ws.OURS: lambda q, k, v, aux: nn(q, k, v, local_window_size=problem.window),
+    fns = {ws.OURS: lambda q, k, v, aux: nn(q, k, v, local_window_size=shape.window),
            ws.NO_WINDOW: lambda q, k, v, aux: nn(q, k, v),
            ws.DENSE_MASK: lambda q, k, v, aux: nn(q, k, v, mask=aux["mask"]),
            ws.CUDNN: fails}
     return {n: jax.jit(f) for n, f in fns.items()}, {ws.CUDNN_PACKED: "not for windows"}
 
   monkeypatch.setattr(ws, "implementations", stand_ins)
-  row = ws.time_problem(p, backward=False, dtype="float32", sets=2)
+  row = ws.time_shape(p, backward=False, dtype="float32", sets=2)
   res = row["results"]
   for name in (ws.OURS, ws.NO_WINDOW, ws.DENSE_MASK):
     assert res[name]["ms"] > 0
@@ -227,13 +227,14 @@ def test_a_row_holds_times_errors_reasons_and_agreement(monkeypatch):
   assert set(diffs) == {ws.DENSE_MASK} and diffs[ws.DENSE_MASK] < 1e-5
 
 
-def _fake_row(problem, ms: dict, pass_="forward"):
-  results = {n: (dict(ms=t, tflops=ws.flops(problem, backward=False) / t / 1e9)
+def _fake_row(shape, ms: dict, pass_="forward"):
+  results = {n: (dict(ms=t, tflops=ws.flops(shape, backward=False) / t / 1e9)
                  if isinstance(t, float) else t) for n, t in ms.items()}
-  return dict(problem=problem.kind, head_dim=problem.head_dim, seq=problem.seq,
-              causal=problem.causal, window=problem.window, documents=problem.documents, chunk=problem.chunk,
-              batch=problem.batch, heads=problem.heads, dtype="bfloat16", pass_=pass_,
-              pairs=ws.visible_pairs(problem), results=results,
+  return dict(problem=shape.kind, head_dim=shape.head_dim, seq=shape.seq,
+              causal=shape.causal, window=shape.window, documents=shape.documents,
+              chunk=shape.chunk,
+              batch=shape.batch, heads=shape.heads, dtype="bfloat16", pass_=pass_,
+              pairs=ws.visible_pairs(shape), results=results,
               max_abs_diff_to_ours={ws.DENSE_MASK: 0.0078})
 
 
@@ -243,9 +244,9 @@ def _meta(command):
 
 
 def test_the_table_shows_speedups_and_reasons():
-  window = ws.Problem("window", 128, 16384, True, window=1024)
-  packed = next(p for p in ws.problems() if p.kind == "packed")
-  chunk = next(p for p in ws.problems() if p.kind == "chunk")
+  window = ws.MaskedShape("window", 128, 16384, True, window=1024)
+  packed = next(p for p in ws.masked_shapes() if p.kind == "packed")
+  chunk = next(p for p in ws.masked_shapes() if p.kind == "chunk")
   rows = [_fake_row(window, {ws.OURS: 1.0, ws.NO_WINDOW: 5.0, ws.DENSE_MASK: 6.0,
                              ws.CUDNN: 1.25}),
           _fake_row(packed, {ws.OURS: 2.0, ws.DENSE_MASK: 5.0, ws.ANY_LAYOUT: 4.0,
@@ -287,7 +288,7 @@ def test_a_section_run_keeps_the_grids_rows_and_writes_both(tmp_path, monkeypatc
                            sections={})
   sections = {ws.NAME: ws}
   bg.write(first, tmp_path, sections)
-  window = ws.Problem("window", 128, 16384, True, window=1024)
+  window = ws.MaskedShape("window", 128, 16384, True, window=1024)
   section_rows = [_fake_row(window, {ws.OURS: 1.0, ws.NO_WINDOW: 4.5})]
   existing = json.loads((tmp_path / "performance.json").read_text())
   second = bg.merged_record(existing, dict(_meta("python -m harness bench --grid --sections "
@@ -319,8 +320,8 @@ def test_sections_are_checked_by_name():
 
 
 def test_the_section_panels_plot_ms_per_route():
-  window = ws.Problem("window", 128, 16384, True, window=1024)
-  plain = ws.Problem("window", 128, 8192, False, window=1024)
+  window = ws.MaskedShape("window", 128, 16384, True, window=1024)
+  plain = ws.MaskedShape("window", 128, 8192, False, window=1024)
   rows = [_fake_row(window, {ws.OURS: 1.0, ws.NO_WINDOW: 4.5}),
           _fake_row(plain, {ws.OURS: 0.5, ws.DENSE_MASK: 2.0})]
   (panel,) = ws.panels({"rows": rows})
@@ -382,7 +383,7 @@ def test_a_page_keeps_no_part_from_another_device(tmp_path, monkeypatch, capsys)
                    kv_heads=16, batch=4, dtype="bfloat16", pass_="forward",
                    results={"ours auto": dict(ms=1.0, tflops=600.0),
                             "cudnn": dict(ms=1.05, tflops=571.4)})
-  window = ws.Problem("window", 128, 16384, True, window=1024)
+  window = ws.MaskedShape("window", 128, 16384, True, window=1024)
   section_rows = [_fake_row(window, {ws.OURS: 1.0, ws.NO_WINDOW: 4.5})]
   h200 = bg.merged_record({}, _meta("python -m harness bench --grid"), rows=[dense_row],
                           sections={ws.KEY: section_rows}, passes=("forward",))

@@ -778,7 +778,7 @@ def test_a_chunked_or_windowed_calls_protocols_are_among_the_proved(shipped_case
   for p in prove_cli.problem_grid()[::195]:
     plain = list(cases.emitted([p]))
     for static in (dict(chunk=64), dict(window=(100, 0)), dict(chunk=300, window=(50, 50))):
-      masked = list(cases.emitted([dataclasses.replace(p, static_ranges=True, **static)]))
+      masked = list(cases.emitted([p.replace(static_ranges=True, **static)]))
       assert masked == plain, (p, static)
       assert all(reps.of(c).key() in listed for c in masked)
 

@@ -12,6 +12,7 @@ and learns each.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +107,7 @@ class ForwardCase:
   @property
   def tile_q(self) -> int:
     """The config's query tile (kernel.tiling.config.Config.tile_q)."""
-    from kernel.tiling.config import Config
-    return Config(self.block_q, self.block_kv,
-                  compute_warpgroups=self.compute_warpgroups).tile_q
+    return _tile_q(self.block_q, self.block_kv, self.compute_warpgroups)
 
   @property
   def head_dim(self) -> int:
@@ -149,6 +148,14 @@ class ForwardCase:
 
 # What tells forward cases apart (ForwardCase.key), in the listing's order:
 # fields, and the properties of _DERIVED.
+@functools.cache
+def _tile_q(block_q: int, block_kv: int, compute_warpgroups: int) -> int:
+  """Config.tile_q of these sizes, by the config's own rule, once per sizes
+  (the listing asks it of every emitted config several times)."""
+  from kernel.tiling.config import Config
+  return Config(block_q, block_kv, compute_warpgroups=compute_warpgroups).tile_q
+
+
 KEYED = ("num_stages", "persistent", "schedule", "bias", "mask", "causal", "overlay_q",
          "residuals", "compute_warpgroups", "untiled_copies", "output_over_keys", "parts",
          "dtype", "output_slots", "ring_cut")

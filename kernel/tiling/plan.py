@@ -407,7 +407,11 @@ def _mbarriers(problem: Problem, config: Config, overlay_q: bool) -> tuple[MBarr
 
 def effective_stages(problem: Problem, config: Config) -> int:
   """More stages than key blocks would only hold empty slots."""
-  return max(1, min(config.num_stages, problem.num_kv_blocks(config.block_kv)))
+  return _stages_for(problem.seq_kv, config)
+
+
+def _stages_for(seq_kv: int, config: Config) -> int:
+  return max(1, min(config.num_stages, -(-seq_kv // config.block_kv)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,9 +488,14 @@ def kernel_problem(problem: Problem, config: Config) -> Problem:
   (m, l) weigh them in the merge (kernel.forward.order.merge_pieces), so the
   kernel returns the residuals whether or not the caller asked.  The scratch
   layout and the shared-memory estimate read this."""
-  if config.schedule == "split-tail" and not problem.return_residuals:
+  if _kernel_residuals(problem, config) and not problem.return_residuals:
     return problem.replace(return_residuals=True)
   return problem
+
+
+def _kernel_residuals(problem: Problem, config: Config) -> bool:
+  """Whether the launch stores (m, l): asked for, or under the split tail."""
+  return problem.return_residuals or config.schedule == "split-tail"
 
 
 def overlays_query_with_output(problem: Problem, config: Config) -> bool:
@@ -513,24 +522,32 @@ def scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
   return _scratch_layout(key, config)
 
 
-def _layout_problem(problem: Problem, config: Config) -> Problem | None:
-  """``problem`` as the kernel runs it (:func:`kernel_problem`) with only
-  the fields its scratch layout and shared-memory estimate read, and its
-  keys cut to the blocks the ring holds (:func:`effective_stages`): the
-  key of their memo, which the heuristics over a grid of lengths ask many
-  times (properties/kernel/test_heuristics.py holds it to the uncut
-  problem's); None for symbolic lengths."""
-  p = kernel_problem(problem, config)
-  if not isinstance(p.seq_kv, (int, np.integer)):
+def _layout_problem(problem: Problem, config: Config) -> tuple | None:
+  """The facts of ``problem`` as the kernel runs it (:func:`kernel_problem`)
+  that its scratch layout and shared-memory estimate read, its keys cut to
+  the blocks the ring holds (:func:`effective_stages`): the key of their
+  memo, which the heuristics over a grid of lengths ask many times
+  (properties/kernel/test_heuristics.py holds it to the uncut problem's),
+  a tuple so that a hit makes no problem; None for symbolic lengths."""
+  seq_kv = problem.seq_kv
+  if not isinstance(seq_kv, (int, np.integer)):
     return None
-  return problem_for(p.dtype, p.head_dim, p.head_dim_out, seq_q=1,
-                     seq_kv=effective_stages(p, config) * config.block_kv,
-                     bias_2d=p.bias_2d, mask_2d=p.mask_2d, return_residuals=p.return_residuals,
-                     untiled_copies=p.untiled_copies, out_dtype=p.out_dtype)
+  return (problem.dtype, problem.head_dim, problem.head_dim_out,
+          _stages_for(seq_kv, config) * config.block_kv, problem.bias_2d, problem.mask_2d,
+          _kernel_residuals(problem, config), problem.untiled_copies, problem.out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _scratch_layout(problem: Problem, config: Config) -> ScratchLayout:
+def _layout_key_problem(key: tuple) -> Problem:
+  """The problem of a :func:`_layout_problem` key: one query, the keys the ring holds."""
+  dtype, d, dv, seq_kv, bias_2d, mask_2d, residuals, untiled, out_dtype = key
+  return problem_for(dtype, d, dv, seq_q=1, seq_kv=seq_kv, bias_2d=bias_2d, mask_2d=mask_2d,
+                     return_residuals=residuals, untiled_copies=untiled, out_dtype=out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _scratch_layout(key: tuple, config: Config) -> ScratchLayout:
+  problem = _layout_key_problem(key)
   return _layout(problem, config, overlay_q=overlays_query_with_output(problem, config))
 
 
@@ -592,8 +609,8 @@ def estimate_smem_bytes(problem: Problem, config: Config) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _estimate_of(problem: Problem, config: Config) -> int:
-  return _estimate(_scratch_layout(problem, config), problem, config)
+def _estimate_of(key: tuple, config: Config) -> int:
+  return _estimate(_scratch_layout(key, config), _layout_key_problem(key), config)
 
 
 def _estimate(lay: ScratchLayout, problem: Problem, config: Config) -> int:

@@ -141,7 +141,7 @@ def test_the_watchdog_names_the_hung_test_under_xdist(tmp_path):
       "properties/test_sleeps.py::test_sleeps"]
 
 
-def _lowering_chunks(size: int = 8) -> list[tuple[str, ...]]:
+def _lowering_chunks(size: int = 16) -> list[tuple[str, ...]]:
   """The catalogue cut into chunks of at most ``size`` mutants, so that
   xdist spreads the check over its workers: each probe's mutants in pieces
   of at most ``size`` (a chunk lowers each of its probes' shipped programs

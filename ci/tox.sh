@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run tox with a Python 3.12 found on this machine, from nothing.
-#   bash ci/tox.sh -e tests      the property suite (pytest -n auto --dist worksteal properties/)
+#   bash ci/tox.sh -e tests      the property suite (pytest -n auto properties/)
 #   bash ci/tox.sh -e gate       the conformance gate (python -m harness gate)
 # Looks for Python 3.12 in $PYTHON, then python3.12 / python3 on PATH, then
 # pyenv's installed versions, then uv's managed Pythons.  No machine path is

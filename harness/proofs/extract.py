@@ -84,6 +84,16 @@ def branches_alike(src, runs: list, words) -> None:
                             f"whose branches touch shared memory differently ({diff})")
 
 
+def _evaluated(where, leaves, src) -> int:
+  """The integer an index (("leaf", k) or ("static", int)) holds here."""
+  kind, value = where
+  index = leaves[value] if kind == "leaf" else value
+  if type(index) not in INT:
+    raise ExtractionError(f"{src}: a shared-memory or barrier slot the extractor "
+                          f"cannot evaluate (an index computed from data)")
+  return int(index)
+
+
 class _Interp:
   def __init__(self, kernel_eqn, env: Callable, axes: dict, every_index: bool = False):
     self.eqn = kernel_eqn
@@ -345,14 +355,8 @@ class _Interp:
       return ref.buf, None
     where, view = transform_info(treedef)
     slot = None
-    if where is not None and where[0] == "leaf":
-      slot = leaves[where[1]]
-      if type(slot) not in INT:
-        raise ExtractionError(f"{src}: a shared-memory or barrier slot the extractor "
-                              f"cannot evaluate (an index computed from data)")
-      slot = int(slot)
-    elif where is not None and where[0] == "static":
-      slot = where[1]
+    if where is not None and where[0] in ("leaf", "static"):
+      slot = _evaluated(where, leaves, src)
     if self.every_index and slot is not None:
       slot = self._flat_slot(ref.buf, leading_indices(treedef), leaves, src)
     return (self._view(ref.buf, view) if view is not None else ref.buf), slot
@@ -360,12 +364,9 @@ class _Interp:
   def _flat_slot(self, buf, leading, leaves, src) -> int:
     """The row-major number of the sub-array ``leading`` indices select."""
     slot = 0
-    for axis, (kind, value) in enumerate(leading):
-      index = leaves[value] if kind == "leaf" else value
-      if type(index) not in INT:
-        raise ExtractionError(f"{src}: a shared-memory or barrier slot the extractor "
-                              f"cannot evaluate (an index computed from data)")
-      slot = slot * (buf.shape[axis] if axis < len(buf.shape) else 1) + int(index)
+    for axis, where in enumerate(leading):
+      slot = slot * (buf.shape[axis] if axis < len(buf.shape) else 1) + \
+          _evaluated(where, leaves, src)
     return slot
 
   def _view(self, buf, t):

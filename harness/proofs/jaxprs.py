@@ -206,6 +206,24 @@ class _Leaf:
 _TRANSFORMS = IdMemo()  # id(treedef) -> (treedef, where the slot comes from, view)
 
 
+def _unflattened(treedef) -> list:
+  """A chain of ref transforms with each leaf a :class:`_Leaf` naming its place."""
+  try:
+    transforms = tree_util.tree_unflatten(treedef, [_Leaf(k) for k in range(treedef.num_leaves)])
+  except Exception as e:  # noqa: BLE001 -- reported with context
+    raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
+  return list(transforms) if isinstance(transforms, (tuple, list)) else [transforms]
+
+
+def _integer_index(i):
+  """("leaf", k) or ("static", int) for an integer index, else None (a slice)."""
+  if isinstance(i, _Leaf):
+    return ("leaf", i.k)
+  if isinstance(i, int) and not isinstance(i, bool):
+    return ("static", i)
+  return None
+
+
 def transform_info(treedef):
   """For a chain of ref transforms: where its slot comes from (the first
   index of its first indexer: ("leaf", k), ("static", int) or ("none",)) and
@@ -213,25 +231,15 @@ def transform_info(treedef):
   hit = _TRANSFORMS.get(id(treedef))
   if hit is not None and hit[0] is treedef:
     return hit[1], hit[2]
-  try:
-    transforms = tree_util.tree_unflatten(treedef, [_Leaf(k) for k in range(treedef.num_leaves)])
-  except Exception as e:  # noqa: BLE001 -- reported with context
-    raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
   slot, view = None, None
-  for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
+  for t in _unflattened(treedef):
     if type(t).__name__ == "ExtractAliasedRef":
       view = view or t
       continue
     indices = getattr(t, "indices", None)
     if indices is None or slot is not None:
       continue
-    first = indices[0] if indices else None
-    if isinstance(first, _Leaf):
-      slot = ("leaf", first.k)
-    elif isinstance(first, int) and not isinstance(first, bool):
-      slot = ("static", first)
-    else:
-      slot = ("none",)
+    slot = (_integer_index(indices[0]) if indices else None) or ("none",)
   _TRANSFORMS[id(treedef)] = (treedef, slot, view)
   return slot, view
 
@@ -239,22 +247,16 @@ def transform_info(treedef):
 def leading_indices(treedef) -> tuple:
   """The integer indices that lead the first indexer of a chain of ref
   transforms, up to its first slice: ("leaf", k) or ("static", int) each."""
-  try:
-    transforms = tree_util.tree_unflatten(treedef, [_Leaf(k) for k in range(treedef.num_leaves)])
-  except Exception as e:  # noqa: BLE001 -- reported with context
-    raise ExtractionError(f"cannot read the transforms {treedef}: {e}") from e
-  for t in transforms if isinstance(transforms, (tuple, list)) else [transforms]:
+  for t in _unflattened(treedef):
     indices = getattr(t, "indices", None)
     if indices is None or type(t).__name__ == "ExtractAliasedRef":
       continue
     out = []
     for i in indices:
-      if isinstance(i, _Leaf):
-        out.append(("leaf", i.k))
-      elif isinstance(i, int) and not isinstance(i, bool):
-        out.append(("static", i))
-      else:
+      index = _integer_index(i)
+      if index is None:
         break
+      out.append(index)
     return tuple(out)
   return ()
 

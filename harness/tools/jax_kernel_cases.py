@@ -67,11 +67,12 @@ def attention(am=None) -> list:
   return out
 
 
-def attention_backward() -> list:
-  """attention_mgpu's backward (its dK/dV and dQ kernels) through jax.grad."""
+def attention_backward(am=None) -> list:
+  """attention_mgpu's backward (its dK/dV and dQ kernels) through jax.grad
+  (``am``: the module, or a patched copy of it)."""
   import jax
   import jax.numpy as jnp
-  from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+  am = am or importlib.import_module(ATTENTION)
   config = am.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2,
                            block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
   q, kv = _sds((1, 256, 2, 64), jnp.float16), _sds((1, 256, 1, 64), jnp.float16)
@@ -180,17 +181,20 @@ ATTENTION_REWRITES = {
 }
 
 
-def mixed_type_matmul() -> list:
-  """hopper_mixed_type_matmul_mgpu: int8 by bfloat16, at its benchmark's
-  tile sizes, on a small problem, on the H200's grid."""
+MIXED_MATMUL = "jax.experimental.pallas.ops.gpu.hopper_mixed_type_matmul_mgpu"
+
+
+def mixed_type_matmul(mm=None) -> list:
+  """hopper_mixed_type_matmul_mgpu (``mm``: the module, or a patched copy of
+  it): int8 by bfloat16, at its benchmark's tile sizes, on a small problem,
+  on the H200's grid."""
   import jax.numpy as jnp
-  from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm
+  mm = mm or importlib.import_module(MIXED_MATMUL)
   config = mm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
   a, b = _sds((512, 256), jnp.int8), _sds((256, 512), jnp.bfloat16)
   return [("hopper_mixed_type_matmul_mgpu 512x256x512 int8 x bfloat16",
            _on_sms(mm, lambda a, b: mm.mixed_matmul_kernel(a, b, out_dtype=jnp.bfloat16,
                                                            config=config)), (a, b))]
-
 
 
 # Defects written into hopper_matmul_mgpu, inside its use of emit_pipeline

@@ -20,8 +20,9 @@ from harness.tools import jax_kernel_cases as jc
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _verdicts(module=None) -> list:
-  return [r for label, fn, args in jc.attention(module)
+def _verdicts(cases=jc.attention, module=None) -> list:
+  """Every verdict of ``cases`` (a jax_kernel_cases function) on ``module``."""
+  return [r for label, fn, args in cases(module)
           for r in any_kernel.prove_call(fn, *args, label=label)]
 
 
@@ -32,33 +33,30 @@ def test_jax_attention_forward_proves_at_the_shapes_given():
   assert max(r.states for r in results) > 2 * min(r.states for r in results)
 
 
-@pytest.mark.parametrize("name", sorted(jc.ATTENTION_MUTANTS))
-def test_a_defect_written_into_their_code_is_refuted(name):
-  edits, violation = jc.ATTENTION_MUTANTS[name]
-  failed = [r for r in _verdicts(jc.patched(jc.ATTENTION, edits)) if not r.ok]
+# Every catalogued defect: in the attention forward, and inside the matmul's
+# emit_pipeline use (the body's wait dropped leaves the pipeline releasing a
+# slot a wgmma still reads) and epilogue (a buffer rewritten under its store).
+DEFECTS = ([(jc.attention, jc.ATTENTION, name, *jc.ATTENTION_MUTANTS[name])
+            for name in sorted(jc.ATTENTION_MUTANTS)]
+           + [(jc.hopper_matmul, jc.MATMUL, name, *jc.MATMUL_MUTANTS[name])
+              for name in sorted(jc.MATMUL_MUTANTS)])
+
+
+@pytest.mark.parametrize("cases,module,name,edits,violation", DEFECTS,
+                         ids=[d[2] for d in DEFECTS])
+def test_a_defect_written_into_their_code_is_refuted(cases, module, name, edits, violation):
+  failed = [r for r in _verdicts(cases, jc.patched(module, edits)) if not r.ok]
   assert failed, f"{name} proves"
   assert all(r.states > 0 for r in failed), failed[0].violation   # read, then refuted
   assert violation in failed[0].violation, failed[0].violation
   # the trace names their file's lines
-  assert re.search(r"attention_mgpu_copy\d+\.py:\d+", failed[0].violation), failed[0].violation
-
-
-@pytest.mark.parametrize("name", sorted(jc.MATMUL_MUTANTS))
-def test_a_defect_in_their_pipelined_matmul_is_refuted(name):
-  """Inside emit_pipeline's use: the body's wait dropped leaves the pipeline
-  releasing a slot a wgmma still reads; the epilogue's store wait dropped
-  rewrites a buffer its TMA store still reads."""
-  edits, violation = jc.MATMUL_MUTANTS[name]
-  results = [r for label, fn, args in jc.hopper_matmul(jc.patched(jc.MATMUL, edits))
-             for r in any_kernel.prove_call(fn, *args, label=label)]
-  failed = [r for r in results if not r.ok]
-  assert failed and all(r.states > 0 for r in failed), [r.line() for r in results]
-  assert violation in failed[0].violation, failed[0].violation
+  stem = module.rpartition(".")[2]
+  assert re.search(rf"{stem}_copy\d+\.py:\d+", failed[0].violation), failed[0].violation
 
 
 @pytest.mark.parametrize("name", sorted(jc.ATTENTION_REWRITES))
 def test_a_rewrite_that_keeps_their_protocol_proves(name):
-  results = _verdicts(jc.patched(jc.ATTENTION, jc.ATTENTION_REWRITES[name]))
+  results = _verdicts(module=jc.patched(jc.ATTENTION, jc.ATTENTION_REWRITES[name]))
   assert all(r.ok for r in results), [r.violation for r in results if not r.ok][:1]
 
 
@@ -83,7 +81,7 @@ def test_their_backward_and_matmul_prove_at_the_shapes_given(cases):
   """attention_mgpu's three backward kernels, and hopper_matmul_mgpu's
   persistent blocks with their TMA stores in bulk groups and an output
   buffer indexed [warpgroup, slot]."""
-  results = [r for label, fn, args in cases() for r in any_kernel.prove_call(fn, *args, label=label)]
+  results = _verdicts(cases)
   assert results and all(r.ok for r in results), [r.violation for r in results if not r.ok][:1]
   assert max(r.states for r in results) > 50   # not a block with nothing to do
 

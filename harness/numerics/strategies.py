@@ -750,3 +750,12 @@ def ci_sample(items, every: int) -> list:
   first under the ci and mutants profiles, all of them under thorough."""
   items = list(items)
   return items if thorough() or every <= 1 else items[::every]
+
+
+def ci_pairs(items, choices) -> list[tuple]:
+  """(item, choice) pairs a slow CPU check takes: under the ci and mutants
+  profiles each item with one choice, in turn (so every choice is taken
+  while the items last), under thorough each item with every choice."""
+  choices = list(choices)
+  return [(item, choice) for i, item in enumerate(items) for j, choice in enumerate(choices)
+          if thorough() or i % len(choices) == j]

@@ -406,9 +406,8 @@ BACKWARD_HEAD_DIMS = [(64, 64), (128, 128), (72, 96), (256, 256), (256, 128), (1
 
 # Under the ci profile each head-dim class with one feature set, alternating
 # (docs/decisions/cpu-suite-time.md); thorough, both.
-_BACKWARD_FEATURES = [(d, dv, feat) for i, (d, dv) in enumerate(BACKWARD_HEAD_DIMS)
-                      for j, feat in enumerate(("plain", "everything"))
-                      if THOROUGH or i % 2 == j]
+_BACKWARD_FEATURES = [(d, dv, feat) for (d, dv), feat in
+                      hs.ci_pairs(BACKWARD_HEAD_DIMS, ("plain", "everything"))]
 
 
 @pytest.mark.parametrize("d,dv,feat", _BACKWARD_FEATURES,
@@ -441,8 +440,7 @@ NARROW_HEAD_DIMS = [(96, 96), (80, 80), (72, 64), (64, 96)]
 
 
 # Under the ci profile each head-dim pair full or causal, alternating; thorough, both.
-_NARROW = [(d, dv, causal) for i, (d, dv) in enumerate(NARROW_HEAD_DIMS)
-           for causal in (False, True) if THOROUGH or causal == bool(i % 2)]
+_NARROW = [(d, dv, causal) for (d, dv), causal in hs.ci_pairs(NARROW_HEAD_DIMS, (False, True))]
 
 
 @pytest.mark.parametrize("d,dv,causal", _NARROW,
@@ -538,8 +536,7 @@ RANGE_SHAPES = [(2, 4, 300), (1, 1, 300), (2, 4, 1), (2, 1, 1)]
 
 
 # Under the ci profile each shape full or causal, alternating; thorough, both.
-_RANGED = [(shape, causal) for i, shape in enumerate(RANGE_SHAPES)
-           for causal in (False, True) if THOROUGH or causal == bool(i % 2)]
+_RANGED = hs.ci_pairs(RANGE_SHAPES, (False, True))
 
 
 @pytest.mark.parametrize("shape,causal", _RANGED,
@@ -556,8 +553,8 @@ def test_the_backward_lowers_with_key_ranges_of_every_shape(shape, causal):
 
 # Under the ci profile each head-dim class on one dQ path, in turn, so that
 # every path is checked at two classes; thorough, every path at every class.
-_ESTIMATED = [(d, dv, path) for i, (d, dv) in enumerate(BACKWARD_HEAD_DIMS)
-              for j, path in enumerate(("fused-dq", "bias", "causal")) if THOROUGH or i % 3 == j]
+_ESTIMATED = [(d, dv, path) for (d, dv), path in
+              hs.ci_pairs(BACKWARD_HEAD_DIMS, ("fused-dq", "bias", "causal"))]
 
 
 @pytest.mark.parametrize("d,dv,path", _ESTIMATED,

@@ -138,8 +138,7 @@ def _lowered(fn, shape: ws.MaskedShape, backward: bool) -> str:
 # Each problem in both directions under thorough; under the ci profile each in
 # one, alternating, so both kinds and both directions still lower
 # (docs/decisions/cpu-suite-time.md).
-ROUTES_LOWERED = [(name, backward) for i, name in enumerate(SMALL) for backward in (False, True)
-                  if hs.thorough() or backward == bool(i % 2)]
+ROUTES_LOWERED = hs.ci_pairs(SMALL, (False, True))
 
 
 @pytest.mark.parametrize("name,backward", ROUTES_LOWERED,

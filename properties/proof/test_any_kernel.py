@@ -98,6 +98,20 @@ def test_a_primitive_the_proof_cannot_read_is_a_row_not_a_crash(monkeypatch):
   assert "UNREADABLE" in results[0].line()
 
 
+def test_a_kernel_with_nothing_to_check_is_not_called_proven(monkeypatch):
+  """Where no role synchronises (its work read from memory, taken as 0), the
+  row says there was nothing to check, and it does not count as proven."""
+  import dataclasses
+  from harness.proofs import extract
+  real = extract.extract_kernel
+  monkeypatch.setattr(extract, "extract_kernel",
+                      lambda *a, **kw: dataclasses.replace(real(*a, **kw), roles={}))
+  label, fn, args = jc.attention()[0]
+  results = any_kernel.prove_call(fn, *args, label=label)
+  assert results and all(not r.ok and "nothing to check" in r.violation for r in results)
+  assert "NOTHING" in results[0].line()
+
+
 def test_a_call_that_fails_to_trace_is_named_by_its_line():
   def broken(x):
     raise RuntimeError("no kernel here")
